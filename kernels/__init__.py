@@ -1,0 +1,1 @@
+"""Triton kernels (installed as ``tplayers.kernels``). Imported only by ``tplayers.ops``."""

@@ -1,0 +1,52 @@
+"""Helpers that compare a parallel model with its serial oracle (run inside ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tplayers.comm import all_gather_along_dim
+from tplayers.layers import ShardedModule
+from tplayers.sharding import shard_sizes
+
+
+def gather_tensor(layer: ShardedModule, name: str, local: torch.Tensor) -> torch.Tensor:
+    """Reassemble the serial-layout tensor from each rank's ``local`` piece of ``name``."""
+    spec = layer.shard_specs()[name]
+    if spec.dim is None:
+        return local
+    sizes = shard_sizes(spec.global_shape[spec.dim], spec.parts)
+    return all_gather_along_dim(local.contiguous(), spec.dim, sizes, layer.mesh.get_group(0))
+
+
+def assert_params_match(parallel: torch.nn.Module, serial: torch.nn.Module, *, grads: bool, **tol) -> None:
+    """Every parameter (or its gradient) of ``parallel``, gathered, equals ``serial``'s."""
+    serial_params = dict(serial.named_parameters())
+    seen = set()
+    for mod_name, mod in parallel.named_modules():
+        if not isinstance(mod, ShardedModule):
+            continue
+        for pname in mod.shard_specs():
+            full_name = f"{mod_name}.{pname}" if mod_name else pname
+            local = mod.get_parameter(pname)
+            local = local.grad if grads else local.detach()
+            ref = serial_params[full_name]
+            ref = ref.grad if grads else ref.detach()
+            torch.testing.assert_close(gather_tensor(mod, pname, local), ref, msg=lambda m: f"{full_name}: {m}", **tol)
+            seen.add(full_name)
+    for name, p in parallel.named_parameters():
+        if name not in seen:
+            ref = serial_params[name]
+            torch.testing.assert_close(p.grad if grads else p.detach(), ref.grad if grads else ref.detach(),
+                                       msg=lambda m: f"{name}: {m}", **tol)
+            seen.add(name)
+    assert seen == set(serial_params), (seen ^ set(serial_params))
+
+
+def same_on_all_ranks(value: torch.Tensor) -> None:
+    """Assert ``value`` is bitwise identical on every rank."""
+    t = value.detach().contiguous().clone()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    for o in out:
+        assert torch.equal(o, t)

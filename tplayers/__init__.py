@@ -1,0 +1,42 @@
+"""tplayers: explicit distributed layers for PyTorch.
+
+The pipeline, left to right::
+
+    plan ──> swap modules ──> forward/backward with explicit collectives ──> checkpoint
+
+    import torch, tplayers
+    mesh = tplayers.init_mesh()                                   # torchrun env, or a world of 1
+    model = tplayers.parallelize_module(model, {
+        r"blocks\\.\\d+\\.mlp\\.fc1": tplayers.ColumnParallel(),
+        r"blocks\\.\\d+\\.mlp\\.fc2": tplayers.RowParallel(),
+    }, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters())                   # after swapping
+
+Hand-written model code uses the layers directly (``ColumnParallelLinear``,
+``RowParallelLinear``) with an explicit ``mesh``.
+"""
+
+from tplayers.comm import CommLog, count_collectives
+from tplayers.layers import ColumnParallelLinear, RowParallelLinear
+from tplayers.mesh import default_mesh, init_mesh
+from tplayers.parallelize import ColumnParallel, ParallelStyle, RowParallel, explain, parallelize_module
+from tplayers.sharding import ShardSpec, shard_range, shard_sizes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init_mesh",
+    "default_mesh",
+    "shard_sizes",
+    "shard_range",
+    "ShardSpec",
+    "count_collectives",
+    "CommLog",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ParallelStyle",
+    "ColumnParallel",
+    "RowParallel",
+    "parallelize_module",
+    "explain",
+]

@@ -1,0 +1,1 @@
+"""Sharded safetensors checkpoints (save, gather, reshard-on-load)."""

@@ -1,0 +1,37 @@
+"""Communication: autograd-paired collectives and comm accounting.
+
+Halo exchange for domain parallelism lives here too (``tplayers.comm.halo``).
+"""
+
+from tplayers.comm.accounting import CollectiveRecord, CommLog, count_collectives, record_collective
+from tplayers.comm.collectives import (
+    CopyToParallelRegion,
+    GatherAlongDim,
+    ReduceFromParallelRegion,
+    SplitAlongDim,
+    all_gather_along_dim,
+    all_reduce_sum,
+    copy_to_parallel_region,
+    exchange_sizes,
+    gather_along_dim,
+    reduce_from_parallel_region,
+    split_along_dim,
+)
+
+__all__ = [
+    "CollectiveRecord",
+    "CommLog",
+    "count_collectives",
+    "record_collective",
+    "CopyToParallelRegion",
+    "ReduceFromParallelRegion",
+    "SplitAlongDim",
+    "GatherAlongDim",
+    "all_reduce_sum",
+    "all_gather_along_dim",
+    "exchange_sizes",
+    "copy_to_parallel_region",
+    "reduce_from_parallel_region",
+    "split_along_dim",
+    "gather_along_dim",
+]

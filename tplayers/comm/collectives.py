@@ -1,0 +1,206 @@
+"""Autograd-paired collectives over one process group (one mesh axis).
+
+Each is a named ``torch.autograd.Function`` whose docstring says what its
+forward does and what its backward (the adjoint) does. Layers call them
+visibly in ``forward``; nothing hides communication in hooks. A group of one
+rank makes every collective the identity and issues nothing.
+
+Uneven shards are first-class: a gather takes the per-rank sizes along the
+gathered dim (from :func:`tplayers.shard_sizes` for layer features, or
+exchanged once by :func:`exchange_sizes` for arbitrary partitions).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from tplayers.comm.accounting import record_collective
+from tplayers.sharding import offsets_from_sizes, shard_range
+
+__all__ = [
+    "all_reduce_sum",
+    "all_gather_along_dim",
+    "exchange_sizes",
+    "CopyToParallelRegion",
+    "ReduceFromParallelRegion",
+    "SplitAlongDim",
+    "GatherAlongDim",
+    "copy_to_parallel_region",
+    "reduce_from_parallel_region",
+    "split_along_dim",
+    "gather_along_dim",
+]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ----------------------------------------------------------------------------
+# Raw (non-autograd) collectives, each reported to comm accounting.
+# ----------------------------------------------------------------------------
+
+def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, tag: str = "") -> torch.Tensor:
+    """Sum ``x`` over ``group`` in place (``x`` must be contiguous) and return it."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return x
+    record_collective("all_reduce", _nbytes(x), size, tag)
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+    return x
+
+
+def all_gather_along_dim(
+    x: torch.Tensor, dim: int, sizes: Sequence[int], group: dist.ProcessGroup, tag: str = ""
+) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``; rank ``r`` holds ``sizes[r]`` rows.
+
+    Uneven (and empty) shards are padded to the largest size on the wire and
+    trimmed after, so every backend sees equal buffers.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    dim = dim % x.dim()
+    me = dist.get_rank(group)
+    if x.size(dim) != sizes[me]:
+        raise ValueError(
+            f"rank {me} holds {x.size(dim)} rows along dim {dim}, but the layout says {sizes[me]}"
+        )
+    largest = max(sizes)
+    if largest == 0:
+        shape = list(x.shape)
+        shape[dim] = 0
+        return x.new_empty(shape)
+    # Gather with the sharded dim outermost so each rank's block is contiguous.
+    moved = x.movedim(dim, 0)
+    if moved.size(0) < largest:
+        pad = moved.new_zeros((largest - moved.size(0),) + tuple(moved.shape[1:]))
+        moved = torch.cat([moved, pad], 0)
+    moved = moved.contiguous()
+    out = moved.new_empty((world * largest,) + tuple(moved.shape[1:]))
+    record_collective("all_gather", _nbytes(out), world, tag)
+    dist.all_gather_into_tensor(out, moved, group=group)
+    if any(s != largest for s in sizes):
+        out = torch.cat([out[r * largest : r * largest + s] for r, s in enumerate(sizes)], 0)
+    return out.movedim(0, dim)
+
+
+def exchange_sizes(local: int, group: dist.ProcessGroup) -> List[int]:
+    """Every rank's ``local`` integer (e.g. its shard length), in rank order.
+
+    Runs over the group's own backend with a CPU or current-device tensor; use
+    it once per layout (cache the result), not on every step.
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [int(local)]
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    t = torch.tensor([int(local)], dtype=torch.int64, device=device)
+    out = torch.empty(world, dtype=torch.int64, device=device)
+    record_collective("all_gather", _nbytes(out), world, "sizes")
+    dist.all_gather_into_tensor(out, t, group=group)
+    return [int(v) for v in out.tolist()]
+
+
+# ----------------------------------------------------------------------------
+# Autograd-paired collectives.
+# ----------------------------------------------------------------------------
+
+class CopyToParallelRegion(torch.autograd.Function):
+    """forward: identity (the input is replicated) / backward: all-reduce (sum) of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_reduce_sum(grad.contiguous(), ctx.group, "copy_to.bwd"), None
+
+
+class ReduceFromParallelRegion(torch.autograd.Function):
+    """forward: all-reduce (sum) of partial results / backward: identity."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        return all_reduce_sum(x.contiguous(), group, "reduce_from.fwd")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class SplitAlongDim(torch.autograd.Function):
+    """forward: keep this rank's balanced slice of ``dim`` (no communication) /
+    backward: all-gather the gradient slices along ``dim``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        world, me = dist.get_world_size(group), dist.get_rank(group)
+        dim = dim % x.dim()
+        ctx.dim, ctx.group, ctx.full = dim, group, x.size(dim)
+        start, stop = shard_range(x.size(dim), world, me)
+        return x.narrow(dim, start, stop - start)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        world = dist.get_world_size(ctx.group)
+        sizes = [shard_range(ctx.full, world, r)[1] - shard_range(ctx.full, world, r)[0] for r in range(world)]
+        return all_gather_along_dim(grad, ctx.dim, sizes, ctx.group, "split.bwd"), None, None
+
+
+class GatherAlongDim(torch.autograd.Function):
+    """forward: all-gather slices along ``dim`` (rank ``r`` holds ``sizes[r]``) /
+    backward: keep this rank's slice of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, sizes: Sequence[int], group: dist.ProcessGroup) -> torch.Tensor:
+        dim = dim % x.dim()
+        me = dist.get_rank(group)
+        ctx.dim, ctx.start, ctx.length = dim, offsets_from_sizes(sizes)[me], int(sizes[me])
+        return all_gather_along_dim(x, dim, sizes, group, "gather.fwd")
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.narrow(ctx.dim, ctx.start, ctx.length), None, None, None
+
+
+def copy_to_parallel_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Identity forward, all-reduce backward (see :class:`CopyToParallelRegion`)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return CopyToParallelRegion.apply(x, group)
+
+
+def reduce_from_parallel_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """All-reduce forward, identity backward (see :class:`ReduceFromParallelRegion`)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return ReduceFromParallelRegion.apply(x, group)
+
+
+def split_along_dim(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Balanced local slice forward, all-gather backward (see :class:`SplitAlongDim`)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return SplitAlongDim.apply(x, dim, group)
+
+
+def gather_along_dim(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup, sizes: Optional[Sequence[int]] = None
+) -> torch.Tensor:
+    """All-gather forward, slice backward (see :class:`GatherAlongDim`).
+
+    ``sizes`` are the per-rank lengths along ``dim``; ``None`` exchanges them
+    first (one extra small collective).
+    """
+    if dist.get_world_size(group) == 1:
+        return x
+    if sizes is None:
+        sizes = exchange_sizes(x.size(dim), group)
+    return GatherAlongDim.apply(x, dim, list(sizes), group)

@@ -1,0 +1,6 @@
+"""Modules that own parameters: tensor-parallel linears (and, later, domain-parallel layers)."""
+
+from tplayers.layers._common import ShardedModule
+from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["ShardedModule", "ColumnParallelLinear", "RowParallelLinear"]

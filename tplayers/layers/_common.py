@@ -1,0 +1,65 @@
+"""Shared pieces of tplayers layers: mesh binding, input checks, sharding-as-data."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from tplayers.mesh import resolve_mesh
+from tplayers.sharding import ShardSpec
+
+
+class ShardedModule(nn.Module):
+    """Base of every parallel layer: stores its mesh, rank and group, and says
+    how each of its tensors is laid out (:meth:`shard_specs`).
+
+    :meth:`shard_specs` is the one source of truth for ``from_module`` (which
+    copies ``spec.take(full)``) and for checkpoints (which save and reshard by it).
+    """
+
+    def _bind_mesh(self, mesh: Optional[DeviceMesh], ndim=1) -> DeviceMesh:
+        mesh = resolve_mesh(mesh, ndim)
+        self.mesh = mesh
+        return mesh
+
+    def shard_specs(self) -> Dict[str, ShardSpec]:  # pragma: no cover - abstract
+        """``{local tensor name: ShardSpec}`` for every parameter and buffer."""
+        raise NotImplementedError
+
+    def _copy_shards_from(self, dense: nn.Module) -> None:
+        """Copy this rank's slice of each tensor of the serial module ``dense``."""
+        with torch.no_grad():
+            for name, spec in self.shard_specs().items():
+                mine, full = get_tensor(self, name), get_tensor(dense, name)
+                mine.copy_(spec.take(full))
+                if isinstance(mine, nn.Parameter):
+                    mine.requires_grad_(full.requires_grad)
+
+
+def get_tensor(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer called ``name`` (dotted) of ``module``."""
+    try:
+        return module.get_parameter(name)
+    except AttributeError:
+        return module.get_buffer(name)
+
+
+def check_features(x: torch.Tensor, expected: int, weight: torch.Tensor, arg: str, layer: str) -> None:
+    """Raise ``ValueError`` unless ``x`` is ``(..., expected)`` on ``weight``'s device and dtype.
+
+    Called before any collective, on every rank, so a bad input never leaves
+    one rank waiting in a collective for another.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{layer}: {arg} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() == 0 or x.shape[-1] != expected:
+        raise ValueError(
+            f"{layer}: {arg} must have last dim {expected}, got shape {tuple(x.shape)}"
+        )
+    if x.dtype != weight.dtype:
+        raise ValueError(f"{layer}: {arg} dtype must match the weight's {weight.dtype}, got {x.dtype}")
+    if x.device != weight.device:
+        raise ValueError(f"{layer}: {arg} device must match the weight's {weight.device}, got {x.device}")

@@ -1,0 +1,125 @@
+"""Process groups and 1-D mesh axes.
+
+tplayers never launches processes or keeps a process group of its own: it uses
+``torch.distributed`` (``torchrun`` sets the environment, :func:`init_mesh`
+initialises the default group from it) and ``DeviceMesh`` objects passed to
+each layer. ``mesh=None`` everywhere means :func:`default_mesh`, a 1-D mesh
+over all ranks.
+
+Example (run with ``torchrun --nproc-per-node 2 script.py`` or plain
+``python script.py``, which gets a world of one)::
+
+    import tplayers
+    mesh = tplayers.init_mesh()            # 1-D mesh named "tp" over all ranks
+    layer = tplayers.ColumnParallelLinear(16, 32, mesh=mesh)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["init_mesh", "default_mesh", "resolve_mesh", "axis_rank", "axis_size", "axis_group"]
+
+
+def _default_device_type() -> str:
+    if dist.is_initialized():
+        return "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _ensure_process_group(device_type: str, timeout: Optional[timedelta]) -> None:
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        # Launched by torchrun (or an equivalent): rendezvous from the environment.
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, **kwargs)
+    else:
+        # A plain `python script.py`: a world of one, no network needed.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+
+
+def init_mesh(
+    shape: Optional[Sequence[int]] = None,
+    names: Sequence[str] = ("tp",),
+    device_type: Optional[str] = None,
+    *,
+    timeout: Optional[timedelta] = None,
+) -> DeviceMesh:
+    """Initialise the default process group if needed and return a ``DeviceMesh``.
+
+    ``shape=None`` gives a 1-D mesh over all ranks. The backend is gloo for
+    ``device_type="cpu"`` and nccl for ``"cuda"`` (default: cuda when available).
+    A process started without a launcher gets a world of size 1.
+
+    >>> mesh = init_mesh()                      # doctest: +SKIP
+    >>> mesh2d = init_mesh((2, 2), ("dp", "tp"))  # doctest: +SKIP
+    >>> tp = mesh2d["tp"]                       # 1-D slice for tplayers layers  # doctest: +SKIP
+    """
+    device_type = device_type or _default_device_type()
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    names = tuple(names)
+    if shape is not None:
+        shape = tuple(int(s) for s in shape)
+        if len(shape) != len(names):
+            raise ValueError(f"names must have one entry per mesh dim: shape {shape}, got names {names}")
+    _ensure_process_group(device_type, timeout)
+    world = dist.get_world_size()
+    if shape is None:
+        if len(names) != 1:
+            raise ValueError(f"shape=None builds a 1-D mesh, so names needs 1 entry, got {names}")
+        shape = (world,)
+    if math.prod(shape) != world:
+        raise ValueError(f"mesh shape {shape} must multiply to the world size {world}")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def default_mesh() -> DeviceMesh:
+    """1-D mesh over all ranks of the default process group (initialised if needed).
+
+    It reuses the default group, so building it costs no communication.
+    """
+    if not dist.is_initialized():
+        _ensure_process_group(_default_device_type(), None)
+    return DeviceMesh(_default_device_type(), torch.arange(dist.get_world_size()))
+
+
+def resolve_mesh(mesh: Optional[DeviceMesh], ndim: int | Sequence[int] = 1) -> DeviceMesh:
+    """``mesh`` itself, or :func:`default_mesh` for ``None``; checks its dimensionality."""
+    if mesh is None:
+        mesh = default_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed DeviceMesh or None, got {type(mesh).__name__}")
+    allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+    if mesh.ndim not in allowed:
+        raise ValueError(
+            f"mesh must be {' or '.join(f'{n}-D' for n in allowed)}, got a {mesh.ndim}-D mesh "
+            f"{tuple(mesh.shape)}; slice an N-D mesh by name, e.g. mesh['tp']"
+        )
+    return mesh
+
+
+def axis_group(mesh: DeviceMesh, dim: int = 0) -> dist.ProcessGroup:
+    """Process group of mesh dimension ``dim``."""
+    return mesh.get_group(dim)
+
+
+def axis_rank(mesh: DeviceMesh, dim: int = 0) -> int:
+    """This process's coordinate along mesh dimension ``dim``."""
+    return mesh.get_local_rank(dim)
+
+
+def axis_size(mesh: DeviceMesh, dim: int = 0) -> int:
+    """Number of ranks along mesh dimension ``dim``."""
+    return mesh.size(dim)

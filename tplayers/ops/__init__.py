@@ -1,0 +1,1 @@
+"""One front door per kernel: Triton on CUDA tensors, the pure-torch reference otherwise."""

@@ -1,0 +1,245 @@
+"""Plans: swap ordinary ``nn`` layers for their distributed twins.
+
+A plan is data: ``{key: value}``. A key is a regex matched with
+``re.fullmatch`` against each module's dotted name (``""`` is the root), or an
+``nn.Module`` subclass matching by type. A value is a style
+(:class:`ColumnParallel`, :class:`RowParallel`) or a partition function
+``fn(name, module, mesh) -> nn.Module``. :func:`parallelize_module` applies it;
+:func:`explain` shows what it would do without changing anything.
+
+Example (a Megatron MLP; run under ``torchrun`` or plain ``python``)::
+
+    import torch, tplayers
+    from torch import nn
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    plan = {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()}
+    print(tplayers.explain(model, plan))
+    model = tplayers.parallelize_module(model, plan)
+    opt = torch.optim.AdamW(model.parameters())   # build optimizers AFTER swapping
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tplayers.mesh import resolve_mesh
+
+__all__ = ["ParallelStyle", "ColumnParallel", "RowParallel", "parallelize_module", "explain", "Explanation"]
+
+PartitionFn = Callable[[str, nn.Module, DeviceMesh], nn.Module]
+PlanKey = Union[str, type]
+
+
+class ParallelStyle:
+    """A rule that turns one serial module into its distributed twin.
+
+    Subclasses set :attr:`accepts` (the module types they can handle) and
+    implement :meth:`build`.
+    """
+
+    accepts: Tuple[type, ...] = ()
+
+    def build(self, name: str, module: nn.Module, mesh: DeviceMesh) -> nn.Module:  # pragma: no cover
+        raise NotImplementedError
+
+    def check(self, key: PlanKey, name: str, module: nn.Module) -> None:
+        """Raise ``ValueError`` if this style cannot handle ``module``."""
+        if not isinstance(module, self.accepts):
+            want = " or ".join(t.__name__ for t in self.accepts)
+            raise ValueError(
+                f"plan key {_key_repr(key)}: {type(self).__name__} expects {want}, but module "
+                f"{name or '<root>'!r} is {type(module).__name__}"
+            )
+
+
+@dataclass(frozen=True)
+class ColumnParallel(ParallelStyle):
+    """Swap an ``nn.Linear`` for :class:`~tplayers.ColumnParallelLinear` (output features split)."""
+
+    gather_output: bool = False
+    accepts = (nn.Linear,)
+
+    def build(self, name, module, mesh):
+        return ColumnParallelLinear.from_module(module, mesh=mesh, gather_output=self.gather_output)
+
+
+@dataclass(frozen=True)
+class RowParallel(ParallelStyle):
+    """Swap an ``nn.Linear`` for :class:`~tplayers.RowParallelLinear` (input features split)."""
+
+    input_is_parallel: bool = True
+    accepts = (nn.Linear,)
+
+    def build(self, name, module, mesh):
+        return RowParallelLinear.from_module(module, mesh=mesh, input_is_parallel=self.input_is_parallel)
+
+
+def _key_repr(key: PlanKey) -> str:
+    return key.__name__ if isinstance(key, type) else f"'{key}'"
+
+
+@dataclass
+class _Match:
+    name: str
+    module: nn.Module
+    key: PlanKey
+    value: Union[ParallelStyle, PartitionFn]
+
+
+def _match_plan(model: nn.Module, plan: Mapping) -> List[_Match]:
+    """Resolve every key of ``plan`` to modules; validate everything before any change."""
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"plan must be a mapping of keys to styles, got {type(plan).__name__}")
+    modules = list(model.named_modules())
+    owner: Dict[str, PlanKey] = {}
+    matches: List[_Match] = []
+    for key, value in plan.items():
+        if isinstance(key, str):
+            try:
+                pattern = re.compile(key)
+            except re.error as err:
+                raise ValueError(f"plan key {key!r} is not a valid regex: {err}") from None
+            found = [(n, m) for n, m in modules if pattern.fullmatch(n)]
+        elif isinstance(key, type) and issubclass(key, nn.Module):
+            found = [(n, m) for n, m in modules if isinstance(m, key)]
+        else:
+            raise TypeError(f"plan key must be a regex string or an nn.Module subclass, got {key!r}")
+        if not (isinstance(value, ParallelStyle) or callable(value)):
+            raise TypeError(
+                f"plan key {_key_repr(key)}: value must be a ParallelStyle or a callable "
+                f"fn(name, module, mesh), got {type(value).__name__}"
+            )
+        if not found:
+            candidates = [f"{n or '<root>'} ({type(m).__name__})" for n, m in modules]
+            raise ValueError(
+                f"plan key {_key_repr(key)} matches no module; candidates: " + ", ".join(candidates)
+            )
+        for name, module in found:
+            if name in owner:
+                raise ValueError(
+                    f"module {name or '<root>'!r} ({type(module).__name__}) is matched by two plan keys: "
+                    f"{_key_repr(owner[name])} and {_key_repr(key)}"
+                )
+            owner[name] = key
+            if isinstance(value, ParallelStyle):
+                value.check(key, name, module)
+            matches.append(_Match(name, module, key, value))
+    names = sorted(owner)
+    for name in names:
+        for other in names:
+            if other != name and (name == "" or other.startswith(name + ".")):
+                raise ValueError(
+                    f"plan keys {_key_repr(owner[name])} and {_key_repr(owner[other])} match nested "
+                    f"modules {name or '<root>'!r} and {other!r}; a swapped module's children cannot be "
+                    "swapped too"
+                )
+    return matches
+
+
+def _build(match: _Match, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    if isinstance(match.value, ParallelStyle):
+        new = match.value.build(match.name, module, mesh)
+    else:
+        new = match.value(match.name, module, mesh)
+    if not isinstance(new, nn.Module):
+        raise TypeError(
+            f"plan key {_key_repr(match.key)}: partition function returned {type(new).__name__} "
+            f"for {match.name!r}, expected an nn.Module"
+        )
+    return new
+
+
+def parallelize_module(model: nn.Module, plan: Mapping, *, mesh: Optional[DeviceMesh] = None) -> nn.Module:
+    """Swap the modules ``plan`` matches for their distributed twins, in place.
+
+    Returns the model (a new object only when the plan matches the root
+    ``""``). Every key is resolved and checked before anything changes: a key
+    that matches nothing, a module matched by two keys, or a style given a
+    module type it cannot handle raises ``ValueError`` naming the key and module.
+
+    Build the optimizer **after** this call: swapped parameters are new objects.
+    """
+    mesh = resolve_mesh(mesh)
+    matches = _match_plan(model, plan)
+    if any(p.grad is not None for m in matches for p in m.module.parameters()):
+        warnings.warn(
+            "parallelize_module: swapped modules already have gradients; an optimizer built before "
+            "this call still holds the old parameters. Build the optimizer after parallelize_module.",
+            stacklevel=2,
+        )
+    for match in matches:
+        new = _build(match, match.module, mesh)
+        if match.name == "":
+            model = new
+            continue
+        parent_name, _, child = match.name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+    return model
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _collectives(module: nn.Module) -> str:
+    describe = getattr(module, "collectives", None)
+    if describe is None:
+        return "?"
+    fwd, bwd = describe()
+    return f"fwd: {', '.join(fwd) or '-'}; bwd: {', '.join(bwd) or '-'}"
+
+
+@dataclass
+class Explanation:
+    """What :func:`explain` found: one row per swapped module, plus totals."""
+
+    rows: List[Tuple[str, str, str, str, int, int, str]]
+    world_size: int
+    total_before: int
+    total_after: int
+
+    def __str__(self) -> str:
+        head = ("module", "key", "before", "after", "param bytes (serial)", "param bytes / rank", "collectives per step")
+        body = [tuple(str(c) for c in r) for r in self.rows]
+        body.append(("(whole model)", "", "", "", str(self.total_before), str(self.total_after), ""))
+        widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+        line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+        sep = "  ".join("-" * w for w in widths)
+        return "\n".join([f"plan on a mesh of {self.world_size} ranks", line(head), sep] + [line(r) for r in body])
+
+
+def explain(model: nn.Module, plan: Mapping, mesh: Optional[DeviceMesh] = None, *, print_table: bool = True) -> Explanation:
+    """Show what :func:`parallelize_module` would swap, without changing ``model``.
+
+    For each matched module: the plan key, types before and after, parameter
+    bytes before (serial) and per rank after, and the collectives the twin
+    issues per forward and backward. The twins are built on copies and thrown
+    away. Returns an :class:`Explanation` (``str()`` is the table) and prints it
+    unless ``print_table=False``.
+    """
+    mesh = resolve_mesh(mesh)
+    matches = _match_plan(model, plan)
+    rows = []
+    swapped_before = swapped_after = 0
+    for match in matches:
+        new = _build(match, copy.deepcopy(match.module), mesh)
+        before, after = _param_bytes(match.module), _param_bytes(new)
+        swapped_before += before
+        swapped_after += after
+        rows.append(
+            (match.name or "<root>", _key_repr(match.key), type(match.module).__name__, type(new).__name__,
+             before, after, _collectives(new))
+        )
+    total = _param_bytes(model)
+    result = Explanation(rows, mesh.size(0), total, total - swapped_before + swapped_after)
+    if print_table:
+        print(result)
+    return result
