@@ -35,6 +35,10 @@ __all__ = [
 ]
 
 
+# torch >= 2.13 names it all_gather_single; all_gather_into_tensor is its deprecated alias.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -83,7 +87,7 @@ def all_gather_along_dim(
     moved = moved.contiguous()
     out = moved.new_empty((world * largest,) + tuple(moved.shape[1:]))
     record_collective("all_gather", _nbytes(out), world, tag)
-    dist.all_gather_into_tensor(out, moved, group=group)
+    _all_gather_single(out, moved, group=group)
     if any(s != largest for s in sizes):
         out = torch.cat([out[r * largest : r * largest + s] for r, s in enumerate(sizes)], 0)
     return out.movedim(0, dim)
@@ -102,7 +106,7 @@ def exchange_sizes(local: int, group: dist.ProcessGroup) -> List[int]:
     t = torch.tensor([int(local)], dtype=torch.int64, device=device)
     out = torch.empty(world, dtype=torch.int64, device=device)
     record_collective("all_gather", _nbytes(out), world, "sizes")
-    dist.all_gather_into_tensor(out, t, group=group)
+    _all_gather_single(out, t, group=group)
     return [int(v) for v in out.tolist()]
 
 

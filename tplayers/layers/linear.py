@@ -18,11 +18,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import (
-    copy_to_parallel_region,
     gather_along_dim,
     reduce_from_parallel_region,
     split_along_dim,
 )
+from tplayers.comm.fused import linear_all_reduce_input_grad
 from tplayers.layers._common import ShardedModule, check_features
 from tplayers.sharding import ShardSpec, shard_sizes
 
@@ -160,8 +160,12 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_features(x, self.in_features, self.weight, "input", type(self).__name__)
-        x = copy_to_parallel_region(x, self._group)  # (..., in) replicated; bwd all-reduce
-        y = F.linear(x, self.weight, self.bias)  # (..., out_local)
+        if self.tp_size == 1:
+            y = F.linear(x, self.weight, self.bias)  # (..., out)
+        else:
+            # (..., in) replicated -> (..., out_local); backward all-reduces the input gradient,
+            # overlapped with the weight-gradient matmul (CopyToParallelRegion fused with F.linear).
+            y = linear_all_reduce_input_grad(x, self.weight, self.bias, self._group)
         if self.gather_output:
             y = gather_along_dim(y, -1, self._group, self.partition_sizes)  # (..., out)
         return y

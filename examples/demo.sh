@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The README demo: every example on 2 CPU ranks (gloo), synthetic data, parity checks first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+RUN="$PY -m torch.distributed.run --standalone --nproc-per-node 2"
+echo "=== tensor parallelism: a small transformer, parallelized with a plan"
+$RUN examples/tp_transformer.py
