@@ -62,7 +62,13 @@ class ParallelStyle:
 
 @dataclass(frozen=True)
 class ColumnParallel(ParallelStyle):
-    """Swap an ``nn.Linear`` for :class:`~tplayers.ColumnParallelLinear` (output features split)."""
+    """Swap an ``nn.Linear`` for :class:`~tplayers.ColumnParallelLinear` (output features split).
+
+    Example::
+
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+        model = tplayers.parallelize_module(model, {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()})
+    """
 
     gather_output: bool = False
     accepts = (nn.Linear,)
@@ -73,7 +79,13 @@ class ColumnParallel(ParallelStyle):
 
 @dataclass(frozen=True)
 class RowParallel(ParallelStyle):
-    """Swap an ``nn.Linear`` for :class:`~tplayers.RowParallelLinear` (input features split)."""
+    """Swap an ``nn.Linear`` for :class:`~tplayers.RowParallelLinear` (input features split).
+
+    ``input_is_parallel=False`` makes the swapped layer take the full input and
+    split it locally (a drop-in for an ``nn.Linear`` anywhere in a model)::
+
+        head = tplayers.parallelize_module(nn.Linear(64, 10), {"": tplayers.RowParallel(input_is_parallel=False)})
+    """
 
     input_is_parallel: bool = True
     accepts = (nn.Linear,)

@@ -54,3 +54,12 @@ def test_shard_spec_take_and_shapes():
     assert rep.is_replicated and rep.take(full) is full
     with pytest.raises(ValueError, match="global shape"):
         spec.take(full[:9])
+
+
+def test_module_doctests():
+    import doctest
+
+    import tplayers.sharding
+
+    result = doctest.testmod(tplayers.sharding)
+    assert result.attempted >= 5 and result.failed == 0
