@@ -1,0 +1,271 @@
+"""The safetensors file format, written and checked by hand, plus durable file-system steps.
+
+A safetensors file is ``u64 little-endian N`` + ``N`` bytes of JSON header +
+the raw tensor bytes. We write it ourselves (instead of ``save_file``) so the
+bytes can be hashed block by block as they are written, shown on a progress
+bar and fsynced; the result is a standard file that ``safetensors`` reads.
+
+Integrity: every stored tensor is cut into blocks of whole rows (rows along its
+stored dim 0, about ``block_bytes`` each) and each block gets a SHA-256. A
+reader that needs rows ``[a, b)`` reads the covering blocks and checks exactly
+those, so verification never forces reading the whole file. A file's digest is
+the SHA-256 of its header bytes followed by all its block digests in file
+order: a SHA-256 that changes if any byte of the file changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import json
+import os
+import shutil
+import struct
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+#: Default size of a hashed block (whole rows are kept together).
+BLOCK_BYTES = 1 << 20
+#: Refuse headers larger than this (a corrupted length would otherwise ask for gigabytes).
+MAX_HEADER_BYTES = 100 << 20
+
+_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+    "I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F32": torch.float32, "F64": torch.float64, "C64": torch.complex64,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
+                     ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or index is missing, malformed, corrupted or does not fit the model."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors' name of a torch dtype (``torch.float32 -> "F32"``)."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+def torch_dtype(name: str, where: str) -> torch.dtype:
+    """The torch dtype of safetensors dtype ``name``; ``where`` names the file/key for errors."""
+    if name not in _DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {name!r}, expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def itemsize(name: str) -> int:
+    return torch.empty((), dtype=_DTYPES[name]).element_size()
+
+
+def block_rows(shape: Sequence[int], elem_bytes: int, block_bytes: int = BLOCK_BYTES) -> int:
+    """Rows (along dim 0) per hashed block of a tensor of ``shape``; at least 1."""
+    row = elem_bytes
+    for s in shape[1:]:
+        row *= int(s)
+    return max(1, block_bytes // row) if row > 0 else max(1, int(shape[0]) if shape else 1)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """Zero-copy bytes of a contiguous CPU tensor."""
+    assert t.device.type == "cpu" and t.is_contiguous(), "byte_view needs a contiguous CPU tensor"
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def row_blocks(t: torch.Tensor, rows_per_block: int) -> List[memoryview]:
+    """Bytes of each block of ``rows_per_block`` rows of contiguous ``t`` (a 0-d tensor is 1 row)."""
+    mv = byte_view(t)
+    rows = t.shape[0] if t.dim() else 1
+    row = len(mv) // rows if rows else 0
+    return [mv[i * row : min(i + rows_per_block, rows) * row] for i in range(0, rows, rows_per_block)]
+
+
+def block_digests(t: torch.Tensor, rows_per_block: int) -> List[bytes]:
+    """SHA-256 of each row block of contiguous ``t`` (see :func:`row_blocks`)."""
+    return [hashlib.sha256(b).digest() for b in row_blocks(t, rows_per_block)]
+
+
+def _write_all(fd: int, data) -> None:
+    """Write every byte of ``data`` to ``fd`` (a single seam, so tests can interrupt a save)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def write_file(
+    path: str,
+    items: Sequence[Tuple[str, torch.Tensor]],
+    metadata: Optional[Dict[str, str]] = None,
+    *,
+    block_bytes: int = BLOCK_BYTES,
+    on_bytes: Optional[Callable[[int], None]] = None,
+    hashes: bool = True,
+) -> Tuple[int, str, Dict[str, Tuple[int, List[str]]]]:
+    """Write ``items`` (name, contiguous CPU tensor) as a standard safetensors file and fsync it.
+
+    ``hashes=False`` skips the block digests (the returned digest and lists are then empty).
+
+    Returns ``(size, digest, {name: (rows_per_block, [block sha256 hex])})``.
+    The file must not exist yet (we only ever write into fresh temp paths).
+    """
+    header, offset = {}, 0
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    prefix = struct.pack("<Q", len(raw)) + raw
+    digest = hashlib.sha256(hashlib.sha256(prefix).digest())
+    blocks: Dict[str, Tuple[int, List[str]]] = {}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        _write_all(fd, prefix)
+        for name, t in items:
+            k = block_rows(t.shape, t.element_size(), block_bytes)
+            hexes = []
+            for chunk in row_blocks(t, k):
+                if hashes:
+                    d = hashlib.sha256(chunk).digest()
+                    digest.update(d)
+                    hexes.append(d.hex())
+                _write_all(fd, chunk)
+                if on_bytes is not None:
+                    on_bytes(len(chunk))
+            blocks[name] = (k, hexes)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(prefix) + offset, digest.hexdigest() if hashes else "", blocks
+
+
+def read_header(path: str) -> Tuple[bytes, Dict[str, dict], Dict[str, str]]:
+    """Read and check the header of safetensors file ``path``.
+
+    Returns ``(prefix bytes, {name: entry}, metadata)``. Raises
+    :class:`CheckpointError` naming the file for a missing or truncated file, a
+    header length larger than the file, malformed JSON, unknown dtypes, or data
+    offsets that do not tile the data region exactly.
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated file ({size} bytes, no header length)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > MAX_HEADER_BYTES:
+                raise CheckpointError(f"{path}: header length {n} exceeds the file ({size} bytes): truncated or corrupted")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: malformed header JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header must be a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    spans = []
+    for name, e in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not (isinstance(e, dict) and isinstance(e.get("shape"), list) and isinstance(e.get("data_offsets"), list)):
+            raise CheckpointError(f"{where}: malformed header entry")
+        if not all(isinstance(s, int) and s >= 0 for s in e["shape"]) or len(e["data_offsets"]) != 2:
+            raise CheckpointError(f"{where}: malformed shape or data_offsets")
+        numel = 1
+        for s in e["shape"]:
+            numel *= s
+        begin, end = e["data_offsets"]
+        if end - begin != numel * itemsize(_check_name(e.get("dtype"), where)):
+            raise CheckpointError(f"{where}: data_offsets {e['data_offsets']} do not match shape {e['shape']}")
+        spans.append((begin, end))
+    expect = 0
+    for begin, end in sorted(spans):
+        if begin != expect:
+            raise CheckpointError(f"{path}: tensor data is not contiguous at byte {begin} (expected {expect})")
+        expect = end
+    if expect != size - 8 - n:
+        raise CheckpointError(
+            f"{path}: header describes {expect} data bytes but the file holds {size - 8 - n}: truncated or corrupted"
+        )
+    return head + raw, header, meta
+
+
+def _check_name(name, where: str) -> str:
+    torch_dtype(name, where) if isinstance(name, str) else torch_dtype(repr(name), where)
+    return name
+
+
+# ----------------------------------------------------------------------------
+# Durable renames
+# ----------------------------------------------------------------------------
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap paths ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+def commit(tmp: str, target: str) -> None:
+    """Move the fully written and fsynced ``tmp`` (file or directory) to ``target``.
+
+    - ``target`` absent: one ``rename``; the parent directory is fsynced.
+    - ``target`` present: an atomic exchange (``renameat2``), then the old copy is
+      deleted. A crash at any point leaves either the old or the new checkpoint
+      at ``target``, plus at most a stray ``.*.tmp-*`` sibling.
+    - Without ``renameat2`` a file is replaced with ``os.replace`` (atomic); a
+      directory is renamed away first, so a crash between the two renames leaves
+      ``target`` missing, with the old copy at ``.<name>.old-<token>`` and the new
+      one complete at ``tmp``.
+    """
+    parent = os.path.dirname(os.path.abspath(target))
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+    elif _exchange(tmp, target):
+        fsync_dir(parent)
+        _remove(tmp)  # tmp now holds the previous checkpoint
+    elif not os.path.isdir(target) and not os.path.isdir(tmp):
+        os.replace(tmp, target)
+    else:
+        old = os.path.join(parent, "." + os.path.basename(target) + ".old-" + os.path.basename(tmp).rsplit("-", 1)[-1])
+        os.rename(target, old)
+        os.rename(tmp, target)
+        fsync_dir(parent)
+        _remove(old)
+    fsync_dir(parent)

@@ -1,0 +1,102 @@
+"""Load a checkpoint of any layout or world size into the current model (collective)."""
+
+from __future__ import annotations
+
+import os
+from typing import List, NamedTuple
+
+import torch
+from torch import nn
+
+from tplayers.checkpoint.format import CheckpointError, torch_dtype
+from tplayers.checkpoint.index import open_source
+from tplayers.checkpoint.layout import agree, local_tensors, world_info
+from tplayers.checkpoint.progress import Progress
+from tplayers.checkpoint.read import Reader
+
+
+class LoadResult(NamedTuple):
+    """What :func:`load_checkpoint` did on this rank."""
+
+    missing_keys: List[str]  # in the model, not in the checkpoint (only with strict=False)
+    unexpected_keys: List[str]  # in the checkpoint, not in the model (only with strict=False)
+    bytes_read: int  # tensor bytes this rank asked of safe_open(...).get_slice
+
+
+def load_checkpoint(
+    model: nn.Module,
+    path,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    cast: bool = False,
+    progress=None,
+) -> LoadResult:
+    """Load ``path`` (a checkpoint directory or a safetensors file) into ``model``, resharding as needed.
+
+    Collective over the default process group: every rank calls it (a plain
+    single-process model needs no process group). Works for a checkpoint
+    saved at any world size or layout, a ``consolidated=True`` file, or any
+    standard safetensors file of the serial model's ``state_dict()``.
+
+    Each rank reads only the rows it holds, via ``safe_open(...).get_slice``.
+    Before any parameter changes, every rank checks keys (``strict`` lists all
+    missing and unexpected ones), global shapes, dtypes (no silent cast;
+    ``cast=True`` converts), the index (format, coverage: no gaps or overlaps,
+    file names inside the directory), every file's presence, size and header,
+    and with ``verify=True`` the SHA-256 of every block it reads. The ranks
+    then agree; if any rank found a problem, every rank raises
+    :class:`~tplayers.checkpoint.CheckpointError` naming the file and key and
+    no rank has changed anything.
+
+    ``verify=False`` skips the block hashes (structure, sizes and headers are
+    still checked) and reads exactly the needed rows instead of whole blocks.
+
+    Example::
+
+        model = build_model()                         # any world size / plan
+        tplayers.checkpoint.load_checkpoint(model, "ckpt/")
+    """
+    path = os.fspath(path)
+    rank, _ = world_info()
+    copies, error = [], None
+    missing = unexpected = []
+    reader = None
+    try:
+        source = open_source(path)
+        reader = Reader(source, verify=verify)
+        reader.check_files_present()
+        local = local_tensors(model)
+        missing = sorted(set(local) - set(source.tensors))
+        unexpected = sorted(set(source.tensors) - set(local))
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"{path}: keys do not match the model (strict=True): missing {missing}, unexpected {unexpected}"
+            )
+        for key in sorted(set(local) & set(source.tensors)):
+            lt, entry = local[key], source.tensors[key]
+            if tuple(entry.shape) != lt.spec.global_shape:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} has global shape {list(entry.shape)}, the model expects {list(lt.spec.global_shape)}"
+                )
+            got = torch_dtype(entry.dtype, f"{path}: tensor {key!r}")
+            if got != lt.tensor.dtype and not cast:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} is {got}, the model holds {lt.tensor.dtype} (pass cast=True to convert)"
+                )
+            for dest, t in reader.read(key, lt.spec.dim, lt.spec.start, lt.spec.stop):
+                copies.append((lt.tensor, dest, t))
+    except Exception as e:  # noqa: BLE001 - any local failure must still reach `agree`, or peers hang
+        error = f"{type(e).__name__}: {e}"
+    try:
+        agree(error)
+        bar = Progress(sum(t.numel() * t.element_size() for _, _, t in copies), f"load {path}", progress if rank == 0 else False)
+        with torch.no_grad():
+            for dst, dest, t in copies:
+                dst[dest].copy_(t)
+                bar.update(t.numel() * t.element_size())
+        bar.close()
+    finally:
+        if reader is not None:
+            reader.close()
+    return LoadResult(missing, unexpected, reader.bytes_read)
