@@ -73,17 +73,12 @@ def load_checkpoint(
             raise CheckpointError(
                 f"{path}: keys do not match the model (strict=True): missing {missing}, unexpected {unexpected}"
             )
-        for key in sorted(set(local) & set(source.tensors)):
-            lt, entry = local[key], source.tensors[key]
-            if tuple(entry.shape) != lt.spec.global_shape:
-                raise CheckpointError(
-                    f"{path}: tensor {key!r} has global shape {list(entry.shape)}, the model expects {list(lt.spec.global_shape)}"
-                )
-            got = torch_dtype(entry.dtype, f"{path}: tensor {key!r}")
-            if got != lt.tensor.dtype and not cast:
-                raise CheckpointError(
-                    f"{path}: tensor {key!r} is {got}, the model holds {lt.tensor.dtype} (pass cast=True to convert)"
-                )
+        keys = sorted(set(local) & set(source.tensors))
+        problems = [msg for key in keys for msg in _mismatch(key, local[key], source.tensors[key], cast)]
+        if problems:
+            raise CheckpointError(f"{path}: {len(problems)} tensor(s) do not fit the model:\n    " + "\n    ".join(problems))
+        for key in keys:
+            lt = local[key]
             for dest, t in reader.read(key, lt.spec.dim, lt.spec.start, lt.spec.stop):
                 copies.append((lt.tensor, dest, t))
     except Exception as e:  # noqa: BLE001 - any local failure must still reach `agree`, or peers hang
@@ -100,3 +95,14 @@ def load_checkpoint(
         if reader is not None:
             reader.close()
     return LoadResult(missing, unexpected, reader.bytes_read)
+
+
+def _mismatch(key, lt, entry, cast: bool) -> List[str]:
+    """Why checkpoint tensor ``entry`` cannot be loaded into local tensor ``lt`` (empty if it can)."""
+    out = []
+    if tuple(entry.shape) != lt.spec.global_shape:
+        out.append(f"tensor {key!r} has global shape {list(entry.shape)}, the model expects {list(lt.spec.global_shape)}")
+    got = torch_dtype(entry.dtype, f"tensor {key!r}")
+    if got != lt.tensor.dtype and not cast:
+        out.append(f"tensor {key!r} is {got}, the model holds {lt.tensor.dtype} (pass cast=True to convert)")
+    return out
