@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tplayers.checkpoint.format import CheckpointError, read_header, row_blocks, torch_dtype
+from tplayers.checkpoint.format import CheckpointError, advise_exact_read, read_header, row_blocks, torch_dtype
 from tplayers.checkpoint.index import Piece, Source, TensorEntry
 
 
@@ -160,6 +160,7 @@ class Reader:
             k, (a, b) = p.block_rows, want[0]
             box = [(a // k * k, min(-(-b // k) * k, shape[0]))] + [(0, n) for n in shape[1:]]
         t = sl[tuple(slice(x, y) for x, y in box)]
+        advise_exact_read(t)
         self.bytes_read += t.numel() * t.element_size()
         if box is not want:
             self._check_blocks(where, p, t.contiguous(), box[0][0] // p.block_rows)
