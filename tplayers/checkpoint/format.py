@@ -23,12 +23,13 @@ import mmap
 import os
 import shutil
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 #: Default size of a hashed block (whole rows are kept together).
-BLOCK_BYTES = 1 << 20
+BLOCK_BYTES = 1 << 18
 #: Refuse headers larger than this (a corrupted length would otherwise ask for gigabytes).
 MAX_HEADER_BYTES = 100 << 20
 
@@ -128,26 +129,29 @@ def write_file(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     prefix = struct.pack("<Q", len(raw)) + raw
+    plan = [(name, block_rows(t.shape, t.element_size(), block_bytes), t) for name, t in items]
+    plan = [(name, k, row_blocks(t, k)) for name, k, t in plan]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    # Hash on a second thread while this one writes and fsyncs (both release the GIL).
+    with ThreadPoolExecutor(1) as pool:
+        hashed = pool.submit(lambda: [[hashlib.sha256(c).digest() for c in chunks] for _, _, chunks in plan]) if hashes else None
+        try:
+            _write_all(fd, prefix)
+            for _, _, chunks in plan:
+                for chunk in chunks:
+                    _write_all(fd, chunk)
+                    if on_bytes is not None:
+                        on_bytes(len(chunk))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        digests = hashed.result() if hashed is not None else [[] for _ in plan]
     digest = hashlib.sha256(hashlib.sha256(prefix).digest())
     blocks: Dict[str, Tuple[int, List[str]]] = {}
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        _write_all(fd, prefix)
-        for name, t in items:
-            k = block_rows(t.shape, t.element_size(), block_bytes)
-            hexes = []
-            for chunk in row_blocks(t, k):
-                if hashes:
-                    d = hashlib.sha256(chunk).digest()
-                    digest.update(d)
-                    hexes.append(d.hex())
-                _write_all(fd, chunk)
-                if on_bytes is not None:
-                    on_bytes(len(chunk))
-            blocks[name] = (k, hexes)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    for (name, k, _), ds in zip(plan, digests):
+        for d in ds:
+            digest.update(d)
+        blocks[name] = (k, [d.hex() for d in ds])
     return len(prefix) + offset, digest.hexdigest() if hashes else "", blocks
 
 
@@ -282,26 +286,45 @@ def commit(tmp: str, target: str) -> None:
 # ----------------------------------------------------------------------------
 
 _LIBC = None
-_MADV_MIN_BYTES = 1 << 16
 
 
-def advise_exact_read(t: torch.Tensor) -> None:
-    """Hint the kernel to read exactly ``t``'s pages of a memory-mapped file, now, and nothing around them.
-
-    ``safe_open`` maps the file; on first touch the kernel would otherwise read
-    ahead (megabytes past the range a rank needs). ``MADV_RANDOM`` turns that
-    off for these pages and ``MADV_WILLNEED`` starts reading exactly them.
-    A hint only: harmless on ordinary memory, skipped where ``madvise`` is missing.
-    """
+def _madvise(start: int, length: int, advice: int) -> None:
     global _LIBC
-    n = t.numel() * t.element_size()
-    if n < _MADV_MIN_BYTES or not t.is_contiguous() or t.device.type != "cpu" or not hasattr(mmap, "MADV_WILLNEED"):
-        return
     if _LIBC is None:
         _LIBC = ctypes.CDLL(None, use_errno=True)
         _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     page = mmap.PAGESIZE
-    start = t.data_ptr() // page * page
-    stop = -(-(t.data_ptr() + n) // page) * page
-    _LIBC.madvise(start, stop - start, mmap.MADV_RANDOM)
-    _LIBC.madvise(start, stop - start, mmap.MADV_WILLNEED)
+    lo = start // page * page
+    hi = -(-(start + length) // page) * page
+    _LIBC.madvise(lo, hi - lo, advice)
+
+
+def advise_mapping_random(path: str) -> None:
+    """Turn off kernel read-ahead for every mapping of ``path`` in this process (Linux; a hint).
+
+    ``safe_open`` maps the whole file; the first touch of any page would
+    otherwise read megabytes around it (``read_ahead_kb``), far outside the
+    rows this rank needs. Found through ``/proc/self/maps``; skipped elsewhere.
+    """
+    if not hasattr(mmap, "MADV_RANDOM"):
+        return
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/maps") as f:
+            lines = [line.split() for line in f]
+    except OSError:
+        return
+    for fields in lines:
+        if len(fields) >= 6 and " ".join(fields[5:]) == real:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            _madvise(lo, hi - lo, mmap.MADV_RANDOM)
+
+
+def advise_exact_read(t: torch.Tensor) -> None:
+    """Start reading exactly ``t``'s pages of a memory-mapped file now (``MADV_WILLNEED``; a hint).
+
+    Harmless on ordinary memory; skipped where ``madvise`` is missing.
+    """
+    n = t.numel() * t.element_size()
+    if n and t.is_contiguous() and t.device.type == "cpu" and hasattr(mmap, "MADV_WILLNEED"):
+        _madvise(t.data_ptr(), n, mmap.MADV_WILLNEED)

@@ -59,12 +59,31 @@ def load_checkpoint(
     """
     path = os.fspath(path)
     rank, _ = world_info()
-    copies, error = [], None
-    missing = unexpected = []
+    copies, error, result = [], None, LoadResult([], [], 0)
     reader = None
     try:
-        source = open_source(path)
-        reader = Reader(source, verify=verify)
+        reader, copies, result = stage_load(model, path, strict=strict, verify=verify, cast=cast)
+    except Exception as e:  # noqa: BLE001 - any local failure must still reach `agree`, or peers hang
+        error = f"{type(e).__name__}: {e}"
+    try:
+        agree(error)
+        apply_copies(copies, Progress(_nbytes(copies), f"load {path}", progress if rank == 0 else False))
+    finally:
+        if reader is not None:
+            reader.close()
+    return result
+
+
+def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast: bool):
+    """This rank's half of a load, changing nothing: validate, read (and verify) what it needs.
+
+    Returns ``(reader, copies, result)``; ``copies`` are ``(tensor, dest, source)``
+    for :func:`apply_copies`, whose sources stay valid until ``reader.close()``.
+    Raises :class:`CheckpointError` on any problem. Not collective.
+    """
+    source = open_source(path)
+    reader = Reader(source, verify=verify)
+    try:
         reader.check_files_present()
         local = local_tensors(model)
         missing = sorted(set(local) - set(source.tensors))
@@ -77,24 +96,28 @@ def load_checkpoint(
         problems = [msg for key in keys for msg in _mismatch(key, local[key], source.tensors[key], cast)]
         if problems:
             raise CheckpointError(f"{path}: {len(problems)} tensor(s) do not fit the model:\n    " + "\n    ".join(problems))
+        copies = []
         for key in keys:
             lt = local[key]
             for dest, t in reader.read(key, lt.spec.dim, lt.spec.start, lt.spec.stop):
                 copies.append((lt.tensor, dest, t))
-    except Exception as e:  # noqa: BLE001 - any local failure must still reach `agree`, or peers hang
-        error = f"{type(e).__name__}: {e}"
-    try:
-        agree(error)
-        bar = Progress(sum(t.numel() * t.element_size() for _, _, t in copies), f"load {path}", progress if rank == 0 else False)
-        with torch.no_grad():
-            for dst, dest, t in copies:
-                dst[dest].copy_(t)
-                bar.update(t.numel() * t.element_size())
-        bar.close()
-    finally:
-        if reader is not None:
-            reader.close()
-    return LoadResult(missing, unexpected, reader.bytes_read)
+    except BaseException:
+        reader.close()
+        raise
+    return reader, copies, LoadResult(missing, unexpected, reader.bytes_read)
+
+
+def apply_copies(copies, bar: Progress) -> None:
+    """Write the staged sources into the model's tensors (the only step that changes the model)."""
+    with torch.no_grad():
+        for dst, dest, t in copies:
+            dst[dest].copy_(t)
+            bar.update(t.numel() * t.element_size())
+    bar.close()
+
+
+def _nbytes(copies) -> int:
+    return sum(t.numel() * t.element_size() for _, _, t in copies)
 
 
 def _mismatch(key, lt, entry, cast: bool) -> List[str]:

@@ -19,7 +19,14 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tplayers.checkpoint.format import CheckpointError, advise_exact_read, read_header, row_blocks, torch_dtype
+from tplayers.checkpoint.format import (
+    CheckpointError,
+    advise_exact_read,
+    advise_mapping_random,
+    read_header,
+    row_blocks,
+    torch_dtype,
+)
 from tplayers.checkpoint.index import Piece, Source, TensorEntry
 
 
@@ -75,6 +82,7 @@ class Reader:
             self._check_header(path)
             try:
                 self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+                advise_mapping_random(path)
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{path}: safetensors cannot open it ({e})") from None
         return self._handles[path]
