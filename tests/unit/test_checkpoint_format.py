@@ -150,3 +150,12 @@ def test_cli_inspect_merge_reshard(tmp_path, capsys):
     proc = subprocess.run([sys.executable, "-m", "tplayers.checkpoint", "inspect", str(tmp_path / "m.safetensors")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "head.weight" in proc.stdout
+
+
+def test_to_device_keeps_layout_and_values():
+    from tplayers.checkpoint.load import to_device
+
+    x = torch.arange(24.0).reshape(2, 3, 4).movedim(0, 2)  # a stored piece viewed back in natural order
+    meta = to_device(x, torch.device("meta"))
+    assert meta.shape == x.shape and meta.stride() == x.stride()
+    assert to_device(x, x.device) is x

@@ -46,7 +46,16 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 class CheckpointError(ValueError):
-    """A checkpoint file or index is missing, malformed, corrupted or does not fit the model."""
+    """A checkpoint file or index is missing, malformed, corrupted or does not fit the model.
+
+    Raised on every rank (the message names the failing ranks, files and keys);
+    the model is unchanged. A ``ValueError``, so ``except ValueError`` catches it.
+
+    >>> read_header("/no/such/file.safetensors")
+    Traceback (most recent call last):
+    ...
+    tplayers.checkpoint.format.CheckpointError: /no/such/file.safetensors: file not found
+    """
 
 
 def dtype_name(dtype: torch.dtype) -> str:
