@@ -333,3 +333,32 @@ def test_crash_mid_save_keeps_previous(ckpts, tmp_path, victim, stage):
     load_checkpoint(net, path)
     ref = serial_net(12, 1.0).state_dict()
     assert all(torch.equal(net.state_dict()[k], ref[k]) for k in ref)
+
+
+# ---------------------------------------------------------------------------
+# 2-D mesh: tensor parallel inside data-parallel replicas (each range written once)
+# ---------------------------------------------------------------------------
+
+def _save_2d(rank, world, path):
+    mesh = tplayers.init_mesh((2, 2), ("dp", "tp"), device_type="cpu")
+    net = tplayers.parallelize_module(serial_net(21, 2.0), PLAN, mesh=mesh["tp"])
+    save_checkpoint(net, path)
+    return os.path.getsize(os.path.join(path, f"rank-{rank:05d}-of-00004.safetensors"))
+
+
+def test_dp_replicas_write_each_range_once(tmp_path):
+    path = str(tmp_path / "ck2d")
+    sizes = run_ranks(_save_2d, 4, args=(path,), timeout=60)
+    with open(os.path.join(path, "index.json")) as f:
+        idx = json.load(f)
+    for key, t in idx["tensors"].items():
+        files = [p["file"] for p in t["pieces"]]
+        assert len(files) == len(set(files)) and (t["dim"] is None or len(files) <= 2), (key, files)
+    # ranks 0 and 1 (dp replica 0) write every sharded piece; 2 and 3 only replicated tensors
+    sharded = {p["file"] for t in idx["tensors"].values() if t["dim"] is not None for p in t["pieces"]}
+    assert sharded == {"rank-00000-of-00004.safetensors", "rank-00001-of-00004.safetensors"}
+    assert min(sizes) > 0
+    net = Net()
+    load_checkpoint(net, path)
+    ref = serial_net(21, 2.0).state_dict()
+    assert all(torch.equal(net.state_dict()[k], ref[k]) for k in ref)
