@@ -57,6 +57,8 @@ def load_checkpoint(
 
     ``verify=False`` skips the block hashes (structure, sizes and headers are
     still checked) and reads exactly the needed rows instead of whole blocks.
+    ``progress`` draws a bar on rank 0 (``None``: only for large loads to a terminal).
+    Returns a :class:`LoadResult` (missing / unexpected keys, bytes read).
 
     Example::
 
