@@ -99,11 +99,6 @@ def row_blocks(t: torch.Tensor, rows_per_block: int) -> List[memoryview]:
     return [mv[i * row : min(i + rows_per_block, rows) * row] for i in range(0, rows, rows_per_block)]
 
 
-def block_digests(t: torch.Tensor, rows_per_block: int) -> List[bytes]:
-    """SHA-256 of each row block of contiguous ``t`` (see :func:`row_blocks`)."""
-    return [hashlib.sha256(b).digest() for b in row_blocks(t, rows_per_block)]
-
-
 def _write_all(fd: int, data) -> None:
     """Write every byte of ``data`` to ``fd`` (a single seam, so tests can interrupt a save)."""
     view = memoryview(data)
@@ -223,7 +218,8 @@ def read_header(path: str) -> Tuple[bytes, Dict[str, dict], Dict[str, str]]:
 
 
 def _check_name(name, where: str) -> str:
-    torch_dtype(name, where) if isinstance(name, str) else torch_dtype(repr(name), where)
+    """``name`` if it is a known safetensors dtype name, else :class:`CheckpointError`."""
+    torch_dtype(name if isinstance(name, str) else repr(name), where)
     return name
 
 
