@@ -12,10 +12,13 @@ The pipeline, left to right::
     }, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters())                   # after swapping
 
+    tplayers.save_checkpoint(model, "ckpt/")                       # sharded; loads at any world size
+
 Hand-written model code uses the layers directly (``ColumnParallelLinear``,
 ``RowParallelLinear``) with an explicit ``mesh``.
 """
 
+from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
 from tplayers.comm import CommLog, count_collectives
 from tplayers.layers import ColumnParallelLinear, RowParallelLinear
 from tplayers.mesh import default_mesh, init_mesh
@@ -39,4 +42,7 @@ __all__ = [
     "RowParallel",
     "parallelize_module",
     "explain",
+    "save_checkpoint",
+    "load_checkpoint",
+    "gather_state_dict",
 ]

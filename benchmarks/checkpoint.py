@@ -1,0 +1,185 @@
+"""Checkpoint throughput vs safetensors' own save_file / load_file, and bytes read when resharding.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/checkpoint.py --mb 500 --dir /tmp/ckbench
+    torchrun --standalone --nproc-per-node 3 benchmarks/checkpoint.py --mb 500 --dir /tmp/ckbench --reshard
+
+Run 1 (2 ranks): a tensor-parallel MLP stack of about ``--mb`` MB (fp32) is
+saved and loaded with tplayers, and each rank saves / loads the very same local
+tensors with ``safetensors.torch.save_file`` / ``load_file`` (+ ``load_state_dict``
+so the bytes are really read; ``load_file`` alone only maps the file). Repeats
+are interleaved; medians are printed with the ratio tplayers / safetensors.
+"hot" loads read from the page cache; "cold" loads evict the files first.
+
+Run 2 (3 ranks, ``--reshard``): loads the 2-rank checkpoint at 3 ranks, one
+rank at a time with a cold page cache (ranks on one machine share the page
+cache), through the same staging code as ``load_checkpoint``; reports, per rank, the bytes the kernel read from disk
+(``/proc/self/io`` read_bytes) and the tensor bytes asked of ``get_slice``,
+against the ideal: the bytes that rank holds (~1/3 of the model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import tplayers
+from tplayers.checkpoint import load_checkpoint, save_checkpoint
+from tplayers.checkpoint.format import itemsize
+from tplayers.checkpoint.load import apply_copies, stage_load
+from tplayers.checkpoint.progress import Progress
+from tplayers.checkpoint.layout import describe, local_tensors
+
+
+class BenchNet(nn.Module):
+    def __init__(self, n_blocks: int, d: int, hidden: int, mesh) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(1000, d)
+        self.blocks = nn.ModuleList()
+        for _ in range(n_blocks):
+            self.blocks.append(nn.ModuleDict({
+                "ln": nn.LayerNorm(d),
+                "fc1": tplayers.ColumnParallelLinear(d, hidden, mesh=mesh),
+                "fc2": tplayers.RowParallelLinear(hidden, d, mesh=mesh),
+            }))
+
+
+def _model(mb: int, mesh) -> BenchNet:
+    d, hidden = 1024, 4096
+    per_block = 2 * d * hidden * 4 / 1e6
+    return BenchNet(max(1, round(mb / per_block)), d, hidden, mesh)
+
+
+def _nbytes(sd) -> int:
+    return sum(t.numel() * t.element_size() for t in sd.values())
+
+
+def _evict(directory: str) -> None:
+    for name in os.listdir(directory):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _disk_read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes")).split()[1])
+
+
+def throughput(args, mesh) -> None:
+    rank = dist.get_rank()
+    model = _model(args.mb, mesh)
+    # the model's bytes counted once (replicated tensors are held by every rank)
+    glob = sum(math.prod(shape) * itemsize(dtype) for _, shape, dtype, _, _, _ in describe(local_tensors(model)))
+    ours, st = os.path.join(args.dir, "ours"), os.path.join(args.dir, "st")
+    os.makedirs(st, exist_ok=True)
+    mine = os.path.join(st, f"rank{rank}.safetensors")
+    local = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    times = {k: [] for k in ("save ours", "save st", "save st+fsync", "load ours hot", "load ours hot verify=False",
+                             "load st hot", "load ours cold", "load ours cold verify=False", "load st cold")}
+
+    def st_save(fsync):
+        save_file(local, mine)
+        if fsync:
+            fd = os.open(mine, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+    def st_load():
+        model.load_state_dict(load_file(mine))
+
+    for rep in range(args.repeats):
+        times["save ours"].append(_timed(lambda: save_checkpoint(model, ours, progress=False)))
+        times["save st"].append(_timed(lambda: st_save(False)))
+        times["save st+fsync"].append(_timed(lambda: st_save(True)))
+        for cache in ("hot", "cold"):
+            for name, fn in ((f"load ours {cache}", lambda: load_checkpoint(model, ours)),
+                             (f"load ours {cache} verify=False", lambda: load_checkpoint(model, ours, verify=False)),
+                             (f"load st {cache}", st_load)):
+                if cache == "cold":
+                    if rank == 0:
+                        _evict(ours)
+                    _evict(st)
+                times[name].append(_timed(fn))
+    if rank == 0:
+        mb = glob / 1e6
+        print(f"model {mb:.0f} MB (fp32) at {dist.get_world_size()} ranks, {args.repeats} interleaved repeats, medians")
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for k, v in med.items():
+            print(f"  {k:32s} {v:7.3f} s  {mb / v:8.0f} MB/s   (all: {', '.join(f'{x:.3f}' for x in times[k])})")
+        pairs = [("save ours", "save st"), ("save ours", "save st+fsync"), ("load ours hot", "load st hot"),
+                 ("load ours hot verify=False", "load st hot"), ("load ours cold", "load st cold"),
+                 ("load ours cold verify=False", "load st cold")]
+        for a, b in pairs:
+            print(f"  throughput ratio {a} / {b}: {med[b] / med[a]:.2f}x")
+
+
+def reshard(args, mesh) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _model(args.mb, mesh)
+    ours = os.path.join(args.dir, "ours")
+    ideal = _nbytes(model.state_dict())
+    rows = []
+    for verify in (False, True):
+        # One rank at a time with a cold cache: ranks on one machine share the page cache.
+        for turn in range(world):
+            if rank == turn:
+                _evict(ours)
+                before = _disk_read_bytes()
+                reader, copies, res = stage_load(model, ours, strict=True, verify=verify, cast=False)
+                apply_copies(copies, Progress(0, "", False))
+                reader.close()
+                del reader, copies  # drop the mappings, or the next turn's eviction cannot drop those pages
+                rows.append(torch.tensor([_disk_read_bytes() - before, res.bytes_read, ideal], dtype=torch.float64))
+            dist.barrier()
+    stats = torch.stack(rows)
+    everyone = [torch.empty_like(stats) for _ in range(world)]
+    dist.all_gather(everyone, stats)
+    if rank == 0:
+        with open(os.path.join(ours, "index.json")) as f:
+            saved_at = json.load(f)["world_size"]
+        total = sum(os.path.getsize(os.path.join(ours, n)) for n in os.listdir(ours))
+        print(f"reshard {saved_at} -> {world} ranks, checkpoint {total / 1e6:.0f} MB, cold page cache")
+        for r, s in enumerate(everyone):
+            for i, verify in enumerate((False, True)):
+                disk, logical, want = s[i].tolist()
+                print(f"  rank {r} verify={verify!s:5s}: disk {disk / 1e6:7.1f} MB ({disk / want:.3f}x ideal), "
+                      f"get_slice {logical / 1e6:7.1f} MB ({logical / want:.3f}x), ideal (held) {want / 1e6:.1f} MB, "
+                      f"1/N of the file bytes {total / world / 1e6:.1f} MB")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mb", type=int, default=500)
+    p.add_argument("--dir", default="/tmp/tplayers-ckbench")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--reshard", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    mesh = tplayers.init_mesh(device_type="cpu")
+    os.makedirs(args.dir, exist_ok=True)
+    (reshard if args.reshard else throughput)(args, mesh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""The safetensors file format, written and checked by hand, plus durable file-system steps.
+
+A safetensors file is ``u64 little-endian N`` + ``N`` bytes of JSON header +
+the raw tensor bytes. We write it ourselves (instead of ``save_file``) so the
+bytes can be hashed block by block as they are written, shown on a progress
+bar and fsynced; the result is a standard file that ``safetensors`` reads.
+
+Integrity: every stored tensor is cut into blocks of whole rows (rows along its
+stored dim 0, about ``block_bytes`` each) and each block gets a SHA-256. A
+reader that needs rows ``[a, b)`` reads the covering blocks and checks exactly
+those, so verification never forces reading the whole file. A file's digest is
+the SHA-256 of its header bytes followed by all its block digests in file
+order: a SHA-256 that changes if any byte of the file changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+#: Default size of a hashed block (whole rows are kept together).
+BLOCK_BYTES = 1 << 18
+#: Refuse headers larger than this (a corrupted length would otherwise ask for gigabytes).
+MAX_HEADER_BYTES = 100 << 20
+
+_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+    "I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F32": torch.float32, "F64": torch.float64, "C64": torch.complex64,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
+                     ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        _DTYPES[_name] = getattr(torch, _attr)
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or index is missing, malformed, corrupted or does not fit the model.
+
+    Raised on every rank (the message names the failing ranks, files and keys);
+    the model is unchanged. A ``ValueError``, so ``except ValueError`` catches it.
+
+    >>> read_header("/no/such/file.safetensors")
+    Traceback (most recent call last):
+    ...
+    tplayers.checkpoint.format.CheckpointError: /no/such/file.safetensors: file not found
+    """
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """safetensors' name of a torch dtype (``torch.float32 -> "F32"``)."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors") from None
+
+
+def torch_dtype(name: str, where: str) -> torch.dtype:
+    """The torch dtype of safetensors dtype ``name``; ``where`` names the file/key for errors."""
+    if name not in _DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {name!r}, expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def itemsize(name: str) -> int:
+    return torch.empty((), dtype=_DTYPES[name]).element_size()
+
+
+def block_rows(shape: Sequence[int], elem_bytes: int, block_bytes: int = BLOCK_BYTES) -> int:
+    """Rows (along dim 0) per hashed block of a tensor of ``shape``; at least 1."""
+    row = elem_bytes
+    for s in shape[1:]:
+        row *= int(s)
+    return max(1, block_bytes // row) if row > 0 else max(1, int(shape[0]) if shape else 1)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """Zero-copy bytes of a contiguous CPU tensor."""
+    assert t.device.type == "cpu" and t.is_contiguous(), "byte_view needs a contiguous CPU tensor"
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def row_blocks(t: torch.Tensor, rows_per_block: int) -> List[memoryview]:
+    """Bytes of each block of ``rows_per_block`` rows of contiguous ``t`` (a 0-d tensor is 1 row)."""
+    mv = byte_view(t)
+    rows = t.shape[0] if t.dim() else 1
+    row = len(mv) // rows if rows else 0
+    return [mv[i * row : min(i + rows_per_block, rows) * row] for i in range(0, rows, rows_per_block)]
+
+
+def _write_all(fd: int, data) -> None:
+    """Write every byte of ``data`` to ``fd`` (a single seam, so tests can interrupt a save)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def write_file(
+    path: str,
+    items: Sequence[Tuple[str, torch.Tensor]],
+    metadata: Optional[Dict[str, str]] = None,
+    *,
+    block_bytes: int = BLOCK_BYTES,
+    on_bytes: Optional[Callable[[int], None]] = None,
+    hashes: bool = True,
+) -> Tuple[int, str, Dict[str, Tuple[int, List[str]]]]:
+    """Write ``items`` (name, contiguous CPU tensor) as a standard safetensors file and fsync it.
+
+    ``hashes=False`` skips the block digests (the returned digest and lists are then empty).
+
+    Returns ``(size, digest, {name: (rows_per_block, [block sha256 hex])})``.
+    The file must not exist yet (we only ever write into fresh temp paths).
+    """
+    header, offset = {}, 0
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    prefix = struct.pack("<Q", len(raw)) + raw
+    plan = [(name, block_rows(t.shape, t.element_size(), block_bytes), t) for name, t in items]
+    plan = [(name, k, row_blocks(t, k)) for name, k, t in plan]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    # Hash on a second thread while this one writes and fsyncs (both release the GIL).
+    with ThreadPoolExecutor(1) as pool:
+        hashed = pool.submit(lambda: [[hashlib.sha256(c).digest() for c in chunks] for _, _, chunks in plan]) if hashes else None
+        try:
+            _write_all(fd, prefix)
+            for _, _, chunks in plan:
+                for chunk in chunks:
+                    _write_all(fd, chunk)
+                    if on_bytes is not None:
+                        on_bytes(len(chunk))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        digests = hashed.result() if hashed is not None else [[] for _ in plan]
+    digest = hashlib.sha256(hashlib.sha256(prefix).digest())
+    blocks: Dict[str, Tuple[int, List[str]]] = {}
+    for (name, k, _), ds in zip(plan, digests):
+        for d in ds:
+            digest.update(d)
+        blocks[name] = (k, [d.hex() for d in ds])
+    return len(prefix) + offset, digest.hexdigest() if hashes else "", blocks
+
+
+def read_header(path: str) -> Tuple[bytes, Dict[str, dict], Dict[str, str]]:
+    """Read and check the header of safetensors file ``path``.
+
+    Returns ``(prefix bytes, {name: entry}, metadata)``. Raises
+    :class:`CheckpointError` naming the file for a missing or truncated file, a
+    header length larger than the file, malformed JSON, unknown dtypes, or data
+    offsets that do not tile the data region exactly.
+    """
+    try:
+        size = os.path.getsize(path)
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file not found") from None
+    try:
+        if hasattr(os, "posix_fadvise"):  # no kernel read-ahead: read the header, not megabytes after it
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(f"{path}: truncated file ({size} bytes, no header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path}: header length {n} exceeds the file ({size} bytes): truncated or corrupted")
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: malformed header JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header must be a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    spans = []
+    for name, e in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not (isinstance(e, dict) and isinstance(e.get("shape"), list) and isinstance(e.get("data_offsets"), list)):
+            raise CheckpointError(f"{where}: malformed header entry")
+        if not all(isinstance(s, int) and s >= 0 for s in e["shape"]) or len(e["data_offsets"]) != 2:
+            raise CheckpointError(f"{where}: malformed shape or data_offsets")
+        numel = 1
+        for s in e["shape"]:
+            numel *= s
+        begin, end = e["data_offsets"]
+        if end - begin != numel * itemsize(_check_name(e.get("dtype"), where)):
+            raise CheckpointError(f"{where}: data_offsets {e['data_offsets']} do not match shape {e['shape']}")
+        spans.append((begin, end))
+    expect = 0
+    for begin, end in sorted(spans):
+        if begin != expect:
+            raise CheckpointError(f"{path}: tensor data is not contiguous at byte {begin} (expected {expect})")
+        expect = end
+    if expect != size - 8 - n:
+        raise CheckpointError(
+            f"{path}: header describes {expect} data bytes but the file holds {size - 8 - n}: truncated or corrupted"
+        )
+    return head + raw, header, meta
+
+
+def _check_name(name, where: str) -> str:
+    """``name`` if it is a known safetensors dtype name, else :class:`CheckpointError`."""
+    torch_dtype(name if isinstance(name, str) else repr(name), where)
+    return name
+
+
+# ----------------------------------------------------------------------------
+# Durable renames
+# ----------------------------------------------------------------------------
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap paths ``a`` and ``b`` (Linux ``renameat2(RENAME_EXCHANGE)``); False if unsupported."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+def commit(tmp: str, target: str) -> None:
+    """Move the fully written and fsynced ``tmp`` (file or directory) to ``target``.
+
+    - ``target`` absent: one ``rename``; the parent directory is fsynced.
+    - ``target`` present: an atomic exchange (``renameat2``), then the old copy is
+      deleted. A crash at any point leaves either the old or the new checkpoint
+      at ``target``, plus at most a stray ``.*.tmp-*`` sibling.
+    - Without ``renameat2`` a file is replaced with ``os.replace`` (atomic); a
+      directory is renamed away first, so a crash between the two renames leaves
+      ``target`` missing, with the old copy at ``.<name>.old-<token>`` and the new
+      one complete at ``tmp``.
+    """
+    parent = os.path.dirname(os.path.abspath(target))
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+    elif _exchange(tmp, target):
+        fsync_dir(parent)
+        _remove(tmp)  # tmp now holds the previous checkpoint
+    elif not os.path.isdir(target) and not os.path.isdir(tmp):
+        os.replace(tmp, target)
+    else:
+        old = os.path.join(parent, "." + os.path.basename(target) + ".old-" + os.path.basename(tmp).rsplit("-", 1)[-1])
+        os.rename(target, old)
+        os.rename(tmp, target)
+        fsync_dir(parent)
+        _remove(old)
+    fsync_dir(parent)
+
+
+# ----------------------------------------------------------------------------
+# Page-cache hints for memory-mapped reads
+# ----------------------------------------------------------------------------
+
+_LIBC = None
+
+
+def _madvise(start: int, length: int, advice: int) -> None:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    lo = start // page * page
+    hi = -(-(start + length) // page) * page
+    _LIBC.madvise(lo, hi - lo, advice)
+
+
+def advise_mapping_random(path: str) -> None:
+    """Turn off kernel read-ahead for every mapping of ``path`` in this process (Linux; a hint).
+
+    ``safe_open`` maps the whole file; the first touch of any page would
+    otherwise read megabytes around it (``read_ahead_kb``), far outside the
+    rows this rank needs. Found through ``/proc/self/maps``; skipped elsewhere.
+    """
+    if not hasattr(mmap, "MADV_RANDOM"):
+        return
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/maps") as f:
+            lines = [line.split() for line in f]
+    except OSError:
+        return
+    for fields in lines:
+        if len(fields) >= 6 and " ".join(fields[5:]) == real:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            _madvise(lo, hi - lo, mmap.MADV_RANDOM)
+
+
+def advise_exact_read(t: torch.Tensor) -> None:
+    """Start reading exactly ``t``'s pages of a memory-mapped file now (``MADV_WILLNEED``; a hint).
+
+    Harmless on ordinary memory; skipped where ``madvise`` is missing.
+    """
+    n = t.numel() * t.element_size()
+    if n and t.is_contiguous() and t.device.type == "cpu" and hasattr(mmap, "MADV_WILLNEED"):
+        _madvise(t.data_ptr(), n, mmap.MADV_WILLNEED)

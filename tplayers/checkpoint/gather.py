@@ -1,0 +1,50 @@
+"""Reassemble the serial-layout state dict from every rank's shards (collective)."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tplayers.checkpoint.layout import allgather_json, describe, local_tensors, plan_layout, world_info
+from tplayers.comm import all_gather_along_dim
+
+
+def gather_state_dict(model: nn.Module, *, all_ranks: bool = False) -> Dict[str, torch.Tensor]:
+    """The serial model's ``state_dict()``: same keys, global shapes, in ``state_dict`` order.
+
+    Collective over the default process group. Returns the full dict on rank 0
+    (on every rank with ``all_ranks=True``) and ``{}`` elsewhere. Sharded
+    tensors are all-gathered along their shard dim; replicated ones are
+    returned as this rank's tensor (detached, sharing memory with the model).
+
+    Example::
+
+        full = tplayers.checkpoint.gather_state_dict(model)
+        if torch.distributed.get_rank() == 0:
+            serial_model.load_state_dict(full)
+    """
+    rank, world = world_info()
+    local = local_tensors(model)
+    per_rank = allgather_json(describe(local))
+    tensors, _ = plan_layout(per_rank)
+    ranges = [{row[0]: (row[4], row[5]) for row in rows} for rows in per_rank]
+    full: Dict[str, torch.Tensor] = {}
+    for key in sorted(local):  # the same collective order on every rank
+        lt, g = local[key], tensors[key]
+        t = lt.tensor.detach()
+        if g.dim is not None and world > 1:
+            sizes = [ranges[r][key][1] - ranges[r][key][0] for r in range(world)]
+            got = all_gather_along_dim(t.contiguous(), g.dim, sizes, dist.group.WORLD, tag="checkpoint")
+            t = torch.empty(g.shape, dtype=t.dtype, device=t.device)
+            offset = 0
+            for r in range(world):
+                start = ranges[r][key][0]
+                t.narrow(g.dim, start, sizes[r]).copy_(got.narrow(g.dim, offset, sizes[r]))
+                offset += sizes[r]
+        full[key] = t
+    if rank != 0 and not all_ranks:
+        return {}
+    return {key: full[key] for key in local}

@@ -1,0 +1,168 @@
+"""The JSON index of a sharded checkpoint directory, and a uniform view of either checkpoint form.
+
+``DIR/index.json``::
+
+    {
+      "format": "tplayers.checkpoint", "version": 1,
+      "convention": "balanced-first-remainder",   # tplayers.sharding.CONVENTION at save time
+      "world_size": 2, "block_bytes": 1048576,
+      "files": {"rank-00000-of-00002.safetensors": {"size": 123, "sha256": "<64 hex>"}, ...},
+      "tensors": {
+        "0.weight": {"shape": [30, 16], "dtype": "F32", "dim": 0,
+                     "pieces": [{"file": "rank-00000-of-00002.safetensors", "start": 0, "stop": 15,
+                                 "block_rows": 4096, "sha256": ["<64 hex>", ...]}, ...]},
+        "2.bias":   {"shape": [16], "dtype": "F32", "dim": null,
+                     "pieces": [{"file": "...", "block_rows": 65536, "sha256": [...]}]}}
+    }
+
+A piece of a tensor sharded along ``dim`` holds global range ``[start, stop)``
+of that dim and is stored with ``dim`` moved first (``movedim(dim, 0)``), so
+the rows any reader needs form one contiguous span of the file. A replicated
+tensor (``dim: null``) is one piece in its natural layout. ``sha256`` lists the
+digests of blocks of ``block_rows`` stored rows. A file's ``sha256`` is the
+SHA-256 of its header bytes' SHA-256 followed by its block digests in file order.
+
+A plain safetensors file (e.g. from ``consolidated=True`` or ``save_file``)
+reads as the same structure: every tensor replicated, one piece, no block hashes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+from tplayers.checkpoint.format import CheckpointError, read_header, torch_dtype
+from tplayers.checkpoint.layout import check_tiling
+
+FORMAT = "tplayers.checkpoint"
+VERSION = 1
+INDEX_NAME = "index.json"
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One stored piece: ``[start, stop)`` of the tensor's shard dim in ``file`` under ``key``."""
+
+    file: str  # a path (directory + name) ready to open
+    start: int
+    stop: int
+    block_rows: Optional[int]  # None: no block hashes (plain files)
+    digests: Optional[Tuple[str, ...]]
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    shape: Tuple[int, ...]
+    dtype: str
+    dim: Optional[int]
+    pieces: Tuple[Piece, ...]
+
+
+@dataclass
+class Source:
+    """Everything a loader needs to know about a checkpoint, either form."""
+
+    path: str
+    tensors: Dict[str, TensorEntry]
+    files: Dict[str, dict]  # path -> {"size", "sha256"} (empty for a plain file)
+    info: dict  # format, version, convention, world_size (for inspect)
+
+
+def open_source(path: str) -> Source:
+    """Parse and validate a checkpoint directory's index, or a plain safetensors file's header."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return _parse_index(path)
+    if os.path.isfile(path):
+        _, header, meta = read_header(path)
+        tensors = {
+            k: TensorEntry(tuple(e["shape"]), e["dtype"], None, (Piece(path, 0, 0, None, None),))
+            for k, e in header.items()
+        }
+        return Source(path, tensors, {}, {"format": "safetensors", "metadata": meta})
+    raise CheckpointError(f"{path}: no checkpoint here (neither a checkpoint directory nor a safetensors file)")
+
+
+def _need(cond: bool, where: str, what: str) -> None:
+    if not cond:
+        raise CheckpointError(f"{where}: {what}")
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _parse_index(directory: str) -> Source:
+    where = os.path.join(directory, INDEX_NAME)
+    try:
+        with open(where, "rb") as f:
+            raw = json.loads(f.read())
+    except FileNotFoundError:
+        raise CheckpointError(f"{where}: missing; {directory} is not a tplayers checkpoint directory") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{where}: malformed JSON ({e})") from None
+    _need(isinstance(raw, dict), where, "must be a JSON object")
+    _need(raw.get("format") == FORMAT, where, f"format must be {FORMAT!r}, got {raw.get('format')!r}")
+    _need(raw.get("version") == VERSION, where, f"unsupported version {raw.get('version')!r} (this reader knows {VERSION})")
+    _need(isinstance(raw.get("convention"), str), where, "missing shard convention name")
+    files, tensors = raw.get("files"), raw.get("tensors")
+    _need(isinstance(files, dict) and isinstance(tensors, dict), where, "needs 'files' and 'tensors' objects")
+    real_dir = os.path.realpath(directory)
+    out_files = {}
+    for name, info in files.items():
+        ok = isinstance(name, str) and _SAFE_NAME.fullmatch(name) is not None
+        full = os.path.join(directory, name) if ok else str(name)
+        _need(ok and os.path.dirname(os.path.realpath(full)) == real_dir, where,
+              f"file name {name!r} is not a plain *.safetensors name inside {directory} (path traversal?)")
+        _need(isinstance(info, dict) and _int(info.get("size")) and isinstance(info.get("sha256"), str)
+              and _HEX64.fullmatch(info["sha256"]) is not None, where, f"file {name!r}: needs an int size and a sha256")
+        out_files[full] = info
+    out = {}
+    for key, t in tensors.items():
+        w = f"{where}: tensor {key!r}"
+        _need(isinstance(t, dict) and isinstance(t.get("shape"), list) and all(_int(s) for s in t["shape"]), w, "bad shape")
+        shape, dim = tuple(t["shape"]), t.get("dim")
+        torch_dtype(t.get("dtype") if isinstance(t.get("dtype"), str) else repr(t.get("dtype")), w)
+        _need(dim is None or (_int(dim) and dim < len(shape)), w, f"shard dim {dim!r} out of range for shape {list(shape)}")
+        pieces = t.get("pieces")
+        _need(isinstance(pieces, list), w, "needs a 'pieces' list")
+        parsed = []
+        for p in pieces:
+            _need(isinstance(p, dict) and p.get("file") in files, w, f"piece names a file not in 'files': {p!r:.200}")
+            start, stop = (p.get("start"), p.get("stop")) if dim is not None else (0, 0)
+            _need(_int(start) and _int(stop) and (dim is None or start < stop <= shape[dim]), w,
+                  f"piece range [{start}, {stop}) is not a non-empty range of dim length {shape[dim] if dim is not None else '-'}")
+            rows = (stop - start) if dim is not None else (shape[0] if shape else 1)
+            k, digests = p.get("block_rows"), p.get("sha256")
+            _need(_int(k) and k >= 1 and isinstance(digests, list) and len(digests) == -(-rows // k)
+                  and all(isinstance(d, str) and _HEX64.fullmatch(d) for d in digests), w,
+                  f"piece in {p['file']}: block_rows / sha256 list malformed")
+            parsed.append(Piece(os.path.join(directory, p["file"]), start, stop, k, tuple(digests)))
+        if dim is None:
+            _need(len(parsed) == 1, w, f"a replicated tensor needs exactly 1 piece, got {len(parsed)}")
+        else:
+            parsed.sort(key=lambda p: p.start)
+            check_tiling(f"{w}", shape[dim], [(p.start, p.stop) for p in parsed],
+                         lambda rng: next(os.path.basename(p.file) for p in parsed if (p.start, p.stop) == rng))
+        out[key] = TensorEntry(shape, t["dtype"], dim, tuple(parsed))
+    info = {k: raw.get(k) for k in ("format", "version", "convention", "world_size", "block_bytes")}
+    return Source(directory, out, out_files, info)
+
+
+def build_index(world: int, convention: str, block_bytes: int, files: Dict[str, dict], tensors: Dict[str, dict]) -> bytes:
+    """Serialise an index (see the module docstring for the fields)."""
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "convention": convention,
+        "world_size": world,
+        "block_bytes": block_bytes,
+        "files": files,
+        "tensors": tensors,
+    }
+    return json.dumps(doc, indent=1, sort_keys=True).encode()

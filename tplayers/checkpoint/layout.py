@@ -1,0 +1,206 @@
+"""Who holds what: a model's tensors as sharding data, agreed across ranks, and who writes which piece.
+
+Every parameter and persistent buffer of ``model.state_dict()`` gets a
+:class:`~tplayers.ShardSpec`: the one its :class:`~tplayers.layers.ShardedModule`
+reports through ``shard_specs()``, or a replicated spec for everything else
+(norms, embeddings, the tensors of domain-parallel layers). Nothing here knows
+any layer type: sharding comes only from ``shard_specs()``.
+
+Writers: each distinct non-empty range of a sharded tensor is written by the
+lowest rank holding it (replicas along another mesh axis write nothing).
+Replicated tensors are written once, spread over the ranks largest first onto
+the least-loaded rank, so no rank writes every norm and embedding alone. This
+assumes replicated tensors are identical on every rank, which tplayers layers
+keep (their gradients are reduced over the group).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tplayers.checkpoint.format import CheckpointError, dtype_name, itemsize
+from tplayers.comm import record_collective
+from tplayers.layers._common import ShardedModule
+from tplayers.sharding import ShardSpec
+
+
+@dataclass(frozen=True)
+class LocalTensor:
+    """One ``state_dict`` entry of this rank: the live tensor and how it is sharded."""
+
+    key: str
+    tensor: torch.Tensor
+    spec: ShardSpec
+
+
+def local_tensors(model: nn.Module) -> Dict[str, LocalTensor]:
+    """``{state_dict key: LocalTensor}`` of ``model`` (the live parameters and buffers)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    specs: Dict[str, ShardSpec] = {}
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        if isinstance(mod, ShardedModule):
+            for name, spec in mod.shard_specs().items():
+                specs[f"{prefix}.{name}" if prefix else name] = spec
+    out = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        spec = specs.get(key) or ShardSpec.replicated(t.shape)
+        if tuple(t.shape) != spec.local_shape:
+            raise ValueError(
+                f"{key}: shard_specs() says this rank holds {spec.local_shape} of {spec.global_shape}, "
+                f"but the tensor is {tuple(t.shape)}"
+            )
+        out[key] = LocalTensor(key, t, spec)
+    return out
+
+
+def stored(t: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
+    """How a piece is stored: the sharded dim moved first (so any reshard reads one contiguous span)."""
+    t = t.detach()
+    if dim is not None and dim != 0:
+        t = t.movedim(dim, 0)
+    return t.to("cpu").contiguous()
+
+
+# ----------------------------------------------------------------------------
+# Rank agreement (small JSON payloads over the default group; no pickle)
+# ----------------------------------------------------------------------------
+
+def world_info() -> Tuple[int, int]:
+    """``(rank, world size)`` of the default group, or ``(0, 1)`` without torch.distributed."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def allgather_bytes(data: bytes) -> List[bytes]:
+    """Every rank's ``data``, in rank order (two all-gathers: lengths, then padded bytes)."""
+    rank, world = world_info()
+    if world == 1:
+        return [data]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(n) for _ in range(world)]
+    record_collective("all_gather", 8 * world, world, "checkpoint")
+    dist.all_gather(lengths, n)
+    sizes = [int(x.item()) for x in lengths]
+    buf = torch.zeros(max(sizes), dtype=torch.uint8)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+    buf = buf.to(device)
+    outs = [torch.empty_like(buf) for _ in range(world)]
+    record_collective("all_gather", buf.numel() * world, world, "checkpoint")
+    dist.all_gather(outs, buf)
+    return [bytes(o[:s].cpu().numpy().tobytes()) for o, s in zip(outs, sizes)]
+
+
+def allgather_json(obj) -> list:
+    return [json.loads(b) for b in allgather_bytes(json.dumps(obj).encode())]
+
+
+def agree(error: Optional[str]) -> None:
+    """Collective: raise :class:`CheckpointError` on every rank if ``error`` is set on any rank."""
+    errors = allgather_json(error)
+    bad = [(r, e) for r, e in enumerate(errors) if e]
+    if bad:
+        lines = "\n".join(f"  rank {r}: {e}" for r, e in bad)
+        raise CheckpointError(f"checkpoint failed on {len(bad)} of {len(errors)} rank(s), nothing was changed:\n{lines}")
+
+
+# ----------------------------------------------------------------------------
+# Global layout from every rank's specs
+# ----------------------------------------------------------------------------
+
+@dataclass
+class GlobalTensor:
+    """A tensor of the whole model: global shape, dtype, shard dim and each range's writer."""
+
+    shape: Tuple[int, ...]
+    dtype: str
+    dim: Optional[int]
+    owners: List[Tuple[int, int, int]]  # (start, stop, rank); one (0, 0, rank) when replicated
+
+    @property
+    def nbytes(self) -> int:
+        n = itemsize(self.dtype)
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def describe(local: Dict[str, LocalTensor]) -> list:
+    """This rank's layout as JSON-able rows ``[key, global shape, dtype, dim, start, stop]``."""
+    return [
+        [k, list(v.spec.global_shape), dtype_name(v.tensor.dtype), v.spec.dim, v.spec.start, v.spec.stop]
+        for k, v in sorted(local.items())
+    ]
+
+
+def plan_layout(per_rank: Sequence[list]) -> Tuple[Dict[str, GlobalTensor], List[List[str]]]:
+    """Check that the ranks' layouts fit together and choose a writer for every piece.
+
+    ``per_rank[r]`` is rank ``r``'s :func:`describe`. Returns the global tensors
+    and, per rank, the keys it writes. Deterministic: every rank computes the
+    same answer from the same input, so errors are raised on every rank alike.
+    """
+    world = len(per_rank)
+    rows = [{row[0]: row for row in rank_rows} for rank_rows in per_rank]
+    keys = sorted(rows[0])
+    for r in range(1, world):
+        if set(rows[r]) != set(rows[0]):
+            extra, lacking = sorted(set(rows[r]) - set(rows[0])), sorted(set(rows[0]) - set(rows[r]))
+            raise CheckpointError(f"rank {r}'s model differs from rank 0's: extra keys {extra}, missing keys {lacking}")
+    tensors: Dict[str, GlobalTensor] = {}
+    load = [0] * world
+    replicated = []
+    for key in keys:
+        _, shape, dtype, dim, _, _ = rows[0][key]
+        for r in range(world):
+            _, s2, t2, d2, _, _ = rows[r][key]
+            if (s2, t2, d2) != (shape, dtype, dim):
+                raise CheckpointError(
+                    f"{key}: rank {r} has global shape {s2}, dtype {t2}, shard dim {d2}; rank 0 has {shape}, {dtype}, {dim}"
+                )
+        g = GlobalTensor(tuple(shape), dtype, dim, [])
+        tensors[key] = g
+        if dim is None:
+            replicated.append(key)
+            continue
+        first: Dict[Tuple[int, int], int] = {}
+        for r in range(world):
+            start, stop = rows[r][key][4:6]
+            if stop > start:
+                first.setdefault((start, stop), r)
+        check_tiling(key, shape[dim], sorted(first), lambda rng: f"rank {first[rng]}")
+        g.owners = [(s, e, r) for (s, e), r in sorted(first.items())]
+        row_bytes = g.nbytes // max(shape[dim], 1)
+        for s, e, r in g.owners:
+            load[r] += (e - s) * row_bytes
+    for key in sorted(replicated, key=lambda k: (-tensors[k].nbytes, k)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        tensors[key].owners = [(0, 0, r)]
+        load[r] += tensors[key].nbytes
+    writes: List[List[str]] = [[] for _ in range(world)]
+    for key in keys:
+        for _, _, r in tensors[key].owners:
+            writes[r].append(key)
+    return tensors, writes
+
+
+def check_tiling(key: str, n: int, ranges: Sequence[Tuple[int, int]], who) -> None:
+    """Raise unless the sorted non-empty ``ranges`` tile ``[0, n)`` exactly (no gap, no overlap)."""
+    expect = 0
+    for rng in ranges:
+        start, stop = rng
+        if start < expect:
+            raise CheckpointError(f"{key}: shard [{start}, {stop}) from {who(rng)} overlaps the previous one (ends at {expect})")
+        if start > expect:
+            raise CheckpointError(f"{key}: elements [{expect}, {start}) of dim length {n} are held by no shard (gap before {who(rng)})")
+        expect = stop
+    if expect != n:
+        raise CheckpointError(f"{key}: shards cover [0, {expect}) of a dim of length {n}")

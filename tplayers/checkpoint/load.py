@@ -1,0 +1,157 @@
+"""Load a checkpoint of any layout or world size into the current model (collective)."""
+
+from __future__ import annotations
+
+import os
+from typing import List, NamedTuple
+
+import torch
+from torch import nn
+
+from tplayers.checkpoint.format import CheckpointError, torch_dtype
+from tplayers.checkpoint.index import open_source
+from tplayers.checkpoint.layout import agree, local_tensors, world_info
+from tplayers.checkpoint.progress import Progress
+from tplayers.checkpoint.read import Reader
+
+
+class LoadResult(NamedTuple):
+    """What :func:`load_checkpoint` did on this rank.
+
+    Example::
+
+        res = load_checkpoint(model, "ckpt/", strict=False)
+        print(res.missing_keys, res.unexpected_keys, f"{res.bytes_read / 1e6:.0f} MB read")
+    """
+
+    missing_keys: List[str]  # in the model, not in the checkpoint (only with strict=False)
+    unexpected_keys: List[str]  # in the checkpoint, not in the model (only with strict=False)
+    bytes_read: int  # tensor bytes this rank asked of safe_open(...).get_slice
+
+
+def load_checkpoint(
+    model: nn.Module,
+    path,
+    *,
+    strict: bool = True,
+    verify: bool = True,
+    cast: bool = False,
+    progress=None,
+) -> LoadResult:
+    """Load ``path`` (a checkpoint directory or a safetensors file) into ``model``, resharding as needed.
+
+    Collective over the default process group: every rank calls it (a plain
+    single-process model needs no process group). Works for a checkpoint
+    saved at any world size or layout, a ``consolidated=True`` file, or any
+    standard safetensors file of the serial model's ``state_dict()``.
+
+    Each rank reads only the rows it holds, via ``safe_open(...).get_slice``.
+    Before any parameter changes, every rank checks keys (``strict`` lists all
+    missing and unexpected ones), global shapes, dtypes (no silent cast;
+    ``cast=True`` converts), the index (format, coverage: no gaps or overlaps,
+    file names inside the directory), every file's presence, size and header,
+    and with ``verify=True`` the SHA-256 of every block it reads. The ranks
+    then agree; if any rank found a problem, every rank raises
+    :class:`~tplayers.checkpoint.CheckpointError` naming the file and key and
+    no rank has changed anything.
+
+    ``verify=False`` skips the block hashes (structure, sizes and headers are
+    still checked) and reads exactly the needed rows instead of whole blocks.
+    ``progress`` draws a bar on rank 0 (``None``: only for large loads to a terminal).
+    Returns a :class:`LoadResult` (missing / unexpected keys, bytes read).
+
+    Example::
+
+        model = build_model()                         # any world size / plan
+        tplayers.checkpoint.load_checkpoint(model, "ckpt/")
+    """
+    path = os.fspath(path)
+    rank, _ = world_info()
+    copies, error, result = [], None, LoadResult([], [], 0)
+    reader = None
+    try:
+        reader, copies, result = stage_load(model, path, strict=strict, verify=verify, cast=cast)
+    except Exception as e:  # noqa: BLE001 - any local failure must still reach `agree`, or peers hang
+        error = f"{type(e).__name__}: {e}"
+    try:
+        agree(error)
+        apply_copies(copies, Progress(_nbytes(copies), f"load {path}", progress if rank == 0 else False))
+    finally:
+        if reader is not None:
+            reader.close()
+    return result
+
+
+def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast: bool):
+    """This rank's half of a load, changing nothing: validate, read (and verify) what it needs.
+
+    Returns ``(reader, copies, result)``; ``copies`` are ``(tensor, dest, source)``
+    for :func:`apply_copies`, whose sources stay valid until ``reader.close()``.
+    Raises :class:`CheckpointError` on any problem. Not collective.
+    """
+    source = open_source(path)
+    reader = Reader(source, verify=verify)
+    try:
+        reader.check_files_present()
+        local = local_tensors(model)
+        missing = sorted(set(local) - set(source.tensors))
+        unexpected = sorted(set(source.tensors) - set(local))
+        if strict and (missing or unexpected):
+            raise CheckpointError(
+                f"{path}: keys do not match the model (strict=True): missing {missing}, unexpected {unexpected}"
+            )
+        keys = sorted(set(local) & set(source.tensors))
+        problems = [msg for key in keys for msg in _mismatch(key, local[key], source.tensors[key], cast)]
+        if problems:
+            raise CheckpointError(f"{path}: {len(problems)} tensor(s) do not fit the model:\n    " + "\n    ".join(problems))
+        copies = []
+        for key in keys:
+            lt = local[key]
+            for dest, t in reader.read(key, lt.spec.dim, lt.spec.start, lt.spec.stop):
+                copies.append((lt.tensor, dest, t))
+    except BaseException:
+        reader.close()
+        raise
+    return reader, copies, LoadResult(missing, unexpected, reader.bytes_read)
+
+
+def apply_copies(copies, bar: Progress) -> None:
+    """Write the staged sources into the model's tensors (the only step that changes the model)."""
+    with torch.no_grad():
+        for dst, dest, t in copies:
+            dst[dest].copy_(to_device(t, dst.device))
+            bar.update(t.numel() * t.element_size())
+    bar.close()
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` with its memory layout kept: a transposed view of a stored piece is sent
+    as the contiguous block it is and transposed on the device, not rearranged on the host first.
+
+    >>> x = torch.arange(6.).reshape(3, 2).t()   # a transposed view
+    >>> torch.equal(to_device(x, torch.device("cpu")), x)
+    True
+    """
+    if t.device == device:
+        return t
+    order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
+    block = t.permute(order)
+    if not block.is_contiguous():
+        return t.to(device)
+    back = sorted(range(t.dim()), key=lambda i: order[i])
+    return block.to(device).permute(back)
+
+
+def _nbytes(copies) -> int:
+    return sum(t.numel() * t.element_size() for _, _, t in copies)
+
+
+def _mismatch(key, lt, entry, cast: bool) -> List[str]:
+    """Why checkpoint tensor ``entry`` cannot be loaded into local tensor ``lt`` (empty if it can)."""
+    out = []
+    if tuple(entry.shape) != lt.spec.global_shape:
+        out.append(f"tensor {key!r} has global shape {list(entry.shape)}, the model expects {list(lt.spec.global_shape)}")
+    got = torch_dtype(entry.dtype, f"tensor {key!r}")
+    if got != lt.tensor.dtype and not cast:
+        out.append(f"tensor {key!r} is {got}, the model holds {lt.tensor.dtype} (pass cast=True to convert)")
+    return out

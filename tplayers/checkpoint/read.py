@@ -1,0 +1,187 @@
+"""Read exactly the byte ranges a layout needs from a checkpoint, checking them as they come.
+
+:class:`Reader` serves "the part of tensor ``key`` that holds ``[start, stop)``
+of dim ``dim``" from whatever pieces the checkpoint has, through
+``safe_open(...).get_slice``. Pieces are stored shard-dim first, so each piece
+contributes one contiguous span of rows. With ``verify=True`` the span is
+widened to whole hashed blocks (at most one block of extra rows at each end)
+and every block read is checked against its SHA-256: bytes that are read are
+verified, and bytes that are not needed are not read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from contextlib import ExitStack
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tplayers.checkpoint.format import (
+    CheckpointError,
+    advise_exact_read,
+    advise_mapping_random,
+    read_header,
+    row_blocks,
+    torch_dtype,
+)
+from tplayers.checkpoint.index import Piece, Source, TensorEntry
+
+
+def stored_shape(entry: TensorEntry, piece: Piece) -> Tuple[int, ...]:
+    """Shape of ``piece`` as stored: the shard dim's range moved first (natural if replicated)."""
+    if entry.dim is None:
+        return entry.shape
+    s = list(entry.shape)
+    s[entry.dim] = piece.stop - piece.start
+    return (s[entry.dim],) + tuple(s[: entry.dim] + s[entry.dim + 1 :])
+
+
+class Reader:
+    """Read boxes of checkpoint tensors; counts ``bytes_read`` (tensor bytes asked of ``get_slice``).
+
+    Example::
+
+        with Reader(open_source("ckpt/")) as r:
+            parts = r.read("0.weight", dim=0, start=3, stop=7)   # [(dest slices, tensor), ...]
+    """
+
+    def __init__(self, source: Source, *, verify: bool = True) -> None:
+        self.source, self.verify = source, verify
+        self.bytes_read = 0
+        self.header_bytes = 0
+        self._stack = ExitStack()
+        self._handles: Dict[str, object] = {}
+        self._in_file: Dict[str, Dict[str, Tuple[TensorEntry, Piece]]] = {}
+        for key, entry in source.tensors.items():
+            for p in entry.pieces:
+                self._in_file.setdefault(p.file, {})[key] = (entry, p)
+
+    def __enter__(self) -> "Reader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def check_files_present(self) -> None:
+        """Cheap check of every file the index names: present and of the recorded size."""
+        for path, info in self.source.files.items():
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path}: shard file missing")
+            size = os.path.getsize(path)
+            if size != info["size"]:
+                raise CheckpointError(f"{path}: {size} bytes, the index says {info['size']}: truncated or replaced")
+
+    def _open(self, path: str):
+        if path not in self._handles:
+            self._check_header(path)
+            try:
+                self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
+                advise_mapping_random(path)
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{path}: safetensors cannot open it ({e})") from None
+        return self._handles[path]
+
+    def _check_header(self, path: str) -> None:
+        prefix, header, _ = read_header(path)
+        self.header_bytes += len(prefix)
+        info = self.source.files.get(path)
+        if info is None:  # a plain safetensors file: its own header is the source
+            return
+        expected = self._in_file.get(path, {})
+        if set(header) != set(expected):
+            raise CheckpointError(
+                f"{path}: holds tensors {sorted(set(header) - set(expected))} the index does not list there "
+                f"and lacks {sorted(set(expected) - set(header))}"
+            )
+        digest = hashlib.sha256(hashlib.sha256(prefix).digest())
+        for key in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
+            entry, piece = expected[key]
+            got = (tuple(header[key]["shape"]), header[key]["dtype"])
+            if got != (stored_shape(entry, piece), entry.dtype):
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} is stored as {got}, the index says {(stored_shape(entry, piece), entry.dtype)}"
+                )
+            for d in piece.digests:
+                digest.update(bytes.fromhex(d))
+        if digest.hexdigest() != info["sha256"]:
+            raise CheckpointError(f"{path}: SHA-256 of header and block digests does not match the index: file or index corrupted")
+
+    def read(self, key: str, dim: Optional[int], start: int = 0, stop: int = 0) -> List[Tuple[tuple, torch.Tensor]]:
+        """The parts of ``key`` covering ``[start, stop)`` of ``dim`` (the whole tensor if ``dim`` is None).
+
+        Returns ``[(dest, tensor)]``: ``tensor`` goes to ``local[dest]`` where
+        ``local`` is the requested box (natural dim order).
+        """
+        entry = self.source.tensors[key]
+        nd = len(entry.shape)
+        lo, hi = [0] * nd, list(entry.shape)
+        if dim is not None:
+            lo[dim], hi[dim] = start, stop
+        if any(h <= l for l, h in zip(lo, hi)):
+            return []  # an empty box: nothing to read
+        out = []
+        for p in entry.pieces:
+            plo, phi = [0] * nd, list(entry.shape)
+            if entry.dim is not None:
+                plo[entry.dim], phi[entry.dim] = p.start, p.stop
+            ilo = [max(a, b) for a, b in zip(lo, plo)]
+            ihi = [min(a, b) for a, b in zip(hi, phi)]
+            if any(h <= l for l, h in zip(ilo, ihi)):
+                continue
+            order = list(range(nd)) if entry.dim is None else [entry.dim] + [g for g in range(nd) if g != entry.dim]
+            want = [(ilo[g] - plo[g], ihi[g] - plo[g]) for g in order]  # stored coordinates
+            t = self._read_stored(key, p, want)
+            if entry.dim not in (None, 0):
+                t = t.movedim(0, entry.dim)
+            out.append((tuple(slice(ilo[g] - lo[g], ihi[g] - lo[g]) for g in range(nd)), t))
+        return out
+
+    def read_box(self, key: str, dim: Optional[int] = None, start: int = 0, stop: int = 0) -> torch.Tensor:
+        """``[start, stop)`` of ``dim`` of ``key`` (all of it when ``dim`` is None) as one new tensor."""
+        entry = self.source.tensors[key]
+        shape = list(entry.shape)
+        if dim is not None:
+            shape[dim] = stop - start
+        box = torch.empty(shape, dtype=torch_dtype(entry.dtype, key))
+        for dest, t in self.read(key, dim, start, stop):
+            box[dest].copy_(t)
+        return box
+
+    def _read_stored(self, key: str, p: Piece, want: List[Tuple[int, int]]) -> torch.Tensor:
+        f = self._open(p.file)
+        where = f"{p.file}: tensor {key!r}"
+        if not want:  # a 0-d tensor
+            t = f.get_tensor(key)
+            self.bytes_read += t.element_size()
+            self._check_blocks(where, p, t, 0)
+            return t
+        sl = f.get_slice(key)
+        shape = sl.get_shape()
+        box = want
+        if self.verify and p.digests is not None:
+            k, (a, b) = p.block_rows, want[0]
+            box = [(a // k * k, min(-(-b // k) * k, shape[0]))] + [(0, n) for n in shape[1:]]
+        t = sl[tuple(slice(x, y) for x, y in box)]
+        advise_exact_read(t)
+        self.bytes_read += t.numel() * t.element_size()
+        if box is not want:
+            self._check_blocks(where, p, t.contiguous(), box[0][0] // p.block_rows)
+            t = t[tuple(slice(x - bx, y - bx) for (x, y), (bx, _) in zip(want, box))]
+        return t
+
+    def _check_blocks(self, where: str, p: Piece, t: torch.Tensor, first: int) -> None:
+        if not (self.verify and p.digests is not None):
+            return
+        for i, blk in enumerate(row_blocks(t, p.block_rows)):
+            j = first + i
+            if hashlib.sha256(blk).hexdigest() != p.digests[j]:
+                raise CheckpointError(
+                    f"{where}: block {j} (stored rows [{j * p.block_rows}, {(j + 1) * p.block_rows})) fails its "
+                    "SHA-256: the file is corrupted"
+                )

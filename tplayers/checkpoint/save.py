@@ -1,0 +1,159 @@
+"""Save a model as a sharded checkpoint directory or one consolidated safetensors file (collective).
+
+Crash safety. Everything is written under a temporary sibling of ``path``
+(``.<name>.tmp-<token>``), every file is fsynced, then the directory, then it
+is moved into place by :func:`tplayers.checkpoint.format.commit`: a rename, or
+an atomic exchange with the previous checkpoint followed by deleting it. A
+crash before the move leaves the previous checkpoint untouched (plus a stray
+temp sibling, safe to delete); after it, the new one is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from tplayers.checkpoint.format import BLOCK_BYTES, CheckpointError, commit, fsync_dir, write_file
+from tplayers.checkpoint.gather import gather_state_dict
+from tplayers.checkpoint.index import INDEX_NAME, build_index
+from tplayers.checkpoint.layout import (
+    GlobalTensor,
+    agree,
+    allgather_json,
+    describe,
+    local_tensors,
+    plan_layout,
+    stored,
+    world_info,
+)
+from tplayers.checkpoint.progress import Progress
+from tplayers.sharding import CONVENTION
+
+
+def shard_file_name(rank: int, world: int) -> str:
+    return f"rank-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def temp_sibling(path: str, token: str) -> str:
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}.tmp-{token}")
+
+
+def save_checkpoint(
+    model: nn.Module,
+    path,
+    *,
+    consolidated: bool = False,
+    progress: Optional[bool] = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> None:
+    """Save ``model`` to ``path``; collective over the default process group (all ranks call it).
+
+    - sharded (default): ``path`` becomes a directory with one safetensors file
+      per rank and ``index.json`` (format version, shard convention, per tensor
+      its global shape, dtype, shard dim and which file holds which range,
+      SHA-256 digests). Replicated tensors are written once.
+    - ``consolidated=True``: ``path`` becomes one standard safetensors file whose
+      keys and shapes are exactly the serial model's ``state_dict()``
+      (``safetensors.torch.load_model`` loads it into the plain model).
+
+    Either way it is written to a temporary sibling, fsynced and renamed, so a
+    crash never leaves a half-written checkpoint at ``path``. ``progress``
+    draws a bar on rank 0 (``None``: only for large saves to a terminal).
+
+    Example (``torchrun --nproc-per-node 2 train.py``)::
+
+        tplayers.checkpoint.save_checkpoint(model, "ckpt/")
+        tplayers.checkpoint.save_checkpoint(model, "model.safetensors", consolidated=True)
+    """
+    path = os.fspath(path)
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
+        raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+    rank, world = world_info()
+    local = local_tensors(model)
+    if consolidated:
+        _save_consolidated(model, path, rank, progress)
+        return
+    rows = allgather_json({"token": secrets.token_hex(8), "tensors": describe(local)})
+    tensors, writes = plan_layout([r["tensors"] for r in rows])
+    tmp = temp_sibling(path, rows[0]["token"])
+    info, error = None, None
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        items = [(k, stored(local[k].tensor, local[k].spec.dim)) for k in writes[rank]]
+        info = write_rank_file(tmp, rank, world, items, block_bytes, progress if rank == 0 else False)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, or peers hang
+        error = f"{type(e).__name__}: {e}"
+    infos = allgather_json({"info": info, "error": error})
+    failed = [(r, x["error"]) for r, x in enumerate(infos) if x["error"]]
+    commit_error = None
+    if rank == 0:
+        try:
+            if failed:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                finish_dir(tmp, path, world, tensors, [x["info"] for x in infos], block_bytes)
+        except Exception as e:  # noqa: BLE001 - reported to every rank by `agree`
+            commit_error = f"{type(e).__name__}: {e}"
+    if failed:
+        raise CheckpointError(
+            f"save to {path} failed, the previous checkpoint (if any) is untouched:\n"
+            + "\n".join(f"  rank {r}: {e}" for r, e in failed)
+        )
+    agree(commit_error)
+
+
+def write_rank_file(directory: str, rank: int, world: int, items, block_bytes: int, progress) -> dict:
+    """Write one rank's pieces; returns the facts the index needs about the file."""
+    name = shard_file_name(rank, world)
+    bar = Progress(sum(t.numel() * t.element_size() for _, t in items), f"save {name}", progress)
+    meta = {"format": "tplayers.checkpoint", "layout": "shard-dim-first"}
+    size, digest, blocks = write_file(os.path.join(directory, name), items, meta, block_bytes=block_bytes, on_bytes=bar.update)
+    bar.close()
+    return {"file": name, "size": size, "sha256": digest, "blocks": {k: [v[0], v[1]] for k, v in blocks.items()}}
+
+
+def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor], infos: Sequence[dict], block_bytes: int) -> None:
+    """Write the index into ``tmp``, fsync it, and move ``tmp`` to ``path``."""
+    entries = {}
+    for key, g in tensors.items():
+        pieces = []
+        for start, stop, r in g.owners:
+            k, digests = infos[r]["blocks"][key]
+            piece = {"file": infos[r]["file"], "block_rows": k, "sha256": digests}
+            if g.dim is not None:
+                piece.update(start=start, stop=stop)
+            pieces.append(piece)
+        entries[key] = {"shape": list(g.shape), "dtype": g.dtype, "dim": g.dim, "pieces": pieces}
+    files = {x["file"]: {"size": x["size"], "sha256": x["sha256"]} for x in infos}
+    index_path = os.path.join(tmp, INDEX_NAME)
+    with open(index_path, "xb") as f:
+        f.write(build_index(world, CONVENTION, block_bytes, files, entries))
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    commit(tmp, path)
+
+
+def _save_consolidated(model: nn.Module, path: str, rank: int, progress) -> None:
+    full = gather_state_dict(model)  # rank 0 holds everything, others {}
+    error = None
+    if rank == 0:
+        tmp = temp_sibling(path, secrets.token_hex(8))
+        try:
+            items = [(k, v.detach().to("cpu").contiguous()) for k, v in full.items()]
+            bar = Progress(sum(t.numel() * t.element_size() for _, t in items), f"save {path}", progress)
+            write_file(tmp, items, {"format": "tplayers.consolidated", "convention": CONVENTION},
+                       on_bytes=bar.update, hashes=False)
+            bar.close()
+            commit(tmp, path)
+        except Exception as e:  # noqa: BLE001 - reported to every rank by `agree`
+            error = f"{type(e).__name__}: {e}"
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    agree(error)
