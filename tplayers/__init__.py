@@ -17,6 +17,7 @@ Hand-written model code uses the layers directly (``ColumnParallelLinear``,
 """
 
 from tplayers.comm import CommLog, count_collectives
+from tplayers.domain import gather, scatter, shard
 from tplayers.layers import ColumnParallelLinear, RowParallelLinear
 from tplayers.mesh import default_mesh, init_mesh
 from tplayers.parallelize import ColumnParallel, ParallelStyle, RowParallel, explain, parallelize_module
@@ -30,6 +31,9 @@ __all__ = [
     "shard_sizes",
     "shard_range",
     "ShardSpec",
+    "shard",
+    "scatter",
+    "gather",
     "count_collectives",
     "CommLog",
     "ColumnParallelLinear",
