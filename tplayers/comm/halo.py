@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.accounting import record_collective
-from tplayers.ops import faces_overlap, pack_faces, unpack_faces
+from tplayers.ops import pack_faces, unpack_faces
 
 __all__ = ["HaloExchange1d", "halo_exchange", "halo_widths_ok"]
 
@@ -163,13 +163,7 @@ class HaloExchange1d(torch.autograd.Function):
             faces.append((0, s_lo))
         if hi is not None and s_hi:
             faces.append((n - s_hi, s_hi))
-        if faces_overlap(faces):  # one face at a time so overlapping rows add up
-            offset = 0
-            for face in faces:
-                unpack_faces(buf[offset:], grad_x, dim, [face], accumulate=True)
-                offset += _row_numel(grad_x, dim) * face[1]
-        else:
-            unpack_faces(buf, grad_x, dim, faces, accumulate=True)
+        unpack_faces(buf, grad_x, dim, faces, accumulate=True)  # overlapping faces add up
         return grad_x, None, None, None, None, None
 
 

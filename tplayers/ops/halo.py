@@ -125,6 +125,12 @@ def unpack_faces(
     need = sum(_face_numel(out, dim, n) for _, n in faces)
     assert buf.dim() == 1 and buf.numel() >= need and buf.dtype == out.dtype, (buf.shape, need, buf.dtype, out.dtype)
     if _use_triton(out):
+        if accumulate and faces_overlap(faces):  # one launch per face so shared rows add up
+            offset = 0
+            for face in faces:
+                _TRITON.unpack(buf[offset:], out, dim, [face], True)
+                offset += _face_numel(out, dim, face[1])
+            return out
         return _TRITON.unpack(buf, out, dim, faces, accumulate)
     return unpack_faces_reference(buf, out, dim, faces, accumulate)
 
