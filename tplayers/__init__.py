@@ -18,7 +18,7 @@ Hand-written model code uses the layers directly (``ColumnParallelLinear``,
 
 from tplayers.comm import CommLog, count_collectives
 from tplayers.domain import gather, scatter, shard
-from tplayers.layers import ColumnParallelLinear, RowParallelLinear
+from tplayers.layers import ColumnParallelLinear, DistributedConv2d, RowParallelLinear
 from tplayers.mesh import default_mesh, init_mesh
 from tplayers.parallelize import ColumnParallel, ParallelStyle, RowParallel, explain, parallelize_module
 from tplayers.sharding import ShardSpec, shard_range, shard_sizes
@@ -38,6 +38,7 @@ __all__ = [
     "CommLog",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "DistributedConv2d",
     "ParallelStyle",
     "ColumnParallel",
     "RowParallel",

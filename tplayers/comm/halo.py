@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.comm.accounting import record_collective
 from tplayers.ops import pack_faces, unpack_faces
 
-__all__ = ["HaloExchange1d", "halo_exchange", "halo_widths_ok"]
+__all__ = ["HaloExchange1d", "halo_exchange", "halo_exchange_along", "halo_widths_ok"]
 
 Pair = Tuple[int, int]
 
@@ -203,12 +203,16 @@ def halo_exchange(x: torch.Tensor, mesh: DeviceMesh, shard_dims: Sequence[int], 
             raise ValueError(f"halo_exchange: rank {dist.get_rank()} holds {x.size(d)} rows along dim {d} "
                              f"but must send {send[i]} (lo, hi)")
     for i, d in enumerate(dims):
-        group = mesh.get_group(i)
-        if dist.get_world_size(group) == 1 and not periodic[i]:
-            x = torch.nn.functional.pad(x, _pad_arg(x.dim(), d, recv[i]))  # zero boundary both sides
-            continue
-        x = HaloExchange1d.apply(x, d, group, recv[i], send[i], periodic[i])
+        x = halo_exchange_along(x, mesh.get_group(i), d, recv[i], send[i], periodic[i])
     return x
+
+
+def halo_exchange_along(x: torch.Tensor, group: dist.ProcessGroup, dim: int, recv: Pair, send: Pair,
+                        periodic: bool) -> torch.Tensor:
+    """One shard dim of :func:`halo_exchange` over one mesh dim's ``group`` (no argument checks)."""
+    if dist.get_world_size(group) == 1 and not periodic:
+        return torch.nn.functional.pad(x, _pad_arg(x.dim(), dim, recv))  # zero boundary on both sides
+    return HaloExchange1d.apply(x, dim, group, tuple(recv), tuple(send), bool(periodic))
 
 
 def _pad_arg(ndim: int, dim: int, pair: Pair) -> List[int]:
