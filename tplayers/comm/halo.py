@@ -83,7 +83,7 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     recvbuf = src.new_empty(n_lo_recv + n_hi_recv)
     offset = 0
     for peer, face, ptag in ((lo, to_lo, _TAG_DOWN), (hi, to_hi, _TAG_UP)):
-        if peer is not None and face[1]:
+        if peer is not None and face[1] and row:  # empty messages are skipped on both sides
             part = sendbuf[offset : offset + row * face[1]]
             offset += part.numel()
             record_collective("send", part.numel() * part.element_size(), group_size, tag)

@@ -100,8 +100,9 @@ class DistributedConv2d(ShardedModule):
         self._groups = [mesh.get_group(i) for i in range(mesh.ndim)]
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty((out_channels, in_channels // groups) + self.kernel_size, **kw))
-        self.bias = nn.Parameter(torch.empty(out_channels, **kw)) if bias else None
-        if not bias:
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_channels, **kw))
+        else:
             self.register_parameter("bias", None)
         self._layouts: Dict[Tuple[int, ...], Tuple[Dict[int, AxisPlan], Tuple[int, ...]]] = {}
         if self.weight.device.type != "meta":
@@ -244,12 +245,14 @@ class DistributedConv2d(ShardedModule):
                 p = plans[d]
                 group = self._groups[self.shard_dims.index(d)]
                 x = halo_exchange_along(x, group, d, p.recv, p.send, periodic)  # (.., rows + recv, ..)
-                if max(p.boundary):
+                if max(p.boundary) and 0 not in out_shape:
                     x = F.pad(x, _pad_tuple(d, *p.boundary), mode=_TORCH_PAD_MODE[self.padding_mode])
                 if p.trim[0] or p.trim[1]:
                     x = x.narrow(d, p.trim[0], x.size(d) - p.trim[0] - p.trim[1])
                 continue
             lo, hi = self._pads[d - 2]
+            if 0 in out_shape:
+                continue  # nothing to compute here (see below)
             if self.padding_mode == "zeros" and lo == hi:
                 conv_pad[d - 2] = lo  # let the convolution pad
             elif lo or hi:
