@@ -92,7 +92,7 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count):
                 cot = torch.randn_like(ys)
                 (ys * cot).sum().backward()
                 (yg * cot).sum().backward()
-            reduces = len(shard_dims) * (2 if args["bias"] else 1)
+            reduces = len(shard_dims)  # weight and bias gradients in one all-reduce per mesh dim
             assert log.count("all_reduce") == reduces, log.summary()
             gx = tplayers.gather(xp.grad, shard_dims, mesh)
             torch.testing.assert_close(gx, xs.grad, **TIGHT, msg=lambda m: f"{args} {layouts}: {m}")

@@ -8,8 +8,8 @@ this rank's slice along the sharded dims; gathering the outputs gives
 
 Per forward: a halo exchange per sharded dim (:func:`tplayers.comm.halo_exchange_along`,
 an autograd Function whose backward is its adjoint), then a local ``F.conv2d``.
-The weight and bias enter through :class:`~tplayers.comm.CopyToParallelRegion`
-(identity forward, all-reduce backward), so their gradients are summed over the
+The weight and bias enter through :class:`~tplayers.comm.CopyManyToParallelRegion`
+(identity forward, one fused all-reduce of both gradients in backward), so their gradients are summed over the
 domain group: every rank holds the serial model's parameter gradient.
 
 Layout: local sizes may be any partition (not only :func:`tplayers.shard_sizes`).
@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.utils import _pair
 
-from tplayers.comm import copy_to_parallel_region, halo_exchange_along, record_collective
+from tplayers.comm import copy_many_to_parallel_region, halo_exchange_along, record_collective
 from tplayers.layers._common import ShardedModule
 from tplayers.layers._conv_layout import PADDING_MODES, AxisPlan, plan_axis
 from tplayers.sharding import ShardSpec
@@ -258,10 +258,10 @@ class DistributedConv2d(ShardedModule):
             elif lo or hi:
                 mode = "constant" if self.padding_mode == "zeros" else _TORCH_PAD_MODE[self.padding_mode]
                 x = F.pad(x, _pad_tuple(d, lo, hi), mode=mode)
-        weight, bias = self.weight, self.bias
-        for group in self._groups:  # identity forward; backward sums the gradient over the domain
-            weight = copy_to_parallel_region(weight, group)
-            bias = copy_to_parallel_region(bias, group) if bias is not None else None
+        params = [self.weight] + ([self.bias] if self.bias is not None else [])
+        for group in self._groups:  # identity forward; backward: one all-reduce of both gradients
+            params = copy_many_to_parallel_region(params, group)
+        weight, bias = params[0], (params[1] if self.bias is not None else None)
         if 0 in out_shape:
             # This rank owns no output rows: an empty output still tied to the halo exchange and the
             # parameters, so its backward (halo adjoint, gradient all-reduce) runs like everyone's.
@@ -272,8 +272,7 @@ class DistributedConv2d(ShardedModule):
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
         halo = [f"halo send/recv (dim {d})" for d in self.shard_dims]
-        reduce = ["all_reduce (weight grad)"] + (["all_reduce (bias grad)"] if self.bias is not None else [])
-        return halo, halo + reduce * len(self.shard_dims)
+        return halo, halo + ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "

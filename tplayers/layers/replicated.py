@@ -4,8 +4,8 @@ Under domain parallelism every rank sees only its slice of the image, so a
 replicated parameter (a channel norm's scale, a per-pixel linear, a learnable
 constant) gets only a partial gradient on each rank. :class:`DomainReplicated`
 wraps such a module: its forward hands the module's own parameters through
-:class:`~tplayers.comm.CopyToParallelRegion` (identity forward, all-reduce
-backward) and calls the module with them via ``torch.func.functional_call``.
+:class:`~tplayers.comm.CopyManyToParallelRegion` (identity forward, one
+all-reduce of all their gradients in backward) and calls the module with them via ``torch.func.functional_call``.
 The communication is visible in ``forward``; no hooks, no patching.
 
 The wrapper registers the module's own parameters, buffers and children under
@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.func import functional_call
 
-from tplayers.comm import copy_to_parallel_region
+from tplayers.comm import copy_many_to_parallel_region
 from tplayers.mesh import resolve_mesh
 
 __all__ = ["DomainReplicated"]
@@ -60,18 +60,17 @@ class DomainReplicated(nn.Module):
         return self._wrapped[0]
 
     def forward(self, *args, **kwargs):
-        tensors = {}
-        for name, p in self.named_parameters(recurse=False):
-            for group in self._groups:  # identity forward; backward all-reduces the gradient
-                p = copy_to_parallel_region(p, group)
-            tensors[name] = p
+        names, params = zip(*self.named_parameters(recurse=False))
+        params = list(params)
+        for group in self._groups:  # identity forward; backward: one all-reduce of all their grads
+            params = copy_many_to_parallel_region(params, group)
+        tensors = dict(zip(names, params))
         tensors.update(self.named_buffers(recurse=False))
         return functional_call(self.module, tensors, args, kwargs, strict=False)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
-        n = sum(1 for _ in self.parameters(recurse=False)) * len(self._groups)
-        return [], ["all_reduce (replicated grad)"] * n
+        return [], ["all_reduce (replicated grads)"] * len(self._groups)
 
     def extra_repr(self) -> str:
         return f"{type(self.module).__name__}, gradients summed over the domain"
