@@ -72,7 +72,8 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count):
             serial(torch.zeros(shape, dtype=torch.float64))
         except RuntimeError:
             continue  # the serial layer rejects it too (e.g. reflect padding >= size)
-        conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, shard_dims=shard_dims)
+        fmt = rng.choice([torch.channels_last, torch.contiguous_format])
+        conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, shard_dims=shard_dims, memory_format=fmt)
         opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
         opt_p = torch.optim.SGD(conv.parameters(), lr=0.1)
         for step in range(2):

@@ -58,6 +58,10 @@ class DistributedConv2d(ShardedModule):
       row ``o`` lives on the rank holding the centre of its receptive field
 
     ``padding_mode``: "zeros", "circular" (a periodic domain), "reflect", "replicate".
+    ``memory_format`` (keyword, beyond ``nn.Conv2d``'s arguments): layout of the halo-padded
+    buffer the exchange must allocate anyway, hence of the convolution and its output.
+    The default ``torch.channels_last`` is what oneDNN and cuDNN convolve fastest (about 1.5-2x
+    on CPU here); values are identical, the input gradient keeps the input's layout.
     A partition whose shards cannot supply their neighbours' halos raises
     ``ValueError`` on every rank before any halo traffic.
 
@@ -74,7 +78,8 @@ class DistributedConv2d(ShardedModule):
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
-                 mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)) -> None:
+                 mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),
+                 memory_format: torch.memory_format = torch.channels_last) -> None:
         super().__init__()
         name = type(self).__name__
         for arg, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
@@ -96,6 +101,10 @@ class DistributedConv2d(ShardedModule):
         if not dims or any(d not in (2, 3) for d in dims) or len(set(dims)) != len(dims):
             raise ValueError(f"{name}: shard_dims must be (2,), (3,) or (2, 3), got {tuple(shard_dims)}")
         self.shard_dims = dims
+        if memory_format not in (torch.channels_last, torch.contiguous_format):
+            raise ValueError(f"{name}: memory_format must be torch.channels_last or torch.contiguous_format, "
+                             f"got {memory_format}")
+        self.memory_format = memory_format
         mesh = self._bind_mesh(mesh, len(dims))
         self._groups = [mesh.get_group(i) for i in range(mesh.ndim)]
         kw = {"device": device, "dtype": dtype}
@@ -147,7 +156,8 @@ class DistributedConv2d(ShardedModule):
         return specs
 
     @classmethod
-    def from_module(cls, conv: nn.Conv2d, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)):
+    def from_module(cls, conv: nn.Conv2d, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),
+                    memory_format: torch.memory_format = torch.channels_last):
         """The domain-parallel twin of ``conv``, holding a copy of its parameters.
 
         Build optimizers after swapping: the new parameters are new objects.
@@ -156,7 +166,7 @@ class DistributedConv2d(ShardedModule):
             raise TypeError(f"{cls.__name__}.from_module expects an nn.Conv2d, got {type(conv).__name__}")
         layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                     conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode, device="meta",
-                    dtype=conv.weight.dtype, mesh=mesh, shard_dims=shard_dims)
+                    dtype=conv.weight.dtype, mesh=mesh, shard_dims=shard_dims, memory_format=memory_format)
         layer = layer.to_empty(device=conv.weight.device)
         layer._copy_shards_from(conv)
         return layer
@@ -244,7 +254,7 @@ class DistributedConv2d(ShardedModule):
             if d in plans:  # sharded: halo exchange, then the global-edge padding, then trim
                 p = plans[d]
                 group = self._groups[self.shard_dims.index(d)]
-                x = halo_exchange_along(x, group, d, p.recv, p.send, periodic)  # (.., rows + recv, ..)
+                x = halo_exchange_along(x, group, d, p.recv, p.send, periodic, self.memory_format)  # rows + recv
                 if max(p.boundary) and 0 not in out_shape:
                     x = F.pad(x, _pad_tuple(d, *p.boundary), mode=_TORCH_PAD_MODE[self.padding_mode])
                 if p.trim[0] or p.trim[1]:
