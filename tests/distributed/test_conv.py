@@ -97,7 +97,7 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count):
             assert log.count("all_reduce") == reduces, log.summary()
             gx = tplayers.gather(xp.grad, shard_dims, mesh)
             torch.testing.assert_close(gx, xs.grad, **TIGHT, msg=lambda m: f"{args} {layouts}: {m}")
-            torch.testing.assert_close(conv.weight.grad, serial.weight.grad, **TIGHT)
+            torch.testing.assert_close(conv.weight.grad, serial.weight.grad, **TIGHT, msg=lambda m: f"{args} {layouts} step {step}: {m}")
             if args["bias"]:
                 torch.testing.assert_close(conv.bias.grad, serial.bias.grad, **TIGHT)
             opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()

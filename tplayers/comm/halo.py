@@ -33,7 +33,8 @@ Example (2 ranks, ``torchrun --nproc-per-node 2``)::
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.comm.accounting import record_collective
 from tplayers.ops import pack_faces, unpack_faces
 
-__all__ = ["HaloExchange1d", "halo_exchange", "halo_exchange_along", "halo_widths_ok"]
+__all__ = [
+    "HaloExchange1d",
+    "HaloState",
+    "halo_exchange",
+    "halo_exchange_along",
+    "halo_pad",
+    "halo_adjoint",
+    "halo_widths_ok",
+]
 
 Pair = Tuple[int, int]
 
@@ -62,7 +71,8 @@ def _peers(group: dist.ProcessGroup, periodic: bool) -> Tuple[Optional[int], Opt
 
 
 def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, from_lo: int,
-          lo: Optional[int], hi: Optional[int], group_size: int, tag: str) -> Tuple[torch.Tensor, int]:
+          lo: Optional[int], hi: Optional[int], group_size: int, tag: str,
+          during: Optional[Callable[[], None]] = None) -> Tuple[torch.Tensor, int]:
     """Send face ``to_lo`` of ``src`` to ``lo`` and ``to_hi`` to ``hi``; receive ``from_hi``
     rows from ``hi`` and ``from_lo`` rows from ``lo``.
 
@@ -97,9 +107,11 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
         part = recvbuf[:n_lo_recv]
         record_collective("recv", part.numel() * part.element_size(), group_size, tag)
         ops.append(dist.P2POp(dist.irecv, part, lo, tag=_TAG_UP))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    works = dist.batch_isend_irecv(ops) if ops else []
+    if during is not None:
+        during()
+    for work in works:
+        work.wait()
     del sendbuf  # complete: safe to release
     return recvbuf, n_lo_recv
 
@@ -113,6 +125,78 @@ def _row_numel(t: torch.Tensor, dim: int) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class HaloState:
+    """What the adjoint of one exchange needs: dim, group, widths, local rows, peers, x's layout."""
+
+    dim: int
+    group: dist.ProcessGroup
+    recv: Pair
+    send: Pair
+    n: int
+    peers: Tuple[Optional[int], Optional[int]]
+    grad_format: torch.memory_format
+
+
+def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, send: Pair, periodic: bool,
+             memory_format: torch.memory_format = torch.contiguous_format) -> Tuple[torch.Tensor, HaloState]:
+    """Forward of :class:`HaloExchange1d` without autograd: the padded tensor and the adjoint's state."""
+    size, n = dist.get_world_size(group), x.size(dim)
+    lo, hi = _peers(group, periodic)
+    (r_lo, r_hi), (s_lo, s_hi) = recv, send
+    cl = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    state = HaloState(dim, group, tuple(recv), tuple(send), n, (lo, hi),
+                      torch.channels_last if cl else torch.contiguous_format)  # x's own layout
+    shape = list(x.shape)
+    shape[dim] = r_lo + n + r_hi
+    out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)
+    out.narrow(dim, r_lo, n).copy_(x)
+    if size == 1 and periodic:  # wraps onto itself: local copies, no communication
+        out.narrow(dim, 0, r_lo).copy_(x.narrow(dim, n - r_lo, r_lo))
+        out.narrow(dim, r_lo + n, r_hi).copy_(x.narrow(dim, 0, r_hi))
+        return out, state
+    buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, lo, hi, size, "halo.fwd")
+    faces = []
+    if lo is None:
+        out.narrow(dim, 0, r_lo).zero_()
+    elif r_lo:
+        faces.append((0, r_lo))
+    if hi is None:
+        out.narrow(dim, r_lo + n, r_hi).zero_()
+    elif r_hi:
+        faces.append((r_lo + n, r_hi))
+    unpack_faces(buf, out, dim, faces)
+    return out, state
+
+
+def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable[[], None]] = None) -> torch.Tensor:
+    """Backward of :class:`HaloExchange1d`: the gradient of ``x`` from the padded tensor's ``grad``.
+
+    ``during`` (optional) runs after the messages are posted and before they are
+    waited, so a caller can overlap other work (e.g. an async all-reduce) with them.
+    """
+    dim, group, n = state.dim, state.group, state.n
+    (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
+    lo, hi = state.peers
+    size = dist.get_world_size(group)
+    grad_x = grad.narrow(dim, r_lo, n).clone(memory_format=state.grad_format)
+    if size == 1 and lo is not None:  # periodic onto itself
+        if during is not None:
+            during()
+        grad_x.narrow(dim, n - r_lo, r_lo).add_(grad.narrow(dim, 0, r_lo))
+        grad_x.narrow(dim, 0, r_hi).add_(grad.narrow(dim, r_lo + n, r_hi))
+        return grad_x
+    # Adjoint of the forward swap: halo gradients travel back the way the rows came.
+    buf, _ = _swap(grad, dim, (0, r_lo), (r_lo + n, r_hi), s_hi, s_lo, lo, hi, size, "halo.bwd", during)
+    faces = []
+    if lo is not None and s_lo:
+        faces.append((0, s_lo))
+    if hi is not None and s_hi:
+        faces.append((n - s_hi, s_hi))
+    unpack_faces(buf, grad_x, dim, faces, accumulate=True)  # overlapping faces add up
+    return grad_x
+
+
 class HaloExchange1d(torch.autograd.Function):
     """forward: send ``send`` edge rows to the neighbours along ``dim`` and return ``x`` padded
     with the ``recv`` rows they send (zeros at a non-periodic boundary) /
@@ -120,53 +204,12 @@ class HaloExchange1d(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim, group, recv, send, periodic, memory_format=torch.contiguous_format):
-        size, n = dist.get_world_size(group), x.size(dim)
-        lo, hi = _peers(group, periodic)
-        (r_lo, r_hi), (s_lo, s_hi) = recv, send
-        ctx.dim, ctx.group, ctx.recv, ctx.send, ctx.n, ctx.peers = dim, group, recv, send, n, (lo, hi)
-        shape = list(x.shape)
-        shape[dim] = r_lo + n + r_hi
-        cl = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
-        ctx.grad_format = torch.channels_last if cl else torch.contiguous_format  # x's own layout
-        out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)
-        out.narrow(dim, r_lo, n).copy_(x)
-        if size == 1 and periodic:  # wraps onto itself: local copies, no communication
-            out.narrow(dim, 0, r_lo).copy_(x.narrow(dim, n - r_lo, r_lo))
-            out.narrow(dim, r_lo + n, r_hi).copy_(x.narrow(dim, 0, r_hi))
-            return out
-        buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, lo, hi, size, "halo.fwd")
-        faces = []
-        if lo is None:
-            out.narrow(dim, 0, r_lo).zero_()
-        elif r_lo:
-            faces.append((0, r_lo))
-        if hi is None:
-            out.narrow(dim, r_lo + n, r_hi).zero_()
-        elif r_hi:
-            faces.append((r_lo + n, r_hi))
-        unpack_faces(buf, out, dim, faces)
+        out, ctx.state = halo_pad(x, dim, group, recv, send, periodic, memory_format)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        dim, group, n = ctx.dim, ctx.group, ctx.n
-        (r_lo, r_hi), (s_lo, s_hi) = ctx.recv, ctx.send
-        lo, hi = ctx.peers
-        size = dist.get_world_size(group)
-        grad_x = grad.narrow(dim, r_lo, n).clone(memory_format=ctx.grad_format)
-        if size == 1 and lo is not None:  # periodic onto itself
-            grad_x.narrow(dim, n - r_lo, r_lo).add_(grad.narrow(dim, 0, r_lo))
-            grad_x.narrow(dim, 0, r_hi).add_(grad.narrow(dim, r_lo + n, r_hi))
-            return grad_x, None, None, None, None, None, None
-        # Adjoint of the forward swap: halo gradients travel back the way the rows came.
-        buf, _ = _swap(grad, dim, (0, r_lo), (r_lo + n, r_hi), s_hi, s_lo, lo, hi, size, "halo.bwd")
-        faces = []
-        if lo is not None and s_lo:
-            faces.append((0, s_lo))
-        if hi is not None and s_hi:
-            faces.append((n - s_hi, s_hi))
-        unpack_faces(buf, grad_x, dim, faces, accumulate=True)  # overlapping faces add up
-        return grad_x, None, None, None, None, None, None
+        return halo_adjoint(grad, ctx.state), None, None, None, None, None, None
 
 
 def _pairs(name: str, value, count: int) -> List[Pair]:

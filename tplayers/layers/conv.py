@@ -6,11 +6,14 @@
 this rank's slice along the sharded dims; gathering the outputs gives
 ``nn.Conv2d`` on the gathered input, and every gradient matches.
 
-Per forward: a halo exchange per sharded dim (:func:`tplayers.comm.halo_exchange_along`,
-an autograd Function whose backward is its adjoint), then a local ``F.conv2d``.
-The weight and bias enter through :class:`~tplayers.comm.CopyManyToParallelRegion`
-(identity forward, one fused all-reduce of both gradients in backward), so their gradients are summed over the
-domain group: every rank holds the serial model's parameter gradient.
+Per forward: a halo exchange per sharded dim, then a local ``F.conv2d``. The last
+sharded dim's exchange and the convolution form one autograd Function,
+:class:`HaloConv2dFunction`, whose backward runs the adjoint halo exchange while
+one all-reduce sums the weight and bias gradients over the domain group (so every
+rank holds the serial model's parameter gradient, and the all-reduce's latency
+hides behind the halo messages). The first exchange on a
+2-D mesh uses :class:`~tplayers.comm.HaloExchange1d`. A rank owning no output rows
+returns an empty output through the same Function, so its collectives match its peers'.
 
 Layout: local sizes may be any partition (not only :func:`tplayers.shard_sizes`).
 Each rank's local shape is exchanged once per local shape (a small all-gather,
@@ -32,12 +35,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.utils import _pair
 
-from tplayers.comm import copy_many_to_parallel_region, halo_exchange_along, record_collective
+from tplayers.comm import all_reduce_sum, halo_exchange_along, record_collective
+from tplayers.comm.halo import halo_adjoint, halo_pad
 from tplayers.layers._common import ShardedModule
 from tplayers.layers._conv_layout import PADDING_MODES, AxisPlan, plan_axis
 from tplayers.sharding import ShardSpec
 
-__all__ = ["DistributedConv2d"]
+__all__ = ["DistributedConv2d", "HaloConv2dFunction"]
 
 _TORCH_PAD_MODE = {"circular": "circular", "reflect": "reflect", "replicate": "replicate"}
 
@@ -248,36 +252,48 @@ class DistributedConv2d(ShardedModule):
     # ----------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plans, out_shape = self._layout(x)  # validated on every rank before any halo traffic
-        periodic = self.padding_mode == "circular"
+        empty = 0 in out_shape
+        *first, last = sorted(plans)
+        for d in first:  # H on a 2-D mesh: halo exchange (autograd Function), edge padding, trim
+            x = self._edges(self._exchange(x, d, plans[d]), d, plans[d])  # same rows on the whole mesh row
+        i = self.shard_dims.index(last)
+
+        def local(xp, w, b):  # the part after the last exchange, differentiated inside the Function
+            if empty:  # this rank owns no output rows: an empty output tied to the inputs, so the
+                # backward (halo adjoints, gradient all-reduce) runs exactly as on every other rank
+                tie = xp.sum() * 0 + w.sum() * 0 + (b.sum() * 0 if b is not None else 0)
+                return xp.new_zeros(out_shape) + tie
+            return self._local_conv(self._edges(xp, last, plans[last]), w, b)
+
+        # (N, C_in, rows, W) -> (N, C_out, Ho_local, Wo_local)
+        return HaloConv2dFunction.apply(x, self.weight, self.bias, last, self._groups[i], plans[last],
+                                        self.padding_mode == "circular", self.memory_format, local, self._groups)
+
+    def _exchange(self, x: torch.Tensor, d: int, p: AxisPlan) -> torch.Tensor:
+        group = self._groups[self.shard_dims.index(d)]
+        return halo_exchange_along(x, group, d, p.recv, p.send, self.padding_mode == "circular", self.memory_format)
+
+    def _edges(self, x: torch.Tensor, d: int, p: AxisPlan) -> torch.Tensor:
+        """Reflect / replicate padding at the global edge, then drop own rows nobody needs."""
+        if max(p.boundary):
+            x = F.pad(x, _pad_tuple(d, *p.boundary), mode=_TORCH_PAD_MODE[self.padding_mode])
+        if p.trim[0] or p.trim[1]:
+            x = x.narrow(d, p.trim[0], x.size(d) - p.trim[0] - p.trim[1])
+        return x
+
+    def _local_conv(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """Pad the non-sharded dims as nn.Conv2d would, then convolve (sharded dims: no padding)."""
         conv_pad = [0, 0]
         for d in (2, 3):
-            if d in plans:  # sharded: halo exchange, then the global-edge padding, then trim
-                p = plans[d]
-                group = self._groups[self.shard_dims.index(d)]
-                x = halo_exchange_along(x, group, d, p.recv, p.send, periodic, self.memory_format)  # rows + recv
-                if max(p.boundary) and 0 not in out_shape:
-                    x = F.pad(x, _pad_tuple(d, *p.boundary), mode=_TORCH_PAD_MODE[self.padding_mode])
-                if p.trim[0] or p.trim[1]:
-                    x = x.narrow(d, p.trim[0], x.size(d) - p.trim[0] - p.trim[1])
+            if d in self.shard_dims:
                 continue
             lo, hi = self._pads[d - 2]
-            if 0 in out_shape:
-                continue  # nothing to compute here (see below)
             if self.padding_mode == "zeros" and lo == hi:
                 conv_pad[d - 2] = lo  # let the convolution pad
             elif lo or hi:
                 mode = "constant" if self.padding_mode == "zeros" else _TORCH_PAD_MODE[self.padding_mode]
                 x = F.pad(x, _pad_tuple(d, lo, hi), mode=mode)
-        params = [self.weight] + ([self.bias] if self.bias is not None else [])
-        for group in self._groups:  # identity forward; backward: one all-reduce of both gradients
-            params = copy_many_to_parallel_region(params, group)
-        weight, bias = params[0], (params[1] if self.bias is not None else None)
-        if 0 in out_shape:
-            # This rank owns no output rows: an empty output still tied to the halo exchange and the
-            # parameters, so its backward (halo adjoint, gradient all-reduce) runs like everyone's.
-            tie = x.sum() * 0 + weight.sum() * 0 + (bias.sum() * 0 if bias is not None else 0)
-            return x.new_zeros(out_shape) + tie
-        return F.conv2d(x, weight, bias, self.stride, tuple(conv_pad), self.dilation, self.groups)  # (N, Cout, Ho, Wo)
+        return F.conv2d(x, weight, bias, self.stride, tuple(conv_pad), self.dilation, self.groups)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
@@ -288,3 +304,59 @@ class DistributedConv2d(ShardedModule):
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
                 f"padding={self.padding!r}, dilation={self.dilation}, groups={self.groups}, "
                 f"bias={self.bias is not None}, padding_mode={self.padding_mode!r}, shard_dims={self.shard_dims}")
+
+
+class HaloConv2dFunction(torch.autograd.Function):
+    """forward: halo exchange of ``x`` along ``dim``, then ``local(x_padded, weight, bias)`` (edge
+    padding, trim, the convolution) /
+    backward: ``local``'s backward; then the adjoint halo exchange runs while one all-reduce sums the
+    weight and bias gradients over the domain (further mesh dims: one more all-reduce each).
+
+    Fusing the last exchange with the convolution lets the gradient all-reduce overlap the halo
+    messages of the backward instead of following them.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dim, group, plan, periodic, memory_format, local, reduce_groups):
+        xp, ctx.state = halo_pad(x, dim, group, plan.recv, plan.send, periodic, memory_format)
+        with torch.enable_grad():  # record the local graph; it is differentiated in backward
+            xp = xp.detach().requires_grad_(ctx.needs_input_grad[0])
+            w = weight.detach().requires_grad_(ctx.needs_input_grad[1])
+            b = bias.detach().requires_grad_(ctx.needs_input_grad[2]) if bias is not None else None
+            out = local(xp, w, b)
+        ctx.graph, ctx.reduce_groups = (out, xp, w, b), reduce_groups
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        out, xp, w, b = ctx.graph
+        ctx.graph = None
+        wanted = [t for t in (xp, w, b) if t is not None and t.requires_grad]
+        grads = dict(zip(map(id, wanted), torch.autograd.grad(out, wanted, grad)))
+        params = [t for t in (w, b) if t is not None and t.requires_grad]
+        flat = torch.cat([grads[id(t)].reshape(-1) for t in params]) if params else None
+        groups = [g for g in ctx.reduce_groups if dist.get_world_size(g) > 1] if params else []
+        pending = []
+
+        def start_reduce():  # posted after the halo messages, waited after them
+            if groups:
+                record_collective("all_reduce", flat.numel() * flat.element_size(), dist.get_world_size(groups[0]),
+                                  "conv.param_grads")
+                pending.append(dist.all_reduce(flat, group=groups[0], async_op=True))
+
+        grad_x = None
+        if xp.requires_grad:
+            grad_x = halo_adjoint(grads[id(xp)], ctx.state, during=start_reduce)
+        else:
+            start_reduce()
+        for work in pending:
+            work.wait()
+        for g in groups[1:]:
+            all_reduce_sum(flat, g, "conv.param_grads")
+        out_grads, offset = {}, 0
+        for t in params:
+            out_grads[id(t)] = flat[offset : offset + t.numel()].view_as(t)
+            offset += t.numel()
+        gw = out_grads.get(id(w))
+        gb = out_grads.get(id(b)) if b is not None else None
+        return grad_x, gw, gb, None, None, None, None, None, None, None
