@@ -130,6 +130,13 @@ def speed_table(mesh, rank, world, repeats, st):
                 t = ShardTensor.from_local(local, mesh, [Shard(2)], sharding_shapes="chunk", global_shape=x.shape)
                 F.conv2d(t, weight, bias, padding=k // 2).to_local().sum().backward()
 
+        with torch.no_grad():  # both distributed results are checked against the serial conv first
+            ref = serial(x).chunk(world, dim=2)[rank]
+            torch.testing.assert_close(conv(local), ref, rtol=1e-4, atol=1e-4)
+            if st is not None:
+                t = ShardTensor.from_local(local, mesh, [Shard(2)], sharding_shapes="chunk", global_shape=x.shape)
+                torch.testing.assert_close(F.conv2d(t, weight, bias, padding=k // 2).to_local(), ref,
+                                           rtol=1e-4, atol=1e-4)
         for fn in filter(None, (step_tpl, step_st, step_serial)):
             fn()  # warm-up (and the layout exchange)
         times = {"tpl": [], "st": [], "serial": []}
