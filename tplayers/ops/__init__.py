@@ -1,5 +1,6 @@
 """One front door per kernel: Triton on CUDA tensors, the pure-torch reference otherwise."""
 
+from tplayers.ops import halo as _halo
 from tplayers.ops.halo import (
     faces_overlap,
     pack_faces,
@@ -9,11 +10,4 @@ from tplayers.ops.halo import (
     unpack_faces_reference,
 )
 
-__all__ = [
-    "pack_faces",
-    "unpack_faces",
-    "pack_faces_reference",
-    "unpack_faces_reference",
-    "triton_available",
-    "faces_overlap",
-]
+__all__ = list(_halo.__all__)
