@@ -35,17 +35,23 @@ _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @triton.jit
 def _face_of(pid, b1, b2, b3, st0, st1, st2, st3, ln0, ln1, ln2, ln3, of0, of1, of2, of3, NF: tl.constexpr):
-    """(block index inside the face, face start, face length, buffer offset) of program ``pid``."""
-    base, start, length, boff = 0, st0, ln0, of0
+    """(block index inside the face, face start, face length, buffer offset) of program ``pid``.
+
+    Branch-free selects (``tl.where``) so compiled and interpreted kernels agree on types.
+    """
+    base, start, length, boff = pid * 0, st0 + pid * 0, ln0 + pid * 0, of0 + pid * 0
     if NF > 1:
-        if pid >= b1:
-            base, start, length, boff = b1, st1, ln1, of1
+        sel = pid >= b1
+        base, start, length, boff = (tl.where(sel, b1, base), tl.where(sel, st1, start),
+                                     tl.where(sel, ln1, length), tl.where(sel, of1, boff))
     if NF > 2:
-        if pid >= b2:
-            base, start, length, boff = b2, st2, ln2, of2
+        sel = pid >= b2
+        base, start, length, boff = (tl.where(sel, b2, base), tl.where(sel, st2, start),
+                                     tl.where(sel, ln2, length), tl.where(sel, of2, boff))
     if NF > 3:
-        if pid >= b3:
-            base, start, length, boff = b3, st3, ln3, of3
+        sel = pid >= b3
+        base, start, length, boff = (tl.where(sel, b3, base), tl.where(sel, st3, start),
+                                     tl.where(sel, ln3, length), tl.where(sel, of3, boff))
     return pid - base, start, length, boff
 
 

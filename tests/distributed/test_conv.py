@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
 from harness import run_ranks
+from oracle import same_on_all_ranks
 from tplayers.layers._conv_layout import plan_axis
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 
@@ -118,7 +119,10 @@ def test_conv_parity_grid(world, mesh_shape, shard_dims, count):
 
 def _errors(rank, world):
     mesh = tplayers.default_mesh()
+    torch.manual_seed(rank)  # different seeds: the constructor broadcasts, so parameters still agree
     conv = tplayers.DistributedConv2d(2, 3, 5, padding=2, mesh=mesh).double()
+    same_on_all_ranks(conv.weight)
+    same_on_all_ranks(conv.bias)
     # 1) a shard too small to supply its neighbour's halo of 2 rows
     rows = [1, 9, 9][rank]
     with pytest.raises(ValueError, match="halo of 2 rows"):
