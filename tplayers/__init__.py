@@ -13,7 +13,10 @@ The pipeline, left to right::
     opt = torch.optim.AdamW(model.parameters())                   # after swapping
 
 Hand-written model code uses the layers directly (``ColumnParallelLinear``,
-``RowParallelLinear``) with an explicit ``mesh``.
+``RowParallelLinear``, ``DistributedConv2d``) with an explicit ``mesh``. Domain
+(spatial) parallelism splits activations by rows/columns: ``shard``, ``scatter``
+and ``gather`` move between global and local tensors, and
+``parallelize_module(model, {"": DomainParallel(shard_dims=(2,))})`` swaps a CNN.
 """
 
 from tplayers.comm import CommLog, count_collectives

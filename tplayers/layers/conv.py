@@ -201,7 +201,7 @@ class DistributedConv2d(ShardedModule):
         return table.cpu()
 
     def _layout(self, x: torch.Tensor):
-        key = tuple(x.shape)
+        key = tuple(x.shape) if isinstance(x, torch.Tensor) else None  # a bad input still joins the exchange
         if key in self._layouts:
             return self._layouts[key]
         table = self._exchange_shapes(x).tolist()  # once per local shape
@@ -227,9 +227,10 @@ class DistributedConv2d(ShardedModule):
                         f"({'not sharded' if mesh_dim is None else 'sharded over the other mesh dim'}): "
                         f"{shapes[(0, 0)]} vs {shp} at mesh position {(c0, c1)[:self.mesh.ndim]}"
                     )
-            if mesh_dim is not None:
-                sizes_along[d] = [row[1 + d] for row in (table[c][0] for c in range(len(table)))] if mesh_dim == 0 \
-                    else [row[1 + d] for row in table[0]]
+            if mesh_dim == 0:  # shard sizes along this dim, in mesh order
+                sizes_along[d] = [table[c0][0][1 + d] for c0 in range(len(table))]
+            elif mesh_dim == 1:
+                sizes_along[d] = [row[1 + d] for row in table[0]]
         if shapes[(0, 0)][1] != self.in_channels:
             raise ValueError(f"{name}: input must have {self.in_channels} channels, got {shapes[(0, 0)][1]}")
         plans: Dict[int, AxisPlan] = {}
