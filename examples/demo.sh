@@ -6,6 +6,8 @@ PY=${PYTHON:-python}
 RUN="$PY -m torch.distributed.run --standalone --nproc-per-node 2"
 echo "=== tensor parallelism: a small transformer, parallelized with a plan"
 $RUN examples/tp_transformer.py
+echo "=== domain parallelism: a CNN on a periodic field split across ranks (halo exchange)"
+$RUN examples/domain_cnn.py
 echo "=== checkpoints: train at 2 ranks, save, reload at 3 ranks and at 1, consolidated export"
 CKPT=$(mktemp -d)/ckpt
 $RUN examples/checkpoint_reshard.py train "$CKPT"

@@ -15,14 +15,18 @@ The pipeline, left to right::
     tplayers.save_checkpoint(model, "ckpt/")                       # sharded; loads at any world size
 
 Hand-written model code uses the layers directly (``ColumnParallelLinear``,
-``RowParallelLinear``) with an explicit ``mesh``.
+``RowParallelLinear``, ``DistributedConv2d``) with an explicit ``mesh``. Domain
+(spatial) parallelism splits activations by rows/columns: ``shard``, ``scatter``
+and ``gather`` move between global and local tensors, and
+``parallelize_module(model, {"": DomainParallel(shard_dims=(2,))})`` swaps a CNN.
 """
 
 from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
 from tplayers.comm import CommLog, count_collectives
-from tplayers.layers import ColumnParallelLinear, RowParallelLinear
+from tplayers.domain import gather, scatter, shard
+from tplayers.layers import ColumnParallelLinear, DistributedConv2d, DomainReplicated, RowParallelLinear
 from tplayers.mesh import default_mesh, init_mesh
-from tplayers.parallelize import ColumnParallel, ParallelStyle, RowParallel, explain, parallelize_module
+from tplayers.parallelize import ColumnParallel, DomainParallel, ParallelStyle, RowParallel, explain, parallelize_module
 from tplayers.sharding import ShardSpec, shard_range, shard_sizes
 
 __version__ = "0.1.0"
@@ -33,13 +37,19 @@ __all__ = [
     "shard_sizes",
     "shard_range",
     "ShardSpec",
+    "shard",
+    "scatter",
+    "gather",
     "count_collectives",
     "CommLog",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "DistributedConv2d",
+    "DomainReplicated",
     "ParallelStyle",
     "ColumnParallel",
     "RowParallel",
+    "DomainParallel",
     "parallelize_module",
     "explain",
     "save_checkpoint",
