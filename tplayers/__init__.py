@@ -19,6 +19,7 @@ Hand-written model code uses the layers directly (``ColumnParallelLinear``,
 from tplayers.comm import CommLog, count_collectives
 from tplayers.layers import ColumnParallelLinear, RowParallelLinear
 from tplayers.mesh import default_mesh, init_mesh
+from tplayers.ops.na import na2d
 from tplayers.parallelize import ColumnParallel, ParallelStyle, RowParallel, explain, parallelize_module
 from tplayers.sharding import ShardSpec, shard_range, shard_sizes
 
@@ -39,4 +40,5 @@ __all__ = [
     "RowParallel",
     "parallelize_module",
     "explain",
+    "na2d",
 ]
