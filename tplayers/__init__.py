@@ -17,7 +17,8 @@ Hand-written model code uses the layers directly (``ColumnParallelLinear``,
 """
 
 from tplayers.comm import CommLog, count_collectives
-from tplayers.layers import ColumnParallelLinear, RowParallelLinear
+from tplayers.domain import gather, scatter, shard
+from tplayers.layers import ColumnParallelLinear, DistributedConv2d, RowParallelLinear
 from tplayers.mesh import default_mesh, init_mesh
 from tplayers.ops.na import na2d
 from tplayers.parallelize import ColumnParallel, ParallelStyle, RowParallel, explain, parallelize_module
@@ -31,10 +32,14 @@ __all__ = [
     "shard_sizes",
     "shard_range",
     "ShardSpec",
+    "shard",
+    "scatter",
+    "gather",
     "count_collectives",
     "CommLog",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "DistributedConv2d",
     "ParallelStyle",
     "ColumnParallel",
     "RowParallel",

@@ -4,6 +4,7 @@ Halo exchange for domain parallelism lives here too (``tplayers.comm.halo``).
 """
 
 from tplayers.comm.accounting import CollectiveRecord, CommLog, count_collectives, record_collective
+from tplayers.comm.halo import HaloExchange1d, halo_exchange, halo_exchange_along
 from tplayers.comm.collectives import (
     CopyToParallelRegion,
     GatherAlongDim,
@@ -34,4 +35,7 @@ __all__ = [
     "reduce_from_parallel_region",
     "split_along_dim",
     "gather_along_dim",
+    "HaloExchange1d",
+    "halo_exchange",
+    "halo_exchange_along",
 ]

@@ -1,0 +1,84 @@
+"""Triton halo pack / unpack / unpack-add kernels == the torch reference, bitwise (TRITON_INTERPRET=1 on CPU)."""
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the kernel module's import
+
+triton = pytest.importorskip("triton")
+
+from tplayers.kernels import halo_pack  # noqa: E402
+from tplayers.ops import pack_faces_reference, unpack_faces_reference  # noqa: E402
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+
+
+def _make(rng, dtype, device, shape=None, layout=None):
+    if shape is None:
+        shape = [rng.randint(1, 7) for _ in range(rng.randint(1, 4))]
+        if rng.random() < 0.3:
+            shape[-1] = halo_pack.BLOCK // 8 + rng.randint(1, 40)  # several blocks, not a multiple
+        layout = rng.choice(["contiguous", "transposed", "sliced", "channels_last"])
+    ndim = len(shape)
+    x = torch.randn(shape, dtype=torch.float32, device=device).to(dtype)
+    if layout == "transposed" and ndim >= 2:
+        x = x.transpose(0, ndim - 1).contiguous().transpose(0, ndim - 1)
+    elif layout == "sliced":
+        big = torch.randn([s + 2 for s in shape], dtype=torch.float32, device=device).to(dtype)
+        x = big[tuple(slice(1, 1 + s) for s in shape)]
+    elif layout == "channels_last" and ndim == 4:
+        x = x.to(memory_format=torch.channels_last)
+    return x, shape, layout
+
+
+def _faces(rng, n):
+    k = rng.randint(0, min(n, 4))  # halo widths 0..k
+    faces = [(0, rng.randint(0, k)), (n - (w := rng.randint(0, k)), w)]
+    if rng.random() < 0.3:
+        faces.append((rng.randint(0, n - 1), 1))
+    return faces
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_unpack_bitwise(dtype):
+    rng = random.Random(str(dtype))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    for _ in range(25):
+        x, shape, layout = _make(rng, dtype, device)
+        dim = rng.randrange(x.dim())
+        faces = _faces(rng, x.size(dim))
+        ref = pack_faces_reference(x, dim, faces)
+        got = halo_pack.pack(x, dim, faces)
+        assert torch.equal(got.view(torch.uint8), ref.contiguous().view(torch.uint8)), (x.shape, dim, faces)
+        # unpack into a fresh tensor with x's strides; faces may overlap only when copying identical data
+        disjoint = sorted(f for f in faces if f[1])
+        if any(a[0] + a[1] > b[0] for a, b in zip(disjoint, disjoint[1:])):
+            faces = faces[:1]
+            ref = pack_faces_reference(x, dim, faces)
+        buf = torch.randn(ref.numel(), device=device).to(dtype)
+        for accumulate in (False, True):
+            base, _, _ = _make(rng, dtype, device, shape, layout)  # same strides as x
+            expect = unpack_faces_reference(buf, base.clone(), dim, faces, accumulate).contiguous()
+            out = halo_pack.unpack(buf, base, dim, faces, accumulate)
+            assert out.data_ptr() == base.data_ptr()  # in place
+            assert torch.equal(out.contiguous().view(torch.uint8), expect.view(torch.uint8)), \
+                (x.shape, layout, dim, faces, accumulate)
+
+
+def test_front_door_routes_to_triton_when_forced(monkeypatch):
+    import tplayers.ops.halo as front
+
+    monkeypatch.setenv("TPLAYERS_HALO_BACKEND", "triton")
+    x = torch.arange(60, dtype=torch.float64).reshape(3, 4, 5).transpose(1, 2)
+    faces = [(0, 2), (2, 1), (1, 2)]
+    assert front._use_triton(x)
+    assert torch.equal(front.pack_faces(x, 2, faces), pack_faces_reference(x, 2, faces))
+    out = torch.zeros(3, 5, 4, dtype=torch.float64)
+    buf = torch.arange(75, dtype=torch.float64)
+    expect = unpack_faces_reference(buf, out.clone(), 2, faces, True)  # overlapping rows add up
+    assert torch.equal(front.unpack_faces(buf, out, 2, faces, accumulate=True), expect)

@@ -1,0 +1,221 @@
+"""Halo exchange for domain parallelism: pad the local slab with its neighbours' edge rows.
+
+``halo_exchange(x, mesh, shard_dims, recv, send, periodic)`` returns ``x``
+padded along each sharded dim ``shard_dims[i]`` (sharded over mesh dim ``i``):
+``recv[i] = (lo, hi)`` rows arrive on the low / high side, ``send[i] = (lo, hi)``
+rows (this rank's first / last rows) go to the low / high neighbour and must
+equal that neighbour's ``recv`` on the facing side. Widths are per rank
+(asymmetric, any values); along shard dim ``i`` they must depend only on the mesh
+coordinate ``i`` (a grid partition), which is what layers compute.
+
+Boundaries: ``periodic[i]=True`` wraps (the first rank's low neighbour is the
+last rank, a mesh dim of size 1 wraps onto itself). Otherwise the global
+boundary is **zero filled**: the first rank's low halo and the last rank's
+high halo are zeros (so a zero-padded convolution can read its padding from the
+halo), and sends toward a missing neighbour are not made (their widths are ignored).
+
+On a 2-D mesh the exchange runs along mesh dim 0, then along mesh dim 1 on the
+already padded tensor, so corner blocks travel with the second exchange
+(diagonal neighbours need no group of their own, and every byte sent is needed).
+
+Backward is the exact adjoint: halo gradients go back to the rank that owns
+those rows and are added into its edge rows (zero-filled halos drop theirs).
+
+Example (2 ranks, ``torchrun --nproc-per-node 2``)::
+
+    import torch, tplayers
+    from tplayers.comm import halo_exchange
+    mesh = tplayers.init_mesh()
+    x = torch.randn(1, 1, 5, 4)                                  # this rank's rows
+    y = halo_exchange(x, mesh, (2,), recv=[(1, 1)], send=[(1, 1)], periodic=[False])
+    # y: (1, 1, 7, 4); rank 0 has a zero row on top, rank 1 a zero row below
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from tplayers.comm.accounting import record_collective
+from tplayers.ops import pack_faces, unpack_faces
+
+__all__ = ["HaloExchange1d", "halo_exchange", "halo_exchange_along", "halo_widths_ok"]
+
+Pair = Tuple[int, int]
+
+# Tags keep the two directions apart when both neighbours are the same rank (2 ranks, periodic).
+_TAG_DOWN, _TAG_UP = 17, 18
+
+
+def _peers(group: dist.ProcessGroup, periodic: bool) -> Tuple[Optional[int], Optional[int]]:
+    """Global ranks of the low and high neighbour (``None`` at a non-periodic boundary)."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    lo, hi = me - 1, me + 1
+    if periodic:
+        lo, hi = lo % size, hi % size
+    lo = dist.get_global_rank(group, lo) if 0 <= lo < size else None
+    hi = dist.get_global_rank(group, hi) if 0 <= hi < size else None
+    return lo, hi
+
+
+def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, from_lo: int,
+          lo: Optional[int], hi: Optional[int], group_size: int, tag: str) -> Tuple[torch.Tensor, int]:
+    """Send face ``to_lo`` of ``src`` to ``lo`` and ``to_hi`` to ``hi``; receive ``from_hi``
+    rows from ``hi`` and ``from_lo`` rows from ``lo``.
+
+    Returns the receive buffer ``[rows from lo | rows from hi]`` and the element count
+    of the first part. Faces are ``(start, length)`` along ``dim``. All ops are posted in
+    one batch (sends, then receives, in the same order on every rank) and all are
+    waited before returning, so the send buffer is never reused early.
+    """
+    row = _row_numel(src, dim)
+    faces, ops = [], []
+    if lo is not None and to_lo[1]:
+        faces.append(to_lo)
+    if hi is not None and to_hi[1]:
+        faces.append(to_hi)
+    sendbuf = pack_faces(src, dim, faces)
+    n_lo_recv = row * from_lo if lo is not None else 0
+    n_hi_recv = row * from_hi if hi is not None else 0
+    recvbuf = src.new_empty(n_lo_recv + n_hi_recv)
+    offset = 0
+    for peer, face, ptag in ((lo, to_lo, _TAG_DOWN), (hi, to_hi, _TAG_UP)):
+        if peer is not None and face[1]:
+            part = sendbuf[offset : offset + row * face[1]]
+            offset += part.numel()
+            record_collective("send", part.numel() * part.element_size(), group_size, tag)
+            ops.append(dist.P2POp(dist.isend, part, peer, tag=ptag))
+    # Receive from hi what it sent down, and from lo what it sent up: same order everywhere.
+    if n_hi_recv:
+        part = recvbuf[n_lo_recv:]
+        record_collective("recv", part.numel() * part.element_size(), group_size, tag)
+        ops.append(dist.P2POp(dist.irecv, part, hi, tag=_TAG_DOWN))
+    if n_lo_recv:
+        part = recvbuf[:n_lo_recv]
+        record_collective("recv", part.numel() * part.element_size(), group_size, tag)
+        ops.append(dist.P2POp(dist.irecv, part, lo, tag=_TAG_UP))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    del sendbuf  # complete: safe to release
+    return recvbuf, n_lo_recv
+
+
+def _row_numel(t: torch.Tensor, dim: int) -> int:
+    shape = list(t.shape)
+    shape[dim] = 1
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class HaloExchange1d(torch.autograd.Function):
+    """forward: send ``send`` edge rows to the neighbours along ``dim`` and return ``x`` padded
+    with the ``recv`` rows they send (zeros at a non-periodic boundary) /
+    backward: send the halo gradients back to their owners, which add them into their edge rows."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, recv, send, periodic):
+        size, n = dist.get_world_size(group), x.size(dim)
+        lo, hi = _peers(group, periodic)
+        (r_lo, r_hi), (s_lo, s_hi) = recv, send
+        ctx.dim, ctx.group, ctx.recv, ctx.send, ctx.n, ctx.peers = dim, group, recv, send, n, (lo, hi)
+        shape = list(x.shape)
+        shape[dim] = r_lo + n + r_hi
+        out = x.new_empty(shape)
+        out.narrow(dim, r_lo, n).copy_(x)
+        if size == 1 and periodic:  # wraps onto itself: local copies, no communication
+            out.narrow(dim, 0, r_lo).copy_(x.narrow(dim, n - r_lo, r_lo))
+            out.narrow(dim, r_lo + n, r_hi).copy_(x.narrow(dim, 0, r_hi))
+            return out
+        buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, lo, hi, size, "halo.fwd")
+        faces = []
+        if lo is None:
+            out.narrow(dim, 0, r_lo).zero_()
+        elif r_lo:
+            faces.append((0, r_lo))
+        if hi is None:
+            out.narrow(dim, r_lo + n, r_hi).zero_()
+        elif r_hi:
+            faces.append((r_lo + n, r_hi))
+        unpack_faces(buf, out, dim, faces)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, group, n = ctx.dim, ctx.group, ctx.n
+        (r_lo, r_hi), (s_lo, s_hi) = ctx.recv, ctx.send
+        lo, hi = ctx.peers
+        size = dist.get_world_size(group)
+        grad_x = grad.narrow(dim, r_lo, n).clone(memory_format=torch.contiguous_format)
+        if size == 1 and lo is not None:  # periodic onto itself
+            grad_x.narrow(dim, n - r_lo, r_lo).add_(grad.narrow(dim, 0, r_lo))
+            grad_x.narrow(dim, 0, r_hi).add_(grad.narrow(dim, r_lo + n, r_hi))
+            return grad_x, None, None, None, None, None
+        # Adjoint of the forward swap: halo gradients travel back the way the rows came.
+        buf, _ = _swap(grad, dim, (0, r_lo), (r_lo + n, r_hi), s_hi, s_lo, lo, hi, size, "halo.bwd")
+        faces = []
+        if lo is not None and s_lo:
+            faces.append((0, s_lo))
+        if hi is not None and s_hi:
+            faces.append((n - s_hi, s_hi))
+        unpack_faces(buf, grad_x, dim, faces, accumulate=True)  # overlapping faces add up
+        return grad_x, None, None, None, None, None
+
+
+def _pairs(name: str, value, count: int) -> List[Pair]:
+    if count == 1 and len(value) == 2 and all(isinstance(v, int) for v in value):
+        value = [value]
+    value = [tuple(int(w) for w in p) for p in value]
+    if len(value) != count or any(len(p) != 2 or min(p) < 0 for p in value):
+        raise ValueError(f"{name} must hold one (lo, hi) pair of non-negative widths per shard dim "
+                         f"({count}), got {value!r}")
+    return value
+
+
+def halo_widths_ok(n: int, send: Pair) -> bool:
+    """Whether a slab of ``n`` rows can supply the ``send`` faces."""
+    return send[0] <= n and send[1] <= n
+
+
+def halo_exchange(x: torch.Tensor, mesh: DeviceMesh, shard_dims: Sequence[int], recv, send, periodic) -> torch.Tensor:
+    """``x`` padded with its neighbours' edge rows along each of ``shard_dims`` (see module doc).
+
+    ``shard_dims`` has one tensor dim per mesh dim. ``recv`` / ``send`` are
+    ``[(lo, hi), ...]`` per shard dim (a single pair is accepted for one dim);
+    ``periodic`` is a bool or one bool per shard dim. Differentiable; backward
+    is the adjoint. Widths this rank cannot supply raise ``ValueError`` here;
+    layers validate the whole layout on every rank before calling.
+    """
+    dims = tuple(d % x.dim() for d in shard_dims)
+    if len(dims) != mesh.ndim:
+        raise ValueError(f"shard_dims needs one tensor dim per mesh dim ({mesh.ndim}), got {tuple(shard_dims)}")
+    recv, send = _pairs("recv", recv, len(dims)), _pairs("send", send, len(dims))
+    periodic = [bool(periodic)] * len(dims) if isinstance(periodic, bool) else [bool(p) for p in periodic]
+    if len(periodic) != len(dims):
+        raise ValueError(f"periodic needs one bool per shard dim ({len(dims)}), got {periodic}")
+    for i, d in enumerate(dims):
+        if not halo_widths_ok(x.size(d), send[i]):
+            raise ValueError(f"halo_exchange: rank {dist.get_rank()} holds {x.size(d)} rows along dim {d} "
+                             f"but must send {send[i]} (lo, hi)")
+    for i, d in enumerate(dims):
+        x = halo_exchange_along(x, mesh.get_group(i), d, recv[i], send[i], periodic[i])
+    return x
+
+
+def halo_exchange_along(x: torch.Tensor, group: dist.ProcessGroup, dim: int, recv: Pair, send: Pair,
+                        periodic: bool) -> torch.Tensor:
+    """One shard dim of :func:`halo_exchange` over one mesh dim's ``group`` (no argument checks)."""
+    if dist.get_world_size(group) == 1 and not periodic:
+        return torch.nn.functional.pad(x, _pad_arg(x.dim(), dim, recv))  # zero boundary on both sides
+    return HaloExchange1d.apply(x, dim, group, tuple(recv), tuple(send), bool(periodic))
+
+
+def _pad_arg(ndim: int, dim: int, pair: Pair) -> List[int]:
+    pad = [0] * (2 * (ndim - dim))
+    pad[-2], pad[-1] = pair
+    return pad

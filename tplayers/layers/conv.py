@@ -1,0 +1,278 @@
+"""Domain-parallel 2-D convolution: the input is split spatially, the result is exact.
+
+``DistributedConv2d`` takes every ``nn.Conv2d`` argument (same defaults) plus
+``mesh`` and ``shard_dims``: ``(2,)`` shards H over a 1-D mesh, ``(3,)`` W, and
+``(2, 3)`` both over a 2-D mesh. Input and output are plain local tensors,
+this rank's slice along the sharded dims; gathering the outputs gives
+``nn.Conv2d`` on the gathered input, and every gradient matches.
+
+Per forward: a halo exchange per sharded dim (:func:`tplayers.comm.halo_exchange_along`,
+an autograd Function whose backward is its adjoint), then a local ``F.conv2d``.
+The weight and bias enter through :class:`~tplayers.comm.CopyToParallelRegion`
+(identity forward, all-reduce backward), so their gradients are summed over the
+domain group: every rank holds the serial model's parameter gradient.
+
+Layout: local sizes may be any partition (not only :func:`tplayers.shard_sizes`).
+Each rank's local shape is exchanged once per local shape (a small all-gather,
+cached), validated identically on every rank (a ``ValueError`` everywhere, before
+any halo traffic), and turned into halo widths and output ownership
+(:mod:`tplayers.layers._conv_layout`). If the partition changes while some rank's
+local shape does not, call :meth:`DistributedConv2d.reset_layout` on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.modules.utils import _pair
+
+from tplayers.comm import copy_to_parallel_region, halo_exchange_along, record_collective
+from tplayers.layers._common import ShardedModule
+from tplayers.layers._conv_layout import PADDING_MODES, AxisPlan, plan_axis
+from tplayers.sharding import ShardSpec
+
+__all__ = ["DistributedConv2d"]
+
+_TORCH_PAD_MODE = {"circular": "circular", "reflect": "reflect", "replicate": "replicate"}
+
+
+def _pad_tuple(dim: int, lo: int, hi: int):
+    """``F.pad`` argument padding only dim ``dim`` (2 or 3) of a 4-D tensor."""
+    return (lo, hi, 0, 0) if dim == 3 else (0, 0, lo, hi)
+
+
+class DistributedConv2d(ShardedModule):
+    """``nn.Conv2d`` on a spatially sharded input (H, W or both), exact against the serial layer.
+
+    Shapes (local = this rank's slice of the sharded dims, any partition):
+
+    - ``weight``: ``(out_channels, in_channels // groups, kH, kW)``, ``bias``: ``(out_channels,)``,
+      replicated; their gradients are summed over the domain group
+    - input: ``(N, C_in, H_local, W_local)``; output: ``(N, C_out, Ho_local, Wo_local)``; output
+      row ``o`` lives on the rank holding the centre of its receptive field
+
+    ``padding_mode``: "zeros", "circular" (a periodic domain), "reflect", "replicate".
+    A partition whose shards cannot supply their neighbours' halos raises
+    ``ValueError`` on every rank before any halo traffic.
+
+    Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        serial = torch.nn.Conv2d(3, 8, 3, padding=1, padding_mode="circular")
+        conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, shard_dims=(2,))
+        x = torch.randn(2, 3, 32, 16)                        # same on every rank
+        y = tplayers.gather(conv(tplayers.shard(x, 2, mesh)), 2, mesh)
+        torch.testing.assert_close(y, serial(x))
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
+                 mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)) -> None:
+        super().__init__()
+        name = type(self).__name__
+        for arg, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(f"{name}: in_channels ({in_channels}) and out_channels ({out_channels}) "
+                             f"must be divisible by groups ({groups})")
+        if padding_mode not in PADDING_MODES:
+            raise ValueError(f"{name}: padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.kernel_size, self.stride, self.dilation = _pair(kernel_size), _pair(stride), _pair(dilation)
+        if min(self.kernel_size + self.stride + self.dilation) < 1:
+            raise ValueError(f"{name}: kernel_size, stride and dilation must be >= 1, got "
+                             f"{self.kernel_size}, {self.stride}, {self.dilation}")
+        self.padding, self.padding_mode = padding, padding_mode
+        self._pads = self._resolve_padding(padding)
+        dims = tuple(int(d) % 4 for d in shard_dims)
+        if not dims or any(d not in (2, 3) for d in dims) or len(set(dims)) != len(dims):
+            raise ValueError(f"{name}: shard_dims must be (2,), (3,) or (2, 3), got {tuple(shard_dims)}")
+        self.shard_dims = dims
+        mesh = self._bind_mesh(mesh, len(dims))
+        self._groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty((out_channels, in_channels // groups) + self.kernel_size, **kw))
+        self.bias = nn.Parameter(torch.empty(out_channels, **kw)) if bias else None
+        if not bias:
+            self.register_parameter("bias", None)
+        self._layouts: Dict[Tuple[int, ...], Tuple[Dict[int, AxisPlan], Tuple[int, ...]]] = {}
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def _resolve_padding(self, padding) -> Tuple[Tuple[int, int], Tuple[int, int]]:
+        """(lo, hi) input padding for H and W, as ``nn.Conv2d`` applies it."""
+        if isinstance(padding, str):
+            if padding == "valid":
+                return (0, 0), (0, 0)
+            if padding != "same":
+                raise ValueError(f"{type(self).__name__}: padding must be 'same', 'valid', an int or a pair, "
+                                 f"got {padding!r}")
+            if self.stride != (1, 1):
+                raise ValueError(f"{type(self).__name__}: padding='same' needs stride 1, got {self.stride}")
+            totals = [d * (k - 1) for d, k in zip(self.dilation, self.kernel_size)]
+            return tuple((t // 2, t - t // 2) for t in totals)
+        ph, pw = _pair(padding)
+        if min(ph, pw) < 0:
+            raise ValueError(f"{type(self).__name__}: padding must be >= 0, got {padding!r}")
+        return (ph, ph), (pw, pw)
+
+    def reset_parameters(self) -> None:
+        """``nn.Conv2d``'s initialisation, then a broadcast from the first domain rank so every
+        rank holds the same replicated parameters (use ``from_module`` to copy a serial layer)."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            fan_in = self.weight.shape[1] * self.kernel_size[0] * self.kernel_size[1]
+            bound = 1 / math.sqrt(fan_in)
+            nn.init.uniform_(self.bias, -bound, bound)
+        with torch.no_grad():
+            for group in self._groups:
+                if dist.get_world_size(group) > 1:
+                    for p in self.parameters():
+                        dist.broadcast(p.data, dist.get_global_rank(group, 0), group=group)
+
+    def shard_specs(self) -> Dict[str, ShardSpec]:
+        """Weight and bias are replicated on every rank of the domain."""
+        specs = {"weight": ShardSpec.replicated(self.weight.shape)}
+        if self.bias is not None:
+            specs["bias"] = ShardSpec.replicated(self.bias.shape)
+        return specs
+
+    @classmethod
+    def from_module(cls, conv: nn.Conv2d, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)):
+        """The domain-parallel twin of ``conv``, holding a copy of its parameters.
+
+        Build optimizers after swapping: the new parameters are new objects.
+        """
+        if not isinstance(conv, nn.Conv2d):
+            raise TypeError(f"{cls.__name__}.from_module expects an nn.Conv2d, got {type(conv).__name__}")
+        layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
+                    conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode, device="meta",
+                    dtype=conv.weight.dtype, mesh=mesh, shard_dims=shard_dims)
+        layer = layer.to_empty(device=conv.weight.device)
+        layer._copy_shards_from(conv)
+        return layer
+
+    def reset_layout(self) -> None:
+        """Forget cached partitions (call on every rank when the partition changes)."""
+        self._layouts.clear()
+
+    # ------------------------------------------------------------------ layout
+    def _exchange_shapes(self, x: torch.Tensor) -> torch.Tensor:
+        """``(mesh0, mesh1, 6)`` table of every rank's (ok, N, C, H, W, dtype/device ok)."""
+        ok = isinstance(x, torch.Tensor) and x.dim() == 4
+        shape = list(x.shape) if ok else [-1] * 4
+        same = int(ok and x.dtype == self.weight.dtype and x.device == self.weight.device)
+        device = torch.device("cuda", torch.cuda.current_device()) if self.weight.is_cuda else torch.device("cpu")
+        table = torch.tensor([int(ok)] + shape + [same], dtype=torch.int64, device=device)
+        for i in reversed(range(self.mesh.ndim)):  # last mesh dim first: rows, then columns
+            size = dist.get_world_size(self._groups[i])
+            out = table.new_empty(size * table.numel())
+            if size > 1:
+                record_collective("all_gather", out.numel() * 8, size, "conv.layout")
+                dist.all_gather_into_tensor(out, table.reshape(-1), group=self._groups[i])
+            else:
+                out.copy_(table.reshape(-1))
+            table = out.view((size,) + tuple(table.shape))
+        if self.mesh.ndim == 1:
+            table = table.unsqueeze(1)
+        return table.cpu()
+
+    def _layout(self, x: torch.Tensor):
+        key = tuple(x.shape)
+        if key in self._layouts:
+            return self._layouts[key]
+        table = self._exchange_shapes(x).tolist()  # once per local shape
+        name = type(self).__name__
+        flat = [(c0, c1, row) for c0, rows in enumerate(table) for c1, row in enumerate(rows)]
+        for c0, c1, row in flat:
+            if not row[0]:
+                raise ValueError(f"{name}: the input must be 4-D (N, C, H, W) on every rank; mesh position "
+                                 f"{(c0, c1)[:self.mesh.ndim]} passed another rank")
+            if not row[5]:
+                raise ValueError(f"{name}: input dtype/device must match the weight's "
+                                 f"({self.weight.dtype}, {self.weight.device}) on every rank; mesh position "
+                                 f"{(c0, c1)[:self.mesh.ndim]} differs")
+        shapes = {(c0, c1): row[1:5] for c0, c1, row in flat}
+        sizes_along = {}
+        for d in (0, 1, 2, 3):
+            mesh_dim = self.shard_dims.index(d) if d in self.shard_dims else None
+            for (c0, c1), shp in shapes.items():
+                peer = shapes[(0, c1)] if mesh_dim == 1 else shapes[(c0, 0)] if mesh_dim == 0 else shapes[(0, 0)]
+                if shp[d] != peer[d]:
+                    raise ValueError(
+                        f"{name}: local input shapes differ across ranks in dim {d} "
+                        f"({'not sharded' if mesh_dim is None else 'sharded over the other mesh dim'}): "
+                        f"{shapes[(0, 0)]} vs {shp} at mesh position {(c0, c1)[:self.mesh.ndim]}"
+                    )
+            if mesh_dim is not None:
+                sizes_along[d] = [row[1 + d] for row in (table[c][0] for c in range(len(table)))] if mesh_dim == 0 \
+                    else [row[1 + d] for row in table[0]]
+        if shapes[(0, 0)][1] != self.in_channels:
+            raise ValueError(f"{name}: input must have {self.in_channels} channels, got {shapes[(0, 0)][1]}")
+        plans: Dict[int, AxisPlan] = {}
+        out_shape = [key[0], self.out_channels, 0, 0]
+        for d in (2, 3):
+            k, s, dil, pad = self.kernel_size[d - 2], self.stride[d - 2], self.dilation[d - 2], self._pads[d - 2]
+            if d in self.shard_dims:
+                i = self.shard_dims.index(d)
+                per = plan_axis(sizes_along[d], kernel=k, stride=s, dilation=dil, pad=pad, mode=self.padding_mode,
+                                what=f"dim {d} (mesh dim {i})")
+                plans[d] = per[self.mesh.get_local_rank(i)]
+                out_shape[d] = plans[d].out_rows
+            else:
+                plan_axis([key[d]], kernel=k, stride=s, dilation=dil, pad=pad, mode=self.padding_mode,
+                          what=f"dim {d}")  # same checks as nn.Conv2d would make
+                out_shape[d] = (key[d] + pad[0] + pad[1] - dil * (k - 1) - 1) // s + 1
+        self._layouts[key] = (plans, tuple(out_shape))
+        return self._layouts[key]
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        plans, out_shape = self._layout(x)  # validated on every rank before any halo traffic
+        periodic = self.padding_mode == "circular"
+        conv_pad = [0, 0]
+        for d in (2, 3):
+            if d in plans:  # sharded: halo exchange, then the global-edge padding, then trim
+                p = plans[d]
+                group = self._groups[self.shard_dims.index(d)]
+                x = halo_exchange_along(x, group, d, p.recv, p.send, periodic)  # (.., rows + recv, ..)
+                if max(p.boundary):
+                    x = F.pad(x, _pad_tuple(d, *p.boundary), mode=_TORCH_PAD_MODE[self.padding_mode])
+                if p.trim[0] or p.trim[1]:
+                    x = x.narrow(d, p.trim[0], x.size(d) - p.trim[0] - p.trim[1])
+                continue
+            lo, hi = self._pads[d - 2]
+            if self.padding_mode == "zeros" and lo == hi:
+                conv_pad[d - 2] = lo  # let the convolution pad
+            elif lo or hi:
+                mode = "constant" if self.padding_mode == "zeros" else _TORCH_PAD_MODE[self.padding_mode]
+                x = F.pad(x, _pad_tuple(d, lo, hi), mode=mode)
+        weight, bias = self.weight, self.bias
+        for group in self._groups:  # identity forward; backward sums the gradient over the domain
+            weight = copy_to_parallel_region(weight, group)
+            bias = copy_to_parallel_region(bias, group) if bias is not None else None
+        if 0 in out_shape:
+            # This rank owns no output rows: an empty output still tied to the halo exchange and the
+            # parameters, so its backward (halo adjoint, gradient all-reduce) runs like everyone's.
+            tie = x.sum() * 0 + weight.sum() * 0 + (bias.sum() * 0 if bias is not None else 0)
+            return x.new_zeros(out_shape) + tie
+        return F.conv2d(x, weight, bias, self.stride, tuple(conv_pad), self.dilation, self.groups)  # (N, Cout, Ho, Wo)
+
+    def collectives(self):
+        """Collectives per step: ``(forward list, backward list)``."""
+        halo = [f"halo send/recv (dim {d})" for d in self.shard_dims]
+        reduce = ["all_reduce (weight grad)"] + (["all_reduce (bias grad)"] if self.bias is not None else [])
+        return halo, halo + reduce * len(self.shard_dims)
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+                f"padding={self.padding!r}, dilation={self.dilation}, groups={self.groups}, "
+                f"bias={self.bias is not None}, padding_mode={self.padding_mode!r}, shard_dims={self.shard_dims}")
