@@ -18,7 +18,7 @@ Hand-written model code uses the layers directly (``ColumnParallelLinear``,
 
 from tplayers.comm import CommLog, count_collectives
 from tplayers.domain import gather, scatter, shard
-from tplayers.layers import ColumnParallelLinear, DistributedConv2d, RowParallelLinear
+from tplayers.layers import ColumnParallelLinear, DistributedConv2d, NeighborhoodAttention, RowParallelLinear
 from tplayers.mesh import default_mesh, init_mesh
 from tplayers.ops.na import na2d
 from tplayers.parallelize import ColumnParallel, ParallelStyle, RowParallel, explain, parallelize_module
@@ -46,4 +46,5 @@ __all__ = [
     "parallelize_module",
     "explain",
     "na2d",
+    "NeighborhoodAttention",
 ]

@@ -134,7 +134,9 @@ def neighborhood_attention_2d(
     _check_qkv(q, k, v)
     batch, hq, wq, heads, dim = q.shape
     if hq == 0 or wq == 0 or batch == 0:
-        return q.new_zeros(batch, hq, wq, heads, v.shape[-1]) + 0 * (k.sum() + v.sum() + q.sum())
+        # nothing to compute (an empty shard): zeros still tied to every input, so backward runs
+        tie = q.sum() + k.sum() + v.sum() + (0 if rel_pos_bias is None else rel_pos_bias.sum())
+        return q.new_zeros(batch, hq, wq, heads, v.shape[-1]) + 0 * tie
     scale = dim ** -0.5 if scale is None else float(scale)
     th = axis_tiles(global_size[0], kernel[0], dilation[0], causal[0], q_offset[0], hq, k_offset[0], k.shape[1], tile[0])
     tw = axis_tiles(global_size[1], kernel[1], dilation[1], causal[1], q_offset[1], wq, k_offset[1], k.shape[2], tile[1])
