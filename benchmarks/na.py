@@ -132,16 +132,17 @@ def _domain_rank(rank, world, size, heads, head_dim, kernel, repeats):
             module(inp_).sum().backward()
         return run
 
-    fns = {"domain": step(layer, local)}
-    if rank == 0:
-        fns["single"] = step(serial, x)
+    fns = {"domain": step(layer, local), "single": step(serial, x) if rank == 0 else None}
     times = {name: [] for name in fns}
-    for _ in range(repeats):
+    for _ in range(repeats + 1):  # the first round warms up
         for name, fn in fns.items():
-            torch.distributed.barrier()
+            torch.distributed.barrier()  # every rank, every round: no mismatch
+            if fn is None:
+                continue
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
+    times = {name: ts[1:] for name, ts in times.items() if ts}
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

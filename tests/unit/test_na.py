@@ -168,5 +168,17 @@ def test_matches_natten():
             warnings.simplefilter("ignore")
             ref = natten.na2d(q, k, v, kernel_size=kernel, dilation=dilation, is_causal=causal)
         torch.testing.assert_close(tplayers.na2d(q, k, v, kernel, dilation, causal), ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tplayers.na2d(q, k, v, kernel, dilation, causal, backend="natten"), ref)
         checked += 1
     assert checked >= 5
+
+
+def test_backend_flag(monkeypatch):
+    import tplayers.ops.na as na_module
+
+    x = torch.randn(1, 6, 6, 1, 4)
+    with pytest.raises(ValueError, match="backend"):
+        tplayers.na2d(x, x, x, 3, backend="cuda")
+    monkeypatch.setattr(na_module, "_natten", lambda: None)  # as if natten were not installed
+    with pytest.raises(ImportError, match="pip install natten"):
+        tplayers.na2d(x, x, x, 3, backend="natten")

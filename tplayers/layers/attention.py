@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_to_parallel_region, halo_exchange, record_collective
 from tplayers.layers._common import ShardedModule
-from tplayers.ops.na import neighborhood_attention_2d, normalize_na_args
+from tplayers.ops.na import check_window_fits, neighborhood_attention_2d, normalize_na_args
 from tplayers.ops.na_layout import axis_halos
 from tplayers.sharding import ShardSpec
 
@@ -224,11 +224,7 @@ class NeighborhoodAttention(ShardedModule):
             if not self._check_local(x):
                 self._raise_bad_input(x)
             size, offset, recv = (x.shape[1], x.shape[2]), (0, 0), None
-            for axis, what in ((0, "H"), (1, "W")):
-                if self.kernel_size[axis] * self.dilation[axis] > size[axis]:
-                    raise ValueError(f"{type(self).__name__}: kernel_size * dilation must be <= the input size "
-                                     f"along {what}: got {self.kernel_size[axis]} * {self.dilation[axis]} > "
-                                     f"{size[axis]}")
+            check_window_fits(self.kernel_size, self.dilation, size, type(self).__name__)
         else:
             size, offset, recv, send = self._layout(x)  # validated on every rank before any halo traffic
         w_qkv, b_qkv, w_proj, b_proj, rpb = self._params()

@@ -27,7 +27,7 @@ import torch
 
 from tplayers.ops.na_layout import DEFAULT_TILE, AxisTiles, axis_tiles
 
-__all__ = ["na2d", "neighborhood_attention_2d", "normalize_na_args"]
+__all__ = ["na2d", "neighborhood_attention_2d", "normalize_na_args", "check_window_fits"]
 
 IntPair = Union[int, Sequence[int]]
 BoolPair = Union[bool, Sequence[bool]]
@@ -78,6 +78,8 @@ def na2d(
     dilation: IntPair = 1,
     is_causal: BoolPair = False,
     scale: Optional[float] = None,
+    *,
+    backend: str = "torch",
 ) -> torch.Tensor:
     """2-D neighborhood attention, NATTEN's semantics, heads-last layout.
 
@@ -88,6 +90,8 @@ def na2d(
     per dim). ``kernel_size``, ``dilation``, ``is_causal``: int/bool or per-dim
     pairs. ``scale`` defaults to ``head_dim ** -0.5``. Needs
     ``kernel_size * dilation <= (H, W)``. Returns ``(B, H, W, heads, head_dim_v)``.
+    ``backend="natten"`` (opt-in) dispatches to ``natten.na2d`` when natten is
+    installed; the default ``"torch"`` path is the oracle and runs everywhere.
 
     >>> import torch, tplayers
     >>> q = k = v = torch.randn(1, 9, 11, 2, 8)
@@ -99,13 +103,35 @@ def na2d(
         raise ValueError(f"na2d: q and k must have the same (H, W), got {tuple(q.shape)} and {tuple(k.shape)}")
     kernel, dil, causal = normalize_na_args(kernel_size, dilation, is_causal)
     size = (q.shape[1], q.shape[2])
-    for axis, name in enumerate(("H", "W")):
-        if kernel[axis] * dil[axis] > size[axis]:
-            raise ValueError(
-                f"na2d: kernel_size * dilation must be <= the input size along {name}: got kernel_size "
-                f"{kernel[axis]} * dilation {dil[axis]} > {name}={size[axis]}"
-            )
+    check_window_fits(kernel, dil, size, "na2d")
+    if backend == "natten":
+        natten = _natten()
+        if natten is None:
+            raise ImportError("na2d(backend='natten') needs the optional natten package: pip install natten==0.21.7")
+        return natten.na2d(q, k, v, kernel_size=kernel, dilation=dil, is_causal=causal, scale=scale)
+    if backend != "torch":
+        raise ValueError(f"na2d: backend must be 'torch' or 'natten', got {backend!r}")
     return neighborhood_attention_2d(q, k, v, kernel, dil, causal, scale=scale, global_size=size)
+
+
+@lru_cache(maxsize=1)
+def _natten():
+    """The natten module, or None when it is not installed (looked up once)."""
+    try:
+        import natten
+    except ImportError:
+        return None
+    return natten
+
+
+def check_window_fits(kernel: Tuple[int, int], dilation: Tuple[int, int], size: Sequence[int], who: str) -> None:
+    """``ValueError`` unless ``kernel * dilation <= size`` along H and W (NATTEN's requirement)."""
+    for axis, name in enumerate(("H", "W")):
+        if kernel[axis] * dilation[axis] > size[axis]:
+            raise ValueError(
+                f"{who}: kernel_size * dilation must be <= the input size along {name}: got kernel_size "
+                f"{kernel[axis]} * dilation {dilation[axis]} > {name}={size[axis]}"
+            )
 
 
 def neighborhood_attention_2d(
