@@ -18,10 +18,16 @@ Hand-written model code uses the layers directly (``ColumnParallelLinear``,
 
 from tplayers.comm import CommLog, count_collectives
 from tplayers.domain import gather, scatter, shard
-from tplayers.layers import ColumnParallelLinear, DistributedConv2d, NeighborhoodAttention, RowParallelLinear
+from tplayers.layers import (
+    ColumnParallelLinear,
+    DistributedConv2d,
+    DomainReplicated,
+    NeighborhoodAttention,
+    RowParallelLinear,
+)
 from tplayers.mesh import default_mesh, init_mesh
 from tplayers.ops.na import na2d
-from tplayers.parallelize import ColumnParallel, ParallelStyle, RowParallel, explain, parallelize_module
+from tplayers.parallelize import ColumnParallel, DomainParallel, ParallelStyle, RowParallel, explain, parallelize_module
 from tplayers.sharding import ShardSpec, shard_range, shard_sizes
 
 __version__ = "0.1.0"
@@ -40,9 +46,11 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "DistributedConv2d",
+    "DomainReplicated",
     "ParallelStyle",
     "ColumnParallel",
     "RowParallel",
+    "DomainParallel",
     "parallelize_module",
     "explain",
     "na2d",

@@ -3,7 +3,7 @@
 A plan is data: ``{key: value}``. A key is a regex matched with
 ``re.fullmatch`` against each module's dotted name (``""`` is the root), or an
 ``nn.Module`` subclass matching by type. A value is a style
-(:class:`ColumnParallel`, :class:`RowParallel`) or a partition function
+(:class:`ColumnParallel`, :class:`RowParallel`, :class:`DomainParallel`) or a partition function
 ``fn(name, module, mesh) -> nn.Module``. :func:`parallelize_module` applies it;
 :func:`explain` shows what it would do without changing anything.
 
@@ -29,10 +29,13 @@ from typing import Callable, Dict, List, Mapping, Optional, Tuple, Union
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tplayers.layers._common import ShardedModule
+from tplayers.layers.conv import DistributedConv2d
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tplayers.layers.replicated import DomainReplicated
 from tplayers.mesh import resolve_mesh
 
-__all__ = ["ParallelStyle", "ColumnParallel", "RowParallel", "parallelize_module", "explain", "Explanation"]
+__all__ = ["ParallelStyle", "ColumnParallel", "RowParallel", "DomainParallel", "parallelize_module", "explain", "Explanation"]
 
 PartitionFn = Callable[[str, nn.Module, DeviceMesh], nn.Module]
 PlanKey = Union[str, type]
@@ -49,6 +52,10 @@ class ParallelStyle:
 
     def build(self, name: str, module: nn.Module, mesh: DeviceMesh) -> nn.Module:  # pragma: no cover
         raise NotImplementedError
+
+    def finalize(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        """Called once per style after every swap of the plan; returns the (possibly new) model."""
+        return model
 
     def check(self, key: PlanKey, name: str, module: nn.Module) -> None:
         """Raise ``ValueError`` if this style cannot handle ``module``."""
@@ -80,6 +87,58 @@ class RowParallel(ParallelStyle):
 
     def build(self, name, module, mesh):
         return RowParallelLinear.from_module(module, mesh=mesh, input_is_parallel=self.input_is_parallel)
+
+
+@dataclass(frozen=True)
+class DomainParallel(ParallelStyle):
+    """Domain (spatial) parallelism: swap ``nn.Conv2d`` for :class:`~tplayers.DistributedConv2d`
+    sharding ``shard_dims`` ((2,) = H over a 1-D mesh, (2, 3) = H and W over a 2-D mesh).
+
+    Matched on an ``nn.Conv2d`` (type key or regex) it swaps that layer; matched on
+    any other module (e.g. the root ``""``) it swaps every ``nn.Conv2d`` inside.
+    Then, once per plan, every other module that owns replicated parameters
+    (``nn.Linear``, channel norms, custom ``nn.Parameter``s; not the sharded twins) is
+    wrapped in :class:`~tplayers.DomainReplicated`, whose forward routes those
+    parameters through an all-reduce-in-backward Function. So every ``.grad`` of
+    the swapped model equals the serial model's, and ``state_dict`` keys are
+    unchanged. Only per-pixel layers are exact: norms over H/W see one shard.
+
+    Example (``torchrun --nproc-per-node 2``)::
+
+        model = tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2,))})
+        y = model(tplayers.shard(x, 2))        # this rank's rows in, this rank's rows out
+    """
+
+    shard_dims: Tuple[int, ...] = (2,)
+    accepts = (nn.Module,)
+
+    def build(self, name, module, mesh):
+        return self._swap(module, mesh)
+
+    def _swap(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        if isinstance(module, nn.Conv2d):
+            return DistributedConv2d.from_module(module, mesh=mesh, shard_dims=self.shard_dims)
+        for child_name, child in list(module.named_children()):
+            new = self._swap(child, mesh)
+            if new is not child:
+                setattr(module, child_name, new)
+        return module
+
+    def finalize(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        return _wrap_replicated(model, mesh)
+
+
+def _wrap_replicated(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Wrap (bottom-up) every module owning direct parameters that no layer shards or sums."""
+    if isinstance(module, (ShardedModule, DomainReplicated)):
+        return module
+    for child_name, child in list(module.named_children()):
+        new = _wrap_replicated(child, mesh)
+        if new is not child:
+            setattr(module, child_name, new)
+    if next(module.parameters(recurse=False), None) is not None:
+        return DomainReplicated(module, mesh)
+    return module
 
 
 def _key_repr(key: PlanKey) -> str:
@@ -167,7 +226,7 @@ def parallelize_module(model: nn.Module, plan: Mapping, *, mesh: Optional[Device
 
     Build the optimizer **after** this call: swapped parameters are new objects.
     """
-    mesh = resolve_mesh(mesh)
+    mesh = resolve_mesh(mesh, (1, 2))  # 2-D only for domain styles sharding two dims
     matches = _match_plan(model, plan)
     if any(p.grad is not None for m in matches for p in m.module.parameters()):
         warnings.warn(
@@ -182,6 +241,9 @@ def parallelize_module(model: nn.Module, plan: Mapping, *, mesh: Optional[Device
             continue
         parent_name, _, child = match.name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, new)
+    styles = {id(m.value): m.value for m in matches if isinstance(m.value, ParallelStyle)}
+    for style in styles.values():
+        model = style.finalize(model, mesh)
     return model
 
 
@@ -225,7 +287,7 @@ def explain(model: nn.Module, plan: Mapping, mesh: Optional[DeviceMesh] = None, 
     away. Returns an :class:`Explanation` (``str()`` is the table) and prints it
     unless ``print_table=False``.
     """
-    mesh = resolve_mesh(mesh)
+    mesh = resolve_mesh(mesh, (1, 2))
     matches = _match_plan(model, plan)
     rows = []
     swapped_before = swapped_after = 0

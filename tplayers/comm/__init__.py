@@ -6,7 +6,9 @@ Halo exchange for domain parallelism lives here too (``tplayers.comm.halo``).
 from tplayers.comm.accounting import CollectiveRecord, CommLog, count_collectives, record_collective
 from tplayers.comm.halo import HaloExchange1d, halo_exchange, halo_exchange_along
 from tplayers.comm.collectives import (
+    CopyManyToParallelRegion,
     CopyToParallelRegion,
+    copy_many_to_parallel_region,
     GatherAlongDim,
     ReduceFromParallelRegion,
     SplitAlongDim,
@@ -25,6 +27,8 @@ __all__ = [
     "count_collectives",
     "record_collective",
     "CopyToParallelRegion",
+    "CopyManyToParallelRegion",
+    "copy_many_to_parallel_region",
     "ReduceFromParallelRegion",
     "SplitAlongDim",
     "GatherAlongDim",

@@ -25,6 +25,8 @@ __all__ = [
     "all_gather_along_dim",
     "exchange_sizes",
     "CopyToParallelRegion",
+    "CopyManyToParallelRegion",
+    "copy_many_to_parallel_region",
     "ReduceFromParallelRegion",
     "SplitAlongDim",
     "GatherAlongDim",
@@ -168,6 +170,33 @@ class GatherAlongDim(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad.narrow(ctx.dim, ctx.start, ctx.length), None, None, None
+
+
+class CopyManyToParallelRegion(torch.autograd.Function):
+    """forward: identity on several tensors (replicated parameters) / backward: ONE all-reduce
+    (sum) of all their gradients, flattened into one buffer."""
+
+    @staticmethod
+    def forward(ctx, group: dist.ProcessGroup, *tensors: torch.Tensor):
+        ctx.group = group
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        all_reduce_sum(flat, ctx.group, "copy_many.bwd")
+        out, offset = [], 0
+        for g in grads:
+            out.append(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return (None, *out)
+
+
+def copy_many_to_parallel_region(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> List[torch.Tensor]:
+    """Identity forward on each tensor, one fused all-reduce of their gradients in backward."""
+    if dist.get_world_size(group) == 1 or not tensors:
+        return list(tensors)
+    return list(CopyManyToParallelRegion.apply(group, *tensors))
 
 
 def copy_to_parallel_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

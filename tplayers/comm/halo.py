@@ -83,7 +83,7 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     recvbuf = src.new_empty(n_lo_recv + n_hi_recv)
     offset = 0
     for peer, face, ptag in ((lo, to_lo, _TAG_DOWN), (hi, to_hi, _TAG_UP)):
-        if peer is not None and face[1]:
+        if peer is not None and face[1] and row:  # empty messages are skipped on both sides
             part = sendbuf[offset : offset + row * face[1]]
             offset += part.numel()
             record_collective("send", part.numel() * part.element_size(), group_size, tag)
@@ -119,14 +119,16 @@ class HaloExchange1d(torch.autograd.Function):
     backward: send the halo gradients back to their owners, which add them into their edge rows."""
 
     @staticmethod
-    def forward(ctx, x, dim, group, recv, send, periodic):
+    def forward(ctx, x, dim, group, recv, send, periodic, memory_format=torch.contiguous_format):
         size, n = dist.get_world_size(group), x.size(dim)
         lo, hi = _peers(group, periodic)
         (r_lo, r_hi), (s_lo, s_hi) = recv, send
         ctx.dim, ctx.group, ctx.recv, ctx.send, ctx.n, ctx.peers = dim, group, recv, send, n, (lo, hi)
         shape = list(x.shape)
         shape[dim] = r_lo + n + r_hi
-        out = x.new_empty(shape)
+        cl = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+        ctx.grad_format = torch.channels_last if cl else torch.contiguous_format  # x's own layout
+        out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)
         out.narrow(dim, r_lo, n).copy_(x)
         if size == 1 and periodic:  # wraps onto itself: local copies, no communication
             out.narrow(dim, 0, r_lo).copy_(x.narrow(dim, n - r_lo, r_lo))
@@ -151,11 +153,11 @@ class HaloExchange1d(torch.autograd.Function):
         (r_lo, r_hi), (s_lo, s_hi) = ctx.recv, ctx.send
         lo, hi = ctx.peers
         size = dist.get_world_size(group)
-        grad_x = grad.narrow(dim, r_lo, n).clone(memory_format=torch.contiguous_format)
+        grad_x = grad.narrow(dim, r_lo, n).clone(memory_format=ctx.grad_format)
         if size == 1 and lo is not None:  # periodic onto itself
             grad_x.narrow(dim, n - r_lo, r_lo).add_(grad.narrow(dim, 0, r_lo))
             grad_x.narrow(dim, 0, r_hi).add_(grad.narrow(dim, r_lo + n, r_hi))
-            return grad_x, None, None, None, None, None
+            return grad_x, None, None, None, None, None, None
         # Adjoint of the forward swap: halo gradients travel back the way the rows came.
         buf, _ = _swap(grad, dim, (0, r_lo), (r_lo + n, r_hi), s_hi, s_lo, lo, hi, size, "halo.bwd")
         faces = []
@@ -164,7 +166,7 @@ class HaloExchange1d(torch.autograd.Function):
         if hi is not None and s_hi:
             faces.append((n - s_hi, s_hi))
         unpack_faces(buf, grad_x, dim, faces, accumulate=True)  # overlapping faces add up
-        return grad_x, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None
 
 
 def _pairs(name: str, value, count: int) -> List[Pair]:
@@ -182,13 +184,15 @@ def halo_widths_ok(n: int, send: Pair) -> bool:
     return send[0] <= n and send[1] <= n
 
 
-def halo_exchange(x: torch.Tensor, mesh: DeviceMesh, shard_dims: Sequence[int], recv, send, periodic) -> torch.Tensor:
+def halo_exchange(x: torch.Tensor, mesh: DeviceMesh, shard_dims: Sequence[int], recv, send, periodic, *,
+                  memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
     """``x`` padded with its neighbours' edge rows along each of ``shard_dims`` (see module doc).
 
     ``shard_dims`` has one tensor dim per mesh dim. ``recv`` / ``send`` are
     ``[(lo, hi), ...]`` per shard dim (a single pair is accepted for one dim);
     ``periodic`` is a bool or one bool per shard dim. Differentiable; backward
-    is the adjoint. Widths this rank cannot supply raise ``ValueError`` here;
+    is the adjoint. ``memory_format`` is the padded result's layout (``torch.channels_last``
+    suits a following convolution; the input gradient keeps ``x``'s layout). Widths this rank cannot supply raise ``ValueError`` here;
     layers validate the whole layout on every rank before calling.
     """
     dims = tuple(d % x.dim() for d in shard_dims)
@@ -203,16 +207,16 @@ def halo_exchange(x: torch.Tensor, mesh: DeviceMesh, shard_dims: Sequence[int], 
             raise ValueError(f"halo_exchange: rank {dist.get_rank()} holds {x.size(d)} rows along dim {d} "
                              f"but must send {send[i]} (lo, hi)")
     for i, d in enumerate(dims):
-        x = halo_exchange_along(x, mesh.get_group(i), d, recv[i], send[i], periodic[i])
+        x = halo_exchange_along(x, mesh.get_group(i), d, recv[i], send[i], periodic[i], memory_format)
     return x
 
 
 def halo_exchange_along(x: torch.Tensor, group: dist.ProcessGroup, dim: int, recv: Pair, send: Pair,
-                        periodic: bool) -> torch.Tensor:
+                        periodic: bool, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
     """One shard dim of :func:`halo_exchange` over one mesh dim's ``group`` (no argument checks)."""
     if dist.get_world_size(group) == 1 and not periodic:
         return torch.nn.functional.pad(x, _pad_arg(x.dim(), dim, recv))  # zero boundary on both sides
-    return HaloExchange1d.apply(x, dim, group, tuple(recv), tuple(send), bool(periodic))
+    return HaloExchange1d.apply(x, dim, group, tuple(recv), tuple(send), bool(periodic), memory_format)
 
 
 def _pad_arg(ndim: int, dim: int, pair: Pair) -> List[int]:

@@ -3,6 +3,14 @@
 from tplayers.layers._common import ShardedModule
 from tplayers.layers.attention import NeighborhoodAttention
 from tplayers.layers.conv import DistributedConv2d
+from tplayers.layers.replicated import DomainReplicated
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["ShardedModule", "ColumnParallelLinear", "RowParallelLinear", "DistributedConv2d", "NeighborhoodAttention"]
+__all__ = [
+    "ShardedModule",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "DistributedConv2d",
+    "DomainReplicated",
+    "NeighborhoodAttention",
+]

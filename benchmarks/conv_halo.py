@@ -1,0 +1,195 @@
+"""DistributedConv2d benchmark: halo bytes, speed vs nn.Conv2d and vs PhysicsNeMo ShardTensor.
+
+    torchrun --nproc-per-node 2 benchmarks/conv_halo.py [--repeats 7]
+
+Prints, in one run:
+1. halo bytes sent per layer vs the minimum (the distinct input rows a rank's
+   owned outputs read from other ranks, counted by brute force);
+2. 2-rank forward+backward time of DistributedConv2d vs one process running
+   nn.Conv2d on the same global input;
+3. the same 2-rank step with PhysicsNeMo's ShardTensor conv (``nvidia-physicsnemo``
+   installed with ``--no-deps`` plus what it imports; its conv handler registered
+   by importing ``shard_utils.conv_patches``; ``sharding_shapes="chunk"``), as a ratio;
+4. Triton halo pack/unpack GB/s vs a device-to-device copy (CUDA only).
+
+Each rank uses one thread. Timings are interleaved (tplayers, ShardTensor,
+serial, repeated) and reported as medians, since the machine may be shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tplayers
+from tplayers.sharding import offsets_from_sizes, shard_sizes
+
+SHAPES = {  # name: (N, C_in, H, W, C_out, k)
+    "compute-bound": (4, 32, 256, 256, 64, 3),
+    "overhead-bound": (1, 8, 64, 64, 8, 3),
+}
+
+
+def load_shardtensor():
+    """ShardTensor and Shard, or the reason they cannot run here."""
+    try:
+        from torch.distributed.tensor.placement_types import Shard
+        from physicsnemo.domain_parallel import ShardTensor
+        from physicsnemo.domain_parallel.shard_utils import conv_patches  # noqa: F401  registers F.conv2d
+    except Exception as err:  # noqa: BLE001 - report any import failure as the blocker
+        return None, f"{type(err).__name__}: {err}"
+    return (ShardTensor, Shard), None
+
+
+def min_halo_rows(sizes, k, s, d, pad, periodic):
+    """Distinct foreign input rows each rank's owned outputs read (brute force), summed over ranks."""
+    from tplayers.layers._conv_layout import plan_axis
+
+    plans = plan_axis(sizes, kernel=k, stride=s, dilation=d, pad=pad, mode="circular" if periodic else "zeros", what="H")
+    length, starts, total = sum(sizes), offsets_from_sizes(sizes), 0
+    for c, plan in enumerate(plans):
+        rows = set()
+        for o in range(plan.out_start, plan.out_start + plan.out_rows):
+            for j in range(k):
+                r = o * s - pad[0] + j * d
+                if periodic:
+                    r %= length
+                if 0 <= r < length and not starts[c] <= r < starts[c] + sizes[c]:
+                    rows.add(r)
+        total += len(rows)
+    return total
+
+
+def halo_table(mesh, rank, world):
+    cases = [  # (label, N, C, H, W, k, stride, dilation, padding, mode)
+        ("3x3 same", 2, 16, 64, 64, 3, 1, 1, "same", "zeros"),
+        ("5x5 circular", 2, 16, 64, 64, 5, 1, 1, 2, "circular"),
+        ("4x4 stride 2", 2, 16, 64, 64, 4, 2, 1, 1, "zeros"),
+        ("3x3 dilation 2", 2, 16, 64, 64, 3, 1, 2, 2, "circular"),
+        ("7x7 stride 3", 2, 16, 61, 64, 7, 3, 1, 3, "zeros"),
+    ]
+    if rank == 0:
+        print("\n## Halo bytes per layer (forward, all ranks) vs the minimum")
+        print(f"{'layer':16s} {'sent':>10s} {'minimum':>10s} {'ratio':>6s}")
+    for label, n, c, h, w, k, s, d, p, mode in cases:
+        conv = tplayers.DistributedConv2d(c, c, k, stride=s, padding=p, dilation=d, padding_mode=mode, mesh=mesh)
+        x = torch.randn(n, c, shard_sizes(h, world)[rank], w)
+        conv(x)  # layout exchange happens once, not counted below
+        with tplayers.count_collectives() as log:
+            conv(x)
+        sent = torch.tensor([log.bytes("send")])
+        dist.all_reduce(sent)
+        pads = conv._pads[0]
+        minimum = min_halo_rows(shard_sizes(h, world), k, s, d, pads, mode == "circular") * n * c * w * 4
+        if rank == 0:
+            print(f"{label:16s} {int(sent):10d} {minimum:10d} {int(sent) / minimum:6.2f}")
+
+
+def timed(fn, iters):
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    dist.barrier()
+    return (time.perf_counter() - t0) / iters
+
+
+def speed_table(mesh, rank, world, repeats, st):
+    if rank == 0:
+        print("\n## 2-rank forward+backward (ms, median) and ratios")
+        print(f"{'shape':16s} {'tplayers':>9s} {'ShardTensor':>12s} {'nn.Conv2d 1 proc':>17s} "
+              f"{'tpl/ST':>7s} {'tpl/serial':>10s}")
+    for name, (n, c, h, w, co, k) in SHAPES.items():
+        torch.manual_seed(0)
+        serial = nn.Conv2d(c, co, k, padding=k // 2)
+        conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh)
+        x = torch.randn(n, c, h, w)
+        local = x.chunk(world, dim=2)[rank].clone().requires_grad_(True)  # torch.chunk == balanced here
+        xs = x.clone().requires_grad_(True)
+        iters = 2 if name == "compute-bound" else 40
+
+        def step_tpl():
+            conv(local).sum().backward()
+
+        def step_serial():
+            if rank == 0:  # one process does the whole conv; the other waits at the barrier
+                serial(xs).sum().backward()
+
+        step_st = None
+        if st is not None:
+            ShardTensor, Shard = st
+            weight, bias = serial.weight, serial.bias
+
+            def step_st():
+                t = ShardTensor.from_local(local, mesh, [Shard(2)], sharding_shapes="chunk", global_shape=x.shape)
+                F.conv2d(t, weight, bias, padding=k // 2).to_local().sum().backward()
+
+        for fn in filter(None, (step_tpl, step_st, step_serial)):
+            fn()  # warm-up (and the layout exchange)
+        times = {"tpl": [], "st": [], "serial": []}
+        for _ in range(repeats):
+            times["tpl"].append(timed(step_tpl, iters))
+            if step_st is not None:
+                times["st"].append(timed(step_st, iters))
+            times["serial"].append(timed(step_serial, max(1, iters // 2)))
+        med = {key: statistics.median(v) * 1e3 if v else float("nan") for key, v in times.items()}
+        if rank == 0:
+            print(f"{name:16s} {med['tpl']:9.2f} {med['st']:12.2f} {med['serial']:17.2f} "
+                  f"{med['tpl'] / med['st']:7.2f} {med['tpl'] / med['serial']:10.2f}   "
+                  f"(input {n}x{c}x{h}x{w}, {co} out, {k}x{k})")
+
+
+def triton_table(rank):
+    if rank != 0:
+        return
+    print("\n## Triton halo pack/unpack vs device-to-device copy")
+    if not torch.cuda.is_available():
+        print("skipped: no CUDA")
+        return
+    from tplayers.ops import pack_faces, triton_available, unpack_faces
+
+    if not triton_available():
+        print("skipped: Triton not importable")
+        return
+    x = torch.randn(8, 64, 1024, 1024, device="cuda").to(memory_format=torch.channels_last)
+    faces = [(0, 3), (1021, 3)]
+    buf = pack_faces(x, 2, faces)
+    nbytes = 2 * buf.numel() * buf.element_size()  # read + write
+    dst = torch.empty_like(buf)
+    for label, fn in (("pack", lambda: pack_faces(x, 2, faces)), ("unpack", lambda: unpack_faces(buf, x, 2, faces)),
+                      ("d2d copy", lambda: dst.copy_(buf))):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(100):
+            fn()
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / 100
+        print(f"{label:10s} {nbytes / dt / 1e9:8.1f} GB/s")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    mesh = tplayers.init_mesh(device_type="cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    st, why = load_shardtensor()
+    if rank == 0:
+        print(f"# DistributedConv2d on {world} ranks (gloo, CPU, 1 thread each), torch {torch.__version__}")
+        print("ShardTensor: " + ("available" if st else f"unavailable ({why})"))
+    halo_table(mesh, rank, world)
+    speed_table(mesh, rank, world, args.repeats, st)
+    triton_table(rank)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

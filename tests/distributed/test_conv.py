@@ -1,0 +1,153 @@
+"""DistributedConv2d against serial nn.Conv2d (fp64): random arguments, balanced and uneven partitions."""
+
+import random
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import tplayers
+from harness import run_ranks
+from tplayers.layers._conv_layout import plan_axis
+from tplayers.sharding import offsets_from_sizes, shard_sizes
+
+TIGHT = dict(rtol=1e-10, atol=1e-10)
+
+
+def _random_conv(rng):
+    k = (rng.randint(1, 5), rng.randint(1, 5))
+    stride = (rng.randint(1, 3), rng.randint(1, 3))
+    dilation = (rng.randint(1, 2), rng.randint(1, 2))
+    groups = rng.choice([1, 2])
+    forms = ["int", "tuple", "valid"] + (["same"] if stride == (1, 1) else [])
+    form = rng.choice(forms)
+    padding = {"int": rng.randint(0, 3), "tuple": (rng.randint(0, 3), rng.randint(0, 3)), "valid": "valid",
+               "same": "same"}[form]
+    mode = rng.choice(["zeros", "zeros", "circular", "circular", "reflect", "replicate"])
+    c_in, c_out = groups * rng.randint(1, 2), groups * rng.randint(1, 3)
+    return dict(in_channels=c_in, out_channels=c_out, kernel_size=k, stride=stride, padding=padding,
+                dilation=dilation, groups=groups, bias=rng.random() < 0.8, padding_mode=mode)
+
+
+def _plan_ok(sizes, conv, d):
+    i = d - 2
+    layer = tplayers.DistributedConv2d.__new__(tplayers.DistributedConv2d)
+    layer.kernel_size, layer.stride, layer.dilation = conv.kernel_size, conv.stride, conv.dilation
+    pads = layer._resolve_padding(conv.padding)
+    try:
+        plan_axis(sizes, kernel=conv.kernel_size[i], stride=conv.stride[i], dilation=conv.dilation[i],
+                  pad=pads[i], mode=conv.padding_mode, what="test")
+    except ValueError:
+        return False
+    return True
+
+
+def _partition(rng, length, parts, conv, d):
+    """Balanced or a random uneven partition the layer accepts (retry a few random ones)."""
+    if rng.random() < 0.35:
+        return shard_sizes(length, parts)
+    for _ in range(20):
+        cuts = sorted(rng.randint(0, length) for _ in range(parts - 1))
+        sizes = [b - a for a, b in zip([0] + cuts, cuts + [length])]
+        if _plan_ok(sizes, conv, d):
+            return sizes
+    return shard_sizes(length, parts)
+
+
+def _parity(rank, world, mesh_shape, shard_dims, seed, count):
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
+    coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+    rng = random.Random(seed)
+    done = 0
+    while done < count:
+        args = _random_conv(rng)
+        torch.manual_seed(rng.randrange(1 << 30))
+        serial = nn.Conv2d(**args).double()
+        shape = [rng.randint(1, 2), args["in_channels"], rng.randint(6, 16), rng.randint(6, 16)]
+        layouts = {d: _partition(rng, shape[d], mesh.size(i), serial, d) for i, d in enumerate(shard_dims)}
+        if not all(_plan_ok(layouts[d], serial, d) for d in shard_dims):
+            continue  # e.g. a kernel wider than the balanced shards: covered by the error test
+        try:
+            serial(torch.zeros(shape, dtype=torch.float64))
+        except RuntimeError:
+            continue  # the serial layer rejects it too (e.g. reflect padding >= size)
+        fmt = rng.choice([torch.channels_last, torch.contiguous_format])
+        conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, shard_dims=shard_dims, memory_format=fmt)
+        opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
+        opt_p = torch.optim.SGD(conv.parameters(), lr=0.1)
+        for step in range(2):
+            x = torch.randn(shape, dtype=torch.float64)
+            if rng.random() < 0.3:
+                x = x.to(memory_format=torch.channels_last)
+            local = x
+            for i, d in enumerate(shard_dims):
+                sizes = layouts[d]
+                local = local.narrow(d, offsets_from_sizes(sizes)[coords[i]], sizes[coords[i]])
+            xs, xp = x.clone().requires_grad_(True), local.detach().clone().requires_grad_(True)
+            ys = serial(xs)
+            with tplayers.count_collectives() as log:
+                yp = conv(xp)
+                yg = tplayers.gather(yp, shard_dims, mesh)
+                torch.testing.assert_close(yg, ys, **TIGHT, msg=lambda m: f"{args} {layouts}: {m}")
+                cot = torch.randn_like(ys)
+                (ys * cot).sum().backward()
+                (yg * cot).sum().backward()
+            reduces = len(shard_dims)  # weight and bias gradients in one all-reduce per mesh dim
+            assert log.count("all_reduce") == reduces, log.summary()
+            gx = tplayers.gather(xp.grad, shard_dims, mesh)
+            torch.testing.assert_close(gx, xs.grad, **TIGHT, msg=lambda m: f"{args} {layouts}: {m}")
+            torch.testing.assert_close(conv.weight.grad, serial.weight.grad, **TIGHT)
+            if args["bias"]:
+                torch.testing.assert_close(conv.bias.grad, serial.bias.grad, **TIGHT)
+            opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
+            torch.testing.assert_close(conv.weight, serial.weight, **TIGHT)
+        done += 1
+    return done
+
+
+@pytest.mark.parametrize("world,mesh_shape,shard_dims,count", [
+    (2, (2,), (2,), 24),
+    (2, (2,), (3,), 10),
+    (3, (3,), (2,), 24),
+    (4, (2, 2), (2, 3), 16),
+])
+def test_conv_parity_grid(world, mesh_shape, shard_dims, count):
+    run_ranks(_parity, world, args=(mesh_shape, shard_dims, 1000 + world + shard_dims[0], count), timeout=180)
+
+
+def _errors(rank, world):
+    mesh = tplayers.default_mesh()
+    conv = tplayers.DistributedConv2d(2, 3, 5, padding=2, mesh=mesh).double()
+    # 1) a shard too small to supply its neighbour's halo of 2 rows
+    rows = [1, 9, 9][rank]
+    with pytest.raises(ValueError, match="halo of 2 rows"):
+        conv(torch.randn(1, 2, rows, 6, dtype=torch.float64))
+    # 2) a non-sharded dim that differs across ranks
+    with pytest.raises(ValueError, match="differ across ranks"):
+        conv(torch.randn(1, 2, 8, 6 + (rank == 1), dtype=torch.float64))
+    # 3) a rank passing a 3-D tensor, 4) a rank with the wrong dtype
+    with pytest.raises(ValueError, match="4-D"):
+        conv(torch.randn(2, 8, 6, dtype=torch.float64) if rank == 2 else torch.randn(1, 2, 8, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="dtype"):
+        conv(torch.randn(1, 2, 8, 6, dtype=torch.float32 if rank == 0 else torch.float64))
+    # nobody hangs: every rank still runs a valid layer call together
+    y = conv(torch.randn(1, 2, 8, 6, dtype=torch.float64))
+    assert y.shape == (1, 3, 8, 6)
+    # a rank that owns no output rows (stride 3, rows [2, 1, 7]) still takes part in backward
+    torch.manual_seed(3)  # same data on every rank
+    serial = nn.Conv2d(2, 2, 1, stride=3).double()
+    sparse = tplayers.DistributedConv2d.from_module(serial, mesh=mesh)
+    x = torch.randn(1, 2, 10, 4, dtype=torch.float64)
+    sizes = [2, 1, 7]
+    xp = x.narrow(2, offsets_from_sizes(sizes)[rank], sizes[rank]).clone().requires_grad_(True)
+    yp = sparse(xp)
+    assert yp.shape[2] == [1, 0, 3][rank]
+    tplayers.gather(yp, 2, mesh).sum().backward()
+    serial(x).sum().backward()
+    torch.testing.assert_close(sparse.weight.grad, serial.weight.grad)
+    return True
+
+
+def test_errors_raise_on_every_rank_without_hanging():
+    run_ranks(_errors, 3, timeout=60)

@@ -1,0 +1,80 @@
+"""parallelize_module with DomainParallel: every .grad equals the serial model's (fp64, uneven partitions)."""
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import tplayers
+from harness import run_ranks
+from oracle import assert_params_match
+from tplayers.sharding import offsets_from_sizes
+
+TIGHT = dict(rtol=1e-10, atol=1e-10)
+
+
+class ChannelNorm(nn.Module):
+    """LayerNorm over channels of an NCHW tensor (per pixel, so exact under domain parallelism)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.norm = nn.LayerNorm(c)
+        self.gain = nn.Parameter(torch.rand(c, 1, 1) + 0.5)  # a direct parameter next to a child
+
+    def forward(self, x):
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2) * self.gain
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Conv2d(2, 6, 3, padding=1, padding_mode="circular")
+        self.norm = ChannelNorm(6)
+        self.down = nn.Conv2d(6, 6, 4, stride=2, padding=1)
+        self.mix = nn.Linear(6, 6)
+        self.dec = nn.Conv2d(6, 3, 3, padding="same", dilation=2)
+
+    def forward(self, x):
+        h = torch.tanh(self.norm(self.enc(x)))
+        h = torch.tanh(self.down(h))
+        h = self.mix(h.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)  # per-pixel linear
+        return self.dec(h)
+
+
+def _cases(rank, world, mesh_shape, shard_dims, layouts, plan_kind):
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
+    coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+    torch.manual_seed(0)
+    serial = Net().double()
+    style = tplayers.DomainParallel(shard_dims=shard_dims)
+    plan = {"": style} if plan_kind == "root" else {nn.Conv2d: style}
+    parallel = tplayers.parallelize_module(copy.deepcopy(serial), plan, mesh=mesh)
+    assert isinstance(parallel.enc, tplayers.DistributedConv2d)
+    assert isinstance(parallel.mix, tplayers.DomainReplicated)
+    assert list(parallel.state_dict()) == list(serial.state_dict())
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
+    opt_p = torch.optim.SGD(parallel.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(2, 2, sum(layouts[0]), sum(layouts[-1]) if len(layouts) > 1 else 12, dtype=torch.float64)
+        local = x
+        for i, d in enumerate(shard_dims):
+            local = local.narrow(d, offsets_from_sizes(layouts[i])[coords[i]], layouts[i][coords[i]])
+        xs, xp = x.clone().requires_grad_(True), local.clone().requires_grad_(True)
+        ys = serial(xs)
+        yg = tplayers.gather(parallel(xp), shard_dims, mesh)
+        torch.testing.assert_close(yg, ys, **TIGHT)
+        cot = torch.randn_like(ys)
+        (ys * cot).sum().backward()
+        (yg * cot).sum().backward()
+        torch.testing.assert_close(tplayers.gather(xp.grad, shard_dims, mesh), xs.grad, **TIGHT)
+        assert_params_match(parallel, serial, grads=True, **TIGHT)
+        opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
+        assert_params_match(parallel, serial, grads=False, **TIGHT)
+    return True
+
+
+def test_domain_parallel_plans_match_serial_grads():
+    run_ranks(_cases, 2, args=((2,), (2,), [[7, 9]], "root"), timeout=60)
+    run_ranks(_cases, 3, args=((3,), (2,), [[6, 4, 8]], "type"), timeout=60)
+    run_ranks(_cases, 4, args=((2, 2), (2, 3), [[9, 7], [5, 9]], "root"), timeout=60)

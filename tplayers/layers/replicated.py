@@ -1,0 +1,76 @@
+"""Replicated parameters of a domain-parallel model: gradients summed over the domain group.
+
+Under domain parallelism every rank sees only its slice of the image, so a
+replicated parameter (a channel norm's scale, a per-pixel linear, a learnable
+constant) gets only a partial gradient on each rank. :class:`DomainReplicated`
+wraps such a module: its forward hands the module's own parameters through
+:class:`~tplayers.comm.CopyManyToParallelRegion` (identity forward, one
+all-reduce of all their gradients in backward) and calls the module with them via ``torch.func.functional_call``.
+The communication is visible in ``forward``; no hooks, no patching.
+
+The wrapper registers the module's own parameters, buffers and children under
+their original names, so ``state_dict`` keys are exactly the serial model's.
+Only per-pixel computation is exact under domain parallelism: a norm over the
+spatial dims (BatchNorm, GroupNorm) computes shard-local statistics.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.func import functional_call
+
+from tplayers.comm import copy_many_to_parallel_region
+from tplayers.mesh import resolve_mesh
+
+__all__ = ["DomainReplicated"]
+
+
+class DomainReplicated(nn.Module):
+    """Run ``module`` with its direct parameters' gradients summed over ``mesh`` (1-D or 2-D).
+
+    Example (``torchrun --nproc-per-node 2``; each rank holds a slice of the image)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        scale = tplayers.DomainReplicated(torch.nn.LayerNorm(8), mesh)
+        y = scale(torch.randn(2, 5, 16, 8))          # channels-last activations
+        y.sum().backward()                           # scale.weight.grad: summed over ranks
+        print(list(scale.state_dict()))              # ['weight', 'bias'], as in nn.LayerNorm
+    """
+
+    def __init__(self, module: nn.Module, mesh: Optional[DeviceMesh] = None) -> None:
+        super().__init__()
+        mesh = resolve_mesh(mesh, (1, 2))
+        self.mesh = mesh
+        self._groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+        self._wrapped = (module,)  # a tuple: not a registered child, so no extra key prefix
+        for name, p in module.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in module.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name not in module._non_persistent_buffers_set)
+        for name, child in module.named_children():
+            self.add_module(name, child)
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (its children are shared with this wrapper)."""
+        return self._wrapped[0]
+
+    def forward(self, *args, **kwargs):
+        names, params = zip(*self.named_parameters(recurse=False))
+        params = list(params)
+        for group in self._groups:  # identity forward; backward: one all-reduce of all their grads
+            params = copy_many_to_parallel_region(params, group)
+        tensors = dict(zip(names, params))
+        tensors.update(self.named_buffers(recurse=False))
+        return functional_call(self.module, tensors, args, kwargs, strict=False)
+
+    def collectives(self):
+        """Collectives per step: ``(forward list, backward list)``."""
+        return [], ["all_reduce (replicated grads)"] * len(self._groups)
+
+    def extra_repr(self) -> str:
+        return f"{type(self.module).__name__}, gradients summed over the domain"
