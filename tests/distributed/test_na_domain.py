@@ -137,3 +137,43 @@ def _bad_layouts(rank, world):
 
 def test_errors_on_every_rank_before_halo_traffic():
     run_ranks(_bad_layouts, 3, timeout=60)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.attn = tplayers.NeighborhoodAttention(dim, heads, (3, 4), (2, 1), rel_pos_bias=True)
+        self.mlp = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+def _plan_parity(rank, world, shard_dims, mesh_shape):
+    mesh = tplayers.init_mesh(mesh_shape, ("h", "w")[: len(mesh_shape)], device_type="cpu")
+    torch.manual_seed(3)
+    serial = torch.nn.Sequential(_Block(8, 2), _Block(8, 2)).double()
+    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=shard_dims)},
+                                        mesh=mesh)
+    assert all(m.shard_dims == tuple(d - 1 for d in shard_dims)
+               for m in model.modules() if isinstance(m, tplayers.NeighborhoodAttention))
+    x = torch.randn(2, 11, 9, 8, dtype=torch.float64)
+    na_dims = tuple(d - 1 for d in shard_dims)  # NCHW names -> (B, H, W, C) dims
+    local = tplayers.shard(x, na_dims if len(na_dims) > 1 else na_dims[0], mesh).clone().requires_grad_()
+    xs = x.clone().requires_grad_()
+    ys, yp = serial(xs), model(local)
+    ref = tplayers.shard(ys.detach(), na_dims if len(na_dims) > 1 else na_dims[0], mesh)
+    torch.testing.assert_close(yp, ref, **TIGHT)
+    ys.pow(2).sum().backward()
+    yp.pow(2).sum().backward()
+    torch.testing.assert_close(local.grad, tplayers.shard(xs.grad, na_dims if len(na_dims) > 1 else na_dims[0], mesh),
+                               **TIGHT)
+    assert_params_match(model, serial, grads=True, **TIGHT)
+    return True
+
+
+@pytest.mark.parametrize("world,shard_dims,mesh_shape", [(2, (2,), (2,)), (3, (3,), (3,)), (4, (2, 3), (2, 2))])
+def test_domain_parallel_plan_swaps_neighborhood_attention(world, shard_dims, mesh_shape):
+    run_ranks(_plan_parity, world, args=(shard_dims, mesh_shape), timeout=120)

@@ -14,9 +14,9 @@ of the image along H (``(1,)``), W (``(2,)``) or both (``(1, 2)``, 2-D mesh):
   can supply their neighbours' halos (else ``ValueError`` on every rank, before
   any halo traffic);
 * parameters are replicated and enter through
-  :func:`~tplayers.comm.copy_to_parallel_region` (identity forward, all-reduce
-  backward; packed, one all-reduce per mesh dim), so every rank holds the
-  serial model's parameter gradients.
+  :func:`~tplayers.comm.copy_many_to_parallel_region` (identity forward, one
+  fused all-reduce of their gradients per mesh dim in backward), so every rank
+  holds the serial model's parameter gradients.
 
 Local shapes are exchanged once per local input shape (a small all-gather,
 cached); call :meth:`NeighborhoodAttention.reset_layout` on every rank if the
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.comm import copy_to_parallel_region, halo_exchange, record_collective
+from tplayers.comm import copy_many_to_parallel_region, halo_exchange, record_collective
 from tplayers.layers._common import ShardedModule
 from tplayers.ops.na import check_window_fits, neighborhood_attention_2d, normalize_na_args
 from tplayers.ops.na_layout import axis_halos
@@ -205,19 +205,15 @@ class NeighborhoodAttention(ShardedModule):
 
     # ----------------------------------------------------------------- forward
     def _params(self):
-        """Parameters as used in forward. Domain-parallel: packed into one flat buffer that goes
-        through :func:`copy_to_parallel_region` per mesh dim (identity forward, all-reduce
-        backward), so all parameter gradients are summed over the domain in one all-reduce per
-        mesh dim, issued at the same point of backward on every rank (after the halo adjoint)."""
+        """Parameters as used in forward. Domain-parallel: they pass through
+        :func:`copy_many_to_parallel_region` per mesh dim (identity forward; backward one fused
+        all-reduce of all their gradients), so every rank holds the serial gradients."""
         params = [self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias, self.rpb]
-        if not self._groups:
-            return params
         present = [p for p in params if p is not None]
-        flat = torch.cat([p.reshape(-1) for p in present])
         for group in self._groups:
-            flat = copy_to_parallel_region(flat, group)
-        pieces = iter(torch.split(flat, [p.numel() for p in present]))
-        return [None if p is None else next(pieces).view(p.shape) for p in params]
+            present = copy_many_to_parallel_region(present, group)
+        pieces = iter(present)
+        return [None if p is None else next(pieces) for p in params]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.shard_dims is None:
