@@ -291,9 +291,17 @@ def _window_bias(th: AxisTiles, tw: AxisTiles, device: torch.device, dtype: torc
 
 
 def _gather_rel_pos_bias(table: torch.Tensor, th: AxisTiles, tw: AxisTiles) -> torch.Tensor:
-    """``(heads, nth * ntw, tq, region)``: ``table[h, rel_h, rel_w]`` for every score."""
-    dev = table.device
-    width = table.shape[-1]
-    flat = th.rel.to(dev)[:, None, :, None, :, None] * width + tw.rel.to(dev)[None, :, None, :, None, :]
-    flat = flat.reshape(th.num_tiles * tw.num_tiles, th.tile * tw.tile, th.region * tw.region)
-    return table.flatten(1)[:, flat]
+    """``(heads, nth * ntw, tq, region)``: ``table[h, rel_h, rel_w]`` for every score.
+
+    One ``index_select`` of the flattened table (backward: one ``index_add``).
+    """
+    flat = _rel_index(th, tw, table.shape[-1], table.device)
+    shape = (table.shape[0], th.num_tiles * tw.num_tiles, th.tile * tw.tile, th.region * tw.region)
+    return table.flatten(1).index_select(1, flat).view(shape)
+
+
+@lru_cache(maxsize=16)
+def _rel_index(th: AxisTiles, tw: AxisTiles, width: int, device: torch.device) -> torch.Tensor:
+    """Flat ``rel_h * width + rel_w`` index of every score, in tile order."""
+    flat = th.rel[:, None, :, None, :, None] * width + tw.rel[None, :, None, :, None, :]  # (nth, ntw, tH, tW, RH, RW)
+    return flat.flatten().to(device)
