@@ -132,7 +132,8 @@ def _domain_rank(rank, world, size, heads, head_dim, kernel, repeats):
             module(inp_).sum().backward()
         return run
 
-    fns = {"domain": step(layer, local), "single": step(serial, x) if rank == 0 else None}
+    fns = {"domain": step(layer, local), "single": step(serial, x) if rank == 0 else None,
+           "shard_alone": step(serial, local) if rank == 0 else None}  # same compute, no communication
     times = {name: [] for name in fns}
     for _ in range(repeats + 1):  # the first round warms up
         for name, fn in fns.items():
@@ -156,6 +157,8 @@ def bench_domain(size, heads, head_dim, kernel, repeats):
           f"1 thread per rank (parity checked)")
     print(f"  single device {single * 1e3:8.2f} ms; 2-rank H-sharded {dom * 1e3:8.2f} ms; "
           f"speed-up {single / dom:.2f}x")
+    print(f"  (one shard's compute alone, no communication, other rank idle: {res[0]['shard_alone'] * 1e3:8.2f} ms; "
+          f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
 
 
 def main():

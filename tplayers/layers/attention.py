@@ -168,27 +168,28 @@ class NeighborhoodAttention(ShardedModule):
             self._raise_bad_input(x)
         if not all(r[0] for r in rows):
             self._raise_bad_input(x, " on every rank (another rank passed a bad input)")
+        self._check_grid(table)
         sizes, offsets, recv, send = [0, 0], [0, 0], [(0, 0), (0, 0)], [(0, 0), (0, 0)]
-        for axis in (0, 1):  # H, W
-            tensor_dim, what = axis + 1, "HW"[axis]
+        for axis in (0, 1):  # H, W: tensor dims 1, 2
+            tensor_dim = axis + 1
             mesh_dim = self.shard_dims.index(tensor_dim) if tensor_dim in self.shard_dims else None
-            line = [table[c][0][1 + tensor_dim] for c in range(len(table))] if mesh_dim == 0 else \
-                [r[1 + tensor_dim] for r in table[0]] if mesh_dim == 1 else [key[tensor_dim]]
-            if mesh_dim is None:
-                plans = axis_halos(line, kernel=self.kernel_size[axis], dilation=self.dilation[axis],
-                                   causal=self.is_causal[axis], what=what)
-                index = 0
+            if mesh_dim == 0:
+                line = [table[c][0][1 + tensor_dim] for c in range(len(table))]  # extents along mesh dim 0
+            elif mesh_dim == 1:
+                line = [r[1 + tensor_dim] for r in table[0]]  # extents along mesh dim 1
             else:
-                plans = axis_halos(line, kernel=self.kernel_size[axis], dilation=self.dilation[axis],
-                                   causal=self.is_causal[axis], what=f"{what} (mesh dim {mesh_dim})")
-                index = self.mesh.get_local_rank(mesh_dim)
+                line = [key[tensor_dim]]  # not sharded
+            what = "HW"[axis] + ("" if mesh_dim is None else f" (mesh dim {mesh_dim})")
+            plans = axis_halos(line, kernel=self.kernel_size[axis], dilation=self.dilation[axis],
+                               causal=self.is_causal[axis], what=what)
+            index = 0 if mesh_dim is None else self.mesh.get_local_rank(mesh_dim)
+            if mesh_dim is not None:
                 recv[mesh_dim], send[mesh_dim] = plans[index][1], plans[index][2]
             sizes[axis], offsets[axis] = sum(line), plans[index][0]
-        self._check_grid(table, key)
         self._layouts[key] = ((sizes[0], sizes[1]), (offsets[0], offsets[1]), recv, send)
         return self._layouts[key]
 
-    def _check_grid(self, table, key) -> None:
+    def _check_grid(self, table) -> None:
         """Batch equal everywhere; unsharded dims equal everywhere; H (W) equal along mesh rows (columns)."""
         h_dim = self.shard_dims.index(1) if 1 in self.shard_dims else None
         w_dim = self.shard_dims.index(2) if 2 in self.shard_dims else None
