@@ -3,12 +3,12 @@
     torchrun --nproc-per-node 2 examples/na_transformer.py     # 2 ranks (gloo on the CPU)
     python examples/na_transformer.py                          # a world of one, same code
 
-Each rank holds a horizontal slice of the image. NeighborhoodAttention exchanges only K/V halos
-(widths per rank, from global positions); per-pixel layers (LayerNorm, MLP) need no communication.
-The parameters of those per-pixel layers are replicated, so their gradients are summed over the
-domain with an explicit all-reduce (``sync_replicated_grads``) — NeighborhoodAttention does that
-for its own parameters. The script checks parity against the same model run on the full image on
-one device, then trains a few steps to denoise a synthetic pattern.
+Each rank holds a horizontal slice of the image. ``parallelize_module`` with
+``DomainParallel(shard_dims=(2,))`` (H, in NCHW names) swaps every NeighborhoodAttention for its
+H-sharded twin, which exchanges only K/V halos (widths per rank, from global positions), and wraps
+the per-pixel layers (LayerNorm, MLP) so their replicated parameters' gradients are summed over
+the domain. The script checks parity against the same model run on the full image on one
+device, then trains a few steps to denoise a synthetic pattern.
 """
 
 from __future__ import annotations
@@ -51,25 +51,6 @@ class NATransformer(nn.Module):
         return self.head(x)
 
 
-def to_domain_parallel(model: NATransformer, mesh) -> NATransformer:
-    """Swap every NeighborhoodAttention for its H-sharded twin (same parameters)."""
-    model = copy.deepcopy(model)
-    for block in model.blocks:
-        block.attn = tplayers.NeighborhoodAttention.from_module(block.attn, mesh=mesh, shard_dims=(1,))
-    return model
-
-
-def sync_replicated_grads(model: nn.Module, mesh) -> None:
-    """Sum the gradients of per-pixel (replicated) parameters over the domain group."""
-    handled = {id(p) for m in model.modules() if isinstance(m, tplayers.NeighborhoodAttention) for p in m.parameters()}
-    grads = [p.grad for p in model.parameters() if id(p) not in handled and p.grad is not None]
-    if mesh.size(0) > 1 and grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=mesh.get_group(0))
-        for g, piece in zip(grads, torch.split(flat, [g.numel() for g in grads])):
-            g.copy_(piece.view_as(g))
-
-
 def synthetic_batch(gen, batch=2, height=24, width=20):
     """Smooth random patterns plus noise; the target is the clean pattern."""
     yy, xx = torch.meshgrid(torch.linspace(0, 1, height), torch.linspace(0, 1, width), indexing="ij")
@@ -84,7 +65,7 @@ def main():
     rank = dist.get_rank()
     torch.manual_seed(0)  # same serial model on every rank
     serial = NATransformer().double()
-    model = to_domain_parallel(serial, mesh)
+    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
 
     # Parity: outputs and every gradient against the single-device model on the full image.
     gen = torch.Generator().manual_seed(1)
@@ -95,14 +76,13 @@ def main():
     out = model(mine)
     loss_p = ((out - tplayers.shard(clean, 1, mesh)) ** 2).sum()
     loss_p.backward()
-    sync_replicated_grads(model, mesh)
     torch.testing.assert_close(tplayers.gather(out.detach(), 1, mesh), serial(noisy).detach(), rtol=1e-9, atol=1e-10)
-    for (name, p), q in zip(model.named_parameters(), serial.parameters()):
+    for (name, p), q in zip(model.named_parameters(), serial.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-8, atol=1e-10, msg=lambda m: f"{name}: {m}")
     if rank == 0:
         print(f"parity OK on {mesh.size(0)} rank(s): outputs and all {len(list(model.parameters()))} parameter grads")
 
-    # A few training steps (optimizer built after swapping).
+    # A few training steps (optimizer built after parallelize_module).
     model = model.float()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(8):
@@ -111,7 +91,6 @@ def main():
         local = ((pred - tplayers.shard(clean, 1, mesh)) ** 2).sum()
         opt.zero_grad()
         local.backward()
-        sync_replicated_grads(model, mesh)
         opt.step()
         total = local.detach().clone()
         if mesh.size(0) > 1:

@@ -177,3 +177,19 @@ def _plan_parity(rank, world, shard_dims, mesh_shape):
 @pytest.mark.parametrize("world,shard_dims,mesh_shape", [(2, (2,), (2,)), (3, (3,), (3,)), (4, (2, 3), (2, 2))])
 def test_domain_parallel_plan_swaps_neighborhood_attention(world, shard_dims, mesh_shape):
     run_ranks(_plan_parity, world, args=(shard_dims, mesh_shape), timeout=120)
+
+
+def _run_example(rank, world):
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "na_transformer.py")
+    spec = importlib.util.spec_from_file_location("na_transformer_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main()  # asserts parity against the single-device model, then trains
+    return True
+
+
+def test_example_runs_with_parity_on_2_ranks():
+    run_ranks(_run_example, 2, timeout=120)
