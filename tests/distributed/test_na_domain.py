@@ -112,9 +112,15 @@ def _edge_shards(rank, world):
     with tplayers.count_collectives() as log:
         y = parallel(local)
     torch.testing.assert_close(y, serial(x).narrow(1, sum(sizes[:rank]), sizes[rank]), **TIGHT)
-    recv = plans[rank][1]
+    recv, send = plans[rank][1], plans[rank][2]
     row_bytes = 10 * 2 * 4 * 8  # W * (K, V) * C * fp64: only K and V travel
     assert log.bytes("recv") == (recv[0] + recv[1]) * row_bytes
+    assert log.count("all_reduce") == 0  # forward: halos (and the one-off layout all-gather) only
+    with tplayers.count_collectives() as log:
+        y.sum().backward()
+    n_params = sum(p.numel() for p in parallel.parameters())
+    assert log.count("all_reduce") == 1 and log.bytes("all_reduce") == n_params * 8  # one fused reduce
+    assert log.bytes("recv") == (send[0] + send[1]) * row_bytes  # the halo adjoint comes back
     return True
 
 
