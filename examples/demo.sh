@@ -8,6 +8,8 @@ echo "=== tensor parallelism: a small transformer, parallelized with a plan"
 $RUN examples/tp_transformer.py
 echo "=== domain parallelism: a CNN on a periodic field split across ranks (halo exchange)"
 $RUN examples/domain_cnn.py
+echo "=== neighborhood attention: a small NA transformer on an image split across ranks"
+$RUN examples/na_transformer.py
 echo "=== checkpoints: train at 2 ranks, save, reload at 3 ranks and at 1, consolidated export"
 CKPT=$(mktemp -d)/ckpt
 $RUN examples/checkpoint_reshard.py train "$CKPT"

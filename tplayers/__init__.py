@@ -24,8 +24,15 @@ and ``gather`` move between global and local tensors, and
 from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
 from tplayers.comm import CommLog, count_collectives
 from tplayers.domain import gather, scatter, shard
-from tplayers.layers import ColumnParallelLinear, DistributedConv2d, DomainReplicated, RowParallelLinear
+from tplayers.layers import (
+    ColumnParallelLinear,
+    DistributedConv2d,
+    DomainReplicated,
+    NeighborhoodAttention,
+    RowParallelLinear,
+)
 from tplayers.mesh import default_mesh, init_mesh
+from tplayers.ops.na import na2d
 from tplayers.parallelize import ColumnParallel, DomainParallel, ParallelStyle, RowParallel, explain, parallelize_module
 from tplayers.sharding import ShardSpec, shard_range, shard_sizes
 
@@ -55,4 +62,6 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "gather_state_dict",
+    "na2d",
+    "NeighborhoodAttention",
 ]

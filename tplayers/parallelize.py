@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.layers._common import ShardedModule
+from tplayers.layers.attention import NeighborhoodAttention
 from tplayers.layers.conv import DistributedConv2d
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tplayers.layers.replicated import DomainReplicated
@@ -104,7 +105,10 @@ class RowParallel(ParallelStyle):
 @dataclass(frozen=True)
 class DomainParallel(ParallelStyle):
     """Domain (spatial) parallelism: swap ``nn.Conv2d`` for :class:`~tplayers.DistributedConv2d`
-    sharding ``shard_dims`` ((2,) = H over a 1-D mesh, (2, 3) = H and W over a 2-D mesh).
+    sharding ``shard_dims`` ((2,) = H over a 1-D mesh, (2, 3) = H and W over a 2-D mesh), and a
+    single-device :class:`~tplayers.NeighborhoodAttention` for its domain-parallel twin over the
+    same spatial axes (``shard_dims`` name NCHW dims; in its ``(B, H, W, C)`` input H is dim 1,
+    W dim 2).
 
     Matched on an ``nn.Conv2d`` (type key or regex) it swaps that layer; matched on
     any other module (e.g. the root ``""``) it swaps every ``nn.Conv2d`` inside.
@@ -130,6 +134,9 @@ class DomainParallel(ParallelStyle):
     def _swap(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, nn.Conv2d):
             return DistributedConv2d.from_module(module, mesh=mesh, shard_dims=self.shard_dims)
+        if isinstance(module, NeighborhoodAttention) and module.shard_dims is None:
+            # same spatial axes, in its (B, H, W, C) layout: NCHW dim 2 (H) -> 1, dim 3 (W) -> 2
+            return NeighborhoodAttention.from_module(module, mesh=mesh, shard_dims=tuple(d - 1 for d in self.shard_dims))
         for child_name, child in list(module.named_children()):
             new = self._swap(child, mesh)
             if new is not child:

@@ -9,5 +9,6 @@ from tplayers.ops.halo import (
     unpack_faces,
     unpack_faces_reference,
 )
+from tplayers.ops.na import na2d, neighborhood_attention_2d
 
-__all__ = list(_halo.__all__)
+__all__ = list(_halo.__all__) + ["na2d", "neighborhood_attention_2d"]

@@ -1,0 +1,253 @@
+"""Neighborhood attention (NATTEN semantics), single-device or domain-parallel.
+
+``NeighborhoodAttention`` maps ``(B, H, W, C)`` to ``(B, H, W, C)``: a per-pixel
+``qkv`` linear, :func:`tplayers.na2d` attention over each pixel's ``kH x kW``
+neighborhood (optionally with a learnable relative-position bias), and a
+per-pixel ``proj`` linear. With ``shard_dims`` the input is this rank's slice
+of the image along H (``(1,)``), W (``(2,)``) or both (``(1, 2)``, 2-D mesh):
+
+* queries stay local; only the K and V halos travel
+  (:func:`tplayers.comm.halo_exchange`), with per-rank asymmetric widths computed
+  from global positions (:func:`tplayers.ops.na_layout.axis_halos`);
+* the window rule uses global positions, so the result equals the
+  single-device module on the gathered input, for any partition whose shards
+  can supply their neighbours' halos (else ``ValueError`` on every rank, before
+  any halo traffic);
+* parameters are replicated and enter through
+  :func:`~tplayers.comm.copy_many_to_parallel_region` (identity forward, one
+  fused all-reduce of their gradients per mesh dim in backward), so every rank
+  holds the serial model's parameter gradients.
+
+Local shapes are exchanged once per local input shape (a small all-gather,
+cached); call :meth:`NeighborhoodAttention.reset_layout` on every rank if the
+partition changes while this rank's local shape does not.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from tplayers.comm import copy_many_to_parallel_region, halo_exchange, record_collective
+from tplayers.layers._common import ShardedModule
+from tplayers.ops.na import check_window_fits, neighborhood_attention_2d, normalize_na_args
+from tplayers.ops.na_layout import axis_halos
+from tplayers.sharding import ShardSpec
+
+__all__ = ["NeighborhoodAttention"]
+
+_Layout = Tuple[Tuple[int, int], Tuple[int, int], list, list]  # global size, offsets, recv, send
+
+
+class NeighborhoodAttention(ShardedModule):
+    """2-D neighborhood attention layer, ``(B, H, W, C) -> (B, H, W, C)``, NATTEN semantics.
+
+    Parameters (all replicated): ``qkv`` (``nn.Linear(C, 3C)``), ``proj``
+    (``nn.Linear(C, C)``) and, with ``rel_pos_bias=True``, ``rpb`` of shape
+    ``(heads, 2*kH - 1, 2*kW - 1)`` added to each score at
+    ``(key - query) / dilation + kernel - 1`` per dim. ``shard_dims=None``
+    is single-device (no mesh needed); ``(1,)``/``(2,)`` shard H/W over a 1-D
+    mesh, ``(1, 2)`` both over a 2-D mesh (input and output are local slices).
+
+    Example (plain ``python``; under ``torchrun`` add ``mesh=`` and ``shard_dims=(1,)``)::
+
+        import torch, tplayers
+        layer = tplayers.NeighborhoodAttention(32, 4, kernel_size=5, rel_pos_bias=True)
+        y = layer(torch.randn(2, 12, 10, 32))      # (2, 12, 10, 32)
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, kernel_size, dilation=1, is_causal=False,
+                 qkv_bias: bool = True, qk_scale: Optional[float] = None, proj_drop: float = 0.0,
+                 rel_pos_bias: bool = False, *, mesh: Optional[DeviceMesh] = None,
+                 shard_dims: Optional[Sequence[int]] = None, device=None, dtype=None) -> None:
+        super().__init__()
+        name = type(self).__name__
+        for arg, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
+        if embed_dim % num_heads:
+            raise ValueError(f"{name}: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        self.kernel_size, self.dilation, self.is_causal = normalize_na_args(kernel_size, dilation, is_causal)
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
+        self.scale = qk_scale if qk_scale is not None else self.head_dim ** -0.5
+        kw = {"device": device, "dtype": dtype}
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=qkv_bias, **kw)
+        self.proj = nn.Linear(embed_dim, embed_dim, **kw)
+        self.proj_drop = nn.Dropout(proj_drop)
+        if rel_pos_bias:
+            kh, kw_ = self.kernel_size
+            self.rpb = nn.Parameter(torch.zeros(num_heads, 2 * kh - 1, 2 * kw_ - 1, **kw))
+            if self.rpb.device.type != "meta":
+                nn.init.trunc_normal_(self.rpb, std=0.02, a=-2.0, b=2.0)
+        else:
+            self.register_parameter("rpb", None)
+        self.shard_dims = None
+        self.mesh = None
+        self._groups: list = []
+        if shard_dims is not None:
+            dims = tuple(int(d) for d in shard_dims)
+            if dims not in ((1,), (2,), (1, 2)):
+                raise ValueError(f"{name}: shard_dims must be None, (1,), (2,) or (1, 2), got {tuple(shard_dims)}")
+            self.shard_dims = dims
+            mesh = self._bind_mesh(mesh, len(dims))
+            self._groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+            self._broadcast_parameters()
+        self._layouts: Dict[Tuple[int, ...], _Layout] = {}
+
+    def _broadcast_parameters(self) -> None:
+        """Make the freshly initialised replicated parameters identical on every domain rank."""
+        with torch.no_grad():
+            for group in self._groups:
+                if dist.get_world_size(group) > 1:
+                    for p in self.parameters():
+                        if p.device.type != "meta":
+                            dist.broadcast(p.data, dist.get_global_rank(group, 0), group=group)
+
+    def shard_specs(self) -> Dict[str, ShardSpec]:
+        """Every parameter is replicated."""
+        return {name: ShardSpec.replicated(p.shape) for name, p in self.named_parameters()}
+
+    @classmethod
+    def from_module(cls, module: "NeighborhoodAttention", *, mesh: Optional[DeviceMesh] = None,
+                    shard_dims: Sequence[int] = (1,)) -> "NeighborhoodAttention":
+        """A domain-parallel twin of ``module`` holding a copy of its parameters.
+
+        Build optimizers after swapping: the new parameters are new objects.
+        """
+        if not isinstance(module, NeighborhoodAttention):
+            raise TypeError(f"{cls.__name__}.from_module expects a NeighborhoodAttention, got {type(module).__name__}")
+        layer = cls(module.embed_dim, module.num_heads, module.kernel_size, module.dilation, module.is_causal,
+                    module.qkv.bias is not None, module.scale, module.proj_drop.p, module.rpb is not None,
+                    mesh=mesh, shard_dims=shard_dims, device="meta", dtype=module.qkv.weight.dtype)
+        layer = layer.to_empty(device=module.qkv.weight.device)
+        layer._copy_shards_from(module)
+        return layer
+
+    def reset_layout(self) -> None:
+        """Forget cached partitions (call on every rank when the partition changes)."""
+        self._layouts.clear()
+
+    # ------------------------------------------------------------------ layout
+    def _check_local(self, x: torch.Tensor) -> bool:
+        return (isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[-1] == self.embed_dim
+                and x.dtype == self.qkv.weight.dtype and x.device == self.qkv.weight.device)
+
+    def _raise_bad_input(self, x, where: str = "") -> None:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        dtype = (x.dtype, x.device) if isinstance(x, torch.Tensor) else None
+        raise ValueError(f"{type(self).__name__}: input must be (B, H, W, {self.embed_dim}) with the weights' dtype "
+                         f"and device ({self.qkv.weight.dtype}, {self.qkv.weight.device}){where}; got {shape} {dtype}")
+
+    def _layout(self, x: torch.Tensor) -> _Layout:
+        key = tuple(x.shape)
+        if key in self._layouts:
+            return self._layouts[key]
+        # (mesh0, mesh1, 4) table of every rank's (ok, B, H, W), exchanged along each mesh dim
+        ok = self._check_local(x)
+        row = [int(ok)] + (list(x.shape[:3]) if ok else [-1, -1, -1])
+        device = x.device if x.device.type == "cuda" else torch.device("cpu")
+        table = torch.tensor(row, dtype=torch.int64, device=device)
+        for i in reversed(range(len(self._groups))):
+            size = dist.get_world_size(self._groups[i])
+            out = table.new_empty((size,) + tuple(table.shape))
+            if size > 1:
+                record_collective("all_gather", out.numel() * 8, size, "na.layout")
+                dist.all_gather_into_tensor(out.view(-1), table.reshape(-1), group=self._groups[i])
+            else:
+                out.copy_(table.unsqueeze(0))
+            table = out
+        table = (table if len(self._groups) == 2 else table.unsqueeze(1)).tolist()
+        rows = [r for line in table for r in line]
+        if not ok:
+            self._raise_bad_input(x)
+        if not all(r[0] for r in rows):
+            self._raise_bad_input(x, " on every rank (another rank passed a bad input)")
+        self._check_grid(table)
+        sizes, offsets, recv, send = [0, 0], [0, 0], [(0, 0), (0, 0)], [(0, 0), (0, 0)]
+        for axis in (0, 1):  # H, W: tensor dims 1, 2
+            tensor_dim = axis + 1
+            mesh_dim = self.shard_dims.index(tensor_dim) if tensor_dim in self.shard_dims else None
+            if mesh_dim == 0:
+                line = [table[c][0][1 + tensor_dim] for c in range(len(table))]  # extents along mesh dim 0
+            elif mesh_dim == 1:
+                line = [r[1 + tensor_dim] for r in table[0]]  # extents along mesh dim 1
+            else:
+                line = [key[tensor_dim]]  # not sharded
+            what = "HW"[axis] + ("" if mesh_dim is None else f" (mesh dim {mesh_dim})")
+            plans = axis_halos(line, kernel=self.kernel_size[axis], dilation=self.dilation[axis],
+                               causal=self.is_causal[axis], what=what)
+            index = 0 if mesh_dim is None else self.mesh.get_local_rank(mesh_dim)
+            if mesh_dim is not None:
+                recv[mesh_dim], send[mesh_dim] = plans[index][1], plans[index][2]
+            sizes[axis], offsets[axis] = sum(line), plans[index][0]
+        self._layouts[key] = ((sizes[0], sizes[1]), (offsets[0], offsets[1]), recv, send)
+        return self._layouts[key]
+
+    def _check_grid(self, table) -> None:
+        """Batch equal everywhere; unsharded dims equal everywhere; H (W) equal along mesh rows (columns)."""
+        h_dim = self.shard_dims.index(1) if 1 in self.shard_dims else None
+        w_dim = self.shard_dims.index(2) if 2 in self.shard_dims else None
+        for c0, line in enumerate(table):
+            for c1, r in enumerate(line):
+                ref_h = table[c0 if h_dim == 0 else 0][c1 if h_dim == 1 else 0][2]
+                ref_w = table[c0 if w_dim == 0 else 0][c1 if w_dim == 1 else 0][3]
+                if r[1] != table[0][0][1] or r[2] != ref_h or r[3] != ref_w:
+                    raise ValueError(
+                        f"{type(self).__name__}: local input shapes do not form a grid partition over the mesh "
+                        f"(shard_dims={self.shard_dims}): rank at mesh position {(c0, c1)[:len(self._groups)]} has "
+                        f"(B, H, W)={tuple(r[1:])}, expected B={table[0][0][1]}, H={ref_h}, W={ref_w}"
+                    )
+
+    # ----------------------------------------------------------------- forward
+    def _params(self):
+        """Parameters as used in forward. Domain-parallel: they pass through
+        :func:`copy_many_to_parallel_region` per mesh dim (identity forward; backward one fused
+        all-reduce of all their gradients), so every rank holds the serial gradients."""
+        params = [self.qkv.weight, self.qkv.bias, self.proj.weight, self.proj.bias, self.rpb]
+        present = [p for p in params if p is not None]
+        for group in self._groups:
+            present = copy_many_to_parallel_region(present, group)
+        pieces = iter(present)
+        return [None if p is None else next(pieces) for p in params]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shard_dims is None:
+            if not self._check_local(x):
+                self._raise_bad_input(x)
+            size, offset, recv = (x.shape[1], x.shape[2]), (0, 0), None
+            check_window_fits(self.kernel_size, self.dilation, size, type(self).__name__)
+        else:
+            size, offset, recv, send = self._layout(x)  # validated on every rank before any halo traffic
+        w_qkv, b_qkv, w_proj, b_proj, rpb = self._params()
+        batch, h, w, _ = x.shape
+        qkv = F.linear(x, w_qkv, b_qkv).view(batch, h, w, 3, self.num_heads, self.head_dim)
+        q, kv = qkv[:, :, :, 0], qkv[:, :, :, 1:]  # (B, h, w, heads, hd), (B, h, w, 2, heads, hd)
+        k_offset = offset
+        if recv is not None:  # only K and V travel; widths per rank, from global positions
+            kv = halo_exchange(kv.contiguous(), self.mesh, self.shard_dims, recv[:len(self._groups)],
+                               send[:len(self._groups)], periodic=False)
+            lo = {d: recv[i][0] for i, d in enumerate(self.shard_dims)}
+            k_offset = (offset[0] - lo.get(1, 0), offset[1] - lo.get(2, 0))
+        k, v = kv.unbind(3)
+        out = neighborhood_attention_2d(q, k, v, self.kernel_size, self.dilation, self.is_causal, scale=self.scale,
+                                        global_size=size, q_offset=offset, k_offset=k_offset, rel_pos_bias=rpb)
+        out = F.linear(out.reshape(batch, h, w, self.embed_dim), w_proj, b_proj)  # (B, h, w, C)
+        return self.proj_drop(out)
+
+    def collectives(self):
+        """Collectives per step: ``(forward list, backward list)``."""
+        if self.shard_dims is None:
+            return [], []
+        halo = [f"K/V halo send/recv (dim {d})" for d in self.shard_dims]
+        return halo, halo + ["all_reduce (all parameter grads, packed)"] * len(self.shard_dims)
+
+    def extra_repr(self) -> str:
+        return (f"{self.embed_dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, "
+                f"dilation={self.dilation}, is_causal={self.is_causal}, rel_pos_bias={self.rpb is not None}, "
+                f"shard_dims={self.shard_dims}")
