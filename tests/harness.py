@@ -36,6 +36,9 @@ def _worker(fn, rank, world_size, init_file, timeout, args, kwargs, results):
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
+        # Every rank fully connected before any returns (a rank that finished and tore its group
+        # down while a peer was still connecting would fail that peer's init).
+        dist.barrier()
         out = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", out))
     except BaseException:  # report anything, including KeyboardInterrupt, to the parent
