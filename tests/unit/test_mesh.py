@@ -5,7 +5,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 import tplayers
 from harness import run_ranks

@@ -24,6 +24,7 @@ __all__ = [
     "all_reduce_sum",
     "all_gather_along_dim",
     "exchange_sizes",
+    "exchange_grid_table",
     "CopyToParallelRegion",
     "CopyManyToParallelRegion",
     "copy_many_to_parallel_region",
@@ -110,6 +111,30 @@ def exchange_sizes(local: int, group: dist.ProcessGroup) -> List[int]:
     record_collective("all_gather", _nbytes(out), world, "sizes")
     _all_gather_single(out, t, group=group)
     return [int(v) for v in out.tolist()]
+
+
+def exchange_grid_table(row: Sequence[int], groups: Sequence[dist.ProcessGroup], tag: str = "") -> List[List[List[int]]]:
+    """Every rank's small integer ``row`` (e.g. ``[ok, N, C, H, W]``), as a nested list
+    ``table[c0][c1]`` indexed by mesh coordinates (``c1`` is always 0 on a 1-D mesh).
+
+    ``groups`` are the process groups of the mesh dims (one or two). The rows are
+    all-gathered along the last mesh dim, then along the first. Layers call this
+    once per new local shape and cache the result, so no step pays a device-to-host sync.
+    """
+    device = "cuda" if dist.get_backend(groups[0]) == "nccl" else "cpu"
+    table = torch.tensor([int(v) for v in row], dtype=torch.int64, device=device)
+    for group in reversed(list(groups)):
+        size = dist.get_world_size(group)
+        out = table.new_empty((size,) + tuple(table.shape))
+        if size > 1:
+            record_collective("all_gather", out.numel() * out.element_size(), size, tag)
+            _all_gather_single(out.view(-1), table.reshape(-1), group=group)
+        else:
+            out.copy_(table.unsqueeze(0))
+        table = out
+    if len(groups) == 1:
+        table = table.unsqueeze(1)
+    return table.cpu().tolist()
 
 
 # ----------------------------------------------------------------------------

@@ -25,7 +25,6 @@ partition changes while this rank's local shape does not.
 
 from __future__ import annotations
 
-import math
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -34,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.comm import copy_many_to_parallel_region, halo_exchange, record_collective
+from tplayers.comm import copy_many_to_parallel_region, halo_exchange
+from tplayers.comm.collectives import exchange_grid_table
 from tplayers.layers._common import ShardedModule
 from tplayers.ops.na import check_window_fits, neighborhood_attention_2d, normalize_na_args
 from tplayers.ops.na_layout import axis_halos
@@ -148,21 +148,10 @@ class NeighborhoodAttention(ShardedModule):
         key = tuple(x.shape)
         if key in self._layouts:
             return self._layouts[key]
-        # (mesh0, mesh1, 4) table of every rank's (ok, B, H, W), exchanged along each mesh dim
+        # table[c0][c1] = every rank's (ok, B, H, W), exchanged along each mesh dim
         ok = self._check_local(x)
         row = [int(ok)] + (list(x.shape[:3]) if ok else [-1, -1, -1])
-        device = x.device if x.device.type == "cuda" else torch.device("cpu")
-        table = torch.tensor(row, dtype=torch.int64, device=device)
-        for i in reversed(range(len(self._groups))):
-            size = dist.get_world_size(self._groups[i])
-            out = table.new_empty((size,) + tuple(table.shape))
-            if size > 1:
-                record_collective("all_gather", out.numel() * 8, size, "na.layout")
-                dist.all_gather_into_tensor(out.view(-1), table.reshape(-1), group=self._groups[i])
-            else:
-                out.copy_(table.unsqueeze(0))
-            table = out
-        table = (table if len(self._groups) == 2 else table.unsqueeze(1)).tolist()
+        table = exchange_grid_table(row, self._groups, "na.layout")
         rows = [r for line in table for r in line]
         if not ok:
             self._raise_bad_input(x)

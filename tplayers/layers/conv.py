@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.utils import _pair
 
 from tplayers.comm import all_reduce_sum, halo_exchange_along, record_collective
+from tplayers.comm.collectives import exchange_grid_table
 from tplayers.comm.halo import halo_adjoint, halo_pad
 from tplayers.layers._common import ShardedModule
 from tplayers.layers._conv_layout import PADDING_MODES, AxisPlan, plan_axis
@@ -180,31 +181,18 @@ class DistributedConv2d(ShardedModule):
         self._layouts.clear()
 
     # ------------------------------------------------------------------ layout
-    def _exchange_shapes(self, x: torch.Tensor) -> torch.Tensor:
-        """``(mesh0, mesh1, 6)`` table of every rank's (ok, N, C, H, W, dtype/device ok)."""
+    def _exchange_shapes(self, x: torch.Tensor) -> list:
+        """``table[c0][c1]`` = every rank's (ok, N, C, H, W, dtype/device ok)."""
         ok = isinstance(x, torch.Tensor) and x.dim() == 4
         shape = list(x.shape) if ok else [-1] * 4
         same = int(ok and x.dtype == self.weight.dtype and x.device == self.weight.device)
-        device = torch.device("cuda", torch.cuda.current_device()) if self.weight.is_cuda else torch.device("cpu")
-        table = torch.tensor([int(ok)] + shape + [same], dtype=torch.int64, device=device)
-        for i in reversed(range(self.mesh.ndim)):  # last mesh dim first: rows, then columns
-            size = dist.get_world_size(self._groups[i])
-            out = table.new_empty(size * table.numel())
-            if size > 1:
-                record_collective("all_gather", out.numel() * 8, size, "conv.layout")
-                dist.all_gather_into_tensor(out, table.reshape(-1), group=self._groups[i])
-            else:
-                out.copy_(table.reshape(-1))
-            table = out.view((size,) + tuple(table.shape))
-        if self.mesh.ndim == 1:
-            table = table.unsqueeze(1)
-        return table.cpu()
+        return exchange_grid_table([int(ok)] + shape + [same], self._groups, "conv.layout")
 
     def _layout(self, x: torch.Tensor):
         key = tuple(x.shape) if isinstance(x, torch.Tensor) else None  # a bad input still joins the exchange
         if key in self._layouts:
             return self._layouts[key]
-        table = self._exchange_shapes(x).tolist()  # once per local shape
+        table = self._exchange_shapes(x)  # once per local shape
         name = type(self).__name__
         flat = [(c0, c1, row) for c0, rows in enumerate(table) for c1, row in enumerate(rows)]
         for c0, c1, row in flat:

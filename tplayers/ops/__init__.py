@@ -1,6 +1,5 @@
 """One front door per kernel: Triton on CUDA tensors, the pure-torch reference otherwise."""
 
-from tplayers.ops import halo as _halo
 from tplayers.ops.halo import (
     faces_overlap,
     pack_faces,
@@ -11,4 +10,13 @@ from tplayers.ops.halo import (
 )
 from tplayers.ops.na import na2d, neighborhood_attention_2d
 
-__all__ = list(_halo.__all__) + ["na2d", "neighborhood_attention_2d"]
+__all__ = [
+    "pack_faces",
+    "unpack_faces",
+    "pack_faces_reference",
+    "unpack_faces_reference",
+    "triton_available",
+    "faces_overlap",
+    "na2d",
+    "neighborhood_attention_2d",
+]
