@@ -271,11 +271,22 @@ def _param_bytes(module: nn.Module) -> int:
 
 
 def _collectives(module: nn.Module) -> str:
-    describe = getattr(module, "collectives", None)
-    if describe is None:
+    """Collectives per step of ``module`` and everything inside it, e.g. ``fwd: all_reduce; bwd: -``."""
+    fwd: Dict[str, int] = {}
+    bwd: Dict[str, int] = {}
+    described = False
+    for sub in module.modules():
+        describe = getattr(sub, "collectives", None)
+        if describe is None:
+            continue
+        described = True
+        for names, counts in zip(describe(), (fwd, bwd)):
+            for name in names:
+                counts[name] = counts.get(name, 0) + 1
+    if not described:
         return "?"
-    fwd, bwd = describe()
-    return f"fwd: {', '.join(fwd) or '-'}; bwd: {', '.join(bwd) or '-'}"
+    text = lambda c: ", ".join(n if k == 1 else f"{n} x{k}" for n, k in c.items()) or "-"  # noqa: E731
+    return f"fwd: {text(fwd)}; bwd: {text(bwd)}"
 
 
 @dataclass
@@ -312,6 +323,8 @@ def explain(model: nn.Module, plan: Mapping, mesh: Optional[DeviceMesh] = None, 
     swapped_before = swapped_after = 0
     for match in matches:
         new = _build(match, copy.deepcopy(match.module), mesh)
+        if isinstance(match.value, ParallelStyle):
+            new = match.value.finalize(new, mesh)
         before, after = _param_bytes(match.module), _param_bytes(new)
         swapped_before += before
         swapped_after += after
