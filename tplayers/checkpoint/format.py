@@ -257,7 +257,7 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def commit(tmp: str, target: str) -> None:
+def commit(tmp: str, target: str, *, remove_old: bool = True) -> Optional[str]:
     """Move the fully written and fsynced ``tmp`` (file or directory) to ``target``.
 
     - ``target`` absent: one ``rename``; the parent directory is fsynced.
@@ -268,22 +268,27 @@ def commit(tmp: str, target: str) -> None:
       directory is renamed away first, so a crash between the two renames leaves
       ``target`` missing, with the old copy at ``.<name>.old-<token>`` and the new
       one complete at ``tmp``.
+
+    ``remove_old=False`` leaves the previous copy for the caller to delete (the
+    ranks share that work) and returns its path; None when there is none.
     """
     parent = os.path.dirname(os.path.abspath(target))
+    old = None
     if not os.path.lexists(target):
         os.rename(tmp, target)
     elif _exchange(tmp, target):
-        fsync_dir(parent)
-        _remove(tmp)  # tmp now holds the previous checkpoint
+        old = tmp  # tmp now holds the previous checkpoint
     elif not os.path.isdir(target) and not os.path.isdir(tmp):
         os.replace(tmp, target)
     else:
         old = os.path.join(parent, "." + os.path.basename(target) + ".old-" + os.path.basename(tmp).rsplit("-", 1)[-1])
         os.rename(target, old)
         os.rename(tmp, target)
-        fsync_dir(parent)
-        _remove(old)
     fsync_dir(parent)
+    if old is not None and remove_old:
+        _remove(old)
+        return None
+    return old
 
 
 # ----------------------------------------------------------------------------
