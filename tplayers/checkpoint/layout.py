@@ -61,11 +61,15 @@ def local_tensors(model: nn.Module) -> Dict[str, LocalTensor]:
 
 
 def stored(t: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
-    """How a piece is stored: the sharded dim moved first (so any reshard reads one contiguous span)."""
+    """How a piece is stored: the sharded dim moved first (so any reshard reads one contiguous span).
+
+    On the CPU this is a view (``write_file`` stages it chunk by chunk, no whole
+    copy); a device tensor is rearranged on its device and copied to the host.
+    """
     t = t.detach()
     if dim is not None and dim != 0:
         t = t.movedim(dim, 0)
-    return t.to("cpu").contiguous()
+    return t if t.device.type == "cpu" else t.contiguous().to("cpu")
 
 
 # ----------------------------------------------------------------------------
