@@ -108,7 +108,7 @@ def _write_all(fd: int, data) -> None:
 
 
 #: Bytes hashed and written at a time (whole hash blocks).
-CHUNK_BYTES = 8 << 20
+CHUNK_BYTES = 64 << 20
 #: Start the disk write-back of every this many bytes as soon as they are written.
 WRITEBACK_BYTES = 16 << 20
 

@@ -162,13 +162,14 @@ class Reader:
             out.append(self._map_stored(key, p, want, dest, entry.dim))
         return out
 
-    def fetch_all(self, parts: Sequence[Part], window: int = PREFETCH_BYTES) -> Iterator[Tuple[Part, torch.Tensor]]:
+    def fetch_all(self, parts: Sequence[Part], window: Optional[int] = None) -> Iterator[Tuple[Part, torch.Tensor]]:
         """Yield ``(part, tensor)`` for each part, checked; ``tensor`` goes to ``box[part.dest]``.
 
         Pages are requested (``MADV_WILLNEED``) up to ``window`` bytes ahead of
         the part being hashed, so the disk works while the CPU verifies: the
         same bytes as reading part by part, in flight together.
         """
+        window = PREFETCH_BYTES if window is None else window
         ahead, in_flight = 0, 0
         for i, part in enumerate(parts):
             while ahead < len(parts) and (ahead <= i or in_flight < window):
