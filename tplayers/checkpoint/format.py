@@ -19,10 +19,10 @@ import ctypes
 import errno
 import hashlib
 import json
-import mmap
 import os
 import shutil
 import struct
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -126,7 +126,7 @@ class _WriteBack:
     def __init__(self, fd: int) -> None:
         self.fd, self.done, self.written = fd, 0, 0
         if _WriteBack._fn is None:
-            fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+            fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None) if sys.platform.startswith("linux") else None
             if fn is not None:
                 fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
             _WriteBack._fn = fn or False
@@ -372,52 +372,3 @@ def commit(tmp: str, target: str, *, remove_old: bool = True) -> Optional[str]:
         _remove(old)
         return None
     return old
-
-
-# ----------------------------------------------------------------------------
-# Page-cache hints for memory-mapped reads
-# ----------------------------------------------------------------------------
-
-_LIBC = None
-
-
-def _madvise(start: int, length: int, advice: int) -> None:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = mmap.PAGESIZE
-    lo = start // page * page
-    hi = -(-(start + length) // page) * page
-    _LIBC.madvise(lo, hi - lo, advice)
-
-
-def advise_mapping_random(path: str) -> None:
-    """Turn off kernel read-ahead for every mapping of ``path`` in this process (Linux; a hint).
-
-    ``safe_open`` maps the whole file; the first touch of any page would
-    otherwise read megabytes around it (``read_ahead_kb``), far outside the
-    rows this rank needs. Found through ``/proc/self/maps``; skipped elsewhere.
-    """
-    if not hasattr(mmap, "MADV_RANDOM"):
-        return
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/self/maps") as f:
-            lines = [line.split() for line in f]
-    except OSError:
-        return
-    for fields in lines:
-        if len(fields) >= 6 and " ".join(fields[5:]) == real:
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            _madvise(lo, hi - lo, mmap.MADV_RANDOM)
-
-
-def advise_exact_read(t: torch.Tensor) -> None:
-    """Start reading exactly ``t``'s pages of a memory-mapped file now (``MADV_WILLNEED``; a hint).
-
-    Harmless on ordinary memory; skipped where ``madvise`` is missing.
-    """
-    n = t.numel() * t.element_size()
-    if n and t.is_contiguous() and t.device.type == "cpu" and hasattr(mmap, "MADV_WILLNEED"):
-        _madvise(t.data_ptr(), n, mmap.MADV_WILLNEED)

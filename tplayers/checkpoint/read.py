@@ -19,15 +19,9 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tplayers.checkpoint.format import (
-    CheckpointError,
-    advise_exact_read,
-    advise_mapping_random,
-    read_header,
-    row_blocks,
-    torch_dtype,
-)
+from tplayers.checkpoint.format import CheckpointError, read_header, row_blocks, torch_dtype
 from tplayers.checkpoint.index import Piece, Source, TensorEntry
+from tplayers.checkpoint.pagecache import advise_exact_read, advise_mapping_random
 
 
 def stored_shape(entry: TensorEntry, piece: Piece) -> Tuple[int, ...]:
