@@ -7,8 +7,12 @@ Run 1 (2 ranks): a tensor-parallel MLP stack of about ``--mb`` MB (fp32) is
 saved and loaded with tplayers, and each rank saves / loads the very same local
 tensors with ``safetensors.torch.save_file`` / ``load_file`` (+ ``load_state_dict``
 so the bytes are really read; ``load_file`` alone only maps the file). Repeats
-are interleaved; medians are printed with the ratio tplayers / safetensors.
+are interleaved; medians are printed with the ratio tplayers / safetensors
+(ratio of the medians, and the median and range of the per-repeat ratios).
 "hot" loads read from the page cache; "cold" loads evict the files first.
+Saves are compared with ``save_file`` as is (no fsync: the data may still be
+only in the page cache) and with ``save_file`` + ``fsync`` (the durability
+tplayers gives: every file and directory fsynced, atomic rename).
 
 Run 2 (3 ranks, ``--reshard``): loads the 2-rank checkpoint at 3 ranks, one
 rank at a time with a cold page cache (ranks on one machine share the page
@@ -130,7 +134,11 @@ def throughput(args, mesh) -> None:
                  ("load ours hot verify=False", "load st hot"), ("load ours cold", "load st cold"),
                  ("load ours cold verify=False", "load st cold")]
         for a, b in pairs:
-            print(f"  throughput ratio {a} / {b}: {med[b] / med[a]:.2f}x")
+            # Repeats are interleaved, so repeat i of both ran under about the same machine load:
+            # the per-repeat ratios show the spread that other jobs on the machine cause.
+            per = sorted(y / x for x, y in zip(times[a], times[b]))
+            print(f"  throughput ratio {a} / {b}: {med[b] / med[a]:.2f}x   "
+                  f"(per repeat: median {statistics.median(per):.2f}x, range {per[0]:.2f}-{per[-1]:.2f}x)")
 
 
 def reshard(args, mesh) -> None:
@@ -171,7 +179,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=int, default=500)
     p.add_argument("--dir", default="/tmp/tplayers-ckbench")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--reshard", action="store_true")
     args = p.parse_args()
     torch.set_num_threads(1)

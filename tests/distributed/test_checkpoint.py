@@ -317,7 +317,7 @@ def _crashing_save(rank, world, path, victim, stage):
                 real(fd, data)
             fmt._write_all = dying
         else:  # die just before moving the finished checkpoint into place
-            save_mod.commit = lambda tmp, target: os._exit(17)
+            save_mod.commit = lambda tmp, target, **kw: os._exit(17)
     save_checkpoint(net, path)
 
 
@@ -362,3 +362,29 @@ def test_dp_replicas_write_each_range_once(tmp_path):
     load_checkpoint(net, path)
     ref = serial_net(21, 2.0).state_dict()
     assert all(torch.equal(net.state_dict()[k], ref[k]) for k in ref)
+
+
+# ---------------------------------------------------------------------------
+# Saving over a previous checkpoint: the ranks share deleting it, nothing stray remains
+# ---------------------------------------------------------------------------
+
+def _overwrite(rank, world, root):
+    net = tplayers.parallelize_module(serial_net(5, 1.5), PLAN)
+    save_checkpoint(net, os.path.join(root, "ck"))  # replaces a 4-rank checkpoint: 5 old files, 2 deleters
+    save_checkpoint(net, os.path.join(root, "file"))  # replaces a consolidated file: a file -> dir swap
+    save_checkpoint(net, os.path.join(root, "ck"), block_bytes=64)
+
+
+def test_overwrite_removes_previous_everywhere(ckpts, tmp_path):
+    root, _ = ckpts
+    shutil.copytree(str(root / "w4"), str(tmp_path / "ck"))
+    shutil.copy(str(root / "w2.consolidated.safetensors"), str(tmp_path / "file"))
+    run_ranks(_overwrite, 2, args=(str(tmp_path),), timeout=60)
+    assert sorted(os.listdir(tmp_path)) == ["ck", "file"], os.listdir(tmp_path)
+    assert sorted(os.listdir(tmp_path / "ck")) == ["index.json", "rank-00000-of-00002.safetensors",
+                                                  "rank-00001-of-00002.safetensors"]
+    ref = serial_net(5, 1.5).state_dict()
+    for name in ("ck", "file"):
+        net = Net()
+        load_checkpoint(net, str(tmp_path / name))
+        assert all(torch.equal(net.state_dict()[k], ref[k]) for k in ref)

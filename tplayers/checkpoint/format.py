@@ -19,12 +19,12 @@ import ctypes
 import errno
 import hashlib
 import json
-import mmap
 import os
 import shutil
 import struct
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -107,6 +107,77 @@ def _write_all(fd: int, data) -> None:
         view = view[n:]
 
 
+#: Bytes hashed and written at a time (whole hash blocks).
+CHUNK_BYTES = 64 << 20
+#: Start the disk write-back of every this many bytes as soon as they are written.
+WRITEBACK_BYTES = 16 << 20
+
+
+class _WriteBack:
+    """Start write-back of a file's dirty pages while it is still being written (Linux; a hint).
+
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` queues the pages for the disk and
+    returns, so the closing ``fsync`` (which is still what makes the file
+    durable) finds little left to do. Elsewhere it does nothing.
+    """
+
+    _fn = None
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.done, self.written = fd, 0, 0
+        if _WriteBack._fn is None:
+            fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None) if sys.platform.startswith("linux") else None
+            if fn is not None:
+                fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+            _WriteBack._fn = fn or False
+
+    def wrote(self, n: int) -> None:
+        self.written += n
+        if _WriteBack._fn and self.written - self.done >= WRITEBACK_BYTES:
+            _WriteBack._fn(self.fd, self.done, self.written - self.done, 2)  # SYNC_FILE_RANGE_WRITE
+            self.done = self.written
+
+
+class _Stager:
+    """Contiguous chunks of whole hash blocks of the tensors to write, staging non-contiguous ones.
+
+    A contiguous tensor is sliced (no copy). Any other (a ``movedim`` view) is
+    first copied whole into one of two reused buffers: a whole 2-D transpose
+    takes torch's blocked transpose path, several times faster than copying
+    row chunks of it, and reusing the buffers avoids page-faulting fresh
+    memory for every tensor. Double buffering: before a buffer is refilled,
+    the hash job that last read it is waited for.
+    """
+
+    def __init__(self) -> None:
+        self.buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self.readers: List[Optional[Future]] = [None, None]  # last hash job reading each buffer
+        self.turn = 0
+
+    def chunks(self, t: torch.Tensor, k: int) -> Iterator[Tuple[torch.Tensor, Optional[int]]]:
+        """``(chunk, slot)`` pairs covering ``t`` (rows along dim 0); ``slot`` is the buffer used, or None."""
+        if t.dim() == 0:
+            yield t.reshape(1).contiguous(), None
+            return
+        slot = None
+        if not t.is_contiguous():
+            slot, self.turn = self.turn, 1 - self.turn
+            if self.readers[slot] is not None:
+                self.readers[slot].result()
+            need = t.numel() * t.element_size()
+            if self.buffers[slot].numel() < need:
+                self.buffers[slot] = torch.empty(need, dtype=torch.uint8)
+            t = self.buffers[slot][:need].view(t.dtype).view(t.shape).copy_(t)
+        row = t[:1].numel() * t.element_size()
+        step = k * max(1, CHUNK_BYTES // max(row * k, 1))
+        for i in range(0, t.shape[0], step):
+            yield t[i : i + step], slot
+
+
+def _hash_blocks(blocks: Sequence[memoryview]) -> List[bytes]:
+    return [hashlib.sha256(b).digest() for b in blocks]
+
+
 def write_file(
     path: str,
     items: Sequence[Tuple[str, torch.Tensor]],
@@ -116,8 +187,12 @@ def write_file(
     on_bytes: Optional[Callable[[int], None]] = None,
     hashes: bool = True,
 ) -> Tuple[int, str, Dict[str, Tuple[int, List[str]]]]:
-    """Write ``items`` (name, contiguous CPU tensor) as a standard safetensors file and fsync it.
+    """Write ``items`` (name, CPU tensor) as a standard safetensors file and fsync it.
 
+    A tensor is stored as its logical row-major bytes; a non-contiguous one (a
+    ``movedim`` view) is staged through a reused buffer. The bytes go out in
+    chunks of whole blocks, each hashed on a second thread while this one
+    writes it, and the disk write-back starts as the file grows.
     ``hashes=False`` skips the block digests (the returned digest and lists are then empty).
 
     Returns ``(size, digest, {name: (rows_per_block, [block sha256 hex])})``.
@@ -134,29 +209,37 @@ def write_file(
     raw += b" " * (-len(raw) % 8)
     prefix = struct.pack("<Q", len(raw)) + raw
     plan = [(name, block_rows(t.shape, t.element_size(), block_bytes), t) for name, t in items]
-    plan = [(name, k, row_blocks(t, k)) for name, k, t in plan]
+    hashed: List[List[Future]] = [[] for _ in plan]
+    stager = _Stager()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    # Hash on a second thread while this one writes and fsyncs (both release the GIL).
+    # Hash on a second thread while this one stages and writes (both release the GIL).
     with ThreadPoolExecutor(1) as pool:
-        hashed = pool.submit(lambda: [[hashlib.sha256(c).digest() for c in chunks] for _, _, chunks in plan]) if hashes else None
         try:
+            back = _WriteBack(fd)
             _write_all(fd, prefix)
-            for _, _, chunks in plan:
-                for chunk in chunks:
-                    _write_all(fd, chunk)
+            back.wrote(len(prefix))
+            for (name, k, t), futures in zip(plan, hashed):
+                for chunk, slot in stager.chunks(t, k):
+                    if hashes:
+                        futures.append(pool.submit(_hash_blocks, row_blocks(chunk, k)))
+                        if slot is not None:
+                            stager.readers[slot] = futures[-1]
+                    data = byte_view(chunk)
+                    _write_all(fd, data)
+                    back.wrote(len(data))
                     if on_bytes is not None:
-                        on_bytes(len(chunk))
+                        on_bytes(len(data))
             os.fsync(fd)
         finally:
             os.close(fd)
-        digests = hashed.result() if hashed is not None else [[] for _ in plan]
+        digests = [[d for f in futures for d in f.result()] for futures in hashed]
     digest = hashlib.sha256(hashlib.sha256(prefix).digest())
-    blocks: Dict[str, Tuple[int, List[str]]] = {}
+    blocks_out: Dict[str, Tuple[int, List[str]]] = {}
     for (name, k, _), ds in zip(plan, digests):
         for d in ds:
             digest.update(d)
-        blocks[name] = (k, [d.hex() for d in ds])
-    return len(prefix) + offset, digest.hexdigest() if hashes else "", blocks
+        blocks_out[name] = (k, [d.hex() for d in ds])
+    return len(prefix) + offset, digest.hexdigest() if hashes else "", blocks_out
 
 
 def read_header(path: str) -> Tuple[bytes, Dict[str, dict], Dict[str, str]]:
@@ -257,7 +340,7 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
-def commit(tmp: str, target: str) -> None:
+def commit(tmp: str, target: str, *, remove_old: bool = True) -> Optional[str]:
     """Move the fully written and fsynced ``tmp`` (file or directory) to ``target``.
 
     - ``target`` absent: one ``rename``; the parent directory is fsynced.
@@ -268,68 +351,24 @@ def commit(tmp: str, target: str) -> None:
       directory is renamed away first, so a crash between the two renames leaves
       ``target`` missing, with the old copy at ``.<name>.old-<token>`` and the new
       one complete at ``tmp``.
+
+    ``remove_old=False`` leaves the previous copy for the caller to delete (the
+    ranks share that work) and returns its path; None when there is none.
     """
     parent = os.path.dirname(os.path.abspath(target))
+    old = None
     if not os.path.lexists(target):
         os.rename(tmp, target)
     elif _exchange(tmp, target):
-        fsync_dir(parent)
-        _remove(tmp)  # tmp now holds the previous checkpoint
+        old = tmp  # tmp now holds the previous checkpoint
     elif not os.path.isdir(target) and not os.path.isdir(tmp):
         os.replace(tmp, target)
     else:
         old = os.path.join(parent, "." + os.path.basename(target) + ".old-" + os.path.basename(tmp).rsplit("-", 1)[-1])
         os.rename(target, old)
         os.rename(tmp, target)
-        fsync_dir(parent)
-        _remove(old)
     fsync_dir(parent)
-
-
-# ----------------------------------------------------------------------------
-# Page-cache hints for memory-mapped reads
-# ----------------------------------------------------------------------------
-
-_LIBC = None
-
-
-def _madvise(start: int, length: int, advice: int) -> None:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = mmap.PAGESIZE
-    lo = start // page * page
-    hi = -(-(start + length) // page) * page
-    _LIBC.madvise(lo, hi - lo, advice)
-
-
-def advise_mapping_random(path: str) -> None:
-    """Turn off kernel read-ahead for every mapping of ``path`` in this process (Linux; a hint).
-
-    ``safe_open`` maps the whole file; the first touch of any page would
-    otherwise read megabytes around it (``read_ahead_kb``), far outside the
-    rows this rank needs. Found through ``/proc/self/maps``; skipped elsewhere.
-    """
-    if not hasattr(mmap, "MADV_RANDOM"):
-        return
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/self/maps") as f:
-            lines = [line.split() for line in f]
-    except OSError:
-        return
-    for fields in lines:
-        if len(fields) >= 6 and " ".join(fields[5:]) == real:
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            _madvise(lo, hi - lo, mmap.MADV_RANDOM)
-
-
-def advise_exact_read(t: torch.Tensor) -> None:
-    """Start reading exactly ``t``'s pages of a memory-mapped file now (``MADV_WILLNEED``; a hint).
-
-    Harmless on ordinary memory; skipped where ``madvise`` is missing.
-    """
-    n = t.numel() * t.element_size()
-    if n and t.is_contiguous() and t.device.type == "cpu" and hasattr(mmap, "MADV_WILLNEED"):
-        _madvise(t.data_ptr(), n, mmap.MADV_WILLNEED)
+    if old is not None and remove_old:
+        _remove(old)
+        return None
+    return old

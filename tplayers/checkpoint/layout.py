@@ -61,11 +61,15 @@ def local_tensors(model: nn.Module) -> Dict[str, LocalTensor]:
 
 
 def stored(t: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
-    """How a piece is stored: the sharded dim moved first (so any reshard reads one contiguous span)."""
+    """How a piece is stored: the sharded dim moved first (so any reshard reads one contiguous span).
+
+    On the CPU this is a view (``write_file`` stages it chunk by chunk, no whole
+    copy); a device tensor is rearranged on its device and copied to the host.
+    """
     t = t.detach()
     if dim is not None and dim != 0:
         t = t.movedim(dim, 0)
-    return t.to("cpu").contiguous()
+    return t if t.device.type == "cpu" else t.contiguous().to("cpu")
 
 
 # ----------------------------------------------------------------------------
@@ -103,13 +107,17 @@ def allgather_json(obj) -> list:
     return [json.loads(b) for b in allgather_bytes(json.dumps(obj).encode())]
 
 
-def agree(error: Optional[str]) -> None:
-    """Collective: raise :class:`CheckpointError` on every rank if ``error`` is set on any rank."""
-    errors = allgather_json(error)
-    bad = [(r, e) for r, e in enumerate(errors) if e]
+def agree(error: Optional[str], payload=None) -> list:
+    """Collective: raise :class:`CheckpointError` on every rank if ``error`` is set on any rank.
+
+    Otherwise returns every rank's JSON-able ``payload``, in rank order.
+    """
+    rows = allgather_json([error, payload])
+    bad = [(r, e) for r, (e, _) in enumerate(rows) if e]
     if bad:
         lines = "\n".join(f"  rank {r}: {e}" for r, e in bad)
-        raise CheckpointError(f"checkpoint failed on {len(bad)} of {len(errors)} rank(s), nothing was changed:\n{lines}")
+        raise CheckpointError(f"checkpoint failed on {len(bad)} of {len(rows)} rank(s), nothing was changed:\n{lines}")
+    return [p for _, p in rows]
 
 
 # ----------------------------------------------------------------------------

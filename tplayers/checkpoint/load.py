@@ -104,11 +104,8 @@ def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast:
         problems = [msg for key in keys for msg in _mismatch(key, local[key], source.tensors[key], cast)]
         if problems:
             raise CheckpointError(f"{path}: {len(problems)} tensor(s) do not fit the model:\n    " + "\n    ".join(problems))
-        copies = []
-        for key in keys:
-            lt = local[key]
-            for dest, t in reader.read(key, lt.spec.dim, lt.spec.start, lt.spec.stop):
-                copies.append((lt.tensor, dest, t))
+        parts = [part for key in keys for part in reader.plan(key, local[key].spec.dim, local[key].spec.start, local[key].spec.stop)]
+        copies = [(local[part.key].tensor, part.dest, t) for part, t in reader.fetch_all(parts)]
     except BaseException:
         reader.close()
         raise

@@ -14,20 +14,14 @@ from __future__ import annotations
 import hashlib
 import os
 from contextlib import ExitStack
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from tplayers.checkpoint.format import (
-    CheckpointError,
-    advise_exact_read,
-    advise_mapping_random,
-    read_header,
-    row_blocks,
-    torch_dtype,
-)
+from tplayers.checkpoint.format import CheckpointError, read_header, row_blocks, torch_dtype
 from tplayers.checkpoint.index import Piece, Source, TensorEntry
+from tplayers.checkpoint.pagecache import advise_exact_read, advise_mapping_random
 
 
 def stored_shape(entry: TensorEntry, piece: Piece) -> Tuple[int, ...]:
@@ -37,6 +31,27 @@ def stored_shape(entry: TensorEntry, piece: Piece) -> Tuple[int, ...]:
     s = list(entry.shape)
     s[entry.dim] = piece.stop - piece.start
     return (s[entry.dim],) + tuple(s[: entry.dim] + s[entry.dim + 1 :])
+
+
+#: Bytes of page reads kept in flight ahead of the part being checked.
+PREFETCH_BYTES = 512 << 20
+
+
+class Part(NamedTuple):
+    """One stored piece's share of a read, mapped but not yet read (see :meth:`Reader.plan`)."""
+
+    key: str
+    where: str  # "file: tensor 'key'" for messages
+    piece: Piece
+    dest: tuple  # slices of the requested box this part fills
+    dim: Optional[int]  # the tensor's shard dim (stored first; moved back on fetch)
+    mapped: torch.Tensor  # the stored rows to read, a view of the mapped file
+    first_block: Optional[int]  # index of mapped's first hashed block; None: not verified
+    trim: tuple  # slices of ``mapped`` that were asked for (``()``: all of it)
+
+    @property
+    def nbytes(self) -> int:
+        return self.mapped.numel() * self.mapped.element_size()
 
 
 class Reader:
@@ -112,11 +127,12 @@ class Reader:
         if digest.hexdigest() != info["sha256"]:
             raise CheckpointError(f"{path}: SHA-256 of header and block digests does not match the index: file or index corrupted")
 
-    def read(self, key: str, dim: Optional[int], start: int = 0, stop: int = 0) -> List[Tuple[tuple, torch.Tensor]]:
-        """The parts of ``key`` covering ``[start, stop)`` of ``dim`` (the whole tensor if ``dim`` is None).
+    def plan(self, key: str, dim: Optional[int], start: int = 0, stop: int = 0) -> List[Part]:
+        """Map the parts of ``key`` covering ``[start, stop)`` of ``dim`` (all of it if ``dim`` is None).
 
-        Returns ``[(dest, tensor)]``: ``tensor`` goes to ``local[dest]`` where
-        ``local`` is the requested box (natural dim order).
+        Nothing is read yet: each :class:`Part` holds a memory-mapped view of
+        the stored rows (widened to whole hashed blocks when verifying), so
+        :meth:`fetch_all` can ask the kernel for every part's pages up front.
         """
         entry = self.source.tensors[key]
         nd = len(entry.shape)
@@ -136,11 +152,34 @@ class Reader:
                 continue
             order = list(range(nd)) if entry.dim is None else [entry.dim] + [g for g in range(nd) if g != entry.dim]
             want = [(ilo[g] - plo[g], ihi[g] - plo[g]) for g in order]  # stored coordinates
-            t = self._read_stored(key, p, want)
-            if entry.dim not in (None, 0):
-                t = t.movedim(0, entry.dim)
-            out.append((tuple(slice(ilo[g] - lo[g], ihi[g] - lo[g]) for g in range(nd)), t))
+            dest = tuple(slice(ilo[g] - lo[g], ihi[g] - lo[g]) for g in range(nd))
+            out.append(self._map_stored(key, p, want, dest, entry.dim))
         return out
+
+    def fetch_all(self, parts: Sequence[Part], window: Optional[int] = None) -> Iterator[Tuple[Part, torch.Tensor]]:
+        """Yield ``(part, tensor)`` for each part, checked; ``tensor`` goes to ``box[part.dest]``.
+
+        Pages are requested (``MADV_WILLNEED``) up to ``window`` bytes ahead of
+        the part being hashed, so the disk works while the CPU verifies: the
+        same bytes as reading part by part, in flight together.
+        """
+        window = PREFETCH_BYTES if window is None else window
+        ahead, in_flight = 0, 0
+        for i, part in enumerate(parts):
+            while ahead < len(parts) and (ahead <= i or in_flight < window):
+                advise_exact_read(parts[ahead].mapped)
+                in_flight += parts[ahead].nbytes
+                ahead += 1
+            yield part, self._check(part)
+            in_flight -= part.nbytes
+
+    def read(self, key: str, dim: Optional[int], start: int = 0, stop: int = 0) -> List[Tuple[tuple, torch.Tensor]]:
+        """The parts of ``key`` covering ``[start, stop)`` of ``dim`` (the whole tensor if ``dim`` is None).
+
+        Returns ``[(dest, tensor)]``: ``tensor`` goes to ``local[dest]`` where
+        ``local`` is the requested box (natural dim order).
+        """
+        return [(part.dest, t) for part, t in self.fetch_all(self.plan(key, dim, start, stop))]
 
     def read_box(self, key: str, dim: Optional[int] = None, start: int = 0, stop: int = 0) -> torch.Tensor:
         """``[start, stop)`` of ``dim`` of ``key`` (all of it when ``dim`` is None) as one new tensor."""
@@ -153,26 +192,34 @@ class Reader:
             box[dest].copy_(t)
         return box
 
-    def _read_stored(self, key: str, p: Piece, want: List[Tuple[int, int]]) -> torch.Tensor:
+    def _map_stored(self, key: str, p: Piece, want: List[Tuple[int, int]], dest: tuple, dim: Optional[int]) -> Part:
         f = self._open(p.file)
         where = f"{p.file}: tensor {key!r}"
+        verified = self.verify and p.digests is not None
         if not want:  # a 0-d tensor
             t = f.get_tensor(key)
             self.bytes_read += t.element_size()
-            self._check_blocks(where, p, t, 0)
-            return t
+            return Part(key, where, p, dest, dim, t, 0 if verified else None, ())
         sl = f.get_slice(key)
         shape = sl.get_shape()
         box = want
-        if self.verify and p.digests is not None:
+        if verified:
             k, (a, b) = p.block_rows, want[0]
             box = [(a // k * k, min(-(-b // k) * k, shape[0]))] + [(0, n) for n in shape[1:]]
         t = sl[tuple(slice(x, y) for x, y in box)]
-        advise_exact_read(t)
         self.bytes_read += t.numel() * t.element_size()
-        if box is not want:
-            self._check_blocks(where, p, t.contiguous(), box[0][0] // p.block_rows)
-            t = t[tuple(slice(x - bx, y - bx) for (x, y), (bx, _) in zip(want, box))]
+        trim = tuple(slice(x - bx, y - bx) for (x, y), (bx, _) in zip(want, box))
+        return Part(key, where, p, dest, dim, t, box[0][0] // p.block_rows if verified else None, trim)
+
+    def _check(self, part: Part) -> torch.Tensor:
+        """``part``'s tensor in the box's dim order, its blocks checked against their SHA-256."""
+        t = part.mapped
+        if part.first_block is not None:
+            self._check_blocks(part.where, part.piece, t.contiguous(), part.first_block)
+        if part.trim:
+            t = t[part.trim]
+        if part.dim not in (None, 0):
+            t = t.movedim(0, part.dim)
         return t
 
     def _check_blocks(self, where: str, p: Piece, t: torch.Tensor, first: int) -> None:

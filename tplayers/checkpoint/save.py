@@ -91,13 +91,16 @@ def save_checkpoint(
         error = f"{type(e).__name__}: {e}"
     infos = allgather_json({"info": info, "error": error})
     failed = [(r, x["error"]) for r, x in enumerate(infos) if x["error"]]
-    commit_error = None
+    commit_error, old = None, None
     if rank == 0:
         try:
             if failed:
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
-                finish_dir(tmp, path, world, tensors, [x["info"] for x in infos], block_bytes)
+                old = finish_dir(tmp, path, world, tensors, [x["info"] for x in infos], block_bytes)
+                if old is not None:  # a directory's files are deleted by all ranks, anything else by rank 0
+                    is_dir = os.path.isdir(old) and not os.path.islink(old)
+                    old = {"path": old, "files": sorted(os.listdir(old)) if is_dir else None}
         except Exception as e:  # noqa: BLE001 - reported to every rank by `agree`
             commit_error = f"{type(e).__name__}: {e}"
     if failed:
@@ -105,7 +108,33 @@ def save_checkpoint(
             f"save to {path} failed, the previous checkpoint (if any) is untouched:\n"
             + "\n".join(f"  rank {r}: {e}" for r, e in failed)
         )
-    agree(commit_error)
+    old = agree(commit_error, old)[0]
+    if old is not None:
+        remove_previous(old["path"], old["files"], rank, world)
+
+
+def remove_previous(path: str, files: Optional[Sequence[str]], rank: int, world: int) -> None:
+    """Delete the previous checkpoint, which the commit moved to ``path`` (collective).
+
+    ``files``: the names in that directory, or None if it is not a directory.
+    Freeing a large file's pages takes time, so every rank deletes a share of
+    the files at once; rank 0 then removes the emptied directory. The new
+    checkpoint is already in place: a failure here leaves only a stray
+    ``.<name>.tmp-<token>`` sibling (safe to delete), and is raised on every rank.
+    """
+    error = None
+    try:
+        if files is None:
+            if rank == 0:
+                os.remove(path)
+        else:
+            for name in files[rank::world]:
+                os.remove(os.path.join(path, name))
+    except OSError as e:
+        error = f"{type(e).__name__}: {e} (the new checkpoint is in place; delete {path})"
+    agree(error)
+    if rank == 0 and files is not None:
+        os.rmdir(path)
 
 
 def write_rank_file(directory: str, rank: int, world: int, items, block_bytes: int, progress) -> dict:
@@ -118,8 +147,9 @@ def write_rank_file(directory: str, rank: int, world: int, items, block_bytes: i
     return {"file": name, "size": size, "sha256": digest, "blocks": {k: [v[0], v[1]] for k, v in blocks.items()}}
 
 
-def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor], infos: Sequence[dict], block_bytes: int) -> None:
-    """Write the index into ``tmp``, fsync it, and move ``tmp`` to ``path``."""
+def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor], infos: Sequence[dict], block_bytes: int) -> Optional[str]:
+    """Write the index into ``tmp``, fsync it, and move ``tmp`` to ``path``; returns where the previous
+    checkpoint now is (to be deleted), or None."""
     entries = {}
     for key, g in tensors.items():
         pieces = []
@@ -137,7 +167,7 @@ def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor]
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)
-    commit(tmp, path)
+    return commit(tmp, path, remove_old=False)
 
 
 def _save_consolidated(model: nn.Module, path: str, rank: int, progress) -> None:

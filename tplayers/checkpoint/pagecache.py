@@ -1,0 +1,58 @@
+"""Page-cache hints for memory-mapped checkpoint reads (Linux ``madvise``; no-ops elsewhere).
+
+``safe_open`` maps whole files. These hints make the kernel read exactly the
+pages a rank needs: no read-ahead around a touched page (``MADV_RANDOM``), and
+the needed pages requested ahead of use (``MADV_WILLNEED``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+
+import torch
+
+_LIBC = None
+
+
+def _madvise(start: int, length: int, advice: int) -> None:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    lo = start // page * page
+    hi = -(-(start + length) // page) * page
+    _LIBC.madvise(lo, hi - lo, advice)
+
+
+def advise_mapping_random(path: str) -> None:
+    """Turn off kernel read-ahead for every mapping of ``path`` in this process (Linux; a hint).
+
+    ``safe_open`` maps the whole file; the first touch of any page would
+    otherwise read megabytes around it (``read_ahead_kb``), far outside the
+    rows this rank needs. Found through ``/proc/self/maps``; skipped elsewhere.
+    """
+    if not hasattr(mmap, "MADV_RANDOM"):
+        return
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/maps") as f:
+            lines = [line.split() for line in f]
+    except OSError:
+        return
+    for fields in lines:
+        if len(fields) >= 6 and " ".join(fields[5:]) == real:
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            _madvise(lo, hi - lo, mmap.MADV_RANDOM)
+
+
+def advise_exact_read(t: torch.Tensor) -> None:
+    """Start reading exactly ``t``'s pages of a memory-mapped file now (``MADV_WILLNEED``; a hint).
+
+    Harmless on ordinary memory; skipped where ``madvise`` is missing.
+    """
+    n = t.numel() * t.element_size()
+    if n and t.is_contiguous() and t.device.type == "cpu" and hasattr(mmap, "MADV_WILLNEED"):
+        _madvise(t.data_ptr(), n, mmap.MADV_WILLNEED)
