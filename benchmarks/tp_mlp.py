@@ -115,7 +115,9 @@ def bench(rank: int, world: int, init_file: str, threads: int, quick: bool) -> N
                   + ", ".join(f"{k} x{c} ({b / 2**20:.3f} MiB)" for k, (c, b) in log.summary().items()))
             print(f"  DTensor  fwd+bwd median {med['dtensor'] * 1e3:9.3f} ms   collectives/step: "
                   + ", ".join(f"{k} x{c} ({b / 2**20:.3f} MiB)" for k, (c, b) in dt_log.log.items()))
-            print(f"  ratio tplayers / DTensor = {med['tplayers'] / med['dtensor']:.3f}")
+            paired = sorted(a / b for a, b in zip(times["tplayers"], times["dtensor"]))
+            print(f"  ratio tplayers / DTensor = {med['tplayers'] / med['dtensor']:.3f}   (per-repeat pairs: "
+                  f"median {statistics.median(paired):.3f}, range {paired[0]:.3f}-{paired[-1]:.3f})")
     dist.destroy_process_group()
 
 

@@ -15,7 +15,12 @@ import torch.distributed as dist
 
 from tplayers.comm.accounting import record_collective
 
-__all__ = ["LinearAllReduceInputGrad", "linear_all_reduce_input_grad"]
+__all__ = [
+    "LinearAllReduceInputGrad",
+    "linear_all_reduce_input_grad",
+    "LinearAllReduceOutput",
+    "linear_all_reduce_output",
+]
 
 
 class LinearAllReduceInputGrad(torch.autograd.Function):
@@ -63,3 +68,45 @@ def linear_all_reduce_input_grad(
 ) -> torch.Tensor:
     """``F.linear`` whose backward all-reduces the input gradient, overlapped with the weight gradient."""
     return LinearAllReduceInputGrad.apply(x, weight, bias, group)
+
+
+class LinearAllReduceOutput(torch.autograd.Function):
+    """forward: ``y = sum_ranks(x_r W_r^T) + b``: each rank's partial product, the replicated
+    bias folded into rank 0's matmul (``addmm``, no extra pass over ``y``), then one in-place
+    all-reduce (sum) / backward: identity through the all-reduce, then this rank's linear
+    backward; every rank gets the full bias gradient (``dy`` is replicated).
+
+    Shapes: ``x (..., in_local)``, ``W (out, in_local)``, ``b (out,)``, ``y (..., out)``
+    replicated. Not twice differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        first = dist.get_rank(group) == 0
+        y = torch.nn.functional.linear(x, weight, bias if first else None).contiguous()  # (..., out) partial
+        size = dist.get_world_size(group)
+        if size > 1:
+            record_collective("all_reduce", y.numel() * y.element_size(), size, "linear.fwd")
+            dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        tokens = math.prod(grad_out.shape[:-1])
+        g2 = grad_out.reshape(tokens, grad_out.shape[-1])  # (tokens, out)
+        grad_x = grad_out @ weight if need_x else None  # (..., in_local)
+        grad_w = g2.t() @ x.reshape(tokens, x.shape[-1]) if need_w else None  # (out, in_local)
+        grad_b = g2.sum(0) if (need_b and ctx.has_bias) else None
+        return grad_x, grad_w, grad_b, None
+
+
+def linear_all_reduce_output(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Row-parallel ``F.linear`` + all-reduce of the output, the bias added once (see :class:`LinearAllReduceOutput`)."""
+    return LinearAllReduceOutput.apply(x, weight, bias, group)

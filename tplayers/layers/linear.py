@@ -19,10 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import (
     gather_along_dim,
-    reduce_from_parallel_region,
     split_along_dim,
 )
-from tplayers.comm.fused import linear_all_reduce_input_grad
+from tplayers.comm.fused import linear_all_reduce_input_grad, linear_all_reduce_output
 from tplayers.layers._common import ShardedModule, check_features
 from tplayers.sharding import ShardSpec, shard_sizes
 
@@ -186,7 +185,8 @@ class RowParallelLinear(_ParallelLinear):
     Shapes (``in_local`` = this rank's share of ``in_features``):
 
     - ``weight``: ``(out_features, in_local)``; ``bias``: ``(out_features,)``
-      replicated, added once after the all-reduce (initialised to zeros)
+      replicated, added exactly once (rank 0 folds it into its matmul before the
+      all-reduce; initialised to zeros)
     - input: ``(..., in_local)``, or ``(..., in_features)`` with
       ``input_is_parallel=False`` (then split locally)
     - output: ``(..., out_features)``, replicated
@@ -231,11 +231,11 @@ class RowParallelLinear(_ParallelLinear):
         else:
             check_features(x, self.in_features, self.weight, "input", name)
             x = split_along_dim(x, -1, self._group)  # (..., in_local); bwd all-gather
-        y = F.linear(x, self.weight)  # (..., out) partial sum over this rank's inputs
-        y = reduce_from_parallel_region(y, self._group)  # (..., out) replicated
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)  # (..., out)
+        # (..., in_local) -> partial products, summed by one all-reduce -> (..., out) replicated;
+        # the bias is added once (folded into rank 0's matmul). Backward: no communication.
+        return linear_all_reduce_output(x, self.weight, self.bias, self._group)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
