@@ -55,8 +55,12 @@ __all__ = [
 
 Pair = Tuple[int, int]
 
-# Tags keep the two directions apart when both neighbours are the same rank (2 ranks, periodic).
-_TAG_DOWN, _TAG_UP = 17, 18
+# Tags keep the two directions apart when both neighbours are the same rank (2 ranks, periodic);
+# _TAG_EXTRA marks a caller's extra message riding in the same batch (see ``_swap``'s ``extra``).
+_TAG_DOWN, _TAG_UP, _TAG_EXTRA = 17, 18, 19
+
+# ``(send, recv, peer, tag)``: one more message to and from ``peer`` posted in the same batch.
+Extra = Tuple[torch.Tensor, torch.Tensor, int, str]
 
 
 def _peers(group: dist.ProcessGroup, periodic: bool) -> Tuple[Optional[int], Optional[int]]:
@@ -72,14 +76,15 @@ def _peers(group: dist.ProcessGroup, periodic: bool) -> Tuple[Optional[int], Opt
 
 def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, from_lo: int,
           lo: Optional[int], hi: Optional[int], group_size: int, tag: str,
-          during: Optional[Callable[[], None]] = None) -> Tuple[torch.Tensor, int]:
+          during: Optional[Callable[[], None]] = None, extra: Optional[Extra] = None) -> Tuple[torch.Tensor, int]:
     """Send face ``to_lo`` of ``src`` to ``lo`` and ``to_hi`` to ``hi``; receive ``from_hi``
     rows from ``hi`` and ``from_lo`` rows from ``lo``.
 
     Returns the receive buffer ``[rows from lo | rows from hi]`` and the element count
     of the first part. Faces are ``(start, length)`` along ``dim``. All ops are posted in
     one batch (sends, then receives, in the same order on every rank) and all are
-    waited before returning, so the send buffer is never reused early.
+    waited before returning, so the send buffer is never reused early. ``extra`` (if given)
+    adds one more send and receive with the same peer to the batch.
     """
     row = _row_numel(src, dim)
     faces, ops = [], []
@@ -107,6 +112,12 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
         part = recvbuf[:n_lo_recv]
         record_collective("recv", part.numel() * part.element_size(), group_size, tag)
         ops.append(dist.P2POp(dist.irecv, part, lo, tag=_TAG_UP))
+    if extra is not None:
+        esend, erecv, epeer, etag = extra
+        record_collective("send", esend.numel() * esend.element_size(), group_size, etag)
+        record_collective("recv", erecv.numel() * erecv.element_size(), group_size, etag)
+        ops.append(dist.P2POp(dist.isend, esend, epeer, tag=_TAG_EXTRA))
+        ops.append(dist.P2POp(dist.irecv, erecv, epeer, tag=_TAG_EXTRA))
     works = dist.batch_isend_irecv(ops) if ops else []
     if during is not None:
         during()
@@ -169,11 +180,14 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
     return out, state
 
 
-def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable[[], None]] = None) -> torch.Tensor:
+def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable[[], None]] = None,
+                 extra: Optional[Extra] = None) -> torch.Tensor:
     """Backward of :class:`HaloExchange1d`: the gradient of ``x`` from the padded tensor's ``grad``.
 
     ``during`` (optional) runs after the messages are posted and before they are
     waited, so a caller can overlap other work (e.g. an async all-reduce) with them.
+    ``extra = (send, recv, peer, tag)`` (optional, not with a group of size 1) sends
+    ``send`` to ``peer`` and fills ``recv`` from it in the same batch as the halo gradients.
     """
     dim, group, n = state.dim, state.group, state.n
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
@@ -181,13 +195,14 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
     size = dist.get_world_size(group)
     grad_x = grad.narrow(dim, r_lo, n).clone(memory_format=state.grad_format)
     if size == 1 and lo is not None:  # periodic onto itself
+        assert extra is None, "no peer to exchange the extra message with"
         if during is not None:
             during()
         grad_x.narrow(dim, n - r_lo, r_lo).add_(grad.narrow(dim, 0, r_lo))
         grad_x.narrow(dim, 0, r_hi).add_(grad.narrow(dim, r_lo + n, r_hi))
         return grad_x
     # Adjoint of the forward swap: halo gradients travel back the way the rows came.
-    buf, _ = _swap(grad, dim, (0, r_lo), (r_lo + n, r_hi), s_hi, s_lo, lo, hi, size, "halo.bwd", during)
+    buf, _ = _swap(grad, dim, (0, r_lo), (r_lo + n, r_hi), s_hi, s_lo, lo, hi, size, "halo.bwd", during, extra)
     faces = []
     if lo is not None and s_lo:
         faces.append((0, s_lo))

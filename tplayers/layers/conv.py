@@ -325,23 +325,10 @@ class HaloConv2dFunction(torch.autograd.Function):
         params = [t for t in (w, b) if t is not None and t.requires_grad]
         flat = torch.cat([grads[id(t)].reshape(-1) for t in params]) if params else None
         groups = [g for g in ctx.reduce_groups if dist.get_world_size(g) > 1] if params else []
-        pending = []
-
-        def start_reduce():  # posted after the halo messages, waited after them
-            if groups:
-                record_collective("all_reduce", flat.numel() * flat.element_size(), dist.get_world_size(groups[0]),
-                                  "conv.param_grads")
-                pending.append(dist.all_reduce(flat, group=groups[0], async_op=True))
-
-        grad_x = None
-        if xp.requires_grad:
-            grad_x = halo_adjoint(grads[id(xp)], ctx.state, during=start_reduce)
+        if len(groups) == 1 and groups[0] is ctx.state.group and dist.get_world_size(groups[0]) == 2:
+            grad_x = _pair_backward(grads[id(xp)] if xp.requires_grad else None, flat, ctx.state)
         else:
-            start_reduce()
-        for work in pending:
-            work.wait()
-        for g in groups[1:]:
-            all_reduce_sum(flat, g, "conv.param_grads")
+            grad_x = _reduce_backward(grads[id(xp)] if xp.requires_grad else None, flat, ctx.state, groups)
         out_grads, offset = {}, 0
         for t in params:
             out_grads[id(t)] = flat[offset : offset + t.numel()].view_as(t)
@@ -349,3 +336,49 @@ class HaloConv2dFunction(torch.autograd.Function):
         gw = out_grads.get(id(w))
         gb = out_grads.get(id(b)) if b is not None else None
         return grad_x, gw, gb, None, None, None, None, None, None, None
+
+
+def _pair_backward(grad_xp: Optional[torch.Tensor], flat: torch.Tensor, state) -> Optional[torch.Tensor]:
+    """Two ranks: the parameter-gradient sum is one exchange with the peer (send mine, receive
+    theirs, add), carried in the same batch as the adjoint halo messages: one round trip.
+
+    ``mine + theirs`` on one rank and ``theirs + mine`` on the other are the same float sum,
+    so both ranks hold bitwise-identical gradients (as an all-reduce would give them).
+    """
+    group = state.group
+    peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
+    theirs = torch.empty_like(flat)
+    if grad_xp is not None:
+        grad_x = halo_adjoint(grad_xp, state, extra=(flat, theirs, peer, "conv.param_grads"))
+    else:
+        grad_x = None
+        nbytes = flat.numel() * flat.element_size()
+        record_collective("send", nbytes, 2, "conv.param_grads")
+        record_collective("recv", nbytes, 2, "conv.param_grads")
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer), dist.P2POp(dist.irecv, theirs, peer)]):
+            work.wait()
+    flat.add_(theirs)
+    return grad_x
+
+
+def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups) -> Optional[torch.Tensor]:
+    """General case: an async all-reduce over the first group, posted after the halo messages and
+    waited after them; one blocking all-reduce per further mesh dim."""
+    pending = []
+
+    def start_reduce():
+        if groups:
+            record_collective("all_reduce", flat.numel() * flat.element_size(), dist.get_world_size(groups[0]),
+                              "conv.param_grads")
+            pending.append(dist.all_reduce(flat, group=groups[0], async_op=True))
+
+    grad_x = None
+    if grad_xp is not None:
+        grad_x = halo_adjoint(grad_xp, state, during=start_reduce)
+    else:
+        start_reduce()
+    for work in pending:
+        work.wait()
+    for g in groups[1:]:
+        all_reduce_sum(flat, g, "conv.param_grads")
+    return grad_x
