@@ -83,46 +83,68 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     Returns the receive buffer ``[rows from lo | rows from hi]`` and the element count
     of the first part. Faces are ``(start, length)`` along ``dim``. All ops are posted in
     one batch (sends, then receives, in the same order on every rank) and all are
-    waited before returning, so the send buffer is never reused early. ``extra`` (if given)
-    adds one more send and receive with the same peer to the batch.
+    waited before returning, so the send buffer is never reused early.
+
+    ``extra = (send, recv, peer, tag)`` (optional) also sends ``send`` to ``peer`` and fills
+    ``recv`` from it. It rides on a face message to ``peer`` when there is one (appended to the
+    message sent down, else prepended to the one sent up), so it costs no message of its own;
+    the receiver finds it by the same rule from its facing widths (its ``from_hi`` is the peer's
+    ``to_lo``), otherwise it travels as a message of its own.
     """
     row = _row_numel(src, dim)
-    faces, ops = [], []
+    faces = []
     if lo is not None and to_lo[1]:
         faces.append(to_lo)
     if hi is not None and to_hi[1]:
         faces.append(to_hi)
     sendbuf = pack_faces(src, dim, faces)
+    n_lo_send = row * to_lo[1] if lo is not None else 0
     n_lo_recv = row * from_lo if lo is not None else 0
     n_hi_recv = row * from_hi if hi is not None else 0
-    recvbuf = src.new_empty(n_lo_recv + n_hi_recv)
-    offset = 0
+    ne, ride_send, ride_recv = 0, None, None
+    if extra is not None:
+        esend, erecv, epeer, etag = extra
+        assert esend.dtype == src.dtype and erecv.numel() == esend.numel()
+        ne = esend.numel()
+        ride_send = (_TAG_DOWN if lo == epeer and n_lo_send else
+                     _TAG_UP if hi == epeer and to_hi[1] and row else None)
+        ride_recv = _TAG_DOWN if hi == epeer and n_hi_recv else _TAG_UP if lo == epeer and n_lo_recv else None
+        if ride_send is not None:  # [face to lo | extra | face to hi]
+            sendbuf = torch.cat([sendbuf[:n_lo_send], esend, sendbuf[n_lo_send:]])
+    # receive layout: [extra | from lo | from hi] when it rides up, [from lo | from hi | extra] when down
+    raw = src.new_empty(n_lo_recv + n_hi_recv + (ne if ride_recv is not None else 0))
+    first = ne if ride_recv == _TAG_UP else 0
+    recvbuf = raw[first : first + n_lo_recv + n_hi_recv]
+    ops, offset = [], 0
     for peer, face, ptag in ((lo, to_lo, _TAG_DOWN), (hi, to_hi, _TAG_UP)):
         if peer is not None and face[1] and row:  # empty messages are skipped on both sides
-            part = sendbuf[offset : offset + row * face[1]]
-            offset += part.numel()
-            record_collective("send", part.numel() * part.element_size(), group_size, tag)
+            size = row * face[1] + (ne if ptag == ride_send else 0)
+            part = sendbuf[offset : offset + size]
+            offset += size
+            record_collective("send", row * face[1] * part.element_size(), group_size, tag)
             ops.append(dist.P2POp(dist.isend, part, peer, tag=ptag))
     # Receive from hi what it sent down, and from lo what it sent up: same order everywhere.
     if n_hi_recv:
-        part = recvbuf[n_lo_recv:]
-        record_collective("recv", part.numel() * part.element_size(), group_size, tag)
-        ops.append(dist.P2POp(dist.irecv, part, hi, tag=_TAG_DOWN))
+        record_collective("recv", n_hi_recv * raw.element_size(), group_size, tag)
+        end = raw.numel() if ride_recv == _TAG_DOWN else first + n_lo_recv + n_hi_recv
+        ops.append(dist.P2POp(dist.irecv, raw[first + n_lo_recv : end], hi, tag=_TAG_DOWN))
     if n_lo_recv:
-        part = recvbuf[:n_lo_recv]
-        record_collective("recv", part.numel() * part.element_size(), group_size, tag)
-        ops.append(dist.P2POp(dist.irecv, part, lo, tag=_TAG_UP))
+        record_collective("recv", n_lo_recv * raw.element_size(), group_size, tag)
+        ops.append(dist.P2POp(dist.irecv, raw[: first + n_lo_recv], lo, tag=_TAG_UP))
     if extra is not None:
-        esend, erecv, epeer, etag = extra
-        record_collective("send", esend.numel() * esend.element_size(), group_size, etag)
-        record_collective("recv", erecv.numel() * erecv.element_size(), group_size, etag)
-        ops.append(dist.P2POp(dist.isend, esend, epeer, tag=_TAG_EXTRA))
-        ops.append(dist.P2POp(dist.irecv, erecv, epeer, tag=_TAG_EXTRA))
+        record_collective("send", ne * esend.element_size(), group_size, etag)
+        record_collective("recv", ne * erecv.element_size(), group_size, etag)
+        if ride_send is None:
+            ops.append(dist.P2POp(dist.isend, esend, epeer, tag=_TAG_EXTRA))
+        if ride_recv is None:
+            ops.append(dist.P2POp(dist.irecv, erecv, epeer, tag=_TAG_EXTRA))
     works = dist.batch_isend_irecv(ops) if ops else []
     if during is not None:
         during()
     for work in works:
         work.wait()
+    if ride_recv is not None:
+        erecv.copy_(raw[:ne] if ride_recv == _TAG_UP else raw[first + n_lo_recv + n_hi_recv :])
     del sendbuf  # complete: safe to release
     return recvbuf, n_lo_recv
 
