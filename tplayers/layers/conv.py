@@ -44,6 +44,9 @@ from tplayers.sharding import ShardSpec
 
 __all__ = ["DistributedConv2d", "HaloConv2dFunction"]
 
+# memory_format=None: channels_last from this many channels per group (in and out), plain below.
+AUTO_CHANNELS_LAST_MIN = 16
+
 _TORCH_PAD_MODE = {"circular": "circular", "reflect": "reflect", "replicate": "replicate"}
 
 
@@ -65,8 +68,12 @@ class DistributedConv2d(ShardedModule):
     ``padding_mode``: "zeros", "circular" (a periodic domain), "reflect", "replicate".
     ``memory_format`` (keyword, beyond ``nn.Conv2d``'s arguments): layout of the halo-padded
     buffer the exchange must allocate anyway, hence of the convolution and its output.
-    The default ``torch.channels_last`` is what oneDNN and cuDNN convolve fastest (about 1.5-2x
-    on CPU here); values are identical, the input gradient keeps the input's layout.
+    ``torch.channels_last`` is what oneDNN and cuDNN convolve fastest once there are enough
+    channels (about 1.5-2x on CPU here); with few channels the plain layout is faster. The
+    default ``None`` ("auto") picks ``channels_last`` when ``in_channels // groups`` and
+    ``out_channels // groups`` are both at least ``AUTO_CHANNELS_LAST_MIN`` (16), else
+    ``torch.contiguous_format``; an explicit value is always used. Values are identical either
+    way; the input gradient keeps the input's layout.
     A partition whose shards cannot supply their neighbours' halos raises
     ``ValueError`` on every rank before any halo traffic.
 
@@ -84,7 +91,7 @@ class DistributedConv2d(ShardedModule):
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
                  mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),
-                 memory_format: torch.memory_format = torch.channels_last) -> None:
+                 memory_format: Optional[torch.memory_format] = None) -> None:
         super().__init__()
         name = type(self).__name__
         for arg, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
@@ -106,8 +113,11 @@ class DistributedConv2d(ShardedModule):
         if not dims or any(d not in (2, 3) for d in dims) or len(set(dims)) != len(dims):
             raise ValueError(f"{name}: shard_dims must be (2,), (3,) or (2, 3), got {tuple(shard_dims)}")
         self.shard_dims = dims
+        if memory_format is None:
+            narrow = min(in_channels, out_channels) // groups < AUTO_CHANNELS_LAST_MIN
+            memory_format = torch.contiguous_format if narrow else torch.channels_last
         if memory_format not in (torch.channels_last, torch.contiguous_format):
-            raise ValueError(f"{name}: memory_format must be torch.channels_last or torch.contiguous_format, "
+            raise ValueError(f"{name}: memory_format must be None, torch.channels_last or torch.contiguous_format, "
                              f"got {memory_format}")
         self.memory_format = memory_format
         mesh = self._bind_mesh(mesh, len(dims))
@@ -162,7 +172,7 @@ class DistributedConv2d(ShardedModule):
 
     @classmethod
     def from_module(cls, conv: nn.Conv2d, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),
-                    memory_format: torch.memory_format = torch.channels_last):
+                    memory_format: Optional[torch.memory_format] = None):
         """The domain-parallel twin of ``conv``, holding a copy of its parameters.
 
         Build optimizers after swapping: the new parameters are new objects.
