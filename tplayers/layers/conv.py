@@ -11,7 +11,8 @@ sharded dim's exchange and the convolution form one autograd Function,
 :class:`HaloConv2dFunction`, whose backward runs the adjoint halo exchange while
 one all-reduce sums the weight and bias gradients over the domain group (so every
 rank holds the serial model's parameter gradient, and the all-reduce's latency
-hides behind the halo messages). The first exchange on a
+hides behind the halo messages; on a 1-D mesh of 2 ranks the sum is instead one exchange with
+the peer inside the halo messages, see :func:`_pair_backward`). The first exchange on a
 2-D mesh uses :class:`~tplayers.comm.HaloExchange1d`. A rank owning no output rows
 returns an empty output through the same Function, so its collectives match its peers'.
 
@@ -297,6 +298,8 @@ class DistributedConv2d(ShardedModule):
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
         halo = [f"halo send/recv (dim {d})" for d in self.shard_dims]
+        if len(self._groups) == 1 and dist.get_world_size(self._groups[0]) == 2:
+            return halo, [f"halo send/recv (dim {self.shard_dims[0]}) carrying the weight+bias grads"]
         return halo, halo + ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
 
     def extra_repr(self) -> str:
