@@ -94,8 +94,15 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count):
                 cot = torch.randn_like(ys)
                 (ys * cot).sum().backward()
                 (yg * cot).sum().backward()
-            reduces = len(shard_dims)  # weight and bias gradients in one all-reduce per mesh dim
-            assert log.count("all_reduce") == reduces, log.summary()
+            # weight and bias gradients: on a 1-D mesh of 2 ranks one exchange with the peer riding in the
+            # adjoint halo batch (no all-reduce); otherwise one all-reduce per mesh dim
+            pair = world == 2 and len(shard_dims) == 1
+            grad_msgs = [r for r in log.records if r.tag == "conv.param_grads"]
+            assert log.count("all_reduce") == (0 if pair else len(shard_dims)), log.summary()
+            assert len(grad_msgs) == (2 if pair else len(shard_dims)), log.summary()
+            nparam = sum(p.numel() for p in conv.parameters()) * 8
+            assert all(r.nbytes == nparam for r in grad_msgs), (grad_msgs, nparam)
+            same_on_all_ranks(conv.weight.grad)
             gx = tplayers.gather(xp.grad, shard_dims, mesh)
             torch.testing.assert_close(gx, xs.grad, **TIGHT, msg=lambda m: f"{args} {layouts}: {m}")
             torch.testing.assert_close(conv.weight.grad, serial.weight.grad, **TIGHT, msg=lambda m: f"{args} {layouts} step {step}: {m}")
@@ -155,3 +162,35 @@ def _errors(rank, world):
 
 def test_errors_raise_on_every_rank_without_hanging():
     run_ranks(_errors, 3, timeout=60)
+
+
+def _pair_grads(rank, world):
+    """2 ranks: the parameter-gradient exchange (inside the halo batch, or alone when the input needs
+    no gradient) gives bitwise-identical sums on both ranks, equal to the serial gradients."""
+    mesh = tplayers.default_mesh()
+    torch.manual_seed(7)  # same data on every rank
+    for periodic, input_grad in ((False, True), (True, True), (False, False)):
+        serial = nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular" if periodic else "zeros").double()
+        conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh)
+        x = torch.randn(2, 3, 11, 5, dtype=torch.float64)
+        sizes = [4, 7]
+        xp = x.narrow(2, offsets_from_sizes(sizes)[rank], sizes[rank]).clone().requires_grad_(input_grad)
+        cot = torch.randn(2, 4, 11, 5, dtype=torch.float64)
+        with tplayers.count_collectives() as log:
+            yp = conv(xp)
+            (yp * cot.narrow(2, offsets_from_sizes(sizes)[rank], sizes[rank])).sum().backward()
+        assert log.count("all_reduce") == 0, log.summary()
+        grad_msgs = [(r.kind, r.nbytes) for r in log.records if r.tag == "conv.param_grads"]
+        assert grad_msgs == [("send", (4 * 3 * 9 + 4) * 8), ("recv", (4 * 3 * 9 + 4) * 8)], grad_msgs
+        (serial(x) * cot).sum().backward()
+        for p_dist, p_serial in ((conv.weight, serial.weight), (conv.bias, serial.bias)):
+            same_on_all_ranks(p_dist.grad)
+            torch.testing.assert_close(p_dist.grad, p_serial.grad, **TIGHT)
+        if input_grad:
+            torch.testing.assert_close(tplayers.gather(xp.grad, 2, mesh), torch.autograd.grad(
+                (serial(x.requires_grad_(True)) * cot).sum(), x)[0], **TIGHT)
+    return True
+
+
+def test_two_rank_param_grads_exchange_bitwise_identical():
+    run_ranks(_pair_grads, 2, timeout=60)

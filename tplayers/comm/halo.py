@@ -55,8 +55,12 @@ __all__ = [
 
 Pair = Tuple[int, int]
 
-# Tags keep the two directions apart when both neighbours are the same rank (2 ranks, periodic).
-_TAG_DOWN, _TAG_UP = 17, 18
+# Tags keep the two directions apart when both neighbours are the same rank (2 ranks, periodic);
+# _TAG_EXTRA marks a caller's extra message riding in the same batch (see ``_swap``'s ``extra``).
+_TAG_DOWN, _TAG_UP, _TAG_EXTRA = 17, 18, 19
+
+# ``(send, recv, peer, tag)``: one more message to and from ``peer`` posted in the same batch.
+Extra = Tuple[torch.Tensor, torch.Tensor, int, str]
 
 
 def _peers(group: dist.ProcessGroup, periodic: bool) -> Tuple[Optional[int], Optional[int]]:
@@ -72,7 +76,7 @@ def _peers(group: dist.ProcessGroup, periodic: bool) -> Tuple[Optional[int], Opt
 
 def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, from_lo: int,
           lo: Optional[int], hi: Optional[int], group_size: int, tag: str,
-          during: Optional[Callable[[], None]] = None) -> Tuple[torch.Tensor, int]:
+          during: Optional[Callable[[], None]] = None, extra: Optional[Extra] = None) -> Tuple[torch.Tensor, int]:
     """Send face ``to_lo`` of ``src`` to ``lo`` and ``to_hi`` to ``hi``; receive ``from_hi``
     rows from ``hi`` and ``from_lo`` rows from ``lo``.
 
@@ -80,38 +84,67 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     of the first part. Faces are ``(start, length)`` along ``dim``. All ops are posted in
     one batch (sends, then receives, in the same order on every rank) and all are
     waited before returning, so the send buffer is never reused early.
+
+    ``extra = (send, recv, peer, tag)`` (optional) also sends ``send`` to ``peer`` and fills
+    ``recv`` from it. It rides on a face message to ``peer`` when there is one (appended to the
+    message sent down, else prepended to the one sent up), so it costs no message of its own;
+    the receiver finds it by the same rule from its facing widths (its ``from_hi`` is the peer's
+    ``to_lo``), otherwise it travels as a message of its own.
     """
     row = _row_numel(src, dim)
-    faces, ops = [], []
+    faces = []
     if lo is not None and to_lo[1]:
         faces.append(to_lo)
     if hi is not None and to_hi[1]:
         faces.append(to_hi)
     sendbuf = pack_faces(src, dim, faces)
+    n_lo_send = row * to_lo[1] if lo is not None else 0
     n_lo_recv = row * from_lo if lo is not None else 0
     n_hi_recv = row * from_hi if hi is not None else 0
-    recvbuf = src.new_empty(n_lo_recv + n_hi_recv)
-    offset = 0
+    ne, ride_send, ride_recv = 0, None, None
+    if extra is not None:
+        esend, erecv, epeer, etag = extra
+        assert esend.dtype == src.dtype and erecv.numel() == esend.numel()
+        ne = esend.numel()
+        ride_send = (_TAG_DOWN if lo == epeer and n_lo_send else
+                     _TAG_UP if hi == epeer and to_hi[1] and row else None)
+        ride_recv = _TAG_DOWN if hi == epeer and n_hi_recv else _TAG_UP if lo == epeer and n_lo_recv else None
+        if ride_send is not None:  # [face to lo | extra | face to hi]
+            sendbuf = torch.cat([sendbuf[:n_lo_send], esend, sendbuf[n_lo_send:]])
+    # receive layout: [extra | from lo | from hi] when it rides up, [from lo | from hi | extra] when down
+    raw = src.new_empty(n_lo_recv + n_hi_recv + (ne if ride_recv is not None else 0))
+    first = ne if ride_recv == _TAG_UP else 0
+    recvbuf = raw[first : first + n_lo_recv + n_hi_recv]
+    ops, offset = [], 0
     for peer, face, ptag in ((lo, to_lo, _TAG_DOWN), (hi, to_hi, _TAG_UP)):
         if peer is not None and face[1] and row:  # empty messages are skipped on both sides
-            part = sendbuf[offset : offset + row * face[1]]
-            offset += part.numel()
-            record_collective("send", part.numel() * part.element_size(), group_size, tag)
+            size = row * face[1] + (ne if ptag == ride_send else 0)
+            part = sendbuf[offset : offset + size]
+            offset += size
+            record_collective("send", row * face[1] * part.element_size(), group_size, tag)
             ops.append(dist.P2POp(dist.isend, part, peer, tag=ptag))
     # Receive from hi what it sent down, and from lo what it sent up: same order everywhere.
     if n_hi_recv:
-        part = recvbuf[n_lo_recv:]
-        record_collective("recv", part.numel() * part.element_size(), group_size, tag)
-        ops.append(dist.P2POp(dist.irecv, part, hi, tag=_TAG_DOWN))
+        record_collective("recv", n_hi_recv * raw.element_size(), group_size, tag)
+        end = raw.numel() if ride_recv == _TAG_DOWN else first + n_lo_recv + n_hi_recv
+        ops.append(dist.P2POp(dist.irecv, raw[first + n_lo_recv : end], hi, tag=_TAG_DOWN))
     if n_lo_recv:
-        part = recvbuf[:n_lo_recv]
-        record_collective("recv", part.numel() * part.element_size(), group_size, tag)
-        ops.append(dist.P2POp(dist.irecv, part, lo, tag=_TAG_UP))
+        record_collective("recv", n_lo_recv * raw.element_size(), group_size, tag)
+        ops.append(dist.P2POp(dist.irecv, raw[: first + n_lo_recv], lo, tag=_TAG_UP))
+    if extra is not None:
+        record_collective("send", ne * esend.element_size(), group_size, etag)
+        record_collective("recv", ne * erecv.element_size(), group_size, etag)
+        if ride_send is None:
+            ops.append(dist.P2POp(dist.isend, esend, epeer, tag=_TAG_EXTRA))
+        if ride_recv is None:
+            ops.append(dist.P2POp(dist.irecv, erecv, epeer, tag=_TAG_EXTRA))
     works = dist.batch_isend_irecv(ops) if ops else []
     if during is not None:
         during()
     for work in works:
         work.wait()
+    if ride_recv is not None:
+        erecv.copy_(raw[:ne] if ride_recv == _TAG_UP else raw[first + n_lo_recv + n_hi_recv :])
     del sendbuf  # complete: safe to release
     return recvbuf, n_lo_recv
 
@@ -169,11 +202,14 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
     return out, state
 
 
-def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable[[], None]] = None) -> torch.Tensor:
+def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable[[], None]] = None,
+                 extra: Optional[Extra] = None) -> torch.Tensor:
     """Backward of :class:`HaloExchange1d`: the gradient of ``x`` from the padded tensor's ``grad``.
 
     ``during`` (optional) runs after the messages are posted and before they are
     waited, so a caller can overlap other work (e.g. an async all-reduce) with them.
+    ``extra = (send, recv, peer, tag)`` (optional, not with a group of size 1) sends
+    ``send`` to ``peer`` and fills ``recv`` from it in the same batch as the halo gradients.
     """
     dim, group, n = state.dim, state.group, state.n
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
@@ -181,13 +217,14 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
     size = dist.get_world_size(group)
     grad_x = grad.narrow(dim, r_lo, n).clone(memory_format=state.grad_format)
     if size == 1 and lo is not None:  # periodic onto itself
+        assert extra is None, "no peer to exchange the extra message with"
         if during is not None:
             during()
         grad_x.narrow(dim, n - r_lo, r_lo).add_(grad.narrow(dim, 0, r_lo))
         grad_x.narrow(dim, 0, r_hi).add_(grad.narrow(dim, r_lo + n, r_hi))
         return grad_x
     # Adjoint of the forward swap: halo gradients travel back the way the rows came.
-    buf, _ = _swap(grad, dim, (0, r_lo), (r_lo + n, r_hi), s_hi, s_lo, lo, hi, size, "halo.bwd", during)
+    buf, _ = _swap(grad, dim, (0, r_lo), (r_lo + n, r_hi), s_hi, s_lo, lo, hi, size, "halo.bwd", during, extra)
     faces = []
     if lo is not None and s_lo:
         faces.append((0, s_lo))

@@ -11,7 +11,8 @@ sharded dim's exchange and the convolution form one autograd Function,
 :class:`HaloConv2dFunction`, whose backward runs the adjoint halo exchange while
 one all-reduce sums the weight and bias gradients over the domain group (so every
 rank holds the serial model's parameter gradient, and the all-reduce's latency
-hides behind the halo messages). The first exchange on a
+hides behind the halo messages; on a 1-D mesh of 2 ranks the sum is instead one exchange with
+the peer inside the halo messages, see :func:`_pair_backward`). The first exchange on a
 2-D mesh uses :class:`~tplayers.comm.HaloExchange1d`. A rank owning no output rows
 returns an empty output through the same Function, so its collectives match its peers'.
 
@@ -44,6 +45,9 @@ from tplayers.sharding import ShardSpec
 
 __all__ = ["DistributedConv2d", "HaloConv2dFunction"]
 
+# memory_format=None: channels_last from this many channels per group (in and out), plain below.
+AUTO_CHANNELS_LAST_MIN = 16
+
 _TORCH_PAD_MODE = {"circular": "circular", "reflect": "reflect", "replicate": "replicate"}
 
 
@@ -65,8 +69,12 @@ class DistributedConv2d(ShardedModule):
     ``padding_mode``: "zeros", "circular" (a periodic domain), "reflect", "replicate".
     ``memory_format`` (keyword, beyond ``nn.Conv2d``'s arguments): layout of the halo-padded
     buffer the exchange must allocate anyway, hence of the convolution and its output.
-    The default ``torch.channels_last`` is what oneDNN and cuDNN convolve fastest (about 1.5-2x
-    on CPU here); values are identical, the input gradient keeps the input's layout.
+    ``torch.channels_last`` is what oneDNN and cuDNN convolve fastest once there are enough
+    channels (about 1.5-2x on CPU here); with few channels the plain layout is faster. The
+    default ``None`` ("auto") picks ``channels_last`` when ``in_channels // groups`` and
+    ``out_channels // groups`` are both at least ``AUTO_CHANNELS_LAST_MIN`` (16), else
+    ``torch.contiguous_format``; an explicit value is always used. Values are identical either
+    way; the input gradient keeps the input's layout.
     A partition whose shards cannot supply their neighbours' halos raises
     ``ValueError`` on every rank before any halo traffic.
 
@@ -84,7 +92,7 @@ class DistributedConv2d(ShardedModule):
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
                  mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),
-                 memory_format: torch.memory_format = torch.channels_last) -> None:
+                 memory_format: Optional[torch.memory_format] = None) -> None:
         super().__init__()
         name = type(self).__name__
         for arg, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
@@ -106,8 +114,11 @@ class DistributedConv2d(ShardedModule):
         if not dims or any(d not in (2, 3) for d in dims) or len(set(dims)) != len(dims):
             raise ValueError(f"{name}: shard_dims must be (2,), (3,) or (2, 3), got {tuple(shard_dims)}")
         self.shard_dims = dims
+        if memory_format is None:
+            narrow = min(in_channels, out_channels) // groups < AUTO_CHANNELS_LAST_MIN
+            memory_format = torch.contiguous_format if narrow else torch.channels_last
         if memory_format not in (torch.channels_last, torch.contiguous_format):
-            raise ValueError(f"{name}: memory_format must be torch.channels_last or torch.contiguous_format, "
+            raise ValueError(f"{name}: memory_format must be None, torch.channels_last or torch.contiguous_format, "
                              f"got {memory_format}")
         self.memory_format = memory_format
         mesh = self._bind_mesh(mesh, len(dims))
@@ -162,7 +173,7 @@ class DistributedConv2d(ShardedModule):
 
     @classmethod
     def from_module(cls, conv: nn.Conv2d, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),
-                    memory_format: torch.memory_format = torch.channels_last):
+                    memory_format: Optional[torch.memory_format] = None):
         """The domain-parallel twin of ``conv``, holding a copy of its parameters.
 
         Build optimizers after swapping: the new parameters are new objects.
@@ -287,6 +298,8 @@ class DistributedConv2d(ShardedModule):
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
         halo = [f"halo send/recv (dim {d})" for d in self.shard_dims]
+        if len(self._groups) == 1 and dist.get_world_size(self._groups[0]) == 2:
+            return halo, [f"halo send/recv (dim {self.shard_dims[0]}) carrying the weight+bias grads"]
         return halo, halo + ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
 
     def extra_repr(self) -> str:
@@ -325,23 +338,10 @@ class HaloConv2dFunction(torch.autograd.Function):
         params = [t for t in (w, b) if t is not None and t.requires_grad]
         flat = torch.cat([grads[id(t)].reshape(-1) for t in params]) if params else None
         groups = [g for g in ctx.reduce_groups if dist.get_world_size(g) > 1] if params else []
-        pending = []
-
-        def start_reduce():  # posted after the halo messages, waited after them
-            if groups:
-                record_collective("all_reduce", flat.numel() * flat.element_size(), dist.get_world_size(groups[0]),
-                                  "conv.param_grads")
-                pending.append(dist.all_reduce(flat, group=groups[0], async_op=True))
-
-        grad_x = None
-        if xp.requires_grad:
-            grad_x = halo_adjoint(grads[id(xp)], ctx.state, during=start_reduce)
+        if len(groups) == 1 and groups[0] is ctx.state.group and dist.get_world_size(groups[0]) == 2:
+            grad_x = _pair_backward(grads[id(xp)] if xp.requires_grad else None, flat, ctx.state)
         else:
-            start_reduce()
-        for work in pending:
-            work.wait()
-        for g in groups[1:]:
-            all_reduce_sum(flat, g, "conv.param_grads")
+            grad_x = _reduce_backward(grads[id(xp)] if xp.requires_grad else None, flat, ctx.state, groups)
         out_grads, offset = {}, 0
         for t in params:
             out_grads[id(t)] = flat[offset : offset + t.numel()].view_as(t)
@@ -349,3 +349,49 @@ class HaloConv2dFunction(torch.autograd.Function):
         gw = out_grads.get(id(w))
         gb = out_grads.get(id(b)) if b is not None else None
         return grad_x, gw, gb, None, None, None, None, None, None, None
+
+
+def _pair_backward(grad_xp: Optional[torch.Tensor], flat: torch.Tensor, state) -> Optional[torch.Tensor]:
+    """Two ranks: the parameter-gradient sum is one exchange with the peer (send mine, receive
+    theirs, add), carried in the same batch as the adjoint halo messages: one round trip.
+
+    ``mine + theirs`` on one rank and ``theirs + mine`` on the other are the same float sum,
+    so both ranks hold bitwise-identical gradients (as an all-reduce would give them).
+    """
+    group = state.group
+    peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
+    theirs = torch.empty_like(flat)
+    if grad_xp is not None:
+        grad_x = halo_adjoint(grad_xp, state, extra=(flat, theirs, peer, "conv.param_grads"))
+    else:
+        grad_x = None
+        nbytes = flat.numel() * flat.element_size()
+        record_collective("send", nbytes, 2, "conv.param_grads")
+        record_collective("recv", nbytes, 2, "conv.param_grads")
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer), dist.P2POp(dist.irecv, theirs, peer)]):
+            work.wait()
+    flat.add_(theirs)
+    return grad_x
+
+
+def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups) -> Optional[torch.Tensor]:
+    """General case: an async all-reduce over the first group, posted after the halo messages and
+    waited after them; one blocking all-reduce per further mesh dim."""
+    pending = []
+
+    def start_reduce():
+        if groups:
+            record_collective("all_reduce", flat.numel() * flat.element_size(), dist.get_world_size(groups[0]),
+                              "conv.param_grads")
+            pending.append(dist.all_reduce(flat, group=groups[0], async_op=True))
+
+    grad_x = None
+    if grad_xp is not None:
+        grad_x = halo_adjoint(grad_xp, state, during=start_reduce)
+    else:
+        start_reduce()
+    for work in pending:
+        work.wait()
+    for g in groups[1:]:
+        all_reduce_sum(flat, g, "conv.param_grads")
+    return grad_x
