@@ -92,3 +92,6 @@ if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in ("train", "reload"):
         sys.exit(__doc__)
     {"train": train, "reload": reload}[sys.argv[1]](sys.argv[2])
+    # Leave together: a rank exiting with its gloo group alive can abort a peer still using it.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

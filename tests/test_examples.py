@@ -20,3 +20,19 @@ def test_tp_transformer_example():
     out = _torchrun("tp_transformer.py", "--steps", "10")
     assert "parity step 1" in out and "done" in out
     assert "plan on a mesh of 2 ranks" in out
+
+
+def test_domain_cnn_example():
+    out = _torchrun("domain_cnn.py", "--size", "32", "--steps", "3")
+    assert "parity vs serial" in out and "step" in out
+
+
+def test_checkpoint_reshard_example(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    out = _torchrun("checkpoint_reshard.py", "train", ckpt)
+    assert "saved" in out
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           os.path.join(ROOT, "examples", "checkpoint_reshard.py"), "reload", ckpt]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "reloaded at 3 rank(s)" in res.stdout and "bitwise equal" in res.stdout
