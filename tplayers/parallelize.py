@@ -102,6 +102,14 @@ class RowParallel(ParallelStyle):
         return RowParallelLinear.from_module(module, mesh=mesh, input_is_parallel=self.input_is_parallel)
 
 
+# Spatial layers that DomainParallel leaves alone: each would need a halo (or a global
+# reduction) to be exact on a shard. Listed so a plan says so instead of silently differing.
+_SPATIAL_MIXERS = (
+    nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.LPPool2d,
+    nn.ConvTranspose2d, nn.BatchNorm2d, nn.GroupNorm, nn.InstanceNorm2d, nn.LocalResponseNorm,
+)
+
+
 @dataclass(frozen=True)
 class DomainParallel(ParallelStyle):
     """Domain (spatial) parallelism: swap ``nn.Conv2d`` for :class:`~tplayers.DistributedConv2d`
@@ -129,6 +137,15 @@ class DomainParallel(ParallelStyle):
     accepts = (nn.Module,)
 
     def build(self, name, module, mesh):
+        mixers = [f"{name + '.' if name else ''}{n} ({type(m).__name__})"
+                  for n, m in module.named_modules() if isinstance(m, _SPATIAL_MIXERS)]
+        if mixers:
+            warnings.warn(
+                "DomainParallel swaps nn.Conv2d and NeighborhoodAttention only; these layers mix "
+                "neighbouring pixels or pool over H/W and run on each shard alone, exact only where "
+                "their windows never cross a shard boundary: " + ", ".join(mixers),
+                stacklevel=3,
+            )
         return self._swap(module, mesh)
 
     def _swap(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -333,7 +350,7 @@ def explain(model: nn.Module, plan: Mapping, mesh: Optional[DeviceMesh] = None, 
              before, after, _collectives(new))
         )
     total = _param_bytes(model)
-    result = Explanation(rows, mesh.size(0), total, total - swapped_before + swapped_after)
+    result = Explanation(rows, mesh.size(), total, total - swapped_before + swapped_after)
     if print_table:
         print(result)
     return result

@@ -54,15 +54,23 @@ def _collectives(rank, world, seed):
         assert torch.equal(piece, rep.narrow(dim, start, stop - start))
         # copy_to: identity forward, gradient summed over ranks.
         g = torch.full(shape, float(rank + 1), dtype=torch.float64)
+        g_before = g.clone()
         xr = rep.clone().requires_grad_(True)
         copy_to_parallel_region(xr, group).backward(g)
         assert torch.equal(xr.grad, torch.full(shape, world * (world + 1) / 2, dtype=torch.float64))
-        # reduce_from: sum forward, identity backward.
+        assert torch.equal(g, g_before), "the caller's gradient must not be reduced in place"
+        # reduce_from: sum forward, identity backward; its input is left untouched.
         xr = torch.full(shape, float(rank), dtype=torch.float64, requires_grad=True)
-        out = reduce_from_parallel_region(xr, group)
+        inner = xr * 1.0
+        out = reduce_from_parallel_region(inner, group)
         assert torch.equal(out, torch.full(shape, world * (world - 1) / 2, dtype=torch.float64))
+        assert torch.equal(inner, torch.full(shape, float(rank), dtype=torch.float64))
         out.backward(g)
-        assert torch.equal(xr.grad, g)
+        assert torch.equal(xr.grad, g_before)
+        # An op that saved reduce_from's input for its backward still sees the original values.
+        w = torch.zeros(shape, dtype=torch.float64, requires_grad=True)
+        reduce_from_parallel_region(torch.exp(w), group).sum().backward()
+        assert torch.equal(w.grad, torch.ones(shape, dtype=torch.float64))
     assert exchange_sizes(rank * 10, group) == [r * 10 for r in range(world)]
 
 

@@ -145,6 +145,10 @@ def _errors(rank, world):
     # nobody hangs: every rank still runs a valid layer call together
     y = conv(torch.randn(1, 2, 8, 6, dtype=torch.float64))
     assert y.shape == (1, 3, 8, 6)
+    # 5) at a shape whose layout is cached, a dtype change raises before any halo traffic
+    with pytest.raises(ValueError, match="dtype"):
+        conv(torch.randn(1, 2, 8, 6, dtype=torch.float32))
+    assert conv(torch.randn(1, 2, 8, 6, dtype=torch.float64)).shape == (1, 3, 8, 6)  # still in step
     # a rank that owns no output rows (stride 3, rows [2, 1, 7]) still takes part in backward
     torch.manual_seed(3)  # same data on every rank
     serial = nn.Conv2d(2, 2, 1, stride=3).double()

@@ -78,3 +78,41 @@ def test_domain_parallel_plans_match_serial_grads():
     run_ranks(_cases, 2, args=((2,), (2,), [[7, 9]], "root"), timeout=60)
     run_ranks(_cases, 3, args=((3,), (2,), [[6, 4, 8]], "type"), timeout=60)
     run_ranks(_cases, 4, args=((2, 2), (2, 3), [[9, 7], [5, 9]], "root"), timeout=60)
+
+
+def _replicated_wrapper_edges(rank, world):
+    import pytest
+
+    mesh = tplayers.default_mesh()
+    # A module whose children own the parameters is refused (they would be left unsummed).
+    with pytest.raises(ValueError, match="child '0' \\(Linear\\) has parameters of its own"):
+        tplayers.DomainReplicated(nn.Sequential(nn.Linear(3, 3)), mesh)
+    # A module without parameters passes through unchanged.
+    norm = tplayers.DomainReplicated(nn.BatchNorm1d(3, affine=False), mesh)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(norm(x), nn.BatchNorm1d(3, affine=False)(x))
+    # A leaf with parameters: its gradient is summed over the domain (here: each rank's own input).
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2)
+    wrapped = tplayers.DomainReplicated(copy.deepcopy(lin), mesh)
+    xs = torch.randn(world, 4, 3)
+    wrapped(xs[rank]).sum().backward()
+    lin(xs.reshape(-1, 3)).sum().backward()
+    torch.testing.assert_close(wrapped.weight.grad, lin.weight.grad)
+    assert list(wrapped.state_dict()) == ["weight", "bias"]
+
+
+def test_replicated_wrapper_edge_cases():
+    run_ranks(_replicated_wrapper_edges, 2, timeout=30)
+
+
+def _warns_on_unswapped_spatial_layers(rank, world):
+    import pytest
+
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.MaxPool2d(2), nn.Conv2d(2, 2, 1))
+    with pytest.warns(UserWarning, match=r"1 \(MaxPool2d\)"):
+        tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2,))})
+
+
+def test_domain_plan_warns_about_layers_it_does_not_make_exact():
+    run_ranks(_warns_on_unswapped_spatial_layers, 2, timeout=30)

@@ -138,6 +138,14 @@ def _bad_layouts(rank, world):
     bad = torch.randn(1, 8, 9, 4) if rank != 1 else torch.randn(1, 8, 9, 5)
     with pytest.raises(ValueError, match="every rank" if rank != 1 else r"\(B, H, W, 4\)"):
         layer(bad)
+    # A non-tensor on one rank still joins the layout exchange: every rank raises.
+    with pytest.raises(ValueError, match="every rank" if rank != 0 else "input must be"):
+        layer("not a tensor" if rank == 0 else torch.randn(1, 8, 9, 4))
+    # At a shape whose layout is cached, a dtype change raises before any halo traffic.
+    assert layer(torch.randn(1, 8, 9, 4)).shape == (1, 8, 9, 4)
+    with pytest.raises(ValueError, match="dtype"):
+        layer(torch.randn(1, 8, 9, 4, dtype=torch.float64))
+    assert layer(torch.randn(1, 8, 9, 4)).shape == (1, 8, 9, 4)  # still in step
     return True
 
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence
 
-import torch
 from torch import nn
 
 from tplayers.checkpoint.format import BLOCK_BYTES, CheckpointError, commit, fsync_dir, write_file

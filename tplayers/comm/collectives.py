@@ -151,7 +151,8 @@ class CopyToParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return all_reduce_sum(grad.contiguous(), ctx.group, "copy_to.bwd"), None
+        # Reduce a fresh buffer: autograd's gradient may be the caller's tensor or shared.
+        return all_reduce_sum(grad.clone(memory_format=torch.contiguous_format), ctx.group, "copy_to.bwd"), None
 
 
 class ReduceFromParallelRegion(torch.autograd.Function):
@@ -159,7 +160,8 @@ class ReduceFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return all_reduce_sum(x.contiguous(), group, "reduce_from.fwd")
+        # Reduce a fresh buffer: ``x`` may be saved for backward by the op that made it.
+        return all_reduce_sum(x.clone(memory_format=torch.contiguous_format), group, "reduce_from.fwd")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -50,8 +50,11 @@ def get_tensor(module: nn.Module, name: str) -> torch.Tensor:
 def check_features(x: torch.Tensor, expected: int, weight: torch.Tensor, arg: str, layer: str) -> None:
     """Raise ``ValueError`` unless ``x`` is ``(..., expected)`` on ``weight``'s device and dtype.
 
-    Called before any collective, on every rank, so a bad input never leaves
-    one rank waiting in a collective for another.
+    Called before any collective on every rank. Tensor-parallel inputs are
+    replicated (the same on every rank), so a bad input raises on every rank
+    and none is left waiting; an input bad on one rank only cannot be detected
+    without a collective per step, and would leave its peers waiting in theirs
+    until the process group's timeout.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{layer}: {arg} must be a torch.Tensor, got {type(x).__name__}")

@@ -145,8 +145,12 @@ class NeighborhoodAttention(ShardedModule):
                          f"and device ({self.qkv.weight.dtype}, {self.qkv.weight.device}){where}; got {shape} {dtype}")
 
     def _layout(self, x: torch.Tensor) -> _Layout:
-        key = tuple(x.shape)
+        key = tuple(x.shape) if isinstance(x, torch.Tensor) else None  # a bad input still joins the exchange
         if key in self._layouts:
+            # Cached layout: every rank skips the exchange alike; the per-call checks stay local
+            # (a dtype or device change must not reach the halo traffic with mismatched buffers).
+            if not self._check_local(x):
+                self._raise_bad_input(x)
             return self._layouts[key]
         # table[c0][c1] = every rank's (ok, B, H, W), exchanged along each mesh dim
         ok = self._check_local(x)

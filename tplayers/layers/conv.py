@@ -202,6 +202,11 @@ class DistributedConv2d(ShardedModule):
     def _layout(self, x: torch.Tensor):
         key = tuple(x.shape) if isinstance(x, torch.Tensor) else None  # a bad input still joins the exchange
         if key in self._layouts:
+            # Cached layout: every rank skips the exchange alike. The per-call checks stay local
+            # (a dtype or device change must not reach the halo traffic with mismatched buffers).
+            if x.dtype != self.weight.dtype or x.device != self.weight.device:
+                raise ValueError(f"{type(self).__name__}: input dtype/device must match the weight's "
+                                 f"({self.weight.dtype}, {self.weight.device}), got ({x.dtype}, {x.device})")
             return self._layouts[key]
         table = self._exchange_shapes(x)  # once per local shape
         name = type(self).__name__

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.func import functional_call
 
 from tplayers.comm import copy_many_to_parallel_region
+from tplayers.layers._common import ShardedModule
 from tplayers.mesh import resolve_mesh
 
 __all__ = ["DomainReplicated"]
@@ -52,6 +53,12 @@ class DomainReplicated(nn.Module):
         for name, b in module.named_buffers(recurse=False):
             self.register_buffer(name, b, persistent=name not in module._non_persistent_buffers_set)
         for name, child in module.named_children():
+            if _has_unsummed_parameters(child):
+                raise ValueError(
+                    f"DomainReplicated wraps one module's own parameters; child {name!r} "
+                    f"({type(child).__name__}) has parameters of its own: wrap it separately, or use "
+                    "parallelize_module with DomainParallel, which wraps every such module"
+                )
             self.add_module(name, child)
 
     @property
@@ -60,7 +67,10 @@ class DomainReplicated(nn.Module):
         return self._wrapped[0]
 
     def forward(self, *args, **kwargs):
-        names, params = zip(*self.named_parameters(recurse=False))
+        named = list(self.named_parameters(recurse=False))
+        if not named:  # nothing replicated to sum
+            return self.module(*args, **kwargs)
+        names, params = zip(*named)
         params = list(params)
         for group in self._groups:  # identity forward; backward: one all-reduce of all their grads
             params = copy_many_to_parallel_region(params, group)
@@ -74,3 +84,12 @@ class DomainReplicated(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{type(self.module).__name__}, gradients summed over the domain"
+
+
+def _has_unsummed_parameters(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters that no domain-aware layer inside it sums."""
+    if isinstance(module, (DomainReplicated, ShardedModule)):
+        return False
+    if next(module.parameters(recurse=False), None) is not None:
+        return True
+    return any(_has_unsummed_parameters(c) for c in module.children())
