@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.accounting import record_collective
-from tplayers.comm.collectives import gather_along_dim, split_along_dim
+from tplayers.comm.collectives import gather_along_dim, run_p2p, split_along_dim
 from tplayers.mesh import resolve_mesh
 from tplayers.sharding import shard_range
 
@@ -94,12 +94,6 @@ def _cut(x: torch.Tensor, cuts) -> torch.Tensor:
     return x
 
 
-def _p2p(ops) -> None:
-    if ops:
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
-
-
 class ScatterDomain(torch.autograd.Function):
     """forward: rank ``src`` sends each rank its balanced slice (point-to-point) /
     backward: every rank sends its gradient slice back to ``src``, which assembles the full gradient."""
@@ -118,13 +112,13 @@ class ScatterDomain(torch.autograd.Function):
                     sends.append(buf)  # kept alive until every send completed
                     record_collective("send", buf.numel() * buf.element_size(), mesh.size(), "scatter.fwd")
                     ops.append(dist.P2POp(dist.isend, buf, r))
-            _p2p(ops)
+            run_p2p(ops)
             return _cut(x, mine).clone()
         local_shape = list(shape)
         for d, _, n in mine:
             local_shape[d] = n
         out = torch.empty(local_shape, dtype=x.dtype, device=x.device)
-        _p2p([dist.P2POp(dist.irecv, out, src_rank)])
+        run_p2p([dist.P2POp(dist.irecv, out, src_rank)])
         return out
 
     @staticmethod
@@ -135,7 +129,7 @@ class ScatterDomain(torch.autograd.Function):
         if me != src_rank:
             g = grad.contiguous()
             record_collective("send", g.numel() * g.element_size(), mesh.size(), "scatter.bwd")
-            _p2p([dist.P2POp(dist.isend, g, src_rank)])
+            run_p2p([dist.P2POp(dist.isend, g, src_rank)])
             return None, None, None, None, None, None
         full = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
         ops, recvs = [], []
@@ -146,7 +140,7 @@ class ScatterDomain(torch.autograd.Function):
             buf = torch.empty_like(_cut(full, cuts), memory_format=torch.contiguous_format)
             recvs.append((buf, cuts))
             ops.append(dist.P2POp(dist.irecv, buf, r))
-        _p2p(ops)
+        run_p2p(ops)
         for buf, cuts in recvs:
             _cut(full, cuts).copy_(buf)
         return full, None, None, None, None, None

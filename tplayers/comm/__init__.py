@@ -18,6 +18,7 @@ from tplayers.comm.collectives import (
     exchange_sizes,
     gather_along_dim,
     reduce_from_parallel_region,
+    run_p2p,
     split_along_dim,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
     "copy_to_parallel_region",
     "reduce_from_parallel_region",
     "split_along_dim",
+    "run_p2p",
     "gather_along_dim",
     "HaloExchange1d",
     "halo_exchange",

@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 
 from tplayers.comm.accounting import record_collective
-from tplayers.sharding import offsets_from_sizes, shard_range
+from tplayers.sharding import offsets_from_sizes, shard_range, shard_sizes
 
 __all__ = [
     "all_reduce_sum",
     "all_gather_along_dim",
     "exchange_sizes",
     "exchange_grid_table",
+    "run_p2p",
     "CopyToParallelRegion",
     "CopyManyToParallelRegion",
     "copy_many_to_parallel_region",
@@ -102,15 +103,21 @@ def exchange_sizes(local: int, group: dist.ProcessGroup) -> List[int]:
     Runs over the group's own backend with a CPU or current-device tensor; use
     it once per layout (cache the result), not on every step.
     """
-    world = dist.get_world_size(group)
-    if world == 1:
+    if dist.get_world_size(group) == 1:
         return [int(local)]
-    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    t = torch.tensor([int(local)], dtype=torch.int64, device=device)
-    out = torch.empty(world, dtype=torch.int64, device=device)
-    record_collective("all_gather", _nbytes(out), world, "sizes")
-    _all_gather_single(out, t, group=group)
-    return [int(v) for v in out.tolist()]
+    return [row[0][0] for row in exchange_grid_table([local], [group], "sizes")]
+
+
+def run_p2p(ops: Sequence[dist.P2POp], during=None) -> None:
+    """Post ``ops`` as one batch, call ``during()`` (work to overlap) if given, then wait for all.
+
+    Every send buffer stays referenced by its op until its wait returns, so none is reused early.
+    """
+    works = dist.batch_isend_irecv(list(ops)) if ops else []
+    if during is not None:
+        during()
+    for work in works:
+        work.wait()
 
 
 def exchange_grid_table(row: Sequence[int], groups: Sequence[dist.ProcessGroup], tag: str = "") -> List[List[List[int]]]:
@@ -183,8 +190,7 @@ class SplitAlongDim(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         world = dist.get_world_size(ctx.group)
-        sizes = [shard_range(ctx.full, world, r)[1] - shard_range(ctx.full, world, r)[0] for r in range(world)]
-        return all_gather_along_dim(grad, ctx.dim, sizes, ctx.group, "split.bwd"), None, None
+        return all_gather_along_dim(grad, ctx.dim, shard_sizes(ctx.full, world), ctx.group, "split.bwd"), None, None
 
 
 class GatherAlongDim(torch.autograd.Function):

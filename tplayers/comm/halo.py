@@ -33,6 +33,7 @@ Example (2 ranks, ``torchrun --nproc-per-node 2``)::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.accounting import record_collective
+from tplayers.comm.collectives import run_p2p
 from tplayers.ops import pack_faces, unpack_faces
 
 __all__ = [
@@ -138,11 +140,7 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
             ops.append(dist.P2POp(dist.isend, esend, epeer, tag=_TAG_EXTRA))
         if ride_recv is None:
             ops.append(dist.P2POp(dist.irecv, erecv, epeer, tag=_TAG_EXTRA))
-    works = dist.batch_isend_irecv(ops) if ops else []
-    if during is not None:
-        during()
-    for work in works:
-        work.wait()
+    run_p2p(ops, during)
     if ride_recv is not None:
         erecv.copy_(raw[:ne] if ride_recv == _TAG_UP else raw[first + n_lo_recv + n_hi_recv :])
     del sendbuf  # complete: safe to release
@@ -150,12 +148,8 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
 
 
 def _row_numel(t: torch.Tensor, dim: int) -> int:
-    shape = list(t.shape)
-    shape[dim] = 1
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    """Elements in one row of ``t`` along ``dim`` (the product of the other dims)."""
+    return math.prod(s for d, s in enumerate(t.shape) if d != dim)
 
 
 @dataclass(frozen=True)

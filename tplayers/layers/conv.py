@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.utils import _pair
 
 from tplayers.comm import all_reduce_sum, halo_exchange_along, record_collective
-from tplayers.comm.collectives import exchange_grid_table
+from tplayers.comm.collectives import exchange_grid_table, run_p2p
 from tplayers.comm.halo import halo_adjoint, halo_pad
 from tplayers.layers._common import ShardedModule
 from tplayers.layers._conv_layout import PADDING_MODES, AxisPlan, plan_axis
@@ -373,8 +373,7 @@ def _pair_backward(grad_xp: Optional[torch.Tensor], flat: torch.Tensor, state) -
         nbytes = flat.numel() * flat.element_size()
         record_collective("send", nbytes, 2, "conv.param_grads")
         record_collective("recv", nbytes, 2, "conv.param_grads")
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, flat, peer), dist.P2POp(dist.irecv, theirs, peer)]):
-            work.wait()
+        run_p2p([dist.P2POp(dist.isend, flat, peer), dist.P2POp(dist.irecv, theirs, peer)])
     flat.add_(theirs)
     return grad_x
 
