@@ -1,0 +1,141 @@
+"""Plan matching and :func:`parallelize_module`: the plan is data applied by one function."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Union
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from tplayers.mesh import resolve_mesh
+from tplayers.parallelize.styles import ParallelStyle, PartitionFn, PlanKey, key_repr
+
+__all__ = ["parallelize_module", "match_plan", "build_match"]
+
+
+@dataclass
+class _Match:
+    name: str
+    module: nn.Module
+    key: PlanKey
+    value: Union[ParallelStyle, PartitionFn]
+
+
+def match_plan(model: nn.Module, plan: Mapping) -> List[_Match]:
+    """Resolve every key of ``plan`` to modules; validate everything before any change."""
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"plan must be a mapping of keys to styles, got {type(plan).__name__}")
+    modules = list(model.named_modules())
+    owner: Dict[str, PlanKey] = {}
+    matches: List[_Match] = []
+    for key, value in plan.items():
+        if isinstance(key, str):
+            try:
+                pattern = re.compile(key)
+            except re.error as err:
+                raise ValueError(f"plan key {key!r} is not a valid regex: {err}") from None
+            found = [(n, m) for n, m in modules if pattern.fullmatch(n)]
+        elif isinstance(key, type) and issubclass(key, nn.Module):
+            found = [(n, m) for n, m in modules if isinstance(m, key)]
+        else:
+            raise TypeError(f"plan key must be a regex string or an nn.Module subclass, got {key!r}")
+        if not (isinstance(value, ParallelStyle) or callable(value)):
+            raise TypeError(
+                f"plan key {key_repr(key)}: value must be a ParallelStyle or a callable "
+                f"fn(name, module, mesh), got {type(value).__name__}"
+            )
+        if not found:
+            candidates = [f"{n or '<root>'} ({type(m).__name__})" for n, m in modules]
+            raise ValueError(
+                f"plan key {key_repr(key)} matches no module; candidates: " + ", ".join(candidates)
+            )
+        for name, module in found:
+            if name in owner:
+                raise ValueError(
+                    f"module {name or '<root>'!r} ({type(module).__name__}) is matched by two plan keys: "
+                    f"{key_repr(owner[name])} and {key_repr(key)}"
+                )
+            owner[name] = key
+            if isinstance(value, ParallelStyle):
+                value.check(key, name, module)
+            matches.append(_Match(name, module, key, value))
+    names = sorted(owner)
+    for name in names:
+        for other in names:
+            if other != name and (name == "" or other.startswith(name + ".")):
+                raise ValueError(
+                    f"plan keys {key_repr(owner[name])} and {key_repr(owner[other])} match nested "
+                    f"modules {name or '<root>'!r} and {other!r}; a swapped module's children cannot be "
+                    "swapped too"
+                )
+    return matches
+
+
+def build_match(match: _Match, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    if isinstance(match.value, ParallelStyle):
+        new = match.value.build(match.name, module, mesh)
+    else:
+        new = match.value(match.name, module, mesh)
+    if not isinstance(new, nn.Module):
+        raise TypeError(
+            f"plan key {key_repr(match.key)}: partition function returned {type(new).__name__} "
+            f"for {match.name!r}, expected an nn.Module"
+        )
+    return new
+
+
+def parallelize_module(model: nn.Module, plan: Mapping, *, mesh: Optional[DeviceMesh] = None) -> nn.Module:
+    """Swap the modules ``plan`` matches for their distributed twins, in place.
+
+    Returns the model (a new object only when the plan matches the root
+    ``""``). Every key is resolved and checked before anything changes: a key
+    that matches nothing, a module matched by two keys, or a style given a
+    module type it cannot handle raises ``ValueError`` naming the key and module.
+
+    A plan that fails partway (a partition function or a layer constructor
+    raising) leaves ``model`` exactly as it was: every replacement is built
+    before any is swapped in, and a style that rewires a subtree while building
+    (``DomainParallel``) is undone.
+
+    Build the optimizer **after** this call: swapped parameters are new objects.
+    """
+    mesh = resolve_mesh(mesh, (1, 2))  # 2-D only for domain styles sharding two dims
+    matches = match_plan(model, plan)
+    if any(p.grad is not None for m in matches for p in m.module.parameters()):
+        warnings.warn(
+            "parallelize_module: swapped modules already have gradients; an optimizer built before "
+            "this call still holds the old parameters. Build the optimizer after parallelize_module.",
+            stacklevel=2,
+        )
+    snapshot = _snapshot(model)
+    try:  # build every replacement first, then swap; any failure puts the tree back as it was
+        built = [(match, build_match(match, match.module, mesh)) for match in matches]
+        for match, new in built:
+            if match.name == "":
+                model = new
+                continue
+            parent_name, _, child = match.name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, new)
+        styles = {id(m.value): m.value for m in matches if isinstance(m.value, ParallelStyle)}
+        for style in styles.values():
+            model = style.finalize(model, mesh)
+    except BaseException:
+        _restore(snapshot)
+        raise
+    return model
+
+
+
+
+def _snapshot(model: nn.Module) -> List[tuple]:
+    """Every module's children, so a failed plan can restore the tree exactly."""
+    return [(m, dict(m._modules)) for m in model.modules()]
+
+
+def _restore(snapshot: List[tuple]) -> None:
+    for module, children in snapshot:
+        module._modules.clear()
+        module._modules.update(children)

@@ -1,0 +1,89 @@
+""":func:`explain`: what a plan would swap, bytes per rank and collectives, without changing anything."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Tuple
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from tplayers.mesh import resolve_mesh
+from tplayers.parallelize.engine import build_match, match_plan
+from tplayers.parallelize.styles import ParallelStyle, key_repr
+
+__all__ = ["explain", "Explanation"]
+
+
+def _param_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _collectives(module: nn.Module) -> str:
+    """Collectives per step of ``module`` and everything inside it, e.g. ``fwd: all_reduce; bwd: -``."""
+    fwd: Dict[str, int] = {}
+    bwd: Dict[str, int] = {}
+    described = False
+    for sub in module.modules():
+        describe = getattr(sub, "collectives", None)
+        if describe is None:
+            continue
+        described = True
+        for names, counts in zip(describe(), (fwd, bwd)):
+            for name in names:
+                counts[name] = counts.get(name, 0) + 1
+    if not described:
+        return "?"
+    text = lambda c: ", ".join(n if k == 1 else f"{n} x{k}" for n, k in c.items()) or "-"  # noqa: E731
+    return f"fwd: {text(fwd)}; bwd: {text(bwd)}"
+
+
+@dataclass
+class Explanation:
+    """What :func:`explain` found: one row per swapped module, plus totals."""
+
+    rows: List[Tuple[str, str, str, str, int, int, str]]
+    world_size: int
+    total_before: int
+    total_after: int
+
+    def __str__(self) -> str:
+        head = ("module", "key", "before", "after", "param bytes (serial)", "param bytes / rank", "collectives per step")
+        body = [tuple(str(c) for c in r) for r in self.rows]
+        body.append(("(whole model)", "", "", "", str(self.total_before), str(self.total_after), ""))
+        widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
+        line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+        sep = "  ".join("-" * w for w in widths)
+        return "\n".join([f"plan on a mesh of {self.world_size} ranks", line(head), sep] + [line(r) for r in body])
+
+
+def explain(model: nn.Module, plan: Mapping, mesh: Optional[DeviceMesh] = None, *, print_table: bool = True) -> Explanation:
+    """Show what :func:`parallelize_module` would swap, without changing ``model``.
+
+    For each matched module: the plan key, types before and after, parameter
+    bytes before (serial) and per rank after, and the collectives the twin
+    issues per forward and backward. The twins are built on copies and thrown
+    away. Returns an :class:`Explanation` (``str()`` is the table) and prints it
+    unless ``print_table=False``.
+    """
+    mesh = resolve_mesh(mesh, (1, 2))
+    matches = match_plan(model, plan)
+    rows = []
+    swapped_before = swapped_after = 0
+    for match in matches:
+        new = build_match(match, copy.deepcopy(match.module), mesh)
+        if isinstance(match.value, ParallelStyle):
+            new = match.value.finalize(new, mesh)
+        before, after = _param_bytes(match.module), _param_bytes(new)
+        swapped_before += before
+        swapped_after += after
+        rows.append(
+            (match.name or "<root>", key_repr(match.key), type(match.module).__name__, type(new).__name__,
+             before, after, _collectives(new))
+        )
+    total = _param_bytes(model)
+    result = Explanation(rows, mesh.size(), total, total - swapped_before + swapped_after)
+    if print_table:
+        print(result)
+    return result
