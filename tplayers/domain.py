@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.accounting import record_collective
+from tplayers.comm.agree import exchange_agreed
 from tplayers.comm.collectives import gather_along_dim, run_p2p, split_along_dim
 from tplayers.mesh import resolve_mesh
 from tplayers.sharding import shard_range
@@ -67,11 +68,36 @@ def gather(x_local: torch.Tensor, dim: Dims, mesh: Optional[DeviceMesh] = None) 
 
     forward: all-gather along ``dim`` (each mesh dim in turn) / backward: keep
     this rank's slice of the gradient.
+
+    The local sizes travel in one small exchange that also compares ``dim``,
+    dtype and the other dims across ranks: ranks that disagree get a
+    ``ValueError`` on every rank naming the field and the ranks, instead of a
+    backend abort or a hang.
     """
-    mesh, dims = resolve_domain(x_local.dim(), dim, mesh)
-    for i in reversed(range(len(dims))):
-        x_local = gather_along_dim(x_local, dims[i], mesh.get_group(i))
-    return x_local
+    mesh = resolve_mesh(mesh, (1, 2))
+    error, dims, ndim = None, (), -1
+    try:
+        if not isinstance(x_local, torch.Tensor):
+            raise TypeError(f"gather: x_local must be a torch.Tensor, got {type(x_local).__name__}")
+        ndim = x_local.dim()
+        _, dims = resolve_domain(ndim, dim, mesh)
+    except (TypeError, ValueError) as e:
+        error = e
+    sizes = [int(x_local.size(d)) for d in dims] if error is None else [0] * mesh.ndim
+    rest = tuple(-1 if i in dims else int(s) for i, s in enumerate(x_local.shape)) if error is None else ()
+    config = {"dim": dims, "dtype": str(getattr(x_local, "dtype", None)), "ndim": ndim, "other dims": rest}
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    table = exchange_agreed(sizes, config, groups, "tplayers.gather", "gather.layout", error=error)
+    me = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+    if len(dims) == 2:
+        # Along W (mesh dim 1) within my mesh row, then along H (mesh dim 0) within my column.
+        for c0, line in enumerate(table):
+            if len({r[0] for r in line}) != 1 or sum(r[1] for r in line) != sum(r[1] for r in table[0]):
+                raise ValueError(f"tplayers.gather: the shards do not form a grid: mesh row {c0} holds "
+                                 f"{[tuple(r) for r in line]} rows along dims {dims}")
+        x_local = gather_along_dim(x_local, dims[1], groups[1], [r[1] for r in table[me[0]]])
+        return gather_along_dim(x_local, dims[0], groups[0], [line[0][0] for line in table])
+    return gather_along_dim(x_local, dims[0], groups[0], [line[0][0] for line in table])
 
 
 def _blocks(shape: Sequence[int], dims: Sequence[int], mesh: DeviceMesh):
@@ -146,39 +172,54 @@ class ScatterDomain(torch.autograd.Function):
         return full, None, None, None, None, None
 
 
+_SCATTER_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)
+_MAX_NDIM = 16
+
+
 def scatter(x: Optional[torch.Tensor], dim: Dims, mesh: Optional[DeviceMesh] = None, src: int = 0) -> torch.Tensor:
     """This rank's balanced slice of ``x``, which only mesh rank ``src`` holds.
 
     ``src`` is a position in the flattened mesh (``0`` = first rank). Other ranks
-    pass ``None`` (or any tensor; it is ignored): shape, dtype and whether the
-    result needs a gradient travel from ``src`` once (one small broadcast).
+    pass ``None`` (or any tensor; it is ignored). One small exchange over the
+    mesh carries ``src``'s shape, dtype and whether the result needs a gradient
+    (plain integers, no pickle) and compares ``dim`` and ``src`` across ranks:
+    ranks that disagree get a ``ValueError`` on every rank naming the field.
     Backward sends the gradient slices back to ``src``.
     """
-    mesh_ndim = 1 if isinstance(dim, int) else len(tuple(dim))
-    mesh = resolve_mesh(mesh, mesh_ndim)
+    mesh = resolve_mesh(mesh, (1, 2))
     ranks = mesh.mesh.reshape(-1).tolist()
-    if not 0 <= src < len(ranks):
-        raise ValueError(f"src must be a mesh position in [0, {len(ranks)}), got {src}")
-    src_rank = int(ranks[src])
     me = dist.get_rank()
-    meta = [None]
-    if me == src_rank:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"scatter: the src rank must pass a tensor, got {type(x).__name__}")
-        meta = [(tuple(x.shape), x.dtype, x.requires_grad)]
-    if me == src_rank:  # metadata point-to-point, so any sub-mesh works without a new group
-        for r in ranks:
-            if r != me:
-                dist.send_object_list(meta, dst=r, device=_device(mesh))
-    else:
-        dist.recv_object_list(meta, src=src_rank, device=_device(mesh))
-    shape, dtype, needs_grad = meta[0]
-    _, dims = resolve_domain(len(shape), dim, mesh)
+    error, meta = None, [0] * (3 + _MAX_NDIM)
+    try:
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < len(ranks):
+            raise ValueError(f"scatter: src must be a mesh position in [0, {len(ranks)}), got {src!r}")
+        if me == ranks[src]:
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"scatter: the src rank must pass a tensor, got {type(x).__name__}")
+            if x.dtype not in _SCATTER_DTYPES or x.dim() > _MAX_NDIM:
+                raise ValueError(f"scatter: x must have one of the dtypes {_SCATTER_DTYPES} and at most "
+                                 f"{_MAX_NDIM} dims, got {x.dtype} with {x.dim()} dims")
+            resolve_domain(x.dim(), dim, mesh)
+            shape = list(x.shape) + [0] * (_MAX_NDIM - x.dim())
+            meta = [x.dim(), _SCATTER_DTYPES.index(x.dtype), int(x.requires_grad)] + shape
+    except (TypeError, ValueError) as e:
+        error = e
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    config = {"dim": dim if isinstance(dim, int) else tuple(dim) if isinstance(dim, (tuple, list)) else repr(dim),
+              "src": src}
+    table = exchange_agreed(meta, config, groups, "tplayers.scatter", "scatter.layout", error=error)
+    ndim, dtype_code, needs_grad, *shape = [r for line in table for r in line][src]
+    shape, dtype = tuple(shape[:ndim]), _SCATTER_DTYPES[dtype_code]
+    _, dims = resolve_domain(ndim, dim, mesh)
+    src_rank = int(ranks[src])
     if me == src_rank:
         dummy = x.new_empty(0)
     else:
         x = torch.empty(0, dtype=dtype, device=_device(mesh))
-        dummy = torch.empty(0, dtype=dtype, device=x.device, requires_grad=needs_grad)
+        dummy = torch.empty(0, dtype=dtype, device=x.device, requires_grad=bool(needs_grad))
     return ScatterDomain.apply(x, dummy, shape, dims, mesh, src_rank)
 
 

@@ -48,3 +48,55 @@ def _helpers(rank, world):
 
 def test_shard_scatter_gather():
     run_ranks(_helpers, 4, timeout=60)
+
+
+def _raises(fn):
+    """The exception ``fn()`` raised, as (type name, message); fails if it returned."""
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return type(e).__name__, str(e)
+    raise AssertionError("expected an error")
+
+
+def _disagreeing(rank, world):
+    """Ranks that call gather/scatter differently: an error on EVERY rank, no abort, no hang."""
+    m1 = DeviceMesh("cpu", torch.arange(world))
+    m2 = DeviceMesh("cpu", torch.arange(world).reshape(2, 2))
+    x = torch.zeros(2, 3, 4, 5)
+    out = {}
+    # gather: another dim on rank 1 (was a gloo EnforceNotMet abort)
+    out["dim"] = _raises(lambda: tplayers.gather(x, 3 if rank == 1 else 2, m1))
+    # gather: another dtype on rank 2
+    out["dtype"] = _raises(lambda: tplayers.gather(x.double() if rank == 2 else x, 2, m1))
+    # gather: other dims differ (channels 3 vs 4)
+    out["shape"] = _raises(lambda: tplayers.gather(torch.zeros(2, 4 if rank == 0 else 3, 4, 5), 2, m1))
+    # gather: a bad argument on one rank only (a non-tensor) still reaches every rank
+    out["type"] = _raises(lambda: tplayers.gather("oops" if rank == 3 else x, 2, m1))
+    # gather on a 2-D mesh whose shards are no grid (rows differ inside one mesh row)
+    out["grid"] = _raises(lambda: tplayers.gather(torch.zeros(1, 1, 2 + (rank == 1), 3), (2, 3), m2))
+    full = torch.randn(2, 3, 7, 5)
+    # scatter: a different dim per rank (was silently wrong shapes)
+    out["sdim"] = _raises(lambda: tplayers.scatter(full if rank == 0 else None, 3 if rank == 2 else 2, m1))
+    # scatter: a different src per rank (was a hang)
+    out["src"] = _raises(lambda: tplayers.scatter(full if rank in (0, 1) else None, 2, m1, src=1 if rank == 3 else 0))
+    # scatter: the source passes no tensor
+    out["nosrc"] = _raises(lambda: tplayers.scatter(None, 2, m1, src=0))
+    # the group still works afterwards: nothing was left half-sent
+    ok = tplayers.gather(tplayers.scatter(full if rank == 0 else None, 2, m1), 2, m1)
+    assert torch.equal(ok, full)
+    return out
+
+
+def test_gather_scatter_disagreement_raises_on_every_rank():
+    outs = run_ranks(_disagreeing, 4, timeout=30)
+    for rank, out in enumerate(outs):
+        assert "dim differs across ranks" in out["dim"][1] and "[1]" in out["dim"][1], out["dim"]
+        assert "dtype differs" in out["dtype"][1], out["dtype"]
+        assert "other dims differs" in out["shape"][1], out["shape"]
+        assert out["type"][0] == ("TypeError" if rank == 3 else "ValueError"), out["type"]
+        assert "rank(s) [3]" in out["type"][1] or rank == 3, out["type"]
+        assert "grid" in out["grid"][1], out["grid"]
+        assert "dim differs" in out["sdim"][1] and "[2]" in out["sdim"][1], out["sdim"]
+        assert "src differs" in out["src"][1] and "[3]" in out["src"][1], out["src"]
+        assert ("must pass a tensor" in out["nosrc"][1]) == (rank == 0), out["nosrc"]

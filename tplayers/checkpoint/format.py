@@ -86,9 +86,17 @@ def block_rows(shape: Sequence[int], elem_bytes: int, block_bytes: int = BLOCK_B
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """Zero-copy bytes of a contiguous CPU tensor."""
+    """Zero-copy bytes of a contiguous CPU tensor (no numpy: it is not a dependency).
+
+    The view keeps ``t`` alive: the ctypes array it exports holds a reference.
+    """
     assert t.device.type == "cpu" and t.is_contiguous(), "byte_view needs a contiguous CPU tensor"
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    arr = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    arr._owner = t  # the memory stays valid while any view of ``arr`` lives
+    return memoryview(arr).cast("B")
 
 
 def row_blocks(t: torch.Tensor, rows_per_block: int) -> List[memoryview]:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.checkpoint.format import CheckpointError, dtype_name, itemsize
+from tplayers.checkpoint.format import CheckpointError, byte_view, dtype_name, itemsize
 from tplayers.comm import record_collective
 from tplayers.layers._common import ShardedModule
 from tplayers.sharding import ShardSpec
@@ -100,7 +100,7 @@ def allgather_bytes(data: bytes) -> List[bytes]:
     outs = [torch.empty_like(buf) for _ in range(world)]
     record_collective("all_gather", buf.numel() * world, world, "checkpoint")
     dist.all_gather(outs, buf)
-    return [bytes(o[:s].cpu().numpy().tobytes()) for o, s in zip(outs, sizes)]
+    return [bytes(byte_view(o[:s].cpu().contiguous())) for o, s in zip(outs, sizes)]
 
 
 def allgather_json(obj) -> list:

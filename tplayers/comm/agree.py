@@ -18,7 +18,7 @@ Example (every rank calls it with its own values)::
 from __future__ import annotations
 
 import zlib
-from typing import Dict, List, Mapping, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -75,16 +75,25 @@ def check_agreement(rows: Sequence[Sequence[int]], names: Sequence[str], values:
 
 
 def exchange_agreed(row: Sequence[int], config: Mapping[str, object], groups: Sequence[dist.ProcessGroup],
-                    what: str, tag: str = "agree") -> List[List[List[int]]]:
+                    what: str, tag: str = "agree", *, error: Optional[BaseException] = None) -> List[List[List[int]]]:
     """:func:`exchange_grid_table` of ``row`` with ``config`` appended and checked.
 
-    Returns the table of the ``row`` part only (``table[c0][c1]``, mesh
-    coordinates) after :func:`check_agreement` passed on every rank.
+    ``error``: an exception this rank found in its own arguments before the
+    exchange. It travels as a flag in the same message, so every rank raises
+    (this rank its own exception, the others a ``ValueError`` naming it) and no
+    rank is left waiting in a later collective. Returns the table of the ``row``
+    part only (``table[c0][c1]``, mesh coordinates) after every check passed.
     """
     names = list(config)
     codes = [config_code(config[n]) for n in names]
     n = len(row)
-    table = exchange_grid_table(list(row) + codes, groups, tag)
+    table = exchange_grid_table([int(error is not None)] + list(row) + codes, groups, tag)
     flat = [r for line in table for r in line]
+    failed = [rank for rank, r in enumerate(flat) if r[0]]
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError(f"{what}: rank(s) {failed} rejected their arguments (their error says why); "
+                         "no data was exchanged")
     check_agreement(flat, names, config, what)
-    return [[r[:n] for r in line] for line in table]
+    return [[r[1 : n + 1] for r in line] for line in table]
