@@ -18,7 +18,7 @@ from tplayers.checkpoint.index import Source, open_source
 from tplayers.checkpoint.layout import plan_layout, stored
 from tplayers.checkpoint.progress import Progress
 from tplayers.checkpoint.read import Reader
-from tplayers.checkpoint.save import finish_dir, temp_sibling, write_rank_file
+from tplayers.checkpoint.save import check_target, finish_dir, temp_sibling, write_rank_file
 from tplayers.sharding import CONVENTION, ShardSpec
 
 
@@ -62,6 +62,7 @@ def inspect(path: str, verify: bool = False, out=None) -> None:
 
 def merge(directory: str, out_path: str, progress: Optional[bool] = True) -> None:
     """Write one consolidated safetensors file (serial keys and shapes) from a checkpoint."""
+    _refuse_unsafe(out_path)
     src = open_source(directory)
     with Reader(src, verify=True) as r:
         r.check_files_present()
@@ -82,6 +83,7 @@ def reshard(directory: str, out_dir: str, world_size: int, progress: Optional[bo
     """Rewrite a checkpoint as if saved at ``world_size`` ranks (balanced convention, same shard dims)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    _refuse_unsafe(out_dir)
     src: Source = open_source(directory)
     per_rank = [
         [[k, list(e.shape), e.dtype, e.dim, *_range(e.shape, e.dim, world_size, r)] for k, e in sorted(src.tensors.items())]
@@ -102,6 +104,13 @@ def reshard(directory: str, out_dir: str, world_size: int, progress: Optional[bo
                 items.append((key, stored(r.read_box(key, e.dim, start, stop), e.dim)))
             infos.append(write_rank_file(tmp, rank, world_size, items, block_bytes, progress))
     finish_dir(tmp, out_dir, world_size, tensors, infos, block_bytes)
+
+
+def _refuse_unsafe(out_path: str) -> None:
+    """Never replace data that is not a checkpoint (same rule as ``save_checkpoint``)."""
+    why = check_target(out_path)
+    if why is not None:
+        raise CheckpointError(why)
 
 
 def _range(shape, dim, parts: int, index: int):
@@ -131,7 +140,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             reshard(args.dir, args.out_dir, args.world_size, progress=None)
     except (CheckpointError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message
         return 1
     return 0
 

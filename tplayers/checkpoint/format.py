@@ -263,6 +263,8 @@ def read_header(path: str) -> Tuple[bytes, Dict[str, dict], Dict[str, str]]:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file not found") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be opened ({e.strerror or e})") from None
     try:
         if hasattr(os, "posix_fadvise"):  # no kernel read-ahead: read the header, not megabytes after it
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -273,39 +275,59 @@ def read_header(path: str) -> Tuple[bytes, Dict[str, dict], Dict[str, str]]:
         if n > size - 8 or n > MAX_HEADER_BYTES:
             raise CheckpointError(f"{path}: header length {n} exceeds the file ({size} bytes): truncated or corrupted")
         raw = os.pread(fd, n, 8)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from None
     finally:
         os.close(fd)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: malformed header JSON ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: malformed header JSON ({type(e).__name__}: {e})") from None
+    try:
+        meta = _check_header(path, header, size - 8 - n)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError, OverflowError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{path}: malformed header ({type(e).__name__}: {e})") from None
+    return head + raw, header, meta
+
+
+def _check_header(path: str, header, data_bytes: int) -> Dict[str, str]:
+    """Validate a parsed header in place (``__metadata__`` popped); returns the metadata."""
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header must be a JSON object")
     meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise CheckpointError(f"{path}: __metadata__ must map strings to strings, got {meta!r:.120}")
     spans = []
     for name, e in header.items():
         where = f"{path}: tensor {name!r}"
         if not (isinstance(e, dict) and isinstance(e.get("shape"), list) and isinstance(e.get("data_offsets"), list)):
             raise CheckpointError(f"{where}: malformed header entry")
-        if not all(isinstance(s, int) and s >= 0 for s in e["shape"]) or len(e["data_offsets"]) != 2:
+        offsets = e["data_offsets"]
+        if not all(_nonneg_int(s) for s in e["shape"]) or len(offsets) != 2 or not all(_nonneg_int(o) for o in offsets):
             raise CheckpointError(f"{where}: malformed shape or data_offsets")
         numel = 1
         for s in e["shape"]:
             numel *= s
-        begin, end = e["data_offsets"]
+        begin, end = offsets
         if end - begin != numel * itemsize(_check_name(e.get("dtype"), where)):
-            raise CheckpointError(f"{where}: data_offsets {e['data_offsets']} do not match shape {e['shape']}")
+            raise CheckpointError(f"{where}: data_offsets {offsets} do not match shape {e['shape']}")
         spans.append((begin, end))
     expect = 0
     for begin, end in sorted(spans):
         if begin != expect:
             raise CheckpointError(f"{path}: tensor data is not contiguous at byte {begin} (expected {expect})")
         expect = end
-    if expect != size - 8 - n:
+    if expect != data_bytes:
         raise CheckpointError(
-            f"{path}: header describes {expect} data bytes but the file holds {size - 8 - n}: truncated or corrupted"
+            f"{path}: header describes {expect} data bytes but the file holds {data_bytes}: truncated or corrupted"
         )
-    return head + raw, header, meta
+    return meta
+
+
+def _nonneg_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
 def _check_name(name, where: str) -> str:

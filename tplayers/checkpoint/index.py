@@ -3,7 +3,7 @@
 ``DIR/index.json``::
 
     {
-      "format": "tplayers.checkpoint", "version": 1,
+      "format": "tplayers.checkpoint", "version": 2,
       "convention": "balanced-first-remainder",   # tplayers.sharding.CONVENTION at save time
       "world_size": 2, "block_bytes": 1048576,
       "files": {"rank-00000-of-00002.safetensors": {"size": 123, "sha256": "<64 hex>"}, ...},
@@ -22,12 +22,22 @@ tensor (``dim: null``) is one piece in its natural layout. ``sha256`` lists the
 digests of blocks of ``block_rows`` stored rows. A file's ``sha256`` is the
 SHA-256 of its header bytes' SHA-256 followed by its block digests in file order.
 
+``index_sha256`` (version 2) is the SHA-256 of the index itself: of its canonical
+JSON (sorted keys, no spaces) without that one field. It covers every field that
+decides where bytes land (shapes, dtypes, dims, ranges, file names and sizes,
+block sizes and digests), so an edited or corrupted index is a
+:class:`CheckpointError` naming ``index.json`` instead of wrong weights. It is
+checked on every load, with or without ``verify`` (it costs microseconds; only
+the data blocks' hashes are skipped by ``verify=False``). Version 1 indexes,
+written before the digest existed, still load without it.
+
 A plain safetensors file (e.g. from ``consolidated=True`` or ``save_file``)
 reads as the same structure: every tensor replicated, one piece, no block hashes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -38,7 +48,9 @@ from tplayers.checkpoint.format import CheckpointError, read_header, torch_dtype
 from tplayers.checkpoint.layout import check_tiling
 
 FORMAT = "tplayers.checkpoint"
-VERSION = 1
+VERSION = 2
+#: Versions this reader accepts (1: no index digest).
+READABLE_VERSIONS = (1, 2)
 INDEX_NAME = "index.json"
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -97,6 +109,12 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def index_digest(doc: dict) -> str:
+    """SHA-256 hex of ``doc``'s canonical JSON without its ``index_sha256`` field."""
+    body = {k: v for k, v in doc.items() if k != "index_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def _parse_index(directory: str) -> Source:
     where = os.path.join(directory, INDEX_NAME)
     try:
@@ -104,12 +122,28 @@ def _parse_index(directory: str) -> Source:
             raw = json.loads(f.read())
     except FileNotFoundError:
         raise CheckpointError(f"{where}: missing; {directory} is not a tplayers checkpoint directory") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{where}: malformed JSON ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{where}: malformed JSON ({type(e).__name__}: {e})") from None
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot be read ({e})") from None
+    try:
+        return _parse_raw(directory, where, raw)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError, OverflowError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        # A shape of JSON no explicit check above foresaw: still an error naming the file.
+        raise CheckpointError(f"{where}: malformed index ({type(e).__name__}: {e})") from None
+
+
+def _parse_raw(directory: str, where: str, raw) -> Source:
     _need(isinstance(raw, dict), where, "must be a JSON object")
     _need(raw.get("format") == FORMAT, where, f"format must be {FORMAT!r}, got {raw.get('format')!r}")
-    _need(raw.get("version") == VERSION, where, f"unsupported version {raw.get('version')!r} (this reader knows {VERSION})")
+    version = raw.get("version")
+    _need(version in READABLE_VERSIONS and not isinstance(version, bool), where,
+          f"unsupported version {version!r} (this reader knows {list(READABLE_VERSIONS)})")
     _need(isinstance(raw.get("convention"), str), where, "missing shard convention name")
+    _need(_int(raw.get("world_size")) and raw["world_size"] >= 1, where, f"world_size must be a positive int, got {raw.get('world_size')!r:.80}")
+    _need(_int(raw.get("block_bytes")) and raw["block_bytes"] >= 1, where, f"block_bytes must be a positive int, got {raw.get('block_bytes')!r:.80}")
     files, tensors = raw.get("files"), raw.get("tensors")
     _need(isinstance(files, dict) and isinstance(tensors, dict), where, "needs 'files' and 'tensors' objects")
     real_dir = os.path.realpath(directory)
@@ -133,7 +167,8 @@ def _parse_index(directory: str) -> Source:
         _need(isinstance(pieces, list), w, "needs a 'pieces' list")
         parsed = []
         for p in pieces:
-            _need(isinstance(p, dict) and p.get("file") in files, w, f"piece names a file not in 'files': {p!r:.200}")
+            _need(isinstance(p, dict) and isinstance(p.get("file"), str) and p["file"] in files, w,
+                  f"piece names a file not in 'files': {p!r:.200}")
             start, stop = (p.get("start"), p.get("stop")) if dim is not None else (0, 0)
             _need(_int(start) and _int(stop) and (dim is None or start < stop <= shape[dim]), w,
                   f"piece range [{start}, {stop}) is not a non-empty range of dim length {shape[dim] if dim is not None else '-'}")
@@ -150,6 +185,11 @@ def _parse_index(directory: str) -> Source:
             check_tiling(f"{w}", shape[dim], [(p.start, p.stop) for p in parsed],
                          lambda rng: next(os.path.basename(p.file) for p in parsed if (p.start, p.stop) == rng))
         out[key] = TensorEntry(shape, t["dtype"], dim, tuple(parsed))
+    if version >= 2:  # after the structure, so a structural error keeps its precise message
+        digest = raw.get("index_sha256")
+        _need(isinstance(digest, str) and digest == index_digest(raw), where,
+              "index digest mismatch: index.json was edited or corrupted (its index_sha256 does not "
+              "match its contents), so it cannot be trusted to say where bytes belong")
     info = {k: raw.get(k) for k in ("format", "version", "convention", "world_size", "block_bytes")}
     return Source(directory, out, out_files, info)
 
@@ -165,4 +205,5 @@ def build_index(world: int, convention: str, block_bytes: int, files: Dict[str, 
         "files": files,
         "tensors": tensors,
     }
+    doc["index_sha256"] = index_digest(doc)
     return json.dumps(doc, indent=1, sort_keys=True).encode()

@@ -10,6 +10,7 @@ temp sibling, safe to delete); after it, the new one is complete.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -17,9 +18,9 @@ from typing import Dict, Optional, Sequence
 
 from torch import nn
 
-from tplayers.checkpoint.format import BLOCK_BYTES, CheckpointError, commit, fsync_dir, write_file
+from tplayers.checkpoint.format import BLOCK_BYTES, CheckpointError, commit, fsync_dir, read_header, write_file
 from tplayers.checkpoint.gather import gather_state_dict
-from tplayers.checkpoint.index import INDEX_NAME, build_index
+from tplayers.checkpoint.index import FORMAT, INDEX_NAME, build_index
 from tplayers.checkpoint.layout import (
     GlobalTensor,
     agree,
@@ -62,7 +63,11 @@ def save_checkpoint(
       (``safetensors.torch.load_model`` loads it into the plain model).
 
     Either way it is written to a temporary sibling, fsynced and renamed, so a
-    crash never leaves a half-written checkpoint at ``path``. ``progress``
+    crash never leaves a half-written checkpoint at ``path``. It never destroys
+    data that is not a checkpoint: if ``path`` exists and is not a previous
+    checkpoint (a tplayers checkpoint directory holding only its own files, or a
+    safetensors file) nor an empty directory, every rank raises
+    :class:`CheckpointError` before anything is written (see :func:`check_target`). ``progress``
     draws a bar on rank 0 (``None``: only for large saves to a terminal).
 
     Example (``torchrun --nproc-per-node 2 train.py``)::
@@ -75,10 +80,12 @@ def save_checkpoint(
         raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
     rank, world = world_info()
     local = local_tensors(model)
+    refusal = check_target(path)
     if consolidated:
+        agree(refusal)
         _save_consolidated(model, path, rank, progress)
         return
-    rows = allgather_json({"token": secrets.token_hex(8), "tensors": describe(local)})
+    rows = agree(refusal, {"token": secrets.token_hex(8), "tensors": describe(local)})
     tensors, writes = plan_layout([r["tensors"] for r in rows])
     tmp = temp_sibling(path, rows[0]["token"])
     info, error = None, None
@@ -110,6 +117,51 @@ def save_checkpoint(
     old = agree(commit_error, old)[0]
     if old is not None:
         remove_previous(old["path"], old["files"], rank, world)
+
+
+def check_target(path: str) -> Optional[str]:
+    """Why saving onto ``path`` would destroy data that is not a checkpoint, or None if it is safe.
+
+    Safe: nothing there; an empty directory; a safetensors file (a previous
+    consolidated checkpoint: its header parses); a tplayers checkpoint directory
+    whose ``index.json`` names the format and which holds nothing but that index
+    and the files it lists. Anything else (a folder with other files or
+    subfolders, a file that is not safetensors, a symlink, an unreadable index)
+    is refused, so the caller can move it aside deliberately.
+    """
+    if not os.path.lexists(path):
+        return None
+    refuse = f"{path} exists and is not a tplayers checkpoint; refusing to replace it"
+    if os.path.islink(path):
+        return f"{refuse} (it is a symlink: save to its target or remove the link)"
+    if os.path.isfile(path):
+        try:
+            read_header(path)
+        except CheckpointError as e:
+            return f"{refuse} (not a safetensors file: {e})"
+        return None
+    if not os.path.isdir(path):
+        return f"{refuse} (not a regular file or directory)"
+    entries = sorted(os.listdir(path))
+    if not entries:
+        return None
+    try:
+        with open(os.path.join(path, INDEX_NAME), "rb") as f:
+            index = json.loads(f.read())
+        listed = set(index["files"]) if index.get("format") == FORMAT else None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        listed = None
+    if listed is None:
+        return f"{refuse} (a directory without a readable tplayers {INDEX_NAME}; it holds {_some(entries)})"
+    foreign = [e for e in entries if e != INDEX_NAME and (e not in listed or not os.path.isfile(os.path.join(path, e)))]
+    if foreign:
+        return f"{refuse} (the checkpoint directory also holds other data: {_some(foreign)})"
+    return None
+
+
+def _some(names: Sequence[str], k: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:k])
+    return shown + (f" and {len(names) - k} more" if len(names) > k else "")
 
 
 def remove_previous(path: str, files: Optional[Sequence[str]], rank: int, world: int) -> None:
