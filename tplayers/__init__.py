@@ -25,12 +25,15 @@ from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpo
 from tplayers.comm import CommLog, count_collectives
 from tplayers.domain import gather, scatter, shard
 from tplayers.layers import (
+    ColumnParallelEmbedding,
     ColumnParallelLinear,
     DistributedConv2d,
     DomainReplicated,
     NeighborhoodAttention,
     RowParallelLinear,
+    VocabParallelEmbedding,
 )
+from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import default_mesh, init_mesh
 from tplayers.ops.na import na2d
 from tplayers.parallelize import ColumnParallel, DomainParallel, ParallelStyle, RowParallel, explain, parallelize_module
@@ -51,6 +54,9 @@ __all__ = [
     "CommLog",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ColumnParallelEmbedding",
+    "vocab_parallel_cross_entropy",
     "DistributedConv2d",
     "DomainReplicated",
     "ParallelStyle",

@@ -18,12 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
+import torch
+
 __all__ = [
     "CONVENTION",
     "shard_sizes",
     "shard_range",
     "offsets_from_sizes",
     "ShardSpec",
+    "section_layout",
+    "head_shard_sizes",
 ]
 
 #: Name under which checkpoint indexes record this convention.
@@ -91,9 +95,19 @@ class ShardSpec:
     Layers use it to copy their slice in ``from_module``; checkpoints use it to
     save and reshard. One source of truth for both.
 
+    A *multi-range* spec (fused layers: each block of a fused q,k,v sharded on
+    its own) holds several global ranges of ``dim``, ``ranges``; the local
+    tensor is their concatenation in that order, and ``start``/``stop`` are the
+    hull of the ranges. Ranges of different ranks may coincide (a block
+    replicated over a group of ranks, e.g. GQA key/value heads). Code that
+    places local data in the global tensor iterates :attr:`spans`.
+
     >>> spec = ShardSpec.balanced((10, 4), dim=0, parts=4, index=1)
     >>> (spec.start, spec.stop, spec.local_shape)
     (3, 6, (3, 4))
+    >>> fused = ShardSpec.from_ranges((12, 4), 0, [(0, 2), (4, 6), (8, 10)], parts=2, index=0)
+    >>> (fused.spans, fused.local_shape, fused.local_offsets)
+    (((0, 2), (4, 6), (8, 10)), (6, 4), (0, 2, 4))
     """
 
     global_shape: Tuple[int, ...]
@@ -102,6 +116,7 @@ class ShardSpec:
     stop: int
     parts: int
     index: int
+    ranges: Tuple[Tuple[int, int], ...] = ()
 
     @classmethod
     def balanced(cls, global_shape: Sequence[int], dim: Optional[int], parts: int, index: int) -> "ShardSpec":
@@ -115,24 +130,102 @@ class ShardSpec:
     def replicated(cls, global_shape: Sequence[int]) -> "ShardSpec":
         return cls(tuple(int(s) for s in global_shape), None, 0, 0, 1, 0)
 
+    @classmethod
+    def from_ranges(
+        cls, global_shape: Sequence[int], dim: int, ranges: Sequence[Tuple[int, int]], parts: int, index: int
+    ) -> "ShardSpec":
+        """This rank holds the concatenation of the global ``ranges`` of ``dim`` (empty ones dropped)."""
+        shape = tuple(int(s) for s in global_shape)
+        kept = tuple((int(a), int(b)) for a, b in ranges if b > a)
+        for a, b in kept:
+            if not 0 <= a < b <= shape[dim]:
+                raise ValueError(f"range [{a}, {b}) is outside dim {dim} of length {shape[dim]}")
+        if len(kept) <= 1:  # one range (or none): the ordinary single-range form
+            a, b = kept[0] if kept else (0, 0)
+            return cls(shape, dim, a, b, parts, index)
+        return cls(shape, dim, min(a for a, _ in kept), max(b for _, b in kept), parts, index, kept)
+
     @property
     def is_replicated(self) -> bool:
         return self.dim is None
+
+    @property
+    def spans(self) -> Tuple[Tuple[int, int], ...]:
+        """The global ranges of ``dim`` this rank holds, in local order (``()`` if none or replicated)."""
+        if self.dim is None:
+            return ()
+        if self.ranges:
+            return self.ranges
+        return ((self.start, self.stop),) if self.stop > self.start else ()
+
+    @property
+    def local_offsets(self) -> Tuple[int, ...]:
+        """Where each of :attr:`spans` starts in the local tensor."""
+        return tuple(offsets_from_sizes([b - a for a, b in self.spans]))
 
     @property
     def local_shape(self) -> Tuple[int, ...]:
         if self.dim is None:
             return self.global_shape
         shape = list(self.global_shape)
-        shape[self.dim] = self.stop - self.start
+        shape[self.dim] = sum(b - a for a, b in self.spans)
         return tuple(shape)
 
     def take(self, full):
-        """This rank's slice of the full (serial-layout) tensor ``full``."""
+        """This rank's slice of the full (serial-layout) tensor ``full`` (a copy when multi-range)."""
         if tuple(full.shape) != self.global_shape:
             raise ValueError(
                 f"expected a tensor of global shape {self.global_shape}, got {tuple(full.shape)}"
             )
         if self.dim is None:
             return full
-        return full.narrow(self.dim, self.start, self.stop - self.start)
+        if not self.ranges:
+            return full.narrow(self.dim, self.start, self.stop - self.start)
+        return torch.cat([full.narrow(self.dim, a, b - a) for a, b in self.ranges], self.dim)
+
+
+def head_shard_sizes(heads: int, parts: int, head_dim: int) -> list[int]:
+    """Feature sizes when ``heads`` whole heads of ``head_dim`` features are split balanced.
+
+    >>> head_shard_sizes(3, 2, 4)
+    [8, 4]
+    """
+    return [n * head_dim for n in shard_sizes(heads, parts)]
+
+
+def section_layout(
+    sections: Sequence[int], parts: int, head_dim: Optional[int] = None
+) -> list[list[Tuple[int, int]]]:
+    """Global ``(start, stop)`` of each fused block held by each rank: ``table[rank][block]``.
+
+    The feature dim is the concatenation of blocks of sizes ``sections`` (e.g.
+    a fused q, k, v); each block is sharded on its own. Without ``head_dim``
+    each block is split with :func:`shard_range`. With ``head_dim`` every
+    block is a whole number of heads: a block of ``h >= parts`` heads is split
+    into whole heads (balanced); a block of ``h < parts`` heads is replicated in
+    groups, rank ``r`` holding head ``r * h // parts`` (Megatron / vLLM GQA).
+
+    >>> section_layout([4, 4], 2)
+    [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
+    >>> section_layout([8, 2, 2], 4, head_dim=1)[1]   # 8 query heads, 2 kv heads: kv head 0 on ranks 0, 1
+    [(2, 4), (8, 9), (10, 11)]
+    """
+    _check_count("parts", parts, 1)
+    offsets = offsets_from_sizes(sections)
+    table = []
+    for r in range(parts):
+        row = []
+        for off, n in zip(offsets, sections):
+            if head_dim is None:
+                a, b = shard_range(n, parts, r)
+            else:
+                heads = n // head_dim
+                if heads >= parts:
+                    a, b = shard_range(heads, parts, r)
+                else:
+                    a = r * heads // parts
+                    b = a + 1
+                a, b = a * head_dim, b * head_dim
+            row.append((off + a, off + b))
+        table.append(row)
+    return table

@@ -4,12 +4,15 @@ from tplayers.layers._common import ShardedModule
 from tplayers.layers.attention import NeighborhoodAttention
 from tplayers.layers.conv import DistributedConv2d
 from tplayers.layers.replicated import DomainReplicated
+from tplayers.layers.embedding import ColumnParallelEmbedding, VocabParallelEmbedding
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
     "ShardedModule",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ColumnParallelEmbedding",
     "DistributedConv2d",
     "DomainReplicated",
     "NeighborhoodAttention",

@@ -22,8 +22,11 @@ from tplayers.comm import (
     split_along_dim,
 )
 from tplayers.comm.fused import linear_all_reduce_input_grad, linear_all_reduce_output
+from tplayers.comm.replicas import sum_replica_grads
 from tplayers.layers._common import ShardedModule, check_features
+from tplayers.layers._sections import SectionLayout, check_head_dim, check_sections, row_head_ranges
 from tplayers.sharding import ShardSpec, shard_sizes
+from tplayers.sharding import shard_range as shard_range_of
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -45,6 +48,7 @@ class _ParallelLinear(ShardedModule):
         self.tp_size = mesh.size(0)
         self.in_features = in_features
         self.out_features = out_features
+        self._setup_layout()
         specs = self._specs(bias)
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(specs["weight"].local_shape, **kw))
@@ -54,6 +58,9 @@ class _ParallelLinear(ShardedModule):
             self.register_parameter("bias", None)
         if self.weight.device.type != "meta":
             self.reset_parameters()
+
+    def _setup_layout(self) -> None:
+        """Validate and store layout options (fused sections, heads) before any tensor is made."""
 
     def _specs(self, bias: bool) -> Dict[str, ShardSpec]:
         size, rank = self.tp_size, self.tp_rank
@@ -69,7 +76,7 @@ class _ParallelLinear(ShardedModule):
 
     @property
     def partition_sizes(self) -> list:
-        """Per-rank sizes of the sharded feature dim."""
+        """Per-rank sizes of the sharded feature dim (this rank's local width on each rank)."""
         n = self.out_features if self._weight_dim == 0 else self.in_features
         return shard_sizes(n, self.tp_size)
 
@@ -92,8 +99,8 @@ class _ParallelLinear(ShardedModule):
     def from_module(cls, dense: nn.Linear, *, mesh: Optional[DeviceMesh] = None, **options):
         """Build the parallel twin of ``dense`` holding exactly this rank's slice of it.
 
-        ``options`` are the layer's own keywords (``gather_output`` or
-        ``input_is_parallel``). Build optimizers after swapping: the new
+        ``options`` are the layer's own keywords (``gather_output``,
+        ``sections``, ``head_dim`` or ``input_is_parallel``). Build optimizers after swapping: the new
         parameters are new objects.
         """
         if not isinstance(dense, nn.Linear):
@@ -131,6 +138,17 @@ class ColumnParallelLinear(_ParallelLinear):
     Forward issues nothing (or one all-gather with ``gather_output=True``);
     backward all-reduces the input gradient.
 
+    Fused and head-aware layouts (DESIGN §2.8): ``sections`` lists the sizes of
+    fused blocks of the output features (``(d, d, d)`` for GPT-2's ``c_attn``,
+    ``(heads*hd, kv_heads*hd, kv_heads*hd)`` for a GQA projection). Each block is
+    sharded on its own and the local output is this rank's slices in block
+    order, of sizes :attr:`local_sections` (so ``y.split(layer.local_sections, -1)``
+    or, for equal blocks, ``y.chunk(3, -1)`` gives the local q, k, v). With
+    ``head_dim`` every rank holds whole heads; a block with fewer heads than
+    ranks is replicated in groups (rank ``r`` holds head ``r * heads // tp``)
+    and its gradients are summed over the replicas (one more all-reduce in
+    backward). Checkpoints and ``gather_state_dict`` keep the serial layout.
+
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
         import torch, tplayers
@@ -139,6 +157,12 @@ class ColumnParallelLinear(_ParallelLinear):
         col = tplayers.ColumnParallelLinear.from_module(dense, mesh=mesh, gather_output=True)
         x = torch.randn(4, 16)
         torch.testing.assert_close(col(x), dense(x))
+
+        qkv = torch.nn.Linear(16, 3 * 16)               # fused q, k, v of 4 heads of 4
+        col = tplayers.ColumnParallelLinear.from_module(qkv, mesh=mesh, sections=(16, 16, 16), head_dim=4)
+        q, k, v = col(x).split(col.local_sections, -1)  # this rank's heads of each
+        start, stop = col.weight_ranges[0]              # the q heads this rank holds
+        torch.testing.assert_close(q, qkv(x)[:, start:stop])
     """
 
     _weight_dim = 0
@@ -151,32 +175,94 @@ class ColumnParallelLinear(_ParallelLinear):
         *,
         mesh: Optional[DeviceMesh] = None,
         gather_output: bool = False,
+        sections=None,
+        head_dim: Optional[int] = None,
         device=None,
         dtype=None,
     ) -> None:
         self.gather_output = bool(gather_output)
+        self._options = (sections, head_dim)
         super().__init__(in_features, out_features, bias, mesh, device, dtype)
+
+    def _setup_layout(self) -> None:
+        sections, head_dim = self._options
+        del self._options
+        name = type(self).__name__
+        self.sections = check_sections(name, sections, self.out_features, head_dim)
+        self.head_dim = head_dim
+        self._layout = None
+        if self.sections is not None or head_dim is not None:
+            self._layout = SectionLayout.build(name, self.sections or (self.out_features,), self.tp_size, head_dim)
+            self._replicas = self._layout.replica_slots(self.tp_rank)
+            self._gather_index = None  # built on first use (a device tensor)
+
+    def _specs(self, bias: bool) -> Dict[str, ShardSpec]:
+        if self._layout is None:
+            return super()._specs(bias)
+        specs = {"weight": self._layout.spec((self.out_features, self.in_features), self.tp_rank)}
+        if bias:
+            specs["bias"] = self._layout.spec((self.out_features,), self.tp_rank)
+        return specs
+
+    @property
+    def local_sections(self) -> tuple:
+        """This rank's width of each fused block, in order (``(out_local,)`` without ``sections``)."""
+        if self._layout is None:
+            return (self.weight.shape[0],)
+        return self._layout.local_sections(self.tp_rank)
+
+    @property
+    def weight_ranges(self) -> tuple:
+        """The global ``(start, stop)`` output features of each block this rank holds."""
+        if self._layout is None:
+            return (shard_range_of(self.out_features, self.tp_size, self.tp_rank),)
+        return tuple(self._layout.ranges(self.tp_rank))
+
+    @property
+    def partition_sizes(self) -> list:
+        if self._layout is None:
+            return super().partition_sizes
+        return [self._layout.local_total(r) for r in range(self.tp_size)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         check_features(x, self.in_features, self.weight, "input", type(self).__name__)
         if self.tp_size == 1:
             y = F.linear(x, self.weight, self.bias)  # (..., out)
         else:
+            weight, bias = self.weight, self.bias
+            if self._layout is not None and self._replicas[1]:
+                # Blocks replicated in groups (GQA kv heads): identity now, gradient summed over replicas.
+                weight, bias = sum_replica_grads(weight, bias, self._replicas[0], self._replicas[1], self._group)
             # (..., in) replicated -> (..., out_local); backward all-reduces the input gradient,
             # overlapped with the weight-gradient matmul (CopyToParallelRegion fused with F.linear).
-            y = linear_all_reduce_input_grad(x, self.weight, self.bias, self._group)
+            y = linear_all_reduce_input_grad(x, weight, bias, self._group)
         if self.gather_output:
-            y = gather_along_dim(y, -1, self._group, self.partition_sizes)  # (..., out)
+            y = gather_along_dim(y, -1, self._group, self.partition_sizes)  # (..., sum of local widths)
+            if self._layout is not None and self.tp_size > 1:
+                y = y.index_select(-1, self._serial_order(y.device))  # (..., out) in serial order
         return y
+
+    def _serial_order(self, device) -> torch.Tensor:
+        if self._gather_index is None or self._gather_index.device != device:
+            self._gather_index = torch.tensor(self._layout.gather_index(), dtype=torch.long, device=device)
+        return self._gather_index
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
         if self.tp_size == 1:
             return [], []
-        return (["all_gather"] if self.gather_output else []), ["all_reduce"]
+        bwd = ["all_reduce"]
+        if self._layout is not None and self._replicas[1]:
+            bwd.append("all_reduce")  # replica gradient sum
+        return (["all_gather"] if self.gather_output else []), bwd
 
     def extra_repr(self) -> str:
-        return self._local_repr() + f", gather_output={self.gather_output}"
+        extra = f", gather_output={self.gather_output}"
+        if self.sections is not None:
+            extra += f", sections={self.sections}, local_sections={self.local_sections}"
+        if self.head_dim is not None:
+            extra += f", head_dim={self.head_dim}"
+        return self._local_repr() + extra
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -193,6 +279,10 @@ class RowParallelLinear(_ParallelLinear):
 
     Forward all-reduces the partial products; backward issues nothing (or one
     all-gather of the input gradient with ``input_is_parallel=False``).
+
+    ``head_dim``: split the input features in whole heads (the attention output
+    of a column-parallel ``q`` with the same ``head_dim``); requires
+    ``input_is_parallel=True``.
 
     Example::
 
@@ -214,11 +304,33 @@ class RowParallelLinear(_ParallelLinear):
         *,
         mesh: Optional[DeviceMesh] = None,
         input_is_parallel: bool = True,
+        head_dim: Optional[int] = None,
         device=None,
         dtype=None,
     ) -> None:
         self.input_is_parallel = bool(input_is_parallel)
+        self.head_dim = head_dim
         super().__init__(in_features, out_features, bias, mesh, device, dtype)
+
+    def _setup_layout(self) -> None:
+        name = type(self).__name__
+        check_head_dim(name, self.head_dim, self.in_features, "in_features")
+        if self.head_dim is not None and not self.input_is_parallel:
+            raise ValueError(f"{name}: head_dim needs input_is_parallel=True (the input already split in heads)")
+
+    def _specs(self, bias: bool) -> Dict[str, ShardSpec]:
+        specs = super()._specs(bias)
+        if self.head_dim is not None:
+            a, b = row_head_ranges(self.in_features, self.tp_size, self.tp_rank, self.head_dim)
+            specs["weight"] = ShardSpec.from_ranges((self.out_features, self.in_features), 1, [(a, b)], self.tp_size, self.tp_rank)
+        return specs
+
+    @property
+    def partition_sizes(self) -> list:
+        if self.head_dim is None:
+            return super().partition_sizes
+        return [b - a for a, b in (row_head_ranges(self.in_features, self.tp_size, r, self.head_dim)
+                                   for r in range(self.tp_size))]
 
     def _init_bias(self, bound: float) -> None:
         # Replicated: zeros keep every rank identical without communication.
@@ -244,4 +356,7 @@ class RowParallelLinear(_ParallelLinear):
         return ["all_reduce"], ([] if self.input_is_parallel else ["all_gather"])
 
     def extra_repr(self) -> str:
-        return self._local_repr() + f", input_is_parallel={self.input_is_parallel}"
+        extra = f", input_is_parallel={self.input_is_parallel}"
+        if self.head_dim is not None:
+            extra += f", head_dim={self.head_dim}"
+        return self._local_repr() + extra

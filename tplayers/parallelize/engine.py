@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.mesh import resolve_mesh
 from tplayers.parallelize.styles import ParallelStyle, PartitionFn, PlanKey, key_repr
+from tplayers.parallelize.ties import check_tie_owners, find_ties, retie
 
 __all__ = ["parallelize_module", "match_plan", "build_match"]
 
@@ -95,6 +96,12 @@ def parallelize_module(model: nn.Module, plan: Mapping, *, mesh: Optional[Device
     that matches nothing, a module matched by two keys, or a style given a
     module type it cannot handle raises ``ValueError`` naming the key and module.
 
+    Tied parameters (``lm_head.weight is wte.weight``) stay one Parameter when
+    both modules are swapped into twins that shard it alike (``RowParallel()``
+    on the embedding, ``ColumnParallel()`` on the head); a plan that would
+    break a tie (one side swapped, or both sharded differently) raises
+    ``ValueError`` naming both modules.
+
     A plan that fails partway (a partition function or a layer constructor
     raising) leaves ``model`` exactly as it was: every replacement is built
     before any is swapped in, and a style that rewires a subtree while building
@@ -104,6 +111,8 @@ def parallelize_module(model: nn.Module, plan: Mapping, *, mesh: Optional[Device
     """
     mesh = resolve_mesh(mesh, (1, 2))  # 2-D only for domain styles sharding two dims
     matches = match_plan(model, plan)
+    ties = find_ties(model)
+    check_tie_owners(matches, ties)
     if any(p.grad is not None for m in matches for p in m.module.parameters()):
         warnings.warn(
             "parallelize_module: swapped modules already have gradients; an optimizer built before "
@@ -113,6 +122,7 @@ def parallelize_module(model: nn.Module, plan: Mapping, *, mesh: Optional[Device
     snapshot = _snapshot(model)
     try:  # build every replacement first, then swap; any failure puts the tree back as it was
         built = [(match, build_match(match, match.module, mesh)) for match in matches]
+        retie(built, ties)  # tied parameters sharded alike stay one Parameter (raises if not alike)
         for match, new in built:
             if match.name == "":
                 model = new

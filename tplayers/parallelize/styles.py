@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tplayers.layers.embedding import ColumnParallelEmbedding, VocabParallelEmbedding
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["ParallelStyle", "ColumnParallel", "RowParallel", "PartitionFn", "PlanKey", "key_repr"]
@@ -49,35 +50,63 @@ class ParallelStyle:
 
 @dataclass(frozen=True)
 class ColumnParallel(ParallelStyle):
-    """Swap an ``nn.Linear`` for :class:`~tplayers.ColumnParallelLinear` (output features split).
+    """Swap an ``nn.Linear`` for :class:`~tplayers.ColumnParallelLinear` (output features split),
+    or an ``nn.Embedding`` for :class:`~tplayers.ColumnParallelEmbedding` (embedding dim split).
 
-    Example::
+    ``sections`` / ``head_dim``: fused blocks and whole heads (see ColumnParallelLinear),
+    linears only. Example::
 
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
         model = tplayers.parallelize_module(model, {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()})
+        # GPT-2's fused attention: q, k, v blocks of d features, heads of d // n_head
+        plan = {r"h\.\d+\.attn\.c_attn": tplayers.ColumnParallel(sections=(d, d, d), head_dim=d // n_head)}
     """
 
     gather_output: bool = False
-    accepts = (nn.Linear,)
+    sections: Optional[Tuple[int, ...]] = None
+    head_dim: Optional[int] = None
+    accepts = (nn.Linear, nn.Embedding)
+
+    def check(self, key, name, module):
+        super().check(key, name, module)
+        if isinstance(module, nn.Embedding) and (self.sections is not None or self.head_dim is not None):
+            raise ValueError(f"plan key {key_repr(key)}: ColumnParallel(sections=, head_dim=) applies to nn.Linear, "
+                             f"but module {name!r} is nn.Embedding")
 
     def build(self, name, module, mesh):
-        return ColumnParallelLinear.from_module(module, mesh=mesh, gather_output=self.gather_output)
+        if isinstance(module, nn.Embedding):
+            return ColumnParallelEmbedding.from_module(module, mesh=mesh, gather_output=self.gather_output)
+        return ColumnParallelLinear.from_module(module, mesh=mesh, gather_output=self.gather_output,
+                                                sections=self.sections, head_dim=self.head_dim)
 
 
 @dataclass(frozen=True)
 class RowParallel(ParallelStyle):
-    """Swap an ``nn.Linear`` for :class:`~tplayers.RowParallelLinear` (input features split).
+    """Swap an ``nn.Linear`` for :class:`~tplayers.RowParallelLinear` (input features split), or an
+    ``nn.Embedding`` for :class:`~tplayers.VocabParallelEmbedding` (rows of the table split).
 
-    ``input_is_parallel=False`` makes the swapped layer take the full input and
-    split it locally (a drop-in for an ``nn.Linear`` anywhere in a model)::
+    ``input_is_parallel=False`` makes the swapped linear take the full input and
+    split it locally (a drop-in for an ``nn.Linear`` anywhere in a model);
+    ``head_dim`` splits its input in whole heads (an attention output projection)::
 
         head = tplayers.parallelize_module(nn.Linear(64, 10), {"": tplayers.RowParallel(input_is_parallel=False)})
+        plan = {"wte": tplayers.RowParallel(), "lm_head": tplayers.ColumnParallel()}  # tied: one Parameter
     """
 
     input_is_parallel: bool = True
-    accepts = (nn.Linear,)
+    head_dim: Optional[int] = None
+    accepts = (nn.Linear, nn.Embedding)
+
+    def check(self, key, name, module):
+        super().check(key, name, module)
+        if isinstance(module, nn.Embedding) and (self.head_dim is not None or not self.input_is_parallel):
+            raise ValueError(f"plan key {key_repr(key)}: RowParallel(head_dim=, input_is_parallel=) applies to "
+                             f"nn.Linear, but module {name!r} is nn.Embedding")
 
     def build(self, name, module, mesh):
-        return RowParallelLinear.from_module(module, mesh=mesh, input_is_parallel=self.input_is_parallel)
+        if isinstance(module, nn.Embedding):
+            return VocabParallelEmbedding.from_module(module, mesh=mesh)
+        return RowParallelLinear.from_module(module, mesh=mesh, input_is_parallel=self.input_is_parallel,
+                                             head_dim=self.head_dim)
 
 
