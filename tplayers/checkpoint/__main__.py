@@ -86,7 +86,7 @@ def reshard(directory: str, out_dir: str, world_size: int, progress: Optional[bo
     _refuse_unsafe(out_dir)
     src: Source = open_source(directory)
     per_rank = [
-        [[k, list(e.shape), e.dtype, e.dim, *_range(e.shape, e.dim, world_size, r)] for k, e in sorted(src.tensors.items())]
+        [[k, list(e.shape), e.dtype, e.dim, [list(_range(e.shape, e.dim, world_size, r))]] for k, e in sorted(src.tensors.items())]
         for r in range(world_size)
     ]
     tensors, writes = plan_layout(per_rank)
@@ -98,10 +98,10 @@ def reshard(directory: str, out_dir: str, world_size: int, progress: Optional[bo
         infos = []
         for rank in range(world_size):
             items = []
-            for key in writes[rank]:
+            for key, start, stop, name in writes[rank]:
                 e = src.tensors[key]
-                start, stop = _range(e.shape, e.dim, world_size, rank)
-                items.append((key, stored(r.read_box(key, e.dim, start, stop), e.dim)))
+                box = r.read_box(key, e.dim, start, stop) if e.dim is not None else r.read_box(key)
+                items.append((name, stored(box, e.dim)))
             infos.append(write_rank_file(tmp, rank, world_size, items, block_bytes, progress))
     finish_dir(tmp, out_dir, world_size, tensors, infos, block_bytes)
 

@@ -30,20 +30,20 @@ def gather_state_dict(model: nn.Module, *, all_ranks: bool = False) -> Dict[str,
     local = local_tensors(model)
     per_rank = allgather_json(describe(local))
     tensors, _ = plan_layout(per_rank)
-    ranges = [{row[0]: (row[4], row[5]) for row in rows} for rows in per_rank]
+    spans = [{row[0]: row[4] for row in rows} for rows in per_rank]  # per rank: key -> [[start, stop], ...]
     full: Dict[str, torch.Tensor] = {}
     for key in sorted(local):  # the same collective order on every rank
         lt, g = local[key], tensors[key]
         t = lt.tensor.detach()
-        if g.dim is not None and world > 1:
-            sizes = [ranges[r][key][1] - ranges[r][key][0] for r in range(world)]
-            got = all_gather_along_dim(t.contiguous(), g.dim, sizes, dist.group.WORLD, tag="checkpoint")
+        if g.dim is not None and (world > 1 or lt.spec.ranges):
+            sizes = [sum(b - a for a, b in spans[r][key]) for r in range(world)]
+            got = all_gather_along_dim(t.contiguous(), g.dim, sizes, dist.group.WORLD, tag="checkpoint") if world > 1 else t
             t = torch.empty(g.shape, dtype=t.dtype, device=t.device)
-            offset = 0
+            offset = 0  # each rank's ranges in its local order; replicas write the same values twice
             for r in range(world):
-                start = ranges[r][key][0]
-                t.narrow(g.dim, start, sizes[r]).copy_(got.narrow(g.dim, offset, sizes[r]))
-                offset += sizes[r]
+                for a, b in spans[r][key]:
+                    t.narrow(g.dim, a, b - a).copy_(got.narrow(g.dim, offset, b - a))
+                    offset += b - a
         full[key] = t
     if rank != 0 and not all_ranks:
         return {}

@@ -17,7 +17,10 @@
 
 A piece of a tensor sharded along ``dim`` holds global range ``[start, stop)``
 of that dim and is stored with ``dim`` moved first (``movedim(dim, 0)``), so
-the rows any reader needs form one contiguous span of the file. A replicated
+the rows any reader needs form one contiguous span of the file. A rank that
+holds several ranges (a fused layer's blocks, each sharded on its own) writes
+each as its own piece; all but one per file carry ``"name": "key[start:stop]"``,
+the safetensors key they are stored under (default: the tensor's key). A replicated
 tensor (``dim: null``) is one piece in its natural layout. ``sha256`` lists the
 digests of blocks of ``block_rows`` stored rows. A file's ``sha256`` is the
 SHA-256 of its header bytes' SHA-256 followed by its block digests in file order.
@@ -58,13 +61,14 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 @dataclass(frozen=True)
 class Piece:
-    """One stored piece: ``[start, stop)`` of the tensor's shard dim in ``file`` under ``key``."""
+    """One stored piece: ``[start, stop)`` of the tensor's shard dim in ``file`` under ``name``."""
 
     file: str  # a path (directory + name) ready to open
     start: int
     stop: int
     block_rows: Optional[int]  # None: no block hashes (plain files)
     digests: Optional[Tuple[str, ...]]
+    name: str = ""  # the safetensors key in ``file``: the tensor's key unless the index says otherwise
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,7 @@ def open_source(path: str) -> Source:
     if os.path.isfile(path):
         _, header, meta = read_header(path)
         tensors = {
-            k: TensorEntry(tuple(e["shape"]), e["dtype"], None, (Piece(path, 0, 0, None, None),))
+            k: TensorEntry(tuple(e["shape"]), e["dtype"], None, (Piece(path, 0, 0, None, None, k),))
             for k, e in header.items()
         }
         return Source(path, tensors, {}, {"format": "safetensors", "metadata": meta})
@@ -177,7 +181,9 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
             _need(_int(k) and k >= 1 and isinstance(digests, list) and len(digests) == -(-rows // k)
                   and all(isinstance(d, str) and _HEX64.fullmatch(d) for d in digests), w,
                   f"piece in {p['file']}: block_rows / sha256 list malformed")
-            parsed.append(Piece(os.path.join(directory, p["file"]), start, stop, k, tuple(digests)))
+            name = p.get("name", key)
+            _need(isinstance(name, str) and name != "__metadata__", w, f"piece in {p['file']}: bad stored name {name!r:.80}")
+            parsed.append(Piece(os.path.join(directory, p["file"]), start, stop, k, tuple(digests), name))
         if dim is None:
             _need(len(parsed) == 1, w, f"a replicated tensor needs exactly 1 piece, got {len(parsed)}")
         else:

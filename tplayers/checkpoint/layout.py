@@ -131,7 +131,10 @@ class GlobalTensor:
     shape: Tuple[int, ...]
     dtype: str
     dim: Optional[int]
-    owners: List[Tuple[int, int, int]]  # (start, stop, rank); one (0, 0, rank) when replicated
+    #: (start, stop, rank, stored name) per piece; one (0, 0, rank, key) when replicated. The
+    #: stored name is the key, or ``key[start:stop]`` when the rank writes several pieces of it
+    #: (a fused layer's blocks).
+    owners: List[Tuple[int, int, int, str]]
 
     @property
     def nbytes(self) -> int:
@@ -142,19 +145,30 @@ class GlobalTensor:
 
 
 def describe(local: Dict[str, LocalTensor]) -> list:
-    """This rank's layout as JSON-able rows ``[key, global shape, dtype, dim, start, stop]``."""
+    """This rank's layout as JSON-able rows ``[key, global shape, dtype, dim, spans]``; ``spans``
+    lists the ``[start, stop)`` ranges of ``dim`` this rank holds, in local order."""
     return [
-        [k, list(v.spec.global_shape), dtype_name(v.tensor.dtype), v.spec.dim, v.spec.start, v.spec.stop]
+        [k, list(v.spec.global_shape), dtype_name(v.tensor.dtype), v.spec.dim, [list(r) for r in v.spec.spans]]
         for k, v in sorted(local.items())
     ]
+
+
+def local_piece(spec: ShardSpec, start: int, stop: int) -> Tuple[int, int]:
+    """``(offset, length)`` in the local tensor of the global range ``[start, stop)`` of one of ``spec.spans``."""
+    for (a, b), off in zip(spec.spans, spec.local_offsets):
+        if a <= start and stop <= b:
+            return off + start - a, stop - start
+    raise AssertionError(f"[{start}, {stop}) is not inside one of this rank's ranges {spec.spans}")
 
 
 def plan_layout(per_rank: Sequence[list]) -> Tuple[Dict[str, GlobalTensor], List[List[str]]]:
     """Check that the ranks' layouts fit together and choose a writer for every piece.
 
     ``per_rank[r]`` is rank ``r``'s :func:`describe`. Returns the global tensors
-    and, per rank, the keys it writes. Deterministic: every rank computes the
-    same answer from the same input, so errors are raised on every rank alike.
+    and, per rank, the pieces it writes as ``(key, start, stop, stored name)``.
+    Ranges of different ranks are identical (replicas) or disjoint; together
+    they tile the dim. Deterministic: every rank computes the same answer from
+    the same input, so errors are raised on every rank alike.
     """
     world = len(per_rank)
     rows = [{row[0]: row for row in rank_rows} for rank_rows in per_rank]
@@ -167,9 +181,9 @@ def plan_layout(per_rank: Sequence[list]) -> Tuple[Dict[str, GlobalTensor], List
     load = [0] * world
     replicated = []
     for key in keys:
-        _, shape, dtype, dim, _, _ = rows[0][key]
+        _, shape, dtype, dim, _ = rows[0][key]
         for r in range(world):
-            _, s2, t2, d2, _, _ = rows[r][key]
+            _, s2, t2, d2, _ = rows[r][key]
             if (s2, t2, d2) != (shape, dtype, dim):
                 raise CheckpointError(
                     f"{key}: rank {r} has global shape {s2}, dtype {t2}, shard dim {d2}; rank 0 has {shape}, {dtype}, {dim}"
@@ -181,22 +195,23 @@ def plan_layout(per_rank: Sequence[list]) -> Tuple[Dict[str, GlobalTensor], List
             continue
         first: Dict[Tuple[int, int], int] = {}
         for r in range(world):
-            start, stop = rows[r][key][4:6]
-            if stop > start:
-                first.setdefault((start, stop), r)
+            for start, stop in rows[r][key][4]:
+                if stop > start:
+                    first.setdefault((start, stop), r)
         check_tiling(key, shape[dim], sorted(first), lambda rng: f"rank {first[rng]}")
-        g.owners = [(s, e, r) for (s, e), r in sorted(first.items())]
+        per_writer = [r for r in first.values()]
+        g.owners = [(s, e, r, key if per_writer.count(r) == 1 else f"{key}[{s}:{e}]") for (s, e), r in sorted(first.items())]
         row_bytes = g.nbytes // max(shape[dim], 1)
-        for s, e, r in g.owners:
+        for s, e, r, _ in g.owners:
             load[r] += (e - s) * row_bytes
     for key in sorted(replicated, key=lambda k: (-tensors[k].nbytes, k)):
         r = min(range(world), key=lambda i: (load[i], i))
-        tensors[key].owners = [(0, 0, r)]
+        tensors[key].owners = [(0, 0, r, key)]
         load[r] += tensors[key].nbytes
-    writes: List[List[str]] = [[] for _ in range(world)]
+    writes: List[List[Tuple[str, int, int, str]]] = [[] for _ in range(world)]
     for key in keys:
-        for _, _, r in tensors[key].owners:
-            writes[r].append(key)
+        for start, stop, r, name in tensors[key].owners:
+            writes[r].append((key, start, stop, name))
     return tensors, writes
 
 

@@ -104,8 +104,18 @@ def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast:
         problems = [msg for key in keys for msg in _mismatch(key, local[key], source.tensors[key], cast)]
         if problems:
             raise CheckpointError(f"{path}: {len(problems)} tensor(s) do not fit the model:\n    " + "\n    ".join(problems))
-        parts = [part for key in keys for part in reader.plan(key, local[key].spec.dim, local[key].spec.start, local[key].spec.stop)]
-        copies = [(local[part.key].tensor, part.dest, t) for part, t in reader.fetch_all(parts)]
+        parts, targets = [], []  # each part with the local tensor (or a narrowed view of it) it fills
+        for key in keys:
+            spec, tensor = local[key].spec, local[key].tensor
+            if spec.dim is None:
+                boxes = [(tensor, reader.plan(key, None))]
+            else:  # one box per global range this rank holds (several for a fused layer)
+                boxes = [(tensor.narrow(spec.dim, off, b - a), reader.plan(key, spec.dim, a, b))
+                         for (a, b), off in zip(spec.spans, spec.local_offsets)]
+            for target, box_parts in boxes:
+                parts += box_parts
+                targets += [target] * len(box_parts)
+        copies = [(target, part.dest, t) for target, (part, t) in zip(targets, reader.fetch_all(parts))]
     except BaseException:
         reader.close()
         raise

@@ -72,7 +72,7 @@ class Reader:
         self._in_file: Dict[str, Dict[str, Tuple[TensorEntry, Piece]]] = {}
         for key, entry in source.tensors.items():
             for p in entry.pieces:
-                self._in_file.setdefault(p.file, {})[key] = (entry, p)
+                self._in_file.setdefault(p.file, {})[p.name or key] = (entry, p)
 
     def __enter__(self) -> "Reader":
         return self
@@ -196,11 +196,12 @@ class Reader:
         f = self._open(p.file)
         where = f"{p.file}: tensor {key!r}"
         verified = self.verify and p.digests is not None
+        stored_name = p.name or key
         if not want:  # a 0-d tensor
-            t = f.get_tensor(key)
+            t = f.get_tensor(stored_name)
             self.bytes_read += t.element_size()
             return Part(key, where, p, dest, dim, t, 0 if verified else None, ())
-        sl = f.get_slice(key)
+        sl = f.get_slice(stored_name)
         shape = sl.get_shape()
         box = want
         if verified:

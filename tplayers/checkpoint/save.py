@@ -26,6 +26,7 @@ from tplayers.checkpoint.layout import (
     agree,
     allgather_json,
     describe,
+    local_piece,
     local_tensors,
     plan_layout,
     stored,
@@ -33,6 +34,14 @@ from tplayers.checkpoint.layout import (
 )
 from tplayers.checkpoint.progress import Progress
 from tplayers.sharding import CONVENTION
+
+
+def _piece(lt, start: int, stop: int):
+    """The local rows holding global ``[start, stop)`` of ``lt``'s shard dim (the whole tensor if replicated)."""
+    if lt.spec.dim is None:
+        return lt.tensor
+    offset, length = local_piece(lt.spec, start, stop)
+    return lt.tensor.narrow(lt.spec.dim, offset, length)
 
 
 def shard_file_name(rank: int, world: int) -> str:
@@ -91,7 +100,7 @@ def save_checkpoint(
     info, error = None, None
     try:
         os.makedirs(tmp, exist_ok=True)
-        items = [(k, stored(local[k].tensor, local[k].spec.dim)) for k in writes[rank]]
+        items = [(name, stored(_piece(local[k], start, stop), local[k].spec.dim)) for k, start, stop, name in writes[rank]]
         info = write_rank_file(tmp, rank, world, items, block_bytes, progress if rank == 0 else False)
     except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, or peers hang
         error = f"{type(e).__name__}: {e}"
@@ -204,9 +213,11 @@ def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor]
     entries = {}
     for key, g in tensors.items():
         pieces = []
-        for start, stop, r in g.owners:
-            k, digests = infos[r]["blocks"][key]
+        for start, stop, r, name in g.owners:
+            k, digests = infos[r]["blocks"][name]
             piece = {"file": infos[r]["file"], "block_rows": k, "sha256": digests}
+            if name != key:  # one of several pieces of this tensor in the file
+                piece["name"] = name
             if g.dim is not None:
                 piece.update(start=start, stop=stop)
             pieces.append(piece)
