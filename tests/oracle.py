@@ -50,3 +50,25 @@ def same_on_all_ranks(value: torch.Tensor) -> None:
     dist.all_gather(out, t)
     for o in out:
         assert torch.equal(o, t)
+
+
+def assert_local_slices(parallel: torch.nn.Module, serial: torch.nn.Module, *, grads: bool, **tol) -> None:
+    """Every parameter (or gradient) of ``parallel`` equals THIS rank's slice of ``serial``'s.
+
+    Works for any sharding (fused multi-range blocks, GQA replicas, vocab rows):
+    the slice is ``ShardSpec.take`` of the serial tensor. Tied parameters are
+    checked under every name. No communication.
+    """
+    from tplayers.checkpoint.layout import local_tensors
+
+    ref = dict(serial.named_parameters(remove_duplicate=False))
+    mine = dict(parallel.named_parameters(remove_duplicate=False))
+    assert set(mine) == set(ref), set(mine) ^ set(ref)
+    for key, lt in local_tensors(parallel).items():
+        if key not in ref:
+            continue  # a buffer
+        got = mine[key].grad if grads else mine[key].detach()
+        want = ref[key].grad if grads else ref[key].detach()
+        assert (got is None) == (want is None), f"{key}: gradient presence differs"
+        if got is not None:
+            torch.testing.assert_close(got, lt.spec.take(want), msg=lambda m: f"{key}: {m}", **tol)

@@ -201,9 +201,12 @@ def section_layout(
     The feature dim is the concatenation of blocks of sizes ``sections`` (e.g.
     a fused q, k, v); each block is sharded on its own. Without ``head_dim``
     each block is split with :func:`shard_range`. With ``head_dim`` every
-    block is a whole number of heads: a block of ``h >= parts`` heads is split
-    into whole heads (balanced); a block of ``h < parts`` heads is replicated in
-    groups, rank ``r`` holding head ``r * h // parts`` (Megatron / vLLM GQA).
+    block is a whole number of heads, split into whole heads (balanced; ranks
+    beyond the head count hold none), except a key/value block with fewer heads
+    than ranks: it is replicated in groups, rank ``r`` holding head
+    ``r * h // parts`` (Megatron / vLLM GQA). A key/value block is one with
+    fewer heads than the layer's largest block, or the only block of a layer
+    (a separate ``k_proj`` / ``v_proj``).
 
     >>> section_layout([4, 4], 2)
     [[(0, 2), (4, 6)], [(2, 4), (6, 8)]]
@@ -212,6 +215,7 @@ def section_layout(
     """
     _check_count("parts", parts, 1)
     offsets = offsets_from_sizes(sections)
+    most = max(sections)
     table = []
     for r in range(parts):
         row = []
@@ -220,7 +224,8 @@ def section_layout(
                 a, b = shard_range(n, parts, r)
             else:
                 heads = n // head_dim
-                if heads >= parts:
+                kv = len(sections) == 1 or n < most
+                if heads >= parts or not kv:
                     a, b = shard_range(heads, parts, r)
                 else:
                     a = r * heads // parts

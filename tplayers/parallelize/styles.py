@@ -50,7 +50,7 @@ class ParallelStyle:
 
 @dataclass(frozen=True)
 class ColumnParallel(ParallelStyle):
-    """Swap an ``nn.Linear`` for :class:`~tplayers.ColumnParallelLinear` (output features split),
+    r"""Swap an ``nn.Linear`` for :class:`~tplayers.ColumnParallelLinear` (output features split),
     or an ``nn.Embedding`` for :class:`~tplayers.ColumnParallelEmbedding` (embedding dim split).
 
     ``sections`` / ``head_dim``: fused blocks and whole heads (see ColumnParallelLinear),
