@@ -8,6 +8,10 @@ export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Failed to initi
 RUN="$PY -m torch.distributed.run --standalone --nproc-per-node 2"
 echo "=== tensor parallelism: a small transformer, parallelized with a plan"
 $RUN examples/tp_transformer.py
+echo "=== GPT-2: fused c_attn sharded per block, tied vocab-parallel embedding/head, vocab-parallel loss"
+$RUN examples/gpt2_tp.py --steps 10
+echo "=== Llama: grouped-query attention (8 query heads, 2 kv heads), fused gate_up, vocab-parallel"
+$RUN examples/llama_tp.py --steps 10
 echo "=== domain parallelism: a CNN on a periodic field split across ranks (halo exchange)"
 $RUN examples/domain_cnn.py
 echo "=== neighborhood attention: a small NA transformer on an image split across ranks"

@@ -17,6 +17,7 @@ serial model in fp64 (loss, and every parameter after one AdamW step through
 from __future__ import annotations
 
 import argparse
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -113,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    mesh = tplayers.init_mesh(device_type="cpu")
+    mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))  # a stalled peer fails in minutes, not 30
     say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
     torch.manual_seed(0)  # same seed everywhere: identical serial model and data on every rank
     serial = GPT2(args.vocab, args.dim, args.heads, args.layers, args.seq).double()

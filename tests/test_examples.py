@@ -8,8 +8,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _torchrun(script, *args, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+def _torchrun(script, *args, timeout=240, ranks=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            os.path.join(ROOT, "examples", script), *args]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -20,6 +20,17 @@ def test_tp_transformer_example():
     out = _torchrun("tp_transformer.py", "--steps", "10")
     assert "parity step 1" in out and "done" in out
     assert "plan on a mesh of 2 ranks" in out
+
+
+def test_gpt2_example():
+    out = _torchrun("gpt2_tp.py", "--steps", "3", "--layers", "1", "--seq", "16")
+    assert "parity (fp64, one AdamW step)" in out and "tie kept: lm_head.weight is wte.weight = True" in out
+    assert "step    3" in out and "done" in out
+
+
+def test_llama_gqa_example_at_4_ranks():
+    out = _torchrun("llama_tp.py", "--steps", "3", "--layers", "1", "--seq", "16", ranks=4)
+    assert "parity (fp64, one AdamW step)" in out and "step    3" in out and "done" in out
 
 
 def test_domain_cnn_example():
