@@ -15,6 +15,7 @@ def gather_tensor(layer: ShardedModule, name: str, local: torch.Tensor) -> torch
     spec = layer.shard_specs()[name]
     if spec.dim is None:
         return local
+    assert not spec.ranges, f"{name} is multi-range (fused sections): use assert_local_slices"
     sizes = shard_sizes(spec.global_shape[spec.dim], spec.parts)
     return all_gather_along_dim(local.contiguous(), spec.dim, sizes, layer.mesh.get_group(0))
 

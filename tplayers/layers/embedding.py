@@ -42,6 +42,7 @@ class _ParallelEmbedding(ShardedModule):
         self.tp_rank, self.tp_size = mesh.get_local_rank(0), mesh.size(0)
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         spec = self.shard_specs()["weight"]
+        self._rows = (spec.start, spec.stop)  # this rank's rows of the table (vocab-parallel)
         self.weight = nn.Parameter(torch.empty(spec.local_shape, device=device, dtype=dtype))
         if self.weight.device.type != "meta":
             self.reset_parameters()
@@ -131,10 +132,10 @@ class VocabParallelEmbedding(_ParallelEmbedding):
         self._check_ids(ids)
         if self.tp_size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
-        spec = self.shard_specs()["weight"]
-        outside = (ids < spec.start) | (ids >= spec.stop)  # ids another rank owns
-        local = (ids - spec.start).masked_fill(outside, 0)
-        pad = self.padding_idx - spec.start if self.padding_idx is not None and spec.start <= self.padding_idx < spec.stop else None
+        start, stop = self._rows
+        outside = (ids < start) | (ids >= stop)  # ids another rank owns
+        local = (ids - start).masked_fill(outside, 0)
+        pad = self.padding_idx - start if self.padding_idx is not None and start <= self.padding_idx < stop else None
         if self.weight.shape[0] == 0:  # this rank owns no row: its partial is zero
             part = self.weight.new_zeros(ids.shape + (self.embedding_dim,)) + self.weight.sum() * 0
         else:
