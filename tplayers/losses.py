@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.accounting import record_collective
+from tplayers.comm.collectives import all_reduce_sum
 from tplayers.mesh import resolve_mesh
 
 __all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy"]
@@ -23,11 +24,12 @@ __all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy"]
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def _all_reduce(t: torch.Tensor, op, group, tag: str) -> torch.Tensor:
+def _all_reduce_max(t: torch.Tensor, group, tag: str) -> torch.Tensor:
+    """In-place MAX over ``group`` (the SUM twin is :func:`tplayers.comm.all_reduce_sum`)."""
     size = dist.get_world_size(group)
     if size > 1:
         record_collective("all_reduce", t.numel() * t.element_size(), size, tag)
-        dist.all_reduce(t, op=op, group=group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t
 
 
@@ -53,7 +55,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         buf = x.new_zeros(n + world)
         buf[:n] = x.amax(-1) if v_local else float("-inf")
         buf[n + rank] = v_local
-        _all_reduce(buf, dist.ReduceOp.MAX, group, "vocab_ce.max")
+        _all_reduce_max(buf, group, "vocab_ce.max")
         row_max = buf[:n]  # (N,)
         sizes = [int(s) for s in buf[n:].tolist()]
         vocab, start = sum(sizes), sum(sizes[:rank])
@@ -70,7 +72,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         if v_local:
             stats[1] = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0)
         stats[2] = x.sum(-1)
-        _all_reduce(stats, dist.ReduceOp.SUM, group, "vocab_ce.sum")
+        all_reduce_sum(stats, group, "vocab_ce.sum")
         lse = row_max + stats[0].log()  # (N,) log-sum-exp over the whole vocab
         nll = lse - stats[1]
         loss = nll if smoothing == 0 else (1 - smoothing) * nll + smoothing * (lse - stats[2] / vocab)
