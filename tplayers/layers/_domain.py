@@ -41,10 +41,10 @@ def ntuple(value, n: int, name: str, layer: str) -> Tuple[int, ...]:
 class DomainLayer(ShardedModule):
     """Shared machinery of the ``Distributed*`` spatial twins (subclasses set ``spatial``)."""
 
-    spatial: int = 2  # number of spatial dims of the input (N, C, *spatial)
+    spatial: Optional[int] = 2  # spatial dims of the input (N, C, *spatial); None: any of 1-3
 
     def _init_domain(self, mesh: Optional[DeviceMesh], shard_dims: Sequence[int]) -> None:
-        nd = 2 + self.spatial
+        nd = 2 + (self.spatial or 3)
         name = type(self).__name__
         try:
             dims = tuple(int(d) for d in shard_dims)
@@ -83,31 +83,41 @@ class DomainLayer(ShardedModule):
         return self.mesh.get_local_rank(self.shard_dims.index(d))
 
     # ------------------------------------------------------------------ layout
+    def _ndim_ok(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` has the dims this twin takes (``spatial = None``: 1-3 spatial dims)."""
+        if self.spatial is not None:
+            return x.dim() == 2 + self.spatial
+        return 3 <= x.dim() <= 5 and max(self.shard_dims) < x.dim()
+
     def _layout(self, x: torch.Tensor):
-        name, nd = type(self).__name__, 2 + self.spatial
+        name = type(self).__name__
         is_tensor = isinstance(x, torch.Tensor)
         key = (tuple(x.shape), x.dtype, x.device) if is_tensor else None  # a bad input still joins the exchange
         if key in self._layouts:
             return self._layouts[key]
         ref = self._param_dtype()
-        rank_ok = is_tensor and x.dim() == nd
+        rank_ok = is_tensor and self._ndim_ok(x)
         kind_ok = is_tensor and (ref is None or (x.dtype == ref.dtype and x.device == ref.device))
-        shape = list(x.shape) if rank_ok else [-1] * nd
+        shape = list(x.shape) if rank_ok else []
         config = {"layer": name, **self._config(), "shard_dims": self.shard_dims, "mesh shape": tuple(self.mesh.shape)}
         if ref is None:
             config["input dtype"] = str(x.dtype) if is_tensor else None
-        table = exchange_agreed([int(rank_ok), int(kind_ok)] + shape, config, self._groups, name, tag="domain.layout")
+        row = [int(rank_ok), int(kind_ok), len(shape)] + shape + [-1] * (5 - len(shape))
+        table = exchange_agreed(row, config, self._groups, name, tag="domain.layout")
         coords = [(c0, c1) for c0 in range(len(table)) for c1 in range(len(table[0]))]
         where = lambda c: c[: self.mesh.ndim]  # noqa: E731 - mesh position in messages
+        ndims = {table[c[0]][c[1]][2] for c in coords}
         for c in coords:
             row = table[c[0]][c[1]]
-            if not row[0]:
-                raise ValueError(f"{name}: the input must be {nd}-D (N, C, {'D, H, W'[-3 * self.spatial + 2:]}) "
-                                 f"on every rank; mesh position {where(c)} passed another shape")
+            if not row[0] or len(ndims) > 1:
+                want = f"{2 + self.spatial}-D" if self.spatial else "3-D to 5-D (the same on every rank)"
+                raise ValueError(f"{name}: the input must be {want} (N, C, *spatial) on every rank; mesh position "
+                                 f"{where(c)} passed {row[2] if row[0] else 'another'}-D")
             if not row[1]:
                 raise ValueError(f"{name}: input dtype/device must match the weight's ({ref.dtype}, {ref.device}) "
                                  f"on every rank; mesh position {where(c)} differs")
-        shapes = {c: table[c[0]][c[1]][2:] for c in coords}
+        nd = ndims.pop()
+        shapes = {c: table[c[0]][c[1]][3 : 3 + nd] for c in coords}
         sizes: Dict[int, List[int]] = {}
         for d in range(nd):
             mesh_dim = self.shard_dims.index(d) if d in self.shard_dims else None
@@ -119,9 +129,9 @@ class DomainLayer(ShardedModule):
                         f"({'not sharded' if mesh_dim is None else 'sharded over the other mesh dim'}): "
                         f"{shapes[(0, 0)]} vs {shp} at mesh position {where(c)}")
             if mesh_dim == 0:
-                sizes[d] = [table[c0][0][2 + d] for c0 in range(len(table))]
+                sizes[d] = [table[c0][0][3 + d] for c0 in range(len(table))]
             elif mesh_dim == 1:
-                sizes[d] = [row[2 + d] for row in table[0]]
+                sizes[d] = [row[3 + d] for row in table[0]]
         self._layouts[key] = self._build(tuple(shape), sizes)
         return self._layouts[key]
 
