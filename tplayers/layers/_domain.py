@@ -68,8 +68,9 @@ class DomainLayer(ShardedModule):
         """A parameter whose dtype/device the input must match (``None``: no parameters)."""
         return None
 
-    def _build(self, shape: Tuple[int, ...], sizes: Dict[int, List[int]]) -> Any:  # pragma: no cover - abstract
-        """The cached layout from this rank's local shape and every sharded dim's shard sizes."""
+    def _build(self, shape: Tuple[int, ...], sizes: Dict[int, List[int]], like: torch.Tensor) -> Any:  # pragma: no cover
+        """The cached layout from this rank's local shape and every sharded dim's shard sizes
+        (``like``: the input, for dtype and device)."""
         raise NotImplementedError
 
     def reset_layout(self) -> None:
@@ -132,7 +133,7 @@ class DomainLayer(ShardedModule):
                 sizes[d] = [table[c0][0][3 + d] for c0 in range(len(table))]
             elif mesh_dim == 1:
                 sizes[d] = [row[3 + d] for row in table[0]]
-        self._layouts[key] = self._build(tuple(shape), sizes)
+        self._layouts[key] = self._build(tuple(shape), sizes, x)
         return self._layouts[key]
 
     def _broadcast_parameters(self) -> None:

@@ -146,7 +146,7 @@ class _DistributedConvNd(DomainLayer):
     def _param_dtype(self):
         return self.weight
 
-    def _build(self, shape, sizes: Dict[int, List[int]]):
+    def _build(self, shape, sizes: Dict[int, List[int]], like: torch.Tensor):
         name = type(self).__name__
         if shape[1] != self.in_channels:
             raise ValueError(f"{name}: input must have {self.in_channels} channels, got {shape[1]}")

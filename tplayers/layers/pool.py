@@ -59,7 +59,7 @@ class _PoolNd(DomainLayer):
         return {"kernel_size": self.kernel_size, "stride": self.stride, "padding": self.padding,
                 "dilation": self.dilation, "ceil_mode": self.ceil_mode}
 
-    def _build(self, shape, sizes: Dict[int, List[int]]):
+    def _build(self, shape, sizes: Dict[int, List[int]], like: torch.Tensor):
         plans, out_shape = {}, list(shape[:2])
         for i in range(self.spatial):
             d = 2 + i
