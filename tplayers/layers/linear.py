@@ -22,10 +22,21 @@ from tplayers.comm import (
     split_along_dim,
 )
 from tplayers.comm.fused import linear_all_reduce_input_grad, linear_all_reduce_output
-from tplayers.layers._common import ShardedModule, check_features
+from tplayers.layers._common import ShardedModule, check_features, init_shards_like_serial
 from tplayers.sharding import ShardSpec, shard_sizes
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+def _linear_weight_init(full: torch.Tensor) -> None:
+    nn.init.kaiming_uniform_(full, a=math.sqrt(5))  # nn.Linear.reset_parameters, verbatim
+
+
+def _linear_bias_init(fan_in: int):
+    def init(full: torch.Tensor) -> None:
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        nn.init.uniform_(full, -bound, bound)
+    return init
 
 
 class _ParallelLinear(ShardedModule):
@@ -74,19 +85,23 @@ class _ParallelLinear(ShardedModule):
         return shard_sizes(n, self.tp_size)
 
     def reset_parameters(self) -> None:
-        """Initialise this rank's shard with ``nn.Linear``'s distribution (bound 1/sqrt(in_features)).
+        """Initialise this rank's shards as exactly its slice of a serial ``nn.Linear``.
 
-        The values differ from a serial ``nn.Linear`` with the same seed; use
-        ``from_module`` to shard an existing layer exactly.
+        The full ``(out_features, in_features)`` weight and ``(out_features,)``
+        bias are drawn with ``nn.Linear.reset_parameters``' exact calls and RNG
+        sequence, on this layer's device and dtype, and this rank keeps its slice
+        (Row's replicated bias: the whole of it). So under ``torch.manual_seed(s)``
+        on every rank, a model built from these layers is the serial model built
+        under the same seed, shard for shard, and the generator ends in the same
+        state as after the serial layer (later layers match too).
+
+        Cost: every rank draws the full weight once (the serial layer's memory
+        and RNG time, freed right after); ``device="meta"`` skips it. Ranks seeded
+        differently get slices of different draws: then Row's replicated bias
+        differs across ranks. Seed every rank alike, or build the serial model and
+        use :func:`~tplayers.parallelize_module` (``src_rank=0``) instead.
         """
-        bound = 1.0 / math.sqrt(self.in_features)
-        with torch.no_grad():
-            self.weight.uniform_(-bound, bound)
-            if self.bias is not None:
-                self._init_bias(bound)
-
-    def _init_bias(self, bound: float) -> None:
-        self.bias.uniform_(-bound, bound)
+        init_shards_like_serial(self, {"weight": _linear_weight_init, "bias": _linear_bias_init(self.in_features)})
 
     @classmethod
     def from_module(cls, dense: nn.Linear, *, mesh: Optional[DeviceMesh] = None, **options):
@@ -186,7 +201,7 @@ class RowParallelLinear(_ParallelLinear):
 
     - ``weight``: ``(out_features, in_local)``; ``bias``: ``(out_features,)``
       replicated, added exactly once (rank 0 folds it into its matmul before the
-      all-reduce; initialised to zeros)
+      all-reduce)
     - input: ``(..., in_local)``, or ``(..., in_features)`` with
       ``input_is_parallel=False`` (then split locally)
     - output: ``(..., out_features)``, replicated
@@ -219,10 +234,6 @@ class RowParallelLinear(_ParallelLinear):
     ) -> None:
         self.input_is_parallel = bool(input_is_parallel)
         super().__init__(in_features, out_features, bias, mesh, device, dtype)
-
-    def _init_bias(self, bound: float) -> None:
-        # Replicated: zeros keep every rank identical without communication.
-        self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
