@@ -3,6 +3,7 @@
 from tplayers.layers._common import ShardedModule
 from tplayers.layers.attention import NeighborhoodAttention
 from tplayers.layers.conv import DistributedConv2d
+from tplayers.layers.dropout import ParallelDropout
 from tplayers.layers.replicated import DomainReplicated
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -11,6 +12,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "DistributedConv2d",
+    "ParallelDropout",
     "DomainReplicated",
     "NeighborhoodAttention",
 ]
