@@ -14,6 +14,7 @@ loads both forms into the plain, un-parallelized model.
 
 import os
 import sys
+from datetime import timedelta
 
 import torch
 from torch import nn
@@ -53,7 +54,7 @@ class TinyLM(nn.Module):
 
 
 def train(root):
-    mesh = tplayers.init_mesh(device_type="cpu")
+    mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))  # a stalled peer fails in minutes, not 30
     torch.manual_seed(0)  # same serial weights on every rank, then each keeps its shard
     model = tplayers.parallelize_module(TinyLM(), PLAN, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # after parallelize_module
@@ -72,7 +73,7 @@ def train(root):
 
 
 def reload(root):
-    mesh = tplayers.init_mesh(device_type="cpu")
+    mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))  # a stalled peer fails in minutes, not 30
     reference = load_file(os.path.join(root, "model.safetensors"))
     model = tplayers.parallelize_module(TinyLM(), PLAN, mesh=mesh)
     load_checkpoint(model, os.path.join(root, "sharded"))

@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
+# torch warns at import when numpy is absent; tplayers does not use numpy (the base install has none).
+export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Failed to initialize NumPy"
 RUN="$PY -m torch.distributed.run --standalone --nproc-per-node 2"
 echo "=== tensor parallelism: a small transformer, parallelized with a plan"
 $RUN examples/tp_transformer.py

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    mesh = tplayers.init_mesh(device_type="cpu")
+    mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))  # a stalled peer fails in minutes, not 30
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # same serial model on every rank
     serial = EncoderDecoder()

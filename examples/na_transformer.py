@@ -14,6 +14,7 @@ device, then trains a few steps to denoise a synthetic pattern.
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,7 @@ def synthetic_batch(gen, batch=2, height=24, width=20):
 
 
 def main():
-    mesh = tplayers.init_mesh(device_type="cpu")
+    mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))  # a stalled peer fails in minutes, not 30
     rank = dist.get_rank()
     torch.manual_seed(0)  # same serial model on every rank
     serial = NATransformer().double()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -123,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    mesh = tplayers.init_mesh(device_type="cpu")
+    mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))  # a stalled peer fails in minutes, not 30
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     if args.heads % world:

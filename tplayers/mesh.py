@@ -62,6 +62,12 @@ def init_mesh(
     ``device_type="cpu"`` and nccl for ``"cuda"`` (default: cuda when available).
     A process started without a launcher gets a world of size 1.
 
+    ``timeout`` bounds how long any collective of the mesh (every mesh dim's
+    group, not only the default group) waits for a peer; PyTorch's default is
+    30 minutes, so a stalled rank blocks its peers that long. Pass minutes::
+
+        mesh = init_mesh((2, 2), ("dp", "tp"), timeout=datetime.timedelta(minutes=5))
+
     >>> mesh = init_mesh()                      # doctest: +SKIP
     >>> mesh2d = init_mesh((2, 2), ("dp", "tp"))  # doctest: +SKIP
     >>> tp = mesh2d["tp"]                       # 1-D slice for tplayers layers  # doctest: +SKIP
@@ -82,7 +88,26 @@ def init_mesh(
         shape = (world,)
     if math.prod(shape) != world:
         raise ValueError(f"mesh shape {shape} must multiply to the world size {world}")
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names,
+                            backend_override=_timeout_override(len(shape), timeout))
+
+
+def _timeout_override(ndim: int, timeout: Optional[timedelta]):
+    """Per-dim backend options carrying ``timeout`` so a mesh's sub-groups honour it too.
+
+    ``init_device_mesh`` builds the groups of an N-D mesh with ``new_group``, whose
+    timeout is PyTorch's default (30 minutes), not the default group's; without
+    this, a stalled peer in a ``mesh["tp"]`` collective would block for 30 minutes
+    whatever ``init_mesh(timeout=...)`` said. A 1-D mesh reuses the default group.
+    """
+    if timeout is None or ndim == 1:
+        return None
+    if dist.get_backend() == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    else:
+        options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return {i: (dist.get_backend(), options) for i in range(ndim)}
 
 
 def default_mesh() -> DeviceMesh:

@@ -122,3 +122,45 @@ def test_explain_table_on_two_ranks():
     total = sum(p.numel() * 4 for p in Net().parameters())
     assert before == total and after == total - 2 * (fc1 + fc2) + 2 * (fc1 // 2 + 80)
     assert "plan on a mesh of 2 ranks" in text and "blocks.1.fc2" in text and "RowParallelLinear" in text
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.Conv2d(3, 3, 3, padding=1))
+        self.head = nn.Linear(3, 2)
+
+
+def _structure(model):
+    """Every (name, module object, parameter objects) of the tree: identity, not values."""
+    return [(n, id(m), tuple(id(p) for p in m.parameters(recurse=False))) for n, m in model.named_modules()]
+
+
+def _fails_partway(rank, world):
+    # A partition function that raises after other keys were built: nothing is swapped.
+    net = Net()
+    before = _structure(net)
+    built = []
+
+    def broken(name, module, mesh):
+        built.append(name)
+        raise RuntimeError("the user's partition function failed")
+
+    with pytest.raises(RuntimeError, match="partition function failed"):
+        tplayers.parallelize_module(net, {**PLAN, "head": broken})
+    assert built == ["head"] and _structure(net) == before
+    # DomainParallel rewires its subtree while building: a later failure undoes that too.
+    conv = ConvNet()
+    before = _structure(conv)
+    with pytest.raises(RuntimeError, match="partition function failed"):
+        tplayers.parallelize_module(conv, {"trunk": tplayers.DomainParallel(shard_dims=(2,)), "head": broken})
+    assert _structure(conv) == before
+    assert all(type(m) in (nn.Conv2d, nn.ReLU, nn.Sequential, nn.Linear, ConvNet) for m in conv.modules())
+    # ... and the same model then parallelizes fine.
+    ok = tplayers.parallelize_module(conv, {"trunk": tplayers.DomainParallel(shard_dims=(2,))})
+    assert isinstance(ok.trunk[0], tplayers.DistributedConv2d)
+    return True
+
+
+def test_failed_plan_leaves_model_unchanged():
+    run_ranks(_fails_partway, 1, timeout=30)

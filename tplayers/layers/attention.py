@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_many_to_parallel_region, halo_exchange
-from tplayers.comm.collectives import exchange_grid_table
+from tplayers.comm.agree import exchange_agreed
 from tplayers.layers._common import ShardedModule
 from tplayers.ops.na import check_window_fits, neighborhood_attention_2d, normalize_na_args
 from tplayers.ops.na_layout import axis_halos
@@ -155,7 +155,10 @@ class NeighborhoodAttention(ShardedModule):
         # table[c0][c1] = every rank's (ok, B, H, W), exchanged along each mesh dim
         ok = self._check_local(x)
         row = [int(ok)] + (list(x.shape[:3]) if ok else [-1, -1, -1])
-        table = exchange_grid_table(row, self._groups, "na.layout")
+        config = {"kernel_size": self.kernel_size, "dilation": self.dilation, "is_causal": self.is_causal,
+                  "shard_dims": self.shard_dims, "embed_dim": self.embed_dim, "num_heads": self.num_heads,
+                  "dtype": str(self.qkv.weight.dtype)}
+        table = exchange_agreed(row, config, self._groups, type(self).__name__, "na.layout")
         rows = [r for line in table for r in line]
         if not ok:
             self._raise_bad_input(x)

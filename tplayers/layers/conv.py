@@ -37,7 +37,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.utils import _pair
 
 from tplayers.comm import all_reduce_sum, halo_exchange_along, record_collective
-from tplayers.comm.collectives import exchange_grid_table, run_p2p
+from tplayers.comm.agree import exchange_agreed
+from tplayers.comm.collectives import run_p2p
 from tplayers.comm.halo import halo_adjoint, halo_pad
 from tplayers.layers._common import ShardedModule
 from tplayers.layers._conv_layout import PADDING_MODES, AxisPlan, plan_axis
@@ -197,7 +198,11 @@ class DistributedConv2d(ShardedModule):
         ok = isinstance(x, torch.Tensor) and x.dim() == 4
         shape = list(x.shape) if ok else [-1] * 4
         same = int(ok and x.dtype == self.weight.dtype and x.device == self.weight.device)
-        return exchange_grid_table([int(ok)] + shape + [same], self._groups, "conv.layout")
+        config = {"kernel_size": self.kernel_size, "stride": self.stride, "padding": self._pads,
+                  "dilation": self.dilation, "groups": self.groups, "padding_mode": self.padding_mode,
+                  "shard_dims": self.shard_dims, "in_channels": self.in_channels,
+                  "out_channels": self.out_channels, "dtype": str(self.weight.dtype)}
+        return exchange_agreed([int(ok)] + shape + [same], config, self._groups, type(self).__name__, "conv.layout")
 
     def _layout(self, x: torch.Tensor):
         key = tuple(x.shape) if isinstance(x, torch.Tensor) else None  # a bad input still joins the exchange
