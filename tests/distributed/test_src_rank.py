@@ -142,6 +142,15 @@ def _failures(rank, world):
     expected = RuntimeError if rank == 1 else ValueError
     with pytest.raises(expected, match="rank 1|rank\\(s\\) \\[1\\]"):
         unchanged(model, lambda: tplayers.parallelize_module(model, {"fc1": flaky}, mesh=mesh))
+    # a shard that matches no serial tensor (a partition function changed its shape)
+    wider = lambda name, module, mesh: tplayers.ColumnParallelLinear(module.in_features, 9, mesh=mesh, dtype=torch.float64)  # noqa: E731
+    with pytest.raises(ValueError, match=r"shard fc1.weight of global shape \(9, 5\) has no serial tensor"):
+        unchanged(model, lambda: tplayers.parallelize_module(model, {"fc1": wider}, mesh=mesh))
+    # a shard laid out over another mesh than parallelize_module's
+    own = torch.distributed.device_mesh.DeviceMesh("cpu", [rank])
+    elsewhere = lambda name, module, mesh: tplayers.ColumnParallelLinear.from_module(module, mesh=own)  # noqa: E731
+    with pytest.raises(ValueError, match="fc1.weight is shard 0 of 1, but parallelize_module's mesh is"):
+        unchanged(model, lambda: tplayers.parallelize_module(model, {"fc1": elsewhere}, mesh=mesh))
     # a meta model cannot send values: ValueError on every rank
     meta = Net().to("meta")
     with pytest.raises(ValueError, match="meta device"):

@@ -132,7 +132,8 @@ class AllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dim, sizes, group):
-        full = all_gather_along_dim(x, dim, sizes, group, "sp.linear.fwd")  # (..., s, ..., in)
+        # (..., s, ..., in), made contiguous once (the gather's dim-0 layout is a strided view)
+        full = all_gather_along_dim(x, dim, sizes, group, "sp.linear.fwd").contiguous()
         ctx.save_for_backward(full, weight)
         ctx.dim, ctx.sizes, ctx.group, ctx.has_bias = dim % x.dim(), list(sizes), group, bias is not None
         return torch.nn.functional.linear(full, weight, bias)
@@ -188,7 +189,7 @@ class LinearReduceScatterOutput(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        g = all_gather_along_dim(grad_out.contiguous(), ctx.dim, ctx.sizes, ctx.group, "sp.linear.bwd")
+        g = all_gather_along_dim(grad_out.contiguous(), ctx.dim, ctx.sizes, ctx.group, "sp.linear.bwd").contiguous()
         tokens = math.prod(g.shape[:-1])
         g2 = g.reshape(tokens, g.shape[-1])  # (tokens, out)
         grad_x = g @ weight if need_x else None  # (..., s, ..., in_local)

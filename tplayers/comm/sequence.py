@@ -39,7 +39,7 @@ class ReduceScatterPending:
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
-        return self._out[: self._length].movedim(0, self._dim)
+        return self._out[: self._length].movedim(0, self._dim).contiguous()  # back to the caller's layout
 
 
 def reduce_scatter_along_dim(
