@@ -28,16 +28,18 @@ class SequenceParallel(ParallelStyle):
     - ``nn.Dropout``: :class:`~tplayers.ParallelDropout` along ``sequence_dim``, drawing
       exactly this rank's slice of the serial mask.
 
-    Example (a GPT-2 block; ``S`` need not divide the world size)::
+    Example (``torchrun --nproc-per-node 2``; ``S = 7`` need not divide the world size)::
 
-        plan = {
-            r"h\\.\\d+\\.ln_\\d": tplayers.SequenceParallel(),
-            r"h\\.\\d+\\.(attn\\.c_attn|mlp\\.c_fc)": tplayers.ColumnParallel(sequence_parallel=True),
-            r"h\\.\\d+\\.(attn|mlp)\\.c_proj": tplayers.RowParallel(sequence_parallel=True),
-            r"h\\.\\d+\\.(attn|mlp)\\.resid_dropout": tplayers.SequenceParallel(),
-        }
-        model = tplayers.parallelize_module(model, plan)
-        y = model(tplayers.shard(x, 1))          # (B, S_local, H) in and out
+        import torch, tplayers
+        from torch import nn
+        mesh = tplayers.init_mesh()
+        model = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16), nn.Dropout(0.1))
+        plan = {"0": tplayers.SequenceParallel(), "1": tplayers.ColumnParallel(sequence_parallel=True),
+                "3": tplayers.RowParallel(sequence_parallel=True), "4": tplayers.SequenceParallel()}
+        model = tplayers.parallelize_module(model, plan, mesh=mesh)
+        y = model(tplayers.shard(torch.randn(2, 7, 16), 1))    # (2, S_local, 16) in and out
+
+    (A GPT-2 plan: ``README.md``, "Sequence parallelism".)
     """
 
     sequence_dim: int = 1
@@ -57,10 +59,19 @@ class ShardedDropout(ParallelStyle):
     heads of an attention-probability dropout, or the features after a ``ColumnParallel``),
     else it is exchanged per call.
 
-    Example (dropout on attention probabilities ``(B, heads_local, S, S)``, 12 heads)::
+    Example (dropout on the hidden features after a column-parallel ``fc1``)::
 
-        plan = {r"h\\.\\d+\\.attn\\.attn_dropout": tplayers.ShardedDropout(dim=1, full_size=12)}
+        import torch, tplayers
+        from torch import nn
+        mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                   # the same seed on every rank
+        model = nn.Sequential(nn.Linear(8, 30), nn.ReLU(), nn.Dropout(0.2), nn.Linear(30, 8))
+        plan = {"0": tplayers.ColumnParallel(), "2": tplayers.ShardedDropout(dim=-1, full_size=30),
+                "3": tplayers.RowParallel()}
+        model = tplayers.parallelize_module(model, plan, mesh=mesh)
+        y = model(torch.randn(4, 8))                           # the serial model's dropout mask
 
+    On attention probabilities ``(B, heads_local, S, S)``: ``ShardedDropout(dim=1, full_size=heads)``.
     Dropout on *replicated* activations needs no style: ``nn.Dropout`` draws the same mask
     on every rank when every rank is seeded alike.
     """
