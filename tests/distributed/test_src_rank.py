@@ -166,3 +166,22 @@ def test_failures_raise_on_every_rank_and_leave_model_unchanged():
     for msgs in run_ranks(_failures, 2, timeout=30):
         assert "[0, 2)" in msgs[0] and "got 6" in msgs[0]
         assert "got str" in msgs[2]
+
+
+def _two_d(rank, world, src):
+    """A domain-parallel CNN over a 2-D mesh: broadcast along both mesh dims from rank src."""
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(50 + rank)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(1, 4), nn.Conv2d(4, 2, 1)).double()
+    oracle = copy.deepcopy(model)
+    for t in _everything(oracle).values():
+        dist.broadcast(t.data, src)
+    par = tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2, 3))}, mesh=mesh, src_rank=src)
+    ours = _everything(par)
+    for name, t in _everything(oracle).items():
+        assert torch.equal(ours[name], t), name
+    return True
+
+
+def test_two_d_mesh_takes_every_tensor_from_src():
+    assert all(run_ranks(_two_d, 4, args=(3,), timeout=60))

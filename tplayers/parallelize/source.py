@@ -59,7 +59,7 @@ class SourcePlan:
 
     def run(self, serial: Dict[str, torch.Tensor], mesh: DeviceMesh, src: int) -> None:
         """Move rank ``src``'s values into this rank's tensors (collective)."""
-        me_is_src = _index(mesh) == src
+        me_is_src = mesh_index(mesh) == src
         new_rep = broadcast_flat([t for _, t in self.replicated], mesh, src, "src_rank")
         new_shard: List[torch.Tensor] = []
         if self.sharded:
@@ -102,7 +102,7 @@ def plan_from_source(result: nn.Module, serial: Dict[str, torch.Tensor], mesh: D
             continue
         if mesh.ndim != 1 or spec.parts != mesh.size(0) or spec.index != mesh.get_local_rank(0):
             raise ValueError(f"src_rank: {key} is shard {spec.index} of {spec.parts}, but parallelize_module's "
-                             f"mesh is {tuple(mesh.shape)} with this rank at {_index(mesh)}; shard over that mesh")
+                             f"mesh is {tuple(mesh.shape)} with this rank at {mesh_index(mesh)}; shard over that mesh")
         full = serial.get(key)
         if full is None or tuple(full.shape) != spec.global_shape:
             got = "no such tensor" if full is None else f"shape {tuple(full.shape)}"
@@ -110,10 +110,6 @@ def plan_from_source(result: nn.Module, serial: Dict[str, torch.Tensor], mesh: D
                              f"of that name and shape in the model before the plan ({got})")
         sharded.append((key, t, spec))
     return SourcePlan(sharded, replicated)
-
-
-def _index(mesh: DeviceMesh) -> int:
-    return mesh_index(mesh)
 
 
 def check_src_rank(src_rank: Optional[int], mesh: DeviceMesh) -> None:
