@@ -122,3 +122,60 @@ def _functions_and_errors(rank, world):
 
 def test_sequence_functions_and_errors_on_every_rank():
     assert all(run_ranks(_functions_and_errors, 2, timeout=30))
+
+
+class _SerialMLPBlock(nn.Module):
+    def __init__(self, d, hidden, p):
+        super().__init__()
+        self.norm = nn.LayerNorm(d, dtype=torch.float64)
+        self.fc1 = nn.Linear(d, hidden, dtype=torch.float64)
+        self.drop = nn.Dropout(p)
+        self.fc2 = nn.Linear(hidden, d, dtype=torch.float64)
+        self.out_drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return x + self.out_drop(self.fc2(self.drop(torch.relu(self.fc1(self.norm(x))))))
+
+
+class _HandWrittenSPBlock(nn.Module):
+    """The same block written Megatron style with sequence parallelism, built under the same seed."""
+
+    def __init__(self, d, hidden, p, mesh):
+        super().__init__()
+        self.norm = tplayers.DomainReplicated(nn.LayerNorm(d, dtype=torch.float64), mesh)  # grads summed
+        self.fc1 = tplayers.ColumnParallelLinear(d, hidden, mesh=mesh, sequence_parallel=True, dtype=torch.float64)
+        self.drop = tplayers.ParallelDropout(p, dim=-1, full_size=hidden, mesh=mesh)
+        self.fc2 = tplayers.RowParallelLinear(hidden, d, mesh=mesh, sequence_parallel=True, dtype=torch.float64)
+        self.out_drop = tplayers.ParallelDropout(p, dim=1, mesh=mesh)
+
+    def forward(self, x):  # (B, S_local, d)
+        return x + self.out_drop(self.fc2(self.drop(torch.relu(self.fc1(self.norm(x))))))
+
+
+def _hand_written_block(rank, world):
+    mesh = tplayers.default_mesh()
+    d, hidden, p = 5, 2 * world + 1, 0.3
+    torch.manual_seed(21)
+    serial = _SerialMLPBlock(d, hidden, p)
+    torch.manual_seed(21)  # built directly under the same seed: the serial block's slices
+    par = _HandWrittenSPBlock(d, hidden, p, mesh)
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
+    opt_p = torch.optim.SGD(par.parameters(), lr=0.1)
+    for step, s in enumerate((2 * world + 1, world + 2)):
+        x = torch.randn(3, s, d, dtype=torch.float64)
+        xs, xp = x.clone().requires_grad_(True), _seq_slice(x, world, rank).clone().requires_grad_(True)
+        torch.manual_seed(step)
+        ys = serial(xs)
+        torch.manual_seed(step)
+        yp = par(xp)
+        torch.testing.assert_close(yp, _seq_slice(ys, world, rank), **TIGHT)
+        ys.square().sum().backward(), yp.square().sum().backward()
+        torch.testing.assert_close(xp.grad, _seq_slice(xs.grad, world, rank), **TIGHT)
+        assert_params_match(par, serial, grads=True, **TIGHT)
+        opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
+        assert_params_match(par, serial, grads=False, **TIGHT)
+    return True
+
+
+def test_hand_written_sequence_parallel_block_built_under_one_seed_is_the_serial_block():
+    assert all(run_ranks(_hand_written_block, 3, timeout=60))
