@@ -172,7 +172,8 @@ def _two_d(rank, world, src):
     """A domain-parallel CNN over a 2-D mesh: broadcast along both mesh dims from rank src."""
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2))
     torch.manual_seed(50 + rank)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(1, 4), nn.Conv2d(4, 2, 1)).double()
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 2, 1)).double()
+    model.register_buffer("stat", torch.randn(4, dtype=torch.float64))  # a buffer differing per rank too
     oracle = copy.deepcopy(model)
     for t in _everything(oracle).values():
         dist.broadcast(t.data, src)
