@@ -51,9 +51,13 @@ def broadcast_flat(tensors: Sequence[torch.Tensor], mesh: DeviceMesh, src: int, 
     ``src``'s coordinate, then along the first (the ranks that got ``src``'s values pass them on).
     """
     out: List[torch.Tensor] = [t.detach() for t in tensors]
-    coords = _coords(mesh, src)
+    coords, me_is_src = _coords(mesh, src), mesh_index(mesh) == src
     for (device, dtype), members in _groups(tensors).items():
-        flat = torch.cat([_wire(tensors[i]) for i in members])  # src's values; overwritten elsewhere
+        if me_is_src:
+            flat = torch.cat([_wire(tensors[i]) for i in members])
+        else:  # receives src's values
+            wire_dtype = torch.uint8 if dtype == torch.bool else dtype
+            flat = torch.empty(sum(tensors[i].numel() for i in members), dtype=wire_dtype, device=device)
         for dim in reversed(range(mesh.ndim)):
             group, size = mesh.get_group(dim), mesh.size(dim)
             if size == 1:
