@@ -186,3 +186,44 @@ def _two_d(rank, world, src):
 
 def test_two_d_mesh_takes_every_tensor_from_src():
     assert all(run_ranks(_two_d, 4, args=(3,), timeout=60))
+
+
+class _SwappedRows(tplayers.layers.ShardedModule):
+    """A bias-free row shard in a layout ``for_index`` cannot rebuild: ranks 0 and 1 hold each
+    other's balanced rows (uneven), the other ranks their own."""
+
+    def __init__(self, dense, mesh):
+        super().__init__()
+        self._bind_mesh(mesh)
+        rank, parts = mesh.get_local_rank(0), mesh.size(0)
+        a, b = tplayers.shard_range(dense.out_features, parts, {0: 1, 1: 0}.get(rank, rank))
+        self._spec = tplayers.ShardSpec(tuple(dense.weight.shape), 0, a, b, parts, rank)
+        self.weight = nn.Parameter(self._spec.take(dense.weight.detach()).clone())
+
+    def shard_specs(self):
+        return {"weight": self._spec}
+
+    def forward(self, x):
+        return x @ self.weight.T
+
+
+def _irregular(rank, world, src):
+    mesh = tplayers.default_mesh()
+    torch.manual_seed(300 + rank)
+    model = nn.Sequential(nn.Linear(4, 7, bias=False), nn.Linear(7, 3)).double()
+    oracle = copy.deepcopy(model)
+    for t in _everything(oracle).values():
+        dist.broadcast(t.data, src)
+    plan = {"0": lambda name, m, mesh: _SwappedRows(m, mesh), "1": tplayers.RowParallel()}
+    with tplayers.count_collectives() as log:
+        par = tplayers.parallelize_module(model, plan, mesh=mesh, src_rank=src)
+    assert torch.equal(par[0].weight, par[0].shard_specs()["weight"].take(oracle[0].weight))
+    assert_params_match(par[1:], oracle[1:], grads=False, **TIGHT)
+    # agreement, then the per-shard layout flags; the irregular shard travels whole, the regular scattered
+    assert [r.tag for r in log.records if r.kind == "all_gather"] == ["src_rank.check", "src_rank.layouts"]
+    assert log.count("scatter") == 1 and log.count("broadcast") == 1
+    return True
+
+
+def test_layout_not_rebuildable_on_some_ranks_is_broadcast_and_sliced_on_every_rank():
+    assert all(run_ranks(_irregular, 3, args=(2,), timeout=60))

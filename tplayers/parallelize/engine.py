@@ -103,7 +103,9 @@ def parallelize_module(
     of the result, of the whole model and not only of swapped modules, comes
     from that rank's model, like DTensor's ``src_data_rank``. Shards are cut
     from its serial tensors and scattered, everything else is broadcast, one
-    flattened scatter and broadcast per dtype. So ranks seeded differently (the
+    flattened scatter and broadcast per dtype (a shard in a layout that
+    :meth:`~tplayers.ShardSpec.for_index` cannot rebuild for the other ranks
+    travels whole in the broadcast and each rank takes its slice). So ranks seeded differently (the
     default) still get one consistent model: rank ``src_rank``'s. Before any
     value moves, one small exchange checks that every rank's model has the same
     tensor names, shapes and dtypes, the same plan result and the same
@@ -155,7 +157,10 @@ def parallelize_module(
             return model
         config = {"model tensors": before, "parallelized tensors": source.digest() if source else "", "src_rank": src_rank}
         groups = [mesh.get_group(d) for d in range(mesh.ndim)]
-        exchange_agreed([], config, groups, "parallelize_module", "src_rank.check", error=error)
+        row = [int(bool(source is not None and source.sliced))]
+        table = exchange_agreed(row, config, groups, "parallelize_module", "src_rank.check", error=error)
+        if any(r[0] for line in table for r in line):  # some rank holds a layout for_index cannot rebuild
+            source.agree_layouts(mesh)
         source.run(serial, mesh, src_rank)
     except BaseException:
         _restore(snapshot)

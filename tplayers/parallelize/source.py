@@ -15,13 +15,14 @@ Values are copied into the model only after every transfer completed.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tplayers.comm.collectives import exchange_grid_table
 from tplayers.comm.source import broadcast_flat, mesh_index, scatter_flat
 from tplayers.layers._common import ShardedModule
 from tplayers.sharding import ShardSpec
@@ -49,18 +50,35 @@ def _digest(rows) -> str:
 class SourcePlan:
     """What :func:`plan_from_source` found: the tensors to scatter and to broadcast."""
 
-    sharded: List[Tuple[str, torch.Tensor, ShardSpec]]  # (serial name, local tensor, spec)
-    replicated: List[Tuple[str, torch.Tensor]]
+    sharded: List[Tuple[str, torch.Tensor, ShardSpec]]  # (serial name, local tensor, spec): scattered
+    replicated: List[Tuple[str, torch.Tensor]]  # broadcast
+    # Shards whose other ranks' layouts ``spec.for_index`` cannot rebuild (a layout other than the
+    # balanced one, e.g. one that regroups rows): the full serial tensor is broadcast and each rank
+    # takes its own slice. More bytes than a scatter, exact for any layout ``take`` describes.
+    sliced: List[Tuple[str, torch.Tensor, ShardSpec]] = field(default_factory=list)
 
     def digest(self) -> str:
         """Names, global shapes, shard dims and dtypes of the parallelized model's tensors."""
-        rows = [(k, spec.global_shape, spec.dim, str(t.dtype)) for k, t, spec in self.sharded]
-        return _digest(rows + [(k, tuple(t.shape), None, str(t.dtype)) for k, t in self.replicated])
+        rows = [(k, spec.global_shape, spec.dim, str(t.dtype)) for k, t, spec in self.sharded + self.sliced]
+        return _digest(sorted(rows + [(k, tuple(t.shape), None, str(t.dtype)) for k, t in self.replicated]))
+
+    def agree_layouts(self, mesh: DeviceMesh) -> None:
+        """Make every rank take the same path per tensor: a shard is sliced from a broadcast if
+        any rank's layout is not rebuildable by ``for_index`` (one small all-gather of a flag per
+        shard; only called when some rank has such a layout)."""
+        shards = sorted(self.sharded + self.sliced, key=lambda e: e[0])
+        flags = [int(any(e is x for x in self.sliced)) for e in shards]
+        table = exchange_grid_table(flags, [mesh.get_group(0)], "src_rank.layouts")
+        anyone = [any(line[0][i] for line in table) for i in range(len(shards))]
+        self.sharded = [e for e, f in zip(shards, anyone) if not f]
+        self.sliced = [e for e, f in zip(shards, anyone) if f]
 
     def run(self, serial: Dict[str, torch.Tensor], mesh: DeviceMesh, src: int) -> None:
         """Move rank ``src``'s values into this rank's tensors (collective)."""
         me_is_src = mesh_index(mesh) == src
-        new_rep = broadcast_flat([t for _, t in self.replicated], mesh, src, "src_rank")
+        sent = [t for _, t in self.replicated] + [serial[name] for name, _, _ in self.sliced]
+        got = broadcast_flat(sent, mesh, src, "src_rank")
+        new_rep, full_sliced = got[: len(self.replicated)], got[len(self.replicated):]
         new_shard: List[torch.Tensor] = []
         if self.sharded:
             world = mesh.size(0)
@@ -76,6 +94,8 @@ class SourcePlan:
                 t.copy_(v)
             for (_, t, _), v in zip(self.sharded, new_shard):
                 t.copy_(v)
+            for (_, t, spec), full in zip(self.sliced, full_sliced):
+                t.copy_(spec.take(full))
 
 
 def plan_from_source(result: nn.Module, serial: Dict[str, torch.Tensor], mesh: DeviceMesh) -> SourcePlan:
@@ -88,7 +108,7 @@ def plan_from_source(result: nn.Module, serial: Dict[str, torch.Tensor], mesh: D
             for name, spec in mod.shard_specs().items():
                 specs[f"{prefix}.{name}" if prefix else name] = spec
     seen = set()
-    sharded, replicated = [], []
+    sharded, replicated, sliced = [], [], []
     for key, t in serial_tensors(result).items():
         if id(t) in seen:  # a tied tensor moves once
             continue
@@ -108,8 +128,8 @@ def plan_from_source(result: nn.Module, serial: Dict[str, torch.Tensor], mesh: D
             got = "no such tensor" if full is None else f"shape {tuple(full.shape)}"
             raise ValueError(f"src_rank: shard {key} of global shape {spec.global_shape} has no serial tensor "
                              f"of that name and shape in the model before the plan ({got})")
-        sharded.append((key, t, spec))
-    return SourcePlan(sharded, replicated)
+        (sharded if spec.for_index(spec.index) == spec else sliced).append((key, t, spec))
+    return SourcePlan(sharded, replicated, sliced)
 
 
 def check_src_rank(src_rank: Optional[int], mesh: DeviceMesh) -> None:
