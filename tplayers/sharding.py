@@ -171,6 +171,16 @@ class ShardSpec:
         shape[self.dim] = sum(b - a for a, b in self.spans)
         return tuple(shape)
 
+    def for_index(self, index: int) -> "ShardSpec":
+        """The spec of shard ``index`` of the same tensor (what rank ``index`` holds).
+
+        >>> ShardSpec.balanced((10, 4), dim=0, parts=4, index=1).for_index(3).start
+        8
+        """
+        if self.dim is None:
+            return ShardSpec(self.global_shape, None, 0, 0, self.parts, index)
+        return ShardSpec.balanced(self.global_shape, self.dim, self.parts, index)
+
     def take(self, full):
         """This rank's slice of the full (serial-layout) tensor ``full`` (a copy when multi-range)."""
         if tuple(full.shape) != self.global_shape:

@@ -130,15 +130,17 @@ def _tie_errors(rank, world):
         {"wte": tplayers.RowParallel()},  # the other side only
         {"wte": tplayers.ColumnParallel(), "lm_head": tplayers.ColumnParallel()},  # sharded differently
     ]
-    with tplayers.count_collectives() as log:
-        for plan in bad_plans:
+    for i, plan in enumerate(bad_plans):
+        with tplayers.count_collectives() as log:
             with pytest.raises(ValueError, match="tied") as err:
                 tplayers.parallelize_module(serial, plan, mesh=mesh)
-            msgs.append(str(err.value))
-            after = {n: p for n, p in serial.named_parameters(remove_duplicate=False)}
-            assert after.keys() == before.keys() and all(after[n] is before[n] for n in before), "model changed"
-            assert type(serial.wte) is torch.nn.Embedding and type(serial.lm_head) is torch.nn.Linear
-    assert log.count() == 0, "a broken tie must be refused before any collective"
+        msgs.append(str(err.value))
+        after = {n: p for n, p in serial.named_parameters(remove_duplicate=False)}
+        assert after.keys() == before.keys() and all(after[n] is before[n] for n in before), "model changed"
+        assert type(serial.wte) is torch.nn.Embedding and type(serial.lm_head) is torch.nn.Linear
+        # one side missing from the plan: refused before any collective; split differently: found
+        # while building, and carried to every rank by src_rank's agreement exchange
+        assert log.count() == (0 if i < 2 else log.count("all_gather")), log.summary()
     return msgs
 
 

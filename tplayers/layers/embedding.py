@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import gather_along_dim, reduce_from_parallel_region
-from tplayers.layers._common import ShardedModule
+from tplayers.layers._common import ShardedModule, init_shards_like_serial
 from tplayers.sharding import ShardSpec, shard_sizes
 
 __all__ = ["VocabParallelEmbedding", "ColumnParallelEmbedding"]
@@ -53,15 +53,16 @@ class _ParallelEmbedding(ShardedModule):
         return {"weight": ShardSpec.balanced(shape, self._weight_dim, self.tp_size, self.tp_rank)}
 
     def reset_parameters(self) -> None:
-        """``nn.Embedding``'s distribution (standard normal; the padding row zero)."""
-        with torch.no_grad():
-            self.weight.normal_()
-            spec = self.shard_specs()["weight"]
-            if self.padding_idx is not None:
-                if self._weight_dim == 1:
-                    self.weight[self.padding_idx].zero_()
-                elif spec.start <= self.padding_idx < spec.stop:
-                    self.weight[self.padding_idx - spec.start].zero_()
+        """This rank's slice of the table ``nn.Embedding`` draws under the same seed (standard
+        normal, the padding row zero): the full table is drawn with its calls, the slice kept."""
+        pad = self.padding_idx
+
+        def serial_init(full: torch.Tensor) -> None:
+            nn.init.normal_(full)
+            if pad is not None:
+                full[pad].zero_()
+
+        init_shards_like_serial(self, {"weight": serial_init})
 
     @classmethod
     def from_module(cls, dense: nn.Embedding, *, mesh: Optional[DeviceMesh] = None, **options):

@@ -54,7 +54,11 @@ class ColumnParallel(ParallelStyle):
     or an ``nn.Embedding`` for :class:`~tplayers.ColumnParallelEmbedding` (embedding dim split).
 
     ``sections`` / ``head_dim``: fused blocks and whole heads (see ColumnParallelLinear),
-    linears only. Example::
+    linears only. ``sequence_parallel=True``: the input is sequence-sharded along
+    ``sequence_dim`` and all-gathered (see :class:`SequenceParallel` for the norms and
+    dropout between).
+
+    Example::
 
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
         model = tplayers.parallelize_module(model, {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()})
@@ -65,25 +69,31 @@ class ColumnParallel(ParallelStyle):
     gather_output: bool = False
     sections: Optional[Tuple[int, ...]] = None
     head_dim: Optional[int] = None
+    sequence_parallel: bool = False
+    sequence_dim: int = 1
     accepts = (nn.Linear, nn.Embedding)
 
     def check(self, key, name, module):
         super().check(key, name, module)
-        if isinstance(module, nn.Embedding) and (self.sections is not None or self.head_dim is not None):
-            raise ValueError(f"plan key {key_repr(key)}: ColumnParallel(sections=, head_dim=) applies to nn.Linear, "
-                             f"but module {name!r} is nn.Embedding")
+        if isinstance(module, nn.Embedding) and (self.sections is not None or self.head_dim is not None
+                                                 or self.sequence_parallel):
+            raise ValueError(f"plan key {key_repr(key)}: ColumnParallel(sections=, head_dim=, sequence_parallel=) "
+                             f"applies to nn.Linear, but module {name!r} is nn.Embedding")
 
     def build(self, name, module, mesh):
         if isinstance(module, nn.Embedding):
             return ColumnParallelEmbedding.from_module(module, mesh=mesh, gather_output=self.gather_output)
         return ColumnParallelLinear.from_module(module, mesh=mesh, gather_output=self.gather_output,
-                                                sections=self.sections, head_dim=self.head_dim)
+                                                sections=self.sections, head_dim=self.head_dim,
+                                                sequence_parallel=self.sequence_parallel, sequence_dim=self.sequence_dim)
 
 
 @dataclass(frozen=True)
 class RowParallel(ParallelStyle):
     """Swap an ``nn.Linear`` for :class:`~tplayers.RowParallelLinear` (input features split), or an
     ``nn.Embedding`` for :class:`~tplayers.VocabParallelEmbedding` (rows of the table split).
+
+    ``sequence_parallel=True``: the output is reduce-scattered along ``sequence_dim``.
 
     ``input_is_parallel=False`` makes the swapped linear take the full input and
     split it locally (a drop-in for an ``nn.Linear`` anywhere in a model);
@@ -95,18 +105,22 @@ class RowParallel(ParallelStyle):
 
     input_is_parallel: bool = True
     head_dim: Optional[int] = None
+    sequence_parallel: bool = False
+    sequence_dim: int = 1
     accepts = (nn.Linear, nn.Embedding)
 
     def check(self, key, name, module):
         super().check(key, name, module)
-        if isinstance(module, nn.Embedding) and (self.head_dim is not None or not self.input_is_parallel):
-            raise ValueError(f"plan key {key_repr(key)}: RowParallel(head_dim=, input_is_parallel=) applies to "
-                             f"nn.Linear, but module {name!r} is nn.Embedding")
+        if isinstance(module, nn.Embedding) and (self.head_dim is not None or not self.input_is_parallel
+                                                 or self.sequence_parallel):
+            raise ValueError(f"plan key {key_repr(key)}: RowParallel(head_dim=, input_is_parallel=, "
+                             f"sequence_parallel=) applies to nn.Linear, but module {name!r} is nn.Embedding")
 
     def build(self, name, module, mesh):
         if isinstance(module, nn.Embedding):
             return VocabParallelEmbedding.from_module(module, mesh=mesh)
         return RowParallelLinear.from_module(module, mesh=mesh, input_is_parallel=self.input_is_parallel,
-                                             head_dim=self.head_dim)
+                                             head_dim=self.head_dim, sequence_parallel=self.sequence_parallel,
+                                             sequence_dim=self.sequence_dim)
 
 
