@@ -167,3 +167,32 @@ def _errors(rank, world):
 
 def test_section_errors_on_every_rank():
     run_ranks(_errors, 3, timeout=30)
+
+
+def _sequence_parallel_gqa(rank, world):
+    """sections + head_dim with sequence_parallel=True: GQA replica gradients summed on that path too."""
+    mesh = tplayers.default_mesh()
+    torch.manual_seed(0)
+    dense = nn.Linear(5, 12).double()
+    col = tplayers.ColumnParallelLinear.from_module(copy.deepcopy(dense), mesh=mesh, sections=(8, 2, 2), head_dim=1,
+                                                    sequence_parallel=True)
+    x = torch.randn(2, 7, 5, dtype=torch.float64)  # 7 tokens on 4 ranks: uneven
+    spec = tplayers.ShardSpec.balanced(x.shape, 1, world, rank)
+    xl = spec.take(x).clone().requires_grad_(True)
+    y = col(xl)  # (2, 7, local widths)
+    torch.testing.assert_close(y, torch.cat([dense(x)[..., a:b] for a, b in col.weight_ranges], -1), **TIGHT)
+    mask = torch.ones(y.shape[-1], dtype=torch.float64)
+    mask[2:] = float(rank % 2 == 0)  # each kv output used once: by its first replica
+    with tplayers.count_collectives() as bwd:
+        (y * mask).sum().backward()
+    xs = x.clone().requires_grad_(True)
+    dense(xs).sum().backward()
+    assert_local_slices(col, dense, grads=True, **TIGHT)
+    torch.testing.assert_close(xl.grad, spec.take(xs.grad), **TIGHT)
+    return bwd.summary(), col.collectives()[1]
+
+
+def test_sequence_parallel_with_gqa_sections():
+    for bwd, described in run_ranks(_sequence_parallel_gqa, 4, timeout=60):
+        assert {k: n for k, (n, _) in bwd.items()} == {"reduce_scatter": 1, "all_reduce": 1}
+        assert described == ["reduce_scatter", "all_reduce"]
