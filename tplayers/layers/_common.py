@@ -8,16 +8,19 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh
 from tplayers.sharding import ShardSpec
 
 
-class ShardedModule(nn.Module):
+class ShardedModule(MeshBound, nn.Module):
     """Base of every parallel layer: stores its mesh, rank and group, and says
     how each of its tensors is laid out (:meth:`shard_specs`).
 
     :meth:`shard_specs` is the one source of truth for ``from_module`` (which
     copies ``spec.take(full)``) and for checkpoints (which save and reshard by it).
+    ``copy.deepcopy`` keeps the mesh and process groups by reference, ``pickle``
+    stores groups as mesh-dim references (:class:`~tplayers.layers._copy.MeshBound`).
     """
 
     def _bind_mesh(self, mesh: Optional[DeviceMesh], ndim=1) -> DeviceMesh:
