@@ -69,3 +69,39 @@ def check_features(x: torch.Tensor, expected: int, weight: torch.Tensor, arg: st
         raise ValueError(f"{layer}: {arg} dtype must match the weight's {weight.dtype}, got {x.dtype}")
     if x.device != weight.device:
         raise ValueError(f"{layer}: {arg} device must match the weight's {weight.device}, got {x.device}")
+
+
+#: dtypes ``torch.autocast`` casts (float64 and integer tensors are left alone, as autocast does)
+AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def autocast_inputs(x, *tensors):
+    """``(x, *tensors)`` cast to the autocast dtype when ``torch.autocast`` is active on
+    ``x``'s device, exactly as ``F.linear`` / ``F.conv2d`` cast their arguments under it
+    (fp32/fp16/bf16 tensors are cast, others kept; ``None`` stays ``None``); unchanged otherwise.
+
+    The casts are ordinary differentiable ops, so parameter gradients arrive in the
+    parameters' own dtype, as with ``nn.Linear`` under autocast. Layers call this before
+    their checks and collectives, so the communication carries the compute dtype.
+
+    >>> w = torch.ones(2, 2)
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     x, w16 = autocast_inputs(torch.ones(1, 2), w)
+    >>> x.dtype, w16.dtype, w.dtype
+    (torch.bfloat16, torch.bfloat16, torch.float32)
+    """
+    if not isinstance(x, torch.Tensor):
+        return (x, *tensors)
+    device = x.device.type
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return (x, *tensors)
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in AUTOCAST_ELIGIBLE else t
+                 for t in (x, *tensors))
+
+
+def check_reduce_dtype(reduce_dtype, layer: str):
+    """``reduce_dtype`` (``None`` or a floating dtype) or ``TypeError``."""
+    if reduce_dtype is not None and (not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point):
+        raise TypeError(f"{layer}: reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}")
+    return reduce_dtype

@@ -40,7 +40,7 @@ from tplayers.comm import all_reduce_sum, halo_exchange_along, record_collective
 from tplayers.comm.agree import exchange_agreed
 from tplayers.comm.collectives import run_p2p
 from tplayers.comm.halo import halo_adjoint, halo_pad
-from tplayers.layers._common import ShardedModule
+from tplayers.layers._common import ShardedModule, autocast_inputs
 from tplayers.layers._conv_layout import PADDING_MODES, AxisPlan, plan_axis
 from tplayers.sharding import ShardSpec
 
@@ -76,6 +76,8 @@ class DistributedConv2d(ShardedModule):
     ``out_channels // groups`` are both at least ``AUTO_CHANNELS_LAST_MIN`` (16), else
     ``torch.contiguous_format``; an explicit value is always used. Values are identical either
     way; the input gradient keeps the input's layout.
+    Under ``torch.autocast`` it computes in the autocast dtype as ``nn.Conv2d`` does, and the
+    halo messages and gradient sums carry that dtype.
     A partition whose shards cannot supply their neighbours' halos raises
     ``ValueError`` on every rank before any halo traffic.
 
@@ -193,27 +195,29 @@ class DistributedConv2d(ShardedModule):
         self._layouts.clear()
 
     # ------------------------------------------------------------------ layout
-    def _exchange_shapes(self, x: torch.Tensor) -> list:
+    def _exchange_shapes(self, x: torch.Tensor, dtype: torch.dtype) -> list:
         """``table[c0][c1]`` = every rank's (ok, N, C, H, W, dtype/device ok)."""
         ok = isinstance(x, torch.Tensor) and x.dim() == 4
         shape = list(x.shape) if ok else [-1] * 4
-        same = int(ok and x.dtype == self.weight.dtype and x.device == self.weight.device)
+        same = int(ok and x.dtype == dtype and x.device == self.weight.device)
         config = {"kernel_size": self.kernel_size, "stride": self.stride, "padding": self._pads,
                   "dilation": self.dilation, "groups": self.groups, "padding_mode": self.padding_mode,
                   "shard_dims": self.shard_dims, "in_channels": self.in_channels,
                   "out_channels": self.out_channels, "dtype": str(self.weight.dtype)}
         return exchange_agreed([int(ok)] + shape + [same], config, self._groups, type(self).__name__, "conv.layout")
 
-    def _layout(self, x: torch.Tensor):
+    def _layout(self, x: torch.Tensor, dtype: torch.dtype):
+        """Plans and output shape for ``x``'s local shape; ``dtype``: the compute dtype (the weight's,
+        or the autocast dtype) that ``x`` must have."""
         key = tuple(x.shape) if isinstance(x, torch.Tensor) else None  # a bad input still joins the exchange
         if key in self._layouts:
             # Cached layout: every rank skips the exchange alike. The per-call checks stay local
             # (a dtype or device change must not reach the halo traffic with mismatched buffers).
-            if x.dtype != self.weight.dtype or x.device != self.weight.device:
+            if x.dtype != dtype or x.device != self.weight.device:
                 raise ValueError(f"{type(self).__name__}: input dtype/device must match the weight's "
-                                 f"({self.weight.dtype}, {self.weight.device}), got ({x.dtype}, {x.device})")
+                                 f"({dtype}, {self.weight.device}), got ({x.dtype}, {x.device})")
             return self._layouts[key]
-        table = self._exchange_shapes(x)  # once per local shape
+        table = self._exchange_shapes(x, dtype)  # once per local shape
         name = type(self).__name__
         flat = [(c0, c1, row) for c0, rows in enumerate(table) for c1, row in enumerate(rows)]
         for c0, c1, row in flat:
@@ -222,7 +226,7 @@ class DistributedConv2d(ShardedModule):
                                  f"{(c0, c1)[:self.mesh.ndim]} passed another rank")
             if not row[5]:
                 raise ValueError(f"{name}: input dtype/device must match the weight's "
-                                 f"({self.weight.dtype}, {self.weight.device}) on every rank; mesh position "
+                                 f"({dtype}, {self.weight.device}) on every rank; mesh position "
                                  f"{(c0, c1)[:self.mesh.ndim]} differs")
         shapes = {(c0, c1): row[1:5] for c0, c1, row in flat}
         sizes_along = {}
@@ -261,7 +265,8 @@ class DistributedConv2d(ShardedModule):
 
     # ----------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        plans, out_shape = self._layout(x)  # validated on every rank before any halo traffic
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)  # as F.conv2d under torch.autocast
+        plans, out_shape = self._layout(x, weight.dtype)  # validated on every rank before any halo traffic
         empty = 0 in out_shape
         *first, last = sorted(plans)
         for d in first:  # H on a 2-D mesh: halo exchange (autograd Function), edge padding, trim
@@ -276,7 +281,7 @@ class DistributedConv2d(ShardedModule):
             return self._local_conv(self._edges(xp, last, plans[last]), w, b)
 
         # (N, C_in, rows, W) -> (N, C_out, Ho_local, Wo_local)
-        return HaloConv2dFunction.apply(x, self.weight, self.bias, last, self._groups[i], plans[last],
+        return HaloConv2dFunction.apply(x, weight, bias, last, self._groups[i], plans[last],
                                         self.padding_mode == "circular", self.memory_format, local, self._groups)
 
     def _exchange(self, x: torch.Tensor, d: int, p: AxisPlan) -> torch.Tensor:

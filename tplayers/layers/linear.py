@@ -22,7 +22,7 @@ from tplayers.comm import (
     split_along_dim,
 )
 from tplayers.comm.fused import linear_all_reduce_input_grad, linear_all_reduce_output
-from tplayers.layers._common import ShardedModule, check_features
+from tplayers.layers._common import ShardedModule, autocast_inputs, check_features, check_reduce_dtype
 from tplayers.sharding import ShardSpec, shard_sizes
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -131,6 +131,10 @@ class ColumnParallelLinear(_ParallelLinear):
     Forward issues nothing (or one all-gather with ``gather_output=True``);
     backward all-reduces the input gradient.
 
+    Under ``torch.autocast`` it computes (and communicates) in the autocast dtype, as
+    ``nn.Linear`` does; ``reduce_dtype=torch.float32`` all-reduces the gradient in fp32
+    instead (one rounding after the sum).
+
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
         import torch, tplayers
@@ -153,18 +157,21 @@ class ColumnParallelLinear(_ParallelLinear):
         gather_output: bool = False,
         device=None,
         dtype=None,
+        reduce_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.gather_output = bool(gather_output)
+        self.reduce_dtype = check_reduce_dtype(reduce_dtype, type(self).__name__)
         super().__init__(in_features, out_features, bias, mesh, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_features(x, self.in_features, self.weight, "input", type(self).__name__)
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)  # as F.linear under torch.autocast
+        check_features(x, self.in_features, weight, "input", type(self).__name__)
         if self.tp_size == 1:
-            y = F.linear(x, self.weight, self.bias)  # (..., out)
+            y = F.linear(x, weight, bias)  # (..., out)
         else:
             # (..., in) replicated -> (..., out_local); backward all-reduces the input gradient,
             # overlapped with the weight-gradient matmul (CopyToParallelRegion fused with F.linear).
-            y = linear_all_reduce_input_grad(x, self.weight, self.bias, self._group)
+            y = linear_all_reduce_input_grad(x, weight, bias, self._group, self.reduce_dtype)
         if self.gather_output:
             y = gather_along_dim(y, -1, self._group, self.partition_sizes)  # (..., out)
         return y
@@ -194,6 +201,10 @@ class RowParallelLinear(_ParallelLinear):
     Forward all-reduces the partial products; backward issues nothing (or one
     all-gather of the input gradient with ``input_is_parallel=False``).
 
+    Under ``torch.autocast`` it computes (and communicates) in the autocast dtype, as
+    ``nn.Linear`` does; ``reduce_dtype=torch.float32`` sums the partial products in fp32
+    (one rounding after the sum instead of one per addition).
+
     Example::
 
         import torch, tplayers
@@ -216,8 +227,10 @@ class RowParallelLinear(_ParallelLinear):
         input_is_parallel: bool = True,
         device=None,
         dtype=None,
+        reduce_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.input_is_parallel = bool(input_is_parallel)
+        self.reduce_dtype = check_reduce_dtype(reduce_dtype, type(self).__name__)
         super().__init__(in_features, out_features, bias, mesh, device, dtype)
 
     def _init_bias(self, bound: float) -> None:
@@ -226,16 +239,17 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)  # as F.linear under torch.autocast
         if self.input_is_parallel:
-            check_features(x, self.weight.shape[1], self.weight, "input (this rank's in_features shard)", name)
+            check_features(x, weight.shape[1], weight, "input (this rank's in_features shard)", name)
         else:
-            check_features(x, self.in_features, self.weight, "input", name)
+            check_features(x, self.in_features, weight, "input", name)
             x = split_along_dim(x, -1, self._group)  # (..., in_local); bwd all-gather
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)  # (..., out)
+            return F.linear(x, weight, bias)  # (..., out)
         # (..., in_local) -> partial products, summed by one all-reduce -> (..., out) replicated;
         # the bias is added once (folded into rank 0's matmul). Backward: no communication.
-        return linear_all_reduce_output(x, self.weight, self.bias, self._group)
+        return linear_all_reduce_output(x, weight, bias, self._group, self.reduce_dtype)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
