@@ -31,6 +31,9 @@ def _all_reduce_as(t: torch.Tensor, group, reduce_dtype, tag: str, async_op: boo
     size = dist.get_world_size(group)
     if size == 1:
         return t, None
+    if torch.compiler.is_compiling():  # the registered op (see tplayers.comm.ops), out of place
+        wide = t if reduce_dtype is None else t.to(reduce_dtype)
+        return torch.ops.tplayers.all_reduce(wide, group.group_name, tag).to(t.dtype), None
     if reduce_dtype is not None and reduce_dtype != t.dtype:
         wide = t.to(reduce_dtype)
         record_collective("all_reduce", wide.numel() * wide.element_size(), size, tag)
