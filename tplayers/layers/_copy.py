@@ -11,7 +11,8 @@ original. :class:`MeshBound` makes both work:
 - ``pickle.dumps(layer)`` stores each process group as the index of the mesh
   dim it belongs to; the mesh pickles itself by group name (``DeviceMesh``'s own
   ``__getstate__``), so unpickling in a process where that mesh exists (the
-  same one, or one started the same way) rebinds the groups.
+  same one, or one started the same way) rebinds the groups. Layout caches are
+  pickled empty (rebuilt by the first call, with its small exchange, on every rank).
 
 Example::
 
@@ -108,11 +109,15 @@ class MeshBound:
             new.__dict__[key] = copy.deepcopy(value, memo)
         return new
 
+    #: per-layout caches (plans, specs holding groups and callables): pickled empty, rebuilt on
+    #: the first call after unpickling (one small exchange, as for a new layer)
+    _pickle_empty = ("_layouts",)
+
     def __getstate__(self):
         state = super().__getstate__()  # nn.Module's: a copy of __dict__
         names = _mesh_groups(state.get("mesh"))
         owner = type(self).__name__
-        return {k: _to_refs(v, names, owner) for k, v in state.items()}
+        return {k: (type(v)() if k in self._pickle_empty else _to_refs(v, names, owner)) for k, v in state.items()}
 
     def __setstate__(self, state):
         mesh = state.get("mesh")
