@@ -28,11 +28,32 @@ from typing import List
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["all_reduce_op", "all_gather_op"]
+__all__ = ["all_reduce_op", "all_gather_op", "halo_pad_op", "halo_adjoint_op", "format_code", "peer_code",
+           "halo_state"]
+
+_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
 
 
 def _group(name: str):
     return _resolve_process_group(name)
+
+
+def format_code(memory_format: torch.memory_format) -> int:
+    """A memory format as an int (custom-op schemas have no memory_format type)."""
+    return _FORMATS.index(memory_format)
+
+
+def peer_code(peer) -> int:
+    """A neighbour's global rank, -1 for none."""
+    return -1 if peer is None else int(peer)
+
+
+def halo_state(dim: int, group_name: str, recv, send, n: int, lo: int, hi: int, grad_format: int):
+    """The :class:`~tplayers.comm.halo.HaloState` an op's integer arguments describe."""
+    from tplayers.comm.halo import HaloState
+
+    peers = (None if lo < 0 else lo, None if hi < 0 else hi)
+    return HaloState(dim, _group(group_name), tuple(recv), tuple(send), n, peers, _FORMATS[grad_format])
 
 
 @torch.library.custom_op("tplayers::all_reduce", mutates_args=())
@@ -61,3 +82,35 @@ def _(x, dim, sizes, group_name, tag):
     shape = list(x.shape)
     shape[dim] = sum(sizes)
     return x.new_empty(shape)
+
+
+@torch.library.custom_op("tplayers::halo_pad", mutates_args=())
+def halo_pad_op(x: torch.Tensor, dim: int, group_name: str, recv: List[int], send: List[int], periodic: bool,
+                memory_format: int) -> torch.Tensor:
+    """``x`` padded with its neighbours' rows along ``dim`` (see :func:`tplayers.comm.halo.halo_pad`)."""
+    from tplayers.comm.halo import halo_pad
+
+    return halo_pad(x, dim, _group(group_name), tuple(recv), tuple(send), periodic, _FORMATS[memory_format])[0]
+
+
+@halo_pad_op.register_fake
+def _(x, dim, group_name, recv, send, periodic, memory_format):
+    shape = list(x.shape)
+    shape[dim] += recv[0] + recv[1]
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_FORMATS[memory_format])
+
+
+@torch.library.custom_op("tplayers::halo_adjoint", mutates_args=())
+def halo_adjoint_op(grad: torch.Tensor, dim: int, group_name: str, recv: List[int], send: List[int], n: int,
+                    lo: int, hi: int, grad_format: int) -> torch.Tensor:
+    """The adjoint of :func:`halo_pad_op`: halo gradients sent back and added into their owners' rows."""
+    from tplayers.comm.halo import halo_adjoint
+
+    return halo_adjoint(grad, halo_state(dim, group_name, recv, send, n, lo, hi, grad_format))
+
+
+@halo_adjoint_op.register_fake
+def _(grad, dim, group_name, recv, send, n, lo, hi, grad_format):
+    shape = list(grad.shape)
+    shape[dim] = n
+    return torch.empty(shape, dtype=grad.dtype, device=grad.device, memory_format=_FORMATS[grad_format])

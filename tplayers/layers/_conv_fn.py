@@ -15,7 +15,7 @@ cheap boundary padding and trim are replayed under autograd in backward).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -84,21 +84,29 @@ class HaloConvFunction(torch.autograd.Function):
             gw = torch.zeros_like(weight) if need_w else None
             gb = weight.new_zeros(weight.shape[0]) if need_b else None
         else:
-            with torch.enable_grad():  # replay only the cheap padding / trim, to differentiate it
-                xp_ = xp.detach().requires_grad_(need_x)
-                xc = spec.prepare(xp_)
+            compiling = torch.compiler.is_compiling()
+            if compiling:  # traceable: the padding / trim's vjp through torch.func
+                xc, prepare_vjp = torch.func.vjp(spec.prepare, xp)
+            else:
+                with torch.enable_grad():  # replay only the cheap padding / trim, to differentiate it
+                    xp_ = xp.detach().requires_grad_(need_x)
+                    xc = spec.prepare(xp_)
             gi, gw, gb = torch.ops.aten.convolution_backward(
                 grad, xc.detach(), weight, [weight.shape[0]] if ctx.has_bias else None, list(spec.stride),
                 list(spec.padding), list(spec.dilation), False, [0] * len(spec.stride), spec.groups,
                 [need_x, need_w, need_b])
             gxp = None
-            if need_x:
+            if need_x and compiling:
+                gxp = prepare_vjp(gi)[0]
+            elif need_x:
                 gxp = gi if xc is xp_ else torch.autograd.grad(xc, xp_, gi)[0]
         params = [g for g, need in ((gw, need_w), (gb, need_b)) if need]
         flat = torch.cat([g.reshape(-1) for g in params]) if params else None
         groups = [g for g in spec.reduce_groups if dist.get_world_size(g) > 1] if params else []
         state = ctx.state
-        if len(groups) == 1 and groups[0] is state.group and dist.get_world_size(groups[0]) == 2:
+        if torch.compiler.is_compiling():  # one registered op: adjoint halo + parameter-gradient sum
+            grad_x, flat = _compiled_backward(gxp, flat, state, groups)
+        elif len(groups) == 1 and groups[0] is state.group and dist.get_world_size(groups[0]) == 2:
             grad_x = _pair_backward(gxp, flat, state)
         else:
             grad_x = _reduce_backward(gxp, flat, state, groups)
@@ -154,3 +162,49 @@ def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tenso
     for g in groups[1:]:
         all_reduce_sum(flat, g, "conv.param_grads")
     return grad_x
+
+
+def _compiled_backward(gxp, flat, state, groups):
+    """The backward's communication as the custom op ``tplayers::halo_conv_backward`` (for
+    ``torch.compile``): returns ``(grad_x or None, summed flat or None)``."""
+    if flat is None:
+        return (halo_adjoint(gxp, state) if gxp is not None else None), None
+    from tplayers.comm.ops import format_code, peer_code
+
+    has_x = gxp is not None
+    grad_x, summed = torch.ops.tplayers.halo_conv_backward(
+        gxp if has_x else flat.new_empty(0), flat, has_x, state.dim, state.group.group_name, list(state.recv),
+        list(state.send), state.n, peer_code(state.peers[0]), peer_code(state.peers[1]),
+        format_code(state.grad_format), *([g.group_name for g in groups] + ["", ""])[:2])
+    return (grad_x if has_x else None), summed
+
+
+@torch.library.custom_op("tplayers::halo_conv_backward", mutates_args=())
+def _halo_conv_backward_op(gxp: torch.Tensor, flat: torch.Tensor, has_x: bool, dim: int, group_name: str,
+                           recv: List[int], send: List[int], n: int, lo: int, hi: int, grad_format: int,
+                           reduce0: str, reduce1: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Eager body of :func:`_compiled_backward`: the same paths as :meth:`HaloConvFunction.backward`."""
+    from tplayers.comm.ops import _group, halo_state
+
+    state = halo_state(dim, group_name, recv, send, n, lo, hi, grad_format)
+    groups = [_group(name) for name in (reduce0, reduce1) if name]  # a mesh has at most 2 dims
+    flat = flat.clone()  # reduced in place below; the op's input stays untouched
+    gxp = gxp if has_x else None
+    if len(groups) == 1 and groups[0] is state.group and dist.get_world_size(groups[0]) == 2:
+        grad_x = _pair_backward(gxp, flat, state)
+    else:
+        grad_x = _reduce_backward(gxp, flat, state, groups)
+    return (grad_x if has_x else flat.new_empty(0)), flat
+
+
+@_halo_conv_backward_op.register_fake
+def _(gxp, flat, has_x, dim, group_name, recv, send, n, lo, hi, grad_format, reduce0, reduce1):
+    from tplayers.comm.ops import _FORMATS
+
+    if has_x:
+        shape = list(gxp.shape)
+        shape[dim] = n
+        grad_x = torch.empty(shape, dtype=gxp.dtype, device=gxp.device, memory_format=_FORMATS[grad_format])
+    else:
+        grad_x = flat.new_empty(0)
+    return grad_x, torch.empty_like(flat)

@@ -24,6 +24,8 @@ from tplayers.layers._common import ShardedModule
 
 __all__ = ["DomainLayer", "ntuple"]
 
+_PRIMING = False  # True while DomainLayer._prime_layout fills a cache during torch.compile tracing
+
 
 def ntuple(value, n: int, name: str, layer: str) -> Tuple[int, ...]:
     """``value`` as an ``n``-tuple of ints (an int is repeated), else ``ValueError``."""
@@ -96,6 +98,8 @@ class DomainLayer(ShardedModule):
         twin under ``torch.autocast`` passes its weight cast to the compute dtype)."""
         name = type(self).__name__
         is_tensor = isinstance(x, torch.Tensor)
+        if is_tensor and torch.compiler.is_compiling() and not _PRIMING:  # shape arithmetic stays out of the graph
+            self._prime_layout(tuple(x.shape), x.dtype, x.device, None if ref is None else ref.dtype)
         key = (tuple(x.shape), x.dtype, x.device) if is_tensor else None  # a bad input still joins the exchange
         if key in self._layouts:
             return self._layouts[key]
@@ -138,6 +142,27 @@ class DomainLayer(ShardedModule):
                 sizes[d] = [row[3 + d] for row in table[0]]
         self._layouts[key] = self._build(tuple(shape), sizes, x)
         return self._layouts[key]
+
+    @torch._dynamo.assume_constant_result
+    def _prime_layout(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                      ref_dtype: Optional[torch.dtype]) -> int:
+        """Fill the layout cache for an input of ``shape``/``dtype``/``device`` (``torch.compile``).
+
+        Dynamo calls this eagerly while tracing (its result is a constant), so the layout exchange
+        and the plan arithmetic run on Python ints before the graph is built; the traced
+        ``forward`` then only reads the cache. Every rank traces the same code, so the exchange
+        stays collective. A new local shape recompiles and primes again.
+        """
+        global _PRIMING
+        if (shape, dtype, device) not in self._layouts:
+            stand_in = torch.zeros((), dtype=dtype, device=device).expand(shape)  # no allocation
+            ref = None if ref_dtype is None else torch.zeros((), dtype=ref_dtype, device=device)
+            _PRIMING = True  # the eager call below must not prime again (is_compiling() is True here)
+            try:
+                self._layout(stand_in, ref)
+            finally:
+                _PRIMING = False
+        return 0
 
     def _broadcast_parameters(self) -> None:
         """Make freshly initialised replicated parameters identical on every domain rank."""
