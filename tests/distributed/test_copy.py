@@ -101,3 +101,36 @@ def test_deepcopy_and_pickle_2_ranks():
 
 def test_deepcopy_and_pickle_4_ranks():
     run_ranks(_copies, 4, timeout=60)
+
+
+def _twins(rank, world):
+    """Every spatial twin kind, swapped by DomainParallel, deep-copies and pickles."""
+    torch.manual_seed(0)
+    serial = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.MaxPool2d(2), nn.ConvTranspose2d(4, 3, 2, stride=2),
+        nn.Upsample(scale_factor=2, mode="bilinear"), nn.AvgPool2d(3, stride=2, padding=1),
+        nn.Conv2d(3, 3, 3, padding=1, padding_mode="reflect"), nn.AdaptiveAvgPool2d((3, 2))).double()
+    mesh = tplayers.default_mesh()
+    par = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
+                                      mesh=mesh)
+    kinds = {type(m).__name__ for m in par.modules()}
+    assert {"DistributedConv2d", "DistributedMaxPool2d", "DistributedConvTranspose2d", "DistributedUpsample",
+            "DistributedAvgPool2d", "DistributedAdaptiveAvgPool2d"} <= kinds, kinds
+    x = torch.randn(2, 2, 8 * world, 6, dtype=torch.float64)
+    local = tplayers.shard(x, 2, mesh)
+    ref = par(local)  # warm caches: the copies carry (deepcopy) or rebuild (pickle) them
+    for twin in (copy.deepcopy(par), pickle.loads(pickle.dumps(par))):
+        assert all(p is not q for p, q in zip(par.parameters(), twin.parameters()))
+        xa, xb = local.clone().requires_grad_(True), local.clone().requires_grad_(True)
+        ya, yb = par(xa), twin(xb)
+        assert torch.equal(ya, yb) and torch.equal(ya, ref)
+        (ya * ya).sum().backward()
+        (yb * yb).sum().backward()
+        assert torch.equal(xa.grad, xb.grad)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(par.parameters(), twin.parameters()))
+        par.zero_grad(set_to_none=True)
+    return True
+
+
+def test_deepcopy_and_pickle_spatial_twins():
+    run_ranks(_twins, 3, timeout=90)
