@@ -207,3 +207,69 @@ def test_optimizer_errors(tmp_path):
     path = str(tmp_path / "plain")
     save_checkpoint(serial_net(), path)
     run_ranks(_bad, 2, args=(path,), timeout=60)
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(2, 5, 3, padding=1, padding_mode="circular"), nn.Tanh(),
+                                 nn.Conv2d(5, 3, 3, stride=2, padding=1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _cnn_data(step):
+    g = torch.Generator().manual_seed(200 + step)
+    return torch.randn(4, 2, 11, 6, dtype=torch.float64, generator=g), torch.randn(4, 3, 6, 3, dtype=torch.float64, generator=g)
+
+
+def _dp_domain(rank, world, kind, path):
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "domain"))
+    torch.manual_seed(0)
+    model = tplayers.parallelize_module(CNN().double(), {"": tplayers.DomainParallel(shard_dims=(2,))},
+                                        mesh=mesh["domain"])
+    if kind == "ddp":
+        model = nn.parallel.DistributedDataParallel(model, process_group=mesh["dp"].get_group())
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh["dp"])
+    opt = make_opt("sgd", model.parameters())
+    d = mesh.get_local_rank(0)
+    for step in range(2):
+        x, w = _cnn_data(step)
+        x, w = x[2 * d:2 * d + 2], w[2 * d:2 * d + 2]  # my half of the batch
+        y = model(tplayers.shard(x, 2, mesh["domain"]))
+        # the domain's local sums add up to this half's sum; x 2 undoes dp's average of the halves
+        loss = (y * tplayers.shard(w, 2, mesh["domain"])).sum() * 2
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    save_checkpoint(model, path, optimizer=opt)
+    return {k: v.clone() for k, v in gather_state_dict(model).items()}
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_dp_x_domain_trains_exactly_and_saves(tmp_path, kind):
+    """(dp, domain) = (2, 2): DDP / FSDP2 over dp of a domain-parallel CNN trains like the serial model
+    on the full batch (SGD momentum: linear in the gradients, so fp64 round-off stays at 1e-16; AdamW
+    would amplify the round-off of gradients that are ~0), and its checkpoint loads serially."""
+    path = str(tmp_path / "cnn")
+    full = run_ranks(_dp_domain, 4, args=(kind, path), timeout=120)[0]
+    torch.manual_seed(0)
+    serial = CNN().double()
+    opt = make_opt("sgd", serial.parameters())
+    for step in range(2):
+        x, w = _cnn_data(step)
+        opt.zero_grad()
+        (serial(x) * w).sum().backward()
+        opt.step()
+    for k, v in serial.state_dict().items():
+        torch.testing.assert_close(full[k], v, **TIGHT)
+    fresh = CNN().double()
+    fresh_opt = make_opt("sgd", fresh.parameters())
+    load_checkpoint(fresh, path, optimizer=fresh_opt)
+    for p, q in zip(serial.parameters(), fresh.parameters()):
+        torch.testing.assert_close(q, p, **TIGHT)
+        torch.testing.assert_close(fresh_opt.state[q]["momentum_buffer"], opt.state[p]["momentum_buffer"], **TIGHT)
