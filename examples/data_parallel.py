@@ -19,6 +19,7 @@ half of every batch. The script then
 
 import argparse
 import copy
+import gc
 import os
 import tempfile
 from datetime import timedelta
@@ -147,6 +148,10 @@ def main():
     save_checkpoint(cnn, os.path.join(root[0], "cnn"), optimizer=cnn_opt)
     if rank == 0:
         print(f"dp={dp} x domain={world // dp} CNN: DDP step done, checkpoint keys {sorted(CNN().state_dict())}")
+    # Leave together, after releasing what holds communication state (DDP's reducer, FSDP's
+    # hooks): a rank tearing down while a peer still uses the group can abort that peer.
+    del model, fresh, cnn, opt, fresh_opt, cnn_opt
+    gc.collect()
     dist.barrier()
     if rank == 0:
         print("done")

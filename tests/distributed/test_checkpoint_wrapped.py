@@ -21,6 +21,16 @@ from tplayers.checkpoint import CheckpointError, gather_state_dict, load_checkpo
 TIGHT = dict(rtol=1e-12, atol=1e-12)
 
 
+def _portable(state):
+    """A state dict as nested lists (exact for fp64): tensors returned through the harness queue
+    share memory by file descriptor, which can vanish when the rank exits first."""
+    return {k: (v.tolist(), str(v.dtype)) for k, v in state.items()}
+
+
+def _tensors(rows):
+    return {k: torch.tensor(v, dtype=getattr(torch, d.removeprefix("torch."))) for k, (v, d) in rows.items()}
+
+
 class Net(nn.Module):
     """LayerNorm (replicated), Column -> Row MLP with uneven hidden 7, Column head (5 outputs)."""
 
@@ -95,7 +105,7 @@ def _save_wrapped(rank, world, kind, path, opt_kind):
     train_dp(model, opt, [0, 1], mesh.get_local_rank(0), 2)
     save_checkpoint(model, path, optimizer=opt)
     full = gather_state_dict(model)  # unwrapped too: the serial keys
-    return {k: v.clone() for k, v in full.items()}
+    return _portable(full)
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
@@ -103,7 +113,7 @@ def test_wrapped_save_loads_serially(tmp_path, kind):
     """dp x tp = 2 x 2, DDP or FSDP2 with AdamW: the checkpoint has exactly the serial keys,
     and a serial model + AdamW loaded from it continue exactly like uninterrupted serial training."""
     path = str(tmp_path / "ckpt")
-    full = run_ranks(_save_wrapped, 4, args=(kind, path, "adamw"), timeout=120)[0]
+    full = _tensors(run_ranks(_save_wrapped, 4, args=(kind, path, "adamw"), timeout=120)[0])
     serial = serial_net()
     opt = make_opt("adamw", serial.parameters())
     train_serial(serial, opt, [0, 1])
@@ -137,7 +147,7 @@ def _load_wrapped(rank, world, kind, path, opt_kind):
     load_checkpoint(model, path, optimizer=opt)
     train_dp(model, opt, [2, 3], mesh.get_local_rank(0), 2)
     full = gather_state_dict(model)
-    return {k: v.clone() for k, v in full.items()}
+    return _portable(full)
 
 
 @pytest.mark.parametrize("kind,opt_kind", [("ddp", "sgd"), ("fsdp", "adamw")])
@@ -149,7 +159,7 @@ def test_serial_save_loads_wrapped(tmp_path, kind, opt_kind):
     opt = make_opt(opt_kind, serial.parameters())
     train_serial(serial, opt, [0, 1])
     save_checkpoint(serial, path, optimizer=opt)
-    full = run_ranks(_load_wrapped, 4, args=(kind, path, opt_kind), timeout=120)[0]
+    full = _tensors(run_ranks(_load_wrapped, 4, args=(kind, path, opt_kind), timeout=120)[0])
     train_serial(serial, opt, [2, 3])
     for k, v in serial.state_dict().items():
         torch.testing.assert_close(full[k], v, **TIGHT)
@@ -163,7 +173,7 @@ def _tp_train(rank, world, path, opt_kind, steps, load):
     train_serial(model, opt, steps)  # pure TP: every rank sees the full batch
     if not load:
         save_checkpoint(model, path, optimizer=opt)
-    return {k: v.clone() for k, v in gather_state_dict(model).items()}
+    return _portable(gather_state_dict(model))
 
 
 @pytest.mark.parametrize("opt_kind", ["adamw", "sgd"])
@@ -172,7 +182,7 @@ def test_optimizer_resume_at_another_world_size(tmp_path, opt_kind):
     2 more: equals 4 uninterrupted serial steps in fp64."""
     path = str(tmp_path / "tp2")
     run_ranks(_tp_train, 2, args=(path, opt_kind, [0, 1], False), timeout=90)
-    full = run_ranks(_tp_train, 3, args=(path, opt_kind, [2, 3], True), timeout=90)[0]
+    full = _tensors(run_ranks(_tp_train, 3, args=(path, opt_kind, [2, 3], True), timeout=90)[0])
     serial = serial_net()
     opt = make_opt(opt_kind, serial.parameters())
     train_serial(serial, opt, [0, 1, 2, 3])
@@ -247,7 +257,7 @@ def _dp_domain(rank, world, kind, path):
         loss.backward()
         opt.step()
     save_checkpoint(model, path, optimizer=opt)
-    return {k: v.clone() for k, v in gather_state_dict(model).items()}
+    return _portable(gather_state_dict(model))
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
@@ -256,7 +266,7 @@ def test_dp_x_domain_trains_exactly_and_saves(tmp_path, kind):
     on the full batch (SGD momentum: linear in the gradients, so fp64 round-off stays at 1e-16; AdamW
     would amplify the round-off of gradients that are ~0), and its checkpoint loads serially."""
     path = str(tmp_path / "cnn")
-    full = run_ranks(_dp_domain, 4, args=(kind, path), timeout=120)[0]
+    full = _tensors(run_ranks(_dp_domain, 4, args=(kind, path), timeout=120)[0])
     torch.manual_seed(0)
     serial = CNN().double()
     opt = make_opt("sgd", serial.parameters())
