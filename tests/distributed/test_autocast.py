@@ -163,3 +163,25 @@ def _still_strict(rank, world):
 
 def test_autocast_keeps_checks():
     run_ranks(_still_strict, 2, timeout=60)
+
+
+def _na(rank, world):
+    torch.manual_seed(0)
+    single = tplayers.NeighborhoodAttention(8, 2, 3, rel_pos_bias=True)  # single-device NA: the oracle
+    mesh = tplayers.default_mesh()
+    par = tplayers.NeighborhoodAttention.from_module(single, mesh=mesh, shard_dims=(1,))
+    worst = 0.0
+    for dtype in (torch.float32, torch.bfloat16):  # a bf16 input (from an earlier autocast layer) too
+        x = torch.randn(2, 4 * world + 1, 6, 8, generator=torch.Generator().manual_seed(3)).to(dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ys = single(x)
+            yp = par(tplayers.shard(x, 1, mesh))
+        assert ys.dtype == yp.dtype == torch.bfloat16
+        worst = max(worst, _close(yp.float(), tplayers.shard(ys, 1, mesh).float(), 4 * world, f"NA {dtype}"))
+    with pytest.raises(ValueError, match="dtype"):  # outside autocast the dtype check stays strict
+        par(tplayers.shard(x, 1, mesh))
+    return worst
+
+
+def test_autocast_neighborhood_attention():
+    run_ranks(_na, 2, timeout=60)

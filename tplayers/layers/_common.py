@@ -105,3 +105,13 @@ def check_reduce_dtype(reduce_dtype, layer: str):
     if reduce_dtype is not None and (not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point):
         raise TypeError(f"{layer}: reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}")
     return reduce_dtype
+
+
+def autocast_dtype_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a layer computing ``F.linear(x, weight)`` accepts ``x``'s dtype: the weight's, or,
+    under ``torch.autocast`` on ``x``'s device, any dtype autocast casts (as ``nn.Linear`` does)."""
+    if x.dtype == weight.dtype:
+        return True
+    device = x.device.type
+    return (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+            and x.dtype in AUTOCAST_ELIGIBLE and weight.dtype in AUTOCAST_ELIGIBLE)

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_many_to_parallel_region, halo_exchange
 from tplayers.comm.agree import exchange_agreed
-from tplayers.layers._common import ShardedModule
+from tplayers.layers._common import ShardedModule, autocast_dtype_ok
 from tplayers.ops.na import check_window_fits, neighborhood_attention_2d, normalize_na_args
 from tplayers.ops.na_layout import axis_halos
 from tplayers.sharding import ShardSpec
@@ -136,7 +136,7 @@ class NeighborhoodAttention(ShardedModule):
     # ------------------------------------------------------------------ layout
     def _check_local(self, x: torch.Tensor) -> bool:
         return (isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[-1] == self.embed_dim
-                and x.dtype == self.qkv.weight.dtype and x.device == self.qkv.weight.device)
+                and autocast_dtype_ok(x, self.qkv.weight) and x.device == self.qkv.weight.device)
 
     def _raise_bad_input(self, x, where: str = "") -> None:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
