@@ -1,0 +1,203 @@
+"""The fused tile kernel of neighborhood attention (torch ops only, CPU or any device).
+
+Work is tiled as in :mod:`tplayers.ops.na_layout`: ``tH x tW`` queries share a key
+region of ``RH x RW`` pixels. :class:`TilePlan` holds, for one geometry, the flat
+pixel index of every query slot and region slot, the window mask as a few distinct
+``(tq, R)`` patterns (tiles whose windows sit alike share one) and the chunks the
+tiles are processed in. :class:`TileAttention` runs the tiles chunk by chunk,
+flash-style: gather a chunk's Q/K/V tiles (all batches and heads), score them
+(one ``bmm``), add the mask (and bias), softmax, apply the values (one ``bmm``),
+and keep nothing score-sized: backward gathers and scores the chunk again.
+Saved for backward: the inputs, the output and the bias table, so peak memory is
+the inputs' and gradients' size plus one chunk's scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import List, Optional, Tuple
+
+import torch
+
+from tplayers.ops.na_layout import AxisTiles
+
+__all__ = ["TilePlan", "tile_plan", "TileAttention", "CHUNK_SCORES"]
+
+#: target score elements per chunk per (batch, head) plane: 16 Ki fp32 = 64 KiB, so a
+#: chunk's scores, probabilities and tiles stay in a core's L2 cache for B*heads ~ 4
+CHUNK_SCORES = 1 << 14
+
+
+@dataclass(frozen=True, eq=False)
+class TilePlan:
+    """Index tables of one tiled geometry (on the compute device).
+
+    ``q_flat`` (T*tq,): flat query pixel of each query slot (a padding slot repeats a
+    real query). ``k_flat`` (T*R,): flat key pixel of each region slot. ``out_flat``
+    (Hq*Wq,): the slot computing each query. ``valid`` (T*tq,) 1/0, or None when no
+    slot pads. ``masks`` (P, tq, R): additive window patterns (0 / -inf);
+    ``mask_id`` (T,): each tile's pattern. ``chunks``: ``[t0, t1)`` tile ranges.
+    """
+
+    th: AxisTiles
+    tw: AxisTiles
+    q_flat: torch.Tensor
+    k_flat: torch.Tensor
+    out_flat: torch.Tensor
+    valid: Optional[torch.Tensor]
+    masks: torch.Tensor
+    mask_id: torch.Tensor
+    chunks: Tuple[Tuple[int, int], ...]
+
+    @property
+    def tq(self) -> int:
+        return self.th.tile * self.tw.tile
+
+    @property
+    def region(self) -> int:
+        return self.th.region * self.tw.region
+
+    @property
+    def num_tiles(self) -> int:
+        return self.th.num_tiles * self.tw.num_tiles
+
+    def chunk_masks(self, t0: int, t1: int) -> torch.Tensor:
+        """``(t1 - t0, tq, R)`` additive masks of a chunk (a view when it has one pattern)."""
+        ids = self.mask_id[t0:t1]
+        if bool((ids == ids[0]).all()):
+            return self.masks[int(ids[0])].expand(t1 - t0, -1, -1)
+        return self.masks.index_select(0, ids)
+
+
+def _unique_rows(mask: torch.Tensor):
+    """Distinct ``mask[i]`` patterns of an axis and each tile's pattern id."""
+    flat = mask.flatten(1)
+    patterns, ids = torch.unique(flat, dim=0, return_inverse=True)
+    return patterns.view(-1, *mask.shape[1:]), ids
+
+
+@lru_cache(maxsize=32)
+def tile_plan(th: AxisTiles, tw: AxisTiles, wq: int, wk: int, device: torch.device,
+              dtype: torch.dtype, chunk_scores: int = CHUNK_SCORES) -> TilePlan:
+    """The :class:`TilePlan` of two axes' tiles; ``wq`` / ``wk``: row widths of the q / k tensors."""
+    q_flat = th.q_index[:, None, :, None] * wq + tw.q_index[None, :, None, :]  # (nth, ntw, tH, tW)
+    k_flat = th.k_index[:, None, :, None] * wk + tw.k_index[None, :, None, :]  # (nth, ntw, RH, RW)
+    ti, mi = th.out_pos // th.tile, th.out_pos % th.tile
+    tj, mj = tw.out_pos // tw.tile, tw.out_pos % tw.tile
+    out_flat = ((ti[:, None] * tw.num_tiles + tj[None, :]) * th.tile + mi[:, None]) * tw.tile + mj[None, :]
+    valid = torch.zeros(q_flat.numel(), dtype=dtype)
+    valid[out_flat.flatten()] = 1
+    valid = None if bool((valid == 1).all()) else valid.to(device)
+    # window masks: the outer product of one row pattern and one column pattern per tile
+    ph, idh = _unique_rows(th.mask)  # (Ph, tH, RH), (nth,)
+    pw, idw = _unique_rows(tw.mask)  # (Pw, tW, RW), (ntw,)
+    inside = ph[:, None, :, None, :, None] & pw[None, :, None, :, None, :]  # (Ph, Pw, tH, tW, RH, RW)
+    tq, region = th.tile * tw.tile, th.region * tw.region
+    inside = inside.reshape(ph.shape[0] * pw.shape[0], tq, region)
+    masks = torch.zeros(inside.shape, dtype=dtype).masked_fill_(~inside, float("-inf"))
+    mask_id = (idh[:, None] * pw.shape[0] + idw[None, :]).flatten()
+    # chunks: whole tile rows when they fit (one mask pattern per row in the interior)
+    num_tiles, per_chunk = th.num_tiles * tw.num_tiles, max(1, chunk_scores // (tq * region))
+    chunks: List[Tuple[int, int]] = []
+    for t0 in range(0, num_tiles, per_chunk):
+        chunks.append((t0, min(t0 + per_chunk, num_tiles)))
+    return TilePlan(th, tw, q_flat.flatten().to(device), k_flat.flatten().to(device), out_flat.flatten().to(device),
+                    valid, masks.to(device), mask_id.to(device), tuple(chunks))
+
+
+@lru_cache(maxsize=32)
+def _rel_index(plan: TilePlan, width: int) -> torch.Tensor:
+    """Flat ``rel_h * width + rel_w`` index of every score, in tile order: (T, tq, R)."""
+    th, tw = plan.th, plan.tw
+    flat = th.rel[:, None, :, None, :, None] * width + tw.rel[None, :, None, :, None, :]  # (nth, ntw, tH, tW, RH, RW)
+    return flat.reshape(plan.num_tiles, plan.tq, plan.region).to(plan.masks.device)
+
+
+def _gather(src: torch.Tensor, index: torch.Tensor, per_tile: int) -> torch.Tensor:
+    """``src`` (B, heads, P, D) pixels ``index`` -> (B * heads * tiles, per_tile, D), contiguous."""
+    out = src.index_select(2, index)
+    return out.view(-1, per_tile, src.shape[-1])
+
+
+def _scores(plan: TilePlan, t0: int, t1: int, qt, kt, table, heads: int) -> torch.Tensor:
+    """Masked (and biased) scores of chunk ``[t0, t1)``: (B*heads*c, tq, R); ``qt`` is pre-scaled."""
+    scores = torch.bmm(qt, kt.transpose(1, 2))
+    c = t1 - t0
+    planes = scores.view(-1, c, plan.tq, plan.region)
+    planes.add_(plan.chunk_masks(t0, t1))
+    if table is not None:
+        rel = _rel_index(plan, table.shape[-1])[t0:t1]
+        bias = table.flatten(1).index_select(1, rel.flatten()).view(heads, c, plan.tq, plan.region)
+        scores.view(-1, heads, c, plan.tq, plan.region).add_(bias)
+    return scores
+
+
+class TileAttention(torch.autograd.Function):
+    """Neighborhood attention over a :class:`TilePlan`, chunk by chunk, nothing score-sized kept.
+
+    forward: per chunk ``S = scale Q K^T + window (0/-inf) + bias``, ``P = softmax(S)``, ``O = P V`` /
+    backward: per chunk ``S``, ``P`` again, ``dV += P^T dO``, ``dS = P * (dO V^T - rowsum(dO * O))``,
+    ``dQ = scale dS K``, ``dK += scale dS^T Q``, ``dbias += sum over batch of dS``.
+    Inputs: ``q`` (B, heads, Pq, D), ``k``/``v`` (B, heads, Pk, D|Dv) (views of pixel-major
+    tensors), the bias ``table`` (heads, 2kH-1, 2kW-1) or None. Returns (B, Pq, heads, Dv).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, table, plan: TilePlan, scale: float):
+        batch, heads, pq, _ = q.shape
+        tq, region, dv = plan.tq, plan.region, v.shape[-1]
+        out_tiles = q.new_empty(batch, heads, plan.num_tiles * tq, dv)
+        for t0, t1 in plan.chunks:
+            qt = _gather(q, plan.q_flat[t0 * tq:t1 * tq], tq).mul_(scale)
+            kt = _gather(k, plan.k_flat[t0 * region:t1 * region], region)
+            vt = _gather(v, plan.k_flat[t0 * region:t1 * region], region)
+            probs = torch.softmax(_scores(plan, t0, t1, qt, kt, table, heads), -1)
+            out_tiles[:, :, t0 * tq:t1 * tq] = torch.bmm(probs, vt).view(batch, heads, -1, dv)
+            del qt, kt, vt, probs
+        out = out_tiles.transpose(1, 2).index_select(1, plan.out_flat)  # (B, Pq, heads, Dv)
+        ctx.save_for_backward(q, k, v, table, out)
+        ctx.plan, ctx.scale = plan, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, table, out = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        batch, heads = q.shape[:2]
+        tq, region = plan.tq, plan.region
+        grad_out = grad_out.contiguous()
+        delta = (grad_out * out).sum(-1).transpose(1, 2)  # (B, heads, Pq): rowsum(dO * O)
+        g_src = grad_out.transpose(1, 2)  # (B, heads, Pq, Dv)
+        grad_q = torch.zeros(batch, q.shape[2], heads, q.shape[3], dtype=q.dtype, device=q.device)
+        grad_k = torch.zeros(batch, k.shape[2], heads, k.shape[3], dtype=k.dtype, device=k.device)
+        grad_v = torch.zeros(batch, v.shape[2], heads, v.shape[3], dtype=v.dtype, device=v.device)
+        want_bias = table is not None and ctx.needs_input_grad[3]
+        grad_table = torch.zeros_like(table).flatten(1) if want_bias else None
+        for t0, t1 in plan.chunks:
+            qi, ki = plan.q_flat[t0 * tq:t1 * tq], plan.k_flat[t0 * region:t1 * region]
+            qt = _gather(q, qi, tq).mul_(scale)
+            kt, vt = _gather(k, ki, region), _gather(v, ki, region)
+            gt = _gather(g_src, qi, tq)
+            dt = delta.index_select(2, qi).view(-1, tq, 1)
+            if plan.valid is not None:  # padding slots repeat a query: they must add nothing
+                valid = plan.valid[t0 * tq:t1 * tq].view(-1, tq, 1)
+                gt = gt.view(batch * heads, -1, tq, gt.shape[-1]).mul_(valid).view(gt.shape)
+                dt = dt.view(batch * heads, -1, tq, 1).mul(valid).view(dt.shape)
+            probs = torch.softmax(_scores(plan, t0, t1, qt, kt, table, heads), -1)
+            dv_t = torch.bmm(probs.transpose(1, 2), gt)  # (N, R, Dv)
+            ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(dt).mul_(probs)  # dS (N, tq, R)
+            del probs
+            dq_t = torch.bmm(ds, kt)  # (N, tq, D), times scale below
+            dk_t = torch.bmm(ds.transpose(1, 2), qt)  # qt carries the scale already
+            shape = (batch, heads, -1)
+            grad_q.index_add_(1, qi, dq_t.view(*shape, dq_t.shape[-1]).transpose(1, 2))
+            grad_k.index_add_(1, ki, dk_t.view(*shape, dk_t.shape[-1]).transpose(1, 2))
+            grad_v.index_add_(1, ki, dv_t.view(*shape, dv_t.shape[-1]).transpose(1, 2))
+            if want_bias:
+                rel = _rel_index(plan, table.shape[-1])[t0:t1].flatten()
+                ds_heads = ds.view(batch, heads, -1).sum(0)  # (heads, c*tq*R)
+                grad_table.index_add_(1, rel, ds_heads)
+        grad_q.mul_(scale)
+        grad_table = grad_table.view(table.shape) if want_bias else None
+        return grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2), grad_table, None, None
