@@ -169,13 +169,20 @@ def neighborhood_attention_2d(
     tw = axis_tiles(global_size[1], kernel[1], dilation[1], causal[1], q_offset[1], wq, k_offset[1], k.shape[2], tile[1])
     plan = tile_plan(th, tw, wq, k.shape[2], q.device, q.dtype)
 
-    def pixels(x: torch.Tensor) -> torch.Tensor:  # (B, Hx, Wx, heads, D) -> (B, heads, Hx*Wx, D), a view
-        return x.flatten(1, 2).transpose(1, 2)
+    def pixels(x: torch.Tensor) -> torch.Tensor:  # (B, Hx, Wx, heads, D) -> (B, Hx*Wx, heads*D)
+        return x.reshape(batch, x.shape[1] * x.shape[2], -1).contiguous()
 
-    out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, scale)  # (B, Hq*Wq, heads, Dv)
-    return out.view(batch, hq, wq, heads, out.shape[-1])
+    out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, scale, heads)
+    return out.view(batch, hq, wq, heads, -1)
 
 
 def default_tile(kernel: Tuple[int, int], head_dim: int) -> Tuple[int, int]:
-    """Queries per tile along (H, W), chosen by measurement (``benchmarks/na.py``)."""
-    return (DEFAULT_TILE, DEFAULT_TILE)
+    """Queries per tile along (H, W), chosen by measurement (``benchmarks/na.py``, one core).
+
+    A tile of ``t`` queries along an axis scores ``t + k - 1`` keys where each query needs
+    ``k``: small tiles waste fewer scores, large ones make larger matmuls. For kernel 7,
+    head_dim 32 on one CPU core 4x4 and 4x8 measured fastest (8x8: ~15-25% slower);
+    small kernels waste less per tile and get 8.
+    """
+    del head_dim  # measured at 16-64: the same choice
+    return tuple(4 if k >= 5 else DEFAULT_TILE for k in kernel)

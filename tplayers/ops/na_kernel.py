@@ -24,9 +24,9 @@ from tplayers.ops.na_layout import AxisTiles
 
 __all__ = ["TilePlan", "tile_plan", "TileAttention", "CHUNK_SCORES"]
 
-#: target score elements per chunk per (batch, head) plane: 16 Ki fp32 = 64 KiB, so a
+#: target score elements per chunk per (batch, head) plane: 32 Ki fp32 = 128 KiB, so a
 #: chunk's scores, probabilities and tiles stay in a core's L2 cache for B*heads ~ 4
-CHUNK_SCORES = 1 << 14
+CHUNK_SCORES = 1 << 15
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,7 +34,7 @@ class TilePlan:
     """Index tables of one tiled geometry (on the compute device).
 
     ``q_flat`` (T*tq,): flat query pixel of each query slot (a padding slot repeats a
-    real query). ``k_flat`` (T*R,): flat key pixel of each region slot. ``out_flat``
+    real query); ``q_dest``: the same, -1 at padding slots. ``k_flat`` (T*R,): flat key pixel of each region slot. ``out_flat``
     (Hq*Wq,): the slot computing each query. ``valid`` (T*tq,) 1/0, or None when no
     slot pads. ``masks`` (P, tq, R): additive window patterns (0 / -inf);
     ``mask_id`` (T,): each tile's pattern. ``chunks``: ``[t0, t1)`` tile ranges.
@@ -43,6 +43,7 @@ class TilePlan:
     th: AxisTiles
     tw: AxisTiles
     q_flat: torch.Tensor
+    q_dest: torch.Tensor
     k_flat: torch.Tensor
     out_flat: torch.Tensor
     valid: Optional[torch.Tensor]
@@ -88,6 +89,7 @@ def tile_plan(th: AxisTiles, tw: AxisTiles, wq: int, wk: int, device: torch.devi
     out_flat = ((ti[:, None] * tw.num_tiles + tj[None, :]) * th.tile + mi[:, None]) * tw.tile + mj[None, :]
     valid = torch.zeros(q_flat.numel(), dtype=dtype)
     valid[out_flat.flatten()] = 1
+    q_dest = torch.where(valid == 1, q_flat.flatten(), -1)
     valid = None if bool((valid == 1).all()) else valid.to(device)
     # window masks: the outer product of one row pattern and one column pattern per tile
     ph, idh = _unique_rows(th.mask)  # (Ph, tH, RH), (nth,)
@@ -102,7 +104,7 @@ def tile_plan(th: AxisTiles, tw: AxisTiles, wq: int, wk: int, device: torch.devi
     chunks: List[Tuple[int, int]] = []
     for t0 in range(0, num_tiles, per_chunk):
         chunks.append((t0, min(t0 + per_chunk, num_tiles)))
-    return TilePlan(th, tw, q_flat.flatten().to(device), k_flat.flatten().to(device), out_flat.flatten().to(device),
+    return TilePlan(th, tw, q_flat.flatten().to(device), q_dest.to(device), k_flat.flatten().to(device), out_flat.flatten().to(device),
                     valid, masks.to(device), mask_id.to(device), tuple(chunks))
 
 
@@ -114,18 +116,35 @@ def _rel_index(plan: TilePlan, width: int) -> torch.Tensor:
     return flat.reshape(plan.num_tiles, plan.tq, plan.region).to(plan.masks.device)
 
 
-def _gather(src: torch.Tensor, index: torch.Tensor, per_tile: int) -> torch.Tensor:
-    """``src`` (B, heads, P, D) pixels ``index`` -> (B * heads * tiles, per_tile, D), contiguous."""
-    out = src.index_select(2, index)
-    return out.view(-1, per_tile, src.shape[-1])
+def _rows(index: torch.Tensor, batch: int, pixels: int, dummy: Optional[int] = None) -> torch.Tensor:
+    """Row numbers in a ``(batch * pixels, F)`` matrix of pixel ``index`` in every batch element.
+
+    Negative entries (padding slots) map to row ``dummy``.
+    """
+    pad = None if dummy is None else (index < 0).repeat(batch)
+    if batch > 1:
+        index = (torch.arange(batch, device=index.device)[:, None] * pixels + index).flatten()
+    return index if dummy is None else index.masked_fill(pad, dummy)
+
+
+def _gather(src: torch.Tensor, rows: torch.Tensor, batch: int, heads: int, per_tile: int) -> torch.Tensor:
+    """Pixel rows of ``src`` (B*P, heads*D) -> (B * heads * tiles, per_tile, D), contiguous, head-major."""
+    dim = src.shape[1] // heads
+    out = src.index_select(0, rows).view(batch, -1, heads, dim).transpose(1, 2)
+    return out.reshape(-1, per_tile, dim)
+
+
+def _pixel_rows(tiles: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """(B * heads * tiles, per_tile, D) -> (B * tiles * per_tile, heads * D): the layout of ``_gather``'s source."""
+    dim = tiles.shape[-1]
+    return tiles.view(batch, heads, -1, dim).transpose(1, 2).reshape(-1, heads * dim)
 
 
 def _scores(plan: TilePlan, t0: int, t1: int, qt, kt, table, heads: int) -> torch.Tensor:
     """Masked (and biased) scores of chunk ``[t0, t1)``: (B*heads*c, tq, R); ``qt`` is pre-scaled."""
     scores = torch.bmm(qt, kt.transpose(1, 2))
     c = t1 - t0
-    planes = scores.view(-1, c, plan.tq, plan.region)
-    planes.add_(plan.chunk_masks(t0, t1))
+    scores.view(-1, c, plan.tq, plan.region).add_(plan.chunk_masks(t0, t1))
     if table is not None:
         rel = _rel_index(plan, table.shape[-1])[t0:t1]
         bias = table.flatten(1).index_select(1, rel.flatten()).view(heads, c, plan.tq, plan.region)
@@ -139,65 +158,62 @@ class TileAttention(torch.autograd.Function):
     forward: per chunk ``S = scale Q K^T + window (0/-inf) + bias``, ``P = softmax(S)``, ``O = P V`` /
     backward: per chunk ``S``, ``P`` again, ``dV += P^T dO``, ``dS = P * (dO V^T - rowsum(dO * O))``,
     ``dQ = scale dS K``, ``dK += scale dS^T Q``, ``dbias += sum over batch of dS``.
-    Inputs: ``q`` (B, heads, Pq, D), ``k``/``v`` (B, heads, Pk, D|Dv) (views of pixel-major
-    tensors), the bias ``table`` (heads, 2kH-1, 2kW-1) or None. Returns (B, Pq, heads, Dv).
+    Inputs: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major, contiguous;
+    the bias ``table`` (heads, 2kH-1, 2kW-1) or None. Returns (B, Pq, heads*Dv).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, table, plan: TilePlan, scale: float):
-        batch, heads, pq, _ = q.shape
-        tq, region, dv = plan.tq, plan.region, v.shape[-1]
-        out_tiles = q.new_empty(batch, heads, plan.num_tiles * tq, dv)
+    def forward(ctx, q, k, v, table, plan: TilePlan, scale: float, heads: int):
+        batch, pq, pk = q.shape[0], q.shape[1], k.shape[1]
+        tq, region = plan.tq, plan.region
+        q2, k2, v2 = q.view(batch * pq, -1), k.view(batch * pk, -1), v.view(batch * pk, -1)
+        out = q.new_empty(batch * pq + 1, v.shape[-1])  # the last row takes the padding slots
         for t0, t1 in plan.chunks:
-            qt = _gather(q, plan.q_flat[t0 * tq:t1 * tq], tq).mul_(scale)
-            kt = _gather(k, plan.k_flat[t0 * region:t1 * region], region)
-            vt = _gather(v, plan.k_flat[t0 * region:t1 * region], region)
+            q_rows = _rows(plan.q_flat[t0 * tq:t1 * tq], batch, pq)
+            k_rows = _rows(plan.k_flat[t0 * region:t1 * region], batch, pk)
+            qt = _gather(q2, q_rows, batch, heads, tq).mul_(scale)
+            kt, vt = _gather(k2, k_rows, batch, heads, region), _gather(v2, k_rows, batch, heads, region)
             probs = torch.softmax(_scores(plan, t0, t1, qt, kt, table, heads), -1)
-            out_tiles[:, :, t0 * tq:t1 * tq] = torch.bmm(probs, vt).view(batch, heads, -1, dv)
+            dest = _rows(plan.q_dest[t0 * tq:t1 * tq], batch, pq, dummy=batch * pq)
+            out.index_copy_(0, dest, _pixel_rows(torch.bmm(probs, vt), batch, heads))
             del qt, kt, vt, probs
-        out = out_tiles.transpose(1, 2).index_select(1, plan.out_flat)  # (B, Pq, heads, Dv)
+        out = out[: batch * pq].view(batch, pq, -1)
         ctx.save_for_backward(q, k, v, table, out)
-        ctx.plan, ctx.scale = plan, scale
+        ctx.plan, ctx.scale, ctx.heads = plan, scale, heads
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, table, out = ctx.saved_tensors
-        plan, scale = ctx.plan, ctx.scale
-        batch, heads = q.shape[:2]
+        plan, scale, heads = ctx.plan, ctx.scale, ctx.heads
+        batch, pq, pk = q.shape[0], q.shape[1], k.shape[1]
         tq, region = plan.tq, plan.region
+        q2, k2, v2 = q.view(batch * pq, -1), k.view(batch * pk, -1), v.view(batch * pk, -1)
         grad_out = grad_out.contiguous()
-        delta = (grad_out * out).sum(-1).transpose(1, 2)  # (B, heads, Pq): rowsum(dO * O)
-        g_src = grad_out.transpose(1, 2)  # (B, heads, Pq, Dv)
-        grad_q = torch.zeros(batch, q.shape[2], heads, q.shape[3], dtype=q.dtype, device=q.device)
-        grad_k = torch.zeros(batch, k.shape[2], heads, k.shape[3], dtype=k.dtype, device=k.device)
-        grad_v = torch.zeros(batch, v.shape[2], heads, v.shape[3], dtype=v.dtype, device=v.device)
+        g2, o2 = grad_out.view(batch * pq, -1), out.view(batch * pq, -1)
+        grad_q = q.new_empty(batch * pq + 1, q.shape[-1])  # every query written once; last row: padding
+        grad_k, grad_v = torch.zeros_like(k2), torch.zeros_like(v2)
         want_bias = table is not None and ctx.needs_input_grad[3]
         grad_table = torch.zeros_like(table).flatten(1) if want_bias else None
         for t0, t1 in plan.chunks:
-            qi, ki = plan.q_flat[t0 * tq:t1 * tq], plan.k_flat[t0 * region:t1 * region]
-            qt = _gather(q, qi, tq).mul_(scale)
-            kt, vt = _gather(k, ki, region), _gather(v, ki, region)
-            gt = _gather(g_src, qi, tq)
-            dt = delta.index_select(2, qi).view(-1, tq, 1)
+            q_rows = _rows(plan.q_flat[t0 * tq:t1 * tq], batch, pq)
+            k_rows = _rows(plan.k_flat[t0 * region:t1 * region], batch, pk)
+            qt = _gather(q2, q_rows, batch, heads, tq).mul_(scale)
+            kt, vt = _gather(k2, k_rows, batch, heads, region), _gather(v2, k_rows, batch, heads, region)
+            gt = _gather(g2, q_rows, batch, heads, tq)
             if plan.valid is not None:  # padding slots repeat a query: they must add nothing
-                valid = plan.valid[t0 * tq:t1 * tq].view(-1, tq, 1)
-                gt = gt.view(batch * heads, -1, tq, gt.shape[-1]).mul_(valid).view(gt.shape)
-                dt = dt.view(batch * heads, -1, tq, 1).mul(valid).view(dt.shape)
+                gt.view(batch * heads, -1, tq, gt.shape[-1]).mul_(plan.valid[t0 * tq:t1 * tq].view(-1, tq, 1))
+            dt = (gt * _gather(o2, q_rows, batch, heads, tq)).sum(-1, keepdim=True)  # rowsum(dO * O)
             probs = torch.softmax(_scores(plan, t0, t1, qt, kt, table, heads), -1)
-            dv_t = torch.bmm(probs.transpose(1, 2), gt)  # (N, R, Dv)
+            grad_v.index_add_(0, k_rows, _pixel_rows(torch.bmm(probs.transpose(1, 2), gt), batch, heads))
             ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(dt).mul_(probs)  # dS (N, tq, R)
             del probs
-            dq_t = torch.bmm(ds, kt)  # (N, tq, D), times scale below
-            dk_t = torch.bmm(ds.transpose(1, 2), qt)  # qt carries the scale already
-            shape = (batch, heads, -1)
-            grad_q.index_add_(1, qi, dq_t.view(*shape, dq_t.shape[-1]).transpose(1, 2))
-            grad_k.index_add_(1, ki, dk_t.view(*shape, dk_t.shape[-1]).transpose(1, 2))
-            grad_v.index_add_(1, ki, dv_t.view(*shape, dv_t.shape[-1]).transpose(1, 2))
+            dest = _rows(plan.q_dest[t0 * tq:t1 * tq], batch, pq, dummy=batch * pq)
+            grad_q.index_copy_(0, dest, _pixel_rows(torch.bmm(ds, kt), batch, heads))  # times scale below
+            grad_k.index_add_(0, k_rows, _pixel_rows(torch.bmm(ds.transpose(1, 2), qt), batch, heads))
             if want_bias:
                 rel = _rel_index(plan, table.shape[-1])[t0:t1].flatten()
-                ds_heads = ds.view(batch, heads, -1).sum(0)  # (heads, c*tq*R)
-                grad_table.index_add_(1, rel, ds_heads)
-        grad_q.mul_(scale)
+                grad_table.index_add_(1, rel, ds.view(batch, heads, -1).sum(0))
+        grad_q = grad_q[: batch * pq].mul_(scale).view(q.shape)
         grad_table = grad_table.view(table.shape) if want_bias else None
-        return grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2), grad_table, None, None
+        return grad_q, grad_k.view(k.shape), grad_v.view(v.shape), grad_table, None, None, None
