@@ -24,7 +24,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from tplayers.ops.na_kernel import TileAttention, tile_plan
+from tplayers.ops.na_kernel import CHUNK_SCORES, TileAttention, tile_plan
 from tplayers.ops.na_layout import DEFAULT_TILE, axis_tiles
 
 __all__ = ["na2d", "neighborhood_attention_2d", "normalize_na_args", "check_window_fits"]
@@ -148,6 +148,7 @@ def neighborhood_attention_2d(
     k_offset: Tuple[int, int] = (0, 0),
     rel_pos_bias: Optional[torch.Tensor] = None,
     tile: Optional[Tuple[int, int]] = None,
+    chunk_scores: Optional[int] = None,
 ) -> torch.Tensor:
     """The engine behind :func:`na2d` (arguments already normalised to pairs).
 
@@ -155,7 +156,10 @@ def neighborhood_attention_2d(
     ``global_size``; ``k``/``v`` hold ``k_offset + [0, Hk) x [0, Wk)`` and must
     contain every key those queries attend to. ``rel_pos_bias``
     ``(heads, 2*kH - 1, 2*kW - 1)`` is added to each score at
-    ``[(key - query) / dilation + kernel - 1]`` per dim.
+    ``[(key - query) / dilation + kernel - 1]`` per dim. ``tile`` (queries per tile
+    along H, W) and ``chunk_scores`` (score elements per plane per chunk) are tuning
+    knobs: defaults from :func:`default_tile` and ``na_kernel.CHUNK_SCORES``; any
+    positive values give the same result.
     """
     _check_qkv(q, k, v)
     batch, hq, wq, heads, dim = q.shape
@@ -167,7 +171,7 @@ def neighborhood_attention_2d(
     tile = default_tile(kernel, dim) if tile is None else tile
     th = axis_tiles(global_size[0], kernel[0], dilation[0], causal[0], q_offset[0], hq, k_offset[0], k.shape[1], tile[0])
     tw = axis_tiles(global_size[1], kernel[1], dilation[1], causal[1], q_offset[1], wq, k_offset[1], k.shape[2], tile[1])
-    plan = tile_plan(th, tw, wq, k.shape[2], q.device, q.dtype)
+    plan = tile_plan(th, tw, wq, k.shape[2], q.device, q.dtype, chunk_scores or CHUNK_SCORES)
 
     def pixels(x: torch.Tensor) -> torch.Tensor:  # (B, Hx, Wx, heads, D) -> (B, Hx*Wx, heads*D)
         return x.reshape(batch, x.shape[1] * x.shape[2], -1).contiguous()
