@@ -192,7 +192,9 @@ class TileAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         g2, o2 = grad_out.view(batch * pq, -1), out.view(batch * pq, -1)
         grad_q = q.new_empty(batch * pq + 1, q.shape[-1])  # every query written once; last row: padding
-        grad_k, grad_v = torch.zeros_like(k2), torch.zeros_like(v2)
+        want_k, want_v = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_k = torch.zeros_like(k2) if want_k else None
+        grad_v = torch.zeros_like(v2) if want_v else None
         want_bias = table is not None and ctx.needs_input_grad[3]
         grad_table = torch.zeros_like(table).flatten(1) if want_bias else None
         for t0, t1 in plan.chunks:
@@ -205,15 +207,19 @@ class TileAttention(torch.autograd.Function):
                 gt.view(batch * heads, -1, tq, gt.shape[-1]).mul_(plan.valid[t0 * tq:t1 * tq].view(-1, tq, 1))
             dt = (gt * _gather(o2, q_rows, batch, heads, tq)).sum(-1, keepdim=True)  # rowsum(dO * O)
             probs = torch.softmax(_scores(plan, t0, t1, qt, kt, table, heads), -1)
-            grad_v.index_add_(0, k_rows, _pixel_rows(torch.bmm(probs.transpose(1, 2), gt), batch, heads))
+            if want_v:
+                grad_v.index_add_(0, k_rows, _pixel_rows(torch.bmm(probs.transpose(1, 2), gt), batch, heads))
             ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(dt).mul_(probs)  # dS (N, tq, R)
             del probs
             dest = _rows(plan.q_dest[t0 * tq:t1 * tq], batch, pq, dummy=batch * pq)
             grad_q.index_copy_(0, dest, _pixel_rows(torch.bmm(ds, kt), batch, heads))  # times scale below
-            grad_k.index_add_(0, k_rows, _pixel_rows(torch.bmm(ds.transpose(1, 2), qt), batch, heads))
+            if want_k:
+                grad_k.index_add_(0, k_rows, _pixel_rows(torch.bmm(ds.transpose(1, 2), qt), batch, heads))
             if want_bias:
                 rel = _rel_index(plan, table.shape[-1])[t0:t1].flatten()
                 grad_table.index_add_(1, rel, ds.view(batch, heads, -1).sum(0))
         grad_q = grad_q[: batch * pq].mul_(scale).view(q.shape)
         grad_table = grad_table.view(table.shape) if want_bias else None
-        return grad_q, grad_k.view(k.shape), grad_v.view(v.shape), grad_table, None, None, None
+        grad_k = grad_k.view(k.shape) if want_k else None
+        grad_v = grad_v.view(v.shape) if want_v else None
+        return grad_q, grad_k, grad_v, grad_table, None, None, None
