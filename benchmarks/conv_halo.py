@@ -49,10 +49,12 @@ def load_shardtensor():
 
 def min_halo_rows(sizes, k, s, d, pad, periodic):
     """Distinct foreign input rows each rank's owned outputs read (brute force), summed over ranks."""
-    from tplayers.layers._conv_layout import plan_axis
+    from tplayers.layers._window import conv_out_len, conv_window, plan_windows
 
-    plans = plan_axis(sizes, kernel=k, stride=s, dilation=d, pad=pad, mode="circular" if periodic else "zeros", what="H")
-    length, starts, total = sum(sizes), offsets_from_sizes(sizes), 0
+    length = sum(sizes)
+    plans = plan_windows(sizes, conv_out_len(length, k, s, d, pad), conv_window(k, s, d, pad[0]),
+                         mode="circular" if periodic else "zeros", what="H")
+    starts, total = offsets_from_sizes(sizes), 0
     for c, plan in enumerate(plans):
         rows = set()
         for o in range(plan.out_start, plan.out_start + plan.out_rows):

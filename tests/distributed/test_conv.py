@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import tplayers
 from harness import run_ranks
 from oracle import same_on_all_ranks
-from tplayers.layers._conv_layout import plan_axis
+from tplayers.layers._window import conv_out_len, conv_window, plan_windows
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
@@ -34,11 +34,12 @@ def _random_conv(rng):
 def _plan_ok(sizes, conv, d):
     i = d - 2
     layer = tplayers.DistributedConv2d.__new__(tplayers.DistributedConv2d)
-    layer.kernel_size, layer.stride, layer.dilation = conv.kernel_size, conv.stride, conv.dilation
+    layer.kernel_size, layer.stride, layer.dilation, layer.spatial = conv.kernel_size, conv.stride, conv.dilation, 2
     pads = layer._resolve_padding(conv.padding)
+    k, s, dil = conv.kernel_size[i], conv.stride[i], conv.dilation[i]
     try:
-        plan_axis(sizes, kernel=conv.kernel_size[i], stride=conv.stride[i], dilation=conv.dilation[i],
-                  pad=pads[i], mode=conv.padding_mode, what="test")
+        plan_windows(sizes, conv_out_len(sum(sizes), k, s, dil, pads[i]), conv_window(k, s, dil, pads[i][0]),
+                     mode=conv.padding_mode, what="test")
     except ValueError:
         return False
     return True
@@ -131,7 +132,7 @@ def _errors(rank, world):
     same_on_all_ranks(conv.weight)
     same_on_all_ranks(conv.bias)
     # 1) a shard too small to supply its neighbour's halo of 2 rows
-    rows = [1, 9, 9][rank]
+    rows = [9, 1, 9][rank]
     with pytest.raises(ValueError, match="halo of 2 rows"):
         conv(torch.randn(1, 2, rows, 6, dtype=torch.float64))
     # 2) a non-sharded dim that differs across ranks
@@ -149,15 +150,16 @@ def _errors(rank, world):
     with pytest.raises(ValueError, match="dtype"):
         conv(torch.randn(1, 2, 8, 6, dtype=torch.float32))
     assert conv(torch.randn(1, 2, 8, 6, dtype=torch.float64)).shape == (1, 3, 8, 6)  # still in step
-    # a rank that owns no output rows (stride 3, rows [2, 1, 7]) still takes part in backward
+    # a rank that owns no output rows (stride 3 over 4 rows: 2 outputs, balanced [1, 1, 0]) still takes
+    # part in backward
     torch.manual_seed(3)  # same data on every rank
     serial = nn.Conv2d(2, 2, 1, stride=3).double()
     sparse = tplayers.DistributedConv2d.from_module(serial, mesh=mesh)
-    x = torch.randn(1, 2, 10, 4, dtype=torch.float64)
-    sizes = [2, 1, 7]
+    x = torch.randn(1, 2, 4, 4, dtype=torch.float64)
+    sizes = [2, 1, 1]
     xp = x.narrow(2, offsets_from_sizes(sizes)[rank], sizes[rank]).clone().requires_grad_(True)
     yp = sparse(xp)
-    assert yp.shape[2] == [1, 0, 3][rank]
+    assert yp.shape[2] == [1, 1, 0][rank]
     tplayers.gather(yp, 2, mesh).sum().backward()
     serial(x).sum().backward()
     torch.testing.assert_close(sparse.weight.grad, serial.weight.grad)

@@ -106,13 +106,22 @@ def test_replicated_wrapper_edge_cases():
     run_ranks(_replicated_wrapper_edges, 2, timeout=30)
 
 
-def _warns_on_unswapped_spatial_layers(rank, world):
+def _raises_on_spatial_mixers_without_twin(rank, world):
     import pytest
 
-    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.MaxPool2d(2), nn.Conv2d(2, 2, 1))
-    with pytest.warns(UserWarning, match=r"1 \(MaxPool2d\)"):
+    pools = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.MaxPool2d(2), nn.Upsample(scale_factor=2),
+                          nn.Conv2d(2, 2, 1))
+    swapped = tplayers.parallelize_module(copy.deepcopy(pools), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    assert [type(m).__name__ for m in swapped] == ["DistributedConv2d", "DistributedMaxPool2d",
+                                                   "DistributedUpsample", "DistributedConv2d"]
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.FractionalMaxPool2d(2, output_ratio=0.5),
+                          nn.Sequential(nn.LPPool2d(2, 2), nn.GroupNorm(1, 2)), nn.Conv2d(2, 2, 1))
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"1 \(FractionalMaxPool2d\), 2\.0 \(LPPool2d\), 2\.1 \(GroupNorm\)"):
         tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2,))})
+    assert [type(m) for m in model.modules()] == before  # nothing swapped
+    return True
 
 
-def test_domain_plan_warns_about_layers_it_does_not_make_exact():
-    run_ranks(_warns_on_unswapped_spatial_layers, 2, timeout=30)
+def test_domain_plan_raises_on_spatial_mixers_without_twin():
+    run_ranks(_raises_on_spatial_mixers_without_twin, 2, timeout=30)

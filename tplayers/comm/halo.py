@@ -57,6 +57,9 @@ __all__ = [
 
 Pair = Tuple[int, int]
 
+# channels-last layout of a 4-D / 5-D tensor (the input gradient keeps the input's layout)
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
 # Tags keep the two directions apart when both neighbours are the same rank (2 ranks, periodic);
 # _TAG_EXTRA marks a caller's extra message riding in the same batch (see ``_swap``'s ``extra``).
 _TAG_DOWN, _TAG_UP, _TAG_EXTRA = 17, 18, 19
@@ -171,9 +174,10 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
     size, n = dist.get_world_size(group), x.size(dim)
     lo, hi = _peers(group, periodic)
     (r_lo, r_hi), (s_lo, s_hi) = recv, send
-    cl = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+    cl_format = _CHANNELS_LAST.get(x.dim())
+    cl = cl_format is not None and not x.is_contiguous() and x.is_contiguous(memory_format=cl_format)
     state = HaloState(dim, group, tuple(recv), tuple(send), n, (lo, hi),
-                      torch.channels_last if cl else torch.contiguous_format)  # x's own layout
+                      cl_format if cl else torch.contiguous_format)  # x's own layout
     shape = list(x.shape)
     shape[dim] = r_lo + n + r_hi
     out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)

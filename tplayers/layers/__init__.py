@@ -1,8 +1,27 @@
-"""Modules that own parameters: tensor-parallel linears (and, later, domain-parallel layers)."""
+"""Modules: tensor-parallel linears, domain-parallel spatial twins, neighborhood attention."""
 
 from tplayers.layers._common import ShardedModule
 from tplayers.layers.attention import NeighborhoodAttention
-from tplayers.layers.conv import DistributedConv2d
+from tplayers.layers.conv import DistributedConv1d, DistributedConv2d, DistributedConv3d
+from tplayers.layers.conv_transpose import (
+    DistributedConvTranspose1d,
+    DistributedConvTranspose2d,
+    DistributedConvTranspose3d,
+)
+from tplayers.layers.pool import (
+    DistributedAvgPool1d,
+    DistributedAvgPool2d,
+    DistributedAvgPool3d,
+    DistributedMaxPool1d,
+    DistributedMaxPool2d,
+    DistributedMaxPool3d,
+)
+from tplayers.layers.resample import (
+    DistributedAdaptiveAvgPool1d,
+    DistributedAdaptiveAvgPool2d,
+    DistributedAdaptiveAvgPool3d,
+    DistributedUpsample,
+)
 from tplayers.layers.replicated import DomainReplicated
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -10,7 +29,22 @@ __all__ = [
     "ShardedModule",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "DistributedConv1d",
     "DistributedConv2d",
+    "DistributedConv3d",
+    "DistributedConvTranspose1d",
+    "DistributedConvTranspose2d",
+    "DistributedConvTranspose3d",
+    "DistributedMaxPool1d",
+    "DistributedMaxPool2d",
+    "DistributedMaxPool3d",
+    "DistributedAvgPool1d",
+    "DistributedAvgPool2d",
+    "DistributedAvgPool3d",
+    "DistributedAdaptiveAvgPool1d",
+    "DistributedAdaptiveAvgPool2d",
+    "DistributedAdaptiveAvgPool3d",
+    "DistributedUpsample",
     "DomainReplicated",
     "NeighborhoodAttention",
 ]

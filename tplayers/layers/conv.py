@@ -1,101 +1,58 @@
-"""Domain-parallel 2-D convolution: the input is split spatially, the result is exact.
+"""Domain-parallel convolutions 1-D / 2-D / 3-D: the input is split spatially, the result is exact.
 
-``DistributedConv2d`` takes every ``nn.Conv2d`` argument (same defaults) plus
-``mesh`` and ``shard_dims``: ``(2,)`` shards H over a 1-D mesh, ``(3,)`` W, and
-``(2, 3)`` both over a 2-D mesh. Input and output are plain local tensors,
-this rank's slice along the sharded dims; gathering the outputs gives
-``nn.Conv2d`` on the gathered input, and every gradient matches.
+``DistributedConv1d/2d/3d`` take every ``nn.ConvNd`` argument (same defaults) plus
+``mesh``, ``shard_dims`` (dims of the ``(N, C, *spatial)`` input; one per mesh
+dim, e.g. ``(2,)`` = L / H / D, ``(2, 3)`` over a 2-D mesh) and
+``memory_format``. Input and output are plain local tensors, this rank's slice
+along the sharded dims; gathering the outputs gives ``nn.ConvNd`` on the
+gathered input, and every gradient matches.
 
-Per forward: a halo exchange per sharded dim, then a local ``F.conv2d``. The last
-sharded dim's exchange and the convolution form one autograd Function,
-:class:`HaloConv2dFunction`, whose backward runs the adjoint halo exchange while
-one all-reduce sums the weight and bias gradients over the domain group (so every
-rank holds the serial model's parameter gradient, and the all-reduce's latency
-hides behind the halo messages; on a 1-D mesh of 2 ranks the sum is instead one exchange with
-the peer inside the halo messages, see :func:`_pair_backward`). The first exchange on a
-2-D mesh uses :class:`~tplayers.comm.HaloExchange1d`. A rank owning no output rows
-returns an empty output through the same Function, so its collectives match its peers'.
-
-Layout: local sizes may be any partition (not only :func:`tplayers.shard_sizes`).
-Each rank's local shape is exchanged once per local shape (a small all-gather,
-cached), validated identically on every rank (a ``ValueError`` everywhere, before
-any halo traffic), and turned into halo widths and output ownership
-(:mod:`tplayers.layers._conv_layout`). If the partition changes while some rank's
-local shape does not, call :meth:`DistributedConv2d.reset_layout` on every rank.
+Each is a thin twin over the window-op core: the axis plan
+(:func:`tplayers.layers._window.plan_windows`, output rows partitioned by the
+DESIGN §2.4 rule: "same" convolutions keep the input's partition, others give the
+balanced one), the N-d halo exchange (:mod:`tplayers.comm.window`) for all but
+the last sharded dim, and :class:`~tplayers.layers._conv_fn.HaloConvFunction`
+fusing the last dim's exchange with the convolution (its backward overlaps the
+parameter-gradient sum with the adjoint halo messages).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.modules.utils import _pair
 
-from tplayers.comm import all_reduce_sum, halo_exchange_along, record_collective
-from tplayers.comm.agree import exchange_agreed
-from tplayers.comm.collectives import run_p2p
-from tplayers.comm.halo import halo_adjoint, halo_pad
-from tplayers.layers._common import ShardedModule
-from tplayers.layers._conv_layout import PADDING_MODES, AxisPlan, plan_axis
+from tplayers.comm.window import edge_pad, gather_rows, pad_arg, pad_dim
+from tplayers.layers._conv_fn import ConvSpec, HaloConvFunction
+from tplayers.layers._domain import DomainLayer, ntuple
+from tplayers.layers._window import PADDING_MODES, conv_out_len, conv_window, plan_windows
 from tplayers.sharding import ShardSpec
 
-__all__ = ["DistributedConv2d", "HaloConv2dFunction"]
+__all__ = ["DistributedConv1d", "DistributedConv2d", "DistributedConv3d", "AUTO_CHANNELS_LAST_MIN"]
 
 # memory_format=None: channels_last from this many channels per group (in and out), plain below.
 AUTO_CHANNELS_LAST_MIN = 16
-
-_TORCH_PAD_MODE = {"circular": "circular", "reflect": "reflect", "replicate": "replicate"}
-
-
-def _pad_tuple(dim: int, lo: int, hi: int):
-    """``F.pad`` argument padding only dim ``dim`` (2 or 3) of a 4-D tensor."""
-    return (lo, hi, 0, 0) if dim == 3 else (0, 0, lo, hi)
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CL = {2: torch.channels_last, 3: torch.channels_last_3d}
 
 
-class DistributedConv2d(ShardedModule):
-    """``nn.Conv2d`` on a spatially sharded input (H, W or both), exact against the serial layer.
+class _DistributedConvNd(DomainLayer):
+    """Shared body of ``DistributedConv1d/2d/3d`` (see the module doc)."""
 
-    Shapes (local = this rank's slice of the sharded dims, any partition):
-
-    - ``weight``: ``(out_channels, in_channels // groups, kH, kW)``, ``bias``: ``(out_channels,)``,
-      replicated; their gradients are summed over the domain group
-    - input: ``(N, C_in, H_local, W_local)``; output: ``(N, C_out, Ho_local, Wo_local)``; output
-      row ``o`` lives on the rank holding the centre of its receptive field
-
-    ``padding_mode``: "zeros", "circular" (a periodic domain), "reflect", "replicate".
-    ``memory_format`` (keyword, beyond ``nn.Conv2d``'s arguments): layout of the halo-padded
-    buffer the exchange must allocate anyway, hence of the convolution and its output.
-    ``torch.channels_last`` is what oneDNN and cuDNN convolve fastest once there are enough
-    channels (about 1.5-2x on CPU here); with few channels the plain layout is faster. The
-    default ``None`` ("auto") picks ``channels_last`` when ``in_channels // groups`` and
-    ``out_channels // groups`` are both at least ``AUTO_CHANNELS_LAST_MIN`` (16), else
-    ``torch.contiguous_format``; an explicit value is always used. Values are identical either
-    way; the input gradient keeps the input's layout.
-    A partition whose shards cannot supply their neighbours' halos raises
-    ``ValueError`` on every rank before any halo traffic.
-
-    Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
-
-        import torch, tplayers
-        mesh = tplayers.init_mesh()
-        serial = torch.nn.Conv2d(3, 8, 3, padding=1, padding_mode="circular")
-        conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, shard_dims=(2,))
-        x = torch.randn(2, 3, 32, 16)                        # same on every rank
-        y = tplayers.gather(conv(tplayers.shard(x, 2, mesh)), 2, mesh)
-        torch.testing.assert_close(y, serial(x))
-    """
+    _nn: type = nn.Conv2d
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
                  mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),
                  memory_format: Optional[torch.memory_format] = None) -> None:
         super().__init__()
-        name = type(self).__name__
+        name, n = type(self).__name__, self.spatial
         for arg, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
@@ -105,65 +62,56 @@ class DistributedConv2d(ShardedModule):
         if padding_mode not in PADDING_MODES:
             raise ValueError(f"{name}: padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
-        self.kernel_size, self.stride, self.dilation = _pair(kernel_size), _pair(stride), _pair(dilation)
+        self.kernel_size = ntuple(kernel_size, n, "kernel_size", name)
+        self.stride, self.dilation = ntuple(stride, n, "stride", name), ntuple(dilation, n, "dilation", name)
         if min(self.kernel_size + self.stride + self.dilation) < 1:
             raise ValueError(f"{name}: kernel_size, stride and dilation must be >= 1, got "
                              f"{self.kernel_size}, {self.stride}, {self.dilation}")
         self.padding, self.padding_mode = padding, padding_mode
         self._pads = self._resolve_padding(padding)
-        dims = tuple(int(d) % 4 for d in shard_dims)
-        if not dims or any(d not in (2, 3) for d in dims) or len(set(dims)) != len(dims):
-            raise ValueError(f"{name}: shard_dims must be (2,), (3,) or (2, 3), got {tuple(shard_dims)}")
-        self.shard_dims = dims
         if memory_format is None:
             narrow = min(in_channels, out_channels) // groups < AUTO_CHANNELS_LAST_MIN
-            memory_format = torch.contiguous_format if narrow else torch.channels_last
-        if memory_format not in (torch.channels_last, torch.contiguous_format):
+            memory_format = torch.contiguous_format if narrow or n == 1 else torch.channels_last
+        if memory_format not in (torch.channels_last, torch.contiguous_format, torch.channels_last_3d):
             raise ValueError(f"{name}: memory_format must be None, torch.channels_last or torch.contiguous_format, "
                              f"got {memory_format}")
-        self.memory_format = memory_format
-        mesh = self._bind_mesh(mesh, len(dims))
-        self._groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+        self.memory_format = _CL.get(n, torch.contiguous_format) if memory_format != torch.contiguous_format \
+            else memory_format
+        self._init_domain(mesh, shard_dims)
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty((out_channels, in_channels // groups) + self.kernel_size, **kw))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_channels, **kw))
         else:
             self.register_parameter("bias", None)
-        self._layouts: Dict[Tuple[int, ...], Tuple[Dict[int, AxisPlan], Tuple[int, ...]]] = {}
         if self.weight.device.type != "meta":
             self.reset_parameters()
 
-    def _resolve_padding(self, padding) -> Tuple[Tuple[int, int], Tuple[int, int]]:
-        """(lo, hi) input padding for H and W, as ``nn.Conv2d`` applies it."""
+    def _resolve_padding(self, padding) -> Tuple[Tuple[int, int], ...]:
+        """(lo, hi) input padding per spatial dim, as ``nn.ConvNd`` applies it."""
+        name, n = type(self).__name__, self.spatial
         if isinstance(padding, str):
             if padding == "valid":
-                return (0, 0), (0, 0)
+                return ((0, 0),) * n
             if padding != "same":
-                raise ValueError(f"{type(self).__name__}: padding must be 'same', 'valid', an int or a pair, "
-                                 f"got {padding!r}")
-            if self.stride != (1, 1):
-                raise ValueError(f"{type(self).__name__}: padding='same' needs stride 1, got {self.stride}")
+                raise ValueError(f"{name}: padding must be 'same', 'valid', an int or a tuple, got {padding!r}")
+            if any(s != 1 for s in self.stride):
+                raise ValueError(f"{name}: padding='same' needs stride 1, got {self.stride}")
             totals = [d * (k - 1) for d, k in zip(self.dilation, self.kernel_size)]
             return tuple((t // 2, t - t // 2) for t in totals)
-        ph, pw = _pair(padding)
-        if min(ph, pw) < 0:
-            raise ValueError(f"{type(self).__name__}: padding must be >= 0, got {padding!r}")
-        return (ph, ph), (pw, pw)
+        pads = ntuple(padding, n, "padding", name)
+        if min(pads) < 0:
+            raise ValueError(f"{name}: padding must be >= 0, got {padding!r}")
+        return tuple((p, p) for p in pads)
 
     def reset_parameters(self) -> None:
-        """``nn.Conv2d``'s initialisation, then a broadcast from the first domain rank so every
+        """``nn.ConvNd``'s initialisation, then a broadcast from the first domain rank so every
         rank holds the same replicated parameters (use ``from_module`` to copy a serial layer)."""
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
-            fan_in = self.weight.shape[1] * self.kernel_size[0] * self.kernel_size[1]
-            bound = 1 / math.sqrt(fan_in)
+            bound = 1 / math.sqrt(self.weight.shape[1] * math.prod(self.kernel_size))
             nn.init.uniform_(self.bias, -bound, bound)
-        with torch.no_grad():
-            for group in self._groups:
-                if dist.get_world_size(group) > 1:
-                    for p in self.parameters():
-                        dist.broadcast(p.data, dist.get_global_rank(group, 0), group=group)
+        self._broadcast_parameters()
 
     def shard_specs(self) -> Dict[str, ShardSpec]:
         """Weight and bias are replicated on every rank of the domain."""
@@ -173,14 +121,14 @@ class DistributedConv2d(ShardedModule):
         return specs
 
     @classmethod
-    def from_module(cls, conv: nn.Conv2d, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),
+    def from_module(cls, conv: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),
                     memory_format: Optional[torch.memory_format] = None):
         """The domain-parallel twin of ``conv``, holding a copy of its parameters.
 
         Build optimizers after swapping: the new parameters are new objects.
         """
-        if not isinstance(conv, nn.Conv2d):
-            raise TypeError(f"{cls.__name__}.from_module expects an nn.Conv2d, got {type(conv).__name__}")
+        if type(conv) is not cls._nn:
+            raise TypeError(f"{cls.__name__}.from_module expects an {cls._nn.__name__}, got {type(conv).__name__}")
         layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                     conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode, device="meta",
                     dtype=conv.weight.dtype, mesh=mesh, shard_dims=shard_dims, memory_format=memory_format)
@@ -188,122 +136,61 @@ class DistributedConv2d(ShardedModule):
         layer._copy_shards_from(conv)
         return layer
 
-    def reset_layout(self) -> None:
-        """Forget cached partitions (call on every rank when the partition changes)."""
-        self._layouts.clear()
-
     # ------------------------------------------------------------------ layout
-    def _exchange_shapes(self, x: torch.Tensor) -> list:
-        """``table[c0][c1]`` = every rank's (ok, N, C, H, W, dtype/device ok)."""
-        ok = isinstance(x, torch.Tensor) and x.dim() == 4
-        shape = list(x.shape) if ok else [-1] * 4
-        same = int(ok and x.dtype == self.weight.dtype and x.device == self.weight.device)
-        config = {"kernel_size": self.kernel_size, "stride": self.stride, "padding": self._pads,
-                  "dilation": self.dilation, "groups": self.groups, "padding_mode": self.padding_mode,
-                  "shard_dims": self.shard_dims, "in_channels": self.in_channels,
-                  "out_channels": self.out_channels, "dtype": str(self.weight.dtype)}
-        return exchange_agreed([int(ok)] + shape + [same], config, self._groups, type(self).__name__, "conv.layout")
+    def _config(self):
+        return {"in_channels": self.in_channels, "out_channels": self.out_channels, "kernel_size": self.kernel_size,
+                "stride": self.stride, "padding": self._pads, "dilation": self.dilation, "groups": self.groups,
+                "bias": self.bias is not None, "padding_mode": self.padding_mode,
+                "memory_format": str(self.memory_format), "dtype": str(self.weight.dtype)}
 
-    def _layout(self, x: torch.Tensor):
-        key = tuple(x.shape) if isinstance(x, torch.Tensor) else None  # a bad input still joins the exchange
-        if key in self._layouts:
-            # Cached layout: every rank skips the exchange alike. The per-call checks stay local
-            # (a dtype or device change must not reach the halo traffic with mismatched buffers).
-            if x.dtype != self.weight.dtype or x.device != self.weight.device:
-                raise ValueError(f"{type(self).__name__}: input dtype/device must match the weight's "
-                                 f"({self.weight.dtype}, {self.weight.device}), got ({x.dtype}, {x.device})")
-            return self._layouts[key]
-        table = self._exchange_shapes(x)  # once per local shape
+    def _param_dtype(self):
+        return self.weight
+
+    def _build(self, shape, sizes: Dict[int, List[int]], like: torch.Tensor):
         name = type(self).__name__
-        flat = [(c0, c1, row) for c0, rows in enumerate(table) for c1, row in enumerate(rows)]
-        for c0, c1, row in flat:
-            if not row[0]:
-                raise ValueError(f"{name}: the input must be 4-D (N, C, H, W) on every rank; mesh position "
-                                 f"{(c0, c1)[:self.mesh.ndim]} passed another rank")
-            if not row[5]:
-                raise ValueError(f"{name}: input dtype/device must match the weight's "
-                                 f"({self.weight.dtype}, {self.weight.device}) on every rank; mesh position "
-                                 f"{(c0, c1)[:self.mesh.ndim]} differs")
-        shapes = {(c0, c1): row[1:5] for c0, c1, row in flat}
-        sizes_along = {}
-        for d in (0, 1, 2, 3):
-            mesh_dim = self.shard_dims.index(d) if d in self.shard_dims else None
-            for (c0, c1), shp in shapes.items():
-                peer = shapes[(0, c1)] if mesh_dim == 1 else shapes[(c0, 0)] if mesh_dim == 0 else shapes[(0, 0)]
-                if shp[d] != peer[d]:
-                    raise ValueError(
-                        f"{name}: local input shapes differ across ranks in dim {d} "
-                        f"({'not sharded' if mesh_dim is None else 'sharded over the other mesh dim'}): "
-                        f"{shapes[(0, 0)]} vs {shp} at mesh position {(c0, c1)[:self.mesh.ndim]}"
-                    )
-            if mesh_dim == 0:  # shard sizes along this dim, in mesh order
-                sizes_along[d] = [table[c0][0][1 + d] for c0 in range(len(table))]
-            elif mesh_dim == 1:
-                sizes_along[d] = [row[1 + d] for row in table[0]]
-        if shapes[(0, 0)][1] != self.in_channels:
-            raise ValueError(f"{name}: input must have {self.in_channels} channels, got {shapes[(0, 0)][1]}")
-        plans: Dict[int, AxisPlan] = {}
-        out_shape = [key[0], self.out_channels, 0, 0]
-        for d in (2, 3):
-            k, s, dil, pad = self.kernel_size[d - 2], self.stride[d - 2], self.dilation[d - 2], self._pads[d - 2]
-            if d in self.shard_dims:
-                i = self.shard_dims.index(d)
-                per = plan_axis(sizes_along[d], kernel=k, stride=s, dilation=dil, pad=pad, mode=self.padding_mode,
-                                what=f"dim {d} (mesh dim {i})")
-                plans[d] = per[self.mesh.get_local_rank(i)]
-                out_shape[d] = plans[d].out_rows
+        if shape[1] != self.in_channels:
+            raise ValueError(f"{name}: input must have {self.in_channels} channels, got {shape[1]}")
+        plans, out_shape = {}, [shape[0], self.out_channels]
+        for i in range(self.spatial):
+            d = 2 + i
+            k, s, dil, pad = self.kernel_size[i], self.stride[i], self.dilation[i], self._pads[i]
+            length = sum(sizes[d]) if d in sizes else shape[d]
+            what = f"dim {d}" + (f" (mesh dim {self.shard_dims.index(d)})" if d in sizes else "")
+            if self.padding_mode != "zeros" and max(pad) > length - (self.padding_mode == "reflect"):
+                raise ValueError(f"{name}: padding {pad} along {what} is too large for {self.padding_mode!r} "
+                                 f"padding of {length} rows")
+            out_len = conv_out_len(length, k, s, dil, pad)
+            if out_len <= 0:
+                raise ValueError(f"{name}: input {what} of {length} rows is smaller than the (dilated) kernel "
+                                 f"extent {dil * (k - 1) + 1} with padding {pad}")
+            if d in sizes:
+                plans[d] = plan_windows(sizes[d], out_len, conv_window(k, s, dil, pad[0]), mode=self.padding_mode,
+                                        what=what)[self._coord(d)]
+                out_shape.append(plans[d].out_rows)
             else:
-                plan_axis([key[d]], kernel=k, stride=s, dilation=dil, pad=pad, mode=self.padding_mode,
-                          what=f"dim {d}")  # same checks as nn.Conv2d would make
-                out_shape[d] = (key[d] + pad[0] + pad[1] - dil * (k - 1) - 1) // s + 1
-        self._layouts[key] = (plans, tuple(out_shape))
-        return self._layouts[key]
+                out_shape.append(out_len)
+        last = self.shard_dims[-1]
+        conv_pad, extra = [], []
+        for i in range(self.spatial):
+            lo, hi = self._pads[i]
+            if 2 + i in sizes or (self.padding_mode == "zeros" and lo == hi):
+                conv_pad.append(0 if 2 + i in sizes else lo)  # sharded: padded by the plan
+            else:
+                conv_pad.append(0)
+                extra.append((2 + i, lo, hi))
+        prepare = functools.partial(_prepare, dim=last, plan=plans[last], mode=self.padding_mode, extra=tuple(extra))
+        spec = ConvSpec(last, self._group_of(last), plans[last], self.padding_mode == "circular", self.memory_format,
+                        prepare, _CONV[self.spatial], self.stride, tuple(conv_pad), self.dilation, self.groups,
+                        tuple(out_shape), tuple(self._groups))
+        return {d: plans[d] for d in self.shard_dims[:-1]}, spec
 
     # ----------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        plans, out_shape = self._layout(x)  # validated on every rank before any halo traffic
-        empty = 0 in out_shape
-        *first, last = sorted(plans)
-        for d in first:  # H on a 2-D mesh: halo exchange (autograd Function), edge padding, trim
-            x = self._edges(self._exchange(x, d, plans[d]), d, plans[d])  # same rows on the whole mesh row
-        i = self.shard_dims.index(last)
-
-        def local(xp, w, b):  # the part after the last exchange, differentiated inside the Function
-            if empty:  # this rank owns no output rows: an empty output tied to the inputs, so the
-                # backward (halo adjoints, gradient all-reduce) runs exactly as on every other rank
-                tie = xp.sum() * 0 + w.sum() * 0 + (b.sum() * 0 if b is not None else 0)
-                return xp.new_zeros(out_shape) + tie
-            return self._local_conv(self._edges(xp, last, plans[last]), w, b)
-
-        # (N, C_in, rows, W) -> (N, C_out, Ho_local, Wo_local)
-        return HaloConv2dFunction.apply(x, self.weight, self.bias, last, self._groups[i], plans[last],
-                                        self.padding_mode == "circular", self.memory_format, local, self._groups)
-
-    def _exchange(self, x: torch.Tensor, d: int, p: AxisPlan) -> torch.Tensor:
-        group = self._groups[self.shard_dims.index(d)]
-        return halo_exchange_along(x, group, d, p.recv, p.send, self.padding_mode == "circular", self.memory_format)
-
-    def _edges(self, x: torch.Tensor, d: int, p: AxisPlan) -> torch.Tensor:
-        """Reflect / replicate padding at the global edge, then drop own rows nobody needs."""
-        if max(p.boundary):
-            x = F.pad(x, _pad_tuple(d, *p.boundary), mode=_TORCH_PAD_MODE[self.padding_mode])
-        if p.trim[0] or p.trim[1]:
-            x = x.narrow(d, p.trim[0], x.size(d) - p.trim[0] - p.trim[1])
-        return x
-
-    def _local_conv(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """Pad the non-sharded dims as nn.Conv2d would, then convolve (sharded dims: no padding)."""
-        conv_pad = [0, 0]
-        for d in (2, 3):
-            if d in self.shard_dims:
-                continue
-            lo, hi = self._pads[d - 2]
-            if self.padding_mode == "zeros" and lo == hi:
-                conv_pad[d - 2] = lo  # let the convolution pad
-            elif lo or hi:
-                mode = "constant" if self.padding_mode == "zeros" else _TORCH_PAD_MODE[self.padding_mode]
-                x = F.pad(x, _pad_tuple(d, lo, hi), mode=mode)
-        return F.conv2d(x, weight, bias, self.stride, tuple(conv_pad), self.dilation, self.groups)
+        first, spec = self._layout(x)  # validated on every rank before any halo traffic
+        for d, plan in first.items():  # a 2-D mesh: the first dim's exchange, corners ride on the next
+            x = gather_rows(x, d, self._group_of(d), plan, self.padding_mode, memory_format=self.memory_format)
+        # (N, C_in, *local rows) -> (N, C_out, *owned output rows)
+        return HaloConvFunction.apply(x, self.weight, self.bias, spec)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
@@ -318,89 +205,74 @@ class DistributedConv2d(ShardedModule):
                 f"bias={self.bias is not None}, padding_mode={self.padding_mode!r}, shard_dims={self.shard_dims}")
 
 
-class HaloConv2dFunction(torch.autograd.Function):
-    """forward: halo exchange of ``x`` along ``dim``, then ``local(x_padded, weight, bias)`` (edge
-    padding, trim, the convolution) /
-    backward: ``local``'s backward; then the adjoint halo exchange runs while one all-reduce sums the
-    weight and bias gradients over the domain (further mesh dims: one more all-reduce each).
+def _prepare(xp: torch.Tensor, *, dim: int, plan, mode: str, extra) -> torch.Tensor:
+    """The fused dim's boundary padding and trim, then padding of unsharded dims the convolution
+    cannot do itself (asymmetric "same" zeros, circular / reflect / replicate)."""
+    x = edge_pad(xp, dim, plan, mode)
+    for d, lo, hi in extra:
+        x = F.pad(x, pad_arg(x.dim(), d, lo, hi)) if mode == "zeros" else pad_dim(x, d, lo, hi, mode)
+    return x
 
-    Fusing the last exchange with the convolution lets the gradient all-reduce overlap the halo
-    messages of the backward instead of following them.
+
+class DistributedConv1d(_DistributedConvNd):
+    """``nn.Conv1d`` on an input sharded along L (``shard_dims=(2,)``), exact against the serial layer.
+
+    Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        serial = torch.nn.Conv1d(3, 8, 5, padding=2, padding_mode="reflect")
+        conv = tplayers.DistributedConv1d.from_module(serial, mesh=mesh)
+        x = torch.randn(2, 3, 40)                            # same on every rank
+        y = tplayers.gather(conv(tplayers.shard(x, 2, mesh)), 2, mesh)
+        torch.testing.assert_close(y, serial(x))
     """
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, dim, group, plan, periodic, memory_format, local, reduce_groups):
-        xp, ctx.state = halo_pad(x, dim, group, plan.recv, plan.send, periodic, memory_format)
-        with torch.enable_grad():  # record the local graph; it is differentiated in backward
-            xp = xp.detach().requires_grad_(ctx.needs_input_grad[0])
-            w = weight.detach().requires_grad_(ctx.needs_input_grad[1])
-            b = bias.detach().requires_grad_(ctx.needs_input_grad[2]) if bias is not None else None
-            out = local(xp, w, b)
-        ctx.graph, ctx.reduce_groups = (out, xp, w, b), reduce_groups
-        return out.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        out, xp, w, b = ctx.graph
-        ctx.graph = None
-        wanted = [t for t in (xp, w, b) if t is not None and t.requires_grad]
-        grads = dict(zip(map(id, wanted), torch.autograd.grad(out, wanted, grad)))
-        params = [t for t in (w, b) if t is not None and t.requires_grad]
-        flat = torch.cat([grads[id(t)].reshape(-1) for t in params]) if params else None
-        groups = [g for g in ctx.reduce_groups if dist.get_world_size(g) > 1] if params else []
-        if len(groups) == 1 and groups[0] is ctx.state.group and dist.get_world_size(groups[0]) == 2:
-            grad_x = _pair_backward(grads[id(xp)] if xp.requires_grad else None, flat, ctx.state)
-        else:
-            grad_x = _reduce_backward(grads[id(xp)] if xp.requires_grad else None, flat, ctx.state, groups)
-        out_grads, offset = {}, 0
-        for t in params:
-            out_grads[id(t)] = flat[offset : offset + t.numel()].view_as(t)
-            offset += t.numel()
-        gw = out_grads.get(id(w))
-        gb = out_grads.get(id(b)) if b is not None else None
-        return grad_x, gw, gb, None, None, None, None, None, None, None
+    spatial, _nn = 1, nn.Conv1d
 
 
-def _pair_backward(grad_xp: Optional[torch.Tensor], flat: torch.Tensor, state) -> Optional[torch.Tensor]:
-    """Two ranks: the parameter-gradient sum is one exchange with the peer (send mine, receive
-    theirs, add), carried in the same batch as the adjoint halo messages: one round trip.
+class DistributedConv2d(_DistributedConvNd):
+    """``nn.Conv2d`` on a spatially sharded input (H, W or both), exact against the serial layer.
 
-    ``mine + theirs`` on one rank and ``theirs + mine`` on the other are the same float sum,
-    so both ranks hold bitwise-identical gradients (as an all-reduce would give them).
+    Shapes (local = this rank's slice of the sharded dims, any partition whose shards can supply
+    the halos): ``weight`` ``(out_channels, in_channels // groups, kH, kW)`` and ``bias`` replicated,
+    their gradients summed over the domain; input ``(N, C_in, H_local, W_local)``; output rows
+    partitioned like the input when the length is kept, else balanced (``tplayers.shard_sizes``).
+
+    ``padding_mode``: "zeros", "circular" (a periodic domain), "reflect", "replicate".
+    ``memory_format`` (keyword, beyond ``nn.Conv2d``'s arguments): layout of the halo-padded
+    buffer, hence of the convolution and its output. ``None`` ("auto") picks
+    ``torch.channels_last`` when ``in_channels // groups`` and ``out_channels // groups`` are both at
+    least ``AUTO_CHANNELS_LAST_MIN`` (16), else ``torch.contiguous_format``. A partition whose
+    shards cannot supply their neighbours' halos raises ``ValueError`` on every rank before any
+    halo traffic.
+
+    Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        serial = torch.nn.Conv2d(3, 8, 3, padding=1, padding_mode="circular")
+        conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, shard_dims=(2,))
+        x = torch.randn(2, 3, 32, 16)                        # same on every rank
+        y = tplayers.gather(conv(tplayers.shard(x, 2, mesh)), 2, mesh)
+        torch.testing.assert_close(y, serial(x))
     """
-    group = state.group
-    peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
-    theirs = torch.empty_like(flat)
-    if grad_xp is not None:
-        grad_x = halo_adjoint(grad_xp, state, extra=(flat, theirs, peer, "conv.param_grads"))
-    else:
-        grad_x = None
-        nbytes = flat.numel() * flat.element_size()
-        record_collective("send", nbytes, 2, "conv.param_grads")
-        record_collective("recv", nbytes, 2, "conv.param_grads")
-        run_p2p([dist.P2POp(dist.isend, flat, peer), dist.P2POp(dist.irecv, theirs, peer)])
-    flat.add_(theirs)
-    return grad_x
+
+    spatial, _nn = 2, nn.Conv2d
 
 
-def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups) -> Optional[torch.Tensor]:
-    """General case: an async all-reduce over the first group, posted after the halo messages and
-    waited after them; one blocking all-reduce per further mesh dim."""
-    pending = []
+class DistributedConv3d(_DistributedConvNd):
+    """``nn.Conv3d`` on an input sharded along D, H or W (or two of them on a 2-D mesh).
 
-    def start_reduce():
-        if groups:
-            record_collective("all_reduce", flat.numel() * flat.element_size(), dist.get_world_size(groups[0]),
-                              "conv.param_grads")
-            pending.append(dist.all_reduce(flat, group=groups[0], async_op=True))
+    Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
-    grad_x = None
-    if grad_xp is not None:
-        grad_x = halo_adjoint(grad_xp, state, during=start_reduce)
-    else:
-        start_reduce()
-    for work in pending:
-        work.wait()
-    for g in groups[1:]:
-        all_reduce_sum(flat, g, "conv.param_grads")
-    return grad_x
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        serial = torch.nn.Conv3d(2, 4, 3, stride=2, padding=1)
+        conv = tplayers.DistributedConv3d.from_module(serial, mesh=mesh, shard_dims=(3,))   # H
+        x = torch.randn(1, 2, 8, 12, 10)                     # same on every rank
+        y = tplayers.gather(conv(tplayers.shard(x, 3, mesh)), 3, mesh)
+        torch.testing.assert_close(y, serial(x))
+    """
+
+    spatial, _nn = 3, nn.Conv3d

@@ -1,47 +1,78 @@
-"""The domain (spatial) parallel style: swap spatial layers for their twins, sum replicated gradients."""
+"""The domain (spatial) parallel style: swap spatial layers for their twins, sum replicated gradients.
+
+:data:`DOMAIN_TWINS` is the one table from ``nn`` module types to their domain-parallel twins
+(each with ``from_module(m, mesh=..., shard_dims=...)``). :data:`SPATIAL_MIXERS_WITHOUT_TWIN`
+lists the module types that mix spatial positions and have no twin: inside a domain region
+they raise ``ValueError`` (all of them listed), never run silently local.
+"""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Dict, Tuple
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+import tplayers.layers as L
 from tplayers.layers._common import ShardedModule
 from tplayers.layers.attention import NeighborhoodAttention
-from tplayers.layers.conv import DistributedConv2d
 from tplayers.layers.replicated import DomainReplicated
 from tplayers.parallelize.styles import ParallelStyle
 
-__all__ = ["DomainParallel"]
+__all__ = ["DomainParallel", "DOMAIN_TWINS", "SPATIAL_MIXERS_WITHOUT_TWIN"]
 
+#: nn type -> domain-parallel twin (matched by exact type; nn.Upsample also covers its subclasses)
+DOMAIN_TWINS: Dict[type, type] = {
+    nn.Conv1d: L.DistributedConv1d, nn.Conv2d: L.DistributedConv2d, nn.Conv3d: L.DistributedConv3d,
+    nn.ConvTranspose1d: L.DistributedConvTranspose1d, nn.ConvTranspose2d: L.DistributedConvTranspose2d,
+    nn.ConvTranspose3d: L.DistributedConvTranspose3d,
+    nn.MaxPool1d: L.DistributedMaxPool1d, nn.MaxPool2d: L.DistributedMaxPool2d, nn.MaxPool3d: L.DistributedMaxPool3d,
+    nn.AvgPool1d: L.DistributedAvgPool1d, nn.AvgPool2d: L.DistributedAvgPool2d, nn.AvgPool3d: L.DistributedAvgPool3d,
+    nn.AdaptiveAvgPool1d: L.DistributedAdaptiveAvgPool1d, nn.AdaptiveAvgPool2d: L.DistributedAdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d: L.DistributedAdaptiveAvgPool3d,
+    nn.Upsample: L.DistributedUpsample, nn.UpsamplingNearest2d: L.DistributedUpsample,
+    nn.UpsamplingBilinear2d: L.DistributedUpsample,
+}
 
-# Spatial layers that DomainParallel leaves alone: each would need a halo (or a global
-# reduction) to be exact on a shard. Listed so a plan says so instead of silently differing.
-_SPATIAL_MIXERS = (
-    nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.AdaptiveMaxPool2d, nn.LPPool2d,
-    nn.ConvTranspose2d, nn.BatchNorm2d, nn.GroupNorm, nn.InstanceNorm2d, nn.LocalResponseNorm,
+#: modules that mix spatial positions and have no twin (yet): an error inside a domain region
+SPATIAL_MIXERS_WITHOUT_TWIN: Tuple[type, ...] = (
+    nn.FractionalMaxPool2d, nn.FractionalMaxPool3d, nn.LPPool1d, nn.LPPool2d, getattr(nn, "LPPool3d", nn.LPPool2d),
+    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.MaxUnpool1d, nn.MaxUnpool2d, nn.MaxUnpool3d,
+    nn.LocalResponseNorm, nn.CrossMapLRN2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+    nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d, nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d,
+    nn.LazyConv1d, nn.LazyConv2d, nn.LazyConv3d, nn.LazyConvTranspose1d, nn.LazyConvTranspose2d,
+    nn.LazyConvTranspose3d, nn.Fold, nn.Unfold, nn.PixelShuffle, nn.PixelUnshuffle,
+    nn.ReflectionPad1d, nn.ReflectionPad2d, nn.ReflectionPad3d, nn.ReplicationPad1d, nn.ReplicationPad2d,
+    nn.ReplicationPad3d, nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.ConstantPad1d, nn.ConstantPad2d,
+    nn.ConstantPad3d, nn.CircularPad1d, nn.CircularPad2d, nn.CircularPad3d,
 )
+
+
+def _twin_of(module: nn.Module):
+    twin = DOMAIN_TWINS.get(type(module))
+    if twin is None and isinstance(module, nn.Upsample):
+        twin = L.DistributedUpsample
+    return twin
 
 
 @dataclass(frozen=True)
 class DomainParallel(ParallelStyle):
-    """Domain (spatial) parallelism: swap ``nn.Conv2d`` for :class:`~tplayers.DistributedConv2d`
-    sharding ``shard_dims`` ((2,) = H over a 1-D mesh, (2, 3) = H and W over a 2-D mesh), and a
-    single-device :class:`~tplayers.NeighborhoodAttention` for its domain-parallel twin over the
-    same spatial axes (``shard_dims`` name NCHW dims; in its ``(B, H, W, C)`` input H is dim 1,
-    W dim 2).
+    """Domain (spatial) parallelism: every module of the matched subtree that has a twin in
+    :data:`DOMAIN_TWINS` (Conv, ConvTranspose, MaxPool, AvgPool, AdaptiveAvgPool 1-3d, Upsample) is
+    swapped for it, sharding ``shard_dims`` (dims of the ``(N, C, *spatial)`` input: ``(2,)`` = L / H /
+    D over a 1-D mesh, ``(2, 3)`` over a 2-D mesh); a single-device
+    :class:`~tplayers.NeighborhoodAttention` becomes its domain-parallel twin over the same axes (in
+    its ``(B, H, W, C)`` input H is dim 1, W dim 2).
 
-    Matched on an ``nn.Conv2d`` (type key or regex) it swaps that layer; matched on
-    any other module (e.g. the root ``""``) it swaps every ``nn.Conv2d`` inside.
-    Then, once per plan, every other module that owns replicated parameters
-    (``nn.Linear``, channel norms, custom ``nn.Parameter``s; not the sharded twins) is
-    wrapped in :class:`~tplayers.DomainReplicated`, whose forward routes those
-    parameters through an all-reduce-in-backward Function. So every ``.grad`` of
-    the swapped model equals the serial model's, and ``state_dict`` keys are
-    unchanged. Only per-pixel layers are exact: norms over H/W see one shard.
+    A module in the subtree that mixes spatial positions and has no twin
+    (:data:`SPATIAL_MIXERS_WITHOUT_TWIN`: FractionalMaxPool, LPPool, AdaptiveMaxPool, batch / group /
+    instance norms, LocalResponseNorm, padding layers, PixelShuffle, Fold, ...) is a ``ValueError``
+    listing all of them, before anything is swapped. Then, once per plan, every other module that
+    owns replicated parameters (``nn.Linear``, per-pixel norms, custom ``nn.Parameter``s) is wrapped in
+    :class:`~tplayers.DomainReplicated` so its gradients are summed over the domain. Functional calls
+    inside a ``forward`` (``F.max_pool2d``, ``F.interpolate``) cannot be seen: use the twins there.
 
     Example (``torchrun --nproc-per-node 2``)::
 
@@ -54,19 +85,19 @@ class DomainParallel(ParallelStyle):
 
     def build(self, name, module, mesh):
         mixers = [f"{name + '.' if name else ''}{n} ({type(m).__name__})"
-                  for n, m in module.named_modules() if isinstance(m, _SPATIAL_MIXERS)]
+                  for n, m in module.named_modules()
+                  if isinstance(m, SPATIAL_MIXERS_WITHOUT_TWIN) and _twin_of(m) is None]
         if mixers:
-            warnings.warn(
-                "DomainParallel swaps nn.Conv2d and NeighborhoodAttention only; these layers mix "
-                "neighbouring pixels or pool over H/W and run on each shard alone, exact only where "
-                "their windows never cross a shard boundary: " + ", ".join(mixers),
-                stacklevel=3,
-            )
+            raise ValueError(
+                "DomainParallel: these modules mix spatial positions and have no domain-parallel twin, so "
+                "they would run on each shard alone and differ from the serial model: " + ", ".join(mixers)
+                + ". Replace them (or keep them outside the DomainParallel region)")
         return self._swap(module, mesh)
 
     def _swap(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        if isinstance(module, nn.Conv2d):
-            return DistributedConv2d.from_module(module, mesh=mesh, shard_dims=self.shard_dims)
+        twin = _twin_of(module)
+        if twin is not None:
+            return twin.from_module(module, mesh=mesh, shard_dims=self.shard_dims)
         if isinstance(module, NeighborhoodAttention) and module.shard_dims is None:
             # same spatial axes, in its (B, H, W, C) layout: NCHW dim 2 (H) -> 1, dim 3 (W) -> 2
             return NeighborhoodAttention.from_module(module, mesh=mesh, shard_dims=tuple(d - 1 for d in self.shard_dims))

@@ -1,0 +1,156 @@
+"""The fused halo-exchange + convolution autograd Function of the ``DistributedConvNd`` twins.
+
+The last sharded dim's halo exchange and the local convolution form one
+Function so that the backward can overlap the parameter-gradient sum with the
+adjoint halo messages (on a 1-D mesh of 2 ranks the sum is one exchange with
+the peer riding in the halo batch, :func:`_pair_backward`; otherwise an async
+all-reduce posted with the halo messages, :func:`_reduce_backward`).
+
+Activation checkpointing / ``torch.compile`` friendly: the Function keeps no
+autograd graph on ``ctx``; it saves the halo-padded input and the weight with
+``save_for_backward`` and calls ``aten.convolution_backward`` directly (only the
+cheap boundary padding and trim are replayed under autograd in backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from tplayers.comm import all_reduce_sum, record_collective
+from tplayers.comm.collectives import run_p2p
+from tplayers.comm.halo import halo_adjoint, halo_pad
+from tplayers.layers._window import AxisPlan
+
+__all__ = ["ConvSpec", "HaloConvFunction"]
+
+
+@dataclass(frozen=True, eq=False)
+class ConvSpec:
+    """Everything the Function needs, computed once per layout (Python ints only, plus groups)."""
+
+    dim: int  # the last sharded dim (its exchange is fused)
+    group: dist.ProcessGroup
+    plan: AxisPlan
+    periodic: bool
+    memory_format: torch.memory_format
+    prepare: Callable[[torch.Tensor], torch.Tensor]  # boundary padding, trim, unsharded padding
+    conv: Callable  # F.conv1d / conv2d / conv3d
+    stride: Tuple[int, ...]
+    padding: Tuple[int, ...]  # convolution padding (0 along sharded dims)
+    dilation: Tuple[int, ...]
+    groups: int
+    out_shape: Tuple[int, ...]
+    reduce_groups: tuple  # every mesh dim's group: the parameter gradients are summed over all
+
+    @property
+    def empty(self) -> bool:
+        return 0 in self.out_shape
+
+
+class HaloConvFunction(torch.autograd.Function):
+    """forward: halo exchange of ``x`` along ``spec.dim``, then ``spec.prepare`` (boundary padding,
+    trim) and the local convolution /
+    backward: the convolution's backward; then the adjoint halo exchange runs while the weight and
+    bias gradients are summed over the domain (2 ranks: one peer exchange inside the halo batch;
+    else an async all-reduce overlapping it, and one more all-reduce per further mesh dim).
+    A rank owning no output rows takes part in every collective with zero contributions.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec: ConvSpec):
+        p = spec.plan
+        xp, ctx.state = halo_pad(x, spec.dim, spec.group, p.recv, p.send, spec.periodic, spec.memory_format)
+        with torch.no_grad():
+            if spec.empty:
+                out = xp.new_zeros(spec.out_shape)
+            else:
+                out = spec.conv(spec.prepare(xp), weight, bias, spec.stride, spec.padding, spec.dilation, spec.groups)
+        ctx.save_for_backward(xp, weight)
+        ctx.spec, ctx.has_bias = spec, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp, weight = ctx.saved_tensors
+        spec = ctx.spec
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
+        if spec.empty:
+            gxp = torch.zeros_like(xp) if need_x else None
+            gw = torch.zeros_like(weight) if need_w else None
+            gb = weight.new_zeros(weight.shape[0]) if need_b else None
+        else:
+            with torch.enable_grad():  # replay only the cheap padding / trim, to differentiate it
+                xp_ = xp.detach().requires_grad_(need_x)
+                xc = spec.prepare(xp_)
+            gi, gw, gb = torch.ops.aten.convolution_backward(
+                grad, xc.detach(), weight, [weight.shape[0]] if ctx.has_bias else None, list(spec.stride),
+                list(spec.padding), list(spec.dilation), False, [0] * len(spec.stride), spec.groups,
+                [need_x, need_w, need_b])
+            gxp = None
+            if need_x:
+                gxp = gi if xc is xp_ else torch.autograd.grad(xc, xp_, gi)[0]
+        params = [g for g, need in ((gw, need_w), (gb, need_b)) if need]
+        flat = torch.cat([g.reshape(-1) for g in params]) if params else None
+        groups = [g for g in spec.reduce_groups if dist.get_world_size(g) > 1] if params else []
+        state = ctx.state
+        if len(groups) == 1 and groups[0] is state.group and dist.get_world_size(groups[0]) == 2:
+            grad_x = _pair_backward(gxp, flat, state)
+        else:
+            grad_x = _reduce_backward(gxp, flat, state, groups)
+        offset = 0
+        if need_w:
+            gw = flat[: weight.numel()].view_as(weight)
+            offset = weight.numel()
+        if need_b:
+            gb = flat[offset : offset + weight.shape[0]]
+        return grad_x, gw if need_w else None, gb if need_b else None, None
+
+
+def _pair_backward(grad_xp: Optional[torch.Tensor], flat: torch.Tensor, state) -> Optional[torch.Tensor]:
+    """Two ranks: the parameter-gradient sum is one exchange with the peer (send mine, receive
+    theirs, add), carried in the same batch as the adjoint halo messages: one round trip.
+
+    ``mine + theirs`` on one rank and ``theirs + mine`` on the other are the same float sum,
+    so both ranks hold bitwise-identical gradients (as an all-reduce would give them).
+    """
+    group = state.group
+    peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
+    theirs = torch.empty_like(flat)
+    if grad_xp is not None:
+        grad_x = halo_adjoint(grad_xp, state, extra=(flat, theirs, peer, "conv.param_grads"))
+    else:
+        grad_x = None
+        nbytes = flat.numel() * flat.element_size()
+        record_collective("send", nbytes, 2, "conv.param_grads")
+        record_collective("recv", nbytes, 2, "conv.param_grads")
+        run_p2p([dist.P2POp(dist.isend, flat, peer), dist.P2POp(dist.irecv, theirs, peer)])
+    flat.add_(theirs)
+    return grad_x
+
+
+def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups) -> Optional[torch.Tensor]:
+    """General case: an async all-reduce over the first group, posted after the halo messages and
+    waited after them; one blocking all-reduce per further mesh dim."""
+    pending = []
+
+    def start_reduce():
+        if groups:
+            record_collective("all_reduce", flat.numel() * flat.element_size(), dist.get_world_size(groups[0]),
+                              "conv.param_grads")
+            pending.append(dist.all_reduce(flat, group=groups[0], async_op=True))
+
+    grad_x = None
+    if grad_xp is not None:
+        grad_x = halo_adjoint(grad_xp, state, during=start_reduce)
+    else:
+        start_reduce()
+    for work in pending:
+        work.wait()
+    for g in groups[1:]:
+        all_reduce_sum(flat, g, "conv.param_grads")
+    return grad_x
