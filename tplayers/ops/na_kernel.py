@@ -116,28 +116,22 @@ def _rel_index(plan: TilePlan, width: int) -> torch.Tensor:
     return flat.reshape(plan.num_tiles, plan.tq, plan.region).to(plan.masks.device)
 
 
-def _rows(index: torch.Tensor, batch: int, pixels: int, dummy: Optional[int] = None) -> torch.Tensor:
-    """Row numbers in a ``(batch * pixels, F)`` matrix of pixel ``index`` in every batch element.
+def _rows(pix: torch.Tensor, batch: int, pixels: int, heads: int, dummy: bool = False) -> torch.Tensor:
+    """Rows of pixels ``pix`` in a ``(batch * pixels * heads, D)`` matrix, ordered (batch, head, pix).
 
-    Negative entries (padding slots) map to row ``dummy``.
+    With ``dummy``, negative ``pix`` (padding slots) map to the row after the last.
     """
-    pad = None if dummy is None else (index < 0).repeat(batch)
-    if batch > 1:
-        index = (torch.arange(batch, device=index.device)[:, None] * pixels + index).flatten()
-    return index if dummy is None else index.masked_fill(pad, dummy)
+    dev = pix.device
+    rows = ((torch.arange(batch, device=dev)[:, None, None] * pixels + pix) * heads
+            + torch.arange(heads, device=dev)[None, :, None]).flatten()
+    if dummy:
+        rows = rows.masked_fill((pix < 0).expand(batch, heads, -1).flatten(), batch * pixels * heads)
+    return rows
 
 
-def _gather(src: torch.Tensor, rows: torch.Tensor, batch: int, heads: int, per_tile: int) -> torch.Tensor:
-    """Pixel rows of ``src`` (B*P, heads*D) -> (B * heads * tiles, per_tile, D), contiguous, head-major."""
-    dim = src.shape[1] // heads
-    out = src.index_select(0, rows).view(batch, -1, heads, dim).transpose(1, 2)
-    return out.reshape(-1, per_tile, dim)
-
-
-def _pixel_rows(tiles: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
-    """(B * heads * tiles, per_tile, D) -> (B * tiles * per_tile, heads * D): the layout of ``_gather``'s source."""
-    dim = tiles.shape[-1]
-    return tiles.view(batch, heads, -1, dim).transpose(1, 2).reshape(-1, heads * dim)
+def _gather(src: torch.Tensor, rows: torch.Tensor, per_tile: int) -> torch.Tensor:
+    """Rows of ``src`` (B*P*heads, D) -> (B * heads * tiles, per_tile, D), contiguous."""
+    return src.index_select(0, rows).view(-1, per_tile, src.shape[1])
 
 
 def _scores(plan: TilePlan, t0: int, t1: int, qt, kt, table, heads: int) -> torch.Tensor:
@@ -166,18 +160,18 @@ class TileAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, table, plan: TilePlan, scale: float, heads: int):
         batch, pq, pk = q.shape[0], q.shape[1], k.shape[1]
         tq, region = plan.tq, plan.region
-        q2, k2, v2 = q.view(batch * pq, -1), k.view(batch * pk, -1), v.view(batch * pk, -1)
-        out = q.new_empty(batch * pq + 1, v.shape[-1])  # the last row takes the padding slots
+        q2, k2, v2 = (x.view(-1, x.shape[-1] // heads) for x in (q, k, v))  # one row per (pixel, head)
+        out = q.new_empty(q2.shape[0] + 1, v2.shape[1])  # the last row takes the padding slots
         for t0, t1 in plan.chunks:
-            q_rows = _rows(plan.q_flat[t0 * tq:t1 * tq], batch, pq)
-            k_rows = _rows(plan.k_flat[t0 * region:t1 * region], batch, pk)
-            qt = _gather(q2, q_rows, batch, heads, tq).mul_(scale)
-            kt, vt = _gather(k2, k_rows, batch, heads, region), _gather(v2, k_rows, batch, heads, region)
+            q_rows = _rows(plan.q_flat[t0 * tq:t1 * tq], batch, pq, heads)
+            k_rows = _rows(plan.k_flat[t0 * region:t1 * region], batch, pk, heads)
+            qt = _gather(q2, q_rows, tq).mul_(scale)
+            kt, vt = _gather(k2, k_rows, region), _gather(v2, k_rows, region)
             probs = torch.softmax(_scores(plan, t0, t1, qt, kt, table, heads), -1)
-            dest = _rows(plan.q_dest[t0 * tq:t1 * tq], batch, pq, dummy=batch * pq)
-            out.index_copy_(0, dest, _pixel_rows(torch.bmm(probs, vt), batch, heads))
+            dest = _rows(plan.q_dest[t0 * tq:t1 * tq], batch, pq, heads, dummy=True)
+            out.index_copy_(0, dest, torch.bmm(probs, vt).view(-1, vt.shape[-1]))
             del qt, kt, vt, probs
-        out = out[: batch * pq].view(batch, pq, -1)
+        out = out[:-1].view(batch, pq, -1)
         ctx.save_for_backward(q, k, v, table, out)
         ctx.plan, ctx.scale, ctx.heads = plan, scale, heads
         return out
@@ -188,37 +182,37 @@ class TileAttention(torch.autograd.Function):
         plan, scale, heads = ctx.plan, ctx.scale, ctx.heads
         batch, pq, pk = q.shape[0], q.shape[1], k.shape[1]
         tq, region = plan.tq, plan.region
-        q2, k2, v2 = q.view(batch * pq, -1), k.view(batch * pk, -1), v.view(batch * pk, -1)
-        grad_out = grad_out.contiguous()
-        g2, o2 = grad_out.view(batch * pq, -1), out.view(batch * pq, -1)
-        grad_q = q.new_empty(batch * pq + 1, q.shape[-1])  # every query written once; last row: padding
+        q2, k2, v2 = (x.view(-1, x.shape[-1] // heads) for x in (q, k, v))
+        g2 = grad_out.contiguous().view(-1, v2.shape[1])
+        o2 = out.view(-1, v2.shape[1])
+        grad_q = q.new_empty(q2.shape[0] + 1, q2.shape[1])  # every query written once; last row: padding
         want_k, want_v = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         grad_k = torch.zeros_like(k2) if want_k else None
         grad_v = torch.zeros_like(v2) if want_v else None
         want_bias = table is not None and ctx.needs_input_grad[3]
         grad_table = torch.zeros_like(table).flatten(1) if want_bias else None
         for t0, t1 in plan.chunks:
-            q_rows = _rows(plan.q_flat[t0 * tq:t1 * tq], batch, pq)
-            k_rows = _rows(plan.k_flat[t0 * region:t1 * region], batch, pk)
-            qt = _gather(q2, q_rows, batch, heads, tq).mul_(scale)
-            kt, vt = _gather(k2, k_rows, batch, heads, region), _gather(v2, k_rows, batch, heads, region)
-            gt = _gather(g2, q_rows, batch, heads, tq)
+            q_rows = _rows(plan.q_flat[t0 * tq:t1 * tq], batch, pq, heads)
+            k_rows = _rows(plan.k_flat[t0 * region:t1 * region], batch, pk, heads)
+            qt = _gather(q2, q_rows, tq).mul_(scale)
+            kt, vt = _gather(k2, k_rows, region), _gather(v2, k_rows, region)
+            gt = _gather(g2, q_rows, tq)
             if plan.valid is not None:  # padding slots repeat a query: they must add nothing
                 gt.view(batch * heads, -1, tq, gt.shape[-1]).mul_(plan.valid[t0 * tq:t1 * tq].view(-1, tq, 1))
-            dt = (gt * _gather(o2, q_rows, batch, heads, tq)).sum(-1, keepdim=True)  # rowsum(dO * O)
+            dt = (gt * _gather(o2, q_rows, tq)).sum(-1, keepdim=True)  # rowsum(dO * O)
             probs = torch.softmax(_scores(plan, t0, t1, qt, kt, table, heads), -1)
             if want_v:
-                grad_v.index_add_(0, k_rows, _pixel_rows(torch.bmm(probs.transpose(1, 2), gt), batch, heads))
+                grad_v.index_add_(0, k_rows, torch.bmm(probs.transpose(1, 2), gt).view(-1, gt.shape[-1]))
             ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(dt).mul_(probs)  # dS (N, tq, R)
             del probs
-            dest = _rows(plan.q_dest[t0 * tq:t1 * tq], batch, pq, dummy=batch * pq)
-            grad_q.index_copy_(0, dest, _pixel_rows(torch.bmm(ds, kt), batch, heads))  # times scale below
+            dest = _rows(plan.q_dest[t0 * tq:t1 * tq], batch, pq, heads, dummy=True)
+            grad_q.index_copy_(0, dest, torch.bmm(ds, kt).view(-1, kt.shape[-1]))  # times scale below
             if want_k:
-                grad_k.index_add_(0, k_rows, _pixel_rows(torch.bmm(ds.transpose(1, 2), qt), batch, heads))
+                grad_k.index_add_(0, k_rows, torch.bmm(ds.transpose(1, 2), qt).view(-1, qt.shape[-1]))
             if want_bias:
                 rel = _rel_index(plan, table.shape[-1])[t0:t1].flatten()
                 grad_table.index_add_(1, rel, ds.view(batch, heads, -1).sum(0))
-        grad_q = grad_q[: batch * pq].mul_(scale).view(q.shape)
+        grad_q = grad_q[:-1].mul_(scale).view(q.shape)
         grad_table = grad_table.view(table.shape) if want_bias else None
         grad_k = grad_k.view(k.shape) if want_k else None
         grad_v = grad_v.view(v.shape) if want_v else None
