@@ -3,14 +3,12 @@
 :func:`na2d` is the public functional (``tplayers.na2d``). The work is tiled:
 ``tH x tW`` queries of one dilation group share a key region of
 ``(tH + kH - 1) x (tW + kW - 1)`` group members, so one batched matmul scores a
-whole tile against its region, a precomputed additive mask (``-inf`` outside
-each query's window) keeps exactly NATTEN's window, and a second
-batched matmul applies the values. Scores and probabilities take
-``B * heads * H * W * (tH + kH - 1) * (tW + kW - 1) / (tH * tW)`` elements, i.e.
-``O(B * heads * H * W * kH * kW)`` for tiles of about the kernel's size; the
-``(H*W)^2`` matrix of dense attention never exists. Autograd runs through
-the gathers and an explicit backward of the tile attention that keeps only
-the probabilities (one score-sized tensor).
+whole tile against its region, an additive mask (``-inf`` outside each query's
+window) keeps exactly NATTEN's window, and a second batched matmul applies the
+values. :mod:`tplayers.ops.na_kernel` runs the tiles in chunks and keeps nothing
+score-sized for backward (it scores a chunk again), so memory is the inputs',
+the output's and the gradients' plus one chunk; the ``(H*W)^2`` matrix of dense
+attention never exists.
 
 :func:`neighborhood_attention_2d` is the general engine: queries and keys may be
 windows of a larger global image (a domain-parallel shard with its halos), and
