@@ -34,10 +34,11 @@ class TilePlan:
     """Index tables of one tiled geometry (on the compute device).
 
     ``q_flat`` (T*tq,): flat query pixel of each query slot (a padding slot repeats a
-    real query); ``q_dest``: the same, -1 at padding slots. ``k_flat`` (T*R,): flat key pixel of each region slot. ``out_flat``
-    (Hq*Wq,): the slot computing each query. ``valid`` (T*tq,) 1/0, or None when no
-    slot pads. ``masks`` (P, tq, R): additive window patterns (0 / -inf);
-    ``mask_id`` (T,): each tile's pattern. ``chunks``: ``[t0, t1)`` tile ranges.
+    real query); ``q_dest``: the same, -1 at padding slots. ``k_flat`` (T*R,): flat key
+    pixel of each region slot. ``valid`` (T*tq,) 1/0, or None when no slot pads.
+    ``masks`` (P, tq, R): additive window patterns (0 / -inf); ``mask_id`` (T,): each
+    tile's pattern. ``chunks``: ``[t0, t1)`` tile ranges; ``chunk_pattern``: per chunk the
+    one pattern all its tiles share, or -1.
     """
 
     th: AxisTiles
@@ -45,11 +46,11 @@ class TilePlan:
     q_flat: torch.Tensor
     q_dest: torch.Tensor
     k_flat: torch.Tensor
-    out_flat: torch.Tensor
     valid: Optional[torch.Tensor]
     masks: torch.Tensor
     mask_id: torch.Tensor
     chunks: Tuple[Tuple[int, int], ...]
+    chunk_pattern: Tuple[int, ...]
 
     @property
     def tq(self) -> int:
@@ -63,12 +64,12 @@ class TilePlan:
     def num_tiles(self) -> int:
         return self.th.num_tiles * self.tw.num_tiles
 
-    def chunk_masks(self, t0: int, t1: int) -> torch.Tensor:
-        """``(t1 - t0, tq, R)`` additive masks of a chunk (a view when it has one pattern)."""
-        ids = self.mask_id[t0:t1]
-        if bool((ids == ids[0]).all()):
-            return self.masks[int(ids[0])].expand(t1 - t0, -1, -1)
-        return self.masks.index_select(0, ids)
+    def chunk_masks(self, chunk: int) -> torch.Tensor:
+        """``(t1 - t0, tq, R)`` additive masks of chunk number ``chunk`` (a view when it has one pattern)."""
+        (t0, t1), pattern = self.chunks[chunk], self.chunk_pattern[chunk]
+        if pattern >= 0:
+            return self.masks[pattern].expand(t1 - t0, -1, -1)
+        return self.masks.index_select(0, self.mask_id[t0:t1])
 
 
 def _unique_rows(mask: torch.Tensor):
@@ -99,13 +100,17 @@ def tile_plan(th: AxisTiles, tw: AxisTiles, wq: int, wk: int, device: torch.devi
     inside = inside.reshape(ph.shape[0] * pw.shape[0], tq, region)
     masks = torch.zeros(inside.shape, dtype=dtype).masked_fill_(~inside, float("-inf"))
     mask_id = (idh[:, None] * pw.shape[0] + idw[None, :]).flatten()
-    # chunks: whole tile rows when they fit (one mask pattern per row in the interior)
+    # chunks of consecutive tiles (row-major over the tile grid), about chunk_scores scores per plane
     num_tiles, per_chunk = th.num_tiles * tw.num_tiles, max(1, chunk_scores // (tq * region))
     chunks: List[Tuple[int, int]] = []
+    pattern: List[int] = []
     for t0 in range(0, num_tiles, per_chunk):
-        chunks.append((t0, min(t0 + per_chunk, num_tiles)))
-    return TilePlan(th, tw, q_flat.flatten().to(device), q_dest.to(device), k_flat.flatten().to(device), out_flat.flatten().to(device),
-                    valid, masks.to(device), mask_id.to(device), tuple(chunks))
+        t1 = min(t0 + per_chunk, num_tiles)
+        ids = mask_id[t0:t1]
+        chunks.append((t0, t1))
+        pattern.append(int(ids[0]) if bool((ids == ids[0]).all()) else -1)
+    return TilePlan(th, tw, q_flat.flatten().to(device), q_dest.to(device), k_flat.flatten().to(device),
+                    valid, masks.to(device), mask_id.to(device), tuple(chunks), tuple(pattern))
 
 
 @lru_cache(maxsize=32)
@@ -134,11 +139,12 @@ def _gather(src: torch.Tensor, rows: torch.Tensor, per_tile: int) -> torch.Tenso
     return src.index_select(0, rows).view(-1, per_tile, src.shape[1])
 
 
-def _scores(plan: TilePlan, t0: int, t1: int, qt, kt, table, heads: int) -> torch.Tensor:
-    """Masked (and biased) scores of chunk ``[t0, t1)``: (B*heads*c, tq, R); ``qt`` is pre-scaled."""
+def _scores(plan: TilePlan, chunk: int, qt, kt, table, heads: int) -> torch.Tensor:
+    """Masked (and biased) scores of chunk number ``chunk``: (B*heads*c, tq, R); ``qt`` is pre-scaled."""
     scores = torch.bmm(qt, kt.transpose(1, 2))
+    t0, t1 = plan.chunks[chunk]
     c = t1 - t0
-    scores.view(-1, c, plan.tq, plan.region).add_(plan.chunk_masks(t0, t1))
+    scores.view(-1, c, plan.tq, plan.region).add_(plan.chunk_masks(chunk))
     if table is not None:
         rel = _rel_index(plan, table.shape[-1])[t0:t1]
         bias = table.flatten(1).index_select(1, rel.flatten()).view(heads, c, plan.tq, plan.region)
@@ -162,12 +168,12 @@ class TileAttention(torch.autograd.Function):
         tq, region = plan.tq, plan.region
         q2, k2, v2 = (x.view(-1, x.shape[-1] // heads) for x in (q, k, v))  # one row per (pixel, head)
         out = q.new_empty(q2.shape[0] + 1, v2.shape[1])  # the last row takes the padding slots
-        for t0, t1 in plan.chunks:
+        for chunk, (t0, t1) in enumerate(plan.chunks):
             q_rows = _rows(plan.q_flat[t0 * tq:t1 * tq], batch, pq, heads)
             k_rows = _rows(plan.k_flat[t0 * region:t1 * region], batch, pk, heads)
             qt = _gather(q2, q_rows, tq).mul_(scale)
             kt, vt = _gather(k2, k_rows, region), _gather(v2, k_rows, region)
-            probs = torch.softmax(_scores(plan, t0, t1, qt, kt, table, heads), -1)
+            probs = torch.softmax(_scores(plan, chunk, qt, kt, table, heads), -1)
             dest = _rows(plan.q_dest[t0 * tq:t1 * tq], batch, pq, heads, dummy=True)
             out.index_copy_(0, dest, torch.bmm(probs, vt).view(-1, vt.shape[-1]))
             del qt, kt, vt, probs
@@ -191,7 +197,7 @@ class TileAttention(torch.autograd.Function):
         grad_v = torch.zeros_like(v2) if want_v else None
         want_bias = table is not None and ctx.needs_input_grad[3]
         grad_table = torch.zeros_like(table).flatten(1) if want_bias else None
-        for t0, t1 in plan.chunks:
+        for chunk, (t0, t1) in enumerate(plan.chunks):
             q_rows = _rows(plan.q_flat[t0 * tq:t1 * tq], batch, pq, heads)
             k_rows = _rows(plan.k_flat[t0 * region:t1 * region], batch, pk, heads)
             qt = _gather(q2, q_rows, tq).mul_(scale)
@@ -200,7 +206,7 @@ class TileAttention(torch.autograd.Function):
             if plan.valid is not None:  # padding slots repeat a query: they must add nothing
                 gt.view(batch * heads, -1, tq, gt.shape[-1]).mul_(plan.valid[t0 * tq:t1 * tq].view(-1, tq, 1))
             dt = (gt * _gather(o2, q_rows, tq)).sum(-1, keepdim=True)  # rowsum(dO * O)
-            probs = torch.softmax(_scores(plan, t0, t1, qt, kt, table, heads), -1)
+            probs = torch.softmax(_scores(plan, chunk, qt, kt, table, heads), -1)
             if want_v:
                 grad_v.index_add_(0, k_rows, torch.bmm(probs.transpose(1, 2), gt).view(-1, gt.shape[-1]))
             ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(dt).mul_(probs)  # dS (N, tq, R)
