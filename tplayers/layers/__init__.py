@@ -22,6 +22,7 @@ from tplayers.layers.resample import (
     DistributedAdaptiveAvgPool3d,
     DistributedUpsample,
 )
+from tplayers.layers.dropout import ParallelDropout
 from tplayers.layers.replicated import DomainReplicated
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -45,6 +46,7 @@ __all__ = [
     "DistributedAdaptiveAvgPool2d",
     "DistributedAdaptiveAvgPool3d",
     "DistributedUpsample",
+    "ParallelDropout",
     "DomainReplicated",
     "NeighborhoodAttention",
 ]
