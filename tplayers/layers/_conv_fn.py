@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tplayers.comm import all_reduce_sum, record_collective
 from tplayers.comm.collectives import run_p2p
 from tplayers.comm.halo import halo_adjoint, halo_pad
-from tplayers.layers._window import AxisPlan
+from tplayers.window_plan import AxisPlan
 
 __all__ = ["ConvSpec", "HaloConvFunction"]
 

@@ -8,7 +8,7 @@ along the sharded dims; gathering the outputs gives ``nn.ConvNd`` on the
 gathered input, and every gradient matches.
 
 Each is a thin twin over the window-op core: the axis plan
-(:func:`tplayers.layers._window.plan_windows`, output rows partitioned by the
+(:func:`tplayers.window_plan.plan_windows`, output rows partitioned by the
 DESIGN §2.4 rule: "same" convolutions keep the input's partition, others give the
 balanced one), the N-d halo exchange (:mod:`tplayers.comm.window`) for all but
 the last sharded dim, and :class:`~tplayers.layers._conv_fn.HaloConvFunction`
@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.comm.window import edge_pad, gather_rows, pad_arg, pad_dim
 from tplayers.layers._conv_fn import ConvSpec, HaloConvFunction
 from tplayers.layers._domain import DomainLayer, ntuple
-from tplayers.layers._window import PADDING_MODES, conv_out_len, conv_window, plan_windows
+from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows
 from tplayers.sharding import ShardSpec
 
 __all__ = ["DistributedConv1d", "DistributedConv2d", "DistributedConv3d", "AUTO_CHANNELS_LAST_MIN"]

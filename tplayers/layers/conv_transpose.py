@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.comm import copy_many_to_parallel_region
 from tplayers.comm.window import scatter_add_windows
 from tplayers.layers._domain import DomainLayer, ntuple
-from tplayers.layers._window import out_partition, plan_ranges, transposed_needs, transposed_out_len
+from tplayers.window_plan import out_partition, plan_ranges, transposed_needs, transposed_out_len
 from tplayers.sharding import ShardSpec
 
 __all__ = ["DistributedConvTranspose1d", "DistributedConvTranspose2d", "DistributedConvTranspose3d"]
