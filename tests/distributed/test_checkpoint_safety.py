@@ -131,7 +131,7 @@ def _index_cases(root: str, base: str) -> list:
     def swap_ranges(idx):
         a, b = idx["tensors"][key]["pieces"]
         a["file"], b["file"] = b["file"], a["file"]
-        a["sha256"], b["sha256"] = b["sha256"], a["sha256"]
+        a["digests"], b["digests"] = b["digests"], a["digests"]
         a["block_rows"], b["block_rows"] = b["block_rows"], a["block_rows"]
 
     return [
@@ -167,10 +167,42 @@ def test_edited_index_is_an_error_on_every_rank(tmp_path):
             assert "index.json" in m and "digest mismatch" in m, m
 
 
-def test_version_1_index_still_loads(tmp_path):
-    base = str(tmp_path / "base")
-    save_checkpoint(serial_net(3), base)
-    v1 = _edit(base, str(tmp_path / "v1"), lambda idx: (idx.pop("index_sha256"), idx.update(version=1)))
-    net = serial_net(9)
-    load_checkpoint(net, v1)
-    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), serial_net(3).state_dict().values()))
+def _as_version_1(idx):
+    """Rewrite a SHA-256 v2 index the way version 1 wrote it (no digest name, fields called sha256)."""
+    idx.pop("index_sha256")
+    assert idx.pop("digest") == "sha256"
+    idx["version"] = 1
+    for info in idx["files"].values():
+        info["sha256"] = info.pop("digest")
+    for t in idx["tensors"].values():
+        for p in t["pieces"]:
+            p["sha256"] = p.pop("digests")
+
+
+def test_sha256_option_and_version_1_checkpoints_load(tmp_path):
+    base = str(tmp_path / "sha")
+    save_checkpoint(serial_net(3), base, digest="sha256")
+    assert json.load(open(os.path.join(base, "index.json")))["digest"] == "sha256"
+    v1 = _edit(base, str(tmp_path / "v1"), _as_version_1)
+    for path in (base, v1):
+        net = serial_net(9)
+        load_checkpoint(net, path)
+        assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), serial_net(3).state_dict().values()))
+    # a flipped data byte in the old format is still caught, and named by its algorithm
+    f = os.path.join(v1, "rank-00000-of-00001.safetensors")
+    data = bytearray(open(f, "rb").read())
+    data[-3] ^= 0xFF
+    open(f, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match="SHA-256"):
+        load_checkpoint(serial_net(9), v1)
+    with pytest.raises(ValueError, match="digest must be one of"):
+        save_checkpoint(serial_net(3), str(tmp_path / "x"), digest="md5")
+
+
+def test_default_digest_is_xxh3(tmp_path):
+    path = str(tmp_path / "c")
+    save_checkpoint(serial_net(4), path)
+    idx = json.load(open(os.path.join(path, "index.json")))
+    assert idx["digest"] == "xxh3_128" and idx["version"] == 2
+    piece = next(iter(idx["tensors"].values()))["pieces"][0]
+    assert all(len(d) == 32 for d in piece["digests"])

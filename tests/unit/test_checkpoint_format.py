@@ -38,7 +38,7 @@ def test_writer_is_standard_safetensors_and_blocks_cover_rows(tmp_path):
     path = str(tmp_path / "a.safetensors")
     items = _tensors()
     size, digest, blocks = fmt.write_file(path, items, {"k": "v"}, block_bytes=16)
-    assert size == os.path.getsize(path) and len(digest) == 64
+    assert size == os.path.getsize(path) and len(digest) == 32  # XXH3-128 by default
     back = load_file(path)
     for name, t in items:
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
@@ -146,7 +146,7 @@ def test_cli_inspect_merge_reshard(tmp_path, capsys):
     data[-2] ^= 0xFF
     open(f, "wb").write(bytes(data))
     assert main(["inspect", str(tmp_path / "c3"), "--verify"]) == 1
-    assert "SHA-256" in capsys.readouterr().err
+    assert "XXH3-128" in capsys.readouterr().err
     proc = subprocess.run([sys.executable, "-m", "tplayers.checkpoint", "inspect", str(tmp_path / "m.safetensors")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "head.weight" in proc.stdout

@@ -13,6 +13,7 @@ import secrets
 import sys
 from typing import List, Optional
 
+from tplayers.checkpoint.digest import label
 from tplayers.checkpoint.format import BLOCK_BYTES, CheckpointError, commit, itemsize, write_file
 from tplayers.checkpoint.index import Source, open_source
 from tplayers.checkpoint.layout import plan_layout, stored
@@ -40,7 +41,7 @@ def inspect(path: str, verify: bool = False, out=None) -> None:
         out.write(f"{path}: tplayers checkpoint v{info['version']}, saved at world size {info['world_size']}, "
                   f"convention {info['convention']}, {len(src.files)} files\n")
         for f, fi in sorted(src.files.items()):
-            out.write(f"  {os.path.basename(f)}  {fi['size']} bytes  sha256 {fi['sha256'][:16]}...\n")
+            out.write(f"  {os.path.basename(f)}  {fi['size']} bytes  {info['algorithm']} {fi['digest'][:16]}...\n")
     total = 0
     for key, e in sorted(src.tensors.items()):
         size = _nbytes(e.shape, e.dtype)
@@ -56,7 +57,7 @@ def inspect(path: str, verify: bool = False, out=None) -> None:
             r.check_files_present()
             for key in sorted(src.tensors):
                 r.read_box(key)
-        hashed = "every block's SHA-256" if src.files else "structure only (a plain file has no hashes)"
+        hashed = f"every block's {label(info['algorithm'])}" if src.files else "structure only (a plain file has no hashes)"
         out.write(f"verified: {hashed}\n")
 
 
@@ -103,7 +104,7 @@ def reshard(directory: str, out_dir: str, world_size: int, progress: Optional[bo
                 start, stop = _range(e.shape, e.dim, world_size, rank)
                 items.append((key, stored(r.read_box(key, e.dim, start, stop), e.dim)))
             infos.append(write_rank_file(tmp, rank, world_size, items, block_bytes, progress))
-    finish_dir(tmp, out_dir, world_size, tensors, infos, block_bytes)
+    finish_dir(tmp, out_dir, world_size, tensors, infos, block_bytes)  # new checkpoints: the default digest
 
 
 def _refuse_unsafe(out_path: str) -> None:
@@ -123,7 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     i = sub.add_parser("inspect", help="tensors, shapes, dtypes, layout and sizes")
     i.add_argument("path")
-    i.add_argument("--verify", action="store_true", help="also read everything and check every SHA-256")
+    i.add_argument("--verify", action="store_true", help="also read everything and check every block digest")
     m = sub.add_parser("merge", help="one consolidated safetensors file from a checkpoint directory")
     m.add_argument("dir")
     m.add_argument("out")

@@ -6,18 +6,18 @@ bytes can be hashed block by block as they are written, shown on a progress
 bar and fsynced; the result is a standard file that ``safetensors`` reads.
 
 Integrity: every stored tensor is cut into blocks of whole rows (rows along its
-stored dim 0, about ``block_bytes`` each) and each block gets a SHA-256. A
+stored dim 0, about ``block_bytes`` each) and each block gets a digest
+(XXH3-128 by default, SHA-256 on request: :mod:`tplayers.checkpoint.digest`). A
 reader that needs rows ``[a, b)`` reads the covering blocks and checks exactly
 those, so verification never forces reading the whole file. A file's digest is
-the SHA-256 of its header bytes followed by all its block digests in file
-order: a SHA-256 that changes if any byte of the file changes.
+the hash of its header bytes' digest followed by all its block digests in file
+order: it changes if any byte of the file changes.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+
+from tplayers.checkpoint.digest import DEFAULT, block_digest, file_hasher
 
 #: Default size of a hashed block (whole rows are kept together).
 BLOCK_BYTES = 1 << 18
@@ -182,8 +184,8 @@ class _Stager:
             yield t[i : i + step], slot
 
 
-def _hash_blocks(blocks: Sequence[memoryview]) -> List[bytes]:
-    return [hashlib.sha256(b).digest() for b in blocks]
+def _hash_blocks(blocks: Sequence[memoryview], digest: Callable[[object], bytes]) -> List[bytes]:
+    return [digest(b) for b in blocks]
 
 
 def write_file(
@@ -194,6 +196,7 @@ def write_file(
     block_bytes: int = BLOCK_BYTES,
     on_bytes: Optional[Callable[[int], None]] = None,
     hashes: bool = True,
+    algorithm: str = DEFAULT,
 ) -> Tuple[int, str, Dict[str, Tuple[int, List[str]]]]:
     """Write ``items`` (name, CPU tensor) as a standard safetensors file and fsync it.
 
@@ -202,8 +205,9 @@ def write_file(
     chunks of whole blocks, each hashed on a second thread while this one
     writes it, and the disk write-back starts as the file grows.
     ``hashes=False`` skips the block digests (the returned digest and lists are then empty).
+    ``algorithm`` names the digest (:data:`tplayers.checkpoint.digest.ALGORITHMS`).
 
-    Returns ``(size, digest, {name: (rows_per_block, [block sha256 hex])})``.
+    Returns ``(size, file digest hex, {name: (rows_per_block, [block digest hex])})``.
     The file must not exist yet (we only ever write into fresh temp paths).
     """
     header, offset = {}, 0
@@ -217,6 +221,7 @@ def write_file(
     raw += b" " * (-len(raw) % 8)
     prefix = struct.pack("<Q", len(raw)) + raw
     plan = [(name, block_rows(t.shape, t.element_size(), block_bytes), t) for name, t in items]
+    digest_fn = block_digest(algorithm) if hashes else None
     hashed: List[List[Future]] = [[] for _ in plan]
     stager = _Stager()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -229,7 +234,7 @@ def write_file(
             for (name, k, t), futures in zip(plan, hashed):
                 for chunk, slot in stager.chunks(t, k):
                     if hashes:
-                        futures.append(pool.submit(_hash_blocks, row_blocks(chunk, k)))
+                        futures.append(pool.submit(_hash_blocks, row_blocks(chunk, k), digest_fn))
                         if slot is not None:
                             stager.readers[slot] = futures[-1]
                     data = byte_view(chunk)
@@ -241,7 +246,7 @@ def write_file(
         finally:
             os.close(fd)
         digests = [[d for f in futures for d in f.result()] for futures in hashed]
-    digest = hashlib.sha256(hashlib.sha256(prefix).digest())
+    digest = file_hasher(algorithm, prefix)
     blocks_out: Dict[str, Tuple[int, List[str]]] = {}
     for (name, k, _), ds in zip(plan, digests):
         for d in ds:

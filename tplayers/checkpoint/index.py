@@ -3,24 +3,28 @@
 ``DIR/index.json``::
 
     {
-      "format": "tplayers.checkpoint", "version": 2,
+      "format": "tplayers.checkpoint", "version": 2, "digest": "xxh3_128",
       "convention": "balanced-first-remainder",   # tplayers.sharding.CONVENTION at save time
-      "world_size": 2, "block_bytes": 1048576,
-      "files": {"rank-00000-of-00002.safetensors": {"size": 123, "sha256": "<64 hex>"}, ...},
+      "world_size": 2, "block_bytes": 262144,
+      "files": {"rank-00000-of-00002.safetensors": {"size": 123, "digest": "<32 hex>"}, ...},
       "tensors": {
         "0.weight": {"shape": [30, 16], "dtype": "F32", "dim": 0,
                      "pieces": [{"file": "rank-00000-of-00002.safetensors", "start": 0, "stop": 15,
-                                 "block_rows": 4096, "sha256": ["<64 hex>", ...]}, ...]},
+                                 "block_rows": 4096, "digests": ["<32 hex>", ...]}, ...]},
         "2.bias":   {"shape": [16], "dtype": "F32", "dim": null,
-                     "pieces": [{"file": "...", "block_rows": 65536, "sha256": [...]}]}}
+                     "pieces": [{"file": "...", "block_rows": 65536, "digests": [...]}]}},
+      "index_sha256": "<64 hex>"
     }
 
 A piece of a tensor sharded along ``dim`` holds global range ``[start, stop)``
 of that dim and is stored with ``dim`` moved first (``movedim(dim, 0)``), so
 the rows any reader needs form one contiguous span of the file. A replicated
-tensor (``dim: null``) is one piece in its natural layout. ``sha256`` lists the
-digests of blocks of ``block_rows`` stored rows. A file's ``sha256`` is the
-SHA-256 of its header bytes' SHA-256 followed by its block digests in file order.
+tensor (``dim: null``) is one piece in its natural layout. ``digests`` lists the
+digests of blocks of ``block_rows`` stored rows, with the algorithm named by
+``digest`` (:mod:`tplayers.checkpoint.digest`: ``xxh3_128`` by default,
+``sha256`` on request). A file's ``digest`` is the hash of its header bytes'
+digest followed by its block digests in file order. Version 1 indexes name
+these fields ``sha256`` (SHA-256 throughout) and still load.
 
 ``index_sha256`` (version 2) is the SHA-256 of the index itself: of its canonical
 JSON (sorted keys, no spaces) without that one field. It covers every field that
@@ -44,6 +48,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from tplayers.checkpoint.digest import ALGORITHMS, DEFAULT, hex_length
 from tplayers.checkpoint.format import CheckpointError, read_header, torch_dtype
 from tplayers.checkpoint.layout import check_tiling
 
@@ -53,7 +58,8 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 INDEX_NAME = "index.json"
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+#: Field names of the file digest and the block digests, by index version.
+_FIELDS = {1: ("sha256", "sha256"), 2: ("digest", "digests")}
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,8 @@ class Source:
 
     path: str
     tensors: Dict[str, TensorEntry]
-    files: Dict[str, dict]  # path -> {"size", "sha256"} (empty for a plain file)
-    info: dict  # format, version, convention, world_size (for inspect)
+    files: Dict[str, dict]  # path -> {"size", "digest"} (empty for a plain file)
+    info: dict  # format, version, convention, world_size, block_bytes, algorithm
 
 
 def open_source(path: str) -> Source:
@@ -96,7 +102,7 @@ def open_source(path: str) -> Source:
             k: TensorEntry(tuple(e["shape"]), e["dtype"], None, (Piece(path, 0, 0, None, None),))
             for k, e in header.items()
         }
-        return Source(path, tensors, {}, {"format": "safetensors", "metadata": meta})
+        return Source(path, tensors, {}, {"format": "safetensors", "metadata": meta, "algorithm": None})
     raise CheckpointError(f"{path}: no checkpoint here (neither a checkpoint directory nor a safetensors file)")
 
 
@@ -144,6 +150,10 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
     _need(isinstance(raw.get("convention"), str), where, "missing shard convention name")
     _need(_int(raw.get("world_size")) and raw["world_size"] >= 1, where, f"world_size must be a positive int, got {raw.get('world_size')!r:.80}")
     _need(_int(raw.get("block_bytes")) and raw["block_bytes"] >= 1, where, f"block_bytes must be a positive int, got {raw.get('block_bytes')!r:.80}")
+    algorithm = "sha256" if version == 1 else raw.get("digest")
+    _need(algorithm in ALGORITHMS, where, f"digest must be one of {list(ALGORITHMS)}, got {algorithm!r:.80}")
+    file_field, block_field = _FIELDS[version]
+    hex_digest = re.compile(f"[0-9a-f]{{{hex_length(algorithm)}}}")
     files, tensors = raw.get("files"), raw.get("tensors")
     _need(isinstance(files, dict) and isinstance(tensors, dict), where, "needs 'files' and 'tensors' objects")
     real_dir = os.path.realpath(directory)
@@ -153,9 +163,10 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
         full = os.path.join(directory, name) if ok else str(name)
         _need(ok and os.path.dirname(os.path.realpath(full)) == real_dir, where,
               f"file name {name!r} is not a plain *.safetensors name inside {directory} (path traversal?)")
-        _need(isinstance(info, dict) and _int(info.get("size")) and isinstance(info.get("sha256"), str)
-              and _HEX64.fullmatch(info["sha256"]) is not None, where, f"file {name!r}: needs an int size and a sha256")
-        out_files[full] = info
+        _need(isinstance(info, dict) and _int(info.get("size")) and isinstance(info.get(file_field), str)
+              and hex_digest.fullmatch(info[file_field]) is not None, where,
+              f"file {name!r}: needs an int size and a {algorithm} {file_field!r}")
+        out_files[full] = {"size": info["size"], "digest": info[file_field]}
     out = {}
     for key, t in tensors.items():
         w = f"{where}: tensor {key!r}"
@@ -173,10 +184,10 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
             _need(_int(start) and _int(stop) and (dim is None or start < stop <= shape[dim]), w,
                   f"piece range [{start}, {stop}) is not a non-empty range of dim length {shape[dim] if dim is not None else '-'}")
             rows = (stop - start) if dim is not None else (shape[0] if shape else 1)
-            k, digests = p.get("block_rows"), p.get("sha256")
+            k, digests = p.get("block_rows"), p.get(block_field)
             _need(_int(k) and k >= 1 and isinstance(digests, list) and len(digests) == -(-rows // k)
-                  and all(isinstance(d, str) and _HEX64.fullmatch(d) for d in digests), w,
-                  f"piece in {p['file']}: block_rows / sha256 list malformed")
+                  and all(isinstance(d, str) and hex_digest.fullmatch(d) for d in digests), w,
+                  f"piece in {p['file']}: block_rows / {block_field} list malformed")
             parsed.append(Piece(os.path.join(directory, p["file"]), start, stop, k, tuple(digests)))
         if dim is None:
             _need(len(parsed) == 1, w, f"a replicated tensor needs exactly 1 piece, got {len(parsed)}")
@@ -191,14 +202,17 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
               "index digest mismatch: index.json was edited or corrupted (its index_sha256 does not "
               "match its contents), so it cannot be trusted to say where bytes belong")
     info = {k: raw.get(k) for k in ("format", "version", "convention", "world_size", "block_bytes")}
+    info["algorithm"] = algorithm
     return Source(directory, out, out_files, info)
 
 
-def build_index(world: int, convention: str, block_bytes: int, files: Dict[str, dict], tensors: Dict[str, dict]) -> bytes:
+def build_index(world: int, convention: str, block_bytes: int, files: Dict[str, dict], tensors: Dict[str, dict],
+                algorithm: str = DEFAULT) -> bytes:
     """Serialise an index (see the module docstring for the fields)."""
     doc = {
         "format": FORMAT,
         "version": VERSION,
+        "digest": algorithm,
         "convention": convention,
         "world_size": world,
         "block_bytes": block_bytes,

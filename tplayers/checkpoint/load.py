@@ -50,7 +50,7 @@ def load_checkpoint(
     missing and unexpected ones), global shapes, dtypes (no silent cast;
     ``cast=True`` converts), the index (format, coverage: no gaps or overlaps,
     file names inside the directory), every file's presence, size and header,
-    and with ``verify=True`` the SHA-256 of every block it reads. The ranks
+    and with ``verify=True`` the digest of every block it reads. The ranks
     then agree; if any rank found a problem, every rank raises
     :class:`~tplayers.checkpoint.CheckpointError` naming the file and key and
     no rank has changed anything.

@@ -5,13 +5,13 @@ of dim ``dim``" from whatever pieces the checkpoint has, through
 ``safe_open(...).get_slice``. Pieces are stored shard-dim first, so each piece
 contributes one contiguous span of rows. With ``verify=True`` the span is
 widened to whole hashed blocks (at most one block of extra rows at each end)
-and every block read is checked against its SHA-256: bytes that are read are
+and every block read is checked against its digest (the algorithm the index
+names: XXH3-128, or SHA-256 for older checkpoints): bytes that are read are
 verified, and bytes that are not needed are not read.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from contextlib import ExitStack
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
@@ -19,6 +19,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from safetensors import SafetensorError, safe_open
 
+from tplayers.checkpoint.digest import DEFAULT, block_digest, file_hasher, label
 from tplayers.checkpoint.format import CheckpointError, read_header, row_blocks, torch_dtype
 from tplayers.checkpoint.index import Piece, Source, TensorEntry
 from tplayers.checkpoint.pagecache import advise_exact_read, advise_mapping_random
@@ -65,6 +66,8 @@ class Reader:
 
     def __init__(self, source: Source, *, verify: bool = True) -> None:
         self.source, self.verify = source, verify
+        self.algorithm = source.info.get("algorithm") or DEFAULT
+        self._digest = block_digest(self.algorithm) if source.files else None
         self.bytes_read = 0
         self.header_bytes = 0
         self._stack = ExitStack()
@@ -114,7 +117,7 @@ class Reader:
                 f"{path}: holds tensors {sorted(set(header) - set(expected))} the index does not list there "
                 f"and lacks {sorted(set(expected) - set(header))}"
             )
-        digest = hashlib.sha256(hashlib.sha256(prefix).digest())
+        digest = file_hasher(self.algorithm, prefix)
         for key in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
             entry, piece = expected[key]
             got = (tuple(header[key]["shape"]), header[key]["dtype"])
@@ -124,8 +127,9 @@ class Reader:
                 )
             for d in piece.digests:
                 digest.update(bytes.fromhex(d))
-        if digest.hexdigest() != info["sha256"]:
-            raise CheckpointError(f"{path}: SHA-256 of header and block digests does not match the index: file or index corrupted")
+        if digest.hexdigest() != info["digest"]:
+            raise CheckpointError(f"{path}: {label(self.algorithm)} of header and block digests does not match the index: "
+                                  "file or index corrupted")
 
     def plan(self, key: str, dim: Optional[int], start: int = 0, stop: int = 0) -> List[Part]:
         """Map the parts of ``key`` covering ``[start, stop)`` of ``dim`` (all of it if ``dim`` is None).
@@ -212,7 +216,7 @@ class Reader:
         return Part(key, where, p, dest, dim, t, box[0][0] // p.block_rows if verified else None, trim)
 
     def _check(self, part: Part) -> torch.Tensor:
-        """``part``'s tensor in the box's dim order, its blocks checked against their SHA-256."""
+        """``part``'s tensor in the box's dim order, its blocks checked against their digests."""
         t = part.mapped
         if part.first_block is not None:
             self._check_blocks(part.where, part.piece, t.contiguous(), part.first_block)
@@ -225,10 +229,11 @@ class Reader:
     def _check_blocks(self, where: str, p: Piece, t: torch.Tensor, first: int) -> None:
         if not (self.verify and p.digests is not None):
             return
+        digest = self._digest
         for i, blk in enumerate(row_blocks(t, p.block_rows)):
             j = first + i
-            if hashlib.sha256(blk).hexdigest() != p.digests[j]:
+            if digest(blk).hex() != p.digests[j]:
                 raise CheckpointError(
                     f"{where}: block {j} (stored rows [{j * p.block_rows}, {(j + 1) * p.block_rows})) fails its "
-                    "SHA-256: the file is corrupted"
+                    f"{label(self.algorithm)}: the file is corrupted"
                 )

@@ -18,6 +18,7 @@ from typing import Dict, Optional, Sequence
 
 from torch import nn
 
+from tplayers.checkpoint.digest import DEFAULT, check_algorithm
 from tplayers.checkpoint.format import BLOCK_BYTES, CheckpointError, commit, fsync_dir, read_header, write_file
 from tplayers.checkpoint.gather import gather_state_dict
 from tplayers.checkpoint.index import FORMAT, INDEX_NAME, build_index
@@ -51,19 +52,22 @@ def save_checkpoint(
     consolidated: bool = False,
     progress: Optional[bool] = None,
     block_bytes: int = BLOCK_BYTES,
+    digest: str = DEFAULT,
 ) -> None:
     """Save ``model`` to ``path``; collective over the default process group (all ranks call it).
 
     - sharded (default): ``path`` becomes a directory with one safetensors file
       per rank and ``index.json`` (format version, shard convention, per tensor
       its global shape, dtype, shard dim and which file holds which range,
-      SHA-256 digests). Replicated tensors are written once.
+      block and file digests). Replicated tensors are written once.
     - ``consolidated=True``: ``path`` becomes one standard safetensors file whose
       keys and shapes are exactly the serial model's ``state_dict()``
       (``safetensors.torch.load_model`` loads it into the plain model).
 
     Either way it is written to a temporary sibling, fsynced and renamed, so a
-    crash never leaves a half-written checkpoint at ``path``. It never destroys
+    crash never leaves a half-written checkpoint at ``path``. ``digest`` names
+    the integrity hash of the sharded form (``"xxh3_128"``, the default, runs at
+    memory speed; ``"sha256"`` if you need it; see :mod:`tplayers.checkpoint.digest`). It never destroys
     data that is not a checkpoint: if ``path`` exists and is not a previous
     checkpoint (a tplayers checkpoint directory holding only its own files, or a
     safetensors file) nor an empty directory, every rank raises
@@ -78,6 +82,7 @@ def save_checkpoint(
     path = os.fspath(path)
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
+    check_algorithm(digest)
     rank, world = world_info()
     local = local_tensors(model)
     refusal = check_target(path)
@@ -92,7 +97,7 @@ def save_checkpoint(
     try:
         os.makedirs(tmp, exist_ok=True)
         items = [(k, stored(local[k].tensor, local[k].spec.dim)) for k in writes[rank]]
-        info = write_rank_file(tmp, rank, world, items, block_bytes, progress if rank == 0 else False)
+        info = write_rank_file(tmp, rank, world, items, block_bytes, progress if rank == 0 else False, digest)
     except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, or peers hang
         error = f"{type(e).__name__}: {e}"
     infos = allgather_json({"info": info, "error": error})
@@ -103,7 +108,7 @@ def save_checkpoint(
             if failed:
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
-                old = finish_dir(tmp, path, world, tensors, [x["info"] for x in infos], block_bytes)
+                old = finish_dir(tmp, path, world, tensors, [x["info"] for x in infos], block_bytes, digest)
                 if old is not None:  # a directory's files are deleted by all ranks, anything else by rank 0
                     is_dir = os.path.isdir(old) and not os.path.islink(old)
                     old = {"path": old, "files": sorted(os.listdir(old)) if is_dir else None}
@@ -188,17 +193,20 @@ def remove_previous(path: str, files: Optional[Sequence[str]], rank: int, world:
         os.rmdir(path)
 
 
-def write_rank_file(directory: str, rank: int, world: int, items, block_bytes: int, progress) -> dict:
+def write_rank_file(directory: str, rank: int, world: int, items, block_bytes: int, progress,
+                    algorithm: str = DEFAULT) -> dict:
     """Write one rank's pieces; returns the facts the index needs about the file."""
     name = shard_file_name(rank, world)
     bar = Progress(sum(t.numel() * t.element_size() for _, t in items), f"save {name}", progress)
     meta = {"format": "tplayers.checkpoint", "layout": "shard-dim-first"}
-    size, digest, blocks = write_file(os.path.join(directory, name), items, meta, block_bytes=block_bytes, on_bytes=bar.update)
+    size, digest, blocks = write_file(os.path.join(directory, name), items, meta, block_bytes=block_bytes,
+                                      on_bytes=bar.update, algorithm=algorithm)
     bar.close()
-    return {"file": name, "size": size, "sha256": digest, "blocks": {k: [v[0], v[1]] for k, v in blocks.items()}}
+    return {"file": name, "size": size, "digest": digest, "blocks": {k: [v[0], v[1]] for k, v in blocks.items()}}
 
 
-def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor], infos: Sequence[dict], block_bytes: int) -> Optional[str]:
+def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor], infos: Sequence[dict], block_bytes: int,
+               algorithm: str = DEFAULT) -> Optional[str]:
     """Write the index into ``tmp``, fsync it, and move ``tmp`` to ``path``; returns where the previous
     checkpoint now is (to be deleted), or None."""
     entries = {}
@@ -206,15 +214,15 @@ def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor]
         pieces = []
         for start, stop, r in g.owners:
             k, digests = infos[r]["blocks"][key]
-            piece = {"file": infos[r]["file"], "block_rows": k, "sha256": digests}
+            piece = {"file": infos[r]["file"], "block_rows": k, "digests": digests}
             if g.dim is not None:
                 piece.update(start=start, stop=stop)
             pieces.append(piece)
         entries[key] = {"shape": list(g.shape), "dtype": g.dtype, "dim": g.dim, "pieces": pieces}
-    files = {x["file"]: {"size": x["size"], "sha256": x["sha256"]} for x in infos}
+    files = {x["file"]: {"size": x["size"], "digest": x["digest"]} for x in infos}
     index_path = os.path.join(tmp, INDEX_NAME)
     with open(index_path, "xb") as f:
-        f.write(build_index(world, CONVENTION, block_bytes, files, entries))
+        f.write(build_index(world, CONVENTION, block_bytes, files, entries, algorithm))
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)
