@@ -73,12 +73,18 @@ def _adaptive(rng, n):
     return cls(size), getattr(tplayers, f"DistributedAdaptiveAvgPool{n}d")
 
 
+def _adaptive_max(rng, n):
+    size = tuple(rng.choice([1, 1, 2, 3, 5, None]) for _ in range(n))
+    cls = {1: nn.AdaptiveMaxPool1d, 2: nn.AdaptiveMaxPool2d, 3: nn.AdaptiveMaxPool3d}[n]
+    return cls(size), getattr(tplayers, f"DistributedAdaptiveMaxPool{n}d")
+
+
 FAMILIES = {"conv": _conv, "convt": _convt, "maxpool": _maxpool, "avgpool": _avgpool, "upsample": _upsample,
-            "adaptive": _adaptive}
+            "adaptive": _adaptive, "adaptivemax": _adaptive_max}
 
 
 def _family(rank, world, mesh_shape, shard_dims, family, n, seed, count):
-    mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape), mesh_dim_names=("a", "b")[: len(mesh_shape)])
     rng = random.Random(seed)
     done = tries = 0
     while done < count:
@@ -99,7 +105,7 @@ def _family(rank, world, mesh_shape, shard_dims, family, n, seed, count):
             continue
         layouts = {d: partition(rng, shape[d], mesh.size(i)) for i, d in enumerate(shard_dims)}
         twin = twin_cls.from_module(serial, mesh=mesh, shard_dims=shard_dims)
-        gather_dims = tuple(d for d in shard_dims if not (family == "adaptive" and ys.shape[d] == 1))
+        gather_dims = tuple(d for d in shard_dims if not (family.startswith("adaptive") and ys.shape[d] == 1))
         if check_twin(serial, twin, x, layouts, mesh, shard_dims, gather_dims=gather_dims, what=repr(serial)):
             done += 1
     return done
@@ -116,6 +122,8 @@ CASES = [
     ("avgpool", 3, 2, (2,), (4,), 3),
     ("upsample", 1, 2, (2,), (2,), 5), ("upsample", 2, 3, (3,), (2,), 5), ("upsample", 2, 4, (2, 2), (2, 3), 3),
     ("upsample", 3, 2, (2,), (3,), 3),
+    ("adaptivemax", 1, 3, (3,), (2,), 4), ("adaptivemax", 2, 2, (2,), (3,), 4), ("adaptivemax", 3, 2, (2,), (2,), 3),
+    ("adaptivemax", 2, 4, (2, 2), (2, 3), 3),
     ("adaptive", 1, 2, (2,), (2,), 3), ("adaptive", 2, 3, (3,), (3,), 3), ("adaptive", 3, 2, (2,), (2,), 3),
 ]
 
