@@ -128,7 +128,7 @@ class _DistributedConvNd(DomainLayer):
         Build optimizers after swapping: the new parameters are new objects.
         """
         if type(conv) is not cls._nn:
-            raise TypeError(f"{cls.__name__}.from_module expects an {cls._nn.__name__}, got {type(conv).__name__}")
+            raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(conv).__name__}")
         layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                     conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode, device="meta",
                     dtype=conv.weight.dtype, mesh=mesh, shard_dims=shard_dims, memory_format=memory_format)

@@ -90,7 +90,7 @@ class _DistributedConvTransposeNd(DomainLayer):
     def from_module(cls, conv: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)):
         """The domain-parallel twin of ``conv``, holding a copy of its parameters (build optimizers after)."""
         if type(conv) is not cls._nn:
-            raise TypeError(f"{cls.__name__}.from_module expects an {cls._nn.__name__}, got {type(conv).__name__}")
+            raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(conv).__name__}")
         layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                     conv.output_padding, conv.groups, conv.bias is not None, conv.dilation, conv.padding_mode,
                     device="meta", dtype=conv.weight.dtype, mesh=mesh, shard_dims=shard_dims)

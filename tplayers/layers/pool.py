@@ -97,7 +97,7 @@ class _PoolNd(DomainLayer):
     @classmethod
     def _check_type(cls, m: nn.Module) -> None:
         if type(m) is not cls._nn:
-            raise TypeError(f"{cls.__name__}.from_module expects an {cls._nn.__name__}, got {type(m).__name__}")
+            raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(m).__name__}")
 
 
 class _MaxPoolNd(_PoolNd):

@@ -203,7 +203,7 @@ class _AdaptiveAvgPoolNd(_BandResample):
     def from_module(cls, m: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)):
         """The domain-parallel twin of an ``nn.AdaptiveAvgPoolNd``."""
         if type(m) is not cls._nn:
-            raise TypeError(f"{cls.__name__}.from_module expects an {cls._nn.__name__}, got {type(m).__name__}")
+            raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(m).__name__}")
         return cls(m.output_size, mesh=mesh, shard_dims=shard_dims)
 
     def _config(self):
