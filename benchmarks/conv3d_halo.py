@@ -113,15 +113,15 @@ def race(steps, repeats, iters):
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
-def conv_table(mesh, rank, world, repeats, st):
+def conv_table(mesh, rank, world, repeats, st, memory_format=None):
     if rank == 0:
-        print("\n## Conv3d: 2-rank forward+backward (ms, median) and ratios")
+        print(f"\n## Conv3d: 2-rank forward+backward (ms, median) and ratios; memory_format={memory_format}")
         print(f"{'shape':16s} {'tplayers':>9s} {'ShardTensor':>12s} {'nn.Conv3d 1 proc':>17s} {'tpl/ST':>7s} "
               f"{'tpl/serial':>10s}")
     for name, (n, c, d, h, w, co, k) in CONV_SHAPES.items():
         torch.manual_seed(0)
         serial = nn.Conv3d(c, co, k, padding=k // 2)
-        conv = tplayers.DistributedConv3d.from_module(serial, mesh=mesh)
+        conv = tplayers.DistributedConv3d.from_module(serial, mesh=mesh, memory_format=memory_format)
         x = torch.randn(n, c, d, h, w)
         local = x.chunk(world, dim=2)[rank].clone().requires_grad_(True)
         xs = x.clone().requires_grad_(True)
@@ -174,6 +174,7 @@ def window_table(mesh, rank, world, repeats):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--memory-format", choices=["auto", "contiguous", "channels_last"], default="auto")
     args = parser.parse_args()
     torch.set_num_threads(1)
     mesh = tplayers.init_mesh(device_type="cpu")
@@ -183,7 +184,8 @@ def main():
         print(f"# 3-D domain parallelism on {world} ranks (gloo, CPU, 1 thread each), torch {torch.__version__}")
         print("ShardTensor: " + ("available" if st else f"unavailable ({why})"))
     halo_table(mesh, rank, world)
-    conv_table(mesh, rank, world, args.repeats, st)
+    fmt = {"auto": None, "contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
+    conv_table(mesh, rank, world, args.repeats, st, fmt[args.memory_format])
     window_table(mesh, rank, world, args.repeats)
     dist.destroy_process_group()
 
