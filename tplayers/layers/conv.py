@@ -29,7 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.window import edge_pad, gather_rows, pad_arg, pad_dim
-from tplayers.layers._conv_fn import ConvSpec, HaloConvFunction
+from tplayers.layers._conv_fn import ConvSpec, HaloConvFunction, conv_order
 from tplayers.layers._domain import DomainLayer, ntuple
 from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows
 from tplayers.sharding import ShardSpec
@@ -181,7 +181,7 @@ class _DistributedConvNd(DomainLayer):
         prepare = functools.partial(_prepare, dim=last, plan=plans[last], mode=self.padding_mode, extra=tuple(extra))
         spec = ConvSpec(last, self._group_of(last), plans[last], self.padding_mode == "circular", self.memory_format,
                         prepare, _CONV[self.spatial], self.stride, tuple(conv_pad), self.dilation, self.groups,
-                        tuple(out_shape), tuple(self._groups))
+                        tuple(out_shape), tuple(self._groups), conv_order(tuple(shape), like))
         return {d: plans[d] for d in self.shard_dims[:-1]}, spec
 
     # ----------------------------------------------------------------- forward
