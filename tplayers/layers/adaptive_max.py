@@ -163,6 +163,7 @@ def _doc(n: int) -> str:
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = torch.nn.AdaptiveMaxPool{n}d(3)
         pool = tplayers.DistributedAdaptiveMaxPool{n}d.from_module(serial, mesh=mesh)
         x = torch.randn(2, 3, {', '.join(['9'] * n)})                  # same on every rank

@@ -221,6 +221,7 @@ class DistributedConv1d(_DistributedConvNd):
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = torch.nn.Conv1d(3, 8, 5, padding=2, padding_mode="reflect")
         conv = tplayers.DistributedConv1d.from_module(serial, mesh=mesh)
         x = torch.randn(2, 3, 40)                            # same on every rank
@@ -251,6 +252,7 @@ class DistributedConv2d(_DistributedConvNd):
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = torch.nn.Conv2d(3, 8, 3, padding=1, padding_mode="circular")
         conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, shard_dims=(2,))
         x = torch.randn(2, 3, 32, 16)                        # same on every rank
@@ -268,6 +270,7 @@ class DistributedConv3d(_DistributedConvNd):
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = torch.nn.Conv3d(2, 4, 3, stride=2, padding=1)
         conv = tplayers.DistributedConv3d.from_module(serial, mesh=mesh, shard_dims=(3,))   # H
         x = torch.randn(1, 2, 8, 12, 10)                     # same on every rank

@@ -164,6 +164,7 @@ def _doc(n: int, example: str, dim: int) -> str:
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = {example}
         up = tplayers.DistributedConvTranspose{n}d.from_module(serial, mesh=mesh, shard_dims=({dim},))
         x = torch.randn(1, 4, {', '.join(['6'] * n)})                # same on every rank

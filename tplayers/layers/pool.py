@@ -188,6 +188,7 @@ def _doc(kind: str, n: int, dims: str, example: str) -> str:
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = {example}
         pool = tplayers.Distributed{kind}{n}d.from_module(serial, mesh=mesh)
         x = torch.randn(2, 3, {', '.join(['12'] * n)})            # same on every rank

@@ -113,6 +113,7 @@ class DistributedUpsample(_BandResample):
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = torch.nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
         up = tplayers.DistributedUpsample.from_module(serial, mesh=mesh)
         x = torch.randn(1, 3, 9, 7)                           # same on every rank
@@ -239,6 +240,7 @@ def _adaptive_doc(n: int) -> str:
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = torch.nn.AdaptiveAvgPool{n}d(1)
         pool = tplayers.DistributedAdaptiveAvgPool{n}d.from_module(serial, mesh=mesh)
         x = torch.randn(2, 3, {', '.join(['8'] * n)})                  # same on every rank
