@@ -145,6 +145,13 @@ class DomainLayer(ShardedModule):
                         if p.device.type != "meta":
                             dist.broadcast(p.data, dist.get_global_rank(group, 0), group=group)
 
+    def collectives(self):
+        """Collectives per step: ``(forward list, backward list)`` (halo messages per sharded dim; the
+        parameter-gradient sum for twins with parameters)."""
+        halo = [f"halo send/recv (dim {d})" for d in self.shard_dims]
+        params = ["all_reduce (parameter grads)"] * len(self.shard_dims) if any(True for _ in self.parameters()) else []
+        return halo, halo + params
+
     def _tie(self, out: torch.Tensor, *inputs: Optional[torch.Tensor]) -> torch.Tensor:
         """``out`` tied (with zero weight) to ``inputs``, so an empty shard's backward still runs
         the same collectives as its peers'."""
