@@ -47,11 +47,21 @@ from tplayers.layers import (
     DistributedUpsample,
     DomainReplicated,
     NeighborhoodAttention,
+    ParallelDropout,
     RowParallelLinear,
 )
 from tplayers.mesh import default_mesh, init_mesh
 from tplayers.ops.na import na2d
-from tplayers.parallelize import ColumnParallel, DomainParallel, ParallelStyle, RowParallel, explain, parallelize_module
+from tplayers.parallelize import (
+    ColumnParallel,
+    DomainParallel,
+    ParallelStyle,
+    RowParallel,
+    SequenceParallel,
+    ShardedDropout,
+    explain,
+    parallelize_module,
+)
 from tplayers.sharding import ShardSpec, shard_range, shard_sizes
 
 __version__ = "0.1.0"
@@ -93,6 +103,9 @@ __all__ = [
     "ColumnParallel",
     "RowParallel",
     "DomainParallel",
+    "SequenceParallel",
+    "ShardedDropout",
+    "ParallelDropout",
     "parallelize_module",
     "explain",
     "save_checkpoint",

@@ -27,6 +27,7 @@ from tplayers.layers.resample import (
     DistributedAdaptiveAvgPool3d,
     DistributedUpsample,
 )
+from tplayers.layers.dropout import ParallelDropout
 from tplayers.layers.replicated import DomainReplicated
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -53,6 +54,7 @@ __all__ = [
     "DistributedAdaptiveMaxPool1d",
     "DistributedAdaptiveMaxPool2d",
     "DistributedAdaptiveMaxPool3d",
+    "ParallelDropout",
     "DomainReplicated",
     "NeighborhoodAttention",
 ]
