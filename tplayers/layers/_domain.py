@@ -6,7 +6,7 @@ every rank's shape is exchanged (:func:`~tplayers.comm.agree.exchange_agreed`);
 the same exchange carries the layer's configuration (kernel, stride, padding,
 mode, shard_dims, dtype, ...), so ranks built differently fail with one
 ``ValueError`` naming the field and the ranks. Every rank then validates the
-same table and plans every shard (:mod:`tplayers.layers._window`), so a bad
+same table and plans every shard (:mod:`tplayers.window_plan`), so a bad
 partition is a ``ValueError`` on every rank before any halo traffic. The twin's
 :meth:`DomainLayer._build` turns the per-dim shard sizes into its cached layout.
 """
@@ -172,6 +172,13 @@ class DomainLayer(ShardedModule):
                     for p in self.parameters():
                         if p.device.type != "meta":
                             dist.broadcast(p.data, dist.get_global_rank(group, 0), group=group)
+
+    def collectives(self):
+        """Collectives per step: ``(forward list, backward list)`` (halo messages per sharded dim; the
+        parameter-gradient sum for twins with parameters)."""
+        halo = [f"halo send/recv (dim {d})" for d in self.shard_dims]
+        params = ["all_reduce (parameter grads)"] * len(self.shard_dims) if any(True for _ in self.parameters()) else []
+        return halo, halo + params
 
     def _tie(self, out: torch.Tensor, *inputs: Optional[torch.Tensor]) -> torch.Tensor:
         """``out`` tied (with zero weight) to ``inputs``, so an empty shard's backward still runs

@@ -25,7 +25,7 @@ from tplayers.comm import copy_many_to_parallel_region
 from tplayers.comm.window import scatter_add_windows
 from tplayers.layers._common import autocast_inputs
 from tplayers.layers._domain import DomainLayer, ntuple
-from tplayers.layers._window import out_partition, plan_ranges, transposed_needs, transposed_out_len
+from tplayers.window_plan import out_partition, plan_ranges, transposed_needs, transposed_out_len
 from tplayers.sharding import ShardSpec
 
 __all__ = ["DistributedConvTranspose1d", "DistributedConvTranspose2d", "DistributedConvTranspose3d"]
@@ -91,7 +91,7 @@ class _DistributedConvTransposeNd(DomainLayer):
     def from_module(cls, conv: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)):
         """The domain-parallel twin of ``conv``, holding a copy of its parameters (build optimizers after)."""
         if type(conv) is not cls._nn:
-            raise TypeError(f"{cls.__name__}.from_module expects an {cls._nn.__name__}, got {type(conv).__name__}")
+            raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(conv).__name__}")
         layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                     conv.output_padding, conv.groups, conv.bias is not None, conv.dilation, conv.padding_mode,
                     device="meta", dtype=conv.weight.dtype, mesh=mesh, shard_dims=shard_dims)
@@ -167,6 +167,7 @@ def _doc(n: int, example: str, dim: int) -> str:
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = {example}
         up = tplayers.DistributedConvTranspose{n}d.from_module(serial, mesh=mesh, shard_dims=({dim},))
         x = torch.randn(1, 4, {', '.join(['6'] * n)})                # same on every rank
