@@ -2,6 +2,11 @@
 
 from tplayers.layers._common import ShardedModule
 from tplayers.layers.attention import NeighborhoodAttention
+from tplayers.layers.adaptive_max import (
+    DistributedAdaptiveMaxPool1d,
+    DistributedAdaptiveMaxPool2d,
+    DistributedAdaptiveMaxPool3d,
+)
 from tplayers.layers.conv import DistributedConv1d, DistributedConv2d, DistributedConv3d
 from tplayers.layers.conv_transpose import (
     DistributedConvTranspose1d,
@@ -49,6 +54,9 @@ __all__ = [
     "DistributedAdaptiveAvgPool2d",
     "DistributedAdaptiveAvgPool3d",
     "DistributedUpsample",
+    "DistributedAdaptiveMaxPool1d",
+    "DistributedAdaptiveMaxPool2d",
+    "DistributedAdaptiveMaxPool3d",
     "ParallelDropout",
     "DomainReplicated",
     "NeighborhoodAttention",

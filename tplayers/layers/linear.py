@@ -29,7 +29,13 @@ from tplayers.comm.fused import (
 )
 from tplayers.comm.replicas import sum_replica_grads
 from tplayers.comm.sequence import sequence_sizes
-from tplayers.layers._common import ShardedModule, check_features, init_shards_like_serial
+from tplayers.layers._common import (
+    ShardedModule,
+    autocast_inputs,
+    check_features,
+    check_reduce_dtype,
+    init_shards_like_serial,
+)
 from tplayers.layers._sections import SectionLayout, check_head_dim, check_sections, row_head_ranges
 from tplayers.sharding import ShardSpec, shard_sizes
 from tplayers.sharding import shard_range as shard_range_of
@@ -185,6 +191,10 @@ class ColumnParallelLinear(_ParallelLinear):
     and its gradients are summed over the replicas (one more all-reduce in
     backward). Checkpoints and ``gather_state_dict`` keep the serial layout.
 
+    Under ``torch.autocast`` it computes (and communicates) in the autocast dtype, as
+    ``nn.Linear`` does; ``reduce_dtype=torch.float32`` all-reduces the gradient in fp32
+    instead (one rounding after the sum).
+
     Sequence parallelism (``sequence_parallel=True``): the input is this rank's
     shard of the sequence dim ``sequence_dim`` (default 1 for ``(B, S, H)``; the
     :func:`tplayers.shard_sizes` layout, uneven allowed), all-gathered before the
@@ -224,7 +234,9 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_dim: int = 1,
         device=None,
         dtype=None,
+        reduce_dtype: Optional[torch.dtype] = None,
     ) -> None:
+        self.reduce_dtype = check_reduce_dtype(reduce_dtype, type(self).__name__)
         _check_sequence_args(type(self).__name__, sequence_parallel, sequence_dim)
         self.gather_output = bool(gather_output)
         self._options = (sections, head_dim)
@@ -273,13 +285,13 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
-        check_features(x, self.in_features, self.weight, "input", name)
-        weight, bias = self.weight, self.bias
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)  # as F.linear under torch.autocast
+        check_features(x, self.in_features, weight, "input", name)
         if self.tp_size > 1 and self._layout is not None and self._replicas[1]:
             # Blocks replicated in groups (GQA kv heads): identity now, gradient summed over replicas.
             weight, bias = sum_replica_grads(weight, bias, self._replicas[0], self._replicas[1], self._group)
         if self.tp_size == 1:
-            y = F.linear(x, self.weight, self.bias)  # (..., out)
+            y = F.linear(x, weight, bias)  # (..., out)
         elif self.sequence_parallel:
             # (..., s_local, ..., in) sequence shard -> all-gather -> (..., s, ..., out_local);
             # backward reduce-scatters the input gradient, overlapped with the weight gradient.
@@ -289,7 +301,7 @@ class ColumnParallelLinear(_ParallelLinear):
         else:
             # (..., in) replicated -> (..., out_local); backward all-reduces the input gradient,
             # overlapped with the weight-gradient matmul (CopyToParallelRegion fused with F.linear).
-            y = linear_all_reduce_input_grad(x, weight, bias, self._group)
+            y = linear_all_reduce_input_grad(x, weight, bias, self._group, self.reduce_dtype)
         if self.gather_output:
             y = gather_along_dim(y, -1, self._group, self.partition_sizes)  # (..., sum of local widths)
             if self._layout is not None and self.tp_size > 1:
@@ -341,6 +353,10 @@ class RowParallelLinear(_ParallelLinear):
     of a column-parallel ``q`` with the same ``head_dim``); requires
     ``input_is_parallel=True``.
 
+    Under ``torch.autocast`` it computes (and communicates) in the autocast dtype, as
+    ``nn.Linear`` does; ``reduce_dtype=torch.float32`` sums the partial products in fp32
+    (one rounding after the sum instead of one per addition).
+
     Sequence parallelism (``sequence_parallel=True``): the partial products are
     reduce-scattered along ``sequence_dim`` instead of all-reduced, so the output
     is this rank's balanced sequence shard ``(B, S_local, out_features)``;
@@ -380,7 +396,9 @@ class RowParallelLinear(_ParallelLinear):
         sequence_dim: int = 1,
         device=None,
         dtype=None,
+        reduce_dtype: Optional[torch.dtype] = None,
     ) -> None:
+        self.reduce_dtype = check_reduce_dtype(reduce_dtype, type(self).__name__)
         _check_sequence_args(type(self).__name__, sequence_parallel, sequence_dim)
         if sequence_parallel and not input_is_parallel:
             raise ValueError(f"{type(self).__name__}: sequence_parallel=True needs input_is_parallel=True "
@@ -412,21 +430,22 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)  # as F.linear under torch.autocast
         if self.input_is_parallel:
-            check_features(x, self.weight.shape[1], self.weight, "input (this rank's in_features shard)", name)
+            check_features(x, weight.shape[1], weight, "input (this rank's in_features shard)", name)
         else:
-            check_features(x, self.in_features, self.weight, "input", name)
+            check_features(x, self.in_features, weight, "input", name)
             x = split_along_dim(x, -1, self._group)  # (..., in_local); bwd all-gather
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)  # (..., out)
+            return F.linear(x, weight, bias)  # (..., out)
         if self.sequence_parallel:
             # (..., s, ..., in_local) -> partial products reduce-scattered along the sequence ->
             # (..., s_local, ..., out), bias added once (rank 0's matmul). Backward all-gathers dy.
             dim = _check_sequence_dim(x, self.sequence_dim, name)
-            return linear_reduce_scatter_output(x, self.weight, self.bias, dim, self._group)
+            return linear_reduce_scatter_output(x, weight, bias, dim, self._group)
         # (..., in_local) -> partial products, summed by one all-reduce -> (..., out) replicated;
         # the bias is added once (folded into rank 0's matmul). Backward: no communication.
-        return linear_all_reduce_output(x, self.weight, self.bias, self._group)
+        return linear_all_reduce_output(x, weight, bias, self._group, self.reduce_dtype)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
