@@ -279,8 +279,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
     @property
     def partition_sizes(self) -> list:
-        if self._layout is None:
-            return super().partition_sizes
+        if self._layout is None:  # (no super() here: torch.compile breaks the graph on it)
+            return shard_sizes(self.out_features, self.tp_size)
         return [self._layout.local_total(r) for r in range(self.tp_size)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -424,7 +424,7 @@ class RowParallelLinear(_ParallelLinear):
     @property
     def partition_sizes(self) -> list:
         if self.head_dim is None:
-            return super().partition_sizes
+            return shard_sizes(self.in_features, self.tp_size)
         return [b - a for a, b in (row_head_ranges(self.in_features, self.tp_size, r, self.head_dim)
                                    for r in range(self.tp_size))]
 
