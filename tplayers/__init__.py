@@ -23,6 +23,7 @@ and ``gather`` move between global and local tensors, and
 
 from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
 from tplayers.comm import CommLog, count_collectives
+from tplayers.comm.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated
 from tplayers.domain import gather, scatter, shard
 from tplayers.layers import (
     ColumnParallelLinear,
@@ -49,6 +50,7 @@ from tplayers.layers import (
 from tplayers.mesh import default_mesh, init_mesh
 from tplayers.ops.na import na2d
 from tplayers.parallelize import ColumnParallel, DomainParallel, ParallelStyle, RowParallel, explain, parallelize_module
+from tplayers.reductions import domain_mean, domain_sum
 from tplayers.sharding import ShardSpec, shard_range, shard_sizes
 
 __version__ = "0.1.0"
@@ -62,6 +64,12 @@ __all__ = [
     "shard",
     "scatter",
     "gather",
+    "domain_sum",
+    "domain_mean",
+    "ShardedToReplicated",
+    "ReplicatedToSharded",
+    "sharded_to_replicated",
+    "replicated_to_sharded",
     "count_collectives",
     "CommLog",
     "ColumnParallelLinear",
