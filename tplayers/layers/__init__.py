@@ -22,6 +22,15 @@ from tplayers.layers.resample import (
     DistributedAdaptiveAvgPool3d,
     DistributedUpsample,
 )
+from tplayers.layers.norm import (
+    DistributedBatchNorm1d,
+    DistributedBatchNorm2d,
+    DistributedBatchNorm3d,
+    DistributedGroupNorm,
+    DistributedInstanceNorm1d,
+    DistributedInstanceNorm2d,
+    DistributedInstanceNorm3d,
+)
 from tplayers.layers.replicated import DomainReplicated
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -45,6 +54,13 @@ __all__ = [
     "DistributedAdaptiveAvgPool2d",
     "DistributedAdaptiveAvgPool3d",
     "DistributedUpsample",
+    "DistributedBatchNorm1d",
+    "DistributedBatchNorm2d",
+    "DistributedBatchNorm3d",
+    "DistributedGroupNorm",
+    "DistributedInstanceNorm1d",
+    "DistributedInstanceNorm2d",
+    "DistributedInstanceNorm3d",
     "DomainReplicated",
     "NeighborhoodAttention",
 ]
