@@ -51,6 +51,7 @@ from tplayers.layers import (
     DistributedInstanceNorm2d,
     DistributedInstanceNorm3d,
     DomainReplicated,
+    ReplicatedBranch,
     NeighborhoodAttention,
     RowParallelLinear,
 )
@@ -105,6 +106,7 @@ __all__ = [
     "DistributedInstanceNorm2d",
     "DistributedInstanceNorm3d",
     "DomainReplicated",
+    "ReplicatedBranch",
     "ParallelStyle",
     "ColumnParallel",
     "RowParallel",

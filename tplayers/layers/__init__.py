@@ -2,6 +2,7 @@
 
 from tplayers.layers._common import ShardedModule
 from tplayers.layers.attention import NeighborhoodAttention
+from tplayers.layers.branch import ReplicatedBranch
 from tplayers.layers.conv import DistributedConv1d, DistributedConv2d, DistributedConv3d
 from tplayers.layers.conv_transpose import (
     DistributedConvTranspose1d,
@@ -62,5 +63,6 @@ __all__ = [
     "DistributedInstanceNorm2d",
     "DistributedInstanceNorm3d",
     "DomainReplicated",
+    "ReplicatedBranch",
     "NeighborhoodAttention",
 ]
