@@ -6,6 +6,8 @@ BatchNorm1d (running stats, eval) and a 3-D CNN with GroupNorm; a ValueError whe
 invisible."""
 
 import copy
+import os
+import sys
 from collections import OrderedDict
 
 import torch
@@ -19,6 +21,7 @@ from oracle import assert_params_match
 from tplayers.sharding import offsets_from_sizes
 
 TIGHT = dict(rtol=1e-9, atol=1e-10)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 
 
 def classifier():
@@ -89,6 +92,8 @@ def _parity(rank, world, kind, mesh_shape, layouts):
         "conditioned": (Conditioned, "", 2, 2, False),
         "conv1d_bn": (conv1d_bn, "", 1, 3, False),
         "cnn3d": (cnn3d, "", 3, 2, False),
+        "unet": (lambda: __import__("unet").UNet(cin=2, width=4), "", 2, 2, False),
+        "unet3d": (lambda: __import__("unet").UNet(cin=2, width=4, nd=3), "", 3, 2, False),
     }[kind]
     serial = make().double()
     parallel = tplayers.parallelize_module(copy.deepcopy(serial), {key: tplayers.DomainParallel(shard_dims=dims)},
@@ -105,16 +110,19 @@ def _parity(rank, world, kind, mesh_shape, layouts):
     opt_p = torch.optim.SGD(parallel.parameters(), lr=0.05, momentum=0.9)
     for step, mode in enumerate(["train", "train", "eval"]):
         serial.train(mode == "train"), parallel.train(mode == "train")
-        shape = [4, cin] + [sum(layouts[i]) if i < len(dims) else 5 for i in range(spatial)]
+        other = 8 if kind.startswith("unet") else 5
+        shape = [3, cin] + [sum(layouts[i]) if i < len(dims) else other for i in range(spatial)]
         x = torch.randn(shape, dtype=torch.float64)
         extra = ()
         if kind == "conditioned":
-            extra = (torch.rand(4, 1, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64))
+            extra = (torch.rand(3, 1, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+        if kind.startswith("unet"):
+            extra = (torch.rand(3, dtype=torch.float64),)
         xs = x.clone().requires_grad_(True)
         xl = _local(x, dims, layouts, coords).clone().requires_grad_(True)
         ys, yl = serial(xs, *extra), parallel(xl, *extra)
         if replicated_out:  # a loss on replicated outputs, computed the same on every rank
-            labels = torch.randint(0, 3, (4,))
+            labels = torch.randint(0, 3, (3,))
             torch.testing.assert_close(yl, ys, **TIGHT)
             loss_s, loss_p = F.cross_entropy(ys, labels), F.cross_entropy(yl, labels)
         else:  # a per-pixel loss on sharded outputs
@@ -158,6 +166,19 @@ def test_conv1d_net_with_batchnorm1d_running_stats_and_eval():
 def test_3d_cnn_with_groupnorm_sharded_along_d():
     run_ranks(_parity, 2, args=("cnn3d", (2,), [[4, 3]]), timeout=90)
     run_ranks(_parity, 4, args=("cnn3d", (2, 2), [[3, 4], [2, 3]]), timeout=90)
+
+
+def test_unet_groupnorm_time_embedding_h32_h36_h44():
+    # balanced input partitions: skip connections meet resampled features on the balanced
+    # partition (DESIGN 2.4 partition rule), so a U-Net input is shard()/scatter()'s partition
+    run_ranks(_parity, 2, args=("unet", (2,), [[16, 16]]), timeout=120)
+    run_ranks(_parity, 3, args=("unet", (3,), [[12, 12, 12]]), timeout=120)
+    run_ranks(_parity, 3, args=("unet", (3,), [[15, 15, 14]]), timeout=120)
+    run_ranks(_parity, 2, args=("unet", (2,), [[22, 22]]), timeout=120)
+
+
+def test_unet_3d_sharded_along_d():
+    run_ranks(_parity, 2, args=("unet3d", (2,), [[6, 6]]), timeout=120)
 
 
 def _raises(rank, world):
