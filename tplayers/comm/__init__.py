@@ -6,6 +6,13 @@ Halo exchange for domain parallelism lives here too (``tplayers.comm.halo``).
 from tplayers.comm.accounting import CollectiveRecord, CommLog, count_collectives, record_collective
 from tplayers.comm.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated
 from tplayers.comm.halo import HaloExchange1d, halo_exchange, halo_exchange_along
+from tplayers.comm.sequence import (
+    GatherFromSequenceRegion,
+    ReduceScatterToSequenceRegion,
+    gather_from_sequence_region,
+    reduce_scatter_along_dim,
+    reduce_scatter_to_sequence_region,
+)
 from tplayers.comm.collectives import (
     CopyManyToParallelRegion,
     CopyToParallelRegion,
@@ -46,6 +53,11 @@ __all__ = [
     "split_along_dim",
     "run_p2p",
     "gather_along_dim",
+    "GatherFromSequenceRegion",
+    "ReduceScatterToSequenceRegion",
+    "gather_from_sequence_region",
+    "reduce_scatter_to_sequence_region",
+    "reduce_scatter_along_dim",
     "HaloExchange1d",
     "halo_exchange",
     "halo_exchange_along",

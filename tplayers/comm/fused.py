@@ -1,8 +1,9 @@
 """Linear layers fused with their collective, so communication overlaps compute.
 
 Megatron's trick for column-parallel layers: in backward, the input gradient's
-all-reduce is started asynchronously and the weight gradient is computed while
-it is in flight.
+all-reduce (reduce-scatter under sequence parallelism) is started asynchronously
+and the weight gradient is computed while it is in flight. Row-parallel layers
+fold the replicated bias into rank 0's matmul before the reduction.
 """
 
 from __future__ import annotations
@@ -14,12 +15,19 @@ import torch
 import torch.distributed as dist
 
 from tplayers.comm.accounting import record_collective
+from tplayers.comm.collectives import all_gather_along_dim
+from tplayers.comm.sequence import reduce_scatter_along_dim
+from tplayers.sharding import shard_sizes
 
 __all__ = [
     "LinearAllReduceInputGrad",
     "linear_all_reduce_input_grad",
     "LinearAllReduceOutput",
     "linear_all_reduce_output",
+    "AllGatherLinear",
+    "all_gather_linear",
+    "LinearReduceScatterOutput",
+    "linear_reduce_scatter_output",
 ]
 
 
@@ -110,3 +118,86 @@ def linear_all_reduce_output(
 ) -> torch.Tensor:
     """Row-parallel ``F.linear`` + all-reduce of the output, the bias added once (see :class:`LinearAllReduceOutput`)."""
     return LinearAllReduceOutput.apply(x, weight, bias, group)
+
+
+class AllGatherLinear(torch.autograd.Function):
+    """Sequence-parallel column linear. forward: all-gather the sequence shards of ``x`` along
+    ``dim`` (rank ``r`` holds ``sizes[r]``), then ``y = x W^T + b`` / backward: the input
+    gradient ``dy W`` is reduce-scattered (sum) back to this rank's shard asynchronously while
+    the weight and bias gradients are computed; waited before returning.
+
+    Shapes: ``x (..., s_local, ..., in)``, ``W (out_local, in)``, ``y (..., s, ..., out_local)``.
+    Saves the gathered input for the weight gradient. Not twice differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dim, sizes, group):
+        # (..., s, ..., in), made contiguous once (the gather's dim-0 layout is a strided view)
+        full = all_gather_along_dim(x, dim, sizes, group, "sp.linear.fwd").contiguous()
+        ctx.save_for_backward(full, weight)
+        ctx.dim, ctx.sizes, ctx.group, ctx.has_bias = dim % x.dim(), list(sizes), group, bias is not None
+        return torch.nn.functional.linear(full, weight, bias)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        full, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        pending = None
+        if need_x:  # (..., s, ..., in) partial sums over this rank's outputs -> this rank's tokens, summed
+            pending = reduce_scatter_along_dim(grad_out @ weight, ctx.dim, ctx.sizes, ctx.group, "sp.linear.bwd",
+                                               async_op=True)
+        tokens = math.prod(grad_out.shape[:-1])
+        g2 = grad_out.reshape(tokens, grad_out.shape[-1])  # (tokens, out_local)
+        if need_w:
+            grad_w = g2.t() @ full.reshape(tokens, full.shape[-1])  # (out_local, in)
+        if need_b and ctx.has_bias:
+            grad_b = g2.sum(0)
+        if pending is not None:
+            grad_x = pending.wait()
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def all_gather_linear(x, weight, bias, dim: int, sizes, group: dist.ProcessGroup) -> torch.Tensor:
+    """``F.linear`` on the all-gathered sequence (see :class:`AllGatherLinear`)."""
+    return AllGatherLinear.apply(x, weight, bias, dim, list(sizes), group)
+
+
+class LinearReduceScatterOutput(torch.autograd.Function):
+    """Sequence-parallel row linear. forward: each rank's partial ``x_r W_r^T`` (the replicated
+    bias folded into rank 0's), reduce-scattered (sum) along the sequence ``dim`` into balanced
+    shards / backward: all-gather the output gradient's shards along ``dim``, then this rank's
+    linear backward; every rank gets the full bias gradient (the gathered ``dy`` covers every token).
+
+    Shapes: ``x (..., s, ..., in_local)``, ``W (out, in_local)``, ``y (..., s_local, ..., out)``.
+    Not twice differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dim, group):
+        ctx.save_for_backward(x, weight)
+        dim = dim % x.dim()
+        sizes = shard_sizes(x.size(dim), dist.get_world_size(group))
+        ctx.dim, ctx.sizes, ctx.group, ctx.has_bias = dim, sizes, group, bias is not None
+        first = dist.get_rank(group) == 0
+        partial = torch.nn.functional.linear(x, weight, bias if first else None)  # (..., s, ..., out)
+        return reduce_scatter_along_dim(partial, dim, sizes, group, "sp.linear.fwd")
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        g = all_gather_along_dim(grad_out.contiguous(), ctx.dim, ctx.sizes, ctx.group, "sp.linear.bwd").contiguous()
+        tokens = math.prod(g.shape[:-1])
+        g2 = g.reshape(tokens, g.shape[-1])  # (tokens, out)
+        grad_x = g @ weight if need_x else None  # (..., s, ..., in_local)
+        grad_w = g2.t() @ x.reshape(tokens, x.shape[-1]) if need_w else None  # (out, in_local)
+        grad_b = g2.sum(0) if (need_b and ctx.has_bias) else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def linear_reduce_scatter_output(x, weight, bias, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Row-parallel ``F.linear`` reduce-scattered along the sequence (see :class:`LinearReduceScatterOutput`)."""
+    return LinearReduceScatterOutput.apply(x, weight, bias, dim, group)

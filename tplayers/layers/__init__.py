@@ -32,6 +32,7 @@ from tplayers.layers.norm import (
     DistributedInstanceNorm2d,
     DistributedInstanceNorm3d,
 )
+from tplayers.layers.dropout import ParallelDropout
 from tplayers.layers.replicated import DomainReplicated
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -62,6 +63,7 @@ __all__ = [
     "DistributedInstanceNorm1d",
     "DistributedInstanceNorm2d",
     "DistributedInstanceNorm3d",
+    "ParallelDropout",
     "DomainReplicated",
     "ReplicatedBranch",
     "NeighborhoodAttention",

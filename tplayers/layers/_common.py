@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -66,3 +66,27 @@ def check_features(x: torch.Tensor, expected: int, weight: torch.Tensor, arg: st
         raise ValueError(f"{layer}: {arg} dtype must match the weight's {weight.dtype}, got {x.dtype}")
     if x.device != weight.device:
         raise ValueError(f"{layer}: {arg} device must match the weight's {weight.device}, got {x.device}")
+
+
+def init_shards_like_serial(module: "ShardedModule", inits: Dict[str, Callable[[torch.Tensor], None]]) -> None:
+    """Initialise each named tensor as this rank's slice of the serial tensor ``inits[name]`` fills.
+
+    For each name in order (the serial module's order of RNG draws), a full tensor
+    of the serial shape is allocated on the local tensor's device and dtype, filled
+    by ``inits[name]`` (the serial module's init call), and this rank's slice
+    (``shard_specs()[name].take``) is copied in. Every rank draws the same full
+    tensors, so shards under one seed are the serial module's and the generators
+    stay in step. Absent tensors (``bias=None``) are skipped but still not drawn,
+    as in the serial module. Cost: one full tensor at a time, per rank.
+    """
+    specs = module.shard_specs()
+    with torch.no_grad():
+        for name, init in inits.items():
+            mine = getattr(module, name, None)
+            if mine is None:
+                continue
+            spec = specs[name]
+            full = torch.empty(spec.global_shape, device=mine.device, dtype=mine.dtype)
+            init(full)
+            mine.copy_(spec.take(full))
+            del full

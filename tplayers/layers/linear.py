@@ -21,11 +21,43 @@ from tplayers.comm import (
     gather_along_dim,
     split_along_dim,
 )
-from tplayers.comm.fused import linear_all_reduce_input_grad, linear_all_reduce_output
-from tplayers.layers._common import ShardedModule, check_features
+from tplayers.comm.fused import (
+    all_gather_linear,
+    linear_all_reduce_input_grad,
+    linear_all_reduce_output,
+    linear_reduce_scatter_output,
+)
+from tplayers.comm.sequence import sequence_sizes
+from tplayers.layers._common import ShardedModule, check_features, init_shards_like_serial
 from tplayers.sharding import ShardSpec, shard_sizes
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+def _linear_weight_init(full: torch.Tensor) -> None:
+    nn.init.kaiming_uniform_(full, a=math.sqrt(5))  # nn.Linear.reset_parameters, verbatim
+
+
+def _linear_bias_init(fan_in: int):
+    def init(full: torch.Tensor) -> None:
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
+        nn.init.uniform_(full, -bound, bound)
+    return init
+
+
+def _check_sequence_args(layer: str, sequence_parallel, sequence_dim) -> None:
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"{layer}: sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
+    if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
+        raise TypeError(f"{layer}: sequence_dim must be an int, got {type(sequence_dim).__name__}")
+
+
+def _check_sequence_dim(x: torch.Tensor, dim: int, layer: str) -> int:
+    """``dim`` normalised for ``x``; ``ValueError`` if it is out of range or the feature dim."""
+    if not -x.dim() <= dim < x.dim() or dim % x.dim() == x.dim() - 1:
+        raise ValueError(f"{layer}: sequence_dim={dim} must name a dim of the input other than the last "
+                         f"(features), got an input of shape {tuple(x.shape)}")
+    return dim % x.dim()
 
 
 class _ParallelLinear(ShardedModule):
@@ -74,19 +106,23 @@ class _ParallelLinear(ShardedModule):
         return shard_sizes(n, self.tp_size)
 
     def reset_parameters(self) -> None:
-        """Initialise this rank's shard with ``nn.Linear``'s distribution (bound 1/sqrt(in_features)).
+        """Initialise this rank's shards as exactly its slice of a serial ``nn.Linear``.
 
-        The values differ from a serial ``nn.Linear`` with the same seed; use
-        ``from_module`` to shard an existing layer exactly.
+        The full ``(out_features, in_features)`` weight and ``(out_features,)``
+        bias are drawn with ``nn.Linear.reset_parameters``' exact calls and RNG
+        sequence, on this layer's device and dtype, and this rank keeps its slice
+        (Row's replicated bias: the whole of it). So under ``torch.manual_seed(s)``
+        on every rank, a model built from these layers is the serial model built
+        under the same seed, shard for shard, and the generator ends in the same
+        state as after the serial layer (later layers match too).
+
+        Cost: every rank draws the full weight once (the serial layer's memory
+        and RNG time, freed right after); ``device="meta"`` skips it. Ranks seeded
+        differently get slices of different draws: then Row's replicated bias
+        differs across ranks. Seed every rank alike, or build the serial model and
+        use :func:`~tplayers.parallelize_module` (``src_rank=0``) instead.
         """
-        bound = 1.0 / math.sqrt(self.in_features)
-        with torch.no_grad():
-            self.weight.uniform_(-bound, bound)
-            if self.bias is not None:
-                self._init_bias(bound)
-
-    def _init_bias(self, bound: float) -> None:
-        self.bias.uniform_(-bound, bound)
+        init_shards_like_serial(self, {"weight": _linear_weight_init, "bias": _linear_bias_init(self.in_features)})
 
     @classmethod
     def from_module(cls, dense: nn.Linear, *, mesh: Optional[DeviceMesh] = None, **options):
@@ -131,6 +167,13 @@ class ColumnParallelLinear(_ParallelLinear):
     Forward issues nothing (or one all-gather with ``gather_output=True``);
     backward all-reduces the input gradient.
 
+    Sequence parallelism (``sequence_parallel=True``): the input is this rank's
+    shard of the sequence dim ``sequence_dim`` (default 1 for ``(B, S, H)``; the
+    :func:`tplayers.shard_sizes` layout, uneven allowed), all-gathered before the
+    matmul (one all-gather of the per-rank lengths first, one integer each); the
+    output is ``(B, S, out_local)``. Backward reduce-scatters the input gradient
+    instead of all-reducing it, overlapped with the weight gradient.
+
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
         import torch, tplayers
@@ -151,16 +194,27 @@ class ColumnParallelLinear(_ParallelLinear):
         *,
         mesh: Optional[DeviceMesh] = None,
         gather_output: bool = False,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
         device=None,
         dtype=None,
     ) -> None:
+        _check_sequence_args(type(self).__name__, sequence_parallel, sequence_dim)
         self.gather_output = bool(gather_output)
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         super().__init__(in_features, out_features, bias, mesh, device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        check_features(x, self.in_features, self.weight, "input", type(self).__name__)
+        name = type(self).__name__
+        check_features(x, self.in_features, self.weight, "input", name)
         if self.tp_size == 1:
             y = F.linear(x, self.weight, self.bias)  # (..., out)
+        elif self.sequence_parallel:
+            # (..., s_local, ..., in) sequence shard -> all-gather -> (..., s, ..., out_local);
+            # backward reduce-scatters the input gradient, overlapped with the weight gradient.
+            dim = _check_sequence_dim(x, self.sequence_dim, name)
+            sizes = sequence_sizes(x.size(dim), self._group, name)  # one int per rank, every call
+            y = all_gather_linear(x, self.weight, self.bias, dim, sizes, self._group)
         else:
             # (..., in) replicated -> (..., out_local); backward all-reduces the input gradient,
             # overlapped with the weight-gradient matmul (CopyToParallelRegion fused with F.linear).
@@ -173,10 +227,14 @@ class ColumnParallelLinear(_ParallelLinear):
         """Collectives per step: ``(forward list, backward list)``."""
         if self.tp_size == 1:
             return [], []
-        return (["all_gather"] if self.gather_output else []), ["all_reduce"]
+        gather = ["all_gather"] if self.gather_output else []
+        if self.sequence_parallel:
+            return ["all_gather (sizes)", "all_gather"] + gather, ["reduce_scatter"]
+        return gather, ["all_reduce"]
 
     def extra_repr(self) -> str:
-        return self._local_repr() + f", gather_output={self.gather_output}"
+        sp = f", sequence_parallel=True, sequence_dim={self.sequence_dim}" if self.sequence_parallel else ""
+        return self._local_repr() + f", gather_output={self.gather_output}" + sp
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -186,13 +244,27 @@ class RowParallelLinear(_ParallelLinear):
 
     - ``weight``: ``(out_features, in_local)``; ``bias``: ``(out_features,)``
       replicated, added exactly once (rank 0 folds it into its matmul before the
-      all-reduce; initialised to zeros)
+      all-reduce)
     - input: ``(..., in_local)``, or ``(..., in_features)`` with
       ``input_is_parallel=False`` (then split locally)
     - output: ``(..., out_features)``, replicated
 
     Forward all-reduces the partial products; backward issues nothing (or one
     all-gather of the input gradient with ``input_is_parallel=False``).
+
+    Sequence parallelism (``sequence_parallel=True``): the partial products are
+    reduce-scattered along ``sequence_dim`` instead of all-reduced, so the output
+    is this rank's balanced sequence shard ``(B, S_local, out_features)``;
+    backward all-gathers the output gradient. The bias is still added once and
+    its gradient is the full one on every rank.
+
+    Example of a sequence-parallel MLP (``S`` need not divide the world size)::
+
+        mesh = tplayers.init_mesh()
+        fc1 = tplayers.ColumnParallelLinear(16, 64, mesh=mesh, sequence_parallel=True)
+        fc2 = tplayers.RowParallelLinear(64, 16, mesh=mesh, sequence_parallel=True)
+        x = tplayers.shard(torch.randn(2, 7, 16), 1)     # (2, S_local, 16), this rank's tokens
+        y = fc2(torch.relu(fc1(x)))                       # (2, S_local, 16)
 
     Example::
 
@@ -214,15 +286,18 @@ class RowParallelLinear(_ParallelLinear):
         *,
         mesh: Optional[DeviceMesh] = None,
         input_is_parallel: bool = True,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
         device=None,
         dtype=None,
     ) -> None:
+        _check_sequence_args(type(self).__name__, sequence_parallel, sequence_dim)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError(f"{type(self).__name__}: sequence_parallel=True needs input_is_parallel=True "
+                             "(the input is the column-parallel activation), got input_is_parallel=False")
         self.input_is_parallel = bool(input_is_parallel)
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         super().__init__(in_features, out_features, bias, mesh, device, dtype)
-
-    def _init_bias(self, bound: float) -> None:
-        # Replicated: zeros keep every rank identical without communication.
-        self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
@@ -233,6 +308,11 @@ class RowParallelLinear(_ParallelLinear):
             x = split_along_dim(x, -1, self._group)  # (..., in_local); bwd all-gather
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)  # (..., out)
+        if self.sequence_parallel:
+            # (..., s, ..., in_local) -> partial products reduce-scattered along the sequence ->
+            # (..., s_local, ..., out), bias added once (rank 0's matmul). Backward all-gathers dy.
+            dim = _check_sequence_dim(x, self.sequence_dim, name)
+            return linear_reduce_scatter_output(x, self.weight, self.bias, dim, self._group)
         # (..., in_local) -> partial products, summed by one all-reduce -> (..., out) replicated;
         # the bias is added once (folded into rank 0's matmul). Backward: no communication.
         return linear_all_reduce_output(x, self.weight, self.bias, self._group)
@@ -241,7 +321,10 @@ class RowParallelLinear(_ParallelLinear):
         """Collectives per step: ``(forward list, backward list)``."""
         if self.tp_size == 1:
             return [], []
+        if self.sequence_parallel:
+            return ["reduce_scatter"], ["all_gather"]
         return ["all_reduce"], ([] if self.input_is_parallel else ["all_gather"])
 
     def extra_repr(self) -> str:
-        return self._local_repr() + f", input_is_parallel={self.input_is_parallel}"
+        sp = f", sequence_parallel=True, sequence_dim={self.sequence_dim}" if self.sequence_parallel else ""
+        return self._local_repr() + f", input_is_parallel={self.input_is_parallel}" + sp

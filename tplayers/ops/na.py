@@ -3,14 +3,12 @@
 :func:`na2d` is the public functional (``tplayers.na2d``). The work is tiled:
 ``tH x tW`` queries of one dilation group share a key region of
 ``(tH + kH - 1) x (tW + kW - 1)`` group members, so one batched matmul scores a
-whole tile against its region, a precomputed additive mask (``-inf`` outside
-each query's window) keeps exactly NATTEN's window, and a second
-batched matmul applies the values. Scores and probabilities take
-``B * heads * H * W * (tH + kH - 1) * (tW + kW - 1) / (tH * tW)`` elements, i.e.
-``O(B * heads * H * W * kH * kW)`` for tiles of about the kernel's size; the
-``(H*W)^2`` matrix of dense attention never exists. Autograd runs through
-the gathers and an explicit backward of the tile attention that keeps only
-the probabilities (one score-sized tensor).
+whole tile against its region, an additive mask (``-inf`` outside each query's
+window) keeps exactly NATTEN's window, and a second batched matmul applies the
+values. :mod:`tplayers.ops.na_kernel` runs the tiles in chunks and keeps nothing
+score-sized for backward (it scores a chunk again), so memory is the inputs',
+the output's and the gradients' plus one chunk; the ``(H*W)^2`` matrix of dense
+attention never exists.
 
 :func:`neighborhood_attention_2d` is the general engine: queries and keys may be
 windows of a larger global image (a domain-parallel shard with its halos), and
@@ -19,13 +17,13 @@ an optional relative-position-bias table is added to the scores.
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from tplayers.ops.na_layout import DEFAULT_TILE, AxisTiles, axis_tiles
+from tplayers.ops.na_kernel import CHUNK_SCORES, TileAttention, tile_plan
+from tplayers.ops.na_layout import DEFAULT_TILE, axis_tiles
 
 __all__ = ["na2d", "neighborhood_attention_2d", "normalize_na_args", "check_window_fits"]
 
@@ -147,7 +145,8 @@ def neighborhood_attention_2d(
     q_offset: Tuple[int, int] = (0, 0),
     k_offset: Tuple[int, int] = (0, 0),
     rel_pos_bias: Optional[torch.Tensor] = None,
-    tile: Tuple[int, int] = (DEFAULT_TILE, DEFAULT_TILE),
+    tile: Optional[Tuple[int, int]] = None,
+    chunk_scores: Optional[int] = None,
 ) -> torch.Tensor:
     """The engine behind :func:`na2d` (arguments already normalised to pairs).
 
@@ -155,7 +154,10 @@ def neighborhood_attention_2d(
     ``global_size``; ``k``/``v`` hold ``k_offset + [0, Hk) x [0, Wk)`` and must
     contain every key those queries attend to. ``rel_pos_bias``
     ``(heads, 2*kH - 1, 2*kW - 1)`` is added to each score at
-    ``[(key - query) / dilation + kernel - 1]`` per dim.
+    ``[(key - query) / dilation + kernel - 1]`` per dim. ``tile`` (queries per tile
+    along H, W) and ``chunk_scores`` (score elements per plane per chunk) are tuning
+    knobs: defaults from :func:`default_tile` and ``na_kernel.CHUNK_SCORES``; any
+    positive values give the same result.
     """
     _check_qkv(q, k, v)
     batch, hq, wq, heads, dim = q.shape
@@ -164,144 +166,25 @@ def neighborhood_attention_2d(
         tie = q.sum() + k.sum() + v.sum() + (0 if rel_pos_bias is None else rel_pos_bias.sum())
         return q.new_zeros(batch, hq, wq, heads, v.shape[-1]) + 0 * tie
     scale = dim ** -0.5 if scale is None else float(scale)
+    tile = default_tile(kernel, dim) if tile is None else tile
     th = axis_tiles(global_size[0], kernel[0], dilation[0], causal[0], q_offset[0], hq, k_offset[0], k.shape[1], tile[0])
     tw = axis_tiles(global_size[1], kernel[1], dilation[1], causal[1], q_offset[1], wq, k_offset[1], k.shape[2], tile[1])
-    nth, ntw, tq, region = th.num_tiles, tw.num_tiles, th.tile * tw.tile, th.region * tw.region
-    dev = q.device
+    plan = tile_plan(th, tw, wq, k.shape[2], q.device, q.dtype, chunk_scores or CHUNK_SCORES)
 
-    q_flat, k_flat, out_flat = _flat_indices(th, tw, wq, k.shape[2], dev)
+    def pixels(x: torch.Tensor) -> torch.Tensor:  # (B, Hx, Wx, heads, D) -> (B, Hx*Wx, heads*D)
+        return x.reshape(batch, x.shape[1] * x.shape[2], -1).contiguous()
 
-    def tiles_of(x: torch.Tensor, index: torch.Tensor, per_tile: int) -> torch.Tensor:
-        # (B, Hx, Wx, heads, D) -> (B, heads, nth, ntw, per_tile, D): one gather of the flat pixels
-        x = x.flatten(1, 2).transpose(1, 2)  # (B, heads, Hx*Wx, D)
-        return x.index_select(2, index).view(batch, heads, nth, ntw, per_tile, x.shape[-1])
-
-    qt = tiles_of(q, q_flat, tq)  # (B, heads, nth, ntw, tq, D)
-    kt = tiles_of(k, k_flat, region)  # (B, heads, nth, ntw, R, D)
-    vt = tiles_of(v, k_flat, region)  # (B, heads, nth, ntw, R, Dv)
-    bias = None if rel_pos_bias is None else _gather_rel_pos_bias(rel_pos_bias, th, tw)  # (heads, nT, tq, R)
-    out = _TileAttention.apply(qt, kt, vt, bias, _window_bias(th, tw, dev, q.dtype), scale)
-    out = out.view(batch, heads, nth * ntw * tq, -1).index_select(2, out_flat)  # (B, heads, Hq*Wq, Dv)
-    return out.transpose(1, 2).reshape(batch, hq, wq, heads, out.shape[-1])
+    out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, scale, heads)
+    return out.view(batch, hq, wq, heads, -1)
 
 
-#: score elements processed per chunk (whole (batch, head) planes; at least one plane)
-CHUNK_ELEMENTS = 1 << 21
+def default_tile(kernel: Tuple[int, int], head_dim: int) -> Tuple[int, int]:
+    """Queries per tile along (H, W), chosen by measurement (``benchmarks/na.py``, one core).
 
-
-def _plane_chunks(planes: int, heads: int, plane_elems: int):
-    """``[p0, p1)`` ranges of (batch, head) planes: single planes, or whole batch elements."""
-    if plane_elems * heads > CHUNK_ELEMENTS:
-        return [(p, p + 1) for p in range(planes)]
-    step = heads * max(1, CHUNK_ELEMENTS // (plane_elems * heads))
-    return [(p, min(p + step, planes)) for p in range(0, planes, step)]
-
-
-def _add_head_bias(scores: torch.Tensor, bias: torch.Tensor, p0: int, p1: int) -> None:
-    """``scores`` (planes p0..p1 x nT, tq, R) += ``bias`` (heads, nT, tq, R) of each plane's head."""
-    heads, tiles = bias.shape[0], bias.shape[1]
-    if p1 - p0 == 1:
-        scores.add_(bias[p0 % heads])
-    else:
-        scores.view(-1, heads, tiles, *scores.shape[1:]).add_(bias)
-
-
-class _TileAttention(torch.autograd.Function):
-    """Dense attention of each query tile against its key region, outside-window scores masked.
-
-    forward: ``S = scale * Q K^T + window (0/-inf) + bias``, ``P = softmax(S)``, ``O = P V`` /
-    backward: ``dV = P^T dO``, ``dS = P * (dO V^T - rowsum(dO * O))``, ``dQ = scale * dS K``,
-    ``dK = scale * dS^T Q``, ``dbias = sum over batch of dS``. Scores are made chunk by chunk
-    of (batch, head) planes straight into ``P``, the one score-sized tensor kept for backward.
+    A tile of ``t`` queries along an axis scores ``t + k - 1`` keys where each query needs
+    ``k``: small tiles waste fewer scores, large ones make larger matmuls. For kernel 7,
+    head_dim 32 on one CPU core 4x4 and 4x8 measured fastest (8x8: ~15-25% slower);
+    small kernels waste less per tile and get 8.
     """
-
-    @staticmethod
-    def forward(ctx, qt, kt, vt, bias, window, scale):
-        # qt (B, heads, nth, ntw, tq, D); kt (..., R, D); vt (..., R, Dv); window (nth, ntw, tq, R)
-        lead, tq, region = qt.shape[:-2], qt.shape[-2], kt.shape[-2]
-        q3, k3, v3 = qt.flatten(0, 3), kt.flatten(0, 3), vt.flatten(0, 3)  # (N, tq|R, D)
-        tiles, heads = lead[2] * lead[3], lead[1]
-        window = window.view(tiles, tq, region)
-        probs = q3.new_empty(q3.shape[0], tq, region)  # (N, tq, R)
-        chunks = _plane_chunks(lead[0] * heads, heads, tiles * tq * region)
-        for p0, p1 in chunks:
-            rows = slice(p0 * tiles, p1 * tiles)
-            base = window if p1 - p0 == 1 else window.repeat(p1 - p0, 1, 1)
-            scores = torch.baddbmm(base, q3[rows], k3[rows].transpose(1, 2), alpha=scale)  # (chunk, tq, R)
-            if bias is not None:
-                _add_head_bias(scores, bias, p0, p1)
-            torch._softmax(scores, -1, False, out=probs[rows])
-            del base, scores
-        out = torch.bmm(probs, v3)  # (N, tq, Dv)
-        ctx.save_for_backward(q3, k3, v3, probs, out)
-        ctx.scale, ctx.lead, ctx.chunks, ctx.has_bias = scale, lead, chunks, bias is not None
-        return out.view(*lead, tq, v3.shape[-1])
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q3, k3, v3, probs, out = ctx.saved_tensors
-        lead, scale = ctx.lead, ctx.scale
-        tiles, heads = lead[2] * lead[3], lead[1]
-        g3 = grad_out.reshape(out.shape)  # (N, tq, Dv)
-        delta = (g3 * out).sum(-1, keepdim=True)  # rowsum(dP * P) == rowsum(dO * O)
-        grad_v = torch.bmm(probs.transpose(1, 2), g3)  # (N, R, Dv)
-        grad_q, grad_k = torch.empty_like(q3), torch.empty_like(k3)
-        want_bias = ctx.has_bias and ctx.needs_input_grad[3]
-        grad_bias = q3.new_zeros(heads, tiles, *probs.shape[1:]) if want_bias else None
-        for p0, p1 in ctx.chunks:
-            rows = slice(p0 * tiles, p1 * tiles)
-            grad_s = torch.bmm(g3[rows], v3[rows].transpose(1, 2))  # dP (chunk, tq, R)
-            grad_s.sub_(delta[rows]).mul_(probs[rows])  # dS
-            torch.bmm(grad_s, k3[rows], out=grad_q[rows])
-            torch.bmm(grad_s.transpose(1, 2), q3[rows], out=grad_k[rows])
-            if want_bias:
-                if p1 - p0 == 1:
-                    grad_bias[p0 % heads].add_(grad_s)
-                else:
-                    grad_bias.add_(grad_s.view(-1, heads, tiles, *grad_s.shape[1:]).sum(0))
-        grad_q.mul_(scale)
-        grad_k.mul_(scale)
-        return (grad_q.view(*lead, *grad_q.shape[1:]), grad_k.view(*lead, *grad_k.shape[1:]),
-                grad_v.view(*lead, *grad_v.shape[1:]), grad_bias, None, None)
-
-
-@lru_cache(maxsize=16)
-def _flat_indices(th: AxisTiles, tw: AxisTiles, wq: int, wk: int, device: torch.device):
-    """Flat pixel indices: queries per tile slot, keys per region slot, and each query's slot.
-
-    ``wq`` / ``wk``: widths of the query / key tensors (row strides of their flat pixels).
-    """
-    q_flat = th.q_index[:, None, :, None] * wq + tw.q_index[None, :, None, :]  # (nth, ntw, tH, tW)
-    k_flat = th.k_index[:, None, :, None] * wk + tw.k_index[None, :, None, :]  # (nth, ntw, RH, RW)
-    ti, mi = th.out_pos // th.tile, th.out_pos % th.tile
-    tj, mj = tw.out_pos // tw.tile, tw.out_pos % tw.tile
-    out_flat = ((ti[:, None] * tw.num_tiles + tj[None, :]) * th.tile + mi[:, None]) * tw.tile + mj[None, :]
-    return tuple(t.flatten().to(device) for t in (q_flat, k_flat, out_flat))
-
-
-@lru_cache(maxsize=16)
-def _window_bias(th: AxisTiles, tw: AxisTiles, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``(nth, ntw, tq, region)``: 0 where the key is in the query's window, -inf elsewhere.
-
-    An additive float mask: adding it is much faster than a broadcast ``masked_fill``.
-    """
-    inside = th.mask[:, None, :, None, :, None] & tw.mask[None, :, None, :, None, :]  # (nth, ntw, tH, tW, RH, RW)
-    inside = inside.reshape(th.num_tiles, tw.num_tiles, th.tile * tw.tile, th.region * tw.region)
-    return torch.zeros(inside.shape, dtype=dtype).masked_fill_(~inside, -math.inf).to(device)
-
-
-def _gather_rel_pos_bias(table: torch.Tensor, th: AxisTiles, tw: AxisTiles) -> torch.Tensor:
-    """``(heads, nth * ntw, tq, region)``: ``table[h, rel_h, rel_w]`` for every score.
-
-    One ``index_select`` of the flattened table (backward: one ``index_add``).
-    """
-    flat = _rel_index(th, tw, table.shape[-1], table.device)
-    shape = (table.shape[0], th.num_tiles * tw.num_tiles, th.tile * tw.tile, th.region * tw.region)
-    return table.flatten(1).index_select(1, flat).view(shape)
-
-
-@lru_cache(maxsize=16)
-def _rel_index(th: AxisTiles, tw: AxisTiles, width: int, device: torch.device) -> torch.Tensor:
-    """Flat ``rel_h * width + rel_w`` index of every score, in tile order."""
-    flat = th.rel[:, None, :, None, :, None] * width + tw.rel[None, :, None, :, None, :]  # (nth, ntw, tH, tW, RH, RW)
-    return flat.flatten().to(device)
+    del head_dim  # measured at 16-64: the same choice
+    return tuple(4 if k >= 5 else DEFAULT_TILE for k in kernel)

@@ -21,6 +21,7 @@ Example (a Megatron MLP; run under ``torchrun`` or plain ``python``)::
 from tplayers.parallelize.domain_styles import DomainParallel
 from tplayers.parallelize.engine import parallelize_module
 from tplayers.parallelize.explain import Explanation, explain
+from tplayers.parallelize.sequence_styles import SequenceParallel, ShardedDropout
 from tplayers.parallelize.styles import ColumnParallel, ParallelStyle, RowParallel
 
-__all__ = ["ParallelStyle", "ColumnParallel", "RowParallel", "DomainParallel", "parallelize_module", "explain", "Explanation"]
+__all__ = ["ParallelStyle", "ColumnParallel", "RowParallel", "DomainParallel", "SequenceParallel", "ShardedDropout", "parallelize_module", "explain", "Explanation"]

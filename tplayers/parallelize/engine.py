@@ -10,7 +10,9 @@ from typing import Dict, List, Mapping, Optional, Union
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tplayers.comm.agree import exchange_agreed
 from tplayers.mesh import resolve_mesh
+from tplayers.parallelize.source import check_src_rank, plan_from_source, serial_tensors, structure_digest
 from tplayers.parallelize.styles import ParallelStyle, PartitionFn, PlanKey, key_repr
 
 __all__ = ["parallelize_module", "match_plan", "build_match"]
@@ -87,7 +89,9 @@ def build_match(match: _Match, module: nn.Module, mesh: DeviceMesh) -> nn.Module
     return new
 
 
-def parallelize_module(model: nn.Module, plan: Mapping, *, mesh: Optional[DeviceMesh] = None) -> nn.Module:
+def parallelize_module(
+    model: nn.Module, plan: Mapping, *, mesh: Optional[DeviceMesh] = None, src_rank: Optional[int] = 0
+) -> nn.Module:
     """Swap the modules ``plan`` matches for their distributed twins, in place.
 
     Returns the model (a new object only when the plan matches the root
@@ -95,14 +99,40 @@ def parallelize_module(model: nn.Module, plan: Mapping, *, mesh: Optional[Device
     that matches nothing, a module matched by two keys, or a style given a
     module type it cannot handle raises ``ValueError`` naming the key and module.
 
+    ``src_rank`` (an index into ``mesh``, default 0): every parameter and buffer
+    of the result, of the whole model and not only of swapped modules, comes
+    from that rank's model, like DTensor's ``src_data_rank``. Shards are cut
+    from its serial tensors and scattered, everything else is broadcast, one
+    flattened scatter and broadcast per dtype (a shard in a layout that
+    :meth:`~tplayers.ShardSpec.for_index` cannot rebuild for the other ranks
+    travels whole in the broadcast and each rank takes its slice). So ranks seeded differently (the
+    default) still get one consistent model: rank ``src_rank``'s. Before any
+    value moves, one small exchange checks that every rank's model has the same
+    tensor names, shapes and dtypes, the same plan result and the same
+    ``src_rank``, and carries any rank's build error (so every rank raises).
+    ``src_rank=None`` keeps each rank's own values without communication (use
+    it when every rank built the model identically, e.g. under one seed).
+
     A plan that fails partway (a partition function or a layer constructor
-    raising) leaves ``model`` exactly as it was: every replacement is built
-    before any is swapped in, and a style that rewires a subtree while building
-    (``DomainParallel``) is undone.
+    raising, a disagreement between ranks, a failed transfer) leaves ``model``
+    exactly as it was: every replacement is built before any is swapped in,
+    values are written only after every transfer completed, and a style that
+    rewires a subtree while building (``DomainParallel``) is undone.
 
     Build the optimizer **after** this call: swapped parameters are new objects.
+
+    Example (``torchrun --nproc-per-node 3``; each rank seeded differently)::
+
+        import torch, tplayers
+        from torch import nn
+        mesh = tplayers.init_mesh()
+        torch.manual_seed(torch.distributed.get_rank())      # a different model on every rank
+        model = nn.Sequential(nn.Linear(8, 30), nn.ReLU(), nn.Linear(30, 8), nn.LayerNorm(8))
+        plan = {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()}
+        model = tplayers.parallelize_module(model, plan, mesh=mesh)   # now rank 0's model everywhere
     """
     mesh = resolve_mesh(mesh, (1, 2))  # 2-D only for domain styles sharding two dims
+    check_src_rank(src_rank, mesh)
     matches = match_plan(model, plan)
     if any(p.grad is not None for m in matches for p in m.module.parameters()):
         warnings.warn(
@@ -111,23 +141,45 @@ def parallelize_module(model: nn.Module, plan: Mapping, *, mesh: Optional[Device
             stacklevel=2,
         )
     snapshot = _snapshot(model)
+    serial = serial_tensors(model)
+    before = structure_digest(model)
     try:  # build every replacement first, then swap; any failure puts the tree back as it was
-        built = [(match, build_match(match, match.module, mesh)) for match in matches]
-        for match, new in built:
-            if match.name == "":
-                model = new
-                continue
-            parent_name, _, child = match.name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, new)
-        styles = {id(m.value): m.value for m in matches if isinstance(m.value, ParallelStyle)}
-        for style in styles.values():
-            model = style.finalize(model, mesh)
+        error, source = None, None
+        try:
+            model = _swap_all(model, matches, mesh)
+            if src_rank is not None:
+                source = plan_from_source(model, serial, mesh)
+        except Exception as err:  # noqa: BLE001 - travels to every rank below, then re-raised
+            error = err
+        if src_rank is None:
+            if error is not None:
+                raise error
+            return model
+        config = {"model tensors": before, "parallelized tensors": source.digest() if source else "", "src_rank": src_rank}
+        groups = [mesh.get_group(d) for d in range(mesh.ndim)]
+        row = [int(bool(source is not None and source.sliced))]
+        table = exchange_agreed(row, config, groups, "parallelize_module", "src_rank.check", error=error)
+        if any(r[0] for line in table for r in line):  # some rank holds a layout for_index cannot rebuild
+            source.agree_layouts(mesh)
+        source.run(serial, mesh, src_rank)
     except BaseException:
         _restore(snapshot)
         raise
     return model
 
 
+def _swap_all(model: nn.Module, matches: List[_Match], mesh: DeviceMesh) -> nn.Module:
+    built = [(match, build_match(match, match.module, mesh)) for match in matches]
+    for match, new in built:
+        if match.name == "":
+            model = new
+            continue
+        parent_name, _, child = match.name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+    styles = {id(m.value): m.value for m in matches if isinstance(m.value, ParallelStyle)}
+    for style in styles.values():
+        model = style.finalize(model, mesh)
+    return model
 
 
 def _snapshot(model: nn.Module) -> List[tuple]:

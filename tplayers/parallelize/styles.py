@@ -51,6 +51,9 @@ class ParallelStyle:
 class ColumnParallel(ParallelStyle):
     """Swap an ``nn.Linear`` for :class:`~tplayers.ColumnParallelLinear` (output features split).
 
+    ``sequence_parallel=True``: the input is sequence-sharded along ``sequence_dim`` and
+    all-gathered (see :class:`SequenceParallel` for the norms and dropout between).
+
     Example::
 
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
@@ -58,15 +61,20 @@ class ColumnParallel(ParallelStyle):
     """
 
     gather_output: bool = False
+    sequence_parallel: bool = False
+    sequence_dim: int = 1
     accepts = (nn.Linear,)
 
     def build(self, name, module, mesh):
-        return ColumnParallelLinear.from_module(module, mesh=mesh, gather_output=self.gather_output)
+        return ColumnParallelLinear.from_module(module, mesh=mesh, gather_output=self.gather_output,
+                                                sequence_parallel=self.sequence_parallel, sequence_dim=self.sequence_dim)
 
 
 @dataclass(frozen=True)
 class RowParallel(ParallelStyle):
     """Swap an ``nn.Linear`` for :class:`~tplayers.RowParallelLinear` (input features split).
+
+    ``sequence_parallel=True``: the output is reduce-scattered along ``sequence_dim``.
 
     ``input_is_parallel=False`` makes the swapped layer take the full input and
     split it locally (a drop-in for an ``nn.Linear`` anywhere in a model)::
@@ -75,9 +83,12 @@ class RowParallel(ParallelStyle):
     """
 
     input_is_parallel: bool = True
+    sequence_parallel: bool = False
+    sequence_dim: int = 1
     accepts = (nn.Linear,)
 
     def build(self, name, module, mesh):
-        return RowParallelLinear.from_module(module, mesh=mesh, input_is_parallel=self.input_is_parallel)
+        return RowParallelLinear.from_module(module, mesh=mesh, input_is_parallel=self.input_is_parallel,
+                                             sequence_parallel=self.sequence_parallel, sequence_dim=self.sequence_dim)
 
 

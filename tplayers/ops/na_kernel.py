@@ -1,0 +1,225 @@
+"""The fused tile kernel of neighborhood attention (torch ops only, CPU or any device).
+
+Work is tiled as in :mod:`tplayers.ops.na_layout`: ``tH x tW`` queries share a key
+region of ``RH x RW`` pixels. :class:`TilePlan` holds, for one geometry, the flat
+pixel index of every query slot and region slot, the window mask as a few distinct
+``(tq, R)`` patterns (tiles whose windows sit alike share one) and the chunks the
+tiles are processed in. :class:`TileAttention` runs the tiles chunk by chunk,
+flash-style: gather a chunk's Q/K/V tiles (all batches and heads), score them
+(one ``bmm``), add the mask (and bias), softmax, apply the values (one ``bmm``),
+and keep nothing score-sized: backward gathers and scores the chunk again.
+Saved for backward: the inputs, the output and the bias table, so peak memory is
+the inputs' and gradients' size plus one chunk's scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import List, Optional, Tuple
+
+import torch
+
+from tplayers.ops.na_layout import AxisTiles
+
+__all__ = ["TilePlan", "tile_plan", "TileAttention", "CHUNK_SCORES"]
+
+#: target score elements per chunk per (batch, head) plane: 32 Ki fp32 = 128 KiB, so a
+#: chunk's scores, probabilities and tiles stay in a core's L2 cache for B*heads ~ 4
+CHUNK_SCORES = 1 << 15
+
+
+@dataclass(frozen=True, eq=False)
+class TilePlan:
+    """Index tables of one tiled geometry (on the compute device).
+
+    ``q_flat`` (T*tq,): flat query pixel of each query slot (a padding slot repeats a
+    real query); ``q_dest``: the same, -1 at padding slots. ``k_flat`` (T*R,): flat key
+    pixel of each region slot. ``valid`` (T*tq,) 1/0, or None when no slot pads.
+    ``masks`` (P, tq, R): additive window patterns (0 / -inf); ``mask_id`` (T,): each
+    tile's pattern. ``chunks``: ``[t0, t1)`` tile ranges; ``chunk_pattern``: per chunk the
+    one pattern all its tiles share, or -1.
+    """
+
+    th: AxisTiles
+    tw: AxisTiles
+    q_flat: torch.Tensor
+    q_dest: torch.Tensor
+    k_flat: torch.Tensor
+    valid: Optional[torch.Tensor]
+    masks: torch.Tensor
+    mask_id: torch.Tensor
+    chunks: Tuple[Tuple[int, int], ...]
+    chunk_pattern: Tuple[int, ...]
+
+    @property
+    def tq(self) -> int:
+        return self.th.tile * self.tw.tile
+
+    @property
+    def region(self) -> int:
+        return self.th.region * self.tw.region
+
+    @property
+    def num_tiles(self) -> int:
+        return self.th.num_tiles * self.tw.num_tiles
+
+    def chunk_masks(self, chunk: int) -> torch.Tensor:
+        """``(t1 - t0, tq, R)`` additive masks of chunk number ``chunk`` (a view when it has one pattern)."""
+        (t0, t1), pattern = self.chunks[chunk], self.chunk_pattern[chunk]
+        if pattern >= 0:
+            return self.masks[pattern].expand(t1 - t0, -1, -1)
+        return self.masks.index_select(0, self.mask_id[t0:t1])
+
+
+def _unique_rows(mask: torch.Tensor):
+    """Distinct ``mask[i]`` patterns of an axis and each tile's pattern id."""
+    flat = mask.flatten(1)
+    patterns, ids = torch.unique(flat, dim=0, return_inverse=True)
+    return patterns.view(-1, *mask.shape[1:]), ids
+
+
+@lru_cache(maxsize=32)
+def tile_plan(th: AxisTiles, tw: AxisTiles, wq: int, wk: int, device: torch.device,
+              dtype: torch.dtype, chunk_scores: int = CHUNK_SCORES) -> TilePlan:
+    """The :class:`TilePlan` of two axes' tiles; ``wq`` / ``wk``: row widths of the q / k tensors."""
+    q_flat = th.q_index[:, None, :, None] * wq + tw.q_index[None, :, None, :]  # (nth, ntw, tH, tW)
+    k_flat = th.k_index[:, None, :, None] * wk + tw.k_index[None, :, None, :]  # (nth, ntw, RH, RW)
+    ti, mi = th.out_pos // th.tile, th.out_pos % th.tile
+    tj, mj = tw.out_pos // tw.tile, tw.out_pos % tw.tile
+    out_flat = ((ti[:, None] * tw.num_tiles + tj[None, :]) * th.tile + mi[:, None]) * tw.tile + mj[None, :]
+    valid = torch.zeros(q_flat.numel(), dtype=dtype)
+    valid[out_flat.flatten()] = 1
+    q_dest = torch.where(valid == 1, q_flat.flatten(), -1)
+    valid = None if bool((valid == 1).all()) else valid.to(device)
+    # window masks: the outer product of one row pattern and one column pattern per tile
+    ph, idh = _unique_rows(th.mask)  # (Ph, tH, RH), (nth,)
+    pw, idw = _unique_rows(tw.mask)  # (Pw, tW, RW), (ntw,)
+    inside = ph[:, None, :, None, :, None] & pw[None, :, None, :, None, :]  # (Ph, Pw, tH, tW, RH, RW)
+    tq, region = th.tile * tw.tile, th.region * tw.region
+    inside = inside.reshape(ph.shape[0] * pw.shape[0], tq, region)
+    masks = torch.zeros(inside.shape, dtype=dtype).masked_fill_(~inside, float("-inf"))
+    mask_id = (idh[:, None] * pw.shape[0] + idw[None, :]).flatten()
+    # chunks of consecutive tiles (row-major over the tile grid), about chunk_scores scores per plane
+    num_tiles, per_chunk = th.num_tiles * tw.num_tiles, max(1, chunk_scores // (tq * region))
+    chunks: List[Tuple[int, int]] = []
+    pattern: List[int] = []
+    for t0 in range(0, num_tiles, per_chunk):
+        t1 = min(t0 + per_chunk, num_tiles)
+        ids = mask_id[t0:t1]
+        chunks.append((t0, t1))
+        pattern.append(int(ids[0]) if bool((ids == ids[0]).all()) else -1)
+    return TilePlan(th, tw, q_flat.flatten().to(device), q_dest.to(device), k_flat.flatten().to(device),
+                    valid, masks.to(device), mask_id.to(device), tuple(chunks), tuple(pattern))
+
+
+@lru_cache(maxsize=32)
+def _rel_index(plan: TilePlan, width: int) -> torch.Tensor:
+    """Flat ``rel_h * width + rel_w`` index of every score, in tile order: (T, tq, R)."""
+    th, tw = plan.th, plan.tw
+    flat = th.rel[:, None, :, None, :, None] * width + tw.rel[None, :, None, :, None, :]  # (nth, ntw, tH, tW, RH, RW)
+    return flat.reshape(plan.num_tiles, plan.tq, plan.region).to(plan.masks.device)
+
+
+def _rows(pix: torch.Tensor, batch: int, pixels: int, heads: int, dummy: bool = False) -> torch.Tensor:
+    """Rows of pixels ``pix`` in a ``(batch * pixels * heads, D)`` matrix, ordered (batch, head, pix).
+
+    With ``dummy``, negative ``pix`` (padding slots) map to the row after the last.
+    """
+    dev = pix.device
+    rows = ((torch.arange(batch, device=dev)[:, None, None] * pixels + pix) * heads
+            + torch.arange(heads, device=dev)[None, :, None]).flatten()
+    if dummy:
+        rows = rows.masked_fill((pix < 0).expand(batch, heads, -1).flatten(), batch * pixels * heads)
+    return rows
+
+
+def _gather(src: torch.Tensor, rows: torch.Tensor, per_tile: int) -> torch.Tensor:
+    """Rows of ``src`` (B*P*heads, D) -> (B * heads * tiles, per_tile, D), contiguous."""
+    return src.index_select(0, rows).view(-1, per_tile, src.shape[1])
+
+
+def _scores(plan: TilePlan, chunk: int, qt, kt, table, heads: int) -> torch.Tensor:
+    """Masked (and biased) scores of chunk number ``chunk``: (B*heads*c, tq, R); ``qt`` is pre-scaled."""
+    scores = torch.bmm(qt, kt.transpose(1, 2))
+    t0, t1 = plan.chunks[chunk]
+    c = t1 - t0
+    scores.view(-1, c, plan.tq, plan.region).add_(plan.chunk_masks(chunk))
+    if table is not None:
+        rel = _rel_index(plan, table.shape[-1])[t0:t1]
+        bias = table.flatten(1).index_select(1, rel.flatten()).view(heads, c, plan.tq, plan.region)
+        scores.view(-1, heads, c, plan.tq, plan.region).add_(bias)
+    return scores
+
+
+class TileAttention(torch.autograd.Function):
+    """Neighborhood attention over a :class:`TilePlan`, chunk by chunk, nothing score-sized kept.
+
+    forward: per chunk ``S = scale Q K^T + window (0/-inf) + bias``, ``P = softmax(S)``, ``O = P V`` /
+    backward: per chunk ``S``, ``P`` again, ``dV += P^T dO``, ``dS = P * (dO V^T - rowsum(dO * O))``,
+    ``dQ = scale dS K``, ``dK += scale dS^T Q``, ``dbias += sum over batch of dS``.
+    Inputs: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major, contiguous;
+    the bias ``table`` (heads, 2kH-1, 2kW-1) or None. Returns (B, Pq, heads*Dv).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, table, plan: TilePlan, scale: float, heads: int):
+        batch, pq, pk = q.shape[0], q.shape[1], k.shape[1]
+        tq, region = plan.tq, plan.region
+        q2, k2, v2 = (x.view(-1, x.shape[-1] // heads) for x in (q, k, v))  # one row per (pixel, head)
+        out = q.new_empty(q2.shape[0] + 1, v2.shape[1])  # the last row takes the padding slots
+        for chunk, (t0, t1) in enumerate(plan.chunks):
+            q_rows = _rows(plan.q_flat[t0 * tq:t1 * tq], batch, pq, heads)
+            k_rows = _rows(plan.k_flat[t0 * region:t1 * region], batch, pk, heads)
+            qt = _gather(q2, q_rows, tq).mul_(scale)
+            kt, vt = _gather(k2, k_rows, region), _gather(v2, k_rows, region)
+            probs = torch.softmax(_scores(plan, chunk, qt, kt, table, heads), -1)
+            dest = _rows(plan.q_dest[t0 * tq:t1 * tq], batch, pq, heads, dummy=True)
+            out.index_copy_(0, dest, torch.bmm(probs, vt).view(-1, vt.shape[-1]))
+            del qt, kt, vt, probs
+        out = out[:-1].view(batch, pq, -1)
+        ctx.save_for_backward(q, k, v, table, out)
+        ctx.plan, ctx.scale, ctx.heads = plan, scale, heads
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, table, out = ctx.saved_tensors
+        plan, scale, heads = ctx.plan, ctx.scale, ctx.heads
+        batch, pq, pk = q.shape[0], q.shape[1], k.shape[1]
+        tq, region = plan.tq, plan.region
+        q2, k2, v2 = (x.view(-1, x.shape[-1] // heads) for x in (q, k, v))
+        g2 = grad_out.contiguous().view(-1, v2.shape[1])
+        o2 = out.view(-1, v2.shape[1])
+        grad_q = q.new_empty(q2.shape[0] + 1, q2.shape[1])  # every query written once; last row: padding
+        want_k, want_v = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        grad_k = torch.zeros_like(k2) if want_k else None
+        grad_v = torch.zeros_like(v2) if want_v else None
+        want_bias = table is not None and ctx.needs_input_grad[3]
+        grad_table = torch.zeros_like(table).flatten(1) if want_bias else None
+        for chunk, (t0, t1) in enumerate(plan.chunks):
+            q_rows = _rows(plan.q_flat[t0 * tq:t1 * tq], batch, pq, heads)
+            k_rows = _rows(plan.k_flat[t0 * region:t1 * region], batch, pk, heads)
+            qt = _gather(q2, q_rows, tq).mul_(scale)
+            kt, vt = _gather(k2, k_rows, region), _gather(v2, k_rows, region)
+            gt = _gather(g2, q_rows, tq)
+            if plan.valid is not None:  # padding slots repeat a query: they must add nothing
+                gt.view(batch * heads, -1, tq, gt.shape[-1]).mul_(plan.valid[t0 * tq:t1 * tq].view(-1, tq, 1))
+            dt = (gt * _gather(o2, q_rows, tq)).sum(-1, keepdim=True)  # rowsum(dO * O)
+            probs = torch.softmax(_scores(plan, chunk, qt, kt, table, heads), -1)
+            if want_v:
+                grad_v.index_add_(0, k_rows, torch.bmm(probs.transpose(1, 2), gt).view(-1, gt.shape[-1]))
+            ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(dt).mul_(probs)  # dS (N, tq, R)
+            del probs
+            dest = _rows(plan.q_dest[t0 * tq:t1 * tq], batch, pq, heads, dummy=True)
+            grad_q.index_copy_(0, dest, torch.bmm(ds, kt).view(-1, kt.shape[-1]))  # times scale below
+            if want_k:
+                grad_k.index_add_(0, k_rows, torch.bmm(ds.transpose(1, 2), qt).view(-1, qt.shape[-1]))
+            if want_bias:
+                rel = _rel_index(plan, table.shape[-1])[t0:t1].flatten()
+                grad_table.index_add_(1, rel, ds.view(batch, heads, -1).sum(0))
+        grad_q = grad_q[:-1].mul_(scale).view(q.shape)
+        grad_table = grad_table.view(table.shape) if want_bias else None
+        grad_k = grad_k.view(k.shape) if want_k else None
+        grad_v = grad_v.view(v.shape) if want_v else None
+        return grad_q, grad_k, grad_v, grad_table, None, None, None
