@@ -8,7 +8,7 @@ local spatial positions) over a set of dims:
 * instance norm: group norm with ``G = C``.
 
 Forward (:class:`DomainNormFn`): each rank computes its count, mean and centred sum of squares
-(M2, two-pass) in fp32 (fp64 for fp64 input); one all-gather per mesh dim brings every rank's
+(M2, ``torch.var_mean``: Welford) in fp32 (fp64 for fp64 input); one all-gather per mesh dim brings every rank's
 triple and the ranks merge them with Chan's formula in fp64 (the same order on every rank, so
 the result is bitwise replicated). Never E[x^2] - E[x]^2.
 Backward: one all-reduce per mesh dim of the per-statistic sums of ``g = dy * weight`` and
@@ -44,16 +44,15 @@ def _reduce_dims(per_channel: bool) -> Tuple[int, ...]:
 
 
 def local_moments(x4: torch.Tensor, per_channel: bool) -> Tuple[float, torch.Tensor, torch.Tensor]:
-    """``(count, mean, M2)`` of this rank's elements for every statistic (two-pass, in x4's dtype)."""
+    """``(count, mean, M2)`` of this rank's elements for every statistic (torch.var_mean: Welford, x4's dtype)."""
     dims = _reduce_dims(per_channel)
     count = math.prod(x4.shape[d] for d in dims)
     if count == 0:
         shape = [s for d, s in enumerate(x4.shape) if d not in dims]
         zero = x4.new_zeros(shape)
         return 0, zero, zero.clone()
-    mean = x4.sum(dims, keepdim=True) / count
-    m2 = (x4 - mean).square().sum(dims)
-    return count, mean.reshape(m2.shape), m2
+    var, mean = torch.var_mean(x4, dims, correction=0)  # one stable (Welford) pass
+    return count, mean, var * count
 
 
 def merge_moments(counts: torch.Tensor, means: torch.Tensor, m2s: torch.Tensor):
@@ -95,12 +94,12 @@ class DomainNormFn(torch.autograd.Function):
         rstd = (var + eps).rsqrt().to(acc)
         shape = (1, -1, 1, 1) if per_channel else (x.shape[0], num_groups, 1, 1)
         mean_a, rstd_a = mean.to(acc).reshape(shape), rstd.reshape(shape)
-        xhat = (x4 - mean_a) * rstd_a
-        y = xhat.reshape(x.shape[0], x.shape[1], -1)
-        if weight is not None:
-            y = y * weight.to(acc)[None, :, None]
+        cg = x.shape[1] // num_groups
+        scale = rstd_a if weight is None else rstd_a * weight.to(acc).reshape(1, num_groups, cg, 1)
+        shift = -mean_a * scale
         if bias is not None:
-            y = y + bias.to(acc)[None, :, None]
+            shift = shift + bias.to(acc).reshape(1, num_groups, cg, 1)
+        y = torch.addcmul(shift, x4, scale)  # one pass: (x - mean) * rstd * w + b
         count_a = count.to(acc).clamp(min=1).reshape(shape)
         ctx.save_for_backward(x, weight, mean_a, rstd_a, count_a)
         ctx.info = (num_groups, per_channel, groups, bias is not None)
@@ -113,23 +112,29 @@ class DomainNormFn(torch.autograd.Function):
         x, weight, mean_a, rstd_a, count_a = ctx.saved_tensors
         num_groups, per_channel, groups, has_bias = ctx.info
         acc = mean_a.dtype
-        n, c = x.shape[:2]
-        x4, d4 = _view(x, num_groups).to(acc), _view(dy, num_groups).to(acc)
-        xhat = (x4 - mean_a) * rstd_a
-        g = d4 if weight is None else d4 * weight.to(acc).reshape(1, num_groups, c // num_groups, 1)
-        dims = _reduce_dims(per_channel)
-        pieces = [g.sum(dims).reshape(-1), (g * xhat).sum(dims).reshape(-1)]
+        c = x.shape[1]
+        cg = c // num_groups
+        d4 = _view(dy, num_groups).to(acc)
+        xc = _view(x, num_groups).to(acc) - mean_a            # centred: no cancellation in the sums
+        sdy, sdyx = d4.sum(3), (d4 * xc).sum(3)               # per (n, group, channel-in-group)
+        rstd3 = rstd_a[..., 0]
+        w3 = 1.0 if weight is None else weight.to(acc).reshape(1, num_groups, cg)
+        rd = (0, 2) if per_channel else (2,)
+        pieces = [(w3 * sdy).sum(rd).reshape(-1), (w3 * rstd3 * sdyx).sum(rd).reshape(-1)]
         stat = pieces[0].numel()
         if weight is not None:
-            pieces.append((d4 * xhat).sum((0, 3)).reshape(-1))
+            pieces.append((rstd3 * sdyx).sum(0).reshape(-1))
         if has_bias:
-            pieces.append(d4.sum((0, 3)).reshape(-1))
+            pieces.append(sdy.sum(0).reshape(-1))
         flat = torch.cat(pieces)
         for group in groups:  # one fused all-reduce per mesh dim
             all_reduce_sum(flat, group, "norm_stats.bwd")
-        sums = flat[:stat].reshape(mean_a.shape), flat[stat:2 * stat].reshape(mean_a.shape)
-        dx = rstd_a * (g - sums[0] / count_a - xhat * (sums[1] / count_a))
-        dx = dx.reshape(x.shape).to(x.dtype)
+        mg = flat[:stat].reshape(mean_a.shape) / count_a
+        mgx = flat[stat:2 * stat].reshape(mean_a.shape) / count_a
+        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w, as two fused passes
+        a = rstd_a if weight is None else rstd_a * weight.to(acc).reshape(1, num_groups, cg, 1)
+        dx = torch.addcmul(-rstd_a * mg, xc, -rstd_a.square() * mgx)
+        dx = torch.addcmul(dx, d4, a).reshape(x.shape).to(x.dtype)
         offset = 2 * stat
         dw = db = None
         if weight is not None:
@@ -138,4 +143,3 @@ class DomainNormFn(torch.autograd.Function):
         if has_bias:
             db = flat[offset:offset + c].to(weight.dtype if weight is not None else x.dtype)
         return dx, dw, db, None, None, None, None
-
