@@ -21,3 +21,5 @@ CKPT=$(mktemp -d)/ckpt
 $RUN examples/checkpoint_reshard.py train "$CKPT"
 $PY -m torch.distributed.run --standalone --nproc-per-node 3 examples/checkpoint_reshard.py reload "$CKPT"
 $PY examples/checkpoint_reshard.py reload "$CKPT"
+echo "=== data parallelism: FSDP2 over dp on a (dp, tp) mesh, checkpoint with AdamW state, resumed exactly"
+$RUN examples/data_parallel.py

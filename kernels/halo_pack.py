@@ -2,8 +2,9 @@
 
 One launch handles every face (up to :data:`MAX_FACES`) of one exchange: the
 grid is the concatenation of each face's blocks, and each program finds its
-face from the block prefix. Tensors of up to 4 dims with any strides
-(non-contiguous, channels_last) are read and written in place.
+face from the block prefix. Tensors of up to 5 dims (so 1-D, 2-D and 3-D
+domains) with any strides (non-contiguous, channels_last, channels_last_3d) are
+read and written in place.
 
 Pack and plain unpack move raw bits: the tensor is viewed as an integer dtype
 of the same element size, so results are bitwise equal to the torch reference
@@ -29,6 +30,7 @@ __all__ = ["pack", "unpack", "MAX_FACES", "BLOCK"]
 
 MAX_FACES = 4
 BLOCK = 1024
+NDIM = 5  # tensors of 1-5 dims (1-D to 3-D domains: (N, C, L), (N, C, H, W), (N, C, D, H, W))
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -56,13 +58,17 @@ def _face_of(pid, b1, b2, b3, st0, st1, st2, st3, ln0, ln1, ln2, ln3, of0, of1, 
 
 
 @triton.jit
-def _offsets(e, start, length, S0, S1, S2, S3, T0, T1, T2, T3, DIM: tl.constexpr):
-    """Strided tensor offset of element ``e`` (row-major) of the face ``narrow(DIM, start, length)``."""
+def _offsets(e, start, length, S1, S2, S3, S4, T0, T1, T2, T3, T4, DIM: tl.constexpr):
+    """Strided tensor offset of element ``e`` (row-major) of the face ``narrow(DIM, start, length)``
+    of a tensor viewed as 5-D (leading dims of size 1 for fewer dims)."""
     s1 = length if DIM == 1 else S1
     s2 = length if DIM == 2 else S2
     s3 = length if DIM == 3 else S3
-    i3 = e % s3
-    r = e // s3
+    s4 = length if DIM == 4 else S4
+    i4 = e % s4
+    r = e // s4
+    i3 = r % s3
+    r = r // s3
     i2 = r % s2
     r = r // s2
     i1 = r % s1
@@ -75,13 +81,15 @@ def _offsets(e, start, length, S0, S1, S2, S3, T0, T1, T2, T3, DIM: tl.constexpr
         i2 += start
     if DIM == 3:
         i3 += start
-    return i0 * T0 + i1 * T1 + i2 * T2 + i3 * T3
+    if DIM == 4:
+        i4 += start
+    return i0 * T0 + i1 * T1 + i2 * T2 + i3 * T3 + i4 * T4
 
 
 @triton.jit
 def _halo_kernel(
     t_ptr, buf_ptr,
-    S0, S1, S2, S3, T0, T1, T2, T3, ROW,
+    S0, S1, S2, S3, S4, T0, T1, T2, T3, T4, ROW,
     b1, b2, b3,
     st0, st1, st2, st3, ln0, ln1, ln2, ln3, of0, of1, of2, of3,
     DIM: tl.constexpr, NF: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
@@ -93,7 +101,7 @@ def _halo_kernel(
                                          of0, of1, of2, of3, NF)
     e = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = e < ROW * length
-    off = _offsets(e, start, length, S0, S1, S2, S3, T0, T1, T2, T3, DIM)
+    off = _offsets(e, start, length, S1, S2, S3, S4, T0, T1, T2, T3, T4, DIM)
     if MODE == 0:
         tl.store(buf_ptr + boff + e, tl.load(t_ptr + off, mask=mask), mask=mask)
     elif MODE == 1:
@@ -109,9 +117,9 @@ def _halo_kernel(
         tl.store(t_ptr + off, bits.to(tl.int16), mask=mask)
 
 
-def _as4d(t: torch.Tensor, dim: int) -> Tuple[List[int], List[int], int]:
-    assert t.dim() <= 4, "halo_pack handles tensors of up to 4 dims"
-    pad = 4 - t.dim()
+def _as5d(t: torch.Tensor, dim: int) -> Tuple[List[int], List[int], int]:
+    assert t.dim() <= NDIM, f"halo_pack handles tensors of up to {NDIM} dims"
+    pad = NDIM - t.dim()
     return [1] * pad + list(t.shape), [0] * pad + list(t.stride()), dim + pad
 
 
@@ -120,7 +128,7 @@ def _launch(t: torch.Tensor, buf: torch.Tensor, dim: int, faces: Sequence[Tuple[
     if not faces:
         return
     assert len(faces) <= MAX_FACES
-    sizes, strides, d = _as4d(t, dim)
+    sizes, strides, d = _as5d(t, dim)
     row = t.numel() // t.size(dim) if t.size(dim) else 0
     if row == 0:
         return

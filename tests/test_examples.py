@@ -43,3 +43,9 @@ def test_checkpoint_reshard_example(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "reloaded at 3 rank(s)" in res.stdout and "bitwise equal" in res.stdout
+
+
+def test_data_parallel_example():
+    out = _torchrun("data_parallel.py")
+    assert "parity vs serial full batch" in out and "weights bitwise equal: True" in out
+    assert "serial model + AdamW loaded" in out and "done" in out

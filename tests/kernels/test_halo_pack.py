@@ -19,7 +19,7 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 
 def _make(rng, dtype, device, shape=None, layout=None):
     if shape is None:
-        shape = [rng.randint(1, 7) for _ in range(rng.randint(1, 4))]
+        shape = [rng.randint(1, 6) for _ in range(rng.randint(1, 5))]
         if rng.random() < 0.3:
             shape[-1] = halo_pack.BLOCK // 8 + rng.randint(1, 40)  # several blocks, not a multiple
         layout = rng.choice(["contiguous", "transposed", "sliced", "channels_last"])
@@ -32,6 +32,8 @@ def _make(rng, dtype, device, shape=None, layout=None):
         x = big[tuple(slice(1, 1 + s) for s in shape)]
     elif layout == "channels_last" and ndim == 4:
         x = x.to(memory_format=torch.channels_last)
+    elif layout == "channels_last" and ndim == 5:
+        x = x.to(memory_format=torch.channels_last_3d)
     return x, shape, layout
 
 
@@ -82,3 +84,39 @@ def test_front_door_routes_to_triton_when_forced(monkeypatch):
     buf = torch.arange(75, dtype=torch.float64)
     expect = unpack_faces_reference(buf, out.clone(), 2, faces, True)  # overlapping rows add up
     assert torch.equal(front.unpack_faces(buf, out, 2, faces, accumulate=True), expect)
+
+
+@pytest.mark.parametrize("shape,layout", [((2, 3, 9), "contiguous"), ((2, 3, 9), "sliced"),
+                                          ((1, 3, 5, 4, 6), "contiguous"), ((2, 3, 5, 4, 6), "channels_last"),
+                                          ((1, 2, 4, 5, 3), "sliced")])
+def test_3d_and_5d_every_dim_one_launch(shape, layout, monkeypatch):
+    """(N, C, L) and (N, C, D, H, W) tensors: both faces of an exchange along each spatial dim in one
+    launch, pack / unpack / unpack-add bitwise equal to the reference."""
+    rng = random.Random(repr(shape) + layout)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    launches = []
+    real = halo_pack._halo_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(halo_pack, "_halo_kernel", Counting())
+    for dtype in (torch.float64, torch.bfloat16):
+        x, _, _ = _make(rng, dtype, device, list(shape), layout)
+        for dim in range(2, len(shape)):
+            n = x.size(dim)
+            faces = [(0, 2), (n - 1, 1)]
+            launches.clear()
+            got = halo_pack.pack(x, dim, faces)
+            assert len(launches) == 1
+            assert torch.equal(got.view(torch.uint8), pack_faces_reference(x, dim, faces).contiguous().view(torch.uint8))
+            buf = torch.randn(got.numel(), device=device).to(dtype)
+            for accumulate in (False, True):
+                base, _, _ = _make(rng, dtype, device, list(shape), layout)
+                expect = unpack_faces_reference(buf, base.clone(), dim, faces, accumulate).contiguous()
+                launches.clear()
+                out = halo_pack.unpack(buf, base, dim, faces, accumulate)
+                assert len(launches) == 1
+                assert torch.equal(out.contiguous().view(torch.uint8), expect.view(torch.uint8)), (dim, accumulate)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tplayers.checkpoint.format import CheckpointError, byte_view, dtype_name, itemsize
+from tplayers.checkpoint.wrapped import Staging, staged_target, unwrap
 from tplayers.comm import record_collective
 from tplayers.layers._common import ShardedModule
 from tplayers.sharding import ShardSpec
@@ -39,10 +40,17 @@ class LocalTensor:
     spec: ShardSpec
 
 
-def local_tensors(model: nn.Module) -> Dict[str, LocalTensor]:
-    """``{state_dict key: LocalTensor}`` of ``model`` (the live parameters and buffers)."""
+def local_tensors(model: nn.Module, staging: Optional[Staging] = None) -> Dict[str, LocalTensor]:
+    """``{state_dict key: LocalTensor}`` of ``model`` (the live parameters and buffers).
+
+    Wrappers are looked through (:mod:`tplayers.checkpoint.wrapped`): DDP and
+    ``torch.compile`` add no key prefix, and an FSDP2 ``DTensor`` counts as the
+    tensor it shards: all-gathered over its dp mesh for a save (a collective),
+    or, with ``staging`` (a load), a buffer that ``staging.finish()`` copies into it.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    model = unwrap(model)
     specs: Dict[str, ShardSpec] = {}
     for prefix, mod in model.named_modules(remove_duplicate=False):
         if isinstance(mod, ShardedModule):
@@ -51,6 +59,7 @@ def local_tensors(model: nn.Module) -> Dict[str, LocalTensor]:
     out = {}
     for key, t in model.state_dict(keep_vars=True).items():
         spec = specs.get(key) or ShardSpec.replicated(t.shape)
+        t = staged_target(t, staging)
         if tuple(t.shape) != spec.local_shape:
             raise ValueError(
                 f"{key}: shard_specs() says this rank holds {spec.local_shape} of {spec.global_shape}, "

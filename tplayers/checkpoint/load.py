@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -11,7 +11,9 @@ from torch import nn
 from tplayers.checkpoint.format import CheckpointError, torch_dtype
 from tplayers.checkpoint.index import open_source
 from tplayers.checkpoint.layout import agree, local_tensors, world_info
+from tplayers.checkpoint.optim import is_optimizer_key, optimizer_load_tensors
 from tplayers.checkpoint.progress import Progress
+from tplayers.checkpoint.wrapped import Staging
 from tplayers.checkpoint.read import Reader
 
 
@@ -37,6 +39,7 @@ def load_checkpoint(
     verify: bool = True,
     cast: bool = False,
     progress=None,
+    optimizer=None,
 ) -> LoadResult:
     """Load ``path`` (a checkpoint directory or a safetensors file) into ``model``, resharding as needed.
 
@@ -60,29 +63,38 @@ def load_checkpoint(
     ``progress`` draws a bar on rank 0 (``None``: only for large loads to a terminal).
     Returns a :class:`LoadResult` (missing / unexpected keys, bytes read).
 
+    ``model`` may be wrapped (DDP, FSDP2 ``fully_shard``, ``torch.compile``), like in
+    :func:`save_checkpoint`. ``optimizer``: also restore its per-parameter state (saved with
+    ``save_checkpoint(..., optimizer=)`` at any world size), resharded like the parameters;
+    without it, optimizer entries in the checkpoint are ignored.
+
     Example::
 
         model = build_model()                         # any world size / plan
-        tplayers.checkpoint.load_checkpoint(model, "ckpt/")
+        opt = torch.optim.AdamW(model.parameters())   # built as when saving
+        tplayers.checkpoint.load_checkpoint(model, "ckpt/", optimizer=opt)
     """
     path = os.fspath(path)
     rank, _ = world_info()
     copies, error, result = [], None, LoadResult([], [], 0)
-    reader = None
+    reader, staging = None, Staging()
     try:
-        reader, copies, result = stage_load(model, path, strict=strict, verify=verify, cast=cast)
+        reader, copies, result = stage_load(model, path, strict=strict, verify=verify, cast=cast,
+                                            optimizer=optimizer, staging=staging)
     except Exception as e:  # noqa: BLE001 - any local failure must still reach `agree`, or peers hang
         error = f"{type(e).__name__}: {e}"
     try:
         agree(error)
         apply_copies(copies, Progress(_nbytes(copies), f"load {path}", progress if rank == 0 else False))
+        staging.finish()  # DTensor (FSDP2) shards and new optimizer state
     finally:
         if reader is not None:
             reader.close()
     return result
 
 
-def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast: bool):
+def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast: bool, optimizer=None,
+               staging: Optional[Staging] = None):
     """This rank's half of a load, changing nothing: validate, read (and verify) what it needs.
 
     Returns ``(reader, copies, result)``; ``copies`` are ``(tensor, dest, source)``
@@ -93,14 +105,20 @@ def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast:
     reader = Reader(source, verify=verify)
     try:
         reader.check_files_present()
-        local = local_tensors(model)
-        missing = sorted(set(local) - set(source.tensors))
-        unexpected = sorted(set(source.tensors) - set(local))
+        staging = Staging() if staging is None else staging
+        local = local_tensors(model, staging)
+        available = set(source.tensors)
+        if optimizer is not None:
+            local.update(optimizer_load_tensors(model, optimizer, local, source.tensors, staging, path))
+        else:
+            available = {k for k in available if not is_optimizer_key(k)}
+        missing = sorted(set(local) - available)
+        unexpected = sorted(available - set(local))
         if strict and (missing or unexpected):
             raise CheckpointError(
                 f"{path}: keys do not match the model (strict=True): missing {missing}, unexpected {unexpected}"
             )
-        keys = sorted(set(local) & set(source.tensors))
+        keys = sorted(set(local) & available)
         problems = [msg for key in keys for msg in _mismatch(key, local[key], source.tensors[key], cast)]
         if problems:
             raise CheckpointError(f"{path}: {len(problems)} tensor(s) do not fit the model:\n    " + "\n    ".join(problems))

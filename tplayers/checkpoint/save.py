@@ -32,6 +32,7 @@ from tplayers.checkpoint.layout import (
     stored,
     world_info,
 )
+from tplayers.checkpoint.optim import optimizer_tensors
 from tplayers.checkpoint.progress import Progress
 from tplayers.sharding import CONVENTION
 
@@ -53,6 +54,7 @@ def save_checkpoint(
     progress: Optional[bool] = None,
     block_bytes: int = BLOCK_BYTES,
     digest: str = DEFAULT,
+    optimizer=None,
 ) -> None:
     """Save ``model`` to ``path``; collective over the default process group (all ranks call it).
 
@@ -74,17 +76,27 @@ def save_checkpoint(
     :class:`CheckpointError` before anything is written (see :func:`check_target`). ``progress``
     draws a bar on rank 0 (``None``: only for large saves to a terminal).
 
+    ``model`` may be wrapped in ``DistributedDataParallel``, FSDP2 ``fully_shard`` or
+    ``torch.compile``: the checkpoint holds the serial model's keys and shapes either way
+    (:mod:`tplayers.checkpoint.wrapped`). ``optimizer`` (sharded form only) also saves its
+    per-parameter state, sharded like each parameter (:mod:`tplayers.checkpoint.optim`).
+
     Example (``torchrun --nproc-per-node 2 train.py``)::
 
-        tplayers.checkpoint.save_checkpoint(model, "ckpt/")
+        tplayers.checkpoint.save_checkpoint(model, "ckpt/", optimizer=opt)
         tplayers.checkpoint.save_checkpoint(model, "model.safetensors", consolidated=True)
     """
     path = os.fspath(path)
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
     check_algorithm(digest)
+    if consolidated and optimizer is not None:
+        raise ValueError("save_checkpoint: optimizer state is saved in the sharded form only "
+                         "(consolidated=True writes exactly the serial model's state_dict); got both")
     rank, world = world_info()
     local = local_tensors(model)
+    if optimizer is not None:
+        local.update(optimizer_tensors(model, optimizer, local))
     refusal = check_target(path)
     if consolidated:
         agree(refusal)

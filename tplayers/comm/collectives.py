@@ -17,6 +17,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from tplayers.comm import ops as _ops  # noqa: F401 - registers the tplayers:: custom ops
 from tplayers.comm.accounting import record_collective
 from tplayers.sharding import offsets_from_sizes, shard_range, shard_sizes
 
@@ -52,7 +53,19 @@ def _nbytes(t: torch.Tensor) -> int:
 # ----------------------------------------------------------------------------
 
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, tag: str = "") -> torch.Tensor:
-    """Sum ``x`` over ``group`` in place (``x`` must be contiguous) and return it."""
+    """Sum ``x`` over ``group`` in place (``x`` must be contiguous) and return it.
+
+    Use the returned tensor: while compiling (``torch.compile``) the sum is the
+    out-of-place custom op ``tplayers::all_reduce`` and ``x`` is left unchanged.
+    """
+    if torch.compiler.is_compiling():
+        if dist.get_world_size(group) == 1:
+            return x
+        return torch.ops.tplayers.all_reduce(x, group.group_name, tag)
+    return _eager_all_reduce_sum(x, group, tag)
+
+
+def _eager_all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, tag: str) -> torch.Tensor:
     size = dist.get_world_size(group)
     if size == 1:
         return x
@@ -67,8 +80,16 @@ def all_gather_along_dim(
     """Concatenate every rank's ``x`` along ``dim``; rank ``r`` holds ``sizes[r]`` rows.
 
     Uneven (and empty) shards are padded to the largest size on the wire and
-    trimmed after, so every backend sees equal buffers.
+    trimmed after, so every backend sees equal buffers. While compiling it is
+    the custom op ``tplayers::all_gather``.
     """
+    if torch.compiler.is_compiling() and dist.get_world_size(group) > 1:
+        return torch.ops.tplayers.all_gather(x, dim % x.dim(), [int(s) for s in sizes], group.group_name, tag)
+    return _eager_all_gather_along_dim(x, dim, sizes, group, tag)
+
+
+def _eager_all_gather_along_dim(x: torch.Tensor, dim: int, sizes: Sequence[int], group: dist.ProcessGroup,
+                                tag: str) -> torch.Tensor:
     world = dist.get_world_size(group)
     if world == 1:
         return x
@@ -221,7 +242,7 @@ class CopyManyToParallelRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         flat = torch.cat([g.reshape(-1) for g in grads])
-        all_reduce_sum(flat, ctx.group, "copy_many.bwd")
+        flat = all_reduce_sum(flat, ctx.group, "copy_many.bwd")
         out, offset = [], 0
         for g in grads:
             out.append(flat[offset : offset + g.numel()].view_as(g))

@@ -31,19 +31,41 @@ __all__ = [
 ]
 
 
+def _all_reduce_as(t: torch.Tensor, group, reduce_dtype, tag: str, async_op: bool = False):
+    """All-reduce (sum) contiguous ``t`` in place, in ``reduce_dtype`` when given (e.g. fp32 for a
+    bf16 ``t`` under autocast: one rounding after the sum instead of one per addition).
+    Returns ``(result, work)``: with ``async_op`` and no cast, ``work`` is pending and ``result``
+    (``t`` itself) is valid after ``work.wait()``; a cast buffer is reduced synchronously (``work`` None)."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return t, None
+    if torch.compiler.is_compiling():  # the registered op (see tplayers.comm.ops), out of place
+        wide = t if reduce_dtype is None else t.to(reduce_dtype)
+        return torch.ops.tplayers.all_reduce(wide, group.group_name, tag).to(t.dtype), None
+    if reduce_dtype is not None and reduce_dtype != t.dtype:
+        wide = t.to(reduce_dtype)
+        record_collective("all_reduce", wide.numel() * wide.element_size(), size, tag)
+        dist.all_reduce(wide, group=group)
+        return wide.to(t.dtype), None
+    record_collective("all_reduce", t.numel() * t.element_size(), size, tag)
+    work = dist.all_reduce(t, group=group, async_op=async_op)
+    return t, work
+
+
 class LinearAllReduceInputGrad(torch.autograd.Function):
     """forward: ``y = x W^T + b`` on a replicated ``x`` (no communication) /
     backward: the input gradient ``dy W`` is all-reduced (sum) asynchronously
     while the weight and bias gradients are computed; waited before returning.
 
     Shapes: ``x (..., in)``, ``W (out_local, in)``, ``b (out_local,)``,
-    ``y (..., out_local)``. Not twice differentiable.
+    ``y (..., out_local)``. ``reduce_dtype`` (optional): all-reduce in that dtype (then
+    synchronously). Not twice differentiable.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, reduce_dtype=None):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.has_bias, ctx.reduce_dtype = group, bias is not None, reduce_dtype
         return torch.nn.functional.linear(x, weight, bias)
 
     @staticmethod
@@ -55,10 +77,7 @@ class LinearAllReduceInputGrad(torch.autograd.Function):
         work = None
         if need_x:
             grad_x = (grad_out @ weight).contiguous()  # (..., in) partial sum over this rank's outputs
-            size = dist.get_world_size(ctx.group)
-            if size > 1:
-                record_collective("all_reduce", grad_x.numel() * grad_x.element_size(), size, "linear.bwd")
-                work = dist.all_reduce(grad_x, group=ctx.group, async_op=True)
+            grad_x, work = _all_reduce_as(grad_x, ctx.group, ctx.reduce_dtype, "linear.bwd", async_op=True)
         if need_w or need_b:
             tokens = math.prod(grad_out.shape[:-1])  # explicit: out_local may be 0 (empty shard)
             g2 = grad_out.reshape(tokens, grad_out.shape[-1])  # (tokens, out_local)
@@ -68,14 +87,15 @@ class LinearAllReduceInputGrad(torch.autograd.Function):
                 grad_b = g2.sum(0)
         if work is not None:
             work.wait()
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def linear_all_reduce_input_grad(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: dist.ProcessGroup
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: dist.ProcessGroup,
+    reduce_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """``F.linear`` whose backward all-reduces the input gradient, overlapped with the weight gradient."""
-    return LinearAllReduceInputGrad.apply(x, weight, bias, group)
+    return LinearAllReduceInputGrad.apply(x, weight, bias, group, reduce_dtype)
 
 
 class LinearAllReduceOutput(torch.autograd.Function):
@@ -85,20 +105,16 @@ class LinearAllReduceOutput(torch.autograd.Function):
     backward; every rank gets the full bias gradient (``dy`` is replicated).
 
     Shapes: ``x (..., in_local)``, ``W (out, in_local)``, ``b (out,)``, ``y (..., out)``
-    replicated. Not twice differentiable.
+    replicated. ``reduce_dtype`` (optional): all-reduce in that dtype. Not twice differentiable.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group):
+    def forward(ctx, x, weight, bias, group, reduce_dtype=None):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         first = dist.get_rank(group) == 0
         y = torch.nn.functional.linear(x, weight, bias if first else None).contiguous()  # (..., out) partial
-        size = dist.get_world_size(group)
-        if size > 1:
-            record_collective("all_reduce", y.numel() * y.element_size(), size, "linear.fwd")
-            dist.all_reduce(y, group=group)
-        return y
+        return _all_reduce_as(y, group, reduce_dtype, "linear.fwd")[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -110,14 +126,15 @@ class LinearAllReduceOutput(torch.autograd.Function):
         grad_x = grad_out @ weight if need_x else None  # (..., in_local)
         grad_w = g2.t() @ x.reshape(tokens, x.shape[-1]) if need_w else None  # (out, in_local)
         grad_b = g2.sum(0) if (need_b and ctx.has_bias) else None
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def linear_all_reduce_output(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: dist.ProcessGroup
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: dist.ProcessGroup,
+    reduce_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Row-parallel ``F.linear`` + all-reduce of the output, the bias added once (see :class:`LinearAllReduceOutput`)."""
-    return LinearAllReduceOutput.apply(x, weight, bias, group)
+    return LinearAllReduceOutput.apply(x, weight, bias, group, reduce_dtype)
 
 
 class AllGatherLinear(torch.autograd.Function):

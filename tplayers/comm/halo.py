@@ -170,14 +170,29 @@ class HaloState:
 
 def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, send: Pair, periodic: bool,
              memory_format: torch.memory_format = torch.contiguous_format) -> Tuple[torch.Tensor, HaloState]:
-    """Forward of :class:`HaloExchange1d` without autograd: the padded tensor and the adjoint's state."""
-    size, n = dist.get_world_size(group), x.size(dim)
+    """Forward of :class:`HaloExchange1d` without autograd: the padded tensor and the adjoint's state.
+
+    While compiling (``torch.compile``) the exchange is the custom op ``tplayers::halo_pad``.
+    """
+    n = x.size(dim)
     lo, hi = _peers(group, periodic)
-    (r_lo, r_hi), (s_lo, s_hi) = recv, send
     cl_format = _CHANNELS_LAST.get(x.dim())
     cl = cl_format is not None and not x.is_contiguous() and x.is_contiguous(memory_format=cl_format)
     state = HaloState(dim, group, tuple(recv), tuple(send), n, (lo, hi),
                       cl_format if cl else torch.contiguous_format)  # x's own layout
+    if torch.compiler.is_compiling():
+        from tplayers.comm.ops import format_code
+
+        out = torch.ops.tplayers.halo_pad(x, dim, group.group_name, list(recv), list(send), bool(periodic),
+                                          format_code(memory_format))
+        return out, state
+    return _eager_halo_pad(x, state, periodic, memory_format), state
+
+
+def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_format: torch.memory_format):
+    dim, group, n, (lo, hi) = state.dim, state.group, state.n, state.peers
+    size = dist.get_world_size(group)
+    (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
     shape = list(x.shape)
     shape[dim] = r_lo + n + r_hi
     out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)
@@ -185,7 +200,7 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
     if size == 1 and periodic:  # wraps onto itself: local copies, no communication
         out.narrow(dim, 0, r_lo).copy_(x.narrow(dim, n - r_lo, r_lo))
         out.narrow(dim, r_lo + n, r_hi).copy_(x.narrow(dim, 0, r_hi))
-        return out, state
+        return out
     buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, lo, hi, size, "halo.fwd")
     faces = []
     if lo is None:
@@ -197,7 +212,7 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
     elif r_hi:
         faces.append((r_lo + n, r_hi))
     unpack_faces(buf, out, dim, faces)
-    return out, state
+    return out
 
 
 def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable[[], None]] = None,
@@ -208,7 +223,14 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
     waited, so a caller can overlap other work (e.g. an async all-reduce) with them.
     ``extra = (send, recv, peer, tag)`` (optional, not with a group of size 1) sends
     ``send`` to ``peer`` and fills ``recv`` from it in the same batch as the halo gradients.
+    While compiling, the plain adjoint is the custom op ``tplayers::halo_adjoint``.
     """
+    if torch.compiler.is_compiling() and during is None and extra is None:
+        from tplayers.comm.ops import format_code, peer_code
+
+        return torch.ops.tplayers.halo_adjoint(grad, state.dim, state.group.group_name, list(state.recv),
+                                               list(state.send), state.n, peer_code(state.peers[0]),
+                                               peer_code(state.peers[1]), format_code(state.grad_format))
     dim, group, n = state.dim, state.group, state.n
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
     lo, hi = state.peers

@@ -3,6 +3,11 @@
 from tplayers.layers._common import ShardedModule
 from tplayers.layers.attention import NeighborhoodAttention
 from tplayers.layers.branch import ReplicatedBranch
+from tplayers.layers.adaptive_max import (
+    DistributedAdaptiveMaxPool1d,
+    DistributedAdaptiveMaxPool2d,
+    DistributedAdaptiveMaxPool3d,
+)
 from tplayers.layers.conv import DistributedConv1d, DistributedConv2d, DistributedConv3d
 from tplayers.layers.conv_transpose import (
     DistributedConvTranspose1d,
@@ -63,6 +68,9 @@ __all__ = [
     "DistributedInstanceNorm1d",
     "DistributedInstanceNorm2d",
     "DistributedInstanceNorm3d",
+    "DistributedAdaptiveMaxPool1d",
+    "DistributedAdaptiveMaxPool2d",
+    "DistributedAdaptiveMaxPool3d",
     "ParallelDropout",
     "DomainReplicated",
     "ReplicatedBranch",

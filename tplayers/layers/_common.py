@@ -8,16 +8,19 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh
 from tplayers.sharding import ShardSpec
 
 
-class ShardedModule(nn.Module):
+class ShardedModule(MeshBound, nn.Module):
     """Base of every parallel layer: stores its mesh, rank and group, and says
     how each of its tensors is laid out (:meth:`shard_specs`).
 
     :meth:`shard_specs` is the one source of truth for ``from_module`` (which
     copies ``spec.take(full)``) and for checkpoints (which save and reshard by it).
+    ``copy.deepcopy`` keeps the mesh and process groups by reference, ``pickle``
+    stores groups as mesh-dim references (:class:`~tplayers.layers._copy.MeshBound`).
     """
 
     def _bind_mesh(self, mesh: Optional[DeviceMesh], ndim=1) -> DeviceMesh:
@@ -90,3 +93,49 @@ def init_shards_like_serial(module: "ShardedModule", inits: Dict[str, Callable[[
             init(full)
             mine.copy_(spec.take(full))
             del full
+
+
+#: dtypes ``torch.autocast`` casts (float64 and integer tensors are left alone, as autocast does)
+AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def autocast_inputs(x, *tensors):
+    """``(x, *tensors)`` cast to the autocast dtype when ``torch.autocast`` is active on
+    ``x``'s device, exactly as ``F.linear`` / ``F.conv2d`` cast their arguments under it
+    (fp32/fp16/bf16 tensors are cast, others kept; ``None`` stays ``None``); unchanged otherwise.
+
+    The casts are ordinary differentiable ops, so parameter gradients arrive in the
+    parameters' own dtype, as with ``nn.Linear`` under autocast. Layers call this before
+    their checks and collectives, so the communication carries the compute dtype.
+
+    >>> w = torch.ones(2, 2)
+    >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+    ...     x, w16 = autocast_inputs(torch.ones(1, 2), w)
+    >>> x.dtype, w16.dtype, w.dtype
+    (torch.bfloat16, torch.bfloat16, torch.float32)
+    """
+    if not isinstance(x, torch.Tensor):
+        return (x, *tensors)
+    device = x.device.type
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return (x, *tensors)
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in AUTOCAST_ELIGIBLE else t
+                 for t in (x, *tensors))
+
+
+def check_reduce_dtype(reduce_dtype, layer: str):
+    """``reduce_dtype`` (``None`` or a floating dtype) or ``TypeError``."""
+    if reduce_dtype is not None and (not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point):
+        raise TypeError(f"{layer}: reduce_dtype must be None or a floating torch.dtype, got {reduce_dtype!r}")
+    return reduce_dtype
+
+
+def autocast_dtype_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a layer computing ``F.linear(x, weight)`` accepts ``x``'s dtype: the weight's, or,
+    under ``torch.autocast`` on ``x``'s device, any dtype autocast casts (as ``nn.Linear`` does)."""
+    if x.dtype == weight.dtype:
+        return True
+    device = x.device.type
+    return (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+            and x.dtype in AUTOCAST_ELIGIBLE and weight.dtype in AUTOCAST_ELIGIBLE)

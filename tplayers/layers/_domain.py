@@ -6,7 +6,7 @@ every rank's shape is exchanged (:func:`~tplayers.comm.agree.exchange_agreed`);
 the same exchange carries the layer's configuration (kernel, stride, padding,
 mode, shard_dims, dtype, ...), so ranks built differently fail with one
 ``ValueError`` naming the field and the ranks. Every rank then validates the
-same table and plans every shard (:mod:`tplayers.layers._window`), so a bad
+same table and plans every shard (:mod:`tplayers.window_plan`), so a bad
 partition is a ``ValueError`` on every rank before any halo traffic. The twin's
 :meth:`DomainLayer._build` turns the per-dim shard sizes into its cached layout.
 """
@@ -23,6 +23,8 @@ from tplayers.comm.agree import exchange_agreed
 from tplayers.layers._common import ShardedModule
 
 __all__ = ["DomainLayer", "ntuple"]
+
+_PRIMING = False  # True while DomainLayer._prime_layout fills a cache during torch.compile tracing
 
 
 def ntuple(value, n: int, name: str, layer: str) -> Tuple[int, ...]:
@@ -90,13 +92,18 @@ class DomainLayer(ShardedModule):
             return x.dim() == 2 + self.spatial
         return 3 <= x.dim() <= 5 and max(self.shard_dims) < x.dim()
 
-    def _layout(self, x: torch.Tensor):
+    def _layout(self, x: torch.Tensor, ref: Optional[torch.Tensor] = None):
+        """The cached layout for ``x`` (exchanged and validated on its first local shape/dtype);
+        ``ref``: the tensor whose dtype/device ``x`` must match (default :meth:`_param_dtype`; a
+        twin under ``torch.autocast`` passes its weight cast to the compute dtype)."""
         name = type(self).__name__
         is_tensor = isinstance(x, torch.Tensor)
+        if is_tensor and torch.compiler.is_compiling() and not _PRIMING:  # shape arithmetic stays out of the graph
+            self._prime_layout(tuple(x.shape), x.dtype, x.device, None if ref is None else ref.dtype)
         key = (tuple(x.shape), x.dtype, x.device) if is_tensor else None  # a bad input still joins the exchange
         if key in self._layouts:
             return self._layouts[key]
-        ref = self._param_dtype()
+        ref = self._param_dtype() if ref is None else ref
         rank_ok = is_tensor and self._ndim_ok(x)
         kind_ok = is_tensor and (ref is None or (x.dtype == ref.dtype and x.device == ref.device))
         shape = list(x.shape) if rank_ok else []
@@ -136,6 +143,27 @@ class DomainLayer(ShardedModule):
         self._layouts[key] = self._build(tuple(shape), sizes, x)
         return self._layouts[key]
 
+    @torch._dynamo.assume_constant_result
+    def _prime_layout(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                      ref_dtype: Optional[torch.dtype]) -> int:
+        """Fill the layout cache for an input of ``shape``/``dtype``/``device`` (``torch.compile``).
+
+        Dynamo calls this eagerly while tracing (its result is a constant), so the layout exchange
+        and the plan arithmetic run on Python ints before the graph is built; the traced
+        ``forward`` then only reads the cache. Every rank traces the same code, so the exchange
+        stays collective. A new local shape recompiles and primes again.
+        """
+        global _PRIMING
+        if (shape, dtype, device) not in self._layouts:
+            stand_in = torch.zeros((), dtype=dtype, device=device).expand(shape)  # no allocation
+            ref = None if ref_dtype is None else torch.zeros((), dtype=ref_dtype, device=device)
+            _PRIMING = True  # the eager call below must not prime again (is_compiling() is True here)
+            try:
+                self._layout(stand_in, ref)
+            finally:
+                _PRIMING = False
+        return 0
+
     def _broadcast_parameters(self) -> None:
         """Make freshly initialised replicated parameters identical on every domain rank."""
         with torch.no_grad():
@@ -144,6 +172,13 @@ class DomainLayer(ShardedModule):
                     for p in self.parameters():
                         if p.device.type != "meta":
                             dist.broadcast(p.data, dist.get_global_rank(group, 0), group=group)
+
+    def collectives(self):
+        """Collectives per step: ``(forward list, backward list)`` (halo messages per sharded dim; the
+        parameter-gradient sum for twins with parameters)."""
+        halo = [f"halo send/recv (dim {d})" for d in self.shard_dims]
+        params = ["all_reduce (parameter grads)"] * len(self.shard_dims) if any(True for _ in self.parameters()) else []
+        return halo, halo + params
 
     def _tie(self, out: torch.Tensor, *inputs: Optional[torch.Tensor]) -> torch.Tensor:
         """``out`` tied (with zero weight) to ``inputs``, so an empty shard's backward still runs

@@ -7,8 +7,8 @@ per-pixel ``proj`` linear. With ``shard_dims`` the input is this rank's slice
 of the image along H (``(1,)``), W (``(2,)``) or both (``(1, 2)``, 2-D mesh):
 
 * queries stay local; only the K and V halos travel
-  (:func:`tplayers.comm.halo_exchange`), with per-rank asymmetric widths computed
-  from global positions (:func:`tplayers.ops.na_layout.axis_halos`);
+  (the window core's N-d halo exchange, :func:`tplayers.comm.window.gather_windows`), with
+  per-rank asymmetric widths from global positions (:func:`tplayers.ops.na_layout.axis_plans`);
 * the window rule uses global positions, so the result equals the
   single-device module on the gathered input, for any partition whose shards
   can supply their neighbours' halos (else ``ValueError`` on every rank, before
@@ -33,16 +33,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.comm import copy_many_to_parallel_region, halo_exchange
+from tplayers.comm import copy_many_to_parallel_region
+from tplayers.comm.window import gather_windows
 from tplayers.comm.agree import exchange_agreed
-from tplayers.layers._common import ShardedModule
+from tplayers.layers._common import ShardedModule, autocast_dtype_ok
 from tplayers.ops.na import check_window_fits, neighborhood_attention_2d, normalize_na_args
-from tplayers.ops.na_layout import axis_halos
+from tplayers.ops.na_layout import axis_plans
 from tplayers.sharding import ShardSpec
 
 __all__ = ["NeighborhoodAttention"]
 
-_Layout = Tuple[Tuple[int, int], Tuple[int, int], list, list]  # global size, offsets, recv, send
+_Layout = Tuple[Tuple[int, int], Tuple[int, int], dict]  # global size, offsets, {tensor dim: AxisPlan}
 
 
 class NeighborhoodAttention(ShardedModule):
@@ -136,7 +137,7 @@ class NeighborhoodAttention(ShardedModule):
     # ------------------------------------------------------------------ layout
     def _check_local(self, x: torch.Tensor) -> bool:
         return (isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[-1] == self.embed_dim
-                and x.dtype == self.qkv.weight.dtype and x.device == self.qkv.weight.device)
+                and autocast_dtype_ok(x, self.qkv.weight) and x.device == self.qkv.weight.device)
 
     def _raise_bad_input(self, x, where: str = "") -> None:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -165,7 +166,7 @@ class NeighborhoodAttention(ShardedModule):
         if not all(r[0] for r in rows):
             self._raise_bad_input(x, " on every rank (another rank passed a bad input)")
         self._check_grid(table)
-        sizes, offsets, recv, send = [0, 0], [0, 0], [(0, 0), (0, 0)], [(0, 0), (0, 0)]
+        sizes, offsets, plans = [0, 0], [0, 0], {}
         for axis in (0, 1):  # H, W: tensor dims 1, 2
             tensor_dim = axis + 1
             mesh_dim = self.shard_dims.index(tensor_dim) if tensor_dim in self.shard_dims else None
@@ -176,13 +177,13 @@ class NeighborhoodAttention(ShardedModule):
             else:
                 line = [key[tensor_dim]]  # not sharded
             what = "HW"[axis] + ("" if mesh_dim is None else f" (mesh dim {mesh_dim})")
-            plans = axis_halos(line, kernel=self.kernel_size[axis], dilation=self.dilation[axis],
-                               causal=self.is_causal[axis], what=what)
+            per = axis_plans(line, kernel=self.kernel_size[axis], dilation=self.dilation[axis],
+                             causal=self.is_causal[axis], what=what)
             index = 0 if mesh_dim is None else self.mesh.get_local_rank(mesh_dim)
             if mesh_dim is not None:
-                recv[mesh_dim], send[mesh_dim] = plans[index][1], plans[index][2]
-            sizes[axis], offsets[axis] = sum(line), plans[index][0]
-        self._layouts[key] = ((sizes[0], sizes[1]), (offsets[0], offsets[1]), recv, send)
+                plans[tensor_dim] = per[index]
+            sizes[axis], offsets[axis] = sum(line), sum(line[:index])
+        self._layouts[key] = ((sizes[0], sizes[1]), (offsets[0], offsets[1]), plans)
         return self._layouts[key]
 
     def _check_grid(self, table) -> None:
@@ -216,20 +217,19 @@ class NeighborhoodAttention(ShardedModule):
         if self.shard_dims is None:
             if not self._check_local(x):
                 self._raise_bad_input(x)
-            size, offset, recv = (x.shape[1], x.shape[2]), (0, 0), None
+            size, offset, plans = (x.shape[1], x.shape[2]), (0, 0), None
             check_window_fits(self.kernel_size, self.dilation, size, type(self).__name__)
         else:
-            size, offset, recv, send = self._layout(x)  # validated on every rank before any halo traffic
+            size, offset, plans = self._layout(x)  # validated on every rank before any halo traffic
         w_qkv, b_qkv, w_proj, b_proj, rpb = self._params()
         batch, h, w, _ = x.shape
         qkv = F.linear(x, w_qkv, b_qkv).view(batch, h, w, 3, self.num_heads, self.head_dim)
         q, kv = qkv[:, :, :, 0], qkv[:, :, :, 1:]  # (B, h, w, heads, hd), (B, h, w, 2, heads, hd)
         k_offset = offset
-        if recv is not None:  # only K and V travel; widths per rank, from global positions
-            kv = halo_exchange(kv.contiguous(), self.mesh, self.shard_dims, recv[:len(self._groups)],
-                               send[:len(self._groups)], periodic=False)
-            lo = {d: recv[i][0] for i, d in enumerate(self.shard_dims)}
-            k_offset = (offset[0] - lo.get(1, 0), offset[1] - lo.get(2, 0))
+        if plans is not None:  # only K and V travel: the window core's N-d halo exchange (plans per axis)
+            groups = {d: self._groups[self.shard_dims.index(d)] for d in plans}
+            kv = gather_windows(kv.contiguous(), plans, groups, "zeros")
+            k_offset = tuple(plans[1 + a].in_start if 1 + a in plans else offset[a] for a in (0, 1))
         k, v = kv.unbind(3)
         out = neighborhood_attention_2d(q, k, v, self.kernel_size, self.dilation, self.is_causal, scale=self.scale,
                                         global_size=size, q_offset=offset, k_offset=k_offset, rel_pos_bias=rpb)

@@ -8,7 +8,7 @@ along the sharded dims; gathering the outputs gives ``nn.ConvNd`` on the
 gathered input, and every gradient matches.
 
 Each is a thin twin over the window-op core: the axis plan
-(:func:`tplayers.layers._window.plan_windows`, output rows partitioned by the
+(:func:`tplayers.window_plan.plan_windows`, output rows partitioned by the
 DESIGN §2.4 rule: "same" convolutions keep the input's partition, others give the
 balanced one), the N-d halo exchange (:mod:`tplayers.comm.window`) for all but
 the last sharded dim, and :class:`~tplayers.layers._conv_fn.HaloConvFunction`
@@ -29,9 +29,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.window import edge_pad, gather_rows, pad_arg, pad_dim
-from tplayers.layers._conv_fn import ConvSpec, HaloConvFunction
+from tplayers.layers._common import autocast_inputs
+from tplayers.layers._conv_fn import ConvSpec, HaloConvFunction, conv_order
 from tplayers.layers._domain import DomainLayer, ntuple
-from tplayers.layers._window import PADDING_MODES, conv_out_len, conv_window, plan_windows
+from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows
 from tplayers.sharding import ShardSpec
 
 __all__ = ["DistributedConv1d", "DistributedConv2d", "DistributedConv3d", "AUTO_CHANNELS_LAST_MIN"]
@@ -128,7 +129,7 @@ class _DistributedConvNd(DomainLayer):
         Build optimizers after swapping: the new parameters are new objects.
         """
         if type(conv) is not cls._nn:
-            raise TypeError(f"{cls.__name__}.from_module expects an {cls._nn.__name__}, got {type(conv).__name__}")
+            raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(conv).__name__}")
         layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                     conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode, device="meta",
                     dtype=conv.weight.dtype, mesh=mesh, shard_dims=shard_dims, memory_format=memory_format)
@@ -181,16 +182,18 @@ class _DistributedConvNd(DomainLayer):
         prepare = functools.partial(_prepare, dim=last, plan=plans[last], mode=self.padding_mode, extra=tuple(extra))
         spec = ConvSpec(last, self._group_of(last), plans[last], self.padding_mode == "circular", self.memory_format,
                         prepare, _CONV[self.spatial], self.stride, tuple(conv_pad), self.dilation, self.groups,
-                        tuple(out_shape), tuple(self._groups))
+                        tuple(out_shape), tuple(self._groups), conv_order(tuple(shape), like))
         return {d: plans[d] for d in self.shard_dims[:-1]}, spec
 
     # ----------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        first, spec = self._layout(x)  # validated on every rank before any halo traffic
+        # under torch.autocast: compute (and exchange halos) in the autocast dtype, as nn.ConvNd does
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)
+        first, spec = self._layout(x, weight)  # validated on every rank before any halo traffic
         for d, plan in first.items():  # a 2-D mesh: the first dim's exchange, corners ride on the next
             x = gather_rows(x, d, self._group_of(d), plan, self.padding_mode, memory_format=self.memory_format)
         # (N, C_in, *local rows) -> (N, C_out, *owned output rows)
-        return HaloConvFunction.apply(x, self.weight, self.bias, spec)
+        return HaloConvFunction.apply(x, weight, bias, spec)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
@@ -221,6 +224,7 @@ class DistributedConv1d(_DistributedConvNd):
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = torch.nn.Conv1d(3, 8, 5, padding=2, padding_mode="reflect")
         conv = tplayers.DistributedConv1d.from_module(serial, mesh=mesh)
         x = torch.randn(2, 3, 40)                            # same on every rank
@@ -243,7 +247,9 @@ class DistributedConv2d(_DistributedConvNd):
     ``memory_format`` (keyword, beyond ``nn.Conv2d``'s arguments): layout of the halo-padded
     buffer, hence of the convolution and its output. ``None`` ("auto") picks
     ``torch.channels_last`` when ``in_channels // groups`` and ``out_channels // groups`` are both at
-    least ``AUTO_CHANNELS_LAST_MIN`` (16), else ``torch.contiguous_format``. A partition whose
+    least ``AUTO_CHANNELS_LAST_MIN`` (16), else ``torch.contiguous_format``. Under ``torch.autocast``
+    it computes in the autocast dtype as ``nn.Conv2d`` does, and the halo messages and gradient
+    sums carry that dtype. A partition whose
     shards cannot supply their neighbours' halos raises ``ValueError`` on every rank before any
     halo traffic.
 
@@ -251,6 +257,7 @@ class DistributedConv2d(_DistributedConvNd):
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = torch.nn.Conv2d(3, 8, 3, padding=1, padding_mode="circular")
         conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, shard_dims=(2,))
         x = torch.randn(2, 3, 32, 16)                        # same on every rank
@@ -268,6 +275,7 @@ class DistributedConv3d(_DistributedConvNd):
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = torch.nn.Conv3d(2, 4, 3, stride=2, padding=1)
         conv = tplayers.DistributedConv3d.from_module(serial, mesh=mesh, shard_dims=(3,))   # H
         x = torch.randn(1, 2, 8, 12, 10)                     # same on every rank

@@ -23,8 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_many_to_parallel_region
 from tplayers.comm.window import scatter_add_windows
+from tplayers.layers._common import autocast_inputs
 from tplayers.layers._domain import DomainLayer, ntuple
-from tplayers.layers._window import out_partition, plan_ranges, transposed_needs, transposed_out_len
+from tplayers.window_plan import out_partition, plan_ranges, transposed_needs, transposed_out_len
 from tplayers.sharding import ShardSpec
 
 __all__ = ["DistributedConvTranspose1d", "DistributedConvTranspose2d", "DistributedConvTranspose3d"]
@@ -90,7 +91,7 @@ class _DistributedConvTransposeNd(DomainLayer):
     def from_module(cls, conv: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)):
         """The domain-parallel twin of ``conv``, holding a copy of its parameters (build optimizers after)."""
         if type(conv) is not cls._nn:
-            raise TypeError(f"{cls.__name__}.from_module expects an {cls._nn.__name__}, got {type(conv).__name__}")
+            raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(conv).__name__}")
         layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                     conv.output_padding, conv.groups, conv.bias is not None, conv.dilation, conv.padding_mode,
                     device="meta", dtype=conv.weight.dtype, mesh=mesh, shard_dims=shard_dims)
@@ -136,8 +137,10 @@ class _DistributedConvTransposeNd(DomainLayer):
         return {d: plans[d] for d in self.shard_dims}, own, tuple(part_shape), empty, pads, out_pads
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        plans, own, part_shape, empty, pads, out_pads = self._layout(x)  # checked on every rank first
-        params = [p for p in (self.weight, self.bias) if p is not None]
+        # under torch.autocast: compute and communicate in the autocast dtype, as nn.ConvTransposeNd does
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)
+        plans, own, part_shape, empty, pads, out_pads = self._layout(x, weight)  # checked on every rank first
+        params = [p for p in (weight, bias) if p is not None]
         for group in self._groups:  # identity forward; backward: one all-reduce of their gradients
             params = copy_many_to_parallel_region(params, group)
         weight, bias = params[0], (params[1] if self.bias is not None else None)
@@ -164,6 +167,7 @@ def _doc(n: int, example: str, dim: int) -> str:
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = {example}
         up = tplayers.DistributedConvTranspose{n}d.from_module(serial, mesh=mesh, shard_dims=({dim},))
         x = torch.randn(1, 4, {', '.join(['6'] * n)})                # same on every rank

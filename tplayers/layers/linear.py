@@ -28,7 +28,13 @@ from tplayers.comm.fused import (
     linear_reduce_scatter_output,
 )
 from tplayers.comm.sequence import sequence_sizes
-from tplayers.layers._common import ShardedModule, check_features, init_shards_like_serial
+from tplayers.layers._common import (
+    ShardedModule,
+    autocast_inputs,
+    check_features,
+    check_reduce_dtype,
+    init_shards_like_serial,
+)
 from tplayers.sharding import ShardSpec, shard_sizes
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -167,6 +173,10 @@ class ColumnParallelLinear(_ParallelLinear):
     Forward issues nothing (or one all-gather with ``gather_output=True``);
     backward all-reduces the input gradient.
 
+    Under ``torch.autocast`` it computes (and communicates) in the autocast dtype, as
+    ``nn.Linear`` does; ``reduce_dtype=torch.float32`` all-reduces the gradient in fp32
+    instead (one rounding after the sum).
+
     Sequence parallelism (``sequence_parallel=True``): the input is this rank's
     shard of the sequence dim ``sequence_dim`` (default 1 for ``(B, S, H)``; the
     :func:`tplayers.shard_sizes` layout, uneven allowed), all-gathered before the
@@ -198,7 +208,9 @@ class ColumnParallelLinear(_ParallelLinear):
         sequence_dim: int = 1,
         device=None,
         dtype=None,
+        reduce_dtype: Optional[torch.dtype] = None,
     ) -> None:
+        self.reduce_dtype = check_reduce_dtype(reduce_dtype, type(self).__name__)
         _check_sequence_args(type(self).__name__, sequence_parallel, sequence_dim)
         self.gather_output = bool(gather_output)
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
@@ -206,19 +218,20 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
-        check_features(x, self.in_features, self.weight, "input", name)
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)  # as F.linear under torch.autocast
+        check_features(x, self.in_features, weight, "input", name)
         if self.tp_size == 1:
-            y = F.linear(x, self.weight, self.bias)  # (..., out)
+            y = F.linear(x, weight, bias)  # (..., out)
         elif self.sequence_parallel:
             # (..., s_local, ..., in) sequence shard -> all-gather -> (..., s, ..., out_local);
             # backward reduce-scatters the input gradient, overlapped with the weight gradient.
             dim = _check_sequence_dim(x, self.sequence_dim, name)
             sizes = sequence_sizes(x.size(dim), self._group, name)  # one int per rank, every call
-            y = all_gather_linear(x, self.weight, self.bias, dim, sizes, self._group)
+            y = all_gather_linear(x, weight, bias, dim, sizes, self._group)
         else:
             # (..., in) replicated -> (..., out_local); backward all-reduces the input gradient,
             # overlapped with the weight-gradient matmul (CopyToParallelRegion fused with F.linear).
-            y = linear_all_reduce_input_grad(x, self.weight, self.bias, self._group)
+            y = linear_all_reduce_input_grad(x, weight, bias, self._group, self.reduce_dtype)
         if self.gather_output:
             y = gather_along_dim(y, -1, self._group, self.partition_sizes)  # (..., out)
         return y
@@ -251,6 +264,10 @@ class RowParallelLinear(_ParallelLinear):
 
     Forward all-reduces the partial products; backward issues nothing (or one
     all-gather of the input gradient with ``input_is_parallel=False``).
+
+    Under ``torch.autocast`` it computes (and communicates) in the autocast dtype, as
+    ``nn.Linear`` does; ``reduce_dtype=torch.float32`` sums the partial products in fp32
+    (one rounding after the sum instead of one per addition).
 
     Sequence parallelism (``sequence_parallel=True``): the partial products are
     reduce-scattered along ``sequence_dim`` instead of all-reduced, so the output
@@ -290,7 +307,9 @@ class RowParallelLinear(_ParallelLinear):
         sequence_dim: int = 1,
         device=None,
         dtype=None,
+        reduce_dtype: Optional[torch.dtype] = None,
     ) -> None:
+        self.reduce_dtype = check_reduce_dtype(reduce_dtype, type(self).__name__)
         _check_sequence_args(type(self).__name__, sequence_parallel, sequence_dim)
         if sequence_parallel and not input_is_parallel:
             raise ValueError(f"{type(self).__name__}: sequence_parallel=True needs input_is_parallel=True "
@@ -301,21 +320,22 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
+        x, weight, bias = autocast_inputs(x, self.weight, self.bias)  # as F.linear under torch.autocast
         if self.input_is_parallel:
-            check_features(x, self.weight.shape[1], self.weight, "input (this rank's in_features shard)", name)
+            check_features(x, weight.shape[1], weight, "input (this rank's in_features shard)", name)
         else:
-            check_features(x, self.in_features, self.weight, "input", name)
+            check_features(x, self.in_features, weight, "input", name)
             x = split_along_dim(x, -1, self._group)  # (..., in_local); bwd all-gather
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)  # (..., out)
+            return F.linear(x, weight, bias)  # (..., out)
         if self.sequence_parallel:
             # (..., s, ..., in_local) -> partial products reduce-scattered along the sequence ->
             # (..., s_local, ..., out), bias added once (rank 0's matmul). Backward all-gathers dy.
             dim = _check_sequence_dim(x, self.sequence_dim, name)
-            return linear_reduce_scatter_output(x, self.weight, self.bias, dim, self._group)
+            return linear_reduce_scatter_output(x, weight, bias, dim, self._group)
         # (..., in_local) -> partial products, summed by one all-reduce -> (..., out) replicated;
         # the bias is added once (folded into rank 0's matmul). Backward: no communication.
-        return linear_all_reduce_output(x, self.weight, self.bias, self._group)
+        return linear_all_reduce_output(x, weight, bias, self._group, self.reduce_dtype)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.window import gather_windows
 from tplayers.layers._domain import DomainLayer, ntuple
-from tplayers.layers._window import conv_window, plan_windows, pool_out_len
+from tplayers.window_plan import conv_window, plan_windows, pool_out_len
 
 __all__ = ["DistributedMaxPool1d", "DistributedMaxPool2d", "DistributedMaxPool3d",
            "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d"]
@@ -77,9 +77,9 @@ class _PoolNd(DomainLayer):
             else:
                 out_shape.append(out_len)
         pads = tuple(0 if 2 + i in sizes else p for i, p in enumerate(self.padding))
-        return {d: plans[d] for d in self.shard_dims}, tuple(out_shape), pads, self._extra(shape, sizes, plans)
+        return {d: plans[d] for d in self.shard_dims}, tuple(out_shape), pads, self._extra(shape, sizes, plans, like)
 
-    def _extra(self, shape, sizes, plans):
+    def _extra(self, shape, sizes, plans, like):
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ class _PoolNd(DomainLayer):
     @classmethod
     def _check_type(cls, m: nn.Module) -> None:
         if type(m) is not cls._nn:
-            raise TypeError(f"{cls.__name__}.from_module expects an {cls._nn.__name__}, got {type(m).__name__}")
+            raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(m).__name__}")
 
 
 class _MaxPoolNd(_PoolNd):
@@ -145,8 +145,8 @@ class _AvgPoolNd(_PoolNd):
         return {**super()._config(), "count_include_pad": self.count_include_pad,
                 "divisor_override": self.divisor_override}
 
-    def _extra(self, shape, sizes, plans):
-        """Divisor of every owned output position (a product of per-dim counts), as Python floats."""
+    def _extra(self, shape, sizes, plans, like):
+        """Divisor of every owned output position (a product of per-dim counts), built once per layout."""
         if self.divisor_override is not None:
             return float(self.divisor_override)
         counts = []
@@ -162,7 +162,11 @@ class _AvgPoolNd(_PoolNd):
                 count = end - start if self.count_include_pad else min(end, length) - max(start, 0)
                 per.append(float(max(count, 1)))  # an all-padding window sums to 0 whatever the divisor
             counts.append(per)
-        return counts
+        div = None
+        for i, per in enumerate(counts):  # outer product of the per-dim counts: (*out_spatial)
+            t = torch.tensor(per, dtype=like.dtype, device=like.device).view([-1] + [1] * (self.spatial - 1 - i))
+            div = t if div is None else div * t
+        return div
 
     def _pool(self, x, pads, extra):
         if self.spatial == 1:  # avg_pool1d has no divisor_override: pool (N, C, 1, L)
@@ -171,14 +175,7 @@ class _AvgPoolNd(_PoolNd):
         else:
             pool = F.avg_pool2d if self.spatial == 2 else F.avg_pool3d
             sums = pool(x, self.kernel_size, self.stride, pads, self.ceil_mode, True, 1)
-        if isinstance(extra, float):
-            return sums / extra
-        div = None
-        for i, per in enumerate(extra):  # outer product of the per-dim counts: (*out_spatial)
-            t = torch.tensor(per, dtype=sums.dtype, device=sums.device)
-            t = t.view([-1] + [1] * (self.spatial - 1 - i))
-            div = t if div is None else div * t
-        return sums / div
+        return sums / extra  # divisor_override, or the cached per-position divisor
 
 
 def _doc(kind: str, n: int, dims: str, example: str) -> str:
@@ -191,6 +188,7 @@ def _doc(kind: str, n: int, dims: str, example: str) -> str:
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = {example}
         pool = tplayers.Distributed{kind}{n}d.from_module(serial, mesh=mesh)
         x = torch.randn(2, 3, {', '.join(['12'] * n)})            # same on every rank

@@ -26,12 +26,13 @@ from torch.func import functional_call
 
 from tplayers.comm import copy_many_to_parallel_region
 from tplayers.layers._common import ShardedModule
+from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh
 
 __all__ = ["DomainReplicated"]
 
 
-class DomainReplicated(nn.Module):
+class DomainReplicated(MeshBound, nn.Module):
     """Run ``module`` with its direct parameters' gradients summed over ``mesh`` (1-D or 2-D).
 
     Example (``torchrun --nproc-per-node 2``; each rank holds a slice of the image)::

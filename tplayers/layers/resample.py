@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.comm import reduce_from_parallel_region
 from tplayers.comm.window import gather_rows
 from tplayers.layers._domain import DomainLayer
-from tplayers.layers._window import out_partition, plan_ranges
+from tplayers.window_plan import out_partition, plan_ranges
 from tplayers.sharding import offsets_from_sizes
 
 __all__ = ["DistributedUpsample", "DistributedAdaptiveAvgPool1d", "DistributedAdaptiveAvgPool2d",
@@ -113,6 +113,7 @@ class DistributedUpsample(_BandResample):
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = torch.nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False)
         up = tplayers.DistributedUpsample.from_module(serial, mesh=mesh)
         x = torch.randn(1, 3, 9, 7)                           # same on every rank
@@ -203,7 +204,7 @@ class _AdaptiveAvgPoolNd(_BandResample):
     def from_module(cls, m: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)):
         """The domain-parallel twin of an ``nn.AdaptiveAvgPoolNd``."""
         if type(m) is not cls._nn:
-            raise TypeError(f"{cls.__name__}.from_module expects an {cls._nn.__name__}, got {type(m).__name__}")
+            raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(m).__name__}")
         return cls(m.output_size, mesh=mesh, shard_dims=shard_dims)
 
     def _config(self):
@@ -239,6 +240,7 @@ def _adaptive_doc(n: int) -> str:
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same model and data on every rank
         serial = torch.nn.AdaptiveAvgPool{n}d(1)
         pool = tplayers.DistributedAdaptiveAvgPool{n}d.from_module(serial, mesh=mesh)
         x = torch.randn(2, 3, {', '.join(['8'] * n)})                  # same on every rank

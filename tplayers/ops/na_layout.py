@@ -35,7 +35,7 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["window_starts", "key_span", "axis_halos", "AxisTiles", "axis_tiles", "DEFAULT_TILE"]
+__all__ = ["window_starts", "key_span", "axis_halos", "axis_plans", "AxisTiles", "axis_tiles", "DEFAULT_TILE"]
 
 #: queries of one dilation group per tile along one axis (see ``axis_tiles``)
 DEFAULT_TILE = 8
@@ -174,41 +174,40 @@ def axis_tiles(
     )
 
 
+def axis_plans(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "H"):
+    """Window-core plans (:class:`tplayers.window_plan.AxisPlan`) of one sharded axis: each
+    shard's queries stay local; its keys are the range :func:`key_span` gives (asymmetric; an edge
+    shard's shifted window reaches further than ``k // 2``), from the adjacent shards only.
+    ``ValueError`` when a neighbour is too small, or when ``kernel * dilation`` exceeds the length.
+    """
+    from tplayers.window_plan import plan_ranges
+
+    sizes = [int(s) for s in sizes]
+    length = sum(sizes)
+    if kernel * dilation > length:
+        raise ValueError(f"kernel_size * dilation must be <= the global size along {what}: got kernel_size "
+                         f"{kernel} * dilation {dilation} > {what}={length}")
+    needs, start = [], 0
+    for size in sizes:
+        needs.append(key_span(start, start + size, length=length, kernel=kernel, dilation=dilation, causal=causal)
+                     if size else None)
+        start += size
+    return plan_ranges(sizes, needs, sizes, mode="zeros", what=f"{what} (kernel {kernel}, dilation {dilation})")
+
+
 def axis_halos(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "H"):
-    """Per-shard ``(start, recv, send)`` of one sharded axis for domain-parallel attention.
+    """Per-shard ``(start, recv, send)`` of one sharded axis (from :func:`axis_plans`).
 
     ``sizes``: every shard's length in mesh order (any partition). Shard ``c``
     holds queries ``[start, start + size)``; ``recv = (lo, hi)`` are the key rows
-    it needs beyond its own (from :func:`key_span`: asymmetric, and an edge
-    shard's shifted window reaches further than ``k // 2``), ``send = (lo, hi)``
-    what it gives its low / high neighbour (their ``recv`` facing it). Halos come
-    from the adjacent shard only: ``ValueError`` when that shard is too small, or
-    when ``kernel * dilation`` exceeds the global length.
+    it needs beyond its own, ``send = (lo, hi)`` what it gives its low / high
+    neighbour (their ``recv`` facing it).
 
     >>> axis_halos([4, 6], kernel=3, dilation=1, causal=False)
     [(0, (0, 1), (0, 1)), (4, (1, 0), (1, 0))]
     >>> axis_halos([6, 2], kernel=5, dilation=1, causal=False)[1]
     (6, (3, 0), (2, 0))
     """
-    sizes = [int(s) for s in sizes]
-    length = sum(sizes)
-    if kernel * dilation > length:
-        raise ValueError(f"kernel_size * dilation must be <= the global size along {what}: got kernel_size "
-                         f"{kernel} * dilation {dilation} > {what}={length}")
-    starts, recv = [], []
-    for size in sizes:
-        start = sum(sizes[: len(starts)])
-        lo, hi = key_span(start, start + size, length=length, kernel=kernel, dilation=dilation, causal=causal)
-        starts.append(start)
-        recv.append((start - lo, hi - start - size) if size else (0, 0))
-    parts = len(sizes)
-    for c, (r_lo, r_hi) in enumerate(recv):
-        for side, width, nb in (("low", r_lo, c - 1), ("high", r_hi, c + 1)):
-            if width and (nb < 0 or nb >= parts or width > sizes[nb]):
-                raise ValueError(
-                    f"shard {c} along {what} ({sizes[c]} rows at {starts[c]}) needs a {side} key halo of {width} "
-                    f"rows, but its neighbour holds {sizes[nb] if 0 <= nb < parts else 0} (shard sizes {sizes}, "
-                    f"kernel {kernel}, dilation {dilation}); use fewer ranks or a larger input"
-                )
-    send = [(recv[c - 1][1] if c > 0 else 0, recv[c + 1][0] if c < parts - 1 else 0) for c in range(parts)]
-    return [(starts[c], recv[c], send[c]) for c in range(parts)]
+    plans = axis_plans(sizes, kernel=kernel, dilation=dilation, causal=causal, what=what)
+    starts = [sum(sizes[:c]) for c in range(len(sizes))]
+    return [(starts[c], p.recv, p.send) for c, p in enumerate(plans)]

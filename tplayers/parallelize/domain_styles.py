@@ -30,6 +30,8 @@ DOMAIN_TWINS: Dict[type, type] = {
     nn.AvgPool1d: L.DistributedAvgPool1d, nn.AvgPool2d: L.DistributedAvgPool2d, nn.AvgPool3d: L.DistributedAvgPool3d,
     nn.AdaptiveAvgPool1d: L.DistributedAdaptiveAvgPool1d, nn.AdaptiveAvgPool2d: L.DistributedAdaptiveAvgPool2d,
     nn.AdaptiveAvgPool3d: L.DistributedAdaptiveAvgPool3d,
+    nn.AdaptiveMaxPool1d: L.DistributedAdaptiveMaxPool1d, nn.AdaptiveMaxPool2d: L.DistributedAdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d: L.DistributedAdaptiveMaxPool3d,
     nn.Upsample: L.DistributedUpsample, nn.UpsamplingNearest2d: L.DistributedUpsample,
     nn.UpsamplingBilinear2d: L.DistributedUpsample,
     nn.BatchNorm1d: L.DistributedBatchNorm1d, nn.BatchNorm2d: L.DistributedBatchNorm2d,
@@ -41,7 +43,7 @@ DOMAIN_TWINS: Dict[type, type] = {
 #: modules that mix spatial positions and have no twin (yet): an error inside a domain region
 SPATIAL_MIXERS_WITHOUT_TWIN: Tuple[type, ...] = (
     nn.FractionalMaxPool2d, nn.FractionalMaxPool3d, nn.LPPool1d, nn.LPPool2d, getattr(nn, "LPPool3d", nn.LPPool2d),
-    nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d, nn.MaxUnpool1d, nn.MaxUnpool2d, nn.MaxUnpool3d,
+    nn.MaxUnpool1d, nn.MaxUnpool2d, nn.MaxUnpool3d,
     nn.LocalResponseNorm, nn.CrossMapLRN2d, nn.SyncBatchNorm, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
     nn.LazyBatchNorm3d, nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d,
     nn.LazyConv1d, nn.LazyConv2d, nn.LazyConv3d, nn.LazyConvTranspose1d, nn.LazyConvTranspose2d,
@@ -62,14 +64,14 @@ def _twin_of(module: nn.Module):
 @dataclass(frozen=True)
 class DomainParallel(ParallelStyle):
     """Domain (spatial) parallelism: every module of the matched subtree that has a twin in
-    :data:`DOMAIN_TWINS` (Conv, ConvTranspose, MaxPool, AvgPool, AdaptiveAvgPool 1-3d, Upsample) is
+    :data:`DOMAIN_TWINS` (Conv, ConvTranspose, MaxPool, AvgPool, AdaptiveAvgPool, AdaptiveMaxPool 1-3d, Upsample) is
     swapped for it, sharding ``shard_dims`` (dims of the ``(N, C, *spatial)`` input: ``(2,)`` = L / H /
     D over a 1-D mesh, ``(2, 3)`` over a 2-D mesh); a single-device
     :class:`~tplayers.NeighborhoodAttention` becomes its domain-parallel twin over the same axes (in
     its ``(B, H, W, C)`` input H is dim 1, W dim 2).
 
     A module in the subtree that mixes spatial positions and has no twin
-    (:data:`SPATIAL_MIXERS_WITHOUT_TWIN`: FractionalMaxPool, LPPool, AdaptiveMaxPool, batch / group /
+    (:data:`SPATIAL_MIXERS_WITHOUT_TWIN`: FractionalMaxPool, LPPool, MaxUnpool, batch / group /
     instance norms, LocalResponseNorm, padding layers, PixelShuffle, Fold, ...) is a ``ValueError``
     listing all of them, before anything is swapped. Then, once per plan, every other module that
     owns replicated parameters (``nn.Linear``, per-pixel norms, custom ``nn.Parameter``s) and is

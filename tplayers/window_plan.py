@@ -24,7 +24,7 @@ owners).
 
 >>> p = plan_windows([5, 5], 10, conv_window(3, 1, 1, 1), mode="zeros", what="H")
 >>> [(a.recv, a.send, a.boundary, a.out_rows) for a in p]
-[((0, 1), (0, 1), (1, 0), 5), ((1, 0), (1, 0), (0, 1), 5)]
+[((1, 1), (0, 1), (0, 0), 5), ((1, 1), (1, 0), (0, 0), 5)]
 """
 
 from __future__ import annotations
@@ -168,6 +168,10 @@ def plan_ranges(sizes: Sequence[int], needs: Sequence[Optional[Range]], outs: Se
                                  f"{(bl, bh)} boundary rows with {mode!r} locally (needs {need})")
         send_lo = raw[(c - 1) % parts][1] if has_lo else 0
         send_hi = raw[(c + 1) % parts][0] if has_hi else 0
-        plans.append(AxisPlan((r_lo, r_hi), (send_lo, send_hi), (bl, bh), (t_lo, t_hi), in_start,
+        # Zeros beyond the global edge of an edge shard: the exchange zero-fills them in its buffer
+        # (no separate padding copy; the buffer keeps its memory format).
+        zl = bl if mode == "zeros" and not has_lo else 0
+        zh = bh if mode == "zeros" and not has_hi else 0
+        plans.append(AxisPlan((r_lo + zl, r_hi + zh), (send_lo, send_hi), (bl - zl, bh - zh), (t_lo, t_hi), in_start,
                               out_starts[c], int(outs[c])))
     return plans

@@ -1,0 +1,116 @@
+"""The collectives as registered custom ops, for ``torch.compile(fullgraph=True)``.
+
+``torch.compile`` cannot trace ``torch.distributed`` calls (they break the
+graph). Each op here is an opaque node of the graph whose implementation is the
+eager collective (so comm accounting still counts it at run time) and whose
+fake implementation only states the output's shape. A process group travels
+as its name (``group.group_name``), which dynamo reads from the group object.
+
+The raw collectives of :mod:`tplayers.comm.collectives` switch to these ops
+while compiling (``torch.compiler.is_compiling()``), so every autograd Function
+built on them (forward and backward) traces into one graph; eager execution
+keeps calling ``torch.distributed`` directly (no dispatcher overhead).
+
+Example::
+
+    import torch, tplayers
+    mesh = tplayers.init_mesh()
+    mlp = torch.nn.Sequential(tplayers.ColumnParallelLinear(8, 16, mesh=mesh),
+                              torch.nn.GELU(), tplayers.RowParallelLinear(16, 8, mesh=mesh))
+    compiled = torch.compile(mlp, fullgraph=True)    # one graph, collectives inside
+    y = compiled(torch.randn(4, 8))
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+__all__ = ["all_reduce_op", "all_gather_op", "halo_pad_op", "halo_adjoint_op", "format_code", "peer_code",
+           "halo_state"]
+
+_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+def _group(name: str):
+    return _resolve_process_group(name)
+
+
+def format_code(memory_format: torch.memory_format) -> int:
+    """A memory format as an int (custom-op schemas have no memory_format type)."""
+    return _FORMATS.index(memory_format)
+
+
+def peer_code(peer) -> int:
+    """A neighbour's global rank, -1 for none."""
+    return -1 if peer is None else int(peer)
+
+
+def halo_state(dim: int, group_name: str, recv, send, n: int, lo: int, hi: int, grad_format: int):
+    """The :class:`~tplayers.comm.halo.HaloState` an op's integer arguments describe."""
+    from tplayers.comm.halo import HaloState
+
+    peers = (None if lo < 0 else lo, None if hi < 0 else hi)
+    return HaloState(dim, _group(group_name), tuple(recv), tuple(send), n, peers, _FORMATS[grad_format])
+
+
+@torch.library.custom_op("tplayers::all_reduce", mutates_args=())
+def all_reduce_op(x: torch.Tensor, group_name: str, tag: str) -> torch.Tensor:
+    """Sum of ``x`` over the group, in a new contiguous tensor."""
+    from tplayers.comm.collectives import _eager_all_reduce_sum
+
+    return _eager_all_reduce_sum(x.clone(memory_format=torch.contiguous_format), _group(group_name), tag)
+
+
+@all_reduce_op.register_fake
+def _(x, group_name, tag):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("tplayers::all_gather", mutates_args=())
+def all_gather_op(x: torch.Tensor, dim: int, sizes: List[int], group_name: str, tag: str) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` (rank ``r`` holds ``sizes[r]`` rows)."""
+    from tplayers.comm.collectives import _eager_all_gather_along_dim
+
+    return _eager_all_gather_along_dim(x, dim, sizes, _group(group_name), tag).contiguous()
+
+
+@all_gather_op.register_fake
+def _(x, dim, sizes, group_name, tag):
+    shape = list(x.shape)
+    shape[dim] = sum(sizes)
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("tplayers::halo_pad", mutates_args=())
+def halo_pad_op(x: torch.Tensor, dim: int, group_name: str, recv: List[int], send: List[int], periodic: bool,
+                memory_format: int) -> torch.Tensor:
+    """``x`` padded with its neighbours' rows along ``dim`` (see :func:`tplayers.comm.halo.halo_pad`)."""
+    from tplayers.comm.halo import halo_pad
+
+    return halo_pad(x, dim, _group(group_name), tuple(recv), tuple(send), periodic, _FORMATS[memory_format])[0]
+
+
+@halo_pad_op.register_fake
+def _(x, dim, group_name, recv, send, periodic, memory_format):
+    shape = list(x.shape)
+    shape[dim] += recv[0] + recv[1]
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_FORMATS[memory_format])
+
+
+@torch.library.custom_op("tplayers::halo_adjoint", mutates_args=())
+def halo_adjoint_op(grad: torch.Tensor, dim: int, group_name: str, recv: List[int], send: List[int], n: int,
+                    lo: int, hi: int, grad_format: int) -> torch.Tensor:
+    """The adjoint of :func:`halo_pad_op`: halo gradients sent back and added into their owners' rows."""
+    from tplayers.comm.halo import halo_adjoint
+
+    return halo_adjoint(grad, halo_state(dim, group_name, recv, send, n, lo, hi, grad_format))
+
+
+@halo_adjoint_op.register_fake
+def _(grad, dim, group_name, recv, send, n, lo, hi, grad_format):
+    shape = list(grad.shape)
+    shape[dim] = n
+    return torch.empty(shape, dtype=grad.dtype, device=grad.device, memory_format=_FORMATS[grad_format])
