@@ -14,6 +14,10 @@ echo "=== Llama: grouped-query attention (8 query heads, 2 kv heads), fused gate
 $RUN examples/llama_tp.py --steps 10
 echo "=== domain parallelism: a CNN on a periodic field split across ranks (halo exchange)"
 $RUN examples/domain_cnn.py
+echo "=== U-Net (GroupNorm, time embedding) on a field split across ranks, trained with domain_mean"
+$RUN examples/unet.py --steps 5
+echo "=== the same U-Net in 3-D, sharded along D"
+$RUN examples/unet.py --dims 3 --steps 3
 echo "=== neighborhood attention: a small NA transformer on an image split across ranks"
 $RUN examples/na_transformer.py
 echo "=== checkpoints: train at 2 ranks, save, reload at 3 ranks and at 1, consolidated export"

@@ -27,7 +27,10 @@ def assert_params_match(parallel: torch.nn.Module, serial: torch.nn.Module, *, g
     for mod_name, mod in parallel.named_modules():
         if not isinstance(mod, ShardedModule):
             continue
+        own = dict(mod.named_parameters())
         for pname in mod.shard_specs():
+            if pname not in own:  # a buffer (running stats): compared by the callers
+                continue
             full_name = f"{mod_name}.{pname}" if mod_name else pname
             local = mod.get_parameter(pname)
             local = local.grad if grads else local.detach()

@@ -38,6 +38,13 @@ def test_domain_cnn_example():
     assert "parity vs serial" in out and "step" in out
 
 
+def test_unet_example_2d_and_3d():
+    out = _torchrun("unet.py", "--steps", "2")
+    assert "parity vs serial" in out and "step   1" in out
+    out = _torchrun("unet.py", "--dims", "3", "--steps", "1")
+    assert "3-D U-Net" in out and "parity vs serial" in out
+
+
 def test_checkpoint_reshard_example(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     out = _torchrun("checkpoint_reshard.py", "train", ckpt)

@@ -23,6 +23,7 @@ and ``gather`` move between global and local tensors, and
 
 from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
 from tplayers.comm import CommLog, count_collectives
+from tplayers.comm.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated
 from tplayers.domain import gather, scatter, shard
 from tplayers.layers import (
     ColumnParallelEmbedding,
@@ -46,7 +47,15 @@ from tplayers.layers import (
     DistributedAdaptiveMaxPool2d,
     DistributedAdaptiveMaxPool3d,
     DistributedUpsample,
+    DistributedBatchNorm1d,
+    DistributedBatchNorm2d,
+    DistributedBatchNorm3d,
+    DistributedGroupNorm,
+    DistributedInstanceNorm1d,
+    DistributedInstanceNorm2d,
+    DistributedInstanceNorm3d,
     DomainReplicated,
+    ReplicatedBranch,
     NeighborhoodAttention,
     ParallelDropout,
     RowParallelLinear,
@@ -55,6 +64,7 @@ from tplayers.layers import (
 from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import default_mesh, init_mesh
 from tplayers.ops.na import na2d
+from tplayers.reductions import domain_mean, domain_sum
 from tplayers.parallelize import (
     ColumnParallel,
     DomainParallel,
@@ -78,6 +88,12 @@ __all__ = [
     "shard",
     "scatter",
     "gather",
+    "domain_sum",
+    "domain_mean",
+    "ShardedToReplicated",
+    "ReplicatedToSharded",
+    "sharded_to_replicated",
+    "replicated_to_sharded",
     "count_collectives",
     "CommLog",
     "ColumnParallelLinear",
@@ -101,10 +117,18 @@ __all__ = [
     "DistributedAdaptiveAvgPool2d",
     "DistributedAdaptiveAvgPool3d",
     "DistributedUpsample",
+    "DistributedBatchNorm1d",
+    "DistributedBatchNorm2d",
+    "DistributedBatchNorm3d",
+    "DistributedGroupNorm",
+    "DistributedInstanceNorm1d",
+    "DistributedInstanceNorm2d",
+    "DistributedInstanceNorm3d",
     "DistributedAdaptiveMaxPool1d",
     "DistributedAdaptiveMaxPool2d",
     "DistributedAdaptiveMaxPool3d",
     "DomainReplicated",
+    "ReplicatedBranch",
     "ParallelStyle",
     "ColumnParallel",
     "RowParallel",

@@ -115,9 +115,9 @@ def _raises_on_spatial_mixers_without_twin(rank, world):
     assert [type(m).__name__ for m in swapped] == ["DistributedConv2d", "DistributedMaxPool2d",
                                                    "DistributedUpsample", "DistributedConv2d"]
     model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.FractionalMaxPool2d(2, output_ratio=0.5),
-                          nn.Sequential(nn.LPPool2d(2, 2), nn.GroupNorm(1, 2)), nn.Conv2d(2, 2, 1))
+                          nn.Sequential(nn.LPPool2d(2, 2), nn.LocalResponseNorm(2)), nn.Conv2d(2, 2, 1))
     before = [type(m) for m in model.modules()]
-    with pytest.raises(ValueError, match=r"1 \(FractionalMaxPool2d\), 2\.0 \(LPPool2d\), 2\.1 \(GroupNorm\)"):
+    with pytest.raises(ValueError, match=r"1 \(FractionalMaxPool2d\), 2\.0 \(LPPool2d\), 2\.1 \(LocalResponseNorm\)"):
         tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2,))})
     assert [type(m) for m in model.modules()] == before  # nothing swapped
     return True

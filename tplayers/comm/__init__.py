@@ -4,6 +4,7 @@ Halo exchange for domain parallelism lives here too (``tplayers.comm.halo``).
 """
 
 from tplayers.comm.accounting import CollectiveRecord, CommLog, count_collectives, record_collective
+from tplayers.comm.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated
 from tplayers.comm.halo import HaloExchange1d, halo_exchange, halo_exchange_along
 from tplayers.comm.sequence import (
     GatherFromSequenceRegion,
@@ -30,6 +31,10 @@ from tplayers.comm.collectives import (
 )
 
 __all__ = [
+    "ShardedToReplicated",
+    "ReplicatedToSharded",
+    "sharded_to_replicated",
+    "replicated_to_sharded",
     "CollectiveRecord",
     "CommLog",
     "count_collectives",

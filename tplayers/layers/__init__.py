@@ -2,6 +2,7 @@
 
 from tplayers.layers._common import ShardedModule
 from tplayers.layers.attention import NeighborhoodAttention
+from tplayers.layers.branch import ReplicatedBranch
 from tplayers.layers.adaptive_max import (
     DistributedAdaptiveMaxPool1d,
     DistributedAdaptiveMaxPool2d,
@@ -26,6 +27,15 @@ from tplayers.layers.resample import (
     DistributedAdaptiveAvgPool2d,
     DistributedAdaptiveAvgPool3d,
     DistributedUpsample,
+)
+from tplayers.layers.norm import (
+    DistributedBatchNorm1d,
+    DistributedBatchNorm2d,
+    DistributedBatchNorm3d,
+    DistributedGroupNorm,
+    DistributedInstanceNorm1d,
+    DistributedInstanceNorm2d,
+    DistributedInstanceNorm3d,
 )
 from tplayers.layers.dropout import ParallelDropout
 from tplayers.layers.replicated import DomainReplicated
@@ -54,10 +64,18 @@ __all__ = [
     "DistributedAdaptiveAvgPool2d",
     "DistributedAdaptiveAvgPool3d",
     "DistributedUpsample",
+    "DistributedBatchNorm1d",
+    "DistributedBatchNorm2d",
+    "DistributedBatchNorm3d",
+    "DistributedGroupNorm",
+    "DistributedInstanceNorm1d",
+    "DistributedInstanceNorm2d",
+    "DistributedInstanceNorm3d",
     "DistributedAdaptiveMaxPool1d",
     "DistributedAdaptiveMaxPool2d",
     "DistributedAdaptiveMaxPool3d",
     "ParallelDropout",
     "DomainReplicated",
+    "ReplicatedBranch",
     "NeighborhoodAttention",
 ]

@@ -10,8 +10,10 @@ The communication is visible in ``forward``; no hooks, no patching.
 
 The wrapper registers the module's own parameters, buffers and children under
 their original names, so ``state_dict`` keys are exactly the serial model's.
-Only per-pixel computation is exact under domain parallelism: a norm over the
-spatial dims (BatchNorm, GroupNorm) computes shard-local statistics.
+Wrap only modules applied to *sharded* data (per-pixel computation): a module applied to
+replicated data (a head after a global pool) already gets the full gradient, and summing it
+would multiply it by the domain size (see :mod:`tplayers.parallelize.regions`). Norms over the
+spatial dims need their twins (``DistributedGroupNorm``...), not this wrapper.
 """
 
 from __future__ import annotations

@@ -8,16 +8,15 @@ they raise ``ValueError`` (all of them listed), never run silently local.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, List, Tuple
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers.layers as L
-from tplayers.layers._common import ShardedModule
 from tplayers.layers.attention import NeighborhoodAttention
-from tplayers.layers.replicated import DomainReplicated
+from tplayers.parallelize.regions import replicated_consumers, wrap_region
 from tplayers.parallelize.styles import ParallelStyle
 
 __all__ = ["DomainParallel", "DOMAIN_TWINS", "SPATIAL_MIXERS_WITHOUT_TWIN"]
@@ -35,14 +34,17 @@ DOMAIN_TWINS: Dict[type, type] = {
     nn.AdaptiveMaxPool3d: L.DistributedAdaptiveMaxPool3d,
     nn.Upsample: L.DistributedUpsample, nn.UpsamplingNearest2d: L.DistributedUpsample,
     nn.UpsamplingBilinear2d: L.DistributedUpsample,
+    nn.BatchNorm1d: L.DistributedBatchNorm1d, nn.BatchNorm2d: L.DistributedBatchNorm2d,
+    nn.BatchNorm3d: L.DistributedBatchNorm3d, nn.GroupNorm: L.DistributedGroupNorm,
+    nn.InstanceNorm1d: L.DistributedInstanceNorm1d, nn.InstanceNorm2d: L.DistributedInstanceNorm2d,
+    nn.InstanceNorm3d: L.DistributedInstanceNorm3d,
 }
 
 #: modules that mix spatial positions and have no twin (yet): an error inside a domain region
 SPATIAL_MIXERS_WITHOUT_TWIN: Tuple[type, ...] = (
     nn.FractionalMaxPool2d, nn.FractionalMaxPool3d, nn.LPPool1d, nn.LPPool2d, getattr(nn, "LPPool3d", nn.LPPool2d),
     nn.MaxUnpool1d, nn.MaxUnpool2d, nn.MaxUnpool3d,
-    nn.LocalResponseNorm, nn.CrossMapLRN2d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
-    nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+    nn.LocalResponseNorm, nn.CrossMapLRN2d, nn.SyncBatchNorm, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
     nn.LazyBatchNorm3d, nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d,
     nn.LazyConv1d, nn.LazyConv2d, nn.LazyConv3d, nn.LazyConvTranspose1d, nn.LazyConvTranspose2d,
     nn.LazyConvTranspose3d, nn.Fold, nn.Unfold, nn.PixelShuffle, nn.PixelUnshuffle,
@@ -72,8 +74,13 @@ class DomainParallel(ParallelStyle):
     (:data:`SPATIAL_MIXERS_WITHOUT_TWIN`: FractionalMaxPool, LPPool, MaxUnpool, batch / group /
     instance norms, LocalResponseNorm, padding layers, PixelShuffle, Fold, ...) is a ``ValueError``
     listing all of them, before anything is swapped. Then, once per plan, every other module that
-    owns replicated parameters (``nn.Linear``, per-pixel norms, custom ``nn.Parameter``s) is wrapped in
-    :class:`~tplayers.DomainReplicated` so its gradients are summed over the domain. Functional calls
+    owns replicated parameters (``nn.Linear``, per-pixel norms, custom ``nn.Parameter``s) and is
+    applied to sharded data is wrapped in :class:`~tplayers.DomainReplicated` so its gradients are
+    summed over the domain. Modules that see replicated data (after a global pool inside an
+    ``nn.Sequential``) are left untouched, so their gradients are not doubled; a global pool inside a
+    custom ``forward`` next to modules with parameters is a ``ValueError`` saying where to end the
+    region (see :mod:`tplayers.parallelize.regions`). Matched on a container, the region is exactly
+    that subtree: modules outside it (a head) stay serial. Functional calls
     inside a ``forward`` (``F.max_pool2d``, ``F.interpolate``) cannot be seen: use the twins there.
 
     Example (``torchrun --nproc-per-node 2``)::
@@ -84,19 +91,31 @@ class DomainParallel(ParallelStyle):
 
     shard_dims: Tuple[int, ...] = (2,)
     accepts = (nn.Module,)
+    # region roots built by this plan (container matches), consumed by finalize
+    _regions: List[nn.Module] = field(default_factory=list, compare=False, repr=False)
 
     def build(self, name, module, mesh):
+        skip = replicated_consumers(module, self.shard_dims, name)  # region convention (regions.py)
         mixers = [f"{name + '.' if name else ''}{n} ({type(m).__name__})"
-                  for n, m in module.named_modules()
-                  if isinstance(m, SPATIAL_MIXERS_WITHOUT_TWIN) and _twin_of(m) is None]
+                  for n, m in module.named_modules(remove_duplicate=False)
+                  if isinstance(m, SPATIAL_MIXERS_WITHOUT_TWIN) and _twin_of(m) is None
+                  and not _inside(module, n, skip)]
         if mixers:
             raise ValueError(
                 "DomainParallel: these modules mix spatial positions and have no domain-parallel twin, so "
                 "they would run on each shard alone and differ from the serial model: " + ", ".join(mixers)
                 + ". Replace them (or keep them outside the DomainParallel region)")
-        return self._swap(module, mesh)
+        new = self._swap(module, mesh, skip)
+        if new is module:  # a container: the region is exactly this subtree
+            new = wrap_region(module, mesh, skip)
+            self._regions.append(new)
+        return new
 
-    def _swap(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    def _swap(self, module: nn.Module, mesh: DeviceMesh, skip=frozenset()) -> nn.Module:
+        if isinstance(module, L.ReplicatedBranch):  # a declared replicated branch: bound, contents untouched
+            return module if module.mesh is not None else L.ReplicatedBranch(module.module, mesh)
+        if id(module) in skip:
+            return module  # sees replicated data: left as it is
         twin = _twin_of(module)
         if twin is not None:
             return twin.from_module(module, mesh=mesh, shard_dims=self.shard_dims)
@@ -104,25 +123,26 @@ class DomainParallel(ParallelStyle):
             # same spatial axes, in its (B, H, W, C) layout: NCHW dim 2 (H) -> 1, dim 3 (W) -> 2
             return NeighborhoodAttention.from_module(module, mesh=mesh, shard_dims=tuple(d - 1 for d in self.shard_dims))
         for child_name, child in list(module.named_children()):
-            new = self._swap(child, mesh)
+            new = self._swap(child, mesh, skip)
             if new is not child:
                 setattr(module, child_name, new)
         return module
 
     def finalize(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-        return _wrap_replicated(model, mesh)
+        regions, self._regions[:] = list(self._regions), []
+        if any(any(m is r for m in model.modules()) for r in regions):
+            return model  # container regions were wrapped in build; modules outside them stay serial
+        # only leaf layers matched (e.g. a type key {nn.Conv2d: ...}): the whole model is the region
+        return wrap_region(model, mesh, replicated_consumers(model, self.shard_dims))
 
 
-def _wrap_replicated(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Wrap (bottom-up) every module owning direct parameters that no layer shards or sums."""
-    if isinstance(module, (ShardedModule, DomainReplicated)):
-        return module
-    for child_name, child in list(module.named_children()):
-        new = _wrap_replicated(child, mesh)
-        if new is not child:
-            setattr(module, child_name, new)
-    if next(module.parameters(recurse=False), None) is not None:
-        return DomainReplicated(module, mesh)
-    return module
+def _inside(root: nn.Module, name: str, skip) -> bool:
+    """Whether submodule ``name`` of ``root`` lies in a subtree listed in ``skip``."""
+    m, parts = root, name.split(".") if name else []
+    for part in parts:
+        if id(m) in skip:
+            return True
+        m = getattr(m, part)
+    return id(m) in skip
 
 

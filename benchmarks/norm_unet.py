@@ -1,0 +1,112 @@
+"""GroupNorm and a U-Net training step on 2 ranks vs one process; collectives per step vs the minimum.
+
+    torchrun --nproc-per-node 2 benchmarks/norm_unet.py [--repeats 5]
+
+1. DistributedGroupNorm forward+backward on an H-sharded (N, C, H, W) input vs nn.GroupNorm on
+   the whole input in one process (one thread per process in both cases);
+2. one U-Net training step (examples/unet.py: forward, domain_mean loss, backward, Adam) on 2
+   ranks vs the serial model in one process;
+3. collectives per step by kind (count_collectives), against the minimum for the norms (one
+   forward and one backward collective per norm: the statistics need every rank's moments, the
+   input gradient every rank's statistic sums).
+
+Timings alternate (2-rank, then 1-process on rank 0 while rank 1 waits) and are medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import tplayers
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from unet import UNet  # noqa: E402
+
+
+def _time(fn, reps: int = 3) -> float:
+    fn()  # warm-up (layouts cached)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    mesh = tplayers.init_mesh(device_type="cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+
+    # 1) GroupNorm
+    x = torch.randn(4, 64, 256, 256)
+    gn = nn.GroupNorm(8, 64)
+    dgn = tplayers.DistributedGroupNorm.from_module(gn, mesh=mesh)
+    xl = tplayers.shard(x, 2, mesh).requires_grad_(True)
+    xs = x.clone().requires_grad_(True)
+
+    def par_gn():
+        dgn(xl).sum().backward()
+        dist.barrier()
+
+    def ser_gn():
+        gn(xs).sum().backward()
+
+    # 2) U-Net step
+    serial = UNet(width=16)
+    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
+    opt_p, opt_s = torch.optim.Adam(model.parameters()), torch.optim.Adam(serial.parameters())
+    u, tgt, t = torch.randn(4, 1, 128, 128), torch.randn(4, 1, 128, 128), torch.rand(4)
+    ul, tl = tplayers.shard(u, 2, mesh), tplayers.shard(tgt, 2, mesh)
+
+    def par_unet():
+        loss = tplayers.domain_mean(F.mse_loss(model(ul, t), tl, reduction="none"), mesh)
+        opt_p.zero_grad(), loss.backward(), opt_p.step()
+        dist.barrier()
+
+    def ser_unet():
+        loss = F.mse_loss(serial(u, t), tgt)
+        opt_s.zero_grad(), loss.backward(), opt_s.step()
+
+    results = {}
+    for name, par, ser in (("GroupNorm fwd+bwd (4, 64, 256, 256)", par_gn, ser_gn),
+                           ("U-Net train step (4, 1, 128, 128), width 16", par_unet, ser_unet)):
+        pt, st = [], []
+        for _ in range(args.repeats):
+            pt.append(_time(par))
+            dist.barrier()
+            if rank == 0:
+                st.append(_time(ser))
+            dist.barrier()
+        results[name] = (statistics.median(pt), statistics.median(st) if st else float("nan"))
+
+    with tplayers.count_collectives() as log:
+        loss = tplayers.domain_mean(F.mse_loss(model(ul, t), tl, reduction="none"), mesh)
+        loss.backward()
+    norms = sum(isinstance(m, tplayers.DistributedGroupNorm) for m in model.modules())
+    norm_fwd = sum(1 for r in log.records if r.tag == "norm_stats.fwd")
+    norm_bwd = sum(1 for r in log.records if r.tag == "norm_stats.bwd")
+    if rank == 0:
+        print(f"{world} ranks (gloo, CPU, 1 thread each) vs 1 process")
+        for name, (p, s) in results.items():
+            print(f"{name}: 2-rank {p * 1e3:.1f} ms, 1-process {s * 1e3:.1f} ms, speed-up {s / p:.2f}x")
+        print(f"U-Net step collectives by kind: {log.summary()}")
+        print(f"norm collectives: forward {norm_fwd}, backward {norm_bwd} for {norms} GroupNorms "
+              f"(minimum {norms} + {norms})")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

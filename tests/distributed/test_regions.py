@@ -1,0 +1,202 @@
+"""The region convention: every .grad equals the serial model's (fp64, uneven partitions, an
+optimizer step and a second input) for a head after a global pool (region = trunk and region =
+whole Sequential), replicated conditioning branches (time-embedding MLP, FiLM, squeeze-excitation)
+meeting sharded features, losses on replicated and on sharded outputs, a Conv1d net with
+BatchNorm1d (running stats, eval) and a 3-D CNN with GroupNorm; a ValueError where the flow is
+invisible."""
+
+import copy
+import os
+import sys
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import tplayers
+from harness import run_ranks
+from oracle import assert_params_match
+from tplayers.sharding import offsets_from_sizes
+
+TIGHT = dict(rtol=1e-9, atol=1e-10)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
+
+
+def classifier():
+    return nn.Sequential(OrderedDict(
+        features=nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
+                               nn.AdaptiveAvgPool2d(1)),
+        head=nn.Sequential(nn.Flatten(), nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))))
+
+
+class Conditioned(nn.Module):
+    """conv -> GroupNorm -> + time-embedding MLP -> FiLM(cond) -> squeeze-excitation gate -> conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Conv2d(2, 6, 3, padding=1)
+        self.norm = nn.GroupNorm(3, 6)
+        self.temb = nn.Sequential(nn.Linear(1, 8), nn.SiLU(), nn.Linear(8, 6))
+        self.film = nn.Linear(4, 12)
+        self.se_pool = nn.AdaptiveAvgPool2d(1)
+        self.se = tplayers.ReplicatedBranch(nn.Sequential(nn.Flatten(), nn.Linear(6, 3), nn.ReLU(),
+                                                          nn.Linear(3, 6), nn.Sigmoid()))
+        self.out = nn.Conv2d(6, 2, 3, padding=1)
+
+    def forward(self, x, t, cond):
+        h = self.norm(self.inp(x)) + self.temb(t)[..., None, None]
+        scale, shift = self.film(cond).chunk(2, dim=1)
+        h = torch.tanh(h * (1 + scale[..., None, None]) + shift[..., None, None])
+        h = h * self.se(self.se_pool(h))[..., None, None]
+        return self.out(h)
+
+
+class CustomClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU())
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.pool(self.trunk(x)).flatten(1))
+
+
+def conv1d_bn():
+    return nn.Sequential(nn.Conv1d(3, 6, 5, padding=2), nn.BatchNorm1d(6, momentum=None), nn.ReLU(),
+                         nn.Conv1d(6, 4, 3, padding=1), nn.BatchNorm1d(4), nn.Tanh(), nn.Conv1d(4, 2, 1))
+
+
+def cnn3d():
+    return nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
+                         nn.Conv3d(4, 4, 3, padding=1), nn.GroupNorm(4, 4), nn.ReLU(), nn.Conv3d(4, 2, 1))
+
+
+def _local(x, dims, layouts, coords):
+    for i, d in enumerate(dims):
+        x = x.narrow(d, offsets_from_sizes(layouts[i])[coords[i]], layouts[i][coords[i]])
+    return x
+
+
+def _parity(rank, world, kind, mesh_shape, layouts):
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
+    coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+    dims = tuple(range(2, 2 + mesh.ndim))
+    torch.manual_seed(5)
+    make, key, spatial, cin, replicated_out = {
+        "trunk": (classifier, "features", 2, 2, True),
+        "whole": (classifier, "", 2, 2, True),
+        "custom_trunk": (CustomClassifier, "trunk", 2, 2, None),
+        "conditioned": (Conditioned, "", 2, 2, False),
+        "conv1d_bn": (conv1d_bn, "", 1, 3, False),
+        "cnn3d": (cnn3d, "", 3, 2, False),
+        "unet": (lambda: __import__("unet").UNet(cin=2, width=4), "", 2, 2, False),
+        "unet3d": (lambda: __import__("unet").UNet(cin=2, width=4, nd=3), "", 3, 2, False),
+    }[kind]
+    serial = make().double()
+    parallel = tplayers.parallelize_module(copy.deepcopy(serial), {key: tplayers.DomainParallel(shard_dims=dims)},
+                                           mesh=mesh)
+    assert list(parallel.state_dict()) == list(serial.state_dict())
+    if kind == "trunk":
+        assert type(parallel.head[1]) is nn.Linear and type(parallel.head[2]) is nn.BatchNorm1d  # left serial
+    if kind == "whole":
+        assert type(parallel.head[1]) is nn.Linear  # sees replicated data: not wrapped, not swapped
+    if kind == "custom_trunk":
+        replicated_out = True
+        parallel.pool = tplayers.DistributedAdaptiveAvgPool2d(1, mesh=mesh, shard_dims=dims)
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.05, momentum=0.9)
+    opt_p = torch.optim.SGD(parallel.parameters(), lr=0.05, momentum=0.9)
+    for step, mode in enumerate(["train", "train", "eval"]):
+        serial.train(mode == "train"), parallel.train(mode == "train")
+        other = 8 if kind.startswith("unet") else 5
+        shape = [3, cin] + [sum(layouts[i]) if i < len(dims) else other for i in range(spatial)]
+        x = torch.randn(shape, dtype=torch.float64)
+        extra = ()
+        if kind == "conditioned":
+            extra = (torch.rand(3, 1, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64))
+        if kind.startswith("unet"):
+            extra = (torch.rand(3, dtype=torch.float64),)
+        xs = x.clone().requires_grad_(True)
+        xl = _local(x, dims, layouts, coords).clone().requires_grad_(True)
+        ys, yl = serial(xs, *extra), parallel(xl, *extra)
+        if replicated_out:  # a loss on replicated outputs, computed the same on every rank
+            labels = torch.randint(0, 3, (3,))
+            torch.testing.assert_close(yl, ys, **TIGHT)
+            loss_s, loss_p = F.cross_entropy(ys, labels), F.cross_entropy(yl, labels)
+        else:  # a per-pixel loss on sharded outputs
+            target = torch.randn_like(ys)
+            torch.testing.assert_close(yl, _local(ys, dims, layouts, coords), **TIGHT)
+            loss_s = F.mse_loss(ys, target)
+            loss_p = tplayers.domain_mean(F.mse_loss(yl, _local(target, dims, layouts, coords), reduction="none"),
+                                          mesh)
+        torch.testing.assert_close(loss_p, loss_s, **TIGHT)
+        loss_s.backward(), loss_p.backward()
+        torch.testing.assert_close(xl.grad, _local(xs.grad, dims, layouts, coords), **TIGHT)
+        assert_params_match(parallel, serial, grads=True, **TIGHT)
+        opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
+        assert_params_match(parallel, serial, grads=False, **TIGHT)
+        for (n, b), r in zip(parallel.named_buffers(), serial.buffers()):
+            torch.testing.assert_close(b, r, msg=lambda m: f"{kind} {n}: {m}", **TIGHT)
+    return True
+
+
+def test_classifier_region_is_the_trunk():
+    run_ranks(_parity, 2, args=("trunk", (2,), [[3, 6]]), timeout=90)
+    run_ranks(_parity, 3, args=("custom_trunk", (3,), [[4, 1, 5]]), timeout=90)
+
+
+def test_classifier_region_is_the_whole_sequential_model():
+    run_ranks(_parity, 2, args=("whole", (2,), [[7, 2]]), timeout=90)
+    run_ranks(_parity, 4, args=("whole", (2, 2), [[3, 4], [5, 2]]), timeout=90)
+
+
+def test_conditioning_branches_time_embedding_film_squeeze_excitation():
+    run_ranks(_parity, 2, args=("conditioned", (2,), [[5, 4]]), timeout=90)
+    run_ranks(_parity, 3, args=("conditioned", (3,), [[3, 2, 6]]), timeout=90)
+    run_ranks(_parity, 4, args=("conditioned", (2, 2), [[4, 3], [2, 5]]), timeout=90)
+
+
+def test_conv1d_net_with_batchnorm1d_running_stats_and_eval():
+    run_ranks(_parity, 2, args=("conv1d_bn", (2,), [[9, 4]]), timeout=90)
+    run_ranks(_parity, 3, args=("conv1d_bn", (3,), [[5, 6, 3]]), timeout=90)
+
+
+def test_3d_cnn_with_groupnorm_sharded_along_d():
+    run_ranks(_parity, 2, args=("cnn3d", (2,), [[4, 3]]), timeout=90)
+    run_ranks(_parity, 4, args=("cnn3d", (2, 2), [[3, 4], [2, 3]]), timeout=90)
+
+
+def test_unet_groupnorm_time_embedding_h32_h36_h44():
+    # balanced input partitions: skip connections meet resampled features on the balanced
+    # partition (DESIGN 2.4 partition rule), so a U-Net input is shard()/scatter()'s partition
+    run_ranks(_parity, 2, args=("unet", (2,), [[16, 16]]), timeout=120)
+    run_ranks(_parity, 3, args=("unet", (3,), [[12, 12, 12]]), timeout=120)
+    run_ranks(_parity, 3, args=("unet", (3,), [[15, 15, 14]]), timeout=120)
+    run_ranks(_parity, 2, args=("unet", (2,), [[22, 22]]), timeout=120)
+
+
+def test_unet_3d_sharded_along_d():
+    run_ranks(_parity, 2, args=("unet3d", (2,), [[6, 6]]), timeout=120)
+
+
+def _raises(rank, world):
+    import pytest
+
+    model = CustomClassifier()
+    before = [type(m) for m in model.modules()]
+    for _ in range(2):  # every rank, before any communication, and again (style reused)
+        with pytest.raises(ValueError, match=r"pool turns the sharded dims into a replicated tensor inside the custom "
+                                             r"forward of <root> \(CustomClassifier\).*trunk, head.*End the domain region"):
+            tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2,))})
+        assert [type(m) for m in model.modules()] == before
+    with pytest.raises(ValueError, match="reduces some sharded dims"):
+        tplayers.parallelize_module(nn.Sequential(nn.Conv2d(2, 2, 1), nn.AdaptiveAvgPool2d((1, 4))),
+                                    {"": tplayers.DomainParallel(shard_dims=(2, 3))},
+                                    mesh=DeviceMesh("cpu", torch.arange(world).reshape(world, 1)))
+    return True
+
+
+def test_invisible_global_pool_raises_saying_where_to_end_the_region():
+    run_ranks(_raises, 2, timeout=30)

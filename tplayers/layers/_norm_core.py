@@ -1,0 +1,145 @@
+"""One statistics core for batch, group and instance norms over a domain-sharded input.
+
+Every norm of the family normalises ``x`` viewed as ``(N, G, C // G, S)`` (``S``: the flattened
+local spatial positions) over a set of dims:
+
+* batch norm: ``G = C``, statistics per channel over ``(N, S)`` -> stat shape ``(C,)``;
+* group norm: statistics per ``(n, g)`` over ``(C // G, S)`` -> stat shape ``(N, G)``;
+* instance norm: group norm with ``G = C``.
+
+Forward (:class:`DomainNormFn`): each rank computes its count, mean and centred sum of squares
+(M2, ``torch.var_mean``: Welford) in fp32 (fp64 for fp64 input); one all-gather per mesh dim brings every rank's
+triple and the ranks merge them with Chan's formula in fp64 (the same order on every rank, so
+the result is bitwise replicated). Never E[x^2] - E[x]^2.
+Backward: one all-reduce per mesh dim of the per-statistic sums of ``g = dy * weight`` and
+``g * xhat`` together with the weight and bias gradients (replicated parameters applied to
+sharded data, so summed: DESIGN §2.4 convention), then ``dx = rstd * (g - mean(g) - xhat *
+mean(g * xhat))``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from tplayers.comm.collectives import all_gather_along_dim, all_reduce_sum
+
+__all__ = ["DomainNormFn", "merge_moments"]
+
+
+def acc_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _view(x: torch.Tensor, groups: int) -> torch.Tensor:
+    n, c = x.shape[:2]
+    return x.reshape(n, groups, c // groups, -1)
+
+
+def _reduce_dims(per_channel: bool) -> Tuple[int, ...]:
+    return (0, 2, 3) if per_channel else (2, 3)
+
+
+def local_moments(x4: torch.Tensor, per_channel: bool) -> Tuple[float, torch.Tensor, torch.Tensor]:
+    """``(count, mean, M2)`` of this rank's elements for every statistic (torch.var_mean: Welford, x4's dtype)."""
+    dims = _reduce_dims(per_channel)
+    count = math.prod(x4.shape[d] for d in dims)
+    if count == 0:
+        shape = [s for d, s in enumerate(x4.shape) if d not in dims]
+        zero = x4.new_zeros(shape)
+        return 0, zero, zero.clone()
+    var, mean = torch.var_mean(x4, dims, correction=0)  # one stable (Welford) pass
+    return count, mean, var * count
+
+
+def merge_moments(counts: torch.Tensor, means: torch.Tensor, m2s: torch.Tensor):
+    """Chan's parallel merge of per-part moments along dim 0 (fp64): ``(count, mean, M2)``."""
+    total = counts.sum(0)
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    mean = (counts * means).sum(0) / safe
+    m2 = m2s.sum(0) + (counts * (means - mean).square()).sum(0)
+    return total, mean, m2
+
+
+def global_moments(x4: torch.Tensor, per_channel: bool, groups: List[dist.ProcessGroup]):
+    """``(count, mean, M2)`` over the whole domain: one all-gather per mesh dim, Chan merge in fp64."""
+    count, mean, m2 = local_moments(x4, per_channel)
+    triple = torch.stack([torch.full_like(mean, float(count)), mean, m2]).to(torch.float64)
+    for group in reversed(groups):  # last mesh dim first, as the layout tables do
+        world = dist.get_world_size(group)
+        if world == 1:
+            continue
+        parts = all_gather_along_dim(triple.unsqueeze(0).contiguous(), 0, [1] * world, group, "norm_stats.fwd")
+        triple = torch.stack(merge_moments(parts[:, 0], parts[:, 1], parts[:, 2]))
+    return triple[0], triple[1], triple[2]
+
+
+class DomainNormFn(torch.autograd.Function):
+    """forward: normalise with statistics over the whole domain (one all-gather of per-rank
+    (count, mean, M2) per mesh dim, Chan merge) and apply the affine / backward: one all-reduce
+    per mesh dim of the statistic sums and the affine-parameter gradients.
+
+    Returns ``(y, mean, unbiased var, count)``; the last three (fp64, detached) feed running stats.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, num_groups: int, per_channel: bool, eps: float, groups):
+        acc = acc_dtype(x)
+        x4 = _view(x, num_groups).to(acc)
+        count, mean, m2 = global_moments(x4, per_channel, groups)
+        var = m2 / count.clamp(min=1)
+        rstd = (var + eps).rsqrt().to(acc)
+        shape = (1, -1, 1, 1) if per_channel else (x.shape[0], num_groups, 1, 1)
+        mean_a, rstd_a = mean.to(acc).reshape(shape), rstd.reshape(shape)
+        cg = x.shape[1] // num_groups
+        scale = rstd_a if weight is None else rstd_a * weight.to(acc).reshape(1, num_groups, cg, 1)
+        shift = -mean_a * scale
+        if bias is not None:
+            shift = shift + bias.to(acc).reshape(1, num_groups, cg, 1)
+        y = torch.addcmul(shift, x4, scale)  # one pass: (x - mean) * rstd * w + b
+        count_a = count.to(acc).clamp(min=1).reshape(shape)
+        ctx.save_for_backward(x, weight, mean_a, rstd_a, count_a)
+        ctx.info = (num_groups, per_channel, groups, bias is not None)
+        unbiased = m2 / (count - 1).clamp(min=1)
+        ctx.mark_non_differentiable(mean, unbiased, count)
+        return y.reshape(x.shape).to(x.dtype), mean, unbiased, count
+
+    @staticmethod
+    def backward(ctx, dy, _mean, _var, _count):
+        x, weight, mean_a, rstd_a, count_a = ctx.saved_tensors
+        num_groups, per_channel, groups, has_bias = ctx.info
+        acc = mean_a.dtype
+        c = x.shape[1]
+        cg = c // num_groups
+        d4 = _view(dy, num_groups).to(acc)
+        xc = _view(x, num_groups).to(acc) - mean_a            # centred: no cancellation in the sums
+        sdy, sdyx = d4.sum(3), (d4 * xc).sum(3)               # per (n, group, channel-in-group)
+        rstd3 = rstd_a[..., 0]
+        w3 = 1.0 if weight is None else weight.to(acc).reshape(1, num_groups, cg)
+        rd = (0, 2) if per_channel else (2,)
+        pieces = [(w3 * sdy).sum(rd).reshape(-1), (w3 * rstd3 * sdyx).sum(rd).reshape(-1)]
+        stat = pieces[0].numel()
+        if weight is not None:
+            pieces.append((rstd3 * sdyx).sum(0).reshape(-1))
+        if has_bias:
+            pieces.append(sdy.sum(0).reshape(-1))
+        flat = torch.cat(pieces)
+        for group in groups:  # one fused all-reduce per mesh dim
+            all_reduce_sum(flat, group, "norm_stats.bwd")
+        mg = flat[:stat].reshape(mean_a.shape) / count_a
+        mgx = flat[stat:2 * stat].reshape(mean_a.shape) / count_a
+        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w, as two fused passes
+        a = rstd_a if weight is None else rstd_a * weight.to(acc).reshape(1, num_groups, cg, 1)
+        dx = torch.addcmul(-rstd_a * mg, xc, -rstd_a.square() * mgx)
+        dx = torch.addcmul(dx, d4, a).reshape(x.shape).to(x.dtype)
+        offset = 2 * stat
+        dw = db = None
+        if weight is not None:
+            dw = flat[offset:offset + c].to(weight.dtype)
+            offset += c
+        if has_bias:
+            db = flat[offset:offset + c].to(weight.dtype if weight is not None else x.dtype)
+        return dx, dw, db, None, None, None, None
