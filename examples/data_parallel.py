@@ -88,7 +88,7 @@ def main():
     tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))
     world = dist.get_world_size()
     dp = 2 if world % 2 == 0 else 1
-    mesh = tplayers.init_mesh((dp, world // dp), ("dp", "tp"), device_type="cpu")
+    mesh = tplayers.init_mesh((dp, world // dp), ("dp", "tp"), device_type="cpu", timeout=timedelta(minutes=2))
     dp_rank, rank = mesh.get_local_rank(0), dist.get_rank()
 
     # 1. dp x tp MLP, first step against the serial model on the full batch
