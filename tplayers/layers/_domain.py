@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.agree import exchange_agreed
 from tplayers.layers._common import ShardedModule
+from tplayers.sharding import ShardSpec
 
 __all__ = ["DomainLayer", "ntuple"]
 
@@ -44,6 +45,10 @@ class DomainLayer(ShardedModule):
     """Shared machinery of the ``Distributed*`` spatial twins (subclasses set ``spatial``)."""
 
     spatial: Optional[int] = 2  # spatial dims of the input (N, C, *spatial); None: any of 1-3
+
+    def shard_specs(self) -> Dict[str, ShardSpec]:
+        """Every parameter is replicated on every rank of the domain (none for a layer without any)."""
+        return {name: ShardSpec.replicated(p.shape) for name, p in self.named_parameters()}
 
     def _init_domain(self, mesh: Optional[DeviceMesh], shard_dims: Sequence[int]) -> None:
         nd = 2 + (self.spatial or 3)

@@ -97,9 +97,6 @@ class _AdaptiveMaxPoolNd(DomainLayer):
             raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(m).__name__}")
         return cls(m.output_size, m.return_indices, mesh=mesh, shard_dims=shard_dims)
 
-    def shard_specs(self):
-        """No parameters."""
-        return {}
 
     def _config(self):
         return {"output_size": tuple(self._sizes)}

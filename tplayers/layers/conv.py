@@ -33,7 +33,6 @@ from tplayers.layers._common import autocast_inputs
 from tplayers.layers._conv_fn import ConvSpec, HaloConvFunction, conv_order
 from tplayers.layers._domain import DomainLayer, ntuple
 from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows
-from tplayers.sharding import ShardSpec
 
 __all__ = ["DistributedConv1d", "DistributedConv2d", "DistributedConv3d", "AUTO_CHANNELS_LAST_MIN"]
 
@@ -114,12 +113,6 @@ class _DistributedConvNd(DomainLayer):
             nn.init.uniform_(self.bias, -bound, bound)
         self._broadcast_parameters()
 
-    def shard_specs(self) -> Dict[str, ShardSpec]:
-        """Weight and bias are replicated on every rank of the domain."""
-        specs = {"weight": ShardSpec.replicated(self.weight.shape)}
-        if self.bias is not None:
-            specs["bias"] = ShardSpec.replicated(self.bias.shape)
-        return specs
 
     @classmethod
     def from_module(cls, conv: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),

@@ -26,7 +26,6 @@ from tplayers.comm.window import scatter_add_windows
 from tplayers.layers._common import autocast_inputs
 from tplayers.layers._domain import DomainLayer, ntuple
 from tplayers.window_plan import out_partition, plan_ranges, transposed_needs, transposed_out_len
-from tplayers.sharding import ShardSpec
 
 __all__ = ["DistributedConvTranspose1d", "DistributedConvTranspose2d", "DistributedConvTranspose3d"]
 
@@ -80,12 +79,6 @@ class _DistributedConvTransposeNd(DomainLayer):
             nn.init.uniform_(self.bias, -bound, bound)
         self._broadcast_parameters()
 
-    def shard_specs(self) -> Dict[str, ShardSpec]:
-        """Weight and bias are replicated on every rank of the domain."""
-        specs = {"weight": ShardSpec.replicated(self.weight.shape)}
-        if self.bias is not None:
-            specs["bias"] = ShardSpec.replicated(self.bias.shape)
-        return specs
 
     @classmethod
     def from_module(cls, conv: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)):

@@ -51,9 +51,6 @@ class _PoolNd(DomainLayer):
         self.ceil_mode = bool(ceil_mode)
         self._init_domain(mesh, shard_dims)
 
-    def shard_specs(self):
-        """No parameters."""
-        return {}
 
     def _config(self):
         return {"kernel_size": self.kernel_size, "stride": self.stride, "padding": self.padding,

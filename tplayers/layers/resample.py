@@ -51,9 +51,6 @@ class _BandResample(DomainLayer):
 
     _reduce_to_one = False  # adaptive pools: size 1 along a sharded dim is a global reduction
 
-    def shard_specs(self):
-        """No parameters."""
-        return {}
 
     def _build(self, shape, sizes: Dict[int, List[int]], like: torch.Tensor):
         n_sp = len(shape) - 2
