@@ -84,6 +84,7 @@ def train(model, opt, steps, dp_rank, dp):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--wrap", choices=("fsdp", "ddp"), default="fsdp")
+    parser.add_argument("--dir", default=None, help="checkpoint folder (default: a temp folder per torchrun run)")
     args = parser.parse_args()
     tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))
     world = dist.get_world_size()
@@ -108,9 +109,9 @@ def main():
         assert err < 1e-12
 
     # 2. checkpoint with optimizer state, resumed in a fresh wrapped model
-    root = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(root, src=0)
-    path = os.path.join(root[0], "ckpt")
+    # Every rank of one torchrun run names the same folder without communicating (no pickle).
+    root = args.dir or os.path.join(tempfile.gettempdir(), "tplayers-dp-" + os.environ.get("TORCHELASTIC_RUN_ID", "local"))
+    path = os.path.join(root, "ckpt")
     save_checkpoint(model, path, optimizer=opt)
     torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
     fresh = wrap(tplayers.parallelize_module(MLP().double(), PLAN, mesh=mesh["tp"]), args.wrap, mesh)
@@ -145,7 +146,7 @@ def main():
         else ((cnn(mine) - mine) ** 2).mean()
     loss.backward()
     cnn_opt.step()
-    save_checkpoint(cnn, os.path.join(root[0], "cnn"), optimizer=cnn_opt)
+    save_checkpoint(cnn, os.path.join(root, "cnn"), optimizer=cnn_opt)
     if rank == 0:
         print(f"dp={dp} x domain={world // dp} CNN: DDP step done, checkpoint keys {sorted(CNN().state_dict())}")
     # Leave together, after releasing what holds communication state (DDP's reducer, FSDP's
