@@ -13,10 +13,12 @@ partition is a ``ValueError`` on every rank before any halo traffic. The twin's
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.agree import exchange_agreed
@@ -190,3 +192,29 @@ class DomainLayer(ShardedModule):
         the same collectives as its peers'."""
         tie = sum((t.sum() * 0 for t in inputs if t is not None and t.requires_grad), out.new_zeros(()))
         return out + tie
+
+
+class ConvParameters:
+    """Weight and bias of the convolution twins, direct and transposed: made, initialised and
+    broadcast as ``nn.ConvNd`` / ``nn.ConvTransposeNd`` make them (mixed into a :class:`DomainLayer`)."""
+
+    def _make_parameters(self, weight_shape: Tuple[int, ...], out_channels: int, bias: bool, device, dtype) -> None:
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(weight_shape, **kw))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_channels, **kw))
+        else:
+            self.register_parameter("bias", None)
+        if self.weight.device.type != "meta":
+            self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The ``nn`` module's initialisation (kaiming uniform; bias uniform in ``1/sqrt(fan_in)``),
+        then a broadcast from the first domain rank so every rank holds the same replicated
+        parameters (use ``from_module`` to copy a serial layer)."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            fan_in, _ = nn.init._calculate_fan_in_and_fan_out(self.weight)
+            bound = 1 / math.sqrt(fan_in) if fan_in else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+        self._broadcast_parameters()

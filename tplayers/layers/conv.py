@@ -19,7 +19,6 @@ parameter-gradient sum with the adjoint halo messages).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -31,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.comm.window import edge_pad, gather_rows, pad_arg, pad_dim
 from tplayers.layers._common import autocast_inputs
 from tplayers.layers._conv_fn import ConvSpec, HaloConvFunction, conv_order
-from tplayers.layers._domain import DomainLayer, ntuple
+from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
 from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows
 
 __all__ = ["DistributedConv1d", "DistributedConv2d", "DistributedConv3d", "AUTO_CHANNELS_LAST_MIN"]
@@ -42,7 +41,7 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CL = {2: torch.channels_last, 3: torch.channels_last_3d}
 
 
-class _DistributedConvNd(DomainLayer):
+class _DistributedConvNd(ConvParameters, DomainLayer):
     """Shared body of ``DistributedConv1d/2d/3d`` (see the module doc)."""
 
     _nn: type = nn.Conv2d
@@ -78,14 +77,8 @@ class _DistributedConvNd(DomainLayer):
         self.memory_format = _CL.get(n, torch.contiguous_format) if memory_format != torch.contiguous_format \
             else memory_format
         self._init_domain(mesh, shard_dims)
-        kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty((out_channels, in_channels // groups) + self.kernel_size, **kw))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_channels, **kw))
-        else:
-            self.register_parameter("bias", None)
-        if self.weight.device.type != "meta":
-            self.reset_parameters()
+        self._make_parameters((out_channels, in_channels // groups) + self.kernel_size, out_channels, bias, device,
+                              dtype)
 
     def _resolve_padding(self, padding) -> Tuple[Tuple[int, int], ...]:
         """(lo, hi) input padding per spatial dim, as ``nn.ConvNd`` applies it."""
@@ -103,15 +96,6 @@ class _DistributedConvNd(DomainLayer):
         if min(pads) < 0:
             raise ValueError(f"{name}: padding must be >= 0, got {padding!r}")
         return tuple((p, p) for p in pads)
-
-    def reset_parameters(self) -> None:
-        """``nn.ConvNd``'s initialisation, then a broadcast from the first domain rank so every
-        rank holds the same replicated parameters (use ``from_module`` to copy a serial layer)."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.weight.shape[1] * math.prod(self.kernel_size))
-            nn.init.uniform_(self.bias, -bound, bound)
-        self._broadcast_parameters()
 
 
     @classmethod

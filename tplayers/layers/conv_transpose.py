@@ -13,7 +13,6 @@ their gradients summed over the domain in backward
 
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -24,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.comm import copy_many_to_parallel_region
 from tplayers.comm.window import scatter_add_windows
 from tplayers.layers._common import autocast_inputs
-from tplayers.layers._domain import DomainLayer, ntuple
+from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
 from tplayers.window_plan import out_partition, plan_ranges, transposed_needs, transposed_out_len
 
 __all__ = ["DistributedConvTranspose1d", "DistributedConvTranspose2d", "DistributedConvTranspose3d"]
@@ -32,7 +31,7 @@ __all__ = ["DistributedConvTranspose1d", "DistributedConvTranspose2d", "Distribu
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
-class _DistributedConvTransposeNd(DomainLayer):
+class _DistributedConvTransposeNd(ConvParameters, DomainLayer):
     _nn: type = nn.ConvTranspose2d
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, output_padding=0,
@@ -61,23 +60,8 @@ class _DistributedConvTransposeNd(DomainLayer):
                 raise ValueError(f"{name}: output_padding must be smaller than either stride or dilation, got "
                                  f"output_padding {self.output_padding}, stride {self.stride}, dilation {self.dilation}")
         self._init_domain(mesh, shard_dims)
-        kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty((in_channels, out_channels // groups) + self.kernel_size, **kw))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_channels, **kw))
-        else:
-            self.register_parameter("bias", None)
-        if self.weight.device.type != "meta":
-            self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """``nn.ConvTransposeNd``'s initialisation, then a broadcast from the first domain rank."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            fan_in, _ = nn.init._calculate_fan_in_and_fan_out(self.weight)
-            bound = 1 / math.sqrt(fan_in) if fan_in else 0
-            nn.init.uniform_(self.bias, -bound, bound)
-        self._broadcast_parameters()
+        self._make_parameters((in_channels, out_channels // groups) + self.kernel_size, out_channels, bias, device,
+                              dtype)
 
 
     @classmethod
