@@ -52,6 +52,20 @@ def _all_reduce_as(t: torch.Tensor, group, reduce_dtype, tag: str, async_op: boo
     return t, work
 
 
+def linear_param_grads(grad_out: torch.Tensor, x: torch.Tensor, need_w: bool, need_b: bool):
+    """``(grad_weight, grad_bias)`` of ``F.linear(x, W, b)`` from ``grad_out`` (``None`` where not needed).
+
+    Tokens are flattened explicitly (``out`` may be 0 on an empty shard): ``grad_weight`` is
+    ``grad_out^T @ x`` over all tokens, ``(out, in)``; ``grad_bias`` the sum over tokens.
+    """
+    if not (need_w or need_b):
+        return None, None
+    tokens = math.prod(grad_out.shape[:-1])
+    g2 = grad_out.reshape(tokens, grad_out.shape[-1])  # (tokens, out)
+    grad_w = g2.t() @ x.reshape(tokens, x.shape[-1]) if need_w else None
+    return grad_w, (g2.sum(0) if need_b else None)
+
+
 class LinearAllReduceInputGrad(torch.autograd.Function):
     """forward: ``y = x W^T + b`` on a replicated ``x`` (no communication) /
     backward: the input gradient ``dy W`` is all-reduced (sum) asynchronously
@@ -73,18 +87,12 @@ class LinearAllReduceInputGrad(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = grad_w = grad_b = None
+        grad_x = None
         work = None
         if need_x:
             grad_x = (grad_out @ weight).contiguous()  # (..., in) partial sum over this rank's outputs
             grad_x, work = _all_reduce_as(grad_x, ctx.group, ctx.reduce_dtype, "linear.bwd", async_op=True)
-        if need_w or need_b:
-            tokens = math.prod(grad_out.shape[:-1])  # explicit: out_local may be 0 (empty shard)
-            g2 = grad_out.reshape(tokens, grad_out.shape[-1])  # (tokens, out_local)
-            if need_w:
-                grad_w = g2.t() @ x.reshape(tokens, x.shape[-1])  # (out_local, in)
-            if need_b and ctx.has_bias:
-                grad_b = g2.sum(0)
+        grad_w, grad_b = linear_param_grads(grad_out, x, need_w, need_b and ctx.has_bias)  # (out_local, in)
         if work is not None:
             work.wait()
         return grad_x, grad_w, grad_b, None, None
@@ -121,11 +129,8 @@ class LinearAllReduceOutput(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        tokens = math.prod(grad_out.shape[:-1])
-        g2 = grad_out.reshape(tokens, grad_out.shape[-1])  # (tokens, out)
         grad_x = grad_out @ weight if need_x else None  # (..., in_local)
-        grad_w = g2.t() @ x.reshape(tokens, x.shape[-1]) if need_w else None  # (out, in_local)
-        grad_b = g2.sum(0) if (need_b and ctx.has_bias) else None
+        grad_w, grad_b = linear_param_grads(grad_out, x, need_w, need_b and ctx.has_bias)  # (out, in_local)
         return grad_x, grad_w, grad_b, None, None
 
 
@@ -160,17 +165,12 @@ class AllGatherLinear(torch.autograd.Function):
     def backward(ctx, grad_out):
         full, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        grad_x = grad_w = grad_b = None
+        grad_x = None
         pending = None
         if need_x:  # (..., s, ..., in) partial sums over this rank's outputs -> this rank's tokens, summed
             pending = reduce_scatter_along_dim(grad_out @ weight, ctx.dim, ctx.sizes, ctx.group, "sp.linear.bwd",
                                                async_op=True)
-        tokens = math.prod(grad_out.shape[:-1])
-        g2 = grad_out.reshape(tokens, grad_out.shape[-1])  # (tokens, out_local)
-        if need_w:
-            grad_w = g2.t() @ full.reshape(tokens, full.shape[-1])  # (out_local, in)
-        if need_b and ctx.has_bias:
-            grad_b = g2.sum(0)
+        grad_w, grad_b = linear_param_grads(grad_out, full, need_w, need_b and ctx.has_bias)  # (out_local, in)
         if pending is not None:
             grad_x = pending.wait()
         return grad_x, grad_w, grad_b, None, None, None
@@ -207,11 +207,8 @@ class LinearReduceScatterOutput(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g = all_gather_along_dim(grad_out.contiguous(), ctx.dim, ctx.sizes, ctx.group, "sp.linear.bwd").contiguous()
-        tokens = math.prod(g.shape[:-1])
-        g2 = g.reshape(tokens, g.shape[-1])  # (tokens, out)
         grad_x = g @ weight if need_x else None  # (..., s, ..., in_local)
-        grad_w = g2.t() @ x.reshape(tokens, x.shape[-1]) if need_w else None  # (out, in_local)
-        grad_b = g2.sum(0) if (need_b and ctx.has_bias) else None
+        grad_w, grad_b = linear_param_grads(g, x, need_w, need_b and ctx.has_bias)  # (out, in_local)
         return grad_x, grad_w, grad_b, None, None
 
 
