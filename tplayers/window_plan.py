@@ -34,7 +34,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 
-__all__ = ["AxisPlan", "PADDING_MODES", "plan_ranges", "plan_windows", "out_partition", "conv_window",
+__all__ = ["AxisPlan", "PADDING_MODES", "RowSplit", "split_rows", "plan_ranges", "plan_windows", "out_partition", "conv_window",
            "conv_out_len", "pool_out_len", "transposed_out_len", "transposed_needs"]
 
 PADDING_MODES = ("zeros", "circular", "reflect", "replicate")
@@ -175,3 +175,54 @@ def plan_ranges(sizes: Sequence[int], needs: Sequence[Optional[Range]], outs: Se
         plans.append(AxisPlan((r_lo + zl, r_hi + zh), (send_lo, send_hi), (bl - zl, bh - zh), (t_lo, t_hi), in_start,
                               out_starts[c], int(outs[c])))
     return plans
+
+
+@dataclass(frozen=True)
+class RowSplit:
+    """A shard's output rows along one dim, split by what they read (for overlapping the halo
+    exchange with compute): ``[lo, hi)`` are the *interior* rows, whose windows read only this
+    shard's own input rows; ``[0, lo)`` and ``[hi, out_rows)`` are the edge strips, which read a
+    halo or boundary row. ``lo == hi == out_rows`` when no row is interior.
+
+    Row ``j`` of the plan's extended input (after exchange, boundary padding and trim) is own row
+    ``j + offset``; output row ``o`` reads extended rows ``[o*stride, o*stride + span]``.
+
+    >>> p = plan_windows([5, 5], 10, conv_window(3, 1, 1, 1), mode="zeros", what="H")[0]
+    >>> r = split_rows(p, 5, 3, 1, 1)
+    >>> (r.lo, r.hi), r.extended(0, r.lo), r.own(r.lo, r.hi)
+    ((1, 4), (0, 3), (0, 5))
+    """
+
+    out_rows: int
+    lo: int
+    hi: int
+    stride: int
+    span: int
+    offset: int
+
+    def extended(self, o0: int, o1: int) -> Range:
+        """Extended input rows ``[a, b)`` read by output rows ``[o0, o1)`` (non-empty)."""
+        return o0 * self.stride, (o1 - 1) * self.stride + self.span + 1
+
+    def own(self, o0: int, o1: int) -> Range:
+        """The same rows as this shard's own input rows (meaningful for interior outputs)."""
+        a, b = self.extended(o0, o1)
+        return a + self.offset, b + self.offset
+
+    @property
+    def has_interior(self) -> bool:
+        return self.hi > self.lo
+
+
+def split_rows(plan: AxisPlan, own_rows: int, kernel: int, stride: int, dilation: int) -> RowSplit:
+    """The :class:`RowSplit` of a convolution / pooling window along one dim of ``plan``
+    (``own_rows``: this shard's input rows; the exchange prepends ``plan.recv[0]`` rows)."""
+    span = dilation * (kernel - 1)
+    offset = plan.trim[0] - plan.boundary[0] - plan.recv[0]
+    out = plan.out_rows
+    lo = max(0, -(offset // stride))
+    last = own_rows - 1 - span - offset  # the interior's last output starts at or before this row
+    hi = min(out, last // stride + 1) if last >= 0 else 0
+    if hi <= lo:
+        lo = hi = out
+    return RowSplit(out, lo, hi, stride, span, offset)

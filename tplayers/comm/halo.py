@@ -169,10 +169,14 @@ class HaloState:
 
 
 def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, send: Pair, periodic: bool,
-             memory_format: torch.memory_format = torch.contiguous_format) -> Tuple[torch.Tensor, HaloState]:
+             memory_format: torch.memory_format = torch.contiguous_format,
+             during: Optional[Callable[[], None]] = None) -> Tuple[torch.Tensor, HaloState]:
     """Forward of :class:`HaloExchange1d` without autograd: the padded tensor and the adjoint's state.
 
-    While compiling (``torch.compile``) the exchange is the custom op ``tplayers::halo_pad``.
+    ``during`` (optional) runs once the messages are posted and before they are waited (the
+    window for work that needs no halo row, e.g. a convolution's interior rows); it runs in
+    any case, right away when nothing is exchanged. While compiling (``torch.compile``) the
+    exchange is the custom op ``tplayers::halo_pad`` (``during`` then runs after it).
     """
     n = x.size(dim)
     lo, hi = _peers(group, periodic)
@@ -185,11 +189,14 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
 
         out = torch.ops.tplayers.halo_pad(x, dim, group.group_name, list(recv), list(send), bool(periodic),
                                           format_code(memory_format))
+        if during is not None:
+            during()
         return out, state
-    return _eager_halo_pad(x, state, periodic, memory_format), state
+    return _eager_halo_pad(x, state, periodic, memory_format, during), state
 
 
-def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_format: torch.memory_format):
+def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_format: torch.memory_format,
+                    during: Optional[Callable[[], None]] = None):
     dim, group, n, (lo, hi) = state.dim, state.group, state.n, state.peers
     size = dist.get_world_size(group)
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
@@ -198,10 +205,12 @@ def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_fo
     out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)
     out.narrow(dim, r_lo, n).copy_(x)
     if size == 1 and periodic:  # wraps onto itself: local copies, no communication
+        if during is not None:
+            during()
         out.narrow(dim, 0, r_lo).copy_(x.narrow(dim, n - r_lo, r_lo))
         out.narrow(dim, r_lo + n, r_hi).copy_(x.narrow(dim, 0, r_hi))
         return out
-    buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, lo, hi, size, "halo.fwd")
+    buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, lo, hi, size, "halo.fwd", during)
     faces = []
     if lo is None:
         out.narrow(dim, 0, r_lo).zero_()
@@ -216,16 +225,20 @@ def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_fo
 
 
 def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable[[], None]] = None,
-                 extra: Optional[Extra] = None) -> torch.Tensor:
+                 extra: Optional[Extra] = None,
+                 into_own: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
     """Backward of :class:`HaloExchange1d`: the gradient of ``x`` from the padded tensor's ``grad``.
 
     ``during`` (optional) runs after the messages are posted and before they are
     waited, so a caller can overlap other work (e.g. an async all-reduce) with them.
+    ``into_own(grad_x)`` (optional) runs in the same window with the own rows' gradient
+    (``grad``'s own rows, before the neighbours' halo gradients are added), to add more into it
+    in place (e.g. a convolution's interior rows, computed while the halo gradients fly).
     ``extra = (send, recv, peer, tag)`` (optional, not with a group of size 1) sends
     ``send`` to ``peer`` and fills ``recv`` from it in the same batch as the halo gradients.
     While compiling, the plain adjoint is the custom op ``tplayers::halo_adjoint``.
     """
-    if torch.compiler.is_compiling() and during is None and extra is None:
+    if torch.compiler.is_compiling() and during is None and extra is None and into_own is None:
         from tplayers.comm.ops import format_code, peer_code
 
         return torch.ops.tplayers.halo_adjoint(grad, state.dim, state.group.group_name, list(state.recv),
@@ -236,6 +249,13 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
     lo, hi = state.peers
     size = dist.get_world_size(group)
     grad_x = grad.narrow(dim, r_lo, n).clone(memory_format=state.grad_format)
+    if into_own is not None:
+        def window(outer=during):
+            if outer is not None:
+                outer()
+            into_own(grad_x)
+
+        during = window
     if size == 1 and lo is not None:  # periodic onto itself
         assert extra is None, "no peer to exchange the extra message with"
         if during is not None:

@@ -159,7 +159,8 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
         prepare = functools.partial(_prepare, dim=last, plan=plans[last], mode=self.padding_mode, extra=tuple(extra))
         spec = ConvSpec(last, self._group_of(last), plans[last], self.padding_mode == "circular", self.memory_format,
                         prepare, _CONV[self.spatial], self.stride, tuple(conv_pad), self.dilation, self.groups,
-                        tuple(out_shape), tuple(self._groups), conv_order(tuple(shape), like))
+                        tuple(out_shape), tuple(self._groups), conv_order(tuple(shape), like),
+                        functools.partial(_pad_rest, mode=self.padding_mode, extra=tuple(extra)), overlap=True)
         return {d: plans[d] for d in self.shard_dims[:-1]}, spec
 
     # ----------------------------------------------------------------- forward
@@ -188,7 +189,11 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
 def _prepare(xp: torch.Tensor, *, dim: int, plan, mode: str, extra) -> torch.Tensor:
     """The fused dim's boundary padding and trim, then padding of unsharded dims the convolution
     cannot do itself (asymmetric "same" zeros, circular / reflect / replicate)."""
-    x = edge_pad(xp, dim, plan, mode)
+    return _pad_rest(edge_pad(xp, dim, plan, mode), mode=mode, extra=extra)
+
+
+def _pad_rest(x: torch.Tensor, *, mode: str, extra) -> torch.Tensor:
+    """The padding of unsharded dims the convolution cannot do itself (``extra``: (dim, lo, hi))."""
     for d, lo, hi in extra:
         x = F.pad(x, pad_arg(x.dim(), d, lo, hi)) if mode == "zeros" else pad_dim(x, d, lo, hi, mode)
     return x
