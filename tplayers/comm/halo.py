@@ -90,6 +90,9 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     one batch (sends, then receives, in the same order on every rank) and all are
     waited before returning, so the send buffer is never reused early.
 
+    ``into_own(grad_x)`` (optional, eager only) runs in the same window with the own rows'
+    gradient (``grad``'s own rows, before the neighbours' halo gradients are added) to add more
+    into it in place (e.g. a convolution's interior rows, computed while the halo gradients fly).
     ``extra = (send, recv, peer, tag)`` (optional) also sends ``send`` to ``peer`` and fills
     ``recv`` from it. It rides on a face message to ``peer`` when there is one (appended to the
     message sent down, else prepended to the one sent up), so it costs no message of its own;
@@ -231,16 +234,17 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
 
     ``during`` (optional) runs after the messages are posted and before they are
     waited, so a caller can overlap other work (e.g. an async all-reduce) with them.
-    ``into_own(grad_x)`` (optional) runs in the same window with the own rows' gradient
-    (``grad``'s own rows, before the neighbours' halo gradients are added), to add more into it
-    in place (e.g. a convolution's interior rows, computed while the halo gradients fly).
     ``extra = (send, recv, peer, tag)`` (optional, not with a group of size 1) sends
     ``send`` to ``peer`` and fills ``recv`` from it in the same batch as the halo gradients.
-    While compiling, the plain adjoint is the custom op ``tplayers::halo_adjoint``.
+    While compiling, the adjoint without ``extra`` is the custom op ``tplayers::halo_adjoint``
+    (``during`` then runs before it).
     """
-    if torch.compiler.is_compiling() and during is None and extra is None and into_own is None:
+    if torch.compiler.is_compiling() and extra is None:
+        assert into_own is None, "into_own is eager only: add into the padded gradient before the op"
         from tplayers.comm.ops import format_code, peer_code
 
+        if during is not None:
+            during()
         return torch.ops.tplayers.halo_adjoint(grad, state.dim, state.group.group_name, list(state.recv),
                                                list(state.send), state.n, peer_code(state.peers[0]),
                                                peer_code(state.peers[1]), format_code(state.grad_format))

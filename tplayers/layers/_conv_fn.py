@@ -47,8 +47,8 @@ class ConvSpec:
     out_shape: Tuple[int, ...]
     reduce_groups: tuple  # every mesh dim's group: the parameter gradients are summed over all
     perm: Optional[Tuple[int, ...]] = None  # spatial dims reordered for the convolution (see _conv_order)
-    rest: Callable[[torch.Tensor], torch.Tensor] = lambda t: t  # prepare's padding of the other dims only
-    overlap: bool = False  # eager: the halo exchange overlapped with compute (_conv_overlap); same on every rank
+    rest: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # prepare's padding of other dims (None: none)
+    overlap: bool = False  # interior / edge strips, the exchange overlapped in eager (_conv_overlap); same on every rank
 
     @property
     def empty(self) -> bool:
@@ -67,7 +67,7 @@ class HaloConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, spec: ConvSpec):
         p = spec.plan
-        ctx.overlap = spec.overlap and not torch.compiler.is_compiling()
+        ctx.overlap = spec.overlap
         if ctx.overlap and not spec.empty:
             with torch.no_grad():
                 out, xp, ctx.state = overlapped_forward(x, weight, bias, spec, _Order(spec))
@@ -150,7 +150,9 @@ def _overlapped_backward(ctx, grad, xp, weight, needs):
     params = [_sum(parts) for parts in (gws, gbs) if parts]
     flat = torch.cat([g.reshape(-1) for g in params]) if params else None
     groups = [g for g in spec.reduce_groups if dist.get_world_size(g) > 1] if params else []
-    if len(groups) == 1 and groups[0] is state.group and dist.get_world_size(groups[0]) == 2:
+    if torch.compiler.is_compiling():
+        _, flat = _compiled_backward(None, flat, state, groups)
+    elif len(groups) == 1 and groups[0] is state.group and dist.get_world_size(groups[0]) == 2:
         _pair_backward(None, flat, state)
     elif groups:
         _reduce_backward(None, flat, state, groups)

@@ -45,14 +45,20 @@ def overlapped_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     split = conv_split(spec, weight, x.size(dim))
     pieces: dict = {}
 
-    def interior():
+    def interior(src=x, first=0):
         if split.has_interior:
             a, b = split.own(split.lo, split.hi)
-            xi = x.narrow(dim, a, b - a).contiguous(memory_format=spec.memory_format)
-            pieces["mid"] = _conv(spec, order, spec.rest(xi), weight, bias)
+            xi = src.narrow(dim, first + a, b - a).contiguous(memory_format=spec.memory_format)
+            pieces["mid"] = _conv(spec, order, xi if spec.rest is None else spec.rest(xi), weight, bias)
 
-    xp, state = halo_pad(x, dim, spec.group, plan.recv, plan.send, spec.periodic, spec.memory_format,
-                         during=interior)
+    if torch.compiler.is_compiling():
+        # read the interior from the exchange's result: a graph partitioner would otherwise be free
+        # to move an exchange whose result the forward does not use into the backward graph
+        xp, state = halo_pad(x, dim, spec.group, plan.recv, plan.send, spec.periodic, spec.memory_format)
+        interior(xp, plan.recv[0])
+    else:
+        xp, state = halo_pad(x, dim, spec.group, plan.recv, plan.send, spec.periodic, spec.memory_format,
+                             during=interior)
     out = []
     if split.lo or split.hi < split.out_rows:
         xc = spec.prepare(xp)
@@ -68,17 +74,18 @@ def overlapped_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
 def overlapped_backward(grad: torch.Tensor, xp: torch.Tensor, weight: torch.Tensor, has_bias: bool, spec, order,
                         state: HaloState, needs: Tuple[bool, bool, bool]):
     """``(grad_x or None, [weight grad parts], [bias grad parts])``: the input gradient after the
-    adjoint halo exchange, with the interior's gradients computed while its messages fly."""
+    adjoint halo exchange, with the interior's gradients computed while its messages fly (eager;
+    while compiling the same arithmetic runs with the exchange as one op)."""
     need_x, need_w, need_b = needs
-    dim, n = spec.dim, state.n
-    split = conv_split(spec, weight, n)
+    dim, plan = spec.dim, spec.plan
+    split = conv_split(spec, weight, state.n)
     gws: List[torch.Tensor] = []
     gbs: List[torch.Tensor] = []
     nsp = len(spec.stride)
 
     def strip_backward(g: torch.Tensor, xin: torch.Tensor) -> Optional[torch.Tensor]:
         gi, gw, gb = torch.ops.aten.convolution_backward(
-            order.fwd(g), order.fwd(xin.detach()), order.fwd(weight), [weight.shape[0]] if has_bias else None,
+            order.fwd(g), order.fwd(xin), order.fwd(weight), [weight.shape[0]] if has_bias else None,
             order.stride, order.padding, order.dilation, False, [0] * nsp, spec.groups, [need_x, need_w, need_b])
         if need_w:
             gws.append(order.back(gw))
@@ -87,44 +94,48 @@ def overlapped_backward(grad: torch.Tensor, xp: torch.Tensor, weight: torch.Tens
         return order.back(gi) if gi is not None else None
 
     # 1) the edge strips: every halo row's gradient
-    xp_ = xp.detach().requires_grad_(need_x)
-    with torch.enable_grad():  # replay only the cheap boundary padding / trim, to differentiate it
-        xc = spec.prepare(xp_)
-    strips, gis = [], []
+    identity = spec.rest is None and plan.boundary == (0, 0) and plan.trim == (0, 0)
+    xc, pull = (xp, None) if identity or not need_x else _vjp(spec.prepare, xp)
+    if not identity and not need_x:
+        xc = spec.prepare(xp)
+    gc = torch.zeros_like(xc) if need_x else None
     for o0, o1 in ((0, split.lo), (split.hi, split.out_rows)):
         if o1 > o0:
             a, b = split.extended(o0, o1)
-            with torch.enable_grad():
-                xs = xc.narrow(dim, a, b - a)
-            gi = strip_backward(grad.narrow(dim, o0, o1 - o0), xs)
-            strips.append((a, b, xs))
-            gis.append(gi)
-    gxp = None
-    if need_x:
-        if xc is xp_ or not strips:
-            gxp = torch.zeros_like(xp)
-            if xc is xp_:
-                for (a, b, _), gi in zip(strips, gis):
-                    gxp.narrow(dim, a, b - a).add_(gi)
-        else:
-            gxp = torch.autograd.grad([xs for _, _, xs in strips], xp_, gis)[0]
+            gi = strip_backward(grad.narrow(dim, o0, o1 - o0), xc.narrow(dim, a, b - a))
+            if need_x:
+                gc.narrow(dim, a, b - a).add_(gi)
+    gxp = (gc if pull is None else pull(gc)) if need_x else None
 
-    # 2) the interior, while the adjoint halo messages fly
-    def interior(grad_x: Optional[torch.Tensor]):
-        if not split.has_interior:
-            return
-        a, b = split.own(split.lo, split.hi)
-        with torch.enable_grad():
-            xs = xp.narrow(dim, state.recv[0] + a, b - a).detach().requires_grad_(need_x)
-            xr = spec.rest(xs)
-        gi = strip_backward(grad.narrow(dim, split.lo, split.hi - split.lo), xr)
-        if grad_x is not None:
-            grad_x.narrow(dim, a, b - a).add_(gi if xr is xs else torch.autograd.grad(xr, xs, gi)[0])
+    # 2) the interior, while the adjoint halo messages fly (eager), added into the own rows before
+    #    the neighbours' halo gradients in both modes (the same float sums, compiled or not)
+    def interior(grad_x: Optional[torch.Tensor], first: int = 0):
+        if split.has_interior:
+            a, b = split.own(split.lo, split.hi)
+            xs = xp.narrow(dim, state.recv[0] + a, b - a)
+            xr, pull_r = (xs, None) if spec.rest is None or not need_x else _vjp(spec.rest, xs)
+            if spec.rest is not None and not need_x:
+                xr = spec.rest(xs)
+            gi = strip_backward(grad.narrow(dim, split.lo, split.hi - split.lo), xr)
+            if grad_x is not None:
+                grad_x.narrow(dim, first + a, b - a).add_(gi if pull_r is None else pull_r(gi))
 
-    if need_x:
-        grad_x = halo_adjoint(gxp, state, into_own=interior)
-    else:
-        grad_x = None
+    if not need_x:
         interior(None)
-    return grad_x, gws, gbs
+        return None, gws, gbs
+    if torch.compiler.is_compiling():  # the exchange is one op: compute first (its result then
+        interior(gxp, state.recv[0])   # depends on the output gradient everywhere)
+        return halo_adjoint(gxp, state), gws, gbs
+    return halo_adjoint(gxp, state, into_own=interior), gws, gbs
 
+
+def _vjp(fn, x: torch.Tensor):
+    """``(fn(x), pullback)``: autograd on a detached copy of the graph in eager, ``torch.func.vjp``
+    while compiling (the padding / trim is cheap to replay; the convolution is never replayed)."""
+    if torch.compiler.is_compiling():
+        y, pull = torch.func.vjp(fn, x)
+        return y, lambda g: pull(g)[0]
+    x_ = x.detach().requires_grad_(True)
+    with torch.enable_grad():
+        y = fn(x_)
+    return y.detach(), lambda g: torch.autograd.grad(y, x_, g)[0]

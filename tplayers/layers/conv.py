@@ -160,7 +160,8 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
         spec = ConvSpec(last, self._group_of(last), plans[last], self.padding_mode == "circular", self.memory_format,
                         prepare, _CONV[self.spatial], self.stride, tuple(conv_pad), self.dilation, self.groups,
                         tuple(out_shape), tuple(self._groups), conv_order(tuple(shape), like),
-                        functools.partial(_pad_rest, mode=self.padding_mode, extra=tuple(extra)), overlap=True)
+                        functools.partial(_pad_rest, mode=self.padding_mode, extra=tuple(extra)) if extra else None,
+                        overlap=True)
         return {d: plans[d] for d in self.shard_dims[:-1]}, spec
 
     # ----------------------------------------------------------------- forward
