@@ -107,6 +107,18 @@ def _unet(rank, world):
     return 0
 
 
+def _pools(rank, world):
+    """Max pooling, InstanceNorm with running stats, a global adaptive max pool and a head."""
+    torch.manual_seed(0)
+    mesh = tplayers.default_mesh()
+    serial = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.MaxPool2d(3, 2, 1),
+                           nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+                           nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(4, 3)).double()
+    eager = tplayers.parallelize_module(serial, {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
+    xs = [tplayers.shard(torch.randn(2, 2, 6 * world + 1, 5, dtype=torch.float64), 2, mesh) for _ in range(2)]
+    return _check(eager, xs)
+
+
 def _na(rank, world):
     torch.manual_seed(0)
     mesh = tplayers.default_mesh()
@@ -155,8 +167,9 @@ def _llama_gqa(rank, world):
     return 0  # the model: fullgraph
 
 
-@pytest.mark.parametrize("case,world", [(_unet, 2), (_na, 2), (_sp_block, 2), (_llama_gqa, 4)],
-                         ids=["unet", "neighborhood_attention", "sequence_parallel", "llama_gqa_vocab_ce"])
+@pytest.mark.parametrize("case,world", [(_unet, 2), (_pools, 3), (_na, 2), (_sp_block, 2), (_llama_gqa, 4)],
+                         ids=["unet", "pools_instance_norm_head", "neighborhood_attention", "sequence_parallel",
+                              "llama_gqa_vocab_ce"])
 def test_compile_equals_eager(case, world):
     out = run_ranks(case, world, timeout=240)
     print(f"{case.__name__}: graph breaks {out[0]}")
