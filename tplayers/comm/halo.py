@@ -51,6 +51,7 @@ __all__ = [
     "halo_exchange",
     "halo_exchange_along",
     "halo_pad",
+    "halo_state",
     "halo_adjoint",
     "halo_widths_ok",
 ]
@@ -63,6 +64,8 @@ _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 # Tags keep the two directions apart when both neighbours are the same rank (2 ranks, periodic);
 # _TAG_EXTRA marks a caller's extra message riding in the same batch (see ``_swap``'s ``extra``).
 _TAG_DOWN, _TAG_UP, _TAG_EXTRA = 17, 18, 19
+# A second exchange in flight together with a first one (see ``halo_pad``'s ``second``)
+_TAG_DOWN2, _TAG_UP2 = 20, 21
 
 # ``(send, recv, peer, tag)``: one more message to and from ``peer`` posted in the same batch.
 Extra = Tuple[torch.Tensor, torch.Tensor, int, str]
@@ -81,7 +84,8 @@ def _peers(group: dist.ProcessGroup, periodic: bool) -> Tuple[Optional[int], Opt
 
 def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, from_lo: int,
           lo: Optional[int], hi: Optional[int], group_size: int, tag: str,
-          during: Optional[Callable[[], None]] = None, extra: Optional[Extra] = None) -> Tuple[torch.Tensor, int]:
+          during: Optional[Callable[[], None]] = None, extra: Optional[Extra] = None,
+          tags: Tuple[int, int] = (_TAG_DOWN, _TAG_UP)) -> Tuple[torch.Tensor, int]:
     """Send face ``to_lo`` of ``src`` to ``lo`` and ``to_hi`` to ``hi``; receive ``from_hi``
     rows from ``hi`` and ``from_lo`` rows from ``lo``.
 
@@ -90,15 +94,15 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     one batch (sends, then receives, in the same order on every rank) and all are
     waited before returning, so the send buffer is never reused early.
 
-    ``into_own(grad_x)`` (optional, eager only) runs in the same window with the own rows'
-    gradient (``grad``'s own rows, before the neighbours' halo gradients are added) to add more
-    into it in place (e.g. a convolution's interior rows, computed while the halo gradients fly).
+    ``tags``: the message tags of the two directions (another pair lets a second exchange be in
+    flight with the same neighbours at once, e.g. nested in this one's ``during``).
     ``extra = (send, recv, peer, tag)`` (optional) also sends ``send`` to ``peer`` and fills
     ``recv`` from it. It rides on a face message to ``peer`` when there is one (appended to the
     message sent down, else prepended to the one sent up), so it costs no message of its own;
     the receiver finds it by the same rule from its facing widths (its ``from_hi`` is the peer's
     ``to_lo``), otherwise it travels as a message of its own.
     """
+    tag_down, tag_up = tags  # distinct pairs keep two batches in flight together apart
     row = _row_numel(src, dim)
     faces = []
     if lo is not None and to_lo[1]:
@@ -114,17 +118,17 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
         esend, erecv, epeer, etag = extra
         assert esend.dtype == src.dtype and erecv.numel() == esend.numel()
         ne = esend.numel()
-        ride_send = (_TAG_DOWN if lo == epeer and n_lo_send else
-                     _TAG_UP if hi == epeer and to_hi[1] and row else None)
-        ride_recv = _TAG_DOWN if hi == epeer and n_hi_recv else _TAG_UP if lo == epeer and n_lo_recv else None
+        ride_send = (tag_down if lo == epeer and n_lo_send else
+                     tag_up if hi == epeer and to_hi[1] and row else None)
+        ride_recv = tag_down if hi == epeer and n_hi_recv else tag_up if lo == epeer and n_lo_recv else None
         if ride_send is not None:  # [face to lo | extra | face to hi]
             sendbuf = torch.cat([sendbuf[:n_lo_send], esend, sendbuf[n_lo_send:]])
     # receive layout: [extra | from lo | from hi] when it rides up, [from lo | from hi | extra] when down
     raw = src.new_empty(n_lo_recv + n_hi_recv + (ne if ride_recv is not None else 0))
-    first = ne if ride_recv == _TAG_UP else 0
+    first = ne if ride_recv == tag_up else 0
     recvbuf = raw[first : first + n_lo_recv + n_hi_recv]
     ops, offset = [], 0
-    for peer, face, ptag in ((lo, to_lo, _TAG_DOWN), (hi, to_hi, _TAG_UP)):
+    for peer, face, ptag in ((lo, to_lo, tag_down), (hi, to_hi, tag_up)):
         if peer is not None and face[1] and row:  # empty messages are skipped on both sides
             size = row * face[1] + (ne if ptag == ride_send else 0)
             part = sendbuf[offset : offset + size]
@@ -134,11 +138,11 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     # Receive from hi what it sent down, and from lo what it sent up: same order everywhere.
     if n_hi_recv:
         record_collective("recv", n_hi_recv * raw.element_size(), group_size, tag)
-        end = raw.numel() if ride_recv == _TAG_DOWN else first + n_lo_recv + n_hi_recv
-        ops.append(dist.P2POp(dist.irecv, raw[first + n_lo_recv : end], hi, tag=_TAG_DOWN))
+        end = raw.numel() if ride_recv == tag_down else first + n_lo_recv + n_hi_recv
+        ops.append(dist.P2POp(dist.irecv, raw[first + n_lo_recv : end], hi, tag=tag_down))
     if n_lo_recv:
         record_collective("recv", n_lo_recv * raw.element_size(), group_size, tag)
-        ops.append(dist.P2POp(dist.irecv, raw[: first + n_lo_recv], lo, tag=_TAG_UP))
+        ops.append(dist.P2POp(dist.irecv, raw[: first + n_lo_recv], lo, tag=tag_up))
     if extra is not None:
         record_collective("send", ne * esend.element_size(), group_size, etag)
         record_collective("recv", ne * erecv.element_size(), group_size, etag)
@@ -148,7 +152,7 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
             ops.append(dist.P2POp(dist.irecv, erecv, epeer, tag=_TAG_EXTRA))
     run_p2p(ops, during)
     if ride_recv is not None:
-        erecv.copy_(raw[:ne] if ride_recv == _TAG_UP else raw[first + n_lo_recv + n_hi_recv :])
+        erecv.copy_(raw[:ne] if ride_recv == tag_up else raw[first + n_lo_recv + n_hi_recv :])
     del sendbuf  # complete: safe to release
     return recvbuf, n_lo_recv
 
@@ -171,22 +175,29 @@ class HaloState:
     grad_format: torch.memory_format
 
 
+def halo_state(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, send: Pair,
+               periodic: bool) -> HaloState:
+    """The :class:`HaloState` of exchanging ``x`` (what :func:`halo_pad` returns with the padded tensor)."""
+    lo, hi = _peers(group, periodic)
+    cl_format = _CHANNELS_LAST.get(x.dim())
+    cl = cl_format is not None and not x.is_contiguous() and x.is_contiguous(memory_format=cl_format)
+    return HaloState(dim, group, tuple(recv), tuple(send), x.size(dim), (lo, hi),
+                     cl_format if cl else torch.contiguous_format)  # x's own layout
+
+
 def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, send: Pair, periodic: bool,
              memory_format: torch.memory_format = torch.contiguous_format,
-             during: Optional[Callable[[], None]] = None) -> Tuple[torch.Tensor, HaloState]:
+             during: Optional[Callable[[], None]] = None, second: bool = False) -> Tuple[torch.Tensor, HaloState]:
     """Forward of :class:`HaloExchange1d` without autograd: the padded tensor and the adjoint's state.
 
     ``during`` (optional) runs once the messages are posted and before they are waited (the
     window for work that needs no halo row, e.g. a convolution's interior rows); it runs in
     any case, right away when nothing is exchanged. While compiling (``torch.compile``) the
     exchange is the custom op ``tplayers::halo_pad`` (``during`` then runs after it).
+    ``second=True`` tags the messages apart, so this exchange may be posted while another one
+    (e.g. an adjoint) is in flight with the same neighbours.
     """
-    n = x.size(dim)
-    lo, hi = _peers(group, periodic)
-    cl_format = _CHANNELS_LAST.get(x.dim())
-    cl = cl_format is not None and not x.is_contiguous() and x.is_contiguous(memory_format=cl_format)
-    state = HaloState(dim, group, tuple(recv), tuple(send), n, (lo, hi),
-                      cl_format if cl else torch.contiguous_format)  # x's own layout
+    state = halo_state(x, dim, group, recv, send, periodic)
     if torch.compiler.is_compiling():
         from tplayers.comm.ops import format_code
 
@@ -195,11 +206,11 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
         if during is not None:
             during()
         return out, state
-    return _eager_halo_pad(x, state, periodic, memory_format, during), state
+    return _eager_halo_pad(x, state, periodic, memory_format, during, second), state
 
 
 def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_format: torch.memory_format,
-                    during: Optional[Callable[[], None]] = None):
+                    during: Optional[Callable[[], None]] = None, second: bool = False):
     dim, group, n, (lo, hi) = state.dim, state.group, state.n, state.peers
     size = dist.get_world_size(group)
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
@@ -213,7 +224,8 @@ def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_fo
         out.narrow(dim, 0, r_lo).copy_(x.narrow(dim, n - r_lo, r_lo))
         out.narrow(dim, r_lo + n, r_hi).copy_(x.narrow(dim, 0, r_hi))
         return out
-    buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, lo, hi, size, "halo.fwd", during)
+    buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, lo, hi, size, "halo.fwd", during,
+                   tags=(_TAG_DOWN2, _TAG_UP2) if second else (_TAG_DOWN, _TAG_UP))
     faces = []
     if lo is None:
         out.narrow(dim, 0, r_lo).zero_()
@@ -234,6 +246,9 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
 
     ``during`` (optional) runs after the messages are posted and before they are
     waited, so a caller can overlap other work (e.g. an async all-reduce) with them.
+    ``into_own(grad_x)`` (optional, eager only) runs in the same window with the own rows'
+    gradient (``grad``'s own rows, before the neighbours' halo gradients are added) to add more
+    into it in place (e.g. a convolution's interior rows, computed while the halo gradients fly).
     ``extra = (send, recv, peer, tag)`` (optional, not with a group of size 1) sends
     ``send`` to ``peer`` and fills ``recv`` from it in the same batch as the halo gradients.
     While compiling, the adjoint without ``extra`` is the custom op ``tplayers::halo_adjoint``

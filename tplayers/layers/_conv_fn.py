@@ -23,7 +23,6 @@ import torch.distributed as dist
 from tplayers.comm import all_reduce_sum, record_collective
 from tplayers.comm.collectives import run_p2p
 from tplayers.comm.halo import halo_adjoint, halo_pad
-from tplayers.layers._conv_overlap import overlapped_backward, overlapped_forward
 from tplayers.window_plan import AxisPlan
 
 __all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "halo_conv"]
@@ -48,7 +47,7 @@ class ConvSpec:
     reduce_groups: tuple  # every mesh dim's group: the parameter gradients are summed over all
     perm: Optional[Tuple[int, ...]] = None  # spatial dims reordered for the convolution (see _conv_order)
     rest: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # prepare's padding of other dims (None: none)
-    overlap: bool = False  # interior / edge strips, the exchange overlapped in eager (_conv_overlap); same on every rank
+    overlap: bool = False  # exchange overlapped with compute (layers._conv_overlap); the same on every rank
 
     @property
     def empty(self) -> bool:
@@ -99,13 +98,6 @@ class HaloConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, spec: ConvSpec):
         p = spec.plan
-        ctx.overlap = spec.overlap
-        if ctx.overlap and not spec.empty:
-            with torch.no_grad():
-                out, xp, ctx.state = overlapped_forward(x, weight, bias, spec, _Order(spec))
-            ctx.save_for_backward(xp, weight)
-            ctx.spec, ctx.has_bias = spec, bias is not None
-            return out
         xp, ctx.state = halo_pad(x, spec.dim, spec.group, p.recv, p.send, spec.periodic, spec.memory_format)
         ctx.save_for_backward(xp, weight)
         ctx.spec, ctx.has_bias = spec, bias is not None
@@ -118,8 +110,6 @@ class HaloConvFunction(torch.autograd.Function):
         spec = ctx.spec
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias
-        if ctx.overlap:
-            return _overlapped_backward(ctx, grad, xp, weight, (need_x, need_w, need_b))
         if spec.empty:
             gxp = torch.zeros_like(xp) if need_x else None
             gw = torch.zeros_like(weight) if need_w else None
@@ -159,39 +149,6 @@ class HaloConvFunction(torch.autograd.Function):
         if need_b:
             gb = flat[offset : offset + weight.shape[0]]
         return grad_x, gw if need_w else None, gb if need_b else None, None
-
-
-def _overlapped_backward(ctx, grad, xp, weight, needs):
-    """The overlapped backward (:func:`overlapped_backward`), then the parameter-gradient sum as its
-    own exchange (2 ranks) or all-reduce(s): the halo gradients leave before the parameter
-    gradients are complete, so they cannot carry them."""
-    spec, state = ctx.spec, ctx.state
-    need_x, need_w, need_b = needs
-    if spec.empty:  # no output rows: zero contributions, same messages as every other rank
-        grad_x = halo_adjoint(torch.zeros_like(xp), state) if need_x else None
-        gws = [torch.zeros_like(weight)] if need_w else []
-        gbs = [weight.new_zeros(weight.shape[0])] if need_b else []
-    else:
-        grad_x, gws, gbs = overlapped_backward(grad, xp, weight, ctx.has_bias, spec, _Order(spec), state, needs)
-    params = [_sum(parts) for parts in (gws, gbs) if parts]
-    flat = torch.cat([g.reshape(-1) for g in params]) if params else None
-    groups = [g for g in spec.reduce_groups if dist.get_world_size(g) > 1] if params else []
-    if torch.compiler.is_compiling():
-        _, flat = _compiled_backward(None, flat, state, groups)
-    elif len(groups) == 1 and groups[0] is state.group and dist.get_world_size(groups[0]) == 2:
-        _pair_backward(None, flat, state)
-    elif groups:
-        _reduce_backward(None, flat, state, groups)
-    gw = flat[: weight.numel()].view_as(weight) if need_w else None
-    gb = flat[weight.numel() if need_w else 0:][: weight.shape[0]] if need_b else None
-    return grad_x, gw, gb, None
-
-
-def _sum(parts: List[torch.Tensor]) -> torch.Tensor:
-    total = parts[0]
-    for p in parts[1:]:
-        total = total + p
-    return total
 
 
 class _Order:

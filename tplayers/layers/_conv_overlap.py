@@ -1,17 +1,21 @@
-"""The ``DistributedConvNd`` twins' convolution with the halo exchange overlapped (eager mode).
+"""The ``DistributedConvNd`` twins' convolution with the halo exchange overlapped with compute.
+
+Two autograd Functions, as :func:`~tplayers.layers._conv_fn.halo_conv` (activation
+checkpointing stops recomputing before the convolution): :class:`HaloConvSave` saves only the
+local input and the weight (exactly what ``nn.ConvNd`` holds) and runs no compute;
+:class:`HaloConvOverlap` computes.
 
 Forward: the halo messages are posted; while they fly, the *interior* output rows (whose windows
 read only this rank's own rows, :func:`~tplayers.window_plan.split_rows`) are convolved straight
 from the local input; after the wait, the two edge strips (which read halo or boundary rows) are
-convolved from the padded input, and the three pieces are concatenated.
+convolved from the padded input, and the pieces are concatenated.
 
-Backward: the edge strips' input gradients come first (they hold every halo row's gradient), the
-adjoint halo messages are posted, and the interior's input and weight gradients are computed while
-they fly (added into the own rows' gradient before the neighbours' halo gradients land); the
-parameter-gradient sum over the domain follows (its own exchange / all-reduce).
-
-Each output (and each gradient term) is the same sum of products as in one convolution over the
-whole slab; only the parameter gradients are summed in three parts (interior, two strips).
+Backward: the edge strips' input gradients first (they need only the weight, and they hold every
+halo row's gradient); then one window with two exchanges in flight: the adjoint halo (those
+gradients to their owners) and the input's faces again (the edge strips' weight gradient needs the
+halo rows, which are not kept from forward to backward); the interior's input and weight gradients
+are computed while both fly; then the edge strips' weight gradients and the parameter-gradient sum
+over the domain. While compiling, the same arithmetic runs with each exchange as one op.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
-from tplayers.comm.halo import HaloState, halo_adjoint, halo_pad
+from tplayers.comm.halo import HaloState, halo_adjoint, halo_pad, halo_state
+from tplayers.layers._conv_fn import ConvSpec, _compiled_backward, _Order, _pair_backward, _reduce_backward
 from tplayers.window_plan import RowSplit, split_rows
 
-__all__ = ["conv_split", "overlapped_forward", "overlapped_backward"]
+__all__ = ["HaloConvOverlap", "HaloConvSave", "conv_split", "overlapped_conv", "overlapped_forward"]
 
 
 def conv_split(spec, weight: torch.Tensor, own_rows: int) -> RowSplit:
@@ -37,7 +43,7 @@ def _conv(spec, order, x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                                 spec.groups))
 
 
-def overlapped_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec,
+def overlapped_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: ConvSpec,
                        order) -> Tuple[torch.Tensor, torch.Tensor, HaloState]:
     """``(output, halo-padded input, adjoint state)``; the interior rows are convolved between
     posting the halo messages and waiting for them."""
@@ -71,67 +77,160 @@ def overlapped_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     return y, xp, state
 
 
-def overlapped_backward(grad: torch.Tensor, xp: torch.Tensor, weight: torch.Tensor, has_bias: bool, spec, order,
-                        state: HaloState, needs: Tuple[bool, bool, bool]):
-    """``(grad_x or None, [weight grad parts], [bias grad parts])``: the input gradient after the
-    adjoint halo exchange, with the interior's gradients computed while its messages fly (eager;
-    while compiling the same arithmetic runs with the exchange as one op)."""
-    need_x, need_w, need_b = needs
+def overlapped_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: ConvSpec) -> torch.Tensor:
+    """The distributed convolution with the exchange overlapped: :class:`HaloConvSave` (saves ``x``
+    and the weight, the whole backward) then :class:`HaloConvOverlap` (exchange + convolution)."""
+    token = HaloConvSave.apply(x, weight, bias, spec)
+    return HaloConvOverlap.apply(token, x.detach(), weight.detach(), None if bias is None else bias.detach(), spec)
+
+
+class HaloConvOverlap(torch.autograd.Function):
+    """forward: the halo exchange overlapped with the interior rows' convolution, then the edge
+    strips (:func:`overlapped_forward`); saves nothing /
+    backward: the output gradient handed unchanged to :class:`HaloConvSave` through ``token``."""
+
+    @staticmethod
+    def forward(ctx, token, x, weight, bias, spec: ConvSpec):
+        with torch.no_grad():
+            if spec.empty:  # no output rows: still sends this rank's faces
+                p = spec.plan
+                xp, _ = halo_pad(x, spec.dim, spec.group, p.recv, p.send, spec.periodic, spec.memory_format)
+                return x.new_zeros(spec.out_shape) + xp.narrow(spec.dim, 0, 0).sum()  # (used: no graph drops it)
+            return overlapped_forward(x, weight, bias, spec, _Order(spec))[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None, None
+
+
+class HaloConvSave(torch.autograd.Function):
+    """forward: saves the local input and the weight; returns ``token``, zero-strided zeros of the
+    output's shape whose gradient is the convolution's output gradient /
+    backward: the overlapped backward (module doc): adjoint halo and the input's faces again in one
+    window with the interior's gradients; then the parameter-gradient sum over the domain (its own
+    exchange with the peer on 2 ranks, else all-reduce(s)). A rank owning no output rows takes part
+    in every exchange with zero contributions.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec: ConvSpec):
+        ctx.save_for_backward(x, weight)
+        ctx.spec, ctx.has_bias = spec, bias is not None
+        return x.new_zeros(()).expand(spec.out_shape)  # x and weight share a dtype (checked by the layer)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        spec = ctx.spec
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
+        p = spec.plan
+        state = halo_state(x, spec.dim, spec.group, p.recv, p.send, spec.periodic)
+        grad_x, gws = _backward(grad, x, weight, spec, _Order(spec), state, need_x, need_w)
+        params = []
+        if need_w:
+            params.append(_sum(gws) if gws else torch.zeros_like(weight))
+        if need_b:
+            params.append(grad.sum([d for d in range(grad.dim()) if d != 1]))
+        flat = torch.cat([g.reshape(-1) for g in params]) if params else None
+        groups = [g for g in spec.reduce_groups if dist.get_world_size(g) > 1] if params else []
+        if torch.compiler.is_compiling():
+            _, flat = _compiled_backward(None, flat, state, groups)
+        elif len(groups) == 1 and groups[0] is state.group and dist.get_world_size(groups[0]) == 2:
+            _pair_backward(None, flat, state)
+        elif groups:
+            _reduce_backward(None, flat, state, groups)
+        gw = flat[: weight.numel()].view_as(weight) if need_w else None
+        gb = flat[weight.numel() if need_w else 0:][: weight.shape[0]] if need_b else None
+        return grad_x, gw, gb, None
+
+
+def _backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, spec: ConvSpec, order, state: HaloState,
+              need_x: bool, need_w: bool) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
+    """``(grad_x or None, [weight gradient parts])`` (module doc, backward)."""
     dim, plan = spec.dim, spec.plan
     split = conv_split(spec, weight, state.n)
-    gws: List[torch.Tensor] = []
-    gbs: List[torch.Tensor] = []
     nsp = len(spec.stride)
+    gws: List[torch.Tensor] = []
+    # (a rank owning no output rows, along this dim or another, computes nothing but still exchanges)
+    strips = [(o0, o1) + split.extended(o0, o1) for o0, o1 in ((0, split.lo), (split.hi, split.out_rows))
+              if o1 > o0 and not spec.empty]
 
-    def strip_backward(g: torch.Tensor, xin: torch.Tensor) -> Optional[torch.Tensor]:
-        gi, gw, gb = torch.ops.aten.convolution_backward(
-            order.fwd(g), order.fwd(xin), order.fwd(weight), [weight.shape[0]] if has_bias else None,
-            order.stride, order.padding, order.dilation, False, [0] * nsp, spec.groups, [need_x, need_w, need_b])
-        if need_w:
+    def conv_backward(g, xin, mask):
+        gi, gw, _ = torch.ops.aten.convolution_backward(
+            order.fwd(g), order.fwd(xin), order.fwd(weight), None, order.stride, order.padding, order.dilation,
+            False, [0] * nsp, spec.groups, mask + [False])
+        if gw is not None:
             gws.append(order.back(gw))
-        if need_b:
-            gbs.append(gb)
         return order.back(gi) if gi is not None else None
 
-    # 1) the edge strips: every halo row's gradient
-    identity = spec.rest is None and plan.boundary == (0, 0) and plan.trim == (0, 0)
-    xc, pull = (xp, None) if identity or not need_x else _vjp(spec.prepare, xp)
-    if not identity and not need_x:
-        xc = spec.prepare(xp)
-    gc = torch.zeros_like(xc) if need_x else None
-    for o0, o1 in ((0, split.lo), (split.hi, split.out_rows)):
-        if o1 > o0:
-            a, b = split.extended(o0, o1)
-            gi = strip_backward(grad.narrow(dim, o0, o1 - o0), xc.narrow(dim, a, b - a))
-            if need_x:
-                gc.narrow(dim, a, b - a).add_(gi)
-    gxp = (gc if pull is None else pull(gc)) if need_x else None
+    # 1) the edge strips' input gradients (every halo row's gradient): they need only the weight
+    gxp = None
+    if need_x:
+        shape = list(x.shape)
+        shape[dim] = plan.recv[0] + state.n + plan.recv[1]
+        zeros = x.new_zeros(()).expand(shape)  # stands in for the padded input: only its shape is read
+        identity = spec.rest is None and plan.boundary == (0, 0) and plan.trim == (0, 0)
+        zc, pull = (zeros, None) if identity else _vjp(spec.prepare, zeros)
+        gc = x.new_zeros(zc.shape)
+        for o0, o1, a, b in strips:
+            gc.narrow(dim, a, b - a).add_(conv_backward(grad.narrow(dim, o0, o1 - o0), zc.narrow(dim, a, b - a),
+                                                        [True, False]))
+        gxp = gc if pull is None else pull(gc)
 
-    # 2) the interior, while the adjoint halo messages fly (eager), added into the own rows before
-    #    the neighbours' halo gradients in both modes (the same float sums, compiled or not)
+    # 2) the interior's input and weight gradients, added into the own rows before the neighbours'
+    #    halo gradients (the same float sums compiled or not)
     def interior(grad_x: Optional[torch.Tensor], first: int = 0):
-        if split.has_interior:
+        if split.has_interior and not spec.empty:
             a, b = split.own(split.lo, split.hi)
-            xs = xp.narrow(dim, state.recv[0] + a, b - a)
+            xs = x.narrow(dim, a, b - a).contiguous(memory_format=spec.memory_format)
             xr, pull_r = (xs, None) if spec.rest is None or not need_x else _vjp(spec.rest, xs)
             if spec.rest is not None and not need_x:
                 xr = spec.rest(xs)
-            gi = strip_backward(grad.narrow(dim, split.lo, split.hi - split.lo), xr)
+            gi = conv_backward(grad.narrow(dim, split.lo, split.hi - split.lo), xr, [need_x, need_w])
             if grad_x is not None:
                 grad_x.narrow(dim, first + a, b - a).add_(gi if pull_r is None else pull_r(gi))
 
-    if not need_x:
-        interior(None)
-        return None, gws, gbs
-    if torch.compiler.is_compiling():  # the exchange is one op: compute first (its result then
-        interior(gxp, state.recv[0])   # depends on the output gradient everywhere)
-        return halo_adjoint(gxp, state), gws, gbs
-    return halo_adjoint(gxp, state, into_own=interior), gws, gbs
+    xp_box = []
+
+    def refetch(grad_x: Optional[torch.Tensor]):  # the input's faces again, the interior meanwhile
+        if need_w:
+            xp_box.append(halo_pad(x, dim, spec.group, plan.recv, plan.send, spec.periodic, spec.memory_format,
+                                   during=lambda: interior(grad_x), second=True)[0])
+        else:
+            interior(grad_x)
+
+    if torch.compiler.is_compiling():
+        interior(gxp, plan.recv[0])
+        grad_x = halo_adjoint(gxp, state) if need_x else None
+        if need_w:
+            xp_box.append(halo_pad(x, dim, spec.group, plan.recv, plan.send, spec.periodic, spec.memory_format)[0])
+    elif need_x:
+        grad_x = halo_adjoint(gxp, state, into_own=refetch)
+    else:
+        grad_x = None
+        refetch(None)
+
+    # 3) the edge strips' weight gradients, from the halo rows just received
+    if need_w and strips:
+        xc = spec.prepare(xp_box[0])
+        for o0, o1, a, b in strips:
+            conv_backward(grad.narrow(dim, o0, o1 - o0), xc.narrow(dim, a, b - a), [False, True])
+    elif need_w and torch.compiler.is_compiling():  # keep the exchange's result used: no partitioner drops it
+        gws.append(xp_box[0].narrow(dim, 0, 0).sum() + torch.zeros_like(weight))
+    return grad_x, gws
+
+
+def _sum(parts: List[torch.Tensor]) -> torch.Tensor:
+    total = parts[0]
+    for p in parts[1:]:
+        total = total + p
+    return total
 
 
 def _vjp(fn, x: torch.Tensor):
-    """``(fn(x), pullback)``: autograd on a detached copy of the graph in eager, ``torch.func.vjp``
-    while compiling (the padding / trim is cheap to replay; the convolution is never replayed)."""
+    """``(fn(x), pullback)``: autograd on a detached replay in eager, ``torch.func.vjp`` while
+    compiling (only cheap padding / trim is replayed, never a convolution)."""
     if torch.compiler.is_compiling():
         y, pull = torch.func.vjp(fn, x)
         return y, lambda g: pull(g)[0]

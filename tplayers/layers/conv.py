@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.comm.window import edge_pad, gather_rows, pad_arg, pad_dim
 from tplayers.layers._common import autocast_inputs
 from tplayers.layers._conv_fn import ConvSpec, conv_order, halo_conv
+from tplayers.layers._conv_overlap import overlapped_conv
 from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
 from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows
 
@@ -172,7 +173,7 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
         for d, plan in first.items():  # a 2-D mesh: the first dim's exchange, corners ride on the next
             x = gather_rows(x, d, self._group_of(d), plan, self.padding_mode, memory_format=self.memory_format)
         # (N, C_in, *local rows) -> (N, C_out, *owned output rows)
-        return halo_conv(x, weight, bias, spec)
+        return (overlapped_conv if spec.overlap else halo_conv)(x, weight, bias, spec)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
