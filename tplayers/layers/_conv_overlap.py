@@ -203,8 +203,11 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, spec: C
     if torch.compiler.is_compiling():
         interior(gxp, plan.recv[0])
         grad_x = halo_adjoint(gxp, state) if need_x else None
-        if need_w:
-            xp_box.append(halo_pad(x, dim, spec.group, plan.recv, plan.send, spec.periodic, spec.memory_format)[0])
+        if need_w:  # after the adjoint on every rank: made to depend on it (+ an empty sum, 0.0), so no
+            # graph partitioner or scheduler moves this exchange (its input is a forward tensor) elsewhere
+            after = (grad_x if need_x else grad).narrow(dim, 0, 0).sum()
+            xp_box.append(halo_pad(x + after, dim, spec.group, plan.recv, plan.send, spec.periodic,
+                                   spec.memory_format)[0])
     elif need_x:
         grad_x = halo_adjoint(gxp, state, into_own=refetch)
     else:
