@@ -11,9 +11,12 @@ Each is a thin twin over the window-op core: the axis plan
 (:func:`tplayers.window_plan.plan_windows`, output rows partitioned by the
 DESIGN §2.4 rule: "same" convolutions keep the input's partition, others give the
 balanced one), the N-d halo exchange (:mod:`tplayers.comm.window`) for all but
-the last sharded dim, and :func:`~tplayers.layers._conv_fn.halo_conv`
-fusing the last dim's exchange with the convolution (its backward overlaps the
-parameter-gradient sum with the adjoint halo messages).
+the last sharded dim, and :func:`~tplayers.layers._conv_overlap.overlapped_conv`
+fusing the last dim's exchange with the convolution: the interior output rows are
+convolved while the halo messages fly, then the edge strips (and the adjoint likewise
+in backward). ``_overlap = False`` selects :func:`~tplayers.layers._conv_fn.halo_conv`
+(exchange, then one convolution; its backward overlaps the parameter-gradient sum with
+the adjoint halo messages).
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
     """Shared body of ``DistributedConv1d/2d/3d`` (see the module doc)."""
 
     _nn: type = nn.Conv2d
+    # The last sharded dim's halo exchange overlapped with the convolution (interior rows while it
+    # flies; layers._conv_overlap); False: exchange, then one convolution (layers._conv_fn). The
+    # same on every rank. Set per instance before the first call (benchmarks compare the two).
+    _overlap: bool = True
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
@@ -162,7 +169,7 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
                         prepare, _CONV[self.spatial], self.stride, tuple(conv_pad), self.dilation, self.groups,
                         tuple(out_shape), tuple(self._groups), conv_order(tuple(shape), like),
                         functools.partial(_pad_rest, mode=self.padding_mode, extra=tuple(extra)) if extra else None,
-                        overlap=True)
+                        overlap=self._overlap)
         return {d: plans[d] for d in self.shard_dims[:-1]}, spec
 
     # ----------------------------------------------------------------- forward
@@ -178,9 +185,17 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
         halo = [f"halo send/recv (dim {d})" for d in self.shard_dims]
-        if len(self._groups) == 1 and dist.get_world_size(self._groups[0]) == 2:
-            return halo, [f"halo send/recv (dim {self.shard_dims[0]}) carrying the weight+bias grads"]
-        return halo, halo + ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
+        pair = len(self._groups) == 1 and dist.get_world_size(self._groups[0]) == 2
+        if not self._overlap:
+            if pair:
+                return halo, [f"halo send/recv (dim {self.shard_dims[0]}) carrying the weight+bias grads"]
+            return halo, halo + ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
+        last = self.shard_dims[-1]
+        backward = [f"halo send/recv (dim {last}): halo grads and the input's faces again, in flight together"]
+        backward += halo[:-1]
+        backward += ["send/recv with the peer (weight+bias grads)"] if pair else \
+            ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
+        return halo, backward
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
