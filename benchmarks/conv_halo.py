@@ -5,15 +5,15 @@
 Prints, in one run:
 1. halo bytes sent per layer vs the minimum (the distinct input rows a rank's
    owned outputs read from other ranks, counted by brute force);
-2. 2-rank forward+backward time of DistributedConv2d (halo exchange overlapped with the
-   interior rows' convolution, and the blocking variant) vs one process running
+2. 2-rank forward+backward time of DistributedConv2d (default, and ``overlap_halo=True``:
+   the interior rows convolved while the halo flies) vs one process running
    nn.Conv2d on the same global input;
 3. the same 2-rank step with PhysicsNeMo's ShardTensor conv (``nvidia-physicsnemo``
    installed with ``--no-deps`` plus what it imports; its conv handler registered
    by importing ``shard_utils.conv_patches``; ``sharding_shapes="chunk"``), as a ratio;
 4. Triton halo pack/unpack GB/s vs a device-to-device copy (CUDA only).
 
-Each rank uses one thread. Timings are interleaved (tplayers, blocking, ShardTensor,
+Each rank uses one thread. Timings are interleaved (tplayers, overlap, ShardTensor,
 serial, repeated) and reported as medians, since the machine may be shared. The last
 table prints each ratio next to its issue-13 target (tplayers / ShardTensor <= 0.55
 compute-bound and <= 0.5 overhead-bound; compute-bound within 1.15x of one-process / 2).
@@ -112,16 +112,15 @@ TARGETS = {"compute-bound": {"st": 0.55, "half": 1.15}, "overhead-bound": {"st":
 def speed_table(mesh, rank, world, repeats, st):
     if rank == 0:
         print("\n## 2-rank forward+backward (ms, median of interleaved repeats)")
-        print("tplayers: halo exchange overlapped with the interior rows' convolution (the default);")
-        print("blocking: the same layer with the exchange first, then one convolution (_overlap=False)")
-        print(f"{'shape':16s} {'tplayers':>9s} {'blocking':>9s} {'ShardTensor':>12s} {'nn.Conv2d 1 proc':>17s}")
+        print("tplayers: DistributedConv2d (default: the halo exchange, then one convolution);")
+        print("overlap: overlap_halo=True (interior rows convolved while the halo flies, then the edges)")
+        print(f"{'shape':16s} {'tplayers':>9s} {'overlap':>9s} {'ShardTensor':>12s} {'nn.Conv2d 1 proc':>17s}")
     rows = []
     for name, (n, c, h, w, co, k) in SHAPES.items():
         torch.manual_seed(0)
         serial = nn.Conv2d(c, co, k, padding=k // 2)
         conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh)
-        blocking = tplayers.DistributedConv2d.from_module(serial, mesh=mesh)
-        blocking._overlap = False
+        overlapped = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, overlap_halo=True)
         x = torch.randn(n, c, h, w)
         local = x.chunk(world, dim=2)[rank].clone().requires_grad_(True)  # torch.chunk == balanced here
         xs = x.clone().requires_grad_(True)
@@ -130,8 +129,8 @@ def speed_table(mesh, rank, world, repeats, st):
         def step_tpl():
             conv(local).sum().backward()
 
-        def step_blocking():
-            blocking(local).sum().backward()
+        def step_overlap():
+            overlapped(local).sum().backward()
 
         def step_serial():
             if rank == 0:  # one process does the whole conv; the other waits at the barrier
@@ -149,12 +148,12 @@ def speed_table(mesh, rank, world, repeats, st):
         with torch.no_grad():  # every distributed result is checked against the serial conv first
             ref = serial(x).chunk(world, dim=2)[rank]
             torch.testing.assert_close(conv(local), ref, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(blocking(local), ref, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(overlapped(local), ref, rtol=1e-4, atol=1e-4)
             if st is not None:
                 t = ShardTensor.from_local(local, mesh, [Shard(2)], sharding_shapes="chunk", global_shape=x.shape)
                 torch.testing.assert_close(F.conv2d(t, weight, bias, padding=k // 2).to_local(), ref,
                                            rtol=1e-4, atol=1e-4)
-        steps = {"tpl": step_tpl, "blocking": step_blocking, "st": step_st, "serial": step_serial}
+        steps = {"tpl": step_tpl, "overlap": step_overlap, "st": step_st, "serial": step_serial}
         for fn in filter(None, steps.values()):
             fn()  # warm-up (and the layout exchange)
         times = {key: [] for key in steps}
@@ -165,7 +164,7 @@ def speed_table(mesh, rank, world, repeats, st):
         med = {key: statistics.median(v) * 1e3 if v else float("nan") for key, v in times.items()}
         rows.append((name, med))
         if rank == 0:
-            print(f"{name:16s} {med['tpl']:9.2f} {med['blocking']:9.2f} {med['st']:12.2f} {med['serial']:17.2f}   "
+            print(f"{name:16s} {med['tpl']:9.2f} {med['overlap']:9.2f} {med['st']:12.2f} {med['serial']:17.2f}   "
                   f"(input {n}x{c}x{h}x{w}, {co} out, {k}x{k})")
     if rank == 0:
         print("\n## Ratios vs the issue-13 targets (same run)")
@@ -174,8 +173,8 @@ def speed_table(mesh, rank, world, repeats, st):
             target = TARGETS[name]
             checks = [("tplayers / ShardTensor", med["tpl"] / med["st"], "st"),
                       ("tplayers / (1 proc / 2)", med["tpl"] / (med["serial"] / world), "half"),
-                      ("blocking / ShardTensor", med["blocking"] / med["st"], None),
-                      ("tplayers / blocking", med["tpl"] / med["blocking"], None)]
+                      ("overlap / ShardTensor", med["overlap"] / med["st"], None),
+                      ("overlap / tplayers", med["overlap"] / med["tpl"], None)]
             for label, value, key in checks:
                 limit = target.get(key) if key else None
                 met = "" if limit is None or value != value else ("yes" if value <= limit else "NO")

@@ -57,7 +57,7 @@ def _partition(rng, length, parts, conv, d):
     return shard_sizes(length, parts)
 
 
-def _parity(rank, world, mesh_shape, shard_dims, seed, count):
+def _parity(rank, world, mesh_shape, shard_dims, seed, count, overlap=False):
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
     coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
     rng = random.Random(seed)
@@ -75,7 +75,8 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count):
         except RuntimeError:
             continue  # the serial layer rejects it too (e.g. reflect padding >= size)
         fmt = rng.choice([torch.channels_last, torch.contiguous_format])
-        conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, shard_dims=shard_dims, memory_format=fmt)
+        conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, shard_dims=shard_dims, memory_format=fmt,
+                                                      overlap_halo=overlap)
         opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
         opt_p = torch.optim.SGD(conv.parameters(), lr=0.1)
         for step in range(2):
@@ -115,14 +116,17 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count):
     return done
 
 
-@pytest.mark.parametrize("world,mesh_shape,shard_dims,count", [
-    (2, (2,), (2,), 24),
-    (2, (2,), (3,), 10),
-    (3, (3,), (2,), 24),
-    (4, (2, 2), (2, 3), 16),
+@pytest.mark.parametrize("world,mesh_shape,shard_dims,count,overlap", [
+    (2, (2,), (2,), 24, False),
+    (2, (2,), (3,), 10, False),
+    (3, (3,), (2,), 24, False),
+    (4, (2, 2), (2, 3), 16, False),
+    (2, (2,), (2,), 16, True),  # overlap_halo=True: interior rows while the halo flies
+    (4, (2, 2), (2, 3), 10, True),
 ])
-def test_conv_parity_grid(world, mesh_shape, shard_dims, count):
-    run_ranks(_parity, world, args=(mesh_shape, shard_dims, 1000 + world + shard_dims[0], count), timeout=180)
+def test_conv_parity_grid(world, mesh_shape, shard_dims, count, overlap):
+    run_ranks(_parity, world, args=(mesh_shape, shard_dims, 1000 + world + shard_dims[0] + overlap, count, overlap),
+              timeout=180)
 
 
 def _errors(rank, world):

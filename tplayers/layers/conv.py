@@ -14,9 +14,11 @@ balanced one), the N-d halo exchange (:mod:`tplayers.comm.window`) for all but
 the last sharded dim, and :func:`~tplayers.layers._conv_overlap.overlapped_conv`
 fusing the last dim's exchange with the convolution: the interior output rows are
 convolved while the halo messages fly, then the edge strips (and the adjoint likewise
-in backward). ``_overlap = False`` selects :func:`~tplayers.layers._conv_fn.halo_conv`
-(exchange, then one convolution; its backward overlaps the parameter-gradient sum with
-the adjoint halo messages).
+in backward) with ``overlap_halo=True``; by default
+:func:`~tplayers.layers._conv_fn.halo_conv` (exchange, then one convolution; its backward
+overlaps the parameter-gradient sum with the adjoint halo messages), faster on the CPU with
+gloo, where a halo message is short next to the extra passes over memory the split costs
+(``benchmarks/conv_halo.py`` times both).
 """
 
 from __future__ import annotations
@@ -49,16 +51,13 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
     """Shared body of ``DistributedConv1d/2d/3d`` (see the module doc)."""
 
     _nn: type = nn.Conv2d
-    # The last sharded dim's halo exchange overlapped with the convolution (interior rows while it
-    # flies; layers._conv_overlap); False: exchange, then one convolution (layers._conv_fn). The
-    # same on every rank. Set per instance before the first call (benchmarks compare the two).
-    _overlap: bool = True
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
                  mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),
-                 memory_format: Optional[torch.memory_format] = None) -> None:
+                 memory_format: Optional[torch.memory_format] = None, overlap_halo: bool = False) -> None:
         super().__init__()
+        self.overlap_halo = bool(overlap_halo)
         name, n = type(self).__name__, self.spatial
         for arg, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -108,7 +107,7 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
 
     @classmethod
     def from_module(cls, conv: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),
-                    memory_format: Optional[torch.memory_format] = None):
+                    memory_format: Optional[torch.memory_format] = None, overlap_halo: bool = False):
         """The domain-parallel twin of ``conv``, holding a copy of its parameters.
 
         Build optimizers after swapping: the new parameters are new objects.
@@ -117,7 +116,8 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
             raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(conv).__name__}")
         layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                     conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode, device="meta",
-                    dtype=conv.weight.dtype, mesh=mesh, shard_dims=shard_dims, memory_format=memory_format)
+                    dtype=conv.weight.dtype, mesh=mesh, shard_dims=shard_dims, memory_format=memory_format,
+                    overlap_halo=overlap_halo)
         layer = layer.to_empty(device=conv.weight.device)
         layer._copy_shards_from(conv)
         return layer
@@ -127,7 +127,8 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
         return {"in_channels": self.in_channels, "out_channels": self.out_channels, "kernel_size": self.kernel_size,
                 "stride": self.stride, "padding": self._pads, "dilation": self.dilation, "groups": self.groups,
                 "bias": self.bias is not None, "padding_mode": self.padding_mode,
-                "memory_format": str(self.memory_format), "dtype": str(self.weight.dtype)}
+                "memory_format": str(self.memory_format), "dtype": str(self.weight.dtype),
+                "overlap_halo": self.overlap_halo}
 
     def _param_dtype(self):
         return self.weight
@@ -169,7 +170,7 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
                         prepare, _CONV[self.spatial], self.stride, tuple(conv_pad), self.dilation, self.groups,
                         tuple(out_shape), tuple(self._groups), conv_order(tuple(shape), like),
                         functools.partial(_pad_rest, mode=self.padding_mode, extra=tuple(extra)) if extra else None,
-                        overlap=self._overlap)
+                        overlap=self.overlap_halo)
         return {d: plans[d] for d in self.shard_dims[:-1]}, spec
 
     # ----------------------------------------------------------------- forward
@@ -186,7 +187,7 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
         """Collectives per step: ``(forward list, backward list)``."""
         halo = [f"halo send/recv (dim {d})" for d in self.shard_dims]
         pair = len(self._groups) == 1 and dist.get_world_size(self._groups[0]) == 2
-        if not self._overlap:
+        if not self.overlap_halo:
             if pair:
                 return halo, [f"halo send/recv (dim {self.shard_dims[0]}) carrying the weight+bias grads"]
             return halo, halo + ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
@@ -251,6 +252,10 @@ class DistributedConv2d(_DistributedConvNd):
     sums carry that dtype. A partition whose
     shards cannot supply their neighbours' halos raises ``ValueError`` on every rank before any
     halo traffic.
+    ``overlap_halo`` (keyword, default ``False``): convolve the interior output rows while the
+    halo messages fly, then the edge strips (and the adjoint likewise in backward; between forward
+    and backward only the input and the weight are kept, as ``nn.Conv2d`` keeps, at the cost of
+    sending the input's edge rows again in backward). Same values; the same on every rank.
 
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
