@@ -12,7 +12,10 @@ are interleaved; medians are printed with the ratio tplayers / safetensors
 "hot" loads read from the page cache; "cold" loads evict the files first.
 Saves are compared with ``save_file`` as is (no fsync: the data may still be
 only in the page cache) and with ``save_file`` + ``fsync`` (the durability
-tplayers gives: every file and directory fsynced, atomic rename).
+tplayers gives: every file and directory fsynced, atomic rename). Each ratio with a
+target in issue 13 is printed with it and PASS / MISS; the first line gives the
+same-run single-core rates of the digests, a memory copy and torch's 2-D
+transpose (the limits a load meets), the last the load average. ~1 minute.
 
 Run 2 (3 ranks, ``--reshard``): loads the 2-rank checkpoint at 3 ranks, one
 rank at a time with a cold page cache (ranks on one machine share the page
