@@ -58,7 +58,8 @@ def _resident(start: int, length: int) -> bool:
     fn = getattr(_LIBC, "mincore", None)
     if fn is None:
         return False
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    if fn.argtypes is None:
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
     page = mmap.PAGESIZE
     vec = ctypes.create_string_buffer(1)
     for at in (start, start + length // 2, start + length - 1):
