@@ -187,13 +187,16 @@ def halo_state(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, 
 
 def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, send: Pair, periodic: bool,
              memory_format: torch.memory_format = torch.contiguous_format,
-             during: Optional[Callable[[], None]] = None, second: bool = False) -> Tuple[torch.Tensor, HaloState]:
+             during: Optional[Callable[[], None]] = None, second: bool = False,
+             out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, HaloState]:
     """Forward of :class:`HaloExchange1d` without autograd: the padded tensor and the adjoint's state.
 
     ``during`` (optional) runs once the messages are posted and before they are waited (the
     window for work that needs no halo row, e.g. a convolution's interior rows); it runs in
     any case, right away when nothing is exchanged. While compiling (``torch.compile``) the
     exchange is the custom op ``tplayers::halo_pad`` (``during`` then runs after it).
+    ``out`` (optional, eager): the padded buffer to fill (``x``'s shape padded along ``dim``, any
+    layout); its own rows hold ``x`` before the messages are posted, so ``during`` may read them.
     ``second=True`` tags the messages apart, so this exchange may be posted while another one
     (e.g. an adjoint) is in flight with the same neighbours.
     """
@@ -206,17 +209,20 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
         if during is not None:
             during()
         return out, state
-    return _eager_halo_pad(x, state, periodic, memory_format, during, second), state
+    return _eager_halo_pad(x, state, periodic, memory_format, during, second, out), state
 
 
 def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_format: torch.memory_format,
-                    during: Optional[Callable[[], None]] = None, second: bool = False):
+                    during: Optional[Callable[[], None]] = None, second: bool = False,
+                    out: Optional[torch.Tensor] = None):
     dim, group, n, (lo, hi) = state.dim, state.group, state.n, state.peers
     size = dist.get_world_size(group)
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
     shape = list(x.shape)
     shape[dim] = r_lo + n + r_hi
-    out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)
+    if out is None:
+        out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)
+    assert list(out.shape) == shape, (list(out.shape), shape)
     out.narrow(dim, r_lo, n).copy_(x)
     if size == 1 and periodic:  # wraps onto itself: local copies, no communication
         if during is not None:

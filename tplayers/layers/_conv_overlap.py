@@ -62,9 +62,12 @@ def overlapped_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
         # to move an exchange whose result the forward does not use into the backward graph
         xp, state = halo_pad(x, dim, spec.group, plan.recv, plan.send, spec.periodic, spec.memory_format)
         interior(xp, plan.recv[0])
-    else:
+    else:  # the interior reads the padded buffer's own rows, filled (in its layout) before posting
+        shape = list(x.shape)
+        shape[dim] += plan.recv[0] + plan.recv[1]
+        xp = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=spec.memory_format)
         xp, state = halo_pad(x, dim, spec.group, plan.recv, plan.send, spec.periodic, spec.memory_format,
-                             during=interior)
+                             during=lambda: interior(xp, plan.recv[0]), out=xp)
     out = []
     if split.lo or split.hi < split.out_rows:
         xc = spec.prepare(xp)
@@ -180,10 +183,10 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, spec: C
 
     # 2) the interior's input and weight gradients, added into the own rows before the neighbours'
     #    halo gradients (the same float sums compiled or not)
-    def interior(grad_x: Optional[torch.Tensor], first: int = 0):
+    def interior(grad_x: Optional[torch.Tensor], first: int = 0, src: Optional[torch.Tensor] = None, at: int = 0):
         if split.has_interior and not spec.empty:
             a, b = split.own(split.lo, split.hi)
-            xs = x.narrow(dim, a, b - a).contiguous(memory_format=spec.memory_format)
+            xs = (x if src is None else src).narrow(dim, at + a, b - a).contiguous(memory_format=spec.memory_format)
             xr, pull_r = (xs, None) if spec.rest is None or not need_x else _vjp(spec.rest, xs)
             if spec.rest is not None and not need_x:
                 xr = spec.rest(xs)
@@ -194,9 +197,13 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, spec: C
     xp_box = []
 
     def refetch(grad_x: Optional[torch.Tensor]):  # the input's faces again, the interior meanwhile
-        if need_w:
-            xp_box.append(halo_pad(x, dim, spec.group, plan.recv, plan.send, spec.periodic, spec.memory_format,
-                                   during=lambda: interior(grad_x), second=True)[0])
+        if need_w:  # (reading the padded buffer's own rows, filled in its layout before posting)
+            shape = list(x.shape)
+            shape[dim] += plan.recv[0] + plan.recv[1]
+            xp = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=spec.memory_format)
+            halo_pad(x, dim, spec.group, plan.recv, plan.send, spec.periodic, spec.memory_format,
+                     during=lambda: interior(grad_x, src=xp, at=plan.recv[0]), second=True, out=xp)
+            xp_box.append(xp)
         else:
             interior(grad_x)
 
