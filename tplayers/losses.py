@@ -72,7 +72,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         if v_local:
             stats[1] = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0)
         stats[2] = x.sum(-1)
-        all_reduce_sum(stats, group, "vocab_ce.sum")
+        stats = all_reduce_sum(stats, group, "vocab_ce.sum")
         lse = row_max + stats[0].log()  # (N,) log-sum-exp over the whole vocab
         nll = lse - stats[1]
         loss = nll if smoothing == 0 else (1 - smoothing) * nll + smoothing * (lse - stats[2] / vocab)

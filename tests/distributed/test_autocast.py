@@ -185,3 +185,39 @@ def _na(rank, world):
 
 def test_autocast_neighborhood_attention():
     run_ranks(_na, 2, timeout=60)
+
+
+def _twins(rank, world):
+    """Every other domain twin under autocast keeps the serial module's output dtype (fp32 for
+    norms, pooling and interpolation, which autocast does not cast down; bf16 for the transposed
+    convolution) and its values: fp32 round-off, or bf16 rounding where the serial one rounds."""
+    torch.manual_seed(0)
+    mesh = tplayers.default_mesh()
+    mods = [nn.GroupNorm(2, 4), nn.BatchNorm2d(4), nn.InstanceNorm2d(4, affine=True), nn.MaxPool2d(2),
+            nn.AvgPool2d(3, 1, 1), nn.Upsample(scale_factor=2, mode="bilinear"), nn.Upsample(size=(11, 5)),
+            nn.AdaptiveAvgPool2d(1), nn.AdaptiveAvgPool2d((3, 3)), nn.AdaptiveMaxPool2d((3, 3)),
+            nn.ConvTranspose2d(4, 4, 2, 2)]
+    seen = []
+    for m in mods:
+        par = tplayers.parallelize_module(copy.deepcopy(m), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
+        x = torch.randn(2, 4, 4 * world + 1, 6, generator=torch.Generator().manual_seed(1))
+        xs, xp = x.clone().requires_grad_(True), tplayers.shard(x, 2, mesh).requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ys, yp = m(xs), par(xp)
+        name = type(m).__name__
+        assert yp.dtype == ys.dtype, (name, yp.dtype, ys.dtype)
+        ref = ys if ys.shape[2] == 1 else tplayers.shard(ys, 2, mesh)  # size 1: replicated
+        tol = dict(rtol=1e-5, atol=1e-6) if ys.dtype == torch.float32 else dict(rtol=4 * world * U, atol=4 * world * U)
+        torch.testing.assert_close(yp, ref.detach(), **tol, msg=lambda s: f"{name}: {s}")
+        g = torch.randn(ys.shape, generator=torch.Generator().manual_seed(2))
+        ys.float().backward(g)
+        yp.float().backward(g if ys.shape[2] == 1 else tplayers.shard(g, 2, mesh))
+        assert xp.grad.dtype == xs.grad.dtype == torch.float32, name
+        torch.testing.assert_close(xp.grad, tplayers.shard(xs.grad, 2, mesh), **tol, msg=lambda s: f"{name} grad: {s}")
+        seen.append((name, str(ys.dtype)))
+    return seen
+
+
+def test_autocast_domain_twins_keep_serial_dtypes():
+    out = run_ranks(_twins, 2, timeout=60)
+    assert ("Upsample", "torch.float32") in out[0] and ("ConvTranspose2d", "torch.bfloat16") in out[0]

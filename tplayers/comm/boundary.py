@@ -57,7 +57,7 @@ def domain_groups(mesh: Optional[DeviceMesh]) -> List[dist.ProcessGroup]:
 def _all_reduce_groups(x: torch.Tensor, groups, tag: str) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)  # fresh buffer: never reduce a caller's tensor
     for group in groups:
-        all_reduce_sum(out, group, tag)
+        out = all_reduce_sum(out, group, tag)
     return out
 
 

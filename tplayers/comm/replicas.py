@@ -45,7 +45,7 @@ class SumReplicaGrads(torch.autograd.Function):
             buf[at : at + rows, : grad_w.shape[1]] = grad_w[local : local + rows]
             if ctx.has_bias and grad_b is not None:
                 buf[at : at + rows, -1] = grad_b[local : local + rows]
-        all_reduce_sum(buf, ctx.group, "replica_grads.bwd")
+        buf = all_reduce_sum(buf, ctx.group, "replica_grads.bwd")
         grad_w = grad_w.clone()
         grad_b = grad_b.clone() if (ctx.has_bias and grad_b is not None) else None
         for local, rows, at in ctx.slots:

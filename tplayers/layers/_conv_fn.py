@@ -25,7 +25,7 @@ from tplayers.comm.collectives import run_p2p
 from tplayers.comm.halo import halo_adjoint, halo_pad
 from tplayers.window_plan import AxisPlan
 
-__all__ = ["ConvSpec", "HaloConvFunction", "conv_order"]
+__all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "halo_conv"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,9 +52,41 @@ class ConvSpec:
         return 0 in self.out_shape
 
 
+def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: ConvSpec) -> torch.Tensor:
+    """The distributed convolution: :class:`HaloConvFunction` (exchange, save, the whole backward)
+    then :class:`_ConvCompute` (the local convolution, nothing saved).
+
+    Two Functions so that activation checkpointing (``use_reentrant=False``) can stop its
+    recomputation before the convolution: it stops once every saved tensor is back, and a custom
+    Function registers its saved tensors only when its forward returns, so saving and computing in
+    one Function would recompute the region's last convolution for nothing.
+    """
+    token, xp = HaloConvFunction.apply(x, weight, bias, spec)
+    return _ConvCompute.apply(token, xp, weight, bias, spec)
+
+
+class _ConvCompute(torch.autograd.Function):
+    """forward: the local convolution of the halo-padded input (boundary padding and trim first) /
+    backward: the output gradient handed unchanged to :class:`HaloConvFunction` through ``token``."""
+
+    @staticmethod
+    def forward(ctx, token, xp, weight, bias, spec: ConvSpec):
+        if spec.empty:
+            return xp.new_zeros(spec.out_shape)
+        p = _Order(spec)
+        return p.back(spec.conv(p.fwd(spec.prepare(xp)), p.fwd(weight), bias, p.stride, p.padding, p.dilation,
+                                spec.groups))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None, None
+
+
 class HaloConvFunction(torch.autograd.Function):
-    """forward: halo exchange of ``x`` along ``spec.dim``, then ``spec.prepare`` (boundary padding,
-    trim) and the local convolution /
+    """forward: halo exchange of ``x`` along ``spec.dim``; saves the padded input and the weight;
+    returns ``(token, xp)``: ``xp`` the padded input (no gradient flows through it) and ``token``
+    a zero-strided zeros tensor of the output's shape, whose gradient is the convolution's output
+    gradient (:class:`_ConvCompute` passes it back) /
     backward: the convolution's backward; then the adjoint halo exchange runs while the weight and
     bias gradients are summed over the domain (2 ranks: one peer exchange inside the halo batch;
     else an async all-reduce overlapping it, and one more all-reduce per further mesh dim).
@@ -65,19 +97,13 @@ class HaloConvFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, spec: ConvSpec):
         p = spec.plan
         xp, ctx.state = halo_pad(x, spec.dim, spec.group, p.recv, p.send, spec.periodic, spec.memory_format)
-        with torch.no_grad():
-            if spec.empty:
-                out = xp.new_zeros(spec.out_shape)
-            else:
-                p = _Order(spec)
-                out = p.back(spec.conv(p.fwd(spec.prepare(xp)), p.fwd(weight), bias, p.stride, p.padding, p.dilation,
-                                       spec.groups))
         ctx.save_for_backward(xp, weight)
         ctx.spec, ctx.has_bias = spec, bias is not None
-        return out
+        ctx.mark_non_differentiable(xp)
+        return xp.new_zeros(()).expand(spec.out_shape), xp  # x and weight share a dtype (checked by the layer)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _grad_xp=None):
         xp, weight = ctx.saved_tensors
         spec = ctx.spec
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -202,7 +228,7 @@ def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tenso
     for work in pending:
         work.wait()
     for g in groups[1:]:
-        all_reduce_sum(flat, g, "conv.param_grads")
+        flat = all_reduce_sum(flat, g, "conv.param_grads")
     return grad_x
 
 

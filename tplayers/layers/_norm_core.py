@@ -19,7 +19,6 @@ mean(g * xhat))``.
 
 from __future__ import annotations
 
-import math
 from typing import List, Tuple
 
 import torch
@@ -46,7 +45,9 @@ def _reduce_dims(per_channel: bool) -> Tuple[int, ...]:
 def local_moments(x4: torch.Tensor, per_channel: bool) -> Tuple[float, torch.Tensor, torch.Tensor]:
     """``(count, mean, M2)`` of this rank's elements for every statistic (torch.var_mean: Welford, x4's dtype)."""
     dims = _reduce_dims(per_channel)
-    count = math.prod(x4.shape[d] for d in dims)
+    count = 1
+    for d in dims:  # a plain loop: torch.compile cannot trace math.prod over a generator
+        count *= x4.shape[d]
     if count == 0:
         shape = [s for d, s in enumerate(x4.shape) if d not in dims]
         zero = x4.new_zeros(shape)
@@ -128,7 +129,7 @@ class DomainNormFn(torch.autograd.Function):
             pieces.append(sdy.sum(0).reshape(-1))
         flat = torch.cat(pieces)
         for group in groups:  # one fused all-reduce per mesh dim
-            all_reduce_sum(flat, group, "norm_stats.bwd")
+            flat = all_reduce_sum(flat, group, "norm_stats.bwd")
         mg = flat[:stat].reshape(mean_a.shape) / count_a
         mgx = flat[stat:2 * stat].reshape(mean_a.shape) / count_a
         # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w, as two fused passes

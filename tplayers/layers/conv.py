@@ -11,7 +11,7 @@ Each is a thin twin over the window-op core: the axis plan
 (:func:`tplayers.window_plan.plan_windows`, output rows partitioned by the
 DESIGN §2.4 rule: "same" convolutions keep the input's partition, others give the
 balanced one), the N-d halo exchange (:mod:`tplayers.comm.window`) for all but
-the last sharded dim, and :class:`~tplayers.layers._conv_fn.HaloConvFunction`
+the last sharded dim, and :func:`~tplayers.layers._conv_fn.halo_conv`
 fusing the last dim's exchange with the convolution (its backward overlaps the
 parameter-gradient sum with the adjoint halo messages).
 """
@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.window import edge_pad, gather_rows, pad_arg, pad_dim
 from tplayers.layers._common import autocast_inputs
-from tplayers.layers._conv_fn import ConvSpec, HaloConvFunction, conv_order
+from tplayers.layers._conv_fn import ConvSpec, conv_order, halo_conv
 from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
 from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows
 
@@ -170,7 +170,7 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
         for d, plan in first.items():  # a 2-D mesh: the first dim's exchange, corners ride on the next
             x = gather_rows(x, d, self._group_of(d), plan, self.padding_mode, memory_format=self.memory_format)
         # (N, C_in, *local rows) -> (N, C_out, *owned output rows)
-        return HaloConvFunction.apply(x, weight, bias, spec)
+        return halo_conv(x, weight, bias, spec)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""

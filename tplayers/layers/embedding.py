@@ -90,7 +90,10 @@ class _ParallelEmbedding(ShardedModule):
             raise ValueError(f"{name}: input must hold int64 or int32 token ids, got {ids.dtype}")
         if ids.device != self.weight.device:
             raise ValueError(f"{name}: input device must match the weight's {self.weight.device}, got {ids.device}")
-        if ids.numel():
+        if ids.numel() and torch.compiler.is_compiling():  # no host sync in a graph: checked on the device
+            torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
+                                f"{name}: a token id is out of range [0, {self.num_embeddings})")
+        elif ids.numel():
             lo, hi = torch.aminmax(ids)
             lo, hi = int(lo), int(hi)
             if lo < 0 or hi >= self.num_embeddings:

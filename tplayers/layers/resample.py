@@ -87,7 +87,10 @@ class _BandResample(DomainLayer):
             group = self._group_of(d)
             if not reduce:
                 x = gather_rows(x, d, group, plan, "zeros")
-            x = (x.movedim(d, -1) @ w).movedim(-1, d)  # (..., rows_in) @ (rows_in, rows_out) along d
+            # interpolation and pooling keep the input dtype under autocast (as the serial ops do);
+            # the band product must not be cast down like a user's matmul
+            with torch.autocast(x.device.type, enabled=False):
+                x = (x.movedim(d, -1) @ w).movedim(-1, d)  # (..., rows_in) @ (rows_in, rows_out) along d
             if reduce:  # size 1: the sum of every rank's part, replicated along d
                 x = reduce_from_parallel_region(x.contiguous(), group)
         if all(x.size(d) == out_shape[d] for d in range(2, x.dim())):
