@@ -155,12 +155,15 @@ def _gather(src: torch.Tensor, rows: torch.Tensor, per_tile: int) -> torch.Tenso
     return src.index_select(0, rows).view(-1, per_tile, src.shape[1])
 
 
-def _scores(plan: TilePlan, chunk: int, qt, kt, table, heads: int) -> torch.Tensor:
-    """Masked (and biased) scores of chunk number ``chunk``: (B*heads*c, tq, R); ``qt`` is pre-scaled."""
-    scores = torch.bmm(qt, kt.transpose(1, 2))
+def _scores(plan: TilePlan, chunk: int, qt, kt, scale: float, table, heads: int) -> torch.Tensor:
+    """Masked (and biased) scores ``mask + scale * Q K^T (+ bias)`` of chunk number ``chunk``:
+    (B*heads*c, tq, R). The mask is copied in first and the product accumulated onto it (one
+    ``baddbmm_``: no separate passes to scale Q and to add the mask)."""
     t0, t1 = plan.chunks[chunk]
     c = t1 - t0
-    scores.view(-1, c, plan.tq, plan.region).add_(plan.chunk_masks(chunk))
+    scores = qt.new_empty(qt.shape[0], plan.tq, plan.region)
+    scores.view(-1, c, plan.tq, plan.region).copy_(plan.chunk_masks(chunk))
+    scores.baddbmm_(qt, kt.transpose(1, 2), alpha=scale)
     if table is not None:
         rel = _rel_index(plan, table.shape[-1])[t0:t1]
         bias = table.flatten(1).index_select(1, rel.flatten()).view(heads, c, plan.tq, plan.region)
@@ -187,9 +190,9 @@ class TileAttention(torch.autograd.Function):
         q2, k2, v2 = (x.view(-1, x.shape[-1] // heads) for x in (q, k, v))  # one row per (pixel, head)
         out = q.new_empty(q2.shape[0] + 1, v2.shape[1])  # the last row takes the padding slots
         for chunk, (q_rows, k_rows, dest) in enumerate(_chunk_rows(plan, batch, heads, pq, pk)):
-            qt = _gather(q2, q_rows, tq).mul_(scale)
+            qt = _gather(q2, q_rows, tq)
             kt, vt = _gather(k2, k_rows, region), _gather(v2, k_rows, region)
-            probs = torch.softmax(_scores(plan, chunk, qt, kt, table, heads), -1)
+            probs = torch.softmax(_scores(plan, chunk, qt, kt, scale, table, heads), -1)
             out.index_copy_(0, dest, torch.bmm(probs, vt).view(-1, vt.shape[-1]))
             del qt, kt, vt, probs
         out = out[:-1].view(batch, pq, -1)
@@ -214,12 +217,12 @@ class TileAttention(torch.autograd.Function):
         grad_table = torch.zeros_like(table).flatten(1) if want_bias else None
         for chunk, (q_rows, k_rows, dest) in enumerate(_chunk_rows(plan, batch, heads, pq, pk)):
             t0, t1 = plan.chunks[chunk]
-            qt = _gather(q2, q_rows, tq).mul_(scale)
+            qt = _gather(q2, q_rows, tq)
             kt, vt = _gather(k2, k_rows, region), _gather(v2, k_rows, region)
             gt = _gather(g2, q_rows, tq)
             if plan.valid is not None:  # padding slots repeat a query: they must add nothing
                 gt.view(batch * heads, -1, tq, gt.shape[-1]).mul_(plan.valid[t0 * tq:t1 * tq].view(-1, tq, 1))
-            probs = torch.softmax(_scores(plan, chunk, qt, kt, table, heads), -1)
+            probs = torch.softmax(_scores(plan, chunk, qt, kt, scale, table, heads), -1)
             ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(delta.index_select(0, dest).view(-1, tq, 1)).mul_(probs)
             del vt
             if want_v:
@@ -228,13 +231,13 @@ class TileAttention(torch.autograd.Function):
             grad_q.index_copy_(0, dest, torch.bmm(ds, kt).view(-1, kt.shape[-1]))  # times scale below
             del kt
             if want_k:
-                grad_k.index_add_(0, k_rows, torch.bmm(ds.transpose(1, 2), qt).view(-1, qt.shape[-1]))
+                grad_k.index_add_(0, k_rows, torch.bmm(ds.transpose(1, 2), qt).view(-1, qt.shape[-1]))  # times scale
             if want_bias:
                 rel = _rel_index(plan, table.shape[-1])[t0:t1].flatten()
                 grad_table.index_add_(1, rel, ds.view(batch, heads, -1).sum(0))
         grad_q = grad_q[:-1].mul_(scale).view(q.shape)
         grad_table = grad_table.view(table.shape) if want_bias else None
-        grad_k = grad_k.view(k.shape) if want_k else None
+        grad_k = grad_k.mul_(scale).view(k.shape) if want_k else None
         grad_v = grad_v.view(v.shape) if want_v else None
         return grad_q, grad_k, grad_v, grad_table, None, None, None, None
 
