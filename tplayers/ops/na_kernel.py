@@ -5,11 +5,13 @@ region of ``RH x RW`` pixels. :class:`TilePlan` holds, for one geometry, the fla
 pixel index of every query slot and region slot, the window mask as a few distinct
 ``(tq, R)`` patterns (tiles whose windows sit alike share one) and the chunks the
 tiles are processed in. :class:`TileAttention` runs the tiles chunk by chunk,
-flash-style: gather a chunk's Q/K/V tiles (all batches and heads), score them
-(one ``bmm``), add the mask (and bias), softmax, apply the values (one ``bmm``),
-and keep nothing score-sized: backward gathers and scores the chunk again.
-Saved for backward: the inputs, the output and the bias table, so peak memory is
-the inputs' and gradients' size plus one chunk's scores.
+flash-style: gather a chunk's Q/K/V tiles (all batches and heads; the gather rows
+of every chunk are built once per shape), copy the window mask in and accumulate
+the scaled scores onto it (one ``baddbmm_``), add the bias, softmax, apply the
+values (one ``bmm``), and keep nothing score-sized: backward gathers and scores
+the chunk again, in smaller chunks of its own. Saved for backward: the inputs,
+the output and the bias table, so peak memory is the inputs' and gradients' size
+plus one chunk's tiles and scores.
 """
 
 from __future__ import annotations
