@@ -72,6 +72,30 @@ def useful_flops(batch, size, heads, head_dim, kernel) -> float:
     return batch * heads * size * size * kernel ** 2 * (2 * head_dim + 2 * head_dim)
 
 
+def tile_ceiling(size, heads, head_dim, kernel, mm_rate, tile=4, chunk=80):
+    """The forward's tile compute alone, as na2d's kernel does it (mask copy + ``baddbmm_``,
+    softmax, ``bmm`` with the values) on in-cache tiles, without the gathers, the output
+    scatter and the per-chunk dispatch: the ceiling of this formulation, in useful FLOPs over
+    the same-run matmul rate."""
+    tq, region = tile * tile, (tile + kernel - 1) ** 2
+    r = torch.arange(tile + kernel - 1)
+    inside_1d = (r[None, :] >= torch.arange(tile)[:, None]) & (r[None, :] < torch.arange(tile)[:, None] + kernel)
+    inside = (inside_1d[:, None, :, None] & inside_1d[None, :, None, :]).reshape(tq, region)
+    mask = torch.zeros(tq, region).masked_fill_(~inside, float("-inf"))
+    q, k, v = torch.randn(chunk, tq, head_dim), torch.randn(chunk, region, head_dim), torch.randn(chunk, region, head_dim)
+    rounds = max(1, heads * size * size // tq // chunk)
+
+    def compute():
+        for _ in range(rounds):
+            scores = torch.empty(chunk, tq, region)
+            scores.copy_(mask.expand(chunk, tq, region)).baddbmm_(q, k.transpose(1, 2), alpha=head_dim ** -0.5)
+            torch.bmm(torch.softmax(scores, -1), v)
+
+    cpu = _cpu_times({"ceiling": compute}, 5)["ceiling"][0]
+    flops = useful_flops(1, size, heads, head_dim, kernel) * rounds * chunk * tq / (heads * size * size)
+    return cpu, flops / cpu / mm_rate
+
+
 def bench_single(size, heads, head_dim, kernel, repeats):
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -100,6 +124,9 @@ def bench_single(size, heads, head_dim, kernel, repeats):
     for name, c, w, f in (("forward", fwd_cpu, fwd_wall, flops), ("backward", bwd_cpu, bwd_wall, 2 * flops)):
         print(f"  {name:8s} {c * 1e3:7.2f} ms CPU = {f / c / 1e9:5.1f} GFLOP/s = {f / c / mm_cpu:.3f} x matmul "
               f"(target 0.25) | wall median {w * 1e3:7.2f} ms = {f / w / mm_wall:.3f} x matmul (wall)")
+    ceil_cpu, ceil_ratio = tile_ceiling(size, heads, head_dim, kernel, mm_cpu)
+    print(f"  (ceiling of the 4x4-tile formulation: its forward tile compute alone, in cache, no gathers or "
+          f"scatter: {ceil_cpu * 1e3:.2f} ms CPU = {ceil_ratio:.3f} x matmul)")
     if natten is not None:
         def natten_fwd():
             with warnings.catch_warnings():
