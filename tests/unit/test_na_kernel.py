@@ -67,6 +67,19 @@ def test_default_path_many_chunks_and_bias_fp64(monkeypatch):
         _check_against_oracle(q, k, v, kernel, dilation, causal, rpb=rpb)
 
 
+def test_expanded_grad_out_read_in_place_fp64():
+    """``out.sum().backward()`` hands the kernel a stride-0 dO, which it reads without copying."""
+    gen = torch.Generator().manual_seed(11)
+    kernel, dilation, causal = (5, 3), (1, 2), (False, True)
+    q, k, v = (torch.randn(2, 7, 9, 2, 3, generator=gen, dtype=torch.float64) for _ in range(3))
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    tplayers.na2d(*ins, kernel, dilation, causal).sum().backward()
+    brute_na2d(*ref_ins, kernel, dilation, causal).sum().backward()
+    for name, a, b in zip("qkv", ins, ref_ins):
+        torch.testing.assert_close(a.grad, b.grad, **TIGHT, msg=lambda m: f"d{name}: {m}")
+
+
 def test_backward_uses_smaller_chunks_than_forward():
     """The backward plan holds the same tiles in more, smaller chunks (its per-chunk peak is higher)."""
     q = torch.randn(1, 64, 64, 4, 8, requires_grad=True)

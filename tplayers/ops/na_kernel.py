@@ -182,7 +182,8 @@ class TileAttention(torch.autograd.Function):
     ``dV += P^T dO``, ``dS = P * (dO V^T - Dq)``, ``dQ = scale dS K``, ``dK += scale dS^T Q``,
     ``dbias += sum over batch of dS``.
     Inputs: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major, contiguous;
-    ``plan`` for forward and ``plan_bwd`` (same tiles, smaller chunks) for backward; the bias ``table`` (heads, 2kH-1, 2kW-1) or None. Returns (B, Pq, heads*Dv).
+    ``plan`` for forward and ``plan_bwd`` (same tiles, smaller chunks) for backward; the bias
+    ``table`` (heads, 2kH-1, 2kW-1) or None. Returns (B, Pq, heads*Dv).
     """
 
     @staticmethod
@@ -233,7 +234,8 @@ class TileAttention(torch.autograd.Function):
             grad_q.index_copy_(0, dest, torch.bmm(ds, kt).view(-1, kt.shape[-1]))  # times scale below
             del kt
             if want_k:
-                grad_k.index_add_(0, k_rows, torch.bmm(ds.transpose(1, 2), qt).view(-1, qt.shape[-1]))  # times scale
+                # times scale at the end, like dQ
+                grad_k.index_add_(0, k_rows, torch.bmm(ds.transpose(1, 2), qt).view(-1, qt.shape[-1]))
             if want_bias:
                 rel = _rel_index(plan, table.shape[-1])[t0:t1].flatten()
                 grad_table.index_add_(1, rel, ds.view(batch, heads, -1).sum(0))
