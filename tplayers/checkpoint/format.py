@@ -29,6 +29,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from tplayers.checkpoint.digest import DEFAULT, block_digest, file_hasher
+from tplayers.checkpoint.fastcopy import copy_into
 
 #: Default size of a hashed block (whole rows are kept together).
 BLOCK_BYTES = 1 << 18
@@ -163,6 +164,7 @@ class _Stager:
         self.buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self.readers: List[Optional[Future]] = [None, None]  # last hash job reading each buffer
         self.turn = 0
+        self.scratch: list = [None]  # for pieces narrowed out of a fused tensor (fastcopy)
 
     def chunks(self, t: torch.Tensor, k: int) -> Iterator[Tuple[torch.Tensor, Optional[int]]]:
         """``(chunk, slot)`` pairs covering ``t`` (rows along dim 0); ``slot`` is the buffer used, or None."""
@@ -177,7 +179,9 @@ class _Stager:
             need = t.numel() * t.element_size()
             if self.buffers[slot].numel() < need:
                 self.buffers[slot] = torch.empty(need, dtype=torch.uint8)
-            t = self.buffers[slot][:need].view(t.dtype).view(t.shape).copy_(t)
+            staged = self.buffers[slot][:need].view(t.dtype).view(t.shape)
+            copy_into(staged, t, self.scratch)
+            t = staged
         row = t[:1].numel() * t.element_size()
         step = k * max(1, CHUNK_BYTES // max(row * k, 1))
         for i in range(0, t.shape[0], step):

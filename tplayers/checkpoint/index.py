@@ -110,6 +110,9 @@ def open_source(path: str) -> Source:
     raise CheckpointError(f"{path}: no checkpoint here (neither a checkpoint directory nor a safetensors file)")
 
 
+_HEX = re.compile("[0-9a-f]*")  # block digests are checked joined: one match per piece
+
+
 def _need(cond: bool, where: str, what: str) -> None:
     if not cond:
         raise CheckpointError(f"{where}: {what}")
@@ -158,6 +161,7 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
     _need(algorithm in ALGORITHMS, where, f"digest must be one of {list(ALGORITHMS)}, got {algorithm!r:.80}")
     file_field, block_field = _FIELDS[version]
     hex_digest = re.compile(f"[0-9a-f]{{{hex_length(algorithm)}}}")
+    hex_len = hex_length(algorithm)
     files, tensors = raw.get("files"), raw.get("tensors")
     _need(isinstance(files, dict) and isinstance(tensors, dict), where, "needs 'files' and 'tensors' objects")
     real_dir = os.path.realpath(directory)
@@ -190,7 +194,8 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
             rows = (stop - start) if dim is not None else (shape[0] if shape else 1)
             k, digests = p.get("block_rows"), p.get(block_field)
             _need(_int(k) and k >= 1 and isinstance(digests, list) and len(digests) == -(-rows // k)
-                  and all(isinstance(d, str) and hex_digest.fullmatch(d) for d in digests), w,
+                  and all(isinstance(d, str) and len(d) == hex_len for d in digests)
+                  and _HEX.fullmatch("".join(digests)) is not None, w,
                   f"piece in {p['file']}: block_rows / {block_field} list malformed")
             name = p.get("name", key)
             _need(isinstance(name, str) and name != "__metadata__", w, f"piece in {p['file']}: bad stored name {name!r:.80}")

@@ -8,6 +8,7 @@ from typing import List, NamedTuple, Optional
 import torch
 from torch import nn
 
+from tplayers.checkpoint.fastcopy import copy_into
 from tplayers.checkpoint.format import CheckpointError, torch_dtype
 from tplayers.checkpoint.index import open_source
 from tplayers.checkpoint.layout import agree, local_tensors, world_info
@@ -141,10 +142,15 @@ def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast:
 
 
 def apply_copies(copies, bar: Progress) -> None:
-    """Write the staged sources into the model's tensors (the only step that changes the model)."""
+    """Write the staged sources into the model's tensors (the only step that changes the model).
+
+    Stored pieces of tensors sharded on a dim > 0 arrive transposed; :func:`copy_into`
+    takes torch's blocked 2-D transpose for them, whatever the destination's layout.
+    """
+    scratch: list = [None]  # one reused buffer for transposes into non-contiguous destinations
     with torch.no_grad():
         for dst, dest, t in copies:
-            dst[dest].copy_(to_device(t, dst.device))
+            copy_into(dst[dest], to_device(t, dst.device), scratch)
             bar.update(t.numel() * t.element_size())
     bar.close()
 

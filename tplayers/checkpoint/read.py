@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from tplayers.checkpoint.digest import DEFAULT, block_digest, file_hasher, label
+from tplayers.checkpoint.fastcopy import copy_into
 from tplayers.checkpoint.format import CheckpointError, read_header, row_blocks, torch_dtype
 from tplayers.checkpoint.index import Piece, Source, TensorEntry
 from tplayers.checkpoint.pagecache import advise_exact_read, advise_mapping_random
@@ -192,8 +193,9 @@ class Reader:
         if dim is not None:
             shape[dim] = stop - start
         box = torch.empty(shape, dtype=torch_dtype(entry.dtype, key))
+        scratch: list = [None]
         for dest, t in self.read(key, dim, start, stop):
-            box[dest].copy_(t)
+            copy_into(box[dest], t, scratch)
         return box
 
     def _map_stored(self, key: str, p: Piece, want: List[Tuple[int, int]], dest: tuple, dim: Optional[int]) -> Part:
