@@ -22,7 +22,8 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from tplayers.ops.na_kernel import CHUNK_SCORES, TileAttention, tile_plan
+from tplayers.ops import na_kernel
+from tplayers.ops.na_kernel import TileAttention, tile_plan
 from tplayers.ops.na_layout import DEFAULT_TILE, axis_tiles
 
 __all__ = ["na2d", "neighborhood_attention_2d", "normalize_na_args", "check_window_fits"]
@@ -155,9 +156,10 @@ def neighborhood_attention_2d(
     contain every key those queries attend to. ``rel_pos_bias``
     ``(heads, 2*kH - 1, 2*kW - 1)`` is added to each score at
     ``[(key - query) / dilation + kernel - 1]`` per dim. ``tile`` (queries per tile
-    along H, W) and ``chunk_scores`` (score elements per plane per chunk) are tuning
-    knobs: defaults from :func:`default_tile` and ``na_kernel.CHUNK_SCORES``; any
-    positive values give the same result.
+    along H, W) and ``chunk_scores`` (score elements per (batch, head) plane per chunk,
+    forward and backward) are tuning knobs: defaults from :func:`default_tile` and
+    ``na_kernel.CHUNK_SCORES`` / ``BACKWARD_CHUNK_SCORES`` (all planes of a chunk
+    together); any positive values give the same result.
     """
     _check_qkv(q, k, v)
     batch, hq, wq, heads, dim = q.shape
@@ -169,12 +171,19 @@ def neighborhood_attention_2d(
     tile = default_tile(kernel, dim) if tile is None else tile
     th = axis_tiles(global_size[0], kernel[0], dilation[0], causal[0], q_offset[0], hq, k_offset[0], k.shape[1], tile[0])
     tw = axis_tiles(global_size[1], kernel[1], dilation[1], causal[1], q_offset[1], wq, k_offset[1], k.shape[2], tile[1])
-    plan = tile_plan(th, tw, wq, k.shape[2], q.device, q.dtype, chunk_scores or CHUNK_SCORES)
+    if chunk_scores is None:  # the defaults count every (batch, head) plane of a chunk
+        planes = batch * heads
+        fwd_chunk = max(1, na_kernel.CHUNK_SCORES // planes)
+        bwd_chunk = max(1, na_kernel.BACKWARD_CHUNK_SCORES // planes)
+    else:
+        fwd_chunk = bwd_chunk = chunk_scores
+    plan = tile_plan(th, tw, wq, k.shape[2], q.device, q.dtype, fwd_chunk)
+    plan_bwd = plan if bwd_chunk == fwd_chunk else tile_plan(th, tw, wq, k.shape[2], q.device, q.dtype, bwd_chunk)
 
     def pixels(x: torch.Tensor) -> torch.Tensor:  # (B, Hx, Wx, heads, D) -> (B, Hx*Wx, heads*D)
         return x.reshape(batch, x.shape[1] * x.shape[2], -1).contiguous()
 
-    out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, scale, heads)
+    out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, plan_bwd, scale, heads)
     return out.view(batch, hq, wq, heads, -1)
 
 
