@@ -201,9 +201,8 @@ def _backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, spec: C
             shape = list(x.shape)
             shape[dim] += plan.recv[0] + plan.recv[1]
             xp = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=spec.memory_format)
-            halo_pad(x, dim, spec.group, plan.recv, plan.send, spec.periodic, spec.memory_format,
-                     during=lambda: interior(grad_x, src=xp, at=plan.recv[0]), second=True, out=xp)
-            xp_box.append(xp)
+            xp_box.append(halo_pad(x, dim, spec.group, plan.recv, plan.send, spec.periodic, spec.memory_format,
+                                   during=lambda: interior(grad_x, src=xp, at=plan.recv[0]), second=True, out=xp)[0])
         else:
             interior(grad_x)
 
