@@ -16,7 +16,9 @@ Prints, in one run:
 Each rank uses one thread. Timings are interleaved (tplayers, overlap, ShardTensor,
 serial, repeated) and reported as medians, since the machine may be shared. The last
 table prints each ratio next to its issue-13 target (tplayers / ShardTensor <= 0.55
-compute-bound and <= 0.5 overhead-bound; compute-bound within 1.15x of one-process / 2).
+compute-bound and <= 0.5 overhead-bound; compute-bound within 1.15x of one-process / 2),
+and the floor: each rank's local convolution alone, no communication, in the layout the twin
+uses (floor / ShardTensor is the best ratio any halo scheme over that convolution can reach).
 """
 
 from __future__ import annotations
@@ -114,7 +116,8 @@ def speed_table(mesh, rank, world, repeats, st):
         print("\n## 2-rank forward+backward (ms, median of interleaved repeats)")
         print("tplayers: DistributedConv2d (default: the halo exchange, then one convolution);")
         print("overlap: overlap_halo=True (interior rows convolved while the halo flies, then the edges)")
-        print(f"{'shape':16s} {'tplayers':>9s} {'overlap':>9s} {'ShardTensor':>12s} {'nn.Conv2d 1 proc':>17s}")
+        print("floor: each rank's local convolution alone (halo-padded slab, channels_last, no communication)")
+        print(f"{'shape':16s} {'tplayers':>9s} {'overlap':>9s} {'ShardTensor':>12s} {'nn.Conv2d 1 proc':>17s} {'floor':>7s}")
     rows = []
     for name, (n, c, h, w, co, k) in SHAPES.items():
         torch.manual_seed(0)
@@ -136,6 +139,15 @@ def speed_table(mesh, rank, world, repeats, st):
             if rank == 0:  # one process does the whole conv; the other waits at the barrier
                 serial(xs).sum().backward()
 
+        # the floor: this rank's convolution alone on a slab of the halo-padded size, in the
+        # channels_last layout the twin convolves in, no communication (no halo scheme beats it)
+        slab = torch.randn(n, c, local.shape[2] + 2 * (k // 2), w).contiguous(memory_format=torch.channels_last)
+        slab.requires_grad_(True)
+        w_cl = serial.weight.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+
+        def step_floor():
+            F.conv2d(slab, w_cl, serial.bias, padding=(0, k // 2)).sum().backward()
+
         step_st = None
         if st is not None:
             ShardTensor, Shard = st
@@ -153,7 +165,7 @@ def speed_table(mesh, rank, world, repeats, st):
                 t = ShardTensor.from_local(local, mesh, [Shard(2)], sharding_shapes="chunk", global_shape=x.shape)
                 torch.testing.assert_close(F.conv2d(t, weight, bias, padding=k // 2).to_local(), ref,
                                            rtol=1e-4, atol=1e-4)
-        steps = {"tpl": step_tpl, "overlap": step_overlap, "st": step_st, "serial": step_serial}
+        steps = {"tpl": step_tpl, "overlap": step_overlap, "st": step_st, "serial": step_serial, "floor": step_floor}
         for fn in filter(None, steps.values()):
             fn()  # warm-up (and the layout exchange)
         times = {key: [] for key in steps}
@@ -164,7 +176,8 @@ def speed_table(mesh, rank, world, repeats, st):
         med = {key: statistics.median(v) * 1e3 if v else float("nan") for key, v in times.items()}
         rows.append((name, med))
         if rank == 0:
-            print(f"{name:16s} {med['tpl']:9.2f} {med['overlap']:9.2f} {med['st']:12.2f} {med['serial']:17.2f}   "
+            print(f"{name:16s} {med['tpl']:9.2f} {med['overlap']:9.2f} {med['st']:12.2f} {med['serial']:17.2f} "
+                  f"{med['floor']:7.2f}   "
                   f"(input {n}x{c}x{h}x{w}, {co} out, {k}x{k})")
     if rank == 0:
         print("\n## Ratios vs the issue-13 targets (same run)")
@@ -174,7 +187,9 @@ def speed_table(mesh, rank, world, repeats, st):
             checks = [("tplayers / ShardTensor", med["tpl"] / med["st"], "st"),
                       ("tplayers / (1 proc / 2)", med["tpl"] / (med["serial"] / world), "half"),
                       ("overlap / ShardTensor", med["overlap"] / med["st"], None),
-                      ("overlap / tplayers", med["overlap"] / med["tpl"], None)]
+                      ("overlap / tplayers", med["overlap"] / med["tpl"], None),
+                      ("floor / ShardTensor", med["floor"] / med["st"], None),
+                      ("tplayers / floor", med["tpl"] / med["floor"], None)]
             for label, value, key in checks:
                 limit = target.get(key) if key else None
                 met = "" if limit is None or value != value else ("yes" if value <= limit else "NO")
