@@ -48,3 +48,14 @@ def brute_na2d(q, k, v, kernel, dilation=(1, 1), causal=(False, False), scale=No
             cols.append(torch.einsum("bhn,bnhd->bhd", p, vals))
         rows.append(torch.stack(cols, 1))
     return torch.stack(rows, 1)
+
+
+def assert_out_and_grads(out, ref, ins, ref_ins, gen, where: str = "", rtol: float = 1e-10, atol: float = 1e-12):
+    """``out`` equals the oracle's ``ref``, and after backpropagating one random cotangent through
+    both, every input's gradient equals the oracle input's (``ins`` / ``ref_ins``: q, k, v[, rpb])."""
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol, msg=lambda m: f"out {where}: {m}")
+    cot = torch.randn(ref.shape, generator=gen, dtype=ref.dtype)
+    (out * cot).sum().backward()
+    (ref * cot).sum().backward()
+    for name, a, b in zip(("q", "k", "v", "rpb"), ins, ref_ins):
+        torch.testing.assert_close(a.grad, b.grad, rtol=rtol, atol=atol, msg=lambda m: f"d{name} {where}: {m}")

@@ -9,7 +9,7 @@ import torch
 
 import tplayers
 from memory_probe import peak_bytes
-from na_oracle import brute_na2d
+from na_oracle import assert_out_and_grads, brute_na2d
 from tplayers.ops import na_kernel
 from tplayers.ops.na import neighborhood_attention_2d
 
@@ -29,12 +29,7 @@ def _check_against_oracle(q, k, v, kernel, dilation, causal, scale=None, rpb=Non
         out = tplayers.na2d(*ins, kernel, dilation, causal, scale)
     ref = brute_na2d(*ref_ins[:3], kernel, dilation, causal, scale, rpb=ref_ins[3] if rpb is not None else None)
     where = f"kernel {kernel} dilation {dilation} causal {causal} size {size} {engine}"
-    torch.testing.assert_close(out, ref, **TIGHT, msg=lambda m: f"out {where}: {m}")
-    cot = torch.randn(ref.shape, generator=gen, dtype=ref.dtype)
-    (out * cot).sum().backward()
-    (ref * cot).sum().backward()
-    for name, a, b in zip(("q", "k", "v", "rpb"), ins, ref_ins):
-        torch.testing.assert_close(a.grad, b.grad, **TIGHT, msg=lambda m: f"d{name} {where}: {m}")
+    assert_out_and_grads(out, ref, ins, ref_ins, gen, where, **TIGHT)
 
 
 @pytest.mark.parametrize("seed", range(4))
