@@ -52,6 +52,13 @@ def local_moments(x4: torch.Tensor, per_channel: bool) -> Tuple[float, torch.Ten
         shape = [s for d, s in enumerate(x4.shape) if d not in dims]
         zero = x4.new_zeros(shape)
         return 0, zero, zero.clone()
+    if not per_channel and x4.dtype in (torch.float32, torch.float64) and x4.is_contiguous():
+        # group statistics: PyTorch's fused group-norm kernel (vectorised, stable moments) is
+        # ~2x faster than var_mean here; with eps=0 its rstd is var**-0.5 exactly (var 0 -> inf -> 0)
+        n, g = x4.shape[:2]
+        _, mean, rstd = torch.native_group_norm(x4.reshape(n, g * x4.shape[2], -1), None, None, n, g * x4.shape[2],
+                                                x4.shape[3], g, 0.0)
+        return count, mean, rstd.pow(-2) * count
     var, mean = torch.var_mean(x4, dims, correction=0)  # one stable (Welford) pass
     return count, mean, var * count
 
@@ -117,7 +124,8 @@ class DomainNormFn(torch.autograd.Function):
         cg = c // num_groups
         d4 = _view(dy, num_groups).to(acc)
         xc = _view(x, num_groups).to(acc) - mean_a            # centred: no cancellation in the sums
-        sdy, sdyx = d4.sum(3), (d4 * xc).sum(3)               # per (n, group, channel-in-group)
+        sdy = d4.sum(3)                                       # per (n, group, channel-in-group)
+        sdyx = (d4.unsqueeze(-2) @ xc.unsqueeze(-1))[..., 0, 0]  # sum(dy * xc): a dot, no product tensor
         rstd3 = rstd_a[..., 0]
         w3 = 1.0 if weight is None else weight.to(acc).reshape(1, num_groups, cg)
         rd = (0, 2) if per_channel else (2,)
@@ -132,10 +140,11 @@ class DomainNormFn(torch.autograd.Function):
             flat = all_reduce_sum(flat, group, "norm_stats.bwd")
         mg = flat[:stat].reshape(mean_a.shape) / count_a
         mgx = flat[stat:2 * stat].reshape(mean_a.shape) / count_a
-        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w, as two fused passes
+        # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w, as two fused passes written
+        # over xc (a fresh tensor of this backward's own): no new full-size allocation
         a = rstd_a if weight is None else rstd_a * weight.to(acc).reshape(1, num_groups, cg, 1)
-        dx = torch.addcmul(-rstd_a * mg, xc, -rstd_a.square() * mgx)
-        dx = torch.addcmul(dx, d4, a).reshape(x.shape).to(x.dtype)
+        dx = torch.addcmul(-rstd_a * mg, xc, -rstd_a.square() * mgx, out=xc)
+        dx = dx.addcmul_(d4, a).reshape(x.shape).to(x.dtype)
         offset = 2 * stat
         dw = db = None
         if weight is not None:
