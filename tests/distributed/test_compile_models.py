@@ -1,8 +1,9 @@
 """torch.compile(fullgraph=True) beyond the TP block and the CNN of ``test_compile.py``: a U-Net
 style model (transposed conv, bilinear upsampling, GroupNorm, BatchNorm, average pooling, a skip
-connection) with a ``domain_mean`` loss, NeighborhoodAttention sharded along H and a sequence-parallel
-GPT-2 block (both with graph breaks where they read values on the host), and a Llama block with GQA replicas (tp 4 > 2 kv heads) under a compiled
-``vocab_parallel_cross_entropy``.
+connection) with a ``domain_mean`` loss, NeighborhoodAttention sharded along H (its tile kernel as
+the registered op ``tplayers::na2d_tiles``), a sequence-parallel GPT-2 block (with graph breaks
+where it exchanges the sequence lengths), and a Llama block with GQA replicas (tp 4 > 2 kv heads)
+under a compiled ``vocab_parallel_cross_entropy``.
 
 Each compiles with ``backend="aot_eager"`` and no graph break, and one training step (forward,
 backward, SGD) then a second input equal eager (outputs, input gradient, every parameter gradient,
@@ -83,9 +84,8 @@ def _compare(eager, compiled, inputs, cot_shape_of):
 
 
 def _check(eager, inputs, fullgraph=True):
-    """``fullgraph=False``: the layer reads values on the host (NeighborhoodAttention's window
-    tables, sequence parallelism's per-call length exchange), so the graph breaks there; the
-    result must still equal eager."""
+    """``fullgraph=False``: the layer reads values on the host (sequence parallelism's per-call
+    length exchange), so the graph breaks there; the result must still equal eager."""
     model = copy.deepcopy(eager)
     explained = dynamo.explain(copy.deepcopy(eager))(inputs[0])
     if fullgraph:
@@ -125,7 +125,7 @@ def _na(rank, world):
     serial = tplayers.NeighborhoodAttention(8, 2, 3, 1, rel_pos_bias=True, dtype=torch.float64)
     eager = tplayers.NeighborhoodAttention.from_module(serial, mesh=mesh, shard_dims=(1,))
     xs = [tplayers.shard(torch.randn(2, 4 * world + 1, 5, 8, dtype=torch.float64), 1, mesh) for _ in range(2)]
-    return _check(eager, xs, fullgraph=False)
+    return _check(eager, xs)
 
 
 def _sp_block(rank, world):

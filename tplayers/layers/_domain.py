@@ -13,6 +13,8 @@ partition is a ``ValueError`` on every rank before any halo traffic. The twin's
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -27,7 +29,25 @@ from tplayers.sharding import ShardSpec
 
 __all__ = ["DomainLayer", "ntuple"]
 
-_PRIMING = False  # True while DomainLayer._prime_layout fills a cache during torch.compile tracing
+_PRIMING = False  # True while a layer's _prime_layout fills its cache during torch.compile tracing
+
+
+def layout_priming() -> bool:
+    """Whether a layout cache is being filled eagerly for ``torch.compile`` (see :func:`priming`)."""
+    return _PRIMING
+
+
+@contextlib.contextmanager
+def priming():
+    """Mark the eager layout computation a layer runs while ``torch.compile`` traces it (inside a
+    ``torch._dynamo.assume_constant_result`` method): ``is_compiling()`` is True there, and the
+    layer must compute its layout instead of priming again."""
+    global _PRIMING
+    _PRIMING = True
+    try:
+        yield
+    finally:
+        _PRIMING = False
 
 
 def ntuple(value, n: int, name: str, layer: str) -> Tuple[int, ...]:
@@ -105,7 +125,7 @@ class DomainLayer(ShardedModule):
         twin under ``torch.autocast`` passes its weight cast to the compute dtype)."""
         name = type(self).__name__
         is_tensor = isinstance(x, torch.Tensor)
-        if is_tensor and torch.compiler.is_compiling() and not _PRIMING:  # shape arithmetic stays out of the graph
+        if is_tensor and torch.compiler.is_compiling() and not layout_priming():  # shape arithmetic stays out of the graph
             self._prime_layout(tuple(x.shape), x.dtype, x.device, None if ref is None else ref.dtype)
         key = (tuple(x.shape), x.dtype, x.device) if is_tensor else None  # a bad input still joins the exchange
         if key in self._layouts:
@@ -160,15 +180,11 @@ class DomainLayer(ShardedModule):
         ``forward`` then only reads the cache. Every rank traces the same code, so the exchange
         stays collective. A new local shape recompiles and primes again.
         """
-        global _PRIMING
         if (shape, dtype, device) not in self._layouts:
             stand_in = torch.zeros((), dtype=dtype, device=device).expand(shape)  # no allocation
             ref = None if ref_dtype is None else torch.zeros((), dtype=ref_dtype, device=device)
-            _PRIMING = True  # the eager call below must not prime again (is_compiling() is True here)
-            try:
+            with priming():  # the eager call below must not prime again (is_compiling() is True here)
                 self._layout(stand_in, ref)
-            finally:
-                _PRIMING = False
         return 0
 
     def _broadcast_parameters(self) -> None:

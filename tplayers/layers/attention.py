@@ -37,6 +37,7 @@ from tplayers.comm import copy_many_to_parallel_region
 from tplayers.comm.window import gather_windows
 from tplayers.comm.agree import exchange_agreed
 from tplayers.layers._common import ShardedModule, autocast_dtype_ok
+from tplayers.layers._domain import layout_priming, priming
 from tplayers.ops.na import check_window_fits, neighborhood_attention_2d, normalize_na_args
 from tplayers.ops.na_layout import axis_plans
 from tplayers.sharding import ShardSpec
@@ -146,6 +147,8 @@ class NeighborhoodAttention(ShardedModule):
                          f"and device ({self.qkv.weight.dtype}, {self.qkv.weight.device}){where}; got {shape} {dtype}")
 
     def _layout(self, x: torch.Tensor) -> _Layout:
+        if isinstance(x, torch.Tensor) and torch.compiler.is_compiling() and not layout_priming():
+            self._prime_layout(tuple(x.shape), x.dtype, x.device)  # the exchange stays out of the graph
         key = tuple(x.shape) if isinstance(x, torch.Tensor) else None  # a bad input still joins the exchange
         if key in self._layouts:
             # Cached layout: every rank skips the exchange alike; the per-call checks stay local
@@ -185,6 +188,16 @@ class NeighborhoodAttention(ShardedModule):
             sizes[axis], offsets[axis] = sum(line), sum(line[:index])
         self._layouts[key] = ((sizes[0], sizes[1]), (offsets[0], offsets[1]), plans)
         return self._layouts[key]
+
+    @torch._dynamo.assume_constant_result
+    def _prime_layout(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> int:
+        """Fill the layout cache for an input of ``shape`` eagerly while ``torch.compile`` traces
+        (as :meth:`tplayers.layers._domain.DomainLayer._prime_layout`): every rank traces the same
+        code, so the exchange stays collective; the graph only reads the cache."""
+        if shape not in self._layouts:
+            with priming():
+                self._layout(torch.zeros((), dtype=dtype, device=device).expand(shape))
+        return 0
 
     def _check_grid(self, table) -> None:
         """Batch equal everywhere; unsharded dims equal everywhere; H (W) equal along mesh rows (columns)."""

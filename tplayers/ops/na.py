@@ -169,19 +169,28 @@ def neighborhood_attention_2d(
         return q.new_zeros(batch, hq, wq, heads, v.shape[-1]) + 0 * tie
     scale = dim ** -0.5 if scale is None else float(scale)
     tile = default_tile(kernel, dim) if tile is None else tile
-    th = axis_tiles(global_size[0], kernel[0], dilation[0], causal[0], q_offset[0], hq, k_offset[0], k.shape[1], tile[0])
-    tw = axis_tiles(global_size[1], kernel[1], dilation[1], causal[1], q_offset[1], wq, k_offset[1], k.shape[2], tile[1])
     if chunk_scores is None:  # the defaults count every (batch, head) plane of a chunk
         planes = batch * heads
         fwd_chunk = max(1, na_kernel.CHUNK_SCORES // planes)
         bwd_chunk = max(1, na_kernel.BACKWARD_CHUNK_SCORES // planes)
     else:
         fwd_chunk = bwd_chunk = chunk_scores
-    plan = tile_plan(th, tw, wq, k.shape[2], q.device, q.dtype, fwd_chunk)
-    plan_bwd = plan if bwd_chunk == fwd_chunk else tile_plan(th, tw, wq, k.shape[2], q.device, q.dtype, bwd_chunk)
 
     def pixels(x: torch.Tensor) -> torch.Tensor:  # (B, Hx, Wx, heads, D) -> (B, Hx*Wx, heads*D)
         return x.reshape(batch, x.shape[1] * x.shape[2], -1).contiguous()
+
+    if torch.compiler.is_compiling():  # the tables are built inside one registered op (see na_compile)
+        from tplayers.ops.na_compile import geometry_args
+
+        geo = geometry_args(global_size, kernel, dilation, causal, q_offset, k_offset, (hq, wq),
+                            (k.shape[1], k.shape[2]), tile, fwd_chunk, bwd_chunk)
+        table = rel_pos_bias if rel_pos_bias is not None else q.new_empty(0)
+        out = torch.ops.tplayers.na2d_tiles(pixels(q), pixels(k), pixels(v), table, geo, scale, heads)
+        return out.view(batch, hq, wq, heads, -1)
+    th = axis_tiles(global_size[0], kernel[0], dilation[0], causal[0], q_offset[0], hq, k_offset[0], k.shape[1], tile[0])
+    tw = axis_tiles(global_size[1], kernel[1], dilation[1], causal[1], q_offset[1], wq, k_offset[1], k.shape[2], tile[1])
+    plan = tile_plan(th, tw, wq, k.shape[2], q.device, q.dtype, fwd_chunk)
+    plan_bwd = plan if bwd_chunk == fwd_chunk else tile_plan(th, tw, wq, k.shape[2], q.device, q.dtype, bwd_chunk)
 
     out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, plan_bwd, scale, heads)
     return out.view(batch, hq, wq, heads, -1)

@@ -24,7 +24,7 @@ import torch
 
 from tplayers.ops.na_layout import AxisTiles
 
-__all__ = ["TilePlan", "tile_plan", "TileAttention", "CHUNK_SCORES", "BACKWARD_CHUNK_SCORES"]
+__all__ = ["TilePlan", "tile_plan", "TileAttention", "tile_backward", "CHUNK_SCORES", "BACKWARD_CHUNK_SCORES"]
 
 #: score elements per forward chunk, all (batch, head) planes together: 128 Ki fp32 = 512 KiB,
 #: so a chunk's scores and tiles stay in a core's L2 cache
@@ -206,44 +206,50 @@ class TileAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, table, out = ctx.saved_tensors
-        plan, scale, heads = ctx.plan, ctx.scale, ctx.heads
-        batch, pq, pk = q.shape[0], q.shape[1], k.shape[1]
-        tq, region = plan.tq, plan.region
-        q2, k2, v2 = (x.view(-1, x.shape[-1] // heads) for x in (q, k, v))
-        g2 = grad_out.reshape(-1, v2.shape[1])  # a view when it can be (an expanded grad of .sum())
-        delta = _rowdot(g2, out.view(-1, v2.shape[1]))  # rowsum(dO * O) per query; 0 in the dummy row
-        grad_q = q.new_empty(q2.shape[0] + 1, q2.shape[1])  # every query written once; last row: padding
-        want_k, want_v = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        grad_k = torch.zeros_like(k2) if want_k else None
-        grad_v = torch.zeros_like(v2) if want_v else None
-        want_bias = table is not None and ctx.needs_input_grad[3]
-        grad_table = torch.zeros_like(table).flatten(1) if want_bias else None
-        for chunk, (q_rows, k_rows, dest) in enumerate(_chunk_rows(plan, batch, heads, pq, pk)):
-            t0, t1 = plan.chunks[chunk]
-            qt = _gather(q2, q_rows, tq)
-            kt, vt = _gather(k2, k_rows, region), _gather(v2, k_rows, region)
-            gt = _gather(g2, q_rows, tq)
-            if plan.valid is not None:  # padding slots repeat a query: they must add nothing
-                gt.view(batch * heads, -1, tq, gt.shape[-1]).mul_(plan.valid[t0 * tq:t1 * tq].view(-1, tq, 1))
-            probs = torch.softmax(_scores(plan, chunk, qt, kt, scale, table, heads), -1)
-            ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(delta.index_select(0, dest).view(-1, tq, 1)).mul_(probs)
-            del vt
-            if want_v:
-                grad_v.index_add_(0, k_rows, torch.bmm(probs.transpose(1, 2), gt).view(-1, gt.shape[-1]))
-            del probs, gt
-            grad_q.index_copy_(0, dest, torch.bmm(ds, kt).view(-1, kt.shape[-1]))  # times scale below
-            del kt
-            if want_k:
-                # times scale at the end, like dQ
-                grad_k.index_add_(0, k_rows, torch.bmm(ds.transpose(1, 2), qt).view(-1, qt.shape[-1]))
-            if want_bias:
-                rel = _rel_index(plan, table.shape[-1])[t0:t1].flatten()
-                grad_table.index_add_(1, rel, ds.view(batch, heads, -1).sum(0))
-        grad_q = grad_q[:-1].mul_(scale).view(q.shape)
-        grad_table = grad_table.view(table.shape) if want_bias else None
-        grad_k = grad_k.mul_(scale).view(k.shape) if want_k else None
-        grad_v = grad_v.view(v.shape) if want_v else None
-        return grad_q, grad_k, grad_v, grad_table, None, None, None, None
+        want = ctx.needs_input_grad
+        grads = tile_backward(grad_out, q, k, v, table, out, ctx.plan, ctx.scale, ctx.heads,
+                              want[1], want[2], table is not None and want[3])
+        return (*grads, None, None, None, None)
+
+
+def tile_backward(grad_out, q, k, v, table, out, plan: TilePlan, scale: float, heads: int, want_k: bool,
+                  want_v: bool, want_bias: bool):
+    """:class:`TileAttention`'s backward as a function: ``(dq, dk or None, dv or None, dtable or None)``."""
+    batch, pq, pk = q.shape[0], q.shape[1], k.shape[1]
+    tq, region = plan.tq, plan.region
+    q2, k2, v2 = (x.view(-1, x.shape[-1] // heads) for x in (q, k, v))
+    g2 = grad_out.reshape(-1, v2.shape[1])  # a view when it can be (an expanded grad of .sum())
+    delta = _rowdot(g2, out.view(-1, v2.shape[1]))  # rowsum(dO * O) per query; 0 in the dummy row
+    grad_q = q.new_empty(q2.shape[0] + 1, q2.shape[1])  # every query written once; last row: padding
+    grad_k = torch.zeros_like(k2) if want_k else None
+    grad_v = torch.zeros_like(v2) if want_v else None
+    grad_table = torch.zeros_like(table).flatten(1) if want_bias else None
+    for chunk, (q_rows, k_rows, dest) in enumerate(_chunk_rows(plan, batch, heads, pq, pk)):
+        t0, t1 = plan.chunks[chunk]
+        qt = _gather(q2, q_rows, tq)
+        kt, vt = _gather(k2, k_rows, region), _gather(v2, k_rows, region)
+        gt = _gather(g2, q_rows, tq)
+        if plan.valid is not None:  # padding slots repeat a query: they must add nothing
+            gt.view(batch * heads, -1, tq, gt.shape[-1]).mul_(plan.valid[t0 * tq:t1 * tq].view(-1, tq, 1))
+        probs = torch.softmax(_scores(plan, chunk, qt, kt, scale, table, heads), -1)
+        ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(delta.index_select(0, dest).view(-1, tq, 1)).mul_(probs)
+        del vt
+        if want_v:
+            grad_v.index_add_(0, k_rows, torch.bmm(probs.transpose(1, 2), gt).view(-1, gt.shape[-1]))
+        del probs, gt
+        grad_q.index_copy_(0, dest, torch.bmm(ds, kt).view(-1, kt.shape[-1]))  # times scale below
+        del kt
+        if want_k:
+            # times scale at the end, like dQ
+            grad_k.index_add_(0, k_rows, torch.bmm(ds.transpose(1, 2), qt).view(-1, qt.shape[-1]))
+        if want_bias:
+            rel = _rel_index(plan, table.shape[-1])[t0:t1].flatten()
+            grad_table.index_add_(1, rel, ds.view(batch, heads, -1).sum(0))
+    grad_q = grad_q[:-1].mul_(scale).view(q.shape)
+    grad_table = grad_table.view(table.shape) if want_bias else None
+    grad_k = grad_k.mul_(scale).view(k.shape) if want_k else None
+    grad_v = grad_v.view(v.shape) if want_v else None
+    return grad_q, grad_k, grad_v, grad_table
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor, rows: int = 1 << 12) -> torch.Tensor:

@@ -1,0 +1,100 @@
+"""Neighborhood attention as registered custom ops, for ``torch.compile(fullgraph=True)``.
+
+The tile kernel (:class:`~tplayers.ops.na_kernel.TileAttention`) builds its index tables
+from the geometry with torch ops and reads them on the host, which ``torch.compile`` cannot
+trace. While compiling, :func:`~tplayers.ops.na.neighborhood_attention_2d` calls these ops
+instead: each is one opaque node of the graph, its arguments the tensors and the geometry as
+ints; the eager body builds (and caches) the same tables and runs the same kernel, so the
+results are bitwise those of eager mode. ``tplayers::na2d_tiles`` is the forward,
+``tplayers::na2d_tiles_backward`` its backward (registered as its autograd formula).
+
+Example::
+
+    import torch, tplayers
+    q = k = v = torch.randn(1, 9, 9, 2, 4)
+    f = torch.compile(lambda q, k, v: tplayers.na2d(q, k, v, 3), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(f(q, k, v), tplayers.na2d(q, k, v, 3))
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+__all__ = ["geometry_args", "na2d_tiles"]
+
+
+def geometry_args(global_size, kernel, dilation, causal, q_offset, k_offset, q_hw, k_hw, tile,
+                  fwd_chunk: int, bwd_chunk: int) -> List[int]:
+    """Everything that decides the tile tables, as one list of ints (a custom-op argument)."""
+    return [*global_size, *kernel, *dilation, *(int(c) for c in causal), *q_offset, *k_offset, *q_hw, *k_hw,
+            *tile, fwd_chunk, bwd_chunk]
+
+
+def _plans(geo: List[int], device: torch.device, dtype: torch.dtype):
+    """The forward and backward :class:`~tplayers.ops.na_kernel.TilePlan` of ``geo`` (cached)."""
+    from tplayers.ops.na_kernel import tile_plan
+    from tplayers.ops.na_layout import axis_tiles
+
+    (gh, gw, kh, kw, dh, dw, ch, cw, qh0, qw0, kh0, kw0, qh, qw, khn, kwn, th_, tw_, fwd, bwd) = geo
+    th = axis_tiles(gh, kh, dh, bool(ch), qh0, qh, kh0, khn, th_)
+    tw = axis_tiles(gw, kw, dw, bool(cw), qw0, qw, kw0, kwn, tw_)
+    plan = tile_plan(th, tw, qw, kwn, device, dtype, fwd)
+    return plan, plan if bwd == fwd else tile_plan(th, tw, qw, kwn, device, dtype, bwd)
+
+
+def _table(table: torch.Tensor) -> Optional[torch.Tensor]:
+    return table if table.numel() else None  # an empty tensor stands for "no bias" in the schemas
+
+
+@torch.library.custom_op("tplayers::na2d_tiles", mutates_args=())
+def na2d_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, geo: List[int],
+               scale: float, heads: int) -> torch.Tensor:
+    """The tile kernel's forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major,
+    ``table`` the bias (or an empty tensor) -> (B, Pq, heads*Dv)."""
+    from tplayers.ops.na_kernel import TileAttention
+
+    plan, plan_bwd = _plans(geo, q.device, q.dtype)
+    with torch.no_grad():
+        return TileAttention.apply(q, k, v, _table(table), plan, plan_bwd, scale, heads)
+
+
+@na2d_tiles.register_fake
+def _(q, k, v, table, geo, scale, heads):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+@torch.library.custom_op("tplayers::na2d_tiles_backward", mutates_args=())
+def na2d_tiles_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        table: torch.Tensor, out: torch.Tensor, geo: List[int], scale: float,
+                        heads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dtable)`` (``dtable`` empty without a bias): the kernel's own backward
+    (:func:`~tplayers.ops.na_kernel.tile_backward`) on the same tables."""
+    from tplayers.ops.na_kernel import tile_backward
+
+    _, plan_bwd = _plans(geo, q.device, q.dtype)
+    tab = _table(table)
+    dq, dk, dv, dt = tile_backward(grad_out, q, k, v, tab, out, plan_bwd, scale, heads, True, True, tab is not None)
+    return dq, dk, dv, (dt if tab is not None else table.new_empty(0))
+
+
+@na2d_tiles_backward.register_fake
+def _(grad_out, q, k, v, table, out, geo, scale, heads):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(table)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, table, geo, scale, heads = inputs
+    ctx.save_for_backward(q, k, v, table, output)
+    ctx.geo, ctx.scale, ctx.heads = geo, scale, heads
+
+
+def _backward(ctx, grad):
+    q, k, v, table, out = ctx.saved_tensors
+    dq, dk, dv, dt = torch.ops.tplayers.na2d_tiles_backward(grad.contiguous(), q, k, v, table, out, ctx.geo,
+                                                           ctx.scale, ctx.heads)
+    return dq, dk, dv, (dt if table.numel() else None), None, None, None
+
+
+na2d_tiles.register_autograd(_backward, setup_context=_setup)
