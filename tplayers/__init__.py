@@ -24,7 +24,7 @@ and ``gather`` move between global and local tensors, and
 from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
 from tplayers.comm import CommLog, count_collectives
 from tplayers.comm.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated
-from tplayers.domain import gather, scatter, shard
+from tplayers.domain import gather, reset_layouts, scatter, shard
 from tplayers.layers import (
     ColumnParallelEmbedding,
     ColumnParallelLinear,
@@ -88,6 +88,7 @@ __all__ = [
     "shard",
     "scatter",
     "gather",
+    "reset_layouts",
     "domain_sum",
     "domain_mean",
     "ShardedToReplicated",

@@ -31,7 +31,7 @@ from tplayers.comm.collectives import gather_along_dim, run_p2p, split_along_dim
 from tplayers.mesh import resolve_mesh
 from tplayers.sharding import shard_range
 
-__all__ = ["shard", "scatter", "gather", "resolve_domain"]
+__all__ = ["shard", "scatter", "gather", "resolve_domain", "reset_layouts"]
 
 Dims = Union[int, Sequence[int]]
 
@@ -227,3 +227,32 @@ def _device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def reset_layouts(module: torch.nn.Module) -> int:
+    """Forget every cached domain layout in ``module`` (itself and all submodules); returns how many
+    layers were reset. Call it on **every** rank, before the forward, when the input partition
+    may change on some ranks while others keep their local shape.
+
+    Layers exchange their layout once per local shape and cache it (DESIGN §2.4). A rank whose
+    local shape is unchanged reuses its cache while a rank whose shape changed exchanges again,
+    and the two then wait on different collectives until the process-group timeout. That happens
+    with balanced partitions of a changing global size: H 9 -> 10 on 2 ranks is 5+4 -> 5+5 rows,
+    rank 0 keeps 5.
+
+    Example (``torchrun --nproc-per-node 2``)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        conv = tplayers.DistributedConv2d(2, 2, 3, padding=1, mesh=mesh)
+        for h in (9, 10):                       # the global height changes between batches
+            tplayers.reset_layouts(conv)        # on every rank
+            y = conv(tplayers.shard(torch.randn(1, 2, h, 5), 2, mesh))
+    """
+    count = 0
+    for m in module.modules():
+        reset = getattr(m, "reset_layout", None)
+        if callable(reset):
+            reset()
+            count += 1
+    return count
