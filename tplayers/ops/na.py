@@ -23,8 +23,8 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from tplayers.ops import na_kernel
-from tplayers.ops.na_kernel import TileAttention, tile_plan
-from tplayers.ops.na_layout import DEFAULT_TILE, axis_tiles
+from tplayers.ops.na_kernel import TileAttention
+from tplayers.ops.na_layout import DEFAULT_TILE
 
 __all__ = ["na2d", "neighborhood_attention_2d", "normalize_na_args", "check_window_fits"]
 
@@ -179,19 +179,15 @@ def neighborhood_attention_2d(
     def pixels(x: torch.Tensor) -> torch.Tensor:  # (B, Hx, Wx, heads, D) -> (B, Hx*Wx, heads*D)
         return x.reshape(batch, x.shape[1] * x.shape[2], -1).contiguous()
 
+    geo = na_kernel.geometry_args(global_size, kernel, dilation, causal, q_offset, k_offset, (hq, wq),
+                                  (k.shape[1], k.shape[2]), tile, fwd_chunk, bwd_chunk)
     if torch.compiler.is_compiling():  # the tables are built inside one registered op (see na_compile)
-        from tplayers.ops.na_compile import geometry_args
+        import tplayers.ops.na_compile  # noqa: F401  (registers tplayers::na2d_tiles)
 
-        geo = geometry_args(global_size, kernel, dilation, causal, q_offset, k_offset, (hq, wq),
-                            (k.shape[1], k.shape[2]), tile, fwd_chunk, bwd_chunk)
         table = rel_pos_bias if rel_pos_bias is not None else q.new_empty(0)
         out = torch.ops.tplayers.na2d_tiles(pixels(q), pixels(k), pixels(v), table, geo, scale, heads)
         return out.view(batch, hq, wq, heads, -1)
-    th = axis_tiles(global_size[0], kernel[0], dilation[0], causal[0], q_offset[0], hq, k_offset[0], k.shape[1], tile[0])
-    tw = axis_tiles(global_size[1], kernel[1], dilation[1], causal[1], q_offset[1], wq, k_offset[1], k.shape[2], tile[1])
-    plan = tile_plan(th, tw, wq, k.shape[2], q.device, q.dtype, fwd_chunk)
-    plan_bwd = plan if bwd_chunk == fwd_chunk else tile_plan(th, tw, wq, k.shape[2], q.device, q.dtype, bwd_chunk)
-
+    plan, plan_bwd = na_kernel.tile_plans(geo, q.device, q.dtype)
     out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, plan_bwd, scale, heads)
     return out.view(batch, hq, wq, heads, -1)
 

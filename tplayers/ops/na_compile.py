@@ -22,26 +22,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-__all__ = ["geometry_args", "na2d_tiles"]
+from tplayers.ops.na_kernel import TileAttention, tile_backward, tile_plans
 
-
-def geometry_args(global_size, kernel, dilation, causal, q_offset, k_offset, q_hw, k_hw, tile,
-                  fwd_chunk: int, bwd_chunk: int) -> List[int]:
-    """Everything that decides the tile tables, as one list of ints (a custom-op argument)."""
-    return [*global_size, *kernel, *dilation, *(int(c) for c in causal), *q_offset, *k_offset, *q_hw, *k_hw,
-            *tile, fwd_chunk, bwd_chunk]
-
-
-def _plans(geo: List[int], device: torch.device, dtype: torch.dtype):
-    """The forward and backward :class:`~tplayers.ops.na_kernel.TilePlan` of ``geo`` (cached)."""
-    from tplayers.ops.na_kernel import tile_plan
-    from tplayers.ops.na_layout import axis_tiles
-
-    (gh, gw, kh, kw, dh, dw, ch, cw, qh0, qw0, kh0, kw0, qh, qw, khn, kwn, th_, tw_, fwd, bwd) = geo
-    th = axis_tiles(gh, kh, dh, bool(ch), qh0, qh, kh0, khn, th_)
-    tw = axis_tiles(gw, kw, dw, bool(cw), qw0, qw, kw0, kwn, tw_)
-    plan = tile_plan(th, tw, qw, kwn, device, dtype, fwd)
-    return plan, plan if bwd == fwd else tile_plan(th, tw, qw, kwn, device, dtype, bwd)
+__all__ = ["na2d_tiles"]
 
 
 def _table(table: torch.Tensor) -> Optional[torch.Tensor]:
@@ -53,9 +36,7 @@ def na2d_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.T
                scale: float, heads: int) -> torch.Tensor:
     """The tile kernel's forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major,
     ``table`` the bias (or an empty tensor) -> (B, Pq, heads*Dv)."""
-    from tplayers.ops.na_kernel import TileAttention
-
-    plan, plan_bwd = _plans(geo, q.device, q.dtype)
+    plan, plan_bwd = tile_plans(geo, q.device, q.dtype)
     with torch.no_grad():
         return TileAttention.apply(q, k, v, _table(table), plan, plan_bwd, scale, heads)
 
@@ -71,9 +52,7 @@ def na2d_tiles_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                         heads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dtable)`` (``dtable`` empty without a bias): the kernel's own backward
     (:func:`~tplayers.ops.na_kernel.tile_backward`) on the same tables."""
-    from tplayers.ops.na_kernel import tile_backward
-
-    _, plan_bwd = _plans(geo, q.device, q.dtype)
+    _, plan_bwd = tile_plans(geo, q.device, q.dtype)
     tab = _table(table)
     dq, dk, dv, dt = tile_backward(grad_out, q, k, v, tab, out, plan_bwd, scale, heads, True, True, tab is not None)
     return dq, dk, dv, (dt if tab is not None else table.new_empty(0))

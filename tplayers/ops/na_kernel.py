@@ -22,9 +22,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from tplayers.ops.na_layout import AxisTiles
+from tplayers.ops.na_layout import AxisTiles, axis_tiles
 
-__all__ = ["TilePlan", "tile_plan", "TileAttention", "tile_backward", "CHUNK_SCORES", "BACKWARD_CHUNK_SCORES"]
+__all__ = ["TilePlan", "tile_plan", "tile_plans", "geometry_args", "TileAttention", "tile_backward", "CHUNK_SCORES", "BACKWARD_CHUNK_SCORES"]
 
 #: score elements per forward chunk, all (batch, head) planes together: 128 Ki fp32 = 512 KiB,
 #: so a chunk's scores and tiles stay in a core's L2 cache
@@ -116,6 +116,22 @@ def tile_plan(th: AxisTiles, tw: AxisTiles, wq: int, wk: int, device: torch.devi
         pattern.append(int(ids[0]) if bool((ids == ids[0]).all()) else -1)
     return TilePlan(th, tw, q_flat.flatten().to(device), q_dest.to(device), k_flat.flatten().to(device),
                     valid, masks.to(device), mask_id.to(device), tuple(chunks), tuple(pattern))
+
+
+def geometry_args(global_size, kernel, dilation, causal, q_offset, k_offset, q_hw, k_hw, tile,
+                  fwd_chunk: int, bwd_chunk: int) -> List[int]:
+    """Everything that decides the tile tables, as one list of ints (also a custom-op argument)."""
+    return [*global_size, *kernel, *dilation, *(int(c) for c in causal), *q_offset, *k_offset, *q_hw, *k_hw,
+            *tile, fwd_chunk, bwd_chunk]
+
+
+def tile_plans(geo: List[int], device: torch.device, dtype: torch.dtype) -> Tuple[TilePlan, TilePlan]:
+    """The forward and backward :class:`TilePlan` of a :func:`geometry_args` list (cached)."""
+    (gh, gw, kh, kw, dh, dw, ch, cw, qh0, qw0, kh0, kw0, qh, qw, khn, kwn, th_, tw_, fwd, bwd) = geo
+    th = axis_tiles(gh, kh, dh, bool(ch), qh0, qh, kh0, khn, th_)
+    tw = axis_tiles(gw, kw, dw, bool(cw), qw0, qw, kw0, kwn, tw_)
+    plan = tile_plan(th, tw, qw, kwn, device, dtype, fwd)
+    return plan, plan if bwd == fwd else tile_plan(th, tw, qw, kwn, device, dtype, bwd)
 
 
 @lru_cache(maxsize=32)
