@@ -34,7 +34,7 @@ Example (2 ranks, ``torchrun --nproc-per-node 2``)::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -42,15 +42,17 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.accounting import record_collective
-from tplayers.comm.collectives import run_p2p
+from tplayers.comm.collectives import exchange_p2p, posts_direct
 from tplayers.ops import pack_faces, unpack_faces
 
 __all__ = [
     "HaloExchange1d",
+    "HaloRoute",
     "HaloState",
     "halo_exchange",
     "halo_exchange_along",
     "halo_pad",
+    "halo_route",
     "halo_state",
     "halo_adjoint",
     "halo_widths_ok",
@@ -83,16 +85,15 @@ def _peers(group: dist.ProcessGroup, periodic: bool) -> Tuple[Optional[int], Opt
 
 
 def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, from_lo: int,
-          lo: Optional[int], hi: Optional[int], group_size: int, tag: str,
-          during: Optional[Callable[[], None]] = None, extra: Optional[Extra] = None,
+          route: "HaloRoute", tag: str, during: Optional[Callable[[], None]] = None, extra: Optional[Extra] = None,
           tags: Tuple[int, int] = (_TAG_DOWN, _TAG_UP)) -> Tuple[torch.Tensor, int]:
-    """Send face ``to_lo`` of ``src`` to ``lo`` and ``to_hi`` to ``hi``; receive ``from_hi``
-    rows from ``hi`` and ``from_lo`` rows from ``lo``.
+    """Send face ``to_lo`` of ``src`` to the low neighbour and ``to_hi`` to the high one (``route``);
+    receive ``from_hi`` rows from the high neighbour and ``from_lo`` rows from the low one.
 
     Returns the receive buffer ``[rows from lo | rows from hi]`` and the element count
     of the first part. Faces are ``(start, length)`` along ``dim``. All ops are posted in
-    one batch (sends, then receives, in the same order on every rank) and all are
-    waited before returning, so the send buffer is never reused early.
+    one batch (:func:`~tplayers.comm.collectives.exchange_p2p`, the same order on every rank)
+    and all are waited before returning, so the send buffer is never reused early.
 
     ``tags``: the message tags of the two directions (another pair lets a second exchange be in
     flight with the same neighbours at once, e.g. nested in this one's ``during``).
@@ -103,6 +104,7 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     ``to_lo``), otherwise it travels as a message of its own.
     """
     tag_down, tag_up = tags  # distinct pairs keep two batches in flight together apart
+    (lo, hi), (lo_g, hi_g), group_size = route.peers, route.local, route.size
     row = _row_numel(src, dim)
     faces = []
     if lo is not None and to_lo[1]:
@@ -127,30 +129,32 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     raw = src.new_empty(n_lo_recv + n_hi_recv + (ne if ride_recv is not None else 0))
     first = ne if ride_recv == tag_up else 0
     recvbuf = raw[first : first + n_lo_recv + n_hi_recv]
-    ops, offset = [], 0
-    for peer, face, ptag in ((lo, to_lo, tag_down), (hi, to_hi, tag_up)):
+    sends, recvs, offset = [], [], 0  # (tensor, the peer's rank in the group, tag)
+    for peer, face, ptag in ((lo_g, to_lo, tag_down), (hi_g, to_hi, tag_up)):
         if peer is not None and face[1] and row:  # empty messages are skipped on both sides
             size = row * face[1] + (ne if ptag == ride_send else 0)
             part = sendbuf[offset : offset + size]
             offset += size
             record_collective("send", row * face[1] * part.element_size(), group_size, tag)
-            ops.append(dist.P2POp(dist.isend, part, peer, tag=ptag))
+            sends.append((part, peer, ptag))
     # Receive from hi what it sent down, and from lo what it sent up: same order everywhere.
     if n_hi_recv:
         record_collective("recv", n_hi_recv * raw.element_size(), group_size, tag)
         end = raw.numel() if ride_recv == tag_down else first + n_lo_recv + n_hi_recv
-        ops.append(dist.P2POp(dist.irecv, raw[first + n_lo_recv : end], hi, tag=tag_down))
+        recvs.append((raw[first + n_lo_recv : end], hi_g, tag_down))
     if n_lo_recv:
         record_collective("recv", n_lo_recv * raw.element_size(), group_size, tag)
-        ops.append(dist.P2POp(dist.irecv, raw[: first + n_lo_recv], lo, tag=tag_up))
+        recvs.append((raw[: first + n_lo_recv], lo_g, tag_up))
     if extra is not None:
         record_collective("send", ne * esend.element_size(), group_size, etag)
         record_collective("recv", ne * erecv.element_size(), group_size, etag)
-        if ride_send is None:
-            ops.append(dist.P2POp(dist.isend, esend, epeer, tag=_TAG_EXTRA))
-        if ride_recv is None:
-            ops.append(dist.P2POp(dist.irecv, erecv, epeer, tag=_TAG_EXTRA))
-    run_p2p(ops, during)
+        if ride_send is None or ride_recv is None:
+            epeer_g = lo_g if epeer == lo else hi_g if epeer == hi else dist.get_group_rank(route.group, epeer)
+            if ride_send is None:
+                sends.append((esend, epeer_g, _TAG_EXTRA))
+            if ride_recv is None:
+                recvs.append((erecv, epeer_g, _TAG_EXTRA))
+    exchange_p2p(route.group, sends, recvs, route.direct, during)
     if ride_recv is not None:
         erecv.copy_(raw[:ne] if ride_recv == tag_up else raw[first + n_lo_recv + n_hi_recv :])
     del sendbuf  # complete: safe to release
@@ -163,8 +167,34 @@ def _row_numel(t: torch.Tensor, dim: int) -> int:
 
 
 @dataclass(frozen=True)
+class HaloRoute:
+    """An exchange's neighbours, resolved once (a layer keeps it with its cached layout).
+
+    ``peers``: the low / high neighbour's global rank (``None`` at a non-periodic boundary);
+    ``local``: the same as ranks in ``group``; ``size``: the group's size; ``direct``: whether
+    messages are posted on the group object itself (gloo, see
+    :func:`~tplayers.comm.collectives.exchange_p2p`).
+    """
+
+    group: dist.ProcessGroup
+    size: int
+    peers: Tuple[Optional[int], Optional[int]]
+    local: Tuple[Optional[int], Optional[int]]
+    direct: bool
+
+
+def halo_route(group: dist.ProcessGroup, periodic: bool = False,
+               peers: Optional[Tuple[Optional[int], Optional[int]]] = None) -> HaloRoute:
+    """The :class:`HaloRoute` of exchanging along ``group`` (``peers``: global ranks already known)."""
+    lo, hi = _peers(group, periodic) if peers is None else peers
+    local = tuple(None if p is None else dist.get_group_rank(group, p) for p in (lo, hi))
+    return HaloRoute(group, dist.get_world_size(group), (lo, hi), local, posts_direct(group))
+
+
+@dataclass(frozen=True)
 class HaloState:
-    """What the adjoint of one exchange needs: dim, group, widths, local rows, peers, x's layout."""
+    """What the adjoint of one exchange needs: dim, group, widths, local rows, peers, x's layout
+    (``route``: the resolved neighbours, derived from ``group`` and ``peers`` when not given)."""
 
     dim: int
     group: dist.ProcessGroup
@@ -173,22 +203,32 @@ class HaloState:
     n: int
     peers: Tuple[Optional[int], Optional[int]]
     grad_format: torch.memory_format
+    route: Optional[HaloRoute] = field(default=None, compare=False, repr=False)
+
+    def resolved(self) -> HaloRoute:
+        """``route``, or the route of ``group`` and ``peers``."""
+        return self.route if self.route is not None else halo_route(self.group, peers=self.peers)
+
+
+def _grad_format(x: torch.Tensor) -> torch.memory_format:
+    """``x``'s own layout: channels-last (4-D / 5-D, not also contiguous) or contiguous."""
+    cl_format = _CHANNELS_LAST.get(x.dim())
+    cl = cl_format is not None and not x.is_contiguous() and x.is_contiguous(memory_format=cl_format)
+    return cl_format if cl else torch.contiguous_format
 
 
 def halo_state(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, send: Pair,
-               periodic: bool) -> HaloState:
-    """The :class:`HaloState` of exchanging ``x`` (what :func:`halo_pad` returns with the padded tensor)."""
-    lo, hi = _peers(group, periodic)
-    cl_format = _CHANNELS_LAST.get(x.dim())
-    cl = cl_format is not None and not x.is_contiguous() and x.is_contiguous(memory_format=cl_format)
-    return HaloState(dim, group, tuple(recv), tuple(send), x.size(dim), (lo, hi),
-                     cl_format if cl else torch.contiguous_format)  # x's own layout
+               periodic: bool, route: Optional[HaloRoute] = None) -> HaloState:
+    """The :class:`HaloState` of exchanging ``x`` (what :func:`halo_pad` returns with the padded tensor);
+    ``route``: the exchange's :func:`halo_route`, when the caller keeps it (else resolved here)."""
+    route = halo_route(group, periodic) if route is None else route
+    return HaloState(dim, group, tuple(recv), tuple(send), x.size(dim), route.peers, _grad_format(x), route)
 
 
 def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, send: Pair, periodic: bool,
              memory_format: torch.memory_format = torch.contiguous_format,
              during: Optional[Callable[[], None]] = None, second: bool = False,
-             out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, HaloState]:
+             out: Optional[torch.Tensor] = None, route: Optional[HaloRoute] = None) -> Tuple[torch.Tensor, HaloState]:
     """Forward of :class:`HaloExchange1d` without autograd: the padded tensor and the adjoint's state.
 
     ``during`` (optional) runs once the messages are posted and before they are waited (the
@@ -198,9 +238,10 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
     ``out`` (optional, eager): the padded buffer to fill (``x``'s shape padded along ``dim``, any
     layout); its own rows hold ``x`` before the messages are posted, so ``during`` may read them.
     ``second=True`` tags the messages apart, so this exchange may be posted while another one
-    (e.g. an adjoint) is in flight with the same neighbours.
+    (e.g. an adjoint) is in flight with the same neighbours. ``route``: :func:`halo_route` of
+    ``group`` and ``periodic``, when the caller keeps it (a layer, once per layout).
     """
-    state = halo_state(x, dim, group, recv, send, periodic)
+    state = halo_state(x, dim, group, recv, send, periodic, route)
     if torch.compiler.is_compiling():
         from tplayers.comm.ops import format_code
 
@@ -215,8 +256,8 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
 def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_format: torch.memory_format,
                     during: Optional[Callable[[], None]] = None, second: bool = False,
                     out: Optional[torch.Tensor] = None):
-    dim, group, n, (lo, hi) = state.dim, state.group, state.n, state.peers
-    size = dist.get_world_size(group)
+    route = state.resolved()
+    dim, n, (lo, hi), size = state.dim, state.n, route.peers, route.size
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
     shape = list(x.shape)
     shape[dim] = r_lo + n + r_hi
@@ -230,7 +271,7 @@ def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_fo
         out.narrow(dim, 0, r_lo).copy_(x.narrow(dim, n - r_lo, r_lo))
         out.narrow(dim, r_lo + n, r_hi).copy_(x.narrow(dim, 0, r_hi))
         return out
-    buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, lo, hi, size, "halo.fwd", during,
+    buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, route, "halo.fwd", during,
                    tags=(_TAG_DOWN2, _TAG_UP2) if second else (_TAG_DOWN, _TAG_UP))
     faces = []
     if lo is None:
@@ -269,10 +310,9 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
         return torch.ops.tplayers.halo_adjoint(grad, state.dim, state.group.group_name, list(state.recv),
                                                list(state.send), state.n, peer_code(state.peers[0]),
                                                peer_code(state.peers[1]), format_code(state.grad_format))
-    dim, group, n = state.dim, state.group, state.n
+    route = state.resolved()
+    dim, n, (lo, hi), size = state.dim, state.n, route.peers, route.size
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
-    lo, hi = state.peers
-    size = dist.get_world_size(group)
     grad_x = grad.narrow(dim, r_lo, n).clone(memory_format=state.grad_format)
     if into_own is not None:
         def window(outer=during):
@@ -289,7 +329,7 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
         grad_x.narrow(dim, 0, r_hi).add_(grad.narrow(dim, r_lo + n, r_hi))
         return grad_x
     # Adjoint of the forward swap: halo gradients travel back the way the rows came.
-    buf, _ = _swap(grad, dim, (0, r_lo), (r_lo + n, r_hi), s_hi, s_lo, lo, hi, size, "halo.bwd", during, extra)
+    buf, _ = _swap(grad, dim, (0, r_lo), (r_lo + n, r_hi), s_hi, s_lo, route, "halo.bwd", during, extra)
     faces = []
     if lo is not None and s_lo:
         faces.append((0, s_lo))

@@ -14,15 +14,15 @@ cheap boundary padding and trim are replayed under autograd in backward).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from tplayers.comm import all_reduce_sum, record_collective
-from tplayers.comm.collectives import run_p2p
-from tplayers.comm.halo import halo_adjoint, halo_pad
+from tplayers.comm.collectives import exchange_p2p
+from tplayers.comm.halo import HaloRoute, halo_adjoint, halo_pad, halo_route
 from tplayers.window_plan import AxisPlan
 
 __all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "halo_conv"]
@@ -48,10 +48,22 @@ class ConvSpec:
     perm: Optional[Tuple[int, ...]] = None  # spatial dims reordered for the convolution (see _conv_order)
     rest: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # prepare's padding of other dims (None: none)
     overlap: bool = False  # exchange overlapped with compute (layers._conv_overlap); the same on every rank
+    plain: bool = False  # prepare is the identity (no boundary rows, no trim, no padding of other dims)
+    # derived once here, so that no step repeats them (per-call cost is the overhead-bound regime's whole budget)
+    order: "_Order" = field(init=False, repr=False)  # the convolution on spatially permuted views
+    route: HaloRoute = field(init=False, repr=False)  # the fused dim's neighbours
+    live_groups: tuple = field(init=False, repr=False)  # reduce_groups of more than one rank
+    pair: bool = field(init=False, repr=False)  # the parameter-gradient sum is one exchange with the halo peer
+    empty: bool = field(init=False, repr=False)  # this rank owns no output rows
 
-    @property
-    def empty(self) -> bool:
-        return 0 in self.out_shape
+    def __post_init__(self):
+        derived = {"order": _Order(self), "route": halo_route(self.group, self.periodic),
+                   "live_groups": tuple(g for g in self.reduce_groups if dist.get_world_size(g) > 1),
+                   "empty": 0 in self.out_shape}
+        derived["pair"] = (len(derived["live_groups"]) == 1 and derived["live_groups"][0] is self.group
+                           and derived["route"].size == 2)
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)  # frozen: set once, at construction
 
 
 def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: ConvSpec) -> torch.Tensor:
@@ -75,9 +87,9 @@ class _ConvCompute(torch.autograd.Function):
     def forward(ctx, token, xp, weight, bias, spec: ConvSpec):
         if spec.empty:
             return xp.new_zeros(spec.out_shape)
-        p = _Order(spec)
-        return p.back(spec.conv(p.fwd(spec.prepare(xp)), p.fwd(weight), bias, p.stride, p.padding, p.dilation,
-                                spec.groups))
+        p = spec.order
+        return p.back(spec.conv(p.fwd(xp if spec.plain else spec.prepare(xp)), p.fwd(weight), bias, p.stride,
+                                p.padding, p.dilation, spec.groups))
 
     @staticmethod
     def backward(ctx, grad):
@@ -98,7 +110,8 @@ class HaloConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, spec: ConvSpec):
         p = spec.plan
-        xp, ctx.state = halo_pad(x, spec.dim, spec.group, p.recv, p.send, spec.periodic, spec.memory_format)
+        xp, ctx.state = halo_pad(x, spec.dim, spec.group, p.recv, p.send, spec.periodic, spec.memory_format,
+                                 route=spec.route)
         ctx.save_for_backward(xp, weight)
         ctx.spec, ctx.has_bias = spec, bias is not None
         ctx.mark_non_differentiable(xp)
@@ -116,29 +129,33 @@ class HaloConvFunction(torch.autograd.Function):
             gb = weight.new_zeros(weight.shape[0]) if need_b else None
         else:
             compiling = torch.compiler.is_compiling()
-            if compiling:  # traceable: the padding / trim's vjp through torch.func
+            if spec.plain:  # nothing to replay: the convolution read xp itself
+                xc = xp
+            elif compiling:  # traceable: the padding / trim's vjp through torch.func
                 xc, prepare_vjp = torch.func.vjp(spec.prepare, xp)
             else:
                 with torch.enable_grad():  # replay only the cheap padding / trim, to differentiate it
                     xp_ = xp.detach().requires_grad_(need_x)
                     xc = spec.prepare(xp_)
-            p = _Order(spec)
+            p = spec.order
             gi, gw, gb = torch.ops.aten.convolution_backward(
                 p.fwd(grad), p.fwd(xc.detach()), p.fwd(weight), [weight.shape[0]] if ctx.has_bias else None,
                 p.stride, p.padding, p.dilation, False, [0] * len(spec.stride), spec.groups, [need_x, need_w, need_b])
             gi, gw = (p.back(gi) if gi is not None else None), (p.back(gw) if gw is not None else None)
             gxp = None
-            if need_x and compiling:
+            if need_x and spec.plain:
+                gxp = gi
+            elif need_x and compiling:
                 gxp = prepare_vjp(gi)[0]
             elif need_x:
                 gxp = gi if xc is xp_ else torch.autograd.grad(xc, xp_, gi)[0]
         params = [g for g, need in ((gw, need_w), (gb, need_b)) if need]
         flat = torch.cat([g.reshape(-1) for g in params]) if params else None
-        groups = [g for g in spec.reduce_groups if dist.get_world_size(g) > 1] if params else []
+        groups = spec.live_groups if params else ()
         state = ctx.state
         if torch.compiler.is_compiling():  # one registered op: adjoint halo + parameter-gradient sum
             grad_x, flat = _compiled_backward(gxp, flat, state, groups)
-        elif len(groups) == 1 and groups[0] is state.group and dist.get_world_size(groups[0]) == 2:
+        elif params and spec.pair:
             grad_x = _pair_backward(gxp, flat, state)
         else:
             grad_x = _reduce_backward(gxp, flat, state, groups)
@@ -196,8 +213,9 @@ def _pair_backward(grad_xp: Optional[torch.Tensor], flat: torch.Tensor, state) -
     ``mine + theirs`` on one rank and ``theirs + mine`` on the other are the same float sum,
     so both ranks hold bitwise-identical gradients (as an all-reduce would give them).
     """
-    group = state.group
-    peer = dist.get_global_rank(group, 1 - dist.get_rank(group))
+    route = state.resolved()
+    side = 1 if route.peers[1] is not None else 0  # the peer: the high neighbour, else the low one
+    peer, peer_g = route.peers[side], route.local[side]
     theirs = torch.empty_like(flat)
     if grad_xp is not None:
         grad_x = halo_adjoint(grad_xp, state, extra=(flat, theirs, peer, "conv.param_grads"))
@@ -206,7 +224,7 @@ def _pair_backward(grad_xp: Optional[torch.Tensor], flat: torch.Tensor, state) -
         nbytes = flat.numel() * flat.element_size()
         record_collective("send", nbytes, 2, "conv.param_grads")
         record_collective("recv", nbytes, 2, "conv.param_grads")
-        run_p2p([dist.P2POp(dist.isend, flat, peer), dist.P2POp(dist.irecv, theirs, peer)])
+        exchange_p2p(route.group, [(flat, peer_g, 0)], [(theirs, peer_g, 0)], route.direct)
     flat.add_(theirs)
     return grad_x
 

@@ -170,7 +170,8 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
                         prepare, _CONV[self.spatial], self.stride, tuple(conv_pad), self.dilation, self.groups,
                         tuple(out_shape), tuple(self._groups), conv_order(tuple(shape), like),
                         functools.partial(_pad_rest, mode=self.padding_mode, extra=tuple(extra)) if extra else None,
-                        overlap=self.overlap_halo)
+                        overlap=self.overlap_halo,
+                        plain=not extra and plans[last].boundary == (0, 0) and plans[last].trim == (0, 0))
         return {d: plans[d] for d in self.shard_dims[:-1]}, spec
 
     # ----------------------------------------------------------------- forward
