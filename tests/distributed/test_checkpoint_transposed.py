@@ -1,5 +1,6 @@
-"""Checkpoint loads through the fast transposing copies: exact bits at the same and another world size,
-corruption in a transposed piece still detected on every rank, and a failed load changes nothing."""
+"""Pieces of a tensor sharded on dim 1 (stored in their natural layout, hashed in row blocks and in column
+bands): exact bits at the same and another world size (a 3-rank reader checks the column bands it reads),
+corruption in such a piece detected on every rank, and a failed load changes nothing."""
 
 from __future__ import annotations
 
@@ -70,8 +71,8 @@ def test_transposed_pieces_load_exactly_and_corruption_is_caught(tmp_path, load_
     shutil.copytree(good, bad)
     f1 = os.path.join(bad, "rank-00001-of-00002.safetensors")
     prefix, header, _ = read_header(f1)
-    # the last stored row of rank 1's piece of 1.weight (stored as (in_local, out)): read by every
-    # loading layout that holds the last columns, after the blocks before it checked out
+    # the last column of the last row of rank 1's piece of 1.weight (stored as (out, in_local)): read by
+    # every loading layout that holds the last columns, after the blocks or bands before it checked out
     begin, end = header["1.weight"]["data_offsets"]
     with open(f1, "r+b") as f:
         f.seek(len(prefix) + end - 3)
@@ -79,3 +80,51 @@ def test_transposed_pieces_load_exactly_and_corruption_is_caught(tmp_path, load_
         f.seek(len(prefix) + end - 3)
         f.write(bytes([b[0] ^ 0x10]))
     run_ranks(_load, load_world, args=(good, bad), timeout=90)
+
+
+def test_resharded_reads_check_only_the_bands_they_touch(tmp_path):
+    """A reader holding part of a dim-1 piece's columns reads and checks whole column bands (8 columns of
+    the (64, 301) pieces here), never the piece's other bands; a reader of a whole piece checks row blocks."""
+    from tplayers.checkpoint.index import open_source
+    from tplayers.checkpoint.read import Reader
+    from tplayers.sharding import ShardSpec
+
+    path = str(tmp_path / "ck")
+    run_ranks(lambda r, w: save_checkpoint(tplayers.parallelize_module(_serial(1), PLAN), path, block_bytes=2048)
+              or True, 2, timeout=60)
+    want = _serial(1).state_dict()["1.weight"]
+    src = open_source(path)
+    assert [(p.start, p.stop, p.band) for p in src.tensors["1.weight"].pieces] == [(0, 301, 8), (301, 601, 8)]
+    spans = [ShardSpec.balanced((64, 601), 1, 3, r) for r in range(3)] + [ShardSpec.balanced((64, 601), 1, 2, 1)]
+    for spec in spans:
+        a, b = spec.start, spec.stop
+        with Reader(src, verify=True) as r:
+            parts = r.plan("1.weight", 1, a, b)
+            got = torch.empty(64, b - a)
+            for part, t in r.fetch_all(parts):
+                got[part.dest] = t
+                whole = (part.piece.start, part.piece.stop) == (max(a, part.piece.start), min(b, part.piece.stop))
+                assert part.band_dim == (None if whole else 1)
+                cols = part.mapped.shape[1]
+                lo = max(a, part.piece.start) - part.piece.start
+                hi = min(b, part.piece.stop) - part.piece.start
+                assert cols == part.piece.stop - part.piece.start if whole else cols == min(-(-hi // 8) * 8, part.piece.stop - part.piece.start) - lo // 8 * 8
+        assert torch.equal(_bits(got), _bits(want[:, a:b]))
+    # flip a bit in column 10 of rank 1's piece (global column 311): a reader of columns [201, 401) reads
+    # that band and fails; a reader of columns [401, 601) reads bands from column 96 of the piece on: passes
+    bad = str(tmp_path / "bad")
+    shutil.copytree(path, bad)
+    f1 = os.path.join(bad, "rank-00001-of-00002.safetensors")
+    prefix, header, _ = read_header(f1)
+    begin, _ = header["1.weight"]["data_offsets"]
+    with open(f1, "r+b") as f:
+        f.seek(len(prefix) + begin + (5 * 300 + 10) * 4 + 2)  # row 5, column 10
+        x = f.read(1)
+        f.seek(len(prefix) + begin + (5 * 300 + 10) * 4 + 2)
+        f.write(bytes([x[0] ^ 0x01]))
+    src = open_source(bad)
+    with Reader(src, verify=True) as r:
+        with pytest.raises(CheckpointError, match=r"1.weight.*band 1 \(indices \[8, 16\)"):
+            list(r.fetch_all(r.plan("1.weight", 1, 201, 401)))
+    with Reader(src, verify=True) as r:
+        assert torch.equal(_bits(r.read_box("1.weight", 1, 401, 601)), _bits(want[:, 401:601]))

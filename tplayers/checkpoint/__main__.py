@@ -102,7 +102,7 @@ def reshard(directory: str, out_dir: str, world_size: int, progress: Optional[bo
             for key, start, stop, name in writes[rank]:
                 e = src.tensors[key]
                 box = r.read_box(key, e.dim, start, stop) if e.dim is not None else r.read_box(key)
-                items.append((name, stored(box, e.dim)))
+                items.append((name, stored(box), e.dim))
             infos.append(write_rank_file(tmp, rank, world_size, items, block_bytes, progress))
     finish_dir(tmp, out_dir, world_size, tensors, infos, block_bytes)  # new checkpoints: the default digest
 

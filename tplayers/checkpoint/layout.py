@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.checkpoint.format import CheckpointError, byte_view, dtype_name, itemsize
+from tplayers.checkpoint.blocks import byte_view
+from tplayers.checkpoint.format import CheckpointError, dtype_name, itemsize
 from tplayers.checkpoint.wrapped import Staging, staged_target, unwrap
 from tplayers.comm import record_collective
 from tplayers.layers._common import ShardedModule
@@ -69,15 +70,14 @@ def local_tensors(model: nn.Module, staging: Optional[Staging] = None) -> Dict[s
     return out
 
 
-def stored(t: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
-    """How a piece is stored: the sharded dim moved first (so any reshard reads one contiguous span).
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """How a piece is stored: in its natural layout (index version 3; versions 1-2 moved the shard dim first).
 
-    On the CPU this is a view (``write_file`` stages it chunk by chunk, no whole
-    copy); a device tensor is rearranged on its device and copied to the host.
+    On the CPU this is the tensor itself, or the narrowed view of it
+    (``write_file`` stages a non-contiguous one chunk by chunk); a device tensor
+    is copied to the host.
     """
     t = t.detach()
-    if dim is not None and dim != 0:
-        t = t.movedim(dim, 0)
     return t if t.device.type == "cpu" else t.contiguous().to("cpu")
 
 

@@ -117,7 +117,7 @@ def save_checkpoint(
     info, error = None, None
     try:
         os.makedirs(tmp, exist_ok=True)
-        items = [(name, stored(_piece(local[k], start, stop), local[k].spec.dim)) for k, start, stop, name in writes[rank]]
+        items = [(name, stored(_piece(local[k], start, stop)), local[k].spec.dim) for k, start, stop, name in writes[rank]]
         info = write_rank_file(tmp, rank, world, items, block_bytes, progress if rank == 0 else False, digest)
     except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, or peers hang
         error = f"{type(e).__name__}: {e}"
@@ -216,14 +216,17 @@ def remove_previous(path: str, files: Optional[Sequence[str]], rank: int, world:
 
 def write_rank_file(directory: str, rank: int, world: int, items, block_bytes: int, progress,
                     algorithm: str = DEFAULT) -> dict:
-    """Write one rank's pieces; returns the facts the index needs about the file."""
+    """Write one rank's pieces ``(stored name, natural-layout tensor, shard dim or None)``; returns the
+    facts the index needs about the file. Pieces sharded on a dim > 0 are also hashed in bands along it."""
     name = shard_file_name(rank, world)
-    bar = Progress(sum(t.numel() * t.element_size() for _, t in items), f"save {name}", progress)
-    meta = {"format": "tplayers.checkpoint", "layout": "shard-dim-first"}
-    size, digest, blocks = write_file(os.path.join(directory, name), items, meta, block_bytes=block_bytes,
-                                      on_bytes=bar.update, algorithm=algorithm)
+    bar = Progress(sum(t.numel() * t.element_size() for _, t, _ in items), f"save {name}", progress)
+    meta = {"format": "tplayers.checkpoint", "layout": "natural"}
+    band_dims = {n: d for n, _, d in items if d not in (None, 0)}
+    size, digest, hashed = write_file(os.path.join(directory, name), [(n, t) for n, t, _ in items], meta,
+                                      block_bytes=block_bytes, on_bytes=bar.update, algorithm=algorithm,
+                                      band_dims=band_dims)
     bar.close()
-    return {"file": name, "size": size, "digest": digest, "blocks": {k: [v[0], v[1]] for k, v in blocks.items()}}
+    return {"file": name, "size": size, "digest": digest, "blocks": {k: list(v) for k, v in hashed.items()}}
 
 
 def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor], infos: Sequence[dict], block_bytes: int,
@@ -234,8 +237,10 @@ def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor]
     for key, g in tensors.items():
         pieces = []
         for start, stop, r, name in g.owners:
-            k, digests = infos[r]["blocks"][name]
+            k, digests, band, band_digests = infos[r]["blocks"][name]
             piece = {"file": infos[r]["file"], "block_rows": k, "digests": digests}
+            if band is not None:
+                piece.update(band=band, band_digests=band_digests)
             if name != key:  # one of several pieces of this tensor in the file
                 piece["name"] = name
             if g.dim is not None:
