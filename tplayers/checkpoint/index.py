@@ -134,8 +134,11 @@ def open_source(path: str) -> Source:
 _HEX = re.compile("[0-9a-f]*")  # block digests are checked joined: one match per piece
 
 
-def _need(cond: bool, where: str, what: str) -> None:
+def _need(cond: bool, where, what) -> None:
+    """Raise :class:`CheckpointError` ``"where: what"`` unless ``cond``; ``where`` and ``what`` may be
+    callables, formatted only on failure (the per-piece messages would otherwise cost most of a parse)."""
     if not cond:
+        where, what = (x() if callable(x) else x for x in (where, what))
         raise CheckpointError(f"{where}: {what}")
 
 
@@ -207,20 +210,24 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
         out_files[full] = {"size": info["size"], "digest": info[file_field]}
     out = {}
     for key, t in tensors.items():
-        w = f"{where}: tensor {key!r}"
+        w = lambda: f"{where}: tensor {key!r}"  # noqa: E731 - formatted on failure only
         _need(isinstance(t, dict) and isinstance(t.get("shape"), list) and all(_int(s) for s in t["shape"]), w, "bad shape")
         shape, dim = tuple(t["shape"]), t.get("dim")
-        torch_dtype(t.get("dtype") if isinstance(t.get("dtype"), str) else repr(t.get("dtype")), w)
-        _need(dim is None or (_int(dim) and dim < len(shape)), w, f"shard dim {dim!r} out of range for shape {list(shape)}")
+        dtype = t.get("dtype") if isinstance(t.get("dtype"), str) else repr(t.get("dtype"))
+        try:
+            torch_dtype(dtype, "")
+        except CheckpointError:
+            torch_dtype(dtype, w())  # raises, naming the tensor
+        _need(dim is None or (_int(dim) and dim < len(shape)), w, lambda: f"shard dim {dim!r} out of range for shape {list(shape)}")
         pieces = t.get("pieces")
         _need(isinstance(pieces, list), w, "needs a 'pieces' list")
         parsed = []
         for p in pieces:
             _need(isinstance(p, dict) and isinstance(p.get("file"), str) and p["file"] in files, w,
-                  f"piece names a file not in 'files': {p!r:.200}")
+                  lambda: f"piece names a file not in 'files': {p!r:.200}")
             start, stop = (p.get("start"), p.get("stop")) if dim is not None else (0, 0)
             _need(_int(start) and _int(stop) and (dim is None or start < stop <= shape[dim]), w,
-                  f"piece range [{start}, {stop}) is not a non-empty range of dim length {shape[dim] if dim is not None else '-'}")
+                  lambda: f"piece range [{start}, {stop}) is not a non-empty range of dim length {shape[dim] if dim is not None else '-'}")
             stored_shape = list(shape)
             if dim is not None:
                 stored_shape[dim] = stop - start
@@ -229,22 +236,22 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
             rows = stored_shape[0] if stored_shape else 1
             k, digests = p.get("block_rows"), p.get(block_field)
             _need(_int(k) and k >= 1 and _digest_list(digests, -(-rows // k), hex_len), w,
-                  f"piece in {p['file']}: block_rows / {block_field} list malformed")
+                  lambda: f"piece in {p['file']}: block_rows / {block_field} list malformed")
             name = p.get("name", key)
-            _need(isinstance(name, str) and name != "__metadata__", w, f"piece in {p['file']}: bad stored name {name!r:.80}")
+            _need(isinstance(name, str) and name != "__metadata__", w, lambda: f"piece in {p['file']}: bad stored name {name!r:.80}")
             band, band_digests = None, None
             if version >= 3 and dim not in (None, 0):
                 band, band_digests = p.get("band"), p.get("band_digests")
                 _need(_int(band) and band >= 1 and _digest_list(band_digests, -(-(stop - start) // band), hex_len), w,
-                      f"piece in {p['file']}: band / band_digests malformed")
+                      lambda: f"piece in {p['file']}: band / band_digests malformed")
                 band_digests = tuple(band_digests)
             parsed.append(Piece(os.path.join(directory, p["file"]), start, stop, k, tuple(digests), name,
                                 band, band_digests))
         if dim is None:
-            _need(len(parsed) == 1, w, f"a replicated tensor needs exactly 1 piece, got {len(parsed)}")
+            _need(len(parsed) == 1, w, lambda: f"a replicated tensor needs exactly 1 piece, got {len(parsed)}")
         else:
             parsed.sort(key=lambda p: p.start)
-            check_tiling(f"{w}", shape[dim], [(p.start, p.stop) for p in parsed],
+            check_tiling(w(), shape[dim], [(p.start, p.stop) for p in parsed],
                          lambda rng: next(os.path.basename(p.file) for p in parsed if (p.start, p.stop) == rng))
         out[key] = TensorEntry(shape, t["dtype"], dim, tuple(parsed))
     if version >= 2:  # after the structure, so a structural error keeps its precise message
