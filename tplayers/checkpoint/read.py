@@ -2,12 +2,15 @@
 
 :class:`Reader` serves "the part of tensor ``key`` that holds ``[start, stop)``
 of dim ``dim``" from whatever pieces the checkpoint has, through
-``safe_open(...).get_slice``. Pieces are stored shard-dim first, so each piece
-contributes one contiguous span of rows. With ``verify=True`` the span is
-widened to whole hashed blocks (at most one block of extra rows at each end)
-and every block read is checked against its digest (the algorithm the index
-names: XXH3-128, or SHA-256 for older checkpoints): bytes that are read are
-verified, and bytes that are not needed are not read.
+``safe_open(...).get_slice``. Pieces are stored in their natural layout
+(version 3; versions 1-2 moved the shard dim first), so a piece read whole, or
+along dim 0, is one contiguous span, and part of the range of a piece sharded
+on a dim > 0 is part of each of its rows. With ``verify=True`` the read is
+widened to whole hashed row blocks, or for that last case to whole bands along
+the shard dim (at most one block or band extra at each end), and every block or
+band read is checked against its digest (the algorithm the index names:
+XXH3-128, or SHA-256 for older checkpoints): bytes that are read are verified,
+and bytes that are not needed are not read.
 """
 
 from __future__ import annotations
