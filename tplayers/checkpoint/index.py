@@ -3,7 +3,7 @@
 ``DIR/index.json``::
 
     {
-      "format": "tplayers.checkpoint", "version": 3, "digest": "xxh3_128",
+      "format": "tplayers.checkpoint", "version": 3, "digest": "xxh3_128", "layout": "natural",
       "convention": "balanced-first-remainder",   # tplayers.sharding.CONVENTION at save time
       "world_size": 2, "block_bytes": 262144,
       "files": {"rank-00000-of-00002.safetensors": {"size": 123, "digest": "<32 hex>"}, ...},
@@ -36,9 +36,12 @@ some of those indices checks just the bands it reads. A file's ``digest`` is
 the hash of its header bytes' digest followed by, per tensor in file order, its
 block digests and then its band digests.
 
-Versions 1 and 2 stored a piece of a tensor sharded on ``dim > 0`` with that
-dim moved first (``movedim(dim, 0)``, no bands); they still load. Version 1
-names the digest fields ``sha256`` (SHA-256 throughout).
+With ``"layout": "shard-dim-first"`` (``save_checkpoint(..., layout=...)``), and
+always in versions 1 and 2, a piece of a tensor sharded on ``dim > 0`` is stored
+with that dim moved first (``movedim(dim, 0)``, no bands): the rows any
+resharding reader needs are then one contiguous span of the file, at the cost
+of a transpose on save and on every load. Version 1-2 checkpoints still load;
+version 1 names the digest fields ``sha256`` (SHA-256 throughout).
 
 ``index_sha256`` (versions 2 and 3) is the SHA-256 of the index itself: of its canonical
 JSON (sorted keys, no spaces) without that one field. It covers every field that
@@ -71,8 +74,11 @@ VERSION = 3
 #: Versions this reader accepts (1: no index digest; 1-2: pieces stored shard dim first).
 READABLE_VERSIONS = (1, 2, 3)
 INDEX_NAME = "index.json"
-#: How versions 1-2 stored a piece of a tensor sharded on dim d > 0: ``movedim(d, 0)``.
+#: How versions 1-2 (and version 3 on request) store a piece of a tensor sharded on dim d > 0:
+#: ``movedim(d, 0)``; version 3's default keeps the natural layout.
 SHARD_DIM_FIRST = "shard-dim-first"
+NATURAL = "natural"
+LAYOUTS = (NATURAL, SHARD_DIM_FIRST)
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
 #: Field names of the file digest and the block digests, by index version.
 _FIELDS = {1: ("sha256", "sha256"), 2: ("digest", "digests"), 3: ("digest", "digests")}
@@ -111,7 +117,7 @@ class Source:
 
     @property
     def natural(self) -> bool:
-        """Pieces are stored in their natural layout (version 3, plain files), not shard dim first (1-2)."""
+        """Pieces are stored in their natural layout (version 3's default, plain files), not shard dim first."""
         return self.info.get("layout") != SHARD_DIM_FIRST
 
 
@@ -127,7 +133,7 @@ def open_source(path: str) -> Source:
             for k, e in header.items()
         }
         return Source(path, tensors, {}, {"format": "safetensors", "metadata": meta, "algorithm": None,
-                                          "layout": "natural"})
+                                          "layout": NATURAL})
     raise CheckpointError(f"{path}: no checkpoint here (neither a checkpoint directory nor a safetensors file)")
 
 
@@ -192,6 +198,8 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
     _need(_int(raw.get("block_bytes")) and raw["block_bytes"] >= 1, where, f"block_bytes must be a positive int, got {raw.get('block_bytes')!r:.80}")
     algorithm = "sha256" if version == 1 else raw.get("digest")
     _need(algorithm in ALGORITHMS, where, f"digest must be one of {list(ALGORITHMS)}, got {algorithm!r:.80}")
+    layout = raw.get("layout", NATURAL) if version >= 3 else SHARD_DIM_FIRST
+    _need(layout in LAYOUTS, where, f"layout must be one of {list(LAYOUTS)}, got {layout!r:.80}")
     file_field, block_field = _FIELDS[version]
     hex_digest = re.compile(f"[0-9a-f]{{{hex_length(algorithm)}}}")
     hex_len = hex_length(algorithm)
@@ -231,7 +239,7 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
             stored_shape = list(shape)
             if dim is not None:
                 stored_shape[dim] = stop - start
-                if version < 3:  # shard dim first
+                if layout == SHARD_DIM_FIRST:
                     stored_shape.insert(0, stored_shape.pop(dim))
             rows = stored_shape[0] if stored_shape else 1
             k, digests = p.get("block_rows"), p.get(block_field)
@@ -240,7 +248,7 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
             name = p.get("name", key)
             _need(isinstance(name, str) and name != "__metadata__", w, lambda: f"piece in {p['file']}: bad stored name {name!r:.80}")
             band, band_digests = None, None
-            if version >= 3 and dim not in (None, 0):
+            if layout == NATURAL and dim not in (None, 0):
                 band, band_digests = p.get("band"), p.get("band_digests")
                 _need(_int(band) and band >= 1 and _digest_list(band_digests, -(-(stop - start) // band), hex_len), w,
                       lambda: f"piece in {p['file']}: band / band_digests malformed")
@@ -261,17 +269,18 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
               "match its contents), so it cannot be trusted to say where bytes belong")
     info = {k: raw.get(k) for k in ("format", "version", "convention", "world_size", "block_bytes")}
     info["algorithm"] = algorithm
-    info["layout"] = "natural" if version >= 3 else SHARD_DIM_FIRST
+    info["layout"] = layout
     return Source(directory, out, out_files, info)
 
 
 def build_index(world: int, convention: str, block_bytes: int, files: Dict[str, dict], tensors: Dict[str, dict],
-                algorithm: str = DEFAULT) -> bytes:
+                algorithm: str = DEFAULT, layout: str = NATURAL) -> bytes:
     """Serialise an index (see the module docstring for the fields)."""
     doc = {
         "format": FORMAT,
         "version": VERSION,
         "digest": algorithm,
+        "layout": layout,
         "convention": convention,
         "world_size": world,
         "block_bytes": block_bytes,
