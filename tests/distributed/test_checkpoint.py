@@ -113,11 +113,12 @@ class _GuardedSlice:
         return self.real.get_shape()
 
     def __getitem__(self, slices):
-        lo, hi = self.allowed
-        rows = slices[0]
-        assert lo <= rows.start and rows.stop <= hi, f"read rows [{rows.start}, {rows.stop}) outside [{lo}, {hi})"
+        dim, lo, hi = self.allowed
+        got = slices[dim]
+        assert lo <= got.start and got.stop <= hi, f"read [{got.start}, {got.stop}) of dim {dim} outside [{lo}, {hi})"
         shape = self.real.get_shape()
-        assert all(s.start == 0 and s.stop == n for s, n in zip(slices[1:], shape[1:])), "partial rows read"
+        assert all(s.start == 0 and s.stop == n for g, (s, n) in enumerate(zip(slices, shape)) if g != dim), \
+            "read part of a dim it needs whole"
         t = self.real[slices]
         self.counter[0] += t.numel() * t.element_size()
         return t
@@ -146,18 +147,19 @@ class _GuardedFile:
 
 
 def _allowed_rows(net, index):
-    """{(file, key): (lo, hi)}: the stored rows of each piece that overlap this rank's range."""
+    """{(file, key): (dim, lo, hi)}: the range of the shard dim of each stored piece (natural layout)
+    that overlaps this rank's range."""
     allowed = {}
     for key, lt in local_tensors(net).items():
         entry = index["tensors"][key]
         for p in entry["pieces"]:
             if entry["dim"] is None:
-                allowed[(p["file"], key)] = (0, entry["shape"][0] if entry["shape"] else 1)
+                allowed[(p["file"], key)] = (0, 0, entry["shape"][0] if entry["shape"] else 1)
                 continue
             assert lt.spec.dim == entry["dim"]
             lo, hi = max(lt.spec.start, p["start"]), min(lt.spec.stop, p["stop"])
             if hi > lo:
-                allowed[(p["file"], key)] = (lo - p["start"], hi - p["start"])
+                allowed[(p["file"], key)] = (entry["dim"], lo - p["start"], hi - p["start"])
     return allowed
 
 

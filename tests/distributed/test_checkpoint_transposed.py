@@ -1,5 +1,6 @@
-"""Checkpoint loads through the fast transposing copies: exact bits at the same and another world size,
-corruption in a transposed piece still detected on every rank, and a failed load changes nothing."""
+"""Pieces of a tensor sharded on dim 1 (stored in their natural layout, hashed in row blocks and in column
+bands): exact bits at the same and another world size (a 3-rank reader checks the column bands it reads),
+corruption in such a piece detected on every rank, and a failed load changes nothing."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ def _assert_exact(net: nn.Module, ref: nn.Module) -> None:
         assert torch.equal(_bits(lt.tensor), _bits(lt.spec.take(want[key]))), key
 
 
-def _save(rank, world, path):
-    save_checkpoint(tplayers.parallelize_module(_serial(1), PLAN), path)
+def _save(rank, world, path, layout):
+    save_checkpoint(tplayers.parallelize_module(_serial(1), PLAN), path, layout=layout)
     return True
 
 
@@ -62,16 +63,20 @@ def _load(rank, world, good, bad):
     return True
 
 
+@pytest.mark.parametrize("layout", ["natural", "shard-dim-first"])
 @pytest.mark.parametrize("load_world", [2, 3])
-def test_transposed_pieces_load_exactly_and_corruption_is_caught(tmp_path, load_world):
+def test_transposed_pieces_load_exactly_and_corruption_is_caught(tmp_path, load_world, layout):
     good = str(tmp_path / "ckpt")
-    run_ranks(_save, 2, args=(good,), timeout=60)
+    run_ranks(_save, 2, args=(good, layout), timeout=60)
+    _, header, meta = read_header(os.path.join(good, "rank-00001-of-00002.safetensors"))
+    assert meta["layout"] == layout
+    assert header["1.weight"]["shape"] == ([64, 300] if layout == "natural" else [300, 64])
     bad = str(tmp_path / "bad")
     shutil.copytree(good, bad)
     f1 = os.path.join(bad, "rank-00001-of-00002.safetensors")
     prefix, header, _ = read_header(f1)
-    # the last stored row of rank 1's piece of 1.weight (stored as (in_local, out)): read by every
-    # loading layout that holds the last columns, after the blocks before it checked out
+    # the last column of rank 1's piece of 1.weight (its last stored bytes either way): read by every
+    # loading layout that holds the last columns, after the blocks or bands before it checked out
     begin, end = header["1.weight"]["data_offsets"]
     with open(f1, "r+b") as f:
         f.seek(len(prefix) + end - 3)
@@ -79,3 +84,87 @@ def test_transposed_pieces_load_exactly_and_corruption_is_caught(tmp_path, load_
         f.seek(len(prefix) + end - 3)
         f.write(bytes([b[0] ^ 0x10]))
     run_ranks(_load, load_world, args=(good, bad), timeout=90)
+
+
+def test_resharded_reads_check_only_the_bands_they_touch(tmp_path):
+    """A reader holding part of a dim-1 piece's columns reads and checks whole column bands (8 columns of
+    the (64, 301) pieces here), never the piece's other bands; a reader of a whole piece checks row blocks."""
+    from tplayers.checkpoint.index import open_source
+    from tplayers.checkpoint.read import Reader
+    from tplayers.sharding import ShardSpec
+
+    path = str(tmp_path / "ck")
+    run_ranks(lambda r, w: save_checkpoint(tplayers.parallelize_module(_serial(1), PLAN), path, block_bytes=2048)
+              or True, 2, timeout=60)
+    want = _serial(1).state_dict()["1.weight"]
+    src = open_source(path)
+    assert [(p.start, p.stop, p.band) for p in src.tensors["1.weight"].pieces] == [(0, 301, 8), (301, 601, 8)]
+    spans = [ShardSpec.balanced((64, 601), 1, 3, r) for r in range(3)] + [ShardSpec.balanced((64, 601), 1, 2, 1)]
+    for spec in spans:
+        a, b = spec.start, spec.stop
+        with Reader(src, verify=True) as r:
+            parts = r.plan("1.weight", 1, a, b)
+            got = torch.empty(64, b - a)
+            for part, t in r.fetch_all(parts):
+                got[part.dest] = t
+                whole = (part.piece.start, part.piece.stop) == (max(a, part.piece.start), min(b, part.piece.stop))
+                assert part.band_dim == (None if whole else 1)
+                cols = part.mapped.shape[1]
+                lo = max(a, part.piece.start) - part.piece.start
+                hi = min(b, part.piece.stop) - part.piece.start
+                assert cols == part.piece.stop - part.piece.start if whole else cols == min(-(-hi // 8) * 8, part.piece.stop - part.piece.start) - lo // 8 * 8
+        assert torch.equal(_bits(got), _bits(want[:, a:b]))
+    # flip a bit in column 10 of rank 1's piece (global column 311): a reader of columns [201, 401) reads
+    # that band and fails; a reader of columns [401, 601) reads bands from column 96 of the piece on: passes
+    bad = str(tmp_path / "bad")
+    shutil.copytree(path, bad)
+    f1 = os.path.join(bad, "rank-00001-of-00002.safetensors")
+    prefix, header, _ = read_header(f1)
+    begin, _ = header["1.weight"]["data_offsets"]
+    with open(f1, "r+b") as f:
+        f.seek(len(prefix) + begin + (5 * 300 + 10) * 4 + 2)  # row 5, column 10
+        x = f.read(1)
+        f.seek(len(prefix) + begin + (5 * 300 + 10) * 4 + 2)
+        f.write(bytes([x[0] ^ 0x01]))
+    src = open_source(bad)
+    with Reader(src, verify=True) as r:
+        with pytest.raises(CheckpointError, match=r"1.weight.*band 1 \(indices \[8, 16\)"):
+            list(r.fetch_all(r.plan("1.weight", 1, 201, 401)))
+    with Reader(src, verify=True) as r:
+        assert torch.equal(_bits(r.read_box("1.weight", 1, 401, 601)), _bits(want[:, 401:601]))
+
+
+def _bad_layouts(rank, world, path):
+    net = tplayers.parallelize_module(_serial(1), PLAN)
+    with pytest.raises(ValueError, match=r"layout must be one of \['natural', 'shard-dim-first'\], got 'rows'"):
+        save_checkpoint(net, path, layout="rows")
+    with pytest.raises(ValueError, match="layout applies to the sharded form only"):
+        save_checkpoint(net, path + ".safetensors", consolidated=True, layout="shard-dim-first")
+    return not os.path.exists(path) and not os.path.exists(path + ".safetensors")
+
+
+def test_bad_layout_raises_on_every_rank_before_writing(tmp_path):
+    assert all(run_ranks(_bad_layouts, 2, args=(str(tmp_path / "ck"),), timeout=30))
+
+
+def _load_exact(rank, world, path):
+    net = tplayers.parallelize_module(_serial(2), PLAN)
+    load_checkpoint(net, path)
+    _assert_exact(net, _serial(1))
+    return True
+
+
+def test_cli_reshard_keeps_the_layout(tmp_path):
+    """``python -m tplayers.checkpoint reshard`` writes the source's layout; the result loads exactly."""
+    import json
+
+    from tplayers.checkpoint.__main__ import main
+
+    for layout in ("natural", "shard-dim-first"):
+        src, out = str(tmp_path / f"src-{layout}"), str(tmp_path / f"out-{layout}")
+        run_ranks(_save, 2, args=(src, layout), timeout=60)
+        assert main(["reshard", src, out, "--world-size", "3"]) == 0
+        idx = json.load(open(os.path.join(out, "index.json")))
+        assert idx["layout"] == layout and idx["world_size"] == 3
+        assert ("band" in idx["tensors"]["1.weight"]["pieces"][0]) == (layout == "natural")
+        run_ranks(_load_exact, 3, args=(out,), timeout=60)

@@ -43,9 +43,9 @@ def test_writer_is_standard_safetensors_and_blocks_cover_rows(tmp_path):
     for name, t in items:
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
         rows = t.shape[0] if t.dim() else 1
-        k, hexes = blocks[name]
-        assert len(hexes) == -(-rows // k)
-    assert blocks["f32"][0] == 1  # a 12-byte row: one row per 16-byte block
+        k, hexes, band, bands = blocks[name]
+        assert len(hexes) == -(-rows // k) and band is None and bands is None
+    assert blocks["f32"].block_rows == 1  # a 12-byte row: one row per 16-byte block
     with safe_open(path, "pt") as f:
         assert f.metadata() == {"k": "v"}
 
@@ -170,7 +170,28 @@ def test_writer_stages_strided_tensors_in_chunks(tmp_path, monkeypatch):
     dense = [(k, v.contiguous()) for k, v in views]
     got = fmt.write_file(str(tmp_path / "a.safetensors"), views, block_bytes=40)
     want = fmt.write_file(str(tmp_path / "b.safetensors"), dense, block_bytes=40)
-    assert got == want and all(len(got[2][k][1]) > 1 for k, _ in views)
+    assert got == want and all(len(got[2][k].digests) > 1 for k, _ in views)
     assert open(tmp_path / "a.safetensors", "rb").read() == open(tmp_path / "b.safetensors", "rb").read()
     back = load_file(str(tmp_path / "a.safetensors"))
     assert all(torch.equal(back[k], v) for k, v in dense)
+
+
+def test_band_digests_cover_each_band_in_row_major_order(tmp_path):
+    """A piece sharded on dim d > 0 is also hashed in bands along d: the digest of band j is the digest of
+    that band made contiguous; the file digest covers the bands too."""
+    from tplayers.checkpoint.blocks import band_width, bands, byte_view
+    from tplayers.checkpoint.digest import block_digest
+
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(5, 23, 3, generator=g, dtype=torch.float64)
+    items = [("w", full[:, 4:17]), ("v", torch.randn(4, 30, generator=g))]  # a narrowed (strided) piece
+    path = str(tmp_path / "a.safetensors")
+    size, digest, hashed = fmt.write_file(path, items, block_bytes=200, band_dims={"w": 1, "v": 1})
+    xxh = block_digest("xxh3_128")
+    for name, t in items:
+        width = band_width(t.shape, 1, t.element_size(), 200)
+        assert hashed[name].band == width and 1 <= width < t.shape[1]
+        assert hashed[name].band_digests == [xxh(byte_view(b.contiguous())).hex() for b in bands(t, 1, width)]
+    _, plain, _ = fmt.write_file(str(tmp_path / "b.safetensors"), items, block_bytes=200)
+    assert plain != digest  # same bytes, but the band digests are part of the file digest
+    assert torch.equal(load_file(path)["w"], items[0][1])

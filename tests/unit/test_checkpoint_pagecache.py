@@ -35,3 +35,24 @@ def test_untouched_range_gets_willneed(monkeypatch):
     pagecache.advise_exact_read(t)
     assert calls == [(t.data_ptr(), t.numel(), mmap.MADV_WILLNEED)]
     del t
+
+
+def test_strided_parts_ask_for_their_span_or_their_rows(monkeypatch):
+    """A column band of an untouched mapping: its whole span when at least half of it is wanted, else one
+    request per row run; nothing at all once it is resident."""
+    region = mmap.mmap(-1, 64 * 4096)
+    whole = torch.frombuffer(region, dtype=torch.float32).view(64, 1024)  # 4 KiB rows, never touched
+    calls = _calls(monkeypatch)
+    dense = whole[:, 100:700]  # 600 of 1024 columns: more than half of the span
+    pagecache.advise_exact_read(dense)
+    span = (63 * 1024 + 600) * 4
+    assert calls == [(dense.data_ptr(), span, mmap.MADV_WILLNEED)]
+    calls.clear()
+    sparse = whole[:, 100:200]
+    pagecache.advise_exact_read(sparse)
+    assert calls == [(sparse[i].data_ptr(), 400, mmap.MADV_WILLNEED) for i in range(64)]
+    calls.clear()
+    whole.fill_(1.0)  # now resident
+    pagecache.advise_exact_read(sparse)
+    assert calls == []
+    del whole, dense, sparse

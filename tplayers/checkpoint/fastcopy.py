@@ -1,7 +1,8 @@
 """Copy a stored checkpoint piece into a model tensor along torch's fastest path.
 
-Pieces are stored shard dim first, so a piece of a tensor sharded on dim ``d > 0``
-reaches the model as ``stored.movedim(0, d)``: a transpose. On the CPU,
+Version 1-2 checkpoints stored pieces shard dim first, so such a piece of a tensor
+sharded on dim ``d > 0`` reaches the model as ``stored.movedim(0, d)``: a transpose
+(version 3 stores pieces in their natural layout; their copies are plain). On the CPU,
 ``dst.copy_(src)`` of such a view is fast (torch's blocked 2-D transpose, ~4-5
 GB/s on one core of the CI machine) only when ``dst`` is contiguous and ``src``
 is exactly a transposed contiguous matrix; any other strided copy runs

@@ -7,11 +7,12 @@ bar and fsynced; the result is a standard file that ``safetensors`` reads.
 
 Integrity: every stored tensor is cut into blocks of whole rows (rows along its
 stored dim 0, about ``block_bytes`` each) and each block gets a digest
-(XXH3-128 by default, SHA-256 on request: :mod:`tplayers.checkpoint.digest`). A
-reader that needs rows ``[a, b)`` reads the covering blocks and checks exactly
-those, so verification never forces reading the whole file. A file's digest is
-the hash of its header bytes' digest followed by all its block digests in file
-order: it changes if any byte of the file changes.
+(XXH3-128 by default, SHA-256 on request: :mod:`tplayers.checkpoint.digest`); a
+piece of a tensor sharded on a dim > 0 is also hashed in bands along that dim
+(:mod:`tplayers.checkpoint.blocks`). A reader checks exactly the blocks or bands
+it reads, so verification never forces reading the whole file. A file's digest
+is the hash of its header bytes' digest followed by, per tensor in file order,
+its block digests and then its band digests: it changes if any byte of the file changes.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ import shutil
 import struct
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from tplayers.checkpoint.blocks import band_digests, band_width, block_rows, byte_view, row_blocks
 from tplayers.checkpoint.digest import DEFAULT, block_digest, file_hasher
 from tplayers.checkpoint.fastcopy import copy_into
 
@@ -78,36 +80,6 @@ def torch_dtype(name: str, where: str) -> torch.dtype:
 
 def itemsize(name: str) -> int:
     return torch.empty((), dtype=_DTYPES[name]).element_size()
-
-
-def block_rows(shape: Sequence[int], elem_bytes: int, block_bytes: int = BLOCK_BYTES) -> int:
-    """Rows (along dim 0) per hashed block of a tensor of ``shape``; at least 1."""
-    row = elem_bytes
-    for s in shape[1:]:
-        row *= int(s)
-    return max(1, block_bytes // row) if row > 0 else max(1, int(shape[0]) if shape else 1)
-
-
-def byte_view(t: torch.Tensor) -> memoryview:
-    """Zero-copy bytes of a contiguous CPU tensor (no numpy: it is not a dependency).
-
-    The view keeps ``t`` alive: the ctypes array it exports holds a reference.
-    """
-    assert t.device.type == "cpu" and t.is_contiguous(), "byte_view needs a contiguous CPU tensor"
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    arr = (ctypes.c_ubyte * n).from_address(t.data_ptr())
-    arr._owner = t  # the memory stays valid while any view of ``arr`` lives
-    return memoryview(arr).cast("B")
-
-
-def row_blocks(t: torch.Tensor, rows_per_block: int) -> List[memoryview]:
-    """Bytes of each block of ``rows_per_block`` rows of contiguous ``t`` (a 0-d tensor is 1 row)."""
-    mv = byte_view(t)
-    rows = t.shape[0] if t.dim() else 1
-    row = len(mv) // rows if rows else 0
-    return [mv[i * row : min(i + rows_per_block, rows) * row] for i in range(0, rows, rows_per_block)]
 
 
 def _write_all(fd: int, data) -> None:
@@ -192,6 +164,15 @@ def _hash_blocks(blocks: Sequence[memoryview], digest: Callable[[object], bytes]
     return [digest(b) for b in blocks]
 
 
+class Hashed(NamedTuple):
+    """The digests :func:`write_file` took of one tensor (hex strings)."""
+
+    block_rows: int
+    digests: List[str]
+    band: Optional[int] = None  # indices of the band dim per band; None: no bands
+    band_digests: Optional[List[str]] = None
+
+
 def write_file(
     path: str,
     items: Sequence[Tuple[str, torch.Tensor]],
@@ -201,17 +182,20 @@ def write_file(
     on_bytes: Optional[Callable[[int], None]] = None,
     hashes: bool = True,
     algorithm: str = DEFAULT,
-) -> Tuple[int, str, Dict[str, Tuple[int, List[str]]]]:
+    band_dims: Optional[Dict[str, int]] = None,
+) -> Tuple[int, str, Dict[str, Hashed]]:
     """Write ``items`` (name, CPU tensor) as a standard safetensors file and fsync it.
 
     A tensor is stored as its logical row-major bytes; a non-contiguous one (a
-    ``movedim`` view) is staged through a reused buffer. The bytes go out in
-    chunks of whole blocks, each hashed on a second thread while this one
+    narrowed or ``movedim`` view) is staged through a reused buffer. The bytes go
+    out in chunks of whole blocks, each hashed on a second thread while this one
     writes it, and the disk write-back starts as the file grows.
-    ``hashes=False`` skips the block digests (the returned digest and lists are then empty).
+    ``band_dims`` (``{name: dim}``): also hash those tensors in bands along ``dim``
+    (:mod:`tplayers.checkpoint.blocks`), on the same second thread.
+    ``hashes=False`` skips the digests (the returned digest and lists are then empty).
     ``algorithm`` names the digest (:data:`tplayers.checkpoint.digest.ALGORITHMS`).
 
-    Returns ``(size, file digest hex, {name: (rows_per_block, [block digest hex])})``.
+    Returns ``(size, file digest hex, {name: Hashed})``.
     The file must not exist yet (we only ever write into fresh temp paths).
     """
     header, offset = {}, 0
@@ -224,10 +208,14 @@ def write_file(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     prefix = struct.pack("<Q", len(raw)) + raw
+    band_dims = band_dims or {}
     plan = [(name, block_rows(t.shape, t.element_size(), block_bytes), t) for name, t in items]
+    widths = {name: band_width(t.shape, band_dims[name], t.element_size(), block_bytes)
+              for name, t in items if name in band_dims}
     digest_fn = block_digest(algorithm) if hashes else None
     hashed: List[List[Future]] = [[] for _ in plan]
-    stager = _Stager()
+    banded: Dict[str, Future] = {}
+    stager, scratch = _Stager(), [None]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     # Hash on a second thread while this one stages and writes (both release the GIL).
     with ThreadPoolExecutor(1) as pool:
@@ -236,6 +224,8 @@ def write_file(
             _write_all(fd, prefix)
             back.wrote(len(prefix))
             for (name, k, t), futures in zip(plan, hashed):
+                if hashes and name in widths:  # reads ``t`` itself (never a staging buffer), in bands
+                    banded[name] = pool.submit(band_digests, t, band_dims[name], widths[name], digest_fn, scratch)
                 for chunk, slot in stager.chunks(t, k):
                     if hashes:
                         futures.append(pool.submit(_hash_blocks, row_blocks(chunk, k), digest_fn))
@@ -250,13 +240,16 @@ def write_file(
         finally:
             os.close(fd)
         digests = [[d for f in futures for d in f.result()] for futures in hashed]
+        band_out = {name: f.result() for name, f in banded.items()}
     digest = file_hasher(algorithm, prefix)
-    blocks_out: Dict[str, Tuple[int, List[str]]] = {}
+    out: Dict[str, Hashed] = {}
     for (name, k, _), ds in zip(plan, digests):
-        for d in ds:
+        bs = band_out.get(name)
+        for d in ds + (bs or []):
             digest.update(d)
-        blocks_out[name] = (k, [d.hex() for d in ds])
-    return len(prefix) + offset, digest.hexdigest() if hashes else "", blocks_out
+        out[name] = Hashed(k, [d.hex() for d in ds], widths.get(name) if bs is not None else None,
+                           [d.hex() for d in bs] if bs is not None else None)
+    return len(prefix) + offset, digest.hexdigest() if hashes else "", out
 
 
 def read_header(path: str) -> Tuple[bytes, Dict[str, dict], Dict[str, str]]:

@@ -3,7 +3,7 @@
 ``DIR/index.json``::
 
     {
-      "format": "tplayers.checkpoint", "version": 2, "digest": "xxh3_128",
+      "format": "tplayers.checkpoint", "version": 3, "digest": "xxh3_128", "layout": "natural",
       "convention": "balanced-first-remainder",   # tplayers.sharding.CONVENTION at save time
       "world_size": 2, "block_bytes": 262144,
       "files": {"rank-00000-of-00002.safetensors": {"size": 123, "digest": "<32 hex>"}, ...},
@@ -11,25 +11,39 @@
         "0.weight": {"shape": [30, 16], "dtype": "F32", "dim": 0,
                      "pieces": [{"file": "rank-00000-of-00002.safetensors", "start": 0, "stop": 15,
                                  "block_rows": 4096, "digests": ["<32 hex>", ...]}, ...]},
+        "1.weight": {"shape": [16, 30], "dtype": "F32", "dim": 1,
+                     "pieces": [{"file": "...", "start": 0, "stop": 15, "block_rows": 16,
+                                 "digests": [...], "band": 15, "band_digests": [...]}, ...]},
         "2.bias":   {"shape": [16], "dtype": "F32", "dim": null,
                      "pieces": [{"file": "...", "block_rows": 65536, "digests": [...]}]}},
       "index_sha256": "<64 hex>"
     }
 
 A piece of a tensor sharded along ``dim`` holds global range ``[start, stop)``
-of that dim and is stored with ``dim`` moved first (``movedim(dim, 0)``), so
-the rows any reader needs form one contiguous span of the file. A rank that
-holds several ranges (a fused layer's blocks, each sharded on its own) writes
-each as its own piece; all but one per file carry ``"name": "key[start:stop]"``,
-the safetensors key they are stored under (default: the tensor's key). A replicated
-tensor (``dim: null``) is one piece in its natural layout. ``digests`` lists the
-digests of blocks of ``block_rows`` stored rows, with the algorithm named by
-``digest`` (:mod:`tplayers.checkpoint.digest`: ``xxh3_128`` by default,
-``sha256`` on request). A file's ``digest`` is the hash of its header bytes'
-digest followed by its block digests in file order. Version 1 indexes name
-these fields ``sha256`` (SHA-256 throughout) and still load.
+of that dim and is stored in its natural layout (the tensor narrowed to that
+range), so a rank that loads the layout it saved reads each piece as one
+contiguous span and copies it straight into its parameter. A rank that holds
+several ranges (a fused layer's blocks, each sharded on its own) writes each as
+its own piece; all but one per file carry ``"name": "key[start:stop]"``, the
+safetensors key they are stored under (default: the tensor's key). A replicated
+tensor (``dim: null``) is one piece. ``digests`` lists the digests of blocks of
+``block_rows`` stored rows (dim 0), with the algorithm named by ``digest``
+(:mod:`tplayers.checkpoint.digest`: ``xxh3_128`` by default, ``sha256`` on
+request). A piece of a tensor sharded on ``dim > 0`` also lists
+``band_digests``: digests of its bands of ``band`` indices along ``dim``
+(:mod:`tplayers.checkpoint.blocks`), so a resharding reader that holds only
+some of those indices checks just the bands it reads. A file's ``digest`` is
+the hash of its header bytes' digest followed by, per tensor in file order, its
+block digests and then its band digests.
 
-``index_sha256`` (version 2) is the SHA-256 of the index itself: of its canonical
+With ``"layout": "shard-dim-first"`` (``save_checkpoint(..., layout=...)``), and
+always in versions 1 and 2, a piece of a tensor sharded on ``dim > 0`` is stored
+with that dim moved first (``movedim(dim, 0)``, no bands): the rows any
+resharding reader needs are then one contiguous span of the file, at the cost
+of a transpose on save and on every load. Version 1-2 checkpoints still load;
+version 1 names the digest fields ``sha256`` (SHA-256 throughout).
+
+``index_sha256`` (versions 2 and 3) is the SHA-256 of the index itself: of its canonical
 JSON (sorted keys, no spaces) without that one field. It covers every field that
 decides where bytes land (shapes, dtypes, dims, ranges, file names and sizes,
 block sizes and digests), so an edited or corrupted index is a
@@ -56,13 +70,18 @@ from tplayers.checkpoint.format import CheckpointError, read_header, torch_dtype
 from tplayers.checkpoint.layout import check_tiling
 
 FORMAT = "tplayers.checkpoint"
-VERSION = 2
-#: Versions this reader accepts (1: no index digest).
-READABLE_VERSIONS = (1, 2)
+VERSION = 3
+#: Versions this reader accepts (1: no index digest; 1-2: pieces stored shard dim first).
+READABLE_VERSIONS = (1, 2, 3)
 INDEX_NAME = "index.json"
+#: How versions 1-2 (and version 3 on request) store a piece of a tensor sharded on dim d > 0:
+#: ``movedim(d, 0)``; version 3's default keeps the natural layout.
+SHARD_DIM_FIRST = "shard-dim-first"
+NATURAL = "natural"
+LAYOUTS = (NATURAL, SHARD_DIM_FIRST)
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
 #: Field names of the file digest and the block digests, by index version.
-_FIELDS = {1: ("sha256", "sha256"), 2: ("digest", "digests")}
+_FIELDS = {1: ("sha256", "sha256"), 2: ("digest", "digests"), 3: ("digest", "digests")}
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,8 @@ class Piece:
     block_rows: Optional[int]  # None: no block hashes (plain files)
     digests: Optional[Tuple[str, ...]]
     name: str = ""  # the safetensors key in ``file``: the tensor's key unless the index says otherwise
+    band: Optional[int] = None  # shard-dim indices per hashed band (version 3, dim > 0); None: no bands
+    band_digests: Optional[Tuple[str, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -92,7 +113,12 @@ class Source:
     path: str
     tensors: Dict[str, TensorEntry]
     files: Dict[str, dict]  # path -> {"size", "digest"} (empty for a plain file)
-    info: dict  # format, version, convention, world_size, block_bytes, algorithm
+    info: dict  # format, version, convention, world_size, block_bytes, algorithm, layout
+
+    @property
+    def natural(self) -> bool:
+        """Pieces are stored in their natural layout (version 3's default, plain files), not shard dim first."""
+        return self.info.get("layout") != SHARD_DIM_FIRST
 
 
 def open_source(path: str) -> Source:
@@ -106,20 +132,33 @@ def open_source(path: str) -> Source:
             k: TensorEntry(tuple(e["shape"]), e["dtype"], None, (Piece(path, 0, 0, None, None, k),))
             for k, e in header.items()
         }
-        return Source(path, tensors, {}, {"format": "safetensors", "metadata": meta, "algorithm": None})
+        return Source(path, tensors, {}, {"format": "safetensors", "metadata": meta, "algorithm": None,
+                                          "layout": NATURAL})
     raise CheckpointError(f"{path}: no checkpoint here (neither a checkpoint directory nor a safetensors file)")
 
 
 _HEX = re.compile("[0-9a-f]*")  # block digests are checked joined: one match per piece
 
 
-def _need(cond: bool, where: str, what: str) -> None:
+def _need(cond: bool, where, what) -> None:
+    """Raise :class:`CheckpointError` ``"where: what"`` unless ``cond``; ``where`` and ``what`` may be
+    callables, formatted only on failure (the per-piece messages would otherwise cost most of a parse)."""
     if not cond:
+        where, what = (x() if callable(x) else x for x in (where, what))
         raise CheckpointError(f"{where}: {what}")
 
 
 def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _digest_list(digests, count: int, hex_len: int) -> bool:
+    """``digests`` is a list of ``count`` lowercase hex strings of ``hex_len`` characters each."""
+    if not isinstance(digests, list) or len(digests) != count:
+        return False
+    if count and (set(map(type, digests)) != {str} or set(map(len, digests)) != {hex_len}):
+        return False
+    return _HEX.fullmatch("".join(digests)) is not None
 
 
 def index_digest(doc: dict) -> str:
@@ -159,6 +198,8 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
     _need(_int(raw.get("block_bytes")) and raw["block_bytes"] >= 1, where, f"block_bytes must be a positive int, got {raw.get('block_bytes')!r:.80}")
     algorithm = "sha256" if version == 1 else raw.get("digest")
     _need(algorithm in ALGORITHMS, where, f"digest must be one of {list(ALGORITHMS)}, got {algorithm!r:.80}")
+    layout = raw.get("layout", NATURAL) if version >= 3 else SHARD_DIM_FIRST
+    _need(layout in LAYOUTS, where, f"layout must be one of {list(LAYOUTS)}, got {layout!r:.80}")
     file_field, block_field = _FIELDS[version]
     hex_digest = re.compile(f"[0-9a-f]{{{hex_length(algorithm)}}}")
     hex_len = hex_length(algorithm)
@@ -177,34 +218,48 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
         out_files[full] = {"size": info["size"], "digest": info[file_field]}
     out = {}
     for key, t in tensors.items():
-        w = f"{where}: tensor {key!r}"
+        w = lambda: f"{where}: tensor {key!r}"  # noqa: E731 - formatted on failure only
         _need(isinstance(t, dict) and isinstance(t.get("shape"), list) and all(_int(s) for s in t["shape"]), w, "bad shape")
         shape, dim = tuple(t["shape"]), t.get("dim")
-        torch_dtype(t.get("dtype") if isinstance(t.get("dtype"), str) else repr(t.get("dtype")), w)
-        _need(dim is None or (_int(dim) and dim < len(shape)), w, f"shard dim {dim!r} out of range for shape {list(shape)}")
+        dtype = t.get("dtype") if isinstance(t.get("dtype"), str) else repr(t.get("dtype"))
+        try:
+            torch_dtype(dtype, "")
+        except CheckpointError:
+            torch_dtype(dtype, w())  # raises, naming the tensor
+        _need(dim is None or (_int(dim) and dim < len(shape)), w, lambda: f"shard dim {dim!r} out of range for shape {list(shape)}")
         pieces = t.get("pieces")
         _need(isinstance(pieces, list), w, "needs a 'pieces' list")
         parsed = []
         for p in pieces:
             _need(isinstance(p, dict) and isinstance(p.get("file"), str) and p["file"] in files, w,
-                  f"piece names a file not in 'files': {p!r:.200}")
+                  lambda: f"piece names a file not in 'files': {p!r:.200}")
             start, stop = (p.get("start"), p.get("stop")) if dim is not None else (0, 0)
             _need(_int(start) and _int(stop) and (dim is None or start < stop <= shape[dim]), w,
-                  f"piece range [{start}, {stop}) is not a non-empty range of dim length {shape[dim] if dim is not None else '-'}")
-            rows = (stop - start) if dim is not None else (shape[0] if shape else 1)
+                  lambda: f"piece range [{start}, {stop}) is not a non-empty range of dim length {shape[dim] if dim is not None else '-'}")
+            stored_shape = list(shape)
+            if dim is not None:
+                stored_shape[dim] = stop - start
+                if layout == SHARD_DIM_FIRST:
+                    stored_shape.insert(0, stored_shape.pop(dim))
+            rows = stored_shape[0] if stored_shape else 1
             k, digests = p.get("block_rows"), p.get(block_field)
-            _need(_int(k) and k >= 1 and isinstance(digests, list) and len(digests) == -(-rows // k)
-                  and all(isinstance(d, str) and len(d) == hex_len for d in digests)
-                  and _HEX.fullmatch("".join(digests)) is not None, w,
-                  f"piece in {p['file']}: block_rows / {block_field} list malformed")
+            _need(_int(k) and k >= 1 and _digest_list(digests, -(-rows // k), hex_len), w,
+                  lambda: f"piece in {p['file']}: block_rows / {block_field} list malformed")
             name = p.get("name", key)
-            _need(isinstance(name, str) and name != "__metadata__", w, f"piece in {p['file']}: bad stored name {name!r:.80}")
-            parsed.append(Piece(os.path.join(directory, p["file"]), start, stop, k, tuple(digests), name))
+            _need(isinstance(name, str) and name != "__metadata__", w, lambda: f"piece in {p['file']}: bad stored name {name!r:.80}")
+            band, band_digests = None, None
+            if layout == NATURAL and dim not in (None, 0):
+                band, band_digests = p.get("band"), p.get("band_digests")
+                _need(_int(band) and band >= 1 and _digest_list(band_digests, -(-(stop - start) // band), hex_len), w,
+                      lambda: f"piece in {p['file']}: band / band_digests malformed")
+                band_digests = tuple(band_digests)
+            parsed.append(Piece(os.path.join(directory, p["file"]), start, stop, k, tuple(digests), name,
+                                band, band_digests))
         if dim is None:
-            _need(len(parsed) == 1, w, f"a replicated tensor needs exactly 1 piece, got {len(parsed)}")
+            _need(len(parsed) == 1, w, lambda: f"a replicated tensor needs exactly 1 piece, got {len(parsed)}")
         else:
             parsed.sort(key=lambda p: p.start)
-            check_tiling(f"{w}", shape[dim], [(p.start, p.stop) for p in parsed],
+            check_tiling(w(), shape[dim], [(p.start, p.stop) for p in parsed],
                          lambda rng: next(os.path.basename(p.file) for p in parsed if (p.start, p.stop) == rng))
         out[key] = TensorEntry(shape, t["dtype"], dim, tuple(parsed))
     if version >= 2:  # after the structure, so a structural error keeps its precise message
@@ -214,16 +269,18 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
               "match its contents), so it cannot be trusted to say where bytes belong")
     info = {k: raw.get(k) for k in ("format", "version", "convention", "world_size", "block_bytes")}
     info["algorithm"] = algorithm
+    info["layout"] = layout
     return Source(directory, out, out_files, info)
 
 
 def build_index(world: int, convention: str, block_bytes: int, files: Dict[str, dict], tensors: Dict[str, dict],
-                algorithm: str = DEFAULT) -> bytes:
+                algorithm: str = DEFAULT, layout: str = NATURAL) -> bytes:
     """Serialise an index (see the module docstring for the fields)."""
     doc = {
         "format": FORMAT,
         "version": VERSION,
         "digest": algorithm,
+        "layout": layout,
         "convention": convention,
         "world_size": world,
         "block_bytes": block_bytes,

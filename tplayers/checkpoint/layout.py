@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.checkpoint.format import CheckpointError, byte_view, dtype_name, itemsize
+from tplayers.checkpoint.blocks import byte_view
+from tplayers.checkpoint.format import CheckpointError, dtype_name, itemsize
 from tplayers.checkpoint.wrapped import Staging, staged_target, unwrap
 from tplayers.comm import record_collective
 from tplayers.layers._common import ShardedModule
@@ -69,14 +70,16 @@ def local_tensors(model: nn.Module, staging: Optional[Staging] = None) -> Dict[s
     return out
 
 
-def stored(t: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
-    """How a piece is stored: the sharded dim moved first (so any reshard reads one contiguous span).
+def stored(t: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """How a piece is stored: in its natural layout, or with shard dim ``dim`` moved first
+    (``layout="shard-dim-first"``: pass the dim; None or 0 changes nothing).
 
-    On the CPU this is a view (``write_file`` stages it chunk by chunk, no whole
-    copy); a device tensor is rearranged on its device and copied to the host.
+    On the CPU this is a view (``write_file`` stages a non-contiguous one chunk by
+    chunk, no whole copy); a device tensor is rearranged on its device and copied
+    to the host.
     """
     t = t.detach()
-    if dim is not None and dim != 0:
+    if dim:
         t = t.movedim(dim, 0)
     return t if t.device.type == "cpu" else t.contiguous().to("cpu")
 
@@ -92,17 +95,33 @@ def world_info() -> Tuple[int, int]:
     return 0, 1
 
 
+#: Payloads up to this many bytes travel in a single all-gather (a load's agreement, most saves').
+_INLINE_BYTES = 248
+
+
 def allgather_bytes(data: bytes) -> List[bytes]:
-    """Every rank's ``data``, in rank order (two all-gathers: lengths, then padded bytes)."""
+    """Every rank's ``data``, in rank order.
+
+    One all-gather of fixed ``8 + _INLINE_BYTES``-byte records (length, then the
+    bytes when they fit); a second all-gather of the padded payloads only when
+    some rank's data is longer.
+    """
     rank, world = world_info()
     if world == 1:
         return [data]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(n) for _ in range(world)]
-    record_collective("all_gather", 8 * world, world, "checkpoint")
-    dist.all_gather(lengths, n)
-    sizes = [int(x.item()) for x in lengths]
+    rec = torch.zeros(8 + _INLINE_BYTES, dtype=torch.uint8)
+    rec[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if data and len(data) <= _INLINE_BYTES:
+        rec[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rec = rec.to(device)
+    recs = [torch.empty_like(rec) for _ in range(world)]
+    record_collective("all_gather", rec.numel() * world, world, "checkpoint")
+    dist.all_gather(recs, rec)
+    recs = [r.cpu() for r in recs]
+    sizes = [int(r[:8].view(torch.int64).item()) for r in recs]
+    if max(sizes) <= _INLINE_BYTES:
+        return [bytes(byte_view(r[8 : 8 + n].contiguous())) for r, n in zip(recs, sizes)]
     buf = torch.zeros(max(sizes), dtype=torch.uint8)
     buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
     buf = buf.to(device)

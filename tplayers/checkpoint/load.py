@@ -144,7 +144,7 @@ def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast:
 def apply_copies(copies, bar: Progress) -> None:
     """Write the staged sources into the model's tensors (the only step that changes the model).
 
-    Stored pieces of tensors sharded on a dim > 0 arrive transposed; :func:`copy_into`
+    Pieces of version 1-2 checkpoints sharded on a dim > 0 arrive transposed; :func:`copy_into`
     takes torch's blocked 2-D transpose for them, whatever the destination's layout.
     """
     scratch: list = [None]  # one reused buffer for transposes into non-contiguous destinations

@@ -2,12 +2,15 @@
 
 :class:`Reader` serves "the part of tensor ``key`` that holds ``[start, stop)``
 of dim ``dim``" from whatever pieces the checkpoint has, through
-``safe_open(...).get_slice``. Pieces are stored shard-dim first, so each piece
-contributes one contiguous span of rows. With ``verify=True`` the span is
-widened to whole hashed blocks (at most one block of extra rows at each end)
-and every block read is checked against its digest (the algorithm the index
-names: XXH3-128, or SHA-256 for older checkpoints): bytes that are read are
-verified, and bytes that are not needed are not read.
+``safe_open(...).get_slice``. Pieces are stored in their natural layout
+(version 3; versions 1-2 moved the shard dim first), so a piece read whole, or
+along dim 0, is one contiguous span, and part of the range of a piece sharded
+on a dim > 0 is part of each of its rows. With ``verify=True`` the read is
+widened to whole hashed row blocks, or for that last case to whole bands along
+the shard dim (at most one block or band extra at each end), and every block or
+band read is checked against its digest (the algorithm the index names:
+XXH3-128, or SHA-256 for older checkpoints): bytes that are read are verified,
+and bytes that are not needed are not read.
 """
 
 from __future__ import annotations
@@ -21,17 +24,21 @@ from safetensors import SafetensorError, safe_open
 
 from tplayers.checkpoint.digest import DEFAULT, block_digest, file_hasher, label
 from tplayers.checkpoint.fastcopy import copy_into
-from tplayers.checkpoint.format import CheckpointError, read_header, row_blocks, torch_dtype
+from tplayers.checkpoint.blocks import band_digests, row_blocks
+from tplayers.checkpoint.format import CheckpointError, read_header, torch_dtype
 from tplayers.checkpoint.index import Piece, Source, TensorEntry
 from tplayers.checkpoint.pagecache import advise_exact_read, advise_mapping_random
 
 
-def stored_shape(entry: TensorEntry, piece: Piece) -> Tuple[int, ...]:
-    """Shape of ``piece`` as stored: the shard dim's range moved first (natural if replicated)."""
+def stored_shape(entry: TensorEntry, piece: Piece, natural: bool = True) -> Tuple[int, ...]:
+    """Shape of ``piece`` as stored: the tensor narrowed to the piece's range of its shard dim, with
+    that dim moved first in ``natural=False`` (version 1-2) checkpoints."""
     if entry.dim is None:
         return entry.shape
     s = list(entry.shape)
     s[entry.dim] = piece.stop - piece.start
+    if natural:
+        return tuple(s)
     return (s[entry.dim],) + tuple(s[: entry.dim] + s[entry.dim + 1 :])
 
 
@@ -46,10 +53,11 @@ class Part(NamedTuple):
     where: str  # "file: tensor 'key'" for messages
     piece: Piece
     dest: tuple  # slices of the requested box this part fills
-    dim: Optional[int]  # the tensor's shard dim (stored first; moved back on fetch)
-    mapped: torch.Tensor  # the stored rows to read, a view of the mapped file
-    first_block: Optional[int]  # index of mapped's first hashed block; None: not verified
+    dim: Optional[int]  # a version 1-2 piece's shard dim (stored first; moved back on fetch), else None
+    mapped: torch.Tensor  # the stored part to read, a view of the mapped file
+    first_block: Optional[int]  # index of mapped's first hashed block or band; None: not verified
     trim: tuple  # slices of ``mapped`` that were asked for (``()``: all of it)
+    band_dim: Optional[int] = None  # verified in bands along this dim; None: in row blocks
 
     @property
     def nbytes(self) -> int:
@@ -69,8 +77,10 @@ class Reader:
         self.source, self.verify = source, verify
         self.algorithm = source.info.get("algorithm") or DEFAULT
         self._digest = block_digest(self.algorithm) if source.files else None
+        self.natural = source.natural
         self.bytes_read = 0
         self.header_bytes = 0
+        self._scratch: list = [None]  # reused for gathering bands
         self._stack = ExitStack()
         self._handles: Dict[str, object] = {}
         self._in_file: Dict[str, Dict[str, Tuple[TensorEntry, Piece]]] = {}
@@ -101,7 +111,7 @@ class Reader:
             self._check_header(path)
             try:
                 self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
-                advise_mapping_random(path)
+                advise_mapping_random(path)  # before any slicing: creating a slice touches its pages
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{path}: safetensors cannot open it ({e})") from None
         return self._handles[path]
@@ -118,16 +128,15 @@ class Reader:
                 f"{path}: holds tensors {sorted(set(header) - set(expected))} the index does not list there "
                 f"and lacks {sorted(set(expected) - set(header))}"
             )
-        digest = file_hasher(self.algorithm, prefix)
+        digest, hexes = file_hasher(self.algorithm, prefix), []
         for key in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
             entry, piece = expected[key]
             got = (tuple(header[key]["shape"]), header[key]["dtype"])
-            if got != (stored_shape(entry, piece), entry.dtype):
-                raise CheckpointError(
-                    f"{path}: tensor {key!r} is stored as {got}, the index says {(stored_shape(entry, piece), entry.dtype)}"
-                )
-            for d in piece.digests:
-                digest.update(bytes.fromhex(d))
+            want = (stored_shape(entry, piece, self.natural), entry.dtype)
+            if got != want:
+                raise CheckpointError(f"{path}: tensor {key!r} is stored as {got}, the index says {want}")
+            hexes.append("".join(piece.digests + (piece.band_digests or ())))
+        digest.update(bytes.fromhex("".join(hexes)))  # a running hash: the same as one update per digest
         if digest.hexdigest() != info["digest"]:
             raise CheckpointError(f"{path}: {label(self.algorithm)} of header and block digests does not match the index: "
                                   "file or index corrupted")
@@ -155,10 +164,12 @@ class Reader:
             ihi = [min(a, b) for a, b in zip(hi, phi)]
             if any(h <= l for l, h in zip(ilo, ihi)):
                 continue
-            order = list(range(nd)) if entry.dim is None else [entry.dim] + [g for g in range(nd) if g != entry.dim]
+            moved = None if self.natural or entry.dim is None else entry.dim
+            order = list(range(nd)) if moved is None else [moved] + [g for g in range(nd) if g != moved]
             want = [(ilo[g] - plo[g], ihi[g] - plo[g]) for g in order]  # stored coordinates
             dest = tuple(slice(ilo[g] - lo[g], ihi[g] - lo[g]) for g in range(nd))
-            out.append(self._map_stored(key, p, want, dest, entry.dim))
+            band_dim = entry.dim if self.natural and p.band is not None else None
+            out.append(self._map_stored(key, p, want, dest, moved, band_dim))
         return out
 
     def fetch_all(self, parts: Sequence[Part], window: Optional[int] = None) -> Iterator[Tuple[Part, torch.Tensor]]:
@@ -198,7 +209,10 @@ class Reader:
             copy_into(box[dest], t, scratch)
         return box
 
-    def _map_stored(self, key: str, p: Piece, want: List[Tuple[int, int]], dest: tuple, dim: Optional[int]) -> Part:
+    def _map_stored(self, key: str, p: Piece, want: List[Tuple[int, int]], dest: tuple, moved: Optional[int],
+                    band_dim: Optional[int]) -> Part:
+        """Map ``want`` (a box in stored coordinates) of piece ``p``; when verifying, widened to the
+        whole row blocks, or (a box narrowed along ``band_dim`` only) the whole bands, it touches."""
         f = self._open(p.file)
         where = f"{p.file}: tensor {key!r}"
         verified = self.verify and p.digests is not None
@@ -206,28 +220,48 @@ class Reader:
         if not want:  # a 0-d tensor
             t = f.get_tensor(stored_name)
             self.bytes_read += t.element_size()
-            return Part(key, where, p, dest, dim, t, 0 if verified else None, ())
+            return Part(key, where, p, dest, moved, t, 0 if verified else None, ())
         sl = f.get_slice(stored_name)
         shape = sl.get_shape()
-        box = want
+        box, first, by_band = want, None, None
         if verified:
-            k, (a, b) = p.block_rows, want[0]
-            box = [(a // k * k, min(-(-b // k) * k, shape[0]))] + [(0, n) for n in shape[1:]]
+            narrowed = [g for g, (a, b) in enumerate(want) if (a, b) != (0, shape[g])]
+            if band_dim is not None and narrowed == [band_dim]:
+                by_band, k = band_dim, p.band
+            else:  # rows: any box narrowed along dim 0 only, or else every row of the piece
+                k = p.block_rows
+            g = 0 if by_band is None else by_band
+            a, b = want[g] if narrowed in ([], [g]) else (0, shape[g])
+            box = [(0, n) for n in shape]
+            box[g] = (a // k * k, min(-(-b // k) * k, shape[g]))
+            first = box[g][0] // k
         t = sl[tuple(slice(x, y) for x, y in box)]
         self.bytes_read += t.numel() * t.element_size()
         trim = tuple(slice(x - bx, y - bx) for (x, y), (bx, _) in zip(want, box))
-        return Part(key, where, p, dest, dim, t, box[0][0] // p.block_rows if verified else None, trim)
+        return Part(key, where, p, dest, moved, t, first, trim, by_band)
 
     def _check(self, part: Part) -> torch.Tensor:
-        """``part``'s tensor in the box's dim order, its blocks checked against their digests."""
+        """``part``'s tensor in the box's dim order, its blocks or bands checked against their digests."""
         t = part.mapped
         if part.first_block is not None:
-            self._check_blocks(part.where, part.piece, t.contiguous(), part.first_block)
+            if part.band_dim is None:
+                self._check_blocks(part.where, part.piece, t.contiguous(), part.first_block)
+            else:
+                self._check_bands(part.where, part.piece, t, part.band_dim, part.first_block)
         if part.trim:
             t = t[part.trim]
         if part.dim not in (None, 0):
             t = t.movedim(0, part.dim)
         return t
+
+    def _check_bands(self, where: str, p: Piece, t: torch.Tensor, dim: int, first: int) -> None:
+        for i, got in enumerate(band_digests(t, dim, p.band, self._digest, self._scratch)):
+            j = first + i
+            if got.hex() != p.band_digests[j]:
+                raise CheckpointError(
+                    f"{where}: band {j} (indices [{j * p.band}, {(j + 1) * p.band}) of dim {dim} of the stored "
+                    f"piece) fails its {label(self.algorithm)}: the file is corrupted"
+                )
 
     def _check_blocks(self, where: str, p: Piece, t: torch.Tensor, first: int) -> None:
         if not (self.verify and p.digests is not None):

@@ -21,7 +21,7 @@ from torch import nn
 from tplayers.checkpoint.digest import DEFAULT, check_algorithm
 from tplayers.checkpoint.format import BLOCK_BYTES, CheckpointError, commit, fsync_dir, read_header, write_file
 from tplayers.checkpoint.gather import gather_state_dict
-from tplayers.checkpoint.index import FORMAT, INDEX_NAME, build_index
+from tplayers.checkpoint.index import FORMAT, INDEX_NAME, LAYOUTS, NATURAL, SHARD_DIM_FIRST, build_index
 from tplayers.checkpoint.layout import (
     GlobalTensor,
     agree,
@@ -64,6 +64,7 @@ def save_checkpoint(
     block_bytes: int = BLOCK_BYTES,
     digest: str = DEFAULT,
     optimizer=None,
+    layout: str = NATURAL,
 ) -> None:
     """Save ``model`` to ``path``; collective over the default process group (all ranks call it).
 
@@ -90,6 +91,13 @@ def save_checkpoint(
     (:mod:`tplayers.checkpoint.wrapped`). ``optimizer`` (sharded form only) also saves its
     per-parameter state, sharded like each parameter (:mod:`tplayers.checkpoint.optim`).
 
+    ``layout`` (sharded form): ``"natural"`` (default) stores every piece as it lies in
+    memory, so saving and loading at the same layout copy without transposing;
+    ``"shard-dim-first"`` stores a piece of a tensor sharded on a dim > 0 with that dim
+    moved first, so a rank loading at another world size reads one contiguous span of
+    it (the fewest disk bytes from a cold cache) at the cost of a transpose on save
+    and load (see :mod:`tplayers.checkpoint.index`).
+
     Example (``torchrun --nproc-per-node 2 train.py``)::
 
         tplayers.checkpoint.save_checkpoint(model, "ckpt/", optimizer=opt)
@@ -99,6 +107,11 @@ def save_checkpoint(
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
     check_algorithm(digest)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
+    if consolidated and layout != NATURAL:
+        raise ValueError("save_checkpoint: layout applies to the sharded form only (consolidated=True writes "
+                         f"the serial model's tensors as they are); got layout={layout!r}")
     if consolidated and optimizer is not None:
         raise ValueError("save_checkpoint: optimizer state is saved in the sharded form only "
                          "(consolidated=True writes exactly the serial model's state_dict); got both")
@@ -117,8 +130,10 @@ def save_checkpoint(
     info, error = None, None
     try:
         os.makedirs(tmp, exist_ok=True)
-        items = [(name, stored(_piece(local[k], start, stop), local[k].spec.dim)) for k, start, stop, name in writes[rank]]
-        info = write_rank_file(tmp, rank, world, items, block_bytes, progress if rank == 0 else False, digest)
+        moved = layout == SHARD_DIM_FIRST
+        items = [(name, stored(_piece(local[k], start, stop), local[k].spec.dim if moved else None), local[k].spec.dim)
+                 for k, start, stop, name in writes[rank]]
+        info = write_rank_file(tmp, rank, world, items, block_bytes, progress if rank == 0 else False, digest, layout)
     except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, or peers hang
         error = f"{type(e).__name__}: {e}"
     infos = allgather_json({"info": info, "error": error})
@@ -129,7 +144,7 @@ def save_checkpoint(
             if failed:
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
-                old = finish_dir(tmp, path, world, tensors, [x["info"] for x in infos], block_bytes, digest)
+                old = finish_dir(tmp, path, world, tensors, [x["info"] for x in infos], block_bytes, digest, layout)
                 if old is not None:  # a directory's files are deleted by all ranks, anything else by rank 0
                     is_dir = os.path.isdir(old) and not os.path.islink(old)
                     old = {"path": old, "files": sorted(os.listdir(old)) if is_dir else None}
@@ -215,27 +230,33 @@ def remove_previous(path: str, files: Optional[Sequence[str]], rank: int, world:
 
 
 def write_rank_file(directory: str, rank: int, world: int, items, block_bytes: int, progress,
-                    algorithm: str = DEFAULT) -> dict:
-    """Write one rank's pieces; returns the facts the index needs about the file."""
+                    algorithm: str = DEFAULT, layout: str = NATURAL) -> dict:
+    """Write one rank's pieces ``(stored name, stored tensor, shard dim or None)``; returns the facts
+    the index needs about the file. In the natural layout, pieces sharded on a dim > 0 are also hashed
+    in bands along it."""
     name = shard_file_name(rank, world)
-    bar = Progress(sum(t.numel() * t.element_size() for _, t in items), f"save {name}", progress)
-    meta = {"format": "tplayers.checkpoint", "layout": "shard-dim-first"}
-    size, digest, blocks = write_file(os.path.join(directory, name), items, meta, block_bytes=block_bytes,
-                                      on_bytes=bar.update, algorithm=algorithm)
+    bar = Progress(sum(t.numel() * t.element_size() for _, t, _ in items), f"save {name}", progress)
+    meta = {"format": "tplayers.checkpoint", "layout": layout}
+    band_dims = {n: d for n, _, d in items if d not in (None, 0)} if layout == NATURAL else {}
+    size, digest, hashed = write_file(os.path.join(directory, name), [(n, t) for n, t, _ in items], meta,
+                                      block_bytes=block_bytes, on_bytes=bar.update, algorithm=algorithm,
+                                      band_dims=band_dims)
     bar.close()
-    return {"file": name, "size": size, "digest": digest, "blocks": {k: [v[0], v[1]] for k, v in blocks.items()}}
+    return {"file": name, "size": size, "digest": digest, "blocks": {k: list(v) for k, v in hashed.items()}}
 
 
 def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor], infos: Sequence[dict], block_bytes: int,
-               algorithm: str = DEFAULT) -> Optional[str]:
+               algorithm: str = DEFAULT, layout: str = NATURAL) -> Optional[str]:
     """Write the index into ``tmp``, fsync it, and move ``tmp`` to ``path``; returns where the previous
     checkpoint now is (to be deleted), or None."""
     entries = {}
     for key, g in tensors.items():
         pieces = []
         for start, stop, r, name in g.owners:
-            k, digests = infos[r]["blocks"][name]
+            k, digests, band, band_digests = infos[r]["blocks"][name]
             piece = {"file": infos[r]["file"], "block_rows": k, "digests": digests}
+            if band is not None:
+                piece.update(band=band, band_digests=band_digests)
             if name != key:  # one of several pieces of this tensor in the file
                 piece["name"] = name
             if g.dim is not None:
@@ -245,7 +266,7 @@ def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor]
     files = {x["file"]: {"size": x["size"], "digest": x["digest"]} for x in infos}
     index_path = os.path.join(tmp, INDEX_NAME)
     with open(index_path, "xb") as f:
-        f.write(build_index(world, CONVENTION, block_bytes, files, entries, algorithm))
+        f.write(build_index(world, CONVENTION, block_bytes, files, entries, algorithm, layout))
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)
