@@ -75,8 +75,7 @@ def _face_numel(x: torch.Tensor, dim: int, length: int) -> int:
 def pack_faces_reference(x: torch.Tensor, dim: int, faces: Sequence[Face]) -> torch.Tensor:
     """Torch reference of :func:`pack_faces`."""
     if len(faces) == 1:  # one copy (a halo exchange with one neighbour sends one face)
-        face = x.narrow(dim, *faces[0])
-        return face.reshape(-1).clone() if face.is_contiguous() else face.reshape(-1)  # never a view of x
+        return x.narrow(dim, *faces[0]).clone(memory_format=torch.contiguous_format).view(-1)
     parts = [x.narrow(dim, s, n).reshape(-1) for s, n in faces]
     if not parts:
         return x.new_empty(0)
