@@ -128,12 +128,12 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     # receive layout: [extra | from lo | from hi] when it rides up, [from lo | from hi | extra] when down
     raw = src.new_empty(n_lo_recv + n_hi_recv + (ne if ride_recv is not None else 0))
     first = ne if ride_recv == tag_up else 0
-    recvbuf = raw[first : first + n_lo_recv + n_hi_recv]
+    recvbuf = raw if ride_recv is None else raw[first : first + n_lo_recv + n_hi_recv]
     sends, recvs, offset = [], [], 0  # (tensor, the peer's rank in the group, tag)
     for peer, face, ptag in ((lo_g, to_lo, tag_down), (hi_g, to_hi, tag_up)):
         if peer is not None and face[1] and row:  # empty messages are skipped on both sides
             size = row * face[1] + (ne if ptag == ride_send else 0)
-            part = sendbuf[offset : offset + size]
+            part = sendbuf if size == sendbuf.numel() else sendbuf[offset : offset + size]  # one message: no slice
             offset += size
             record_collective("send", row * face[1] * part.element_size(), group_size, tag)
             sends.append((part, peer, ptag))
@@ -141,10 +141,12 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     if n_hi_recv:
         record_collective("recv", n_hi_recv * raw.element_size(), group_size, tag)
         end = raw.numel() if ride_recv == tag_down else first + n_lo_recv + n_hi_recv
-        recvs.append((raw[first + n_lo_recv : end], hi_g, tag_down))
+        start = first + n_lo_recv
+        recvs.append((raw if start == 0 and end == raw.numel() else raw[start:end], hi_g, tag_down))
     if n_lo_recv:
         record_collective("recv", n_lo_recv * raw.element_size(), group_size, tag)
-        recvs.append((raw[: first + n_lo_recv], lo_g, tag_up))
+        end = first + n_lo_recv
+        recvs.append((raw if end == raw.numel() else raw[:end], lo_g, tag_up))
     if extra is not None:
         record_collective("send", ne * esend.element_size(), group_size, etag)
         record_collective("recv", ne * erecv.element_size(), group_size, etag)
