@@ -116,7 +116,7 @@ def speed_table(mesh, rank, world, repeats, st):
         print("\n## 2-rank forward+backward (ms, median of interleaved repeats)")
         print("tplayers: DistributedConv2d (default: the halo exchange, then one convolution);")
         print("overlap: overlap_halo=True (interior rows convolved while the halo flies, then the edges)")
-        print("floor: each rank's local convolution alone (halo-padded slab, channels_last, no communication)")
+        print("floor: each rank's local convolution alone (halo-padded slab, the twin's layout, no communication)")
         print(f"{'shape':16s} {'tplayers':>9s} {'overlap':>9s} {'ShardTensor':>12s} {'nn.Conv2d 1 proc':>17s} {'floor':>7s}")
     rows = []
     for name, (n, c, h, w, co, k) in SHAPES.items():
@@ -139,11 +139,13 @@ def speed_table(mesh, rank, world, repeats, st):
             if rank == 0:  # one process does the whole conv; the other waits at the barrier
                 serial(xs).sum().backward()
 
-        # the floor: this rank's convolution alone on a slab of the halo-padded size, in the
-        # channels_last layout the twin convolves in, no communication (no halo scheme beats it)
-        slab = torch.randn(n, c, local.shape[2] + 2 * (k // 2), w).contiguous(memory_format=torch.channels_last)
+        # the floor: this rank's convolution alone on a slab of the halo-padded size, in the layout
+        # the twin convolves in (channels_last from 16 channels, else contiguous), no communication
+        # (no halo scheme beats it)
+        fmt = conv.memory_format
+        slab = torch.randn(n, c, local.shape[2] + 2 * (k // 2), w).contiguous(memory_format=fmt)
         slab.requires_grad_(True)
-        w_cl = serial.weight.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+        w_cl = serial.weight.detach().contiguous(memory_format=fmt).requires_grad_(True)
 
         def step_floor():
             F.conv2d(slab, w_cl, serial.bias, padding=(0, k // 2)).sum().backward()

@@ -115,3 +115,40 @@ def test_halo_forward_and_adjoint(world, mesh_shape):
 
 def test_halo_with_triton_pack_kernels():
     run_ranks(_adjoint_cases, 4, args=((2, 2), 5, 3, "triton"), timeout=90)
+
+
+def _p2p_paths(rank, world):
+    """exchange_p2p: the direct (gloo group) and the batched path move the same bytes, peers named
+    by their rank in a subgroup; halo_route resolves the neighbours the exchange uses."""
+    from tplayers.comm.collectives import exchange_p2p, posts_direct
+    from tplayers.comm.halo import halo_pad, halo_route, halo_state
+
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(2, world // 2))
+    group = mesh.get_group(1)  # ranks {0, 1} and {2, 3}: group ranks differ from global ranks
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    assert posts_direct(group)  # gloo
+    for direct in (True, False):
+        ran = []
+        mine = torch.full((5,), float(10 * rank + direct), dtype=torch.float64)
+        got = torch.empty(5, dtype=torch.float64)
+        exchange_p2p(group, [(mine, (me + 1) % size, 7)], [(got, (me - 1) % size, 7)], direct,
+                     during=lambda: ran.append(True))
+        src = dist.get_global_rank(group, (me - 1) % size)
+        assert ran == [True] and torch.equal(got, torch.full((5,), float(10 * src + direct), dtype=torch.float64))
+    for periodic in (False, True):
+        route = halo_route(group, periodic)
+        if periodic:
+            want = ((me - 1) % size, (me + 1) % size)
+        else:
+            want = (me - 1 if me > 0 else None, me + 1 if me < size - 1 else None)
+        assert route.local == want and route.size == size and route.direct, (route, want)
+        assert route.peers == tuple(None if w is None else dist.get_global_rank(group, w) for w in want)
+        x = torch.randn(1, 2, 3, 4, dtype=torch.float64)
+        a, sa = halo_pad(x, 2, group, (1, 1), (1, 1), periodic)
+        b, sb = halo_pad(x, 2, group, (1, 1), (1, 1), periodic, route=route)
+        assert torch.equal(a, b) and sa == sb and sa.resolved() == route
+        assert halo_state(x, 2, group, (1, 1), (1, 1), periodic) == sb
+
+
+def test_exchange_p2p_direct_and_batched_paths():
+    run_ranks(_p2p_paths, 4, timeout=60)
