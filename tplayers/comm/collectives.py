@@ -158,6 +158,17 @@ def exchange_p2p(group: dist.ProcessGroup, sends: Sequence[Message], recvs: Sequ
     exchange); the callers' buffers are contiguous and their peers in range by construction.
     Otherwise the messages go through :func:`run_p2p` (``batch_isend_irecv``: NCCL needs the
     messages of one exchange grouped). Every buffer stays referenced until its wait returns.
+
+    Example (2 ranks: each sends its rank to the other)::
+
+        import torch, torch.distributed as dist, tplayers
+        from tplayers.comm.collectives import exchange_p2p, posts_direct
+        mesh = tplayers.init_mesh()
+        group = mesh.get_group(0)
+        me = dist.get_rank(group)
+        mine, theirs = torch.full((3,), float(me)), torch.empty(3)
+        exchange_p2p(group, [(mine, 1 - me, 0)], [(theirs, 1 - me, 0)], posts_direct(group))
+        assert theirs[0] == 1 - me
     """
     if not direct:
         ops = [dist.P2POp(dist.isend, t, group=group, tag=tag, group_peer=peer) for t, peer, tag in sends]

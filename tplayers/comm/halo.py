@@ -187,7 +187,16 @@ class HaloRoute:
 
 def halo_route(group: dist.ProcessGroup, periodic: bool = False,
                peers: Optional[Tuple[Optional[int], Optional[int]]] = None) -> HaloRoute:
-    """The :class:`HaloRoute` of exchanging along ``group`` (``peers``: global ranks already known)."""
+    """The :class:`HaloRoute` of exchanging along ``group`` (``peers``: global ranks already known).
+
+    Example (2 ranks, non-periodic: rank 0 has only a high neighbour)::
+
+        import tplayers
+        from tplayers.comm.halo import halo_route
+        mesh = tplayers.init_mesh()
+        route = halo_route(mesh.get_group(0))
+        # rank 0: route.peers == (None, 1); rank 1: route.peers == (0, None)
+    """
     lo, hi = _peers(group, periodic) if peers is None else peers
     local = tuple(None if p is None else dist.get_group_rank(group, p) for p in (lo, hi))
     return HaloRoute(group, dist.get_world_size(group), (lo, hi), local, posts_direct(group))
