@@ -42,6 +42,21 @@ def _assert_exact(net: nn.Module, ref: nn.Module) -> None:
         assert torch.equal(_bits(lt.tensor), _bits(lt.spec.take(want[key]))), key
 
 
+def _damaged_copy(good: str, bad: str, where, mask: int) -> str:
+    """A copy of checkpoint ``good`` with one byte of rank 1's stored 1.weight XORed with ``mask``;
+    ``where(begin, end)`` picks its offset from the tensor's data offsets."""
+    shutil.copytree(good, bad)
+    f1 = os.path.join(bad, "rank-00001-of-00002.safetensors")
+    prefix, header, _ = read_header(f1)
+    at = len(prefix) + where(*header["1.weight"]["data_offsets"])
+    with open(f1, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ mask]))
+    return bad
+
+
 def _save(rank, world, path, layout):
     save_checkpoint(tplayers.parallelize_module(_serial(1), PLAN), path, layout=layout)
     return True
@@ -71,18 +86,9 @@ def test_transposed_pieces_load_exactly_and_corruption_is_caught(tmp_path, load_
     _, header, meta = read_header(os.path.join(good, "rank-00001-of-00002.safetensors"))
     assert meta["layout"] == layout
     assert header["1.weight"]["shape"] == ([64, 300] if layout == "natural" else [300, 64])
-    bad = str(tmp_path / "bad")
-    shutil.copytree(good, bad)
-    f1 = os.path.join(bad, "rank-00001-of-00002.safetensors")
-    prefix, header, _ = read_header(f1)
     # the last column of rank 1's piece of 1.weight (its last stored bytes either way): read by every
     # loading layout that holds the last columns, after the blocks or bands before it checked out
-    begin, end = header["1.weight"]["data_offsets"]
-    with open(f1, "r+b") as f:
-        f.seek(len(prefix) + end - 3)
-        b = f.read(1)
-        f.seek(len(prefix) + end - 3)
-        f.write(bytes([b[0] ^ 0x10]))
+    bad = _damaged_copy(good, str(tmp_path / "bad"), lambda begin, end: end - 3, 0x10)
     run_ranks(_load, load_world, args=(good, bad), timeout=90)
 
 
@@ -116,16 +122,7 @@ def test_resharded_reads_check_only_the_bands_they_touch(tmp_path):
         assert torch.equal(_bits(got), _bits(want[:, a:b]))
     # flip a bit in column 10 of rank 1's piece (global column 311): a reader of columns [201, 401) reads
     # that band and fails; a reader of columns [401, 601) reads bands from column 96 of the piece on: passes
-    bad = str(tmp_path / "bad")
-    shutil.copytree(path, bad)
-    f1 = os.path.join(bad, "rank-00001-of-00002.safetensors")
-    prefix, header, _ = read_header(f1)
-    begin, _ = header["1.weight"]["data_offsets"]
-    with open(f1, "r+b") as f:
-        f.seek(len(prefix) + begin + (5 * 300 + 10) * 4 + 2)  # row 5, column 10
-        x = f.read(1)
-        f.seek(len(prefix) + begin + (5 * 300 + 10) * 4 + 2)
-        f.write(bytes([x[0] ^ 0x01]))
+    bad = _damaged_copy(path, str(tmp_path / "bad"), lambda begin, end: begin + (5 * 300 + 10) * 4 + 2, 0x01)
     src = open_source(bad)
     with Reader(src, verify=True) as r:
         with pytest.raises(CheckpointError, match=r"1.weight.*band 1 \(indices \[8, 16\)"):
