@@ -272,24 +272,17 @@ def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_fo
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
     shape = list(x.shape)
     shape[dim] = r_lo + n + r_hi
-    if out is None:  # the own rows are copied in while the messages fly (they do not read them)
+    if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=memory_format)
-
-        def window(outer=during):
-            out.narrow(dim, r_lo, n).copy_(x)
-            if outer is not None:
-                outer()
-    else:  # the caller's ``during`` may read the own rows: copied in before posting
-        assert list(out.shape) == shape, (list(out.shape), shape)
-        out.narrow(dim, r_lo, n).copy_(x)
-        window = during
+    assert list(out.shape) == shape, (list(out.shape), shape)
+    out.narrow(dim, r_lo, n).copy_(x)
     if size == 1 and periodic:  # wraps onto itself: local copies, no communication
-        if window is not None:
-            window()
+        if during is not None:
+            during()
         out.narrow(dim, 0, r_lo).copy_(x.narrow(dim, n - r_lo, r_lo))
         out.narrow(dim, r_lo + n, r_hi).copy_(x.narrow(dim, 0, r_hi))
         return out
-    buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, route, "halo.fwd", window,
+    buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, route, "halo.fwd", during,
                    tags=(_TAG_DOWN2, _TAG_UP2) if second else (_TAG_DOWN, _TAG_UP))
     faces = []
     if lo is None:
@@ -331,17 +324,14 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
     route = state.resolved()
     dim, n, (lo, hi), size = state.dim, state.n, route.peers, route.size
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
-    own = grad.narrow(dim, r_lo, n)
-    grad_x = torch.empty(own.shape, dtype=grad.dtype, device=grad.device, memory_format=state.grad_format)
-
-    def window(outer=during):  # the own rows are copied out while the halo gradients fly
-        grad_x.copy_(own)
-        if outer is not None:
-            outer()
-        if into_own is not None:
+    grad_x = grad.narrow(dim, r_lo, n).clone(memory_format=state.grad_format)
+    if into_own is not None:
+        def window(outer=during):
+            if outer is not None:
+                outer()
             into_own(grad_x)
 
-    during = window
+        during = window
     if size == 1 and lo is not None:  # periodic onto itself
         assert extra is None, "no peer to exchange the extra message with"
         if during is not None:
