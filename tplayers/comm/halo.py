@@ -42,7 +42,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.accounting import record_collective
-from tplayers.comm.collectives import exchange_p2p, posts_direct
+from tplayers.comm.collectives import exchange_p2p
+from tplayers.comm.route import HaloRoute, _peers, halo_route
 from tplayers.ops import pack_faces, unpack_faces
 
 __all__ = [
@@ -71,17 +72,6 @@ _TAG_DOWN2, _TAG_UP2 = 20, 21
 
 # ``(send, recv, peer, tag)``: one more message to and from ``peer`` posted in the same batch.
 Extra = Tuple[torch.Tensor, torch.Tensor, int, str]
-
-
-def _peers(group: dist.ProcessGroup, periodic: bool) -> Tuple[Optional[int], Optional[int]]:
-    """Global ranks of the low and high neighbour (``None`` at a non-periodic boundary)."""
-    size, me = dist.get_world_size(group), dist.get_rank(group)
-    lo, hi = me - 1, me + 1
-    if periodic:
-        lo, hi = lo % size, hi % size
-    lo = dist.get_global_rank(group, lo) if 0 <= lo < size else None
-    hi = dist.get_global_rank(group, hi) if 0 <= hi < size else None
-    return lo, hi
 
 
 def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, from_lo: int,
@@ -166,40 +156,6 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
 def _row_numel(t: torch.Tensor, dim: int) -> int:
     """Elements in one row of ``t`` along ``dim`` (the product of the other dims)."""
     return math.prod(s for d, s in enumerate(t.shape) if d != dim)
-
-
-@dataclass(frozen=True)
-class HaloRoute:
-    """An exchange's neighbours, resolved once (a layer keeps it with its cached layout).
-
-    ``peers``: the low / high neighbour's global rank (``None`` at a non-periodic boundary);
-    ``local``: the same as ranks in ``group``; ``size``: the group's size; ``direct``: whether
-    messages are posted on the group object itself (gloo, see
-    :func:`~tplayers.comm.collectives.exchange_p2p`).
-    """
-
-    group: dist.ProcessGroup
-    size: int
-    peers: Tuple[Optional[int], Optional[int]]
-    local: Tuple[Optional[int], Optional[int]]
-    direct: bool
-
-
-def halo_route(group: dist.ProcessGroup, periodic: bool = False,
-               peers: Optional[Tuple[Optional[int], Optional[int]]] = None) -> HaloRoute:
-    """The :class:`HaloRoute` of exchanging along ``group`` (``peers``: global ranks already known).
-
-    Example (2 ranks, non-periodic: rank 0 has only a high neighbour)::
-
-        import tplayers
-        from tplayers.comm.halo import halo_route
-        mesh = tplayers.init_mesh()
-        route = halo_route(mesh.get_group(0))
-        # rank 0: route.peers == (None, 1); rank 1: route.peers == (0, None)
-    """
-    lo, hi = _peers(group, periodic) if peers is None else peers
-    local = tuple(None if p is None else dist.get_group_rank(group, p) for p in (lo, hi))
-    return HaloRoute(group, dist.get_world_size(group), (lo, hi), local, posts_direct(group))
 
 
 @dataclass(frozen=True)

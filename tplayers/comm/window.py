@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tplayers.comm.halo import HaloExchange1d, HaloState, _peers, halo_adjoint, halo_pad
+from tplayers.comm.halo import HaloExchange1d, HaloState, halo_adjoint, halo_pad
+from tplayers.comm.route import _peers
 from tplayers.window_plan import AxisPlan
 
 __all__ = ["gather_windows", "scatter_add_windows", "gather_rows", "HaloScatterAdd1d", "pad_arg", "edge_pad", "pad_dim"]
