@@ -152,6 +152,23 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def stored_shape(shape: Tuple[int, ...], dim: Optional[int], start: int, stop: int,
+                 natural: bool = True) -> Tuple[int, ...]:
+    """Shape of the stored piece ``[start, stop)`` of ``dim`` of a tensor of ``shape``: the tensor
+    narrowed to that range, with ``dim`` moved first unless ``natural`` (``shape`` if ``dim`` is None).
+
+    >>> stored_shape((6, 7), 1, 4, 7), stored_shape((6, 7), 1, 4, 7, natural=False)
+    ((6, 3), (3, 6))
+    """
+    if dim is None:
+        return tuple(shape)
+    s = list(shape)
+    s[dim] = stop - start
+    if not natural:
+        s.insert(0, s.pop(dim))
+    return tuple(s)
+
+
 def _digest_list(digests, count: int, hex_len: int) -> bool:
     """``digests`` is a list of ``count`` lowercase hex strings of ``hex_len`` characters each."""
     if not isinstance(digests, list) or len(digests) != count:
@@ -236,12 +253,8 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
             start, stop = (p.get("start"), p.get("stop")) if dim is not None else (0, 0)
             _need(_int(start) and _int(stop) and (dim is None or start < stop <= shape[dim]), w,
                   lambda: f"piece range [{start}, {stop}) is not a non-empty range of dim length {shape[dim] if dim is not None else '-'}")
-            stored_shape = list(shape)
-            if dim is not None:
-                stored_shape[dim] = stop - start
-                if layout == SHARD_DIM_FIRST:
-                    stored_shape.insert(0, stored_shape.pop(dim))
-            rows = stored_shape[0] if stored_shape else 1
+            stored = stored_shape(shape, dim, start, stop, layout == NATURAL)
+            rows = stored[0] if stored else 1
             k, digests = p.get("block_rows"), p.get(block_field)
             _need(_int(k) and k >= 1 and _digest_list(digests, -(-rows // k), hex_len), w,
                   lambda: f"piece in {p['file']}: block_rows / {block_field} list malformed")

@@ -26,20 +26,8 @@ from tplayers.checkpoint.digest import DEFAULT, block_digest, file_hasher, label
 from tplayers.checkpoint.fastcopy import copy_into
 from tplayers.checkpoint.blocks import band_digests, row_blocks
 from tplayers.checkpoint.format import CheckpointError, read_header, torch_dtype
-from tplayers.checkpoint.index import Piece, Source, TensorEntry
+from tplayers.checkpoint.index import Piece, Source, TensorEntry, stored_shape
 from tplayers.checkpoint.pagecache import advise_exact_read, advise_mapping_random
-
-
-def stored_shape(entry: TensorEntry, piece: Piece, natural: bool = True) -> Tuple[int, ...]:
-    """Shape of ``piece`` as stored: the tensor narrowed to the piece's range of its shard dim, with
-    that dim moved first in ``natural=False`` (version 1-2) checkpoints."""
-    if entry.dim is None:
-        return entry.shape
-    s = list(entry.shape)
-    s[entry.dim] = piece.stop - piece.start
-    if natural:
-        return tuple(s)
-    return (s[entry.dim],) + tuple(s[: entry.dim] + s[entry.dim + 1 :])
 
 
 #: Bytes of page reads kept in flight ahead of the part being checked.
@@ -132,7 +120,7 @@ class Reader:
         for key in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
             entry, piece = expected[key]
             got = (tuple(header[key]["shape"]), header[key]["dtype"])
-            want = (stored_shape(entry, piece, self.natural), entry.dtype)
+            want = (stored_shape(entry.shape, entry.dim, piece.start, piece.stop, self.natural), entry.dtype)
             if got != want:
                 raise CheckpointError(f"{path}: tensor {key!r} is stored as {got}, the index says {want}")
             hexes.append("".join(piece.digests + (piece.band_digests or ())))
