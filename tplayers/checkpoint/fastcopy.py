@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["copy_into", "moved_dim"]
+__all__ = ["copy_into", "moved_dim", "dense_from"]
 
 _INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -107,7 +107,7 @@ def _store(dst: torch.Tensor, src: torch.Tensor, buffer: Optional[list]) -> bool
     for d in range(1, src.dim()):
         natural = src.movedim(0, d)
         s, p, q = src.shape[0], math.prod(natural.shape[:d]), math.prod(natural.shape[d + 1 :])
-        if not _rows_dense(natural, d):  # any d is correct; this one makes the staging copy row-wise
+        if not dense_from(natural, d):  # any d is correct; this one makes the staging copy row-wise
             continue
         if not natural.is_contiguous():
             nbytes = natural.numel() * natural.element_size()
@@ -128,8 +128,9 @@ def _store(dst: torch.Tensor, src: torch.Tensor, buffer: Optional[list]) -> bool
     return False
 
 
-def _rows_dense(t: torch.Tensor, d: int) -> bool:
-    """``t`` is a narrow along ``d`` of a contiguous tensor (strides of the dims after ``d`` dense)."""
+def dense_from(t: torch.Tensor, d: int) -> bool:
+    """The dims from ``d`` on are dense: ``t`` is a narrow along ``d`` of a contiguous tensor, or (``d = 1``)
+    rows of contiguous runs, such as a column band."""
     expect = 1
     for i in range(t.dim() - 1, d - 1, -1):
         if t.shape[i] != 1 and t.stride(i) != expect:

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from tplayers.checkpoint.fastcopy import dense_from
+
 _LIBC = None
 
 
@@ -92,20 +94,10 @@ def advise_exact_read(t: torch.Tensor) -> None:
     if not hasattr(mmap, "MADV_WILLNEED") or cached(t):
         return
     extent = _extent(t)
-    rows = t.flatten(1) if t.dim() >= 2 and _rows_dense(t) else None  # a view: dims 1.. are dense
+    rows = t.flatten(1) if t.dim() >= 2 and dense_from(t, 1) else None  # a view: dims 1.. are dense
     if t.is_contiguous() or 2 * t.numel() * t.element_size() >= extent or rows is None or rows.shape[0] > 4096:
         _madvise(t.data_ptr(), extent, mmap.MADV_WILLNEED)
         return
     run = rows.shape[1] * t.element_size()
     for i in range(rows.shape[0]):
         _madvise(rows[i].data_ptr(), run, mmap.MADV_WILLNEED)
-
-
-def _rows_dense(t: torch.Tensor) -> bool:
-    """Every dim but the first is dense (``t`` is rows of contiguous runs, e.g. a column band)."""
-    expect = 1
-    for i in range(t.dim() - 1, 0, -1):
-        if t.shape[i] != 1 and t.stride(i) != expect:
-            return False
-        expect *= t.shape[i]
-    return True
