@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from tplayers.ops import na_kernel
+from tplayers.ops import na_cpu, na_kernel
 from tplayers.ops.na_kernel import TileAttention
 from tplayers.ops.na_layout import DEFAULT_TILE
 
@@ -186,6 +186,9 @@ def neighborhood_attention_2d(
 
         table = rel_pos_bias if rel_pos_bias is not None else q.new_empty(0)
         out = torch.ops.tplayers.na2d_tiles(pixels(q), pixels(k), pixels(v), table, geo, scale, heads)
+        return out.view(batch, hq, wq, heads, -1)
+    if na_cpu.use_c_kernel(q, kernel):
+        out = na_cpu.CAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads)
         return out.view(batch, hq, wq, heads, -1)
     plan, plan_bwd = na_kernel.tile_plans(geo, q.device, q.dtype)
     out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, plan_bwd, scale, heads)

@@ -1,0 +1,379 @@
+/* Neighborhood attention (NATTEN semantics) on one CPU core: the compiled kernel behind
+ * tplayers.na2d for fp32 / fp64 CPU tensors (see tplayers/ops/na_cpu.py, which builds this file
+ * with the system C compiler, once, into a cache directory, and calls it through ctypes).
+ *
+ * Compiled once per element type: -DNA_DOUBLE selects double (8 lanes), else float (16 lanes).
+ * No torch headers, no intrinsics: GCC vector extensions, lowered to whatever -march offers.
+ *
+ * Inputs are pixel-major, as tplayers passes them: q (B, Hq*Wq, heads*D), k (B, Hk*Wk, heads*D),
+ * v (B, Hk*Wk, heads*Dv). Each (batch, head) plane is transposed into a scratch buffer laid out
+ * (row, channel, column), so that L consecutive queries of one row are one vector, and so are the
+ * L keys they meet at one window offset (a shifted load): every score is a vertical FMA, no
+ * horizontal sums. The window is the product of a row window and a column window, given as
+ * per-dimension tables built by tplayers' geometry code (na_layout.axis_tiles):
+ *   rows[3][Hq][kH]: local key row, valid (0/1: causal), bias row index of query row i, slot a;
+ *   cols[3][Wq][kW]: the same along the columns.
+ * A block is L consecutive queries of one row (the last block of a row repeats its last query in
+ * the spare lanes, which are never stored). Inside a block, lane t's key column at slot b is
+ * base_b + perm[t]: perm is the identity in the interior (a plain load), a shuffle near the
+ * borders (windows shifted inside the image: lanes share keys), a per-lane gather otherwise.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef NA_DOUBLE
+typedef double T;
+typedef int64_t IT;
+#define L 8
+#else
+typedef float T;
+typedef int32_t IT;
+#define L 16
+#endif
+typedef T vt __attribute__((vector_size(L * sizeof(T))));
+typedef IT vi __attribute__((vector_size(L * sizeof(IT))));
+#define G 8  /* score accumulators per pass (keys at a time) */
+#define GV 4 /* output-channel accumulators per pass */
+#define INL static inline __attribute__((always_inline))
+
+INL vt ld(const T *p) { vt v; memcpy(&v, p, sizeof v); return v; }
+INL void st(T *p, vt v) { memcpy(p, &v, sizeof v); }
+INL vt splat(T x) { return (vt){0} + x; }
+INL vt vsel(vi m, vt a, vt b) { return (vt)(((vi)a & m) | ((vi)b & ~m)); }
+INL vt vmax(vt a, vt b) { return vsel(a > b, a, b); }
+
+/* exp on a vector (Cody-Waite reduction, Taylor polynomial on [-ln2/2, ln2/2]); exactly 0 below
+ * the underflow threshold (masked keys carry -inf). */
+INL vt vexp(vt x) {
+#ifdef NA_DOUBLE
+    const T lo = -708.0, hi_ln2 = 6.93147180369123816490e-01, lo_ln2 = 1.90821492927058770002e-10;
+    static const T c[] = {1.0 / 6227020800, 1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880,
+                          1.0 / 40320, 1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+    const int nc = 14, bias = 1023, mant = 52;
+#else
+    const T lo = -87.0f, hi_ln2 = 0.693359375f, lo_ln2 = -2.12194440e-4f;
+    static const T c[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    const int nc = 8, bias = 127, mant = 23;
+#endif
+    vi keep = x >= lo;
+    x = vsel(keep, x, splat(lo));
+    vt t = x * (T)1.44269504088896340736 - (T)0.5;
+    vi n = __builtin_convertvector(t, vi); /* truncation of t - 0.5 (t <= ~0): round to nearest */
+    vt nf = __builtin_convertvector(n, vt);
+    vt r = x - nf * hi_ln2 - nf * lo_ln2;
+    vt p = splat(c[0]);
+    for (int i = 1; i < nc; i++) p = p * r + c[i];
+    vi scale = (n + bias) << mant;
+    return (vt)((vi)(p * (vt)scale) & keep);
+}
+
+/* One block: n consecutive queries of a row in L lanes (spare lanes repeat the last query).
+ * Lane t of slot b reads key column base_b + perm[t]; mode 0: perm is 0..L-1 (a plain load),
+ * mode 1: a shuffle of the L columns from base_b. */
+typedef struct {
+    int mode, n, layers; /* layers: scatter-add rounds (mode 1): lanes sharing a key add in turn */
+    vi perm, live;       /* live: -1 on the n real lanes */
+    vi inv[L], has[L];   /* round r: key lane u takes lane inv[r][u] where has[r][u] is -1 */
+} Lanes;
+
+INL vt kload(const T *p, int mode, const Lanes *ln) {
+    if (mode == 0) return ld(p);
+#ifdef __clang__
+    vt v = ld(p), r;
+    for (int t = 0; t < L; t++) r[t] = v[ln->perm[t]];
+    return r;
+#else
+    return __builtin_shuffle(ld(p), ln->perm);
+#endif
+}
+
+/* p[key column of lane t] += x[t] for the live lanes (x is 0 on the others) */
+INL void kadd(T *p, vt x, int mode, const Lanes *ln) {
+    vt acc = ld(p);
+    if (mode == 0) { st(p, acc + x); return; }
+    for (int r = 0; r < ln->layers; r++) {
+#ifdef __clang__
+        vt y; for (int u = 0; u < L; u++) y[u] = x[ln->inv[r][u]];
+#else
+        vt y = __builtin_shuffle(x, ln->inv[r]);
+#endif
+        acc += (vt)((vi)y & ln->has[r]);
+    }
+    st(p, acc);
+}
+
+typedef struct {
+    int B, heads, Hq, Wq, Hk, Wk, D, Dv, kh, kw, nk, nkp, tw; /* tw: bias table width (2kW-1) */
+    const int32_t *rows, *cols; /* (3, Hq, kh), (3, Wq, kw) */
+    const T *table;             /* (heads, 2kH-1, 2kW-1) or NULL */
+    T scale;
+} Geo;
+
+/* the block of queries starting at column j0: as many (<= L) as share one shuffle pattern;
+ * base[b]: slot b's first key column */
+static void block_lanes(const Geo *g, int j0, Lanes *ln, long *base) {
+    const int32_t *kc = g->cols;
+    int n = g->Wq - j0 < L ? g->Wq - j0 : L, mn = 0;
+    for (; n > 1; n--) { /* the shifts must not depend on the slot and must span < L columns */
+        int ok = 1, mx = 0;
+        mn = 0;
+        for (int t = 1; t < n && ok; t++) {
+            int d = kc[(j0 + t) * g->kw] - kc[j0 * g->kw];
+            for (int b = 1; b < g->kw; b++) ok &= kc[(j0 + t) * g->kw + b] - kc[j0 * g->kw + b] == d;
+            mn = d < mn ? d : mn;
+            mx = d > mx ? d : mx;
+        }
+        if (ok && mx - mn < L) break;
+    }
+    if (n == 1) mn = 0;
+    ln->n = n;
+    int ident = n == L;
+    for (int t = 0; t < L; t++) {
+        int j = j0 + (t < n ? t : n - 1);
+        ln->perm[t] = kc[j * g->kw] - kc[j0 * g->kw] - mn;
+        ln->live[t] = t < n ? -1 : 0;
+        ident &= ln->perm[t] == t;
+    }
+    for (int b = 0; b < g->kw; b++) base[b] = kc[j0 * g->kw + b] + mn;
+    ln->mode = ident ? 0 : 1;
+    ln->layers = 0;
+    if (!ident) { /* round r takes the r-th live lane of each key lane u */
+        int count[L] = {0};
+        for (int r = 0; r < L; r++) { ln->inv[r] = (vi){0}; ln->has[r] = (vi){0}; }
+        for (int t = 0; t < n; t++) {
+            int u = ln->perm[t], r = count[u]++;
+            ln->inv[r][u] = t;
+            ln->has[r][u] = -1;
+            if (r + 1 > ln->layers) ln->layers = r + 1;
+        }
+    }
+}
+
+/* additive window mask (-inf: causal) and bias of a block, add[ab] over lanes; 0 when all zero.
+ * *uniform: the bias index of every slot is the same on all lanes (then brow/bcol hold it). */
+static int block_add(const Geo *g, int i, int j0, int h, const Lanes *ln, vt *add) {
+    const int32_t *vr = g->rows + g->Hq * g->kh, *rr = g->rows + 2 * g->Hq * g->kh;
+    const int32_t *vc = g->cols + g->Wq * g->kw, *rc = g->cols + 2 * g->Wq * g->kw;
+    int any = g->table != NULL;
+    for (int a = 0; a < g->kh && !any; a++) any = !vr[i * g->kh + a];
+    for (int t = 0; t < ln->n && !any; t++)
+        for (int b = 0; b < g->kw; b++) any |= !vc[(j0 + t) * g->kw + b];
+    if (!any) return 0;
+    const T *tab = g->table ? g->table + (size_t)h * (2 * g->kh - 1) * g->tw : NULL;
+    for (int a = 0; a < g->kh; a++)
+        for (int b = 0; b < g->kw; b++) {
+            vt x;
+            for (int t = 0; t < L; t++) {
+                int j = j0 + (t < ln->n ? t : ln->n - 1);
+                int ok = vr[i * g->kh + a] && vc[j * g->kw + b];
+                x[t] = !ok ? -INFINITY : tab ? tab[rr[i * g->kh + a] * g->tw + rc[j * g->kw + b]] : 0;
+            }
+            add[a * g->kw + b] = x;
+        }
+    return 1;
+}
+
+/* s[ab] = sum_c x[c] * y[c][key ab] over C channels; x rows at stride xs, y rows at stride ys */
+INL void scores(int mode, const Lanes *ln, int nkp, int C, const T *x, long xs, const T *y, long ys,
+                const long *off, vt *s) {
+    for (int ab = 0; ab < nkp; ab += G) {
+        vt acc[G] = {0};
+        for (int c = 0; c < C; c++) {
+            vt xv = ld(x + c * xs);
+            for (int q = 0; q < G; q++) acc[q] += xv * kload(y + off[ab + q] + c * ys, mode, ln);
+        }
+        for (int q = 0; q < G; q++) s[ab + q] = acc[q];
+    }
+}
+
+/* out[c] = mul * sum_ab p[ab] * y[c][key ab] for C channels, out rows at stride os; n lanes stored */
+INL void apply(int mode, const Lanes *ln, int nk, int C, const vt *p, const T *y, long ys, const long *off,
+               T *out, long os, vt mul) {
+    for (int c0 = 0; c0 < C; c0 += GV) {
+        vt acc[GV] = {0};
+        long cs[GV];
+        for (int q = 0; q < GV; q++) cs[q] = (c0 + q < C ? c0 + q : C - 1) * ys;
+        for (int ab = 0; ab < nk; ab++)
+            for (int q = 0; q < GV; q++) acc[q] += p[ab] * kload(y + off[ab] + cs[q], mode, ln);
+        for (int q = 0; q < GV && c0 + q < C; q++) {
+            vt r = acc[q] * mul;
+            if (ln->n == L) st(out + (c0 + q) * os, r);
+            else memcpy(out + (c0 + q) * os, &r, ln->n * sizeof(T));
+        }
+    }
+}
+
+/* exp(s - rowmax) in place, over the nk scores of each lane; returns 1 / rowsum */
+INL vt softmax(int nk, vt *s, const vt *add) {
+    if (add)
+        for (int ab = 0; ab < nk; ab++) s[ab] += add[ab];
+    vt m = s[0], l = {0};
+    for (int ab = 1; ab < nk; ab++) m = vmax(m, s[ab]);
+    for (int ab = 0; ab < nk; ab++) { s[ab] = vexp(s[ab] - m); l += s[ab]; }
+    return 1 / l;
+}
+
+/* plane (b, h) of x (B, H*W, heads*C) into dst (H, C, W), times mul; and back */
+static void to_plane(const T *x, int b, int h, int heads, int H, int W, int C, T mul, T *dst) {
+    const T *src = x + (size_t)b * H * W * heads * C + (size_t)h * C;
+    for (int i = 0; i < H; i++)
+        for (int j = 0; j < W; j++) {
+            const T *p = src + ((size_t)i * W + j) * heads * C;
+            T *d = dst + (size_t)i * C * W + j;
+            for (int c = 0; c < C; c++) d[(size_t)c * W] = p[c] * mul;
+        }
+}
+
+static void from_plane(const T *src, int b, int h, int heads, int H, int W, int C, T mul, T *x) {
+    T *dst = x + (size_t)b * H * W * heads * C + (size_t)h * C;
+    for (int i = 0; i < H; i++)
+        for (int j = 0; j < W; j++) {
+            T *p = dst + ((size_t)i * W + j) * heads * C;
+            const T *s = src + (size_t)i * C * W + j;
+            for (int c = 0; c < C; c++) p[c] = s[(size_t)c * W] * mul;
+        }
+}
+
+/* offset of key (a, b) of query row i in a (Hk, C, Wk) plane, for the block's base columns */
+static void key_offsets(const Geo *g, int i, const long *base, int C, long *off) {
+    for (int a = 0; a < g->kh; a++)
+        for (int b = 0; b < g->kw; b++)
+            off[a * g->kw + b] = (long)g->rows[i * g->kh + a] * C * g->Wk + base[b];
+    for (int ab = g->nk; ab < g->nkp; ab++) off[ab] = off[0];
+}
+
+static Geo make_geo(const int64_t *dims, const int32_t *rows, const int32_t *cols, const T *table, double scale) {
+    Geo g = {(int)dims[0], (int)dims[1], (int)dims[2], (int)dims[3], (int)dims[4], (int)dims[5], (int)dims[6],
+             (int)dims[7], (int)dims[8], (int)dims[9], 0, 0, 0, rows, cols, table, (T)scale};
+    g.nk = g.kh * g.kw;
+    g.nkp = (g.nk + G - 1) / G * G;
+    g.tw = 2 * g.kw - 1;
+    return g;
+}
+
+#define PAD (2 * L) /* zeroed elements after each plane buffer: shifted loads may run past a row */
+
+/* scratch elements the kernels need (dims as below; the caller allocates them) */
+long na_scratch(const int64_t *dims, int backward) {
+    long pq = dims[2] * dims[3], pk = dims[4] * dims[5], D = dims[6], Dv = dims[7];
+    if (backward) return 2 * (D * pq + PAD) + 2 * (D * pk + PAD) + 2 * (Dv * pk + PAD) + Dv * pq + PAD + pq + PAD;
+    return D * pq + PAD + D * pk + PAD + Dv * pk + PAD + Dv * pq + PAD;
+}
+
+static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(T)); *next = p + n + PAD; return p; }
+
+/* dims: B, heads, Hq, Wq, Hk, Wk, D, Dv, kH, kW. Planes [p0, p1) of the B*heads (batch-major). */
+void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, const int64_t *dims,
+                const int32_t *rows, const int32_t *cols, double scale, T *scratch, int p0, int p1) {
+    Geo g = make_geo(dims, rows, cols, table, scale);
+    long pq = (long)g.Hq * g.Wq, pk = (long)g.Hk * g.Wk;
+    T *next = scratch;
+    T *qt = carve(&next, g.D * pq), *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
+    T *ot = carve(&next, g.Dv * pq);
+    vt s[g.nkp], add[g.nkp];
+    long off[g.nkp], voff[g.nkp], base[g.kw];
+    Lanes ln;
+    for (int pl = p0; pl < p1; pl++) {
+        int b = pl / g.heads, h = pl % g.heads;
+        to_plane(q, b, h, g.heads, g.Hq, g.Wq, g.D, g.scale, qt);
+        to_plane(k, b, h, g.heads, g.Hk, g.Wk, g.D, 1, kt);
+        to_plane(v, b, h, g.heads, g.Hk, g.Wk, g.Dv, 1, vtp);
+        for (int j0 = 0; j0 < g.Wq; j0 += ln.n) {
+            block_lanes(&g, j0, &ln, base);
+            for (int i = 0; i < g.Hq; i++) {
+                key_offsets(&g, i, base, g.D, off);
+                key_offsets(&g, i, base, g.Dv, voff);
+                const T *qrow = qt + (long)i * g.D * g.Wq + j0;
+                T *orow = ot + (long)i * g.Dv * g.Wq + j0;
+                vt *a = block_add(&g, i, j0, h, &ln, add) ? add : NULL;
+                if (ln.mode == 0) {
+                    scores(0, &ln, g.nkp, g.D, qrow, g.Wq, kt, g.Wk, off, s);
+                    vt inv = softmax(g.nk, s, a);
+                    apply(0, &ln, g.nk, g.Dv, s, vtp, g.Wk, voff, orow, g.Wq, inv);
+                } else {
+                    scores(1, &ln, g.nkp, g.D, qrow, g.Wq, kt, g.Wk, off, s);
+                    vt inv = softmax(g.nk, s, a);
+                    apply(1, &ln, g.nk, g.Dv, s, vtp, g.Wk, voff, orow, g.Wq, inv);
+                }
+            }
+        }
+        from_plane(ot, b, h, g.heads, g.Hq, g.Wq, g.Dv, 1, out);
+    }
+}
+
+/* one block's backward (mode constant after inlining) */
+INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int h, const vt *a, const T *qt,
+                    const T *kt, const T *vtp, const T *got, const T *delta, T *dqt, T *dkt, T *dvt,
+                    T *dtable, const long *off, const long *voff, vt *p, vt *ds) {
+    const T *qrow = qt + (long)i * g->D * g->Wq + j0, *grow = got + (long)i * g->Dv * g->Wq + j0;
+    scores(mode, ln, g->nkp, g->D, qrow, g->Wq, kt, g->Wk, off, p);
+    vt inv = softmax(g->nk, p, a);
+    inv = (vt)((vi)inv & ln->live); /* spare lanes: P = 0, so they add nothing below */
+    scores(mode, ln, g->nkp, g->Dv, grow, g->Wq, vtp, g->Wk, voff, ds); /* dP = dO . V */
+    vt dl = ld(delta + (long)i * g->Wq + j0);
+    for (int ab = 0; ab < g->nk; ab++) {
+        p[ab] *= inv;
+        ds[ab] = p[ab] * (ds[ab] - dl);
+    }
+    apply(mode, ln, g->nk, g->D, ds, kt, g->Wk, off, dqt + (long)i * g->D * g->Wq + j0, g->Wq, splat(g->scale));
+    for (int ab = 0; ab < g->nk; ab++) {
+        for (int c = 0; c < g->D; c++) kadd(dkt + off[ab] + (long)c * g->Wk, ds[ab] * ld(qrow + (long)c * g->Wq), mode, ln);
+        for (int c = 0; c < g->Dv; c++) kadd(dvt + voff[ab] + (long)c * g->Wk, p[ab] * ld(grow + (long)c * g->Wq), mode, ln);
+    }
+    if (dtable) {
+        const int32_t *rr = g->rows + 2 * g->Hq * g->kh, *rc = g->cols + 2 * g->Wq * g->kw;
+        T *tab = dtable + (size_t)h * (2 * g->kh - 1) * g->tw;
+        for (int ab = 0; ab < g->nk; ab++) {
+            int ra = rr[i * g->kh + ab / g->kw] * g->tw, b = ab % g->kw;
+            for (int t = 0; t < ln->n; t++) tab[ra + rc[(j0 + t) * g->kw + b]] += ds[ab][t];
+        }
+    }
+}
+
+/* gradients of na_forward: dq, dk, dv (overwritten) and dtable (accumulated; NULL without a bias) */
+void na_backward(const T *dout, const T *q, const T *k, const T *v, const T *table, const T *out, T *dq, T *dk,
+                 T *dv, T *dtable, const int64_t *dims, const int32_t *rows, const int32_t *cols, double scale,
+                 T *scratch, int p0, int p1) {
+    Geo g = make_geo(dims, rows, cols, table, scale);
+    long pq = (long)g.Hq * g.Wq, pk = (long)g.Hk * g.Wk;
+    T *next = scratch;
+    T *qt = carve(&next, g.D * pq), *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
+    T *got = carve(&next, g.Dv * pq), *delta = carve(&next, pq), *dqt = carve(&next, g.D * pq);
+    T *dkt = carve(&next, g.D * pk), *dvt = carve(&next, g.Dv * pk);
+    vt p[g.nkp], ds[g.nkp], add[g.nkp];
+    long off[g.nkp], voff[g.nkp], base[g.kw];
+    Lanes ln;
+    for (int pl = p0; pl < p1; pl++) {
+        int b = pl / g.heads, h = pl % g.heads;
+        to_plane(q, b, h, g.heads, g.Hq, g.Wq, g.D, g.scale, qt);
+        to_plane(k, b, h, g.heads, g.Hk, g.Wk, g.D, 1, kt);
+        to_plane(v, b, h, g.heads, g.Hk, g.Wk, g.Dv, 1, vtp);
+        to_plane(dout, b, h, g.heads, g.Hq, g.Wq, g.Dv, 1, got);
+        const T *o = out + (size_t)b * pq * g.heads * g.Dv + (size_t)h * g.Dv;
+        const T *d = dout + (size_t)b * pq * g.heads * g.Dv + (size_t)h * g.Dv;
+        for (long x = 0; x < pq; x++) { /* rowsum(dO * O) */
+            T acc = 0;
+            for (int c = 0; c < g.Dv; c++) acc += d[x * g.heads * g.Dv + c] * o[x * g.heads * g.Dv + c];
+            delta[x] = acc;
+        }
+        memset(dkt, 0, g.D * pk * sizeof(T));
+        memset(dvt, 0, g.Dv * pk * sizeof(T));
+        for (int j0 = 0; j0 < g.Wq; j0 += ln.n) {
+            block_lanes(&g, j0, &ln, base);
+            for (int i = 0; i < g.Hq; i++) {
+                key_offsets(&g, i, base, g.D, off);
+                key_offsets(&g, i, base, g.Dv, voff);
+                vt *a = block_add(&g, i, j0, h, &ln, add) ? add : NULL;
+                if (ln.mode == 0)
+                    back_block(0, &g, &ln, i, j0, h, a, qt, kt, vtp, got, delta, dqt, dkt, dvt, dtable, off, voff, p, ds);
+                else
+                    back_block(1, &g, &ln, i, j0, h, a, qt, kt, vtp, got, delta, dqt, dkt, dvt, dtable, off, voff, p, ds);
+            }
+        }
+        from_plane(dqt, b, h, g.heads, g.Hq, g.Wq, g.D, 1, dq);
+        from_plane(dkt, b, h, g.heads, g.Hk, g.Wk, g.D, 1, dk);
+        from_plane(dvt, b, h, g.heads, g.Hk, g.Wk, g.Dv, 1, dv);
+    }
+}

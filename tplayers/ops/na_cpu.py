@@ -1,0 +1,263 @@
+"""The compiled CPU kernel of neighborhood attention (``na_cpu.c``), built on first use.
+
+:func:`use_c_kernel` decides per call whether :func:`~tplayers.ops.na.neighborhood_attention_2d`
+runs the C kernel or the torch tile kernel (:mod:`tplayers.ops.na_kernel`); both compute NATTEN's
+exact window (fp rounding may differ). The C kernel is used for CPU tensors of fp32 / fp64 when
+the system C compiler can build it; ``TPLAYERS_NA_KERNEL=torch`` asks for the tile kernel,
+``TPLAYERS_NA_KERNEL=c`` for the C kernel (an error when it cannot be built or does not apply).
+
+The source ships in the package. On the first CPU call (never at import) it is compiled with
+``$CC`` (else ``cc``), ``-O3 -march=native -shared -fPIC``, once per element type, into
+``$TPLAYERS_CACHE`` (else ``~/.cache/tplayers``) under a name hashed from the source, the compiler,
+its version, the flags and the CPU's model and flags; it is written under a temporary name and
+renamed into place, so processes compiling at once are safe. It is loaded with ``ctypes`` and
+called on the tensors' data pointers. The kernel is single-threaded; with
+``torch.get_num_threads() > 1`` the (batch, head) planes are split over that many Python
+threads (``ctypes`` releases the GIL during the call).
+
+Example::
+
+    import torch, tplayers
+    from tplayers.ops import na_cpu
+    q = k = v = torch.randn(1, 9, 9, 2, 4)
+    out = tplayers.na2d(q, k, v, 3)          # the C kernel when a compiler is on PATH
+    na_cpu.use_c_kernel(q)                   # True then
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+
+from tplayers.ops.na_layout import axis_tiles
+
+__all__ = ["use_c_kernel", "kernel_choice", "load_library", "cache_dir", "c_forward", "c_backward", "CAttention"]
+
+SOURCE = Path(__file__).with_name("na_cpu.c")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+_DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}
+#: the window slots per axis the kernel's block tables hold (kernels above it use the tile kernel)
+MAX_KERNEL = 255
+
+
+def kernel_choice() -> str:
+    """``TPLAYERS_NA_KERNEL``: ``"auto"`` (unset or empty), ``"c"`` or ``"torch"``; ``ValueError`` otherwise."""
+    value = os.environ.get("TPLAYERS_NA_KERNEL", "").strip().lower() or "auto"
+    if value not in ("auto", "c", "torch"):
+        raise ValueError(f"TPLAYERS_NA_KERNEL must be 'c', 'torch' or unset, got {value!r}")
+    return value
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$TPLAYERS_CACHE`` or ``~/.cache/tplayers``."""
+    return Path(os.environ.get("TPLAYERS_CACHE") or Path.home() / ".cache" / "tplayers")
+
+
+def _cpu_id() -> str:
+    """The CPU's model and feature flags (``-march=native`` builds for this CPU only)."""
+    text = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features"))]
+        text += "".join(sorted(set(lines)))
+    except OSError:
+        pass
+    return text
+
+
+@lru_cache(maxsize=None)
+def load_library(dtype: torch.dtype) -> ctypes.CDLL:
+    """The kernel for ``dtype`` (fp32 / fp64), compiled on first use; ``RuntimeError`` saying why
+    when it cannot be built (no compiler, a compile error). Cached per process."""
+    if dtype not in _DTYPES:
+        raise RuntimeError(f"the C na2d kernel supports float32 and float64, got {dtype}")
+    suffix, defines = _DTYPES[dtype]
+    cc = os.environ.get("CC") or "cc"
+    cc_path = shutil.which(cc)
+    if cc_path is None:
+        raise RuntimeError(f"the C na2d kernel needs a C compiler: {cc!r} ($CC or cc) is not on PATH")
+    source = SOURCE.read_bytes()
+    flags = FLAGS + defines
+    try:
+        version = subprocess.run([cc_path, "--version"], capture_output=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"the C na2d kernel: cannot run {cc_path} --version: {exc}") from exc
+    digest = hashlib.sha256(b"\0".join([source, cc_path.encode(), version, " ".join(flags).encode(),
+                                        _cpu_id().encode()])).hexdigest()[:24]
+    folder = cache_dir()
+    target = folder / f"na_cpu_{suffix}_{digest}.so"
+    if not target.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        try:
+            done = subprocess.run([cc_path, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
+                                  timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"the C na2d kernel failed to compile ({cc_path} {' '.join(flags)}):\n"
+                                   + done.stderr.decode(errors="replace")[-2000:])
+            os.replace(tmp, target)  # atomic: a concurrent builder's identical file may win, either is fine
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    ptr, i32, dbl = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
+    lib.na_scratch.argtypes, lib.na_scratch.restype = [ptr, i32], ctypes.c_long
+    lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, i32, i32]
+    lib.na_forward.restype = None
+    lib.na_backward.argtypes = [ptr] * 10 + [ptr, ptr, ptr, dbl, ptr, i32, i32]
+    lib.na_backward.restype = None
+    return lib
+
+
+@lru_cache(maxsize=None)
+def _build_failure(dtype: torch.dtype) -> Optional[str]:
+    """None when the kernel for ``dtype`` builds, else why not (warned once per process)."""
+    try:
+        load_library(dtype)
+    except RuntimeError as exc:
+        if kernel_choice() == "auto":
+            warnings.warn(f"tplayers.na2d: using the torch tile kernel on the CPU: {exc}", RuntimeWarning)
+        return str(exc)
+    return None
+
+
+def use_c_kernel(q: torch.Tensor, kernel: Tuple[int, int] = (1, 1)) -> bool:
+    """Whether na2d runs the C kernel for ``q`` (see the module docstring for the rule).
+
+    ``TPLAYERS_NA_KERNEL=c`` raises ``RuntimeError`` where the C kernel does not apply or cannot
+    be built, instead of falling back."""
+    choice = kernel_choice()
+    if choice == "torch":
+        return False
+    applies = q.device.type == "cpu" and q.dtype in _DTYPES and max(kernel) <= MAX_KERNEL
+    if not applies:
+        if choice == "c":
+            raise RuntimeError(f"TPLAYERS_NA_KERNEL=c: the C na2d kernel runs fp32/fp64 CPU tensors with kernel "
+                               f"<= {MAX_KERNEL}, got {q.dtype} on {q.device}, kernel {kernel}")
+        return False
+    if choice == "c":
+        load_library(q.dtype)  # raises, saying why
+        return True
+    return _build_failure(q.dtype) is None
+
+
+@lru_cache(maxsize=64)
+def _tables(geo: Tuple[int, ...]):
+    """Per-axis window tables from :func:`~tplayers.ops.na_layout.axis_tiles` with one query per
+    tile: ``(3, Q, k)`` int32 of (local key index, valid, bias index) per query and slot, for H and W."""
+    (gh, gw, kh, kw, dh, dw, ch, cw, qh0, qw0, kh0, kw0, qh, qw, khn, kwn) = geo[:16]
+
+    def axis(length, kernel, dilation, causal, q0, qn, k0, kn):
+        t = axis_tiles(length, kernel, dilation, bool(causal), q0, qn, k0, kn, 1)
+        slot = t.out_pos  # one query per tile: the tile of each query
+        return torch.stack([t.k_index[slot], t.mask[slot, 0].long(), t.rel[slot, 0]]).to(torch.int32).contiguous()
+
+    return axis(gh, kh, dh, ch, qh0, qh, kh0, khn), axis(gw, kw, dw, cw, qw0, qw, kw0, kwn)
+
+
+def _dims(geo, batch, heads, dim, dim_v) -> torch.Tensor:
+    (gh, gw, kh, kw, dh, dw, ch, cw, qh0, qw0, kh0, kw0, qh, qw, khn, kwn) = geo[:16]
+    return torch.tensor([batch, heads, qh, qw, khn, kwn, dim, dim_v, kh, kw], dtype=torch.int64)
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def _split(lib, backward: bool, dims: torch.Tensor, planes: int):
+    """Plane ranges, one per worker thread (``torch.get_num_threads()`` at most), and the scratch
+    elements each needs."""
+    workers = max(1, min(torch.get_num_threads(), planes))
+    size = lib.na_scratch(_ptr(dims), int(backward))
+    bounds = [(planes * w // workers, planes * (w + 1) // workers) for w in range(workers)]
+    return bounds, size
+
+
+def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch.Tensor:
+    """Forward on the C kernel: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) contiguous,
+    ``table`` (heads, 2kH-1, 2kW-1) or None -> (B, Pq, heads*Dv)."""
+    lib = load_library(q.dtype)
+    batch = q.shape[0]
+    dims = _dims(geo, batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
+    rows, cols = _tables(tuple(geo))
+    out = q.new_empty(batch, q.shape[1], v.shape[-1])
+    tab = None if table is None else table.detach().contiguous()
+    planes = batch * heads
+    bounds, size = _split(lib, False, dims, planes)
+
+    def work(p0, p1):
+        scratch = q.new_empty(size)
+        lib.na_forward(_ptr(q), _ptr(k), _ptr(v), _ptr(tab), _ptr(out), _ptr(dims), _ptr(rows), _ptr(cols),
+                       scale, _ptr(scratch), p0, p1)
+
+    _parallel(work, bounds)
+    return out
+
+
+def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, heads: int):
+    """``(dq, dk, dv, dtable or None)`` of :func:`c_forward` (all contiguous, pixel-major)."""
+    lib = load_library(q.dtype)
+    batch = q.shape[0]
+    dims = _dims(geo, batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
+    rows, cols = _tables(tuple(geo))
+    grad_out = grad_out.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    tab = None if table is None else table.detach().contiguous()
+    planes = batch * heads
+    bounds, size = _split(lib, True, dims, planes)
+    dtabs = [None if tab is None else torch.zeros_like(tab) for _ in bounds]
+
+    def work(p0, p1, dtab):
+        scratch = q.new_empty(size)
+        lib.na_backward(_ptr(grad_out), _ptr(q), _ptr(k), _ptr(v), _ptr(tab), _ptr(out), _ptr(dq), _ptr(dk),
+                        _ptr(dv), _ptr(dtab), _ptr(dims), _ptr(rows), _ptr(cols), scale, _ptr(scratch), p0, p1)
+
+    _parallel(work, [(p0, p1, d) for (p0, p1), d in zip(bounds, dtabs)])
+    dtable = None if tab is None else sum(dtabs[1:], dtabs[0])
+    return dq, dk, dv, dtable
+
+
+def _parallel(work, jobs) -> None:
+    if len(jobs) == 1:
+        work(*jobs[0])
+        return
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        for f in [pool.submit(work, *job) for job in jobs]:
+            f.result()
+
+
+class CAttention(torch.autograd.Function):
+    """Neighborhood attention on the compiled CPU kernel.
+
+    forward: per (batch, head) plane, ``S = scale Q K^T`` over each query's window (+ bias,
+    -inf outside a causal window), ``O = softmax(S) V`` / backward: ``S`` and ``P`` again per
+    block of queries, ``dP = dO V^T``, ``dS = P (dP - rowsum(dO O))``, ``dQ = scale dS K``,
+    ``dK += scale dS^T Q``, ``dV += P^T dO``, ``dbias += dS``. Same inputs as
+    :class:`~tplayers.ops.na_kernel.TileAttention` with the :func:`geometry_args` list ``geo``.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, table, geo, scale: float, heads: int):
+        out = c_forward(q, k, v, table, geo, scale, heads)
+        ctx.save_for_backward(q, k, v, table, out)
+        ctx.geo, ctx.scale, ctx.heads = geo, scale, heads
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, table, out = ctx.saved_tensors
+        dq, dk, dv, dt = c_backward(grad_out, q, k, v, table, out, ctx.geo, ctx.scale, ctx.heads)
+        return dq, dk, dv, (dt if ctx.needs_input_grad[3] else None), None, None, None
