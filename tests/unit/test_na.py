@@ -13,6 +13,8 @@ from tplayers.ops.na import neighborhood_attention_2d
 from tplayers.ops.na_layout import axis_tiles, key_span
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
+#: every test here runs on both na2d kernels: the compiled CPU one and the torch tile one
+pytestmark = pytest.mark.usefixtures("na_kernel")
 
 
 def _random_case(rng, max_extra=5):

@@ -13,7 +13,7 @@ from tplayers.ops.na import neighborhood_attention_2d
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_compiled_na2d_is_bitwise_eager(seed):
+def test_compiled_na2d_is_bitwise_eager(seed, na_kernel):
     rng = random.Random(70 + seed)
     kernel = (rng.choice([3, 4, 5]), rng.choice([3, 5]))
     dilation = (rng.randint(1, 2), rng.randint(1, 2))

@@ -33,7 +33,7 @@ def _check_against_oracle(q, k, v, kernel, dilation, causal, scale=None, rpb=Non
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_default_path_kernels_3_to_13_fp64(seed):
+def test_default_path_kernels_3_to_13_fp64(seed, na_kernel):
     """Random kernels 3..13 per dim (odd and even), dilation, causal, non-square sizes just above
     kernel * dilation, batch and heads > 1: the production path (default tiles and chunks)."""
     rng = random.Random(1300 + seed)
@@ -49,6 +49,7 @@ def test_default_path_kernels_3_to_13_fp64(seed):
 
 
 def test_default_path_many_chunks_and_bias_fp64(monkeypatch):
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "torch")  # the tile kernel's chunking
     """Tiny default chunk sizes (forward and backward chunk boundaries fall in different places,
     every chunk mixes window patterns) on the default tiles, with a relative-position bias."""
     monkeypatch.setattr(na_kernel, "CHUNK_SCORES", 3000)
@@ -62,7 +63,7 @@ def test_default_path_many_chunks_and_bias_fp64(monkeypatch):
         _check_against_oracle(q, k, v, kernel, dilation, causal, rpb=rpb)
 
 
-def test_expanded_grad_out_read_in_place_fp64():
+def test_expanded_grad_out_read_in_place_fp64(na_kernel):
     """``out.sum().backward()`` hands the kernel a stride-0 dO, which it reads without copying."""
     gen = torch.Generator().manual_seed(11)
     kernel, dilation, causal = (5, 3), (1, 2), (False, True)
@@ -75,8 +76,9 @@ def test_expanded_grad_out_read_in_place_fp64():
         torch.testing.assert_close(a.grad, b.grad, **TIGHT, msg=lambda m: f"d{name}: {m}")
 
 
-def test_backward_uses_smaller_chunks_than_forward():
+def test_backward_uses_smaller_chunks_than_forward(monkeypatch):
     """The backward plan holds the same tiles in more, smaller chunks (its per-chunk peak is higher)."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "torch")  # the tile kernel's plans
     q = torch.randn(1, 64, 64, 4, 8, requires_grad=True)
     out = tplayers.na2d(q, q, q, 7)
     node = out.grad_fn
@@ -90,7 +92,7 @@ def test_backward_uses_smaller_chunks_than_forward():
 
 
 @pytest.mark.parametrize("size, heads, dim", [(64, 4, 32), (96, 2, 16)])
-def test_peak_memory_with_all_three_gradients_within_4x_bound(size, heads, dim):
+def test_peak_memory_with_all_three_gradients_within_4x_bound(size, heads, dim, na_kernel):
     """The benchmark shapes (kernel 7, fp32): forward, and forward+backward with dq, dk, dv (an
     expanded gradient from .sum() and a dense one), peak <= 4x B*heads*H*W*k^2 fp32 scores."""
     kernel = 7

@@ -30,7 +30,11 @@ typedef int64_t IT;
 #else
 typedef float T;
 typedef int32_t IT;
+#ifndef NA_LANES
 #define L 16
+#else
+#define L NA_LANES
+#endif
 #endif
 typedef T vt __attribute__((vector_size(L * sizeof(T))));
 typedef IT vi __attribute__((vector_size(L * sizeof(IT))));
@@ -215,24 +219,39 @@ INL vt softmax(int nk, vt *s, const vt *add) {
     return 1 / l;
 }
 
-/* plane (b, h) of x (B, H*W, heads*C) into dst (H, C, W), times mul; and back */
+/* plane (b, h) of x (B, H*W, heads*C) into dst (H, C, W), times mul; and back. 16 pixels at a
+ * time through a small buffer: contiguous reads and writes on both sides, the transpose in L1. */
 static void to_plane(const T *x, int b, int h, int heads, int H, int W, int C, T mul, T *dst) {
     const T *src = x + (size_t)b * H * W * heads * C + (size_t)h * C;
+    T buf[16 * C];
     for (int i = 0; i < H; i++)
-        for (int j = 0; j < W; j++) {
-            const T *p = src + ((size_t)i * W + j) * heads * C;
-            T *d = dst + (size_t)i * C * W + j;
-            for (int c = 0; c < C; c++) d[(size_t)c * W] = p[c] * mul;
+        for (int j0 = 0; j0 < W; j0 += 16) {
+            int n = W - j0 < 16 ? W - j0 : 16;
+            for (int t = 0; t < n; t++) {
+                const T *p = src + ((size_t)i * W + j0 + t) * heads * C;
+                for (int c = 0; c < C; c++) buf[t * C + c] = p[c];
+            }
+            for (int c = 0; c < C; c++) {
+                T *d = dst + ((size_t)i * C + c) * W + j0;
+                for (int t = 0; t < n; t++) d[t] = buf[t * C + c] * mul;
+            }
         }
 }
 
 static void from_plane(const T *src, int b, int h, int heads, int H, int W, int C, T mul, T *x) {
     T *dst = x + (size_t)b * H * W * heads * C + (size_t)h * C;
+    T buf[16 * C];
     for (int i = 0; i < H; i++)
-        for (int j = 0; j < W; j++) {
-            T *p = dst + ((size_t)i * W + j) * heads * C;
-            const T *s = src + (size_t)i * C * W + j;
-            for (int c = 0; c < C; c++) p[c] = s[(size_t)c * W] * mul;
+        for (int j0 = 0; j0 < W; j0 += 16) {
+            int n = W - j0 < 16 ? W - j0 : 16;
+            for (int c = 0; c < C; c++) {
+                const T *s = src + ((size_t)i * C + c) * W + j0;
+                for (int t = 0; t < n; t++) buf[t * C + c] = s[t] * mul;
+            }
+            for (int t = 0; t < n; t++) {
+                T *p = dst + ((size_t)i * W + j0 + t) * heads * C;
+                for (int c = 0; c < C; c++) p[c] = buf[t * C + c];
+            }
         }
 }
 
@@ -318,10 +337,16 @@ INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int 
         ds[ab] = p[ab] * (ds[ab] - dl);
     }
     apply(mode, ln, g->nk, g->D, ds, kt, g->Wk, off, dqt + (long)i * g->D * g->Wq + j0, g->Wq, splat(g->scale));
-    for (int ab = 0; ab < g->nk; ab++) {
-        for (int c = 0; c < g->D; c++) kadd(dkt + off[ab] + (long)c * g->Wk, ds[ab] * ld(qrow + (long)c * g->Wq), mode, ln);
-        for (int c = 0; c < g->Dv; c++) kadd(dvt + voff[ab] + (long)c * g->Wk, p[ab] * ld(grow + (long)c * g->Wq), mode, ln);
-    }
+    /* dK, dV: read-modify-writes of shifted vectors. Slots b and b + 1 overlap, so b is the
+     * outer loop: an overlapping load comes kH * (D + Dv) stores after the store it overlaps,
+     * not right after it (a partial store-to-load forward stalls). */
+    for (int b = 0; b < g->kw; b++)
+        for (int ab = b; ab < g->nk; ab += g->kw) {
+            for (int c = 0; c < g->D; c++)
+                kadd(dkt + off[ab] + (long)c * g->Wk, ds[ab] * ld(qrow + (long)c * g->Wq), mode, ln);
+            for (int c = 0; c < g->Dv; c++)
+                kadd(dvt + voff[ab] + (long)c * g->Wk, p[ab] * ld(grow + (long)c * g->Wq), mode, ln);
+        }
     if (dtable) {
         const int32_t *rr = g->rows + 2 * g->Hq * g->kh, *rc = g->cols + 2 * g->Wq * g->kw;
         T *tab = dtable + (size_t)h * (2 * g->kh - 1) * g->tw;

@@ -1,0 +1,191 @@
+"""The compiled CPU kernel of na2d (tplayers/ops/na_cpu.c): it builds wherever a C compiler is on
+PATH, agrees with the brute-force oracle and with the tile kernel (fp64 tight, fp32 loose), on
+random configurations forward and backward; the cache is safe under concurrent builds; the
+TPLAYERS_NA_KERNEL switch and the fall-back without a compiler."""
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tplayers
+from na_oracle import assert_out_and_grads, brute_na2d
+from tplayers.ops import na_cpu
+from tplayers.ops.na import neighborhood_attention_2d
+from tplayers.ops.na_layout import key_span
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_c_kernel_is_available_where_a_compiler_is():
+    """With a compiler on PATH the kernel builds for both dtypes and na2d uses it by default (so
+    the C runs of the oracle tests cannot silently fall back)."""
+    assert shutil.which(os.environ.get("CC") or "cc") is not None, "no C compiler on this machine"
+    for dtype in (torch.float32, torch.float64):
+        lib = na_cpu.load_library(dtype)
+        assert lib.na_forward and lib.na_backward
+        assert na_cpu.use_c_kernel(torch.zeros(1, dtype=dtype), (7, 7))
+    assert not na_cpu.use_c_kernel(torch.zeros(1, dtype=torch.bfloat16), (7, 7))  # bf16: the tile kernel
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_configurations_with_bias_and_offsets_fp64(seed, monkeypatch):
+    """Kernels 3..13, dilation, causal per dim, non-square sizes from just above kernel*dilation to
+    over two 16-query blocks, batch and heads > 1, head_dim != value dim, the bias table, and
+    q/k offsets (a query sub-window with the key span it needs, as the domain-parallel layer
+    passes them): output and the gradients of q, k, v and the table against the oracle."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    rng = random.Random(4200 + seed)
+    for case in range(4):
+        kernel = (rng.randint(3, 13), rng.randint(3, 13))
+        dilation = tuple(rng.choice([1, 1, 2, 3]) if kk <= 5 else rng.choice([1, 2]) if kk <= 7 else 1 for kk in kernel)
+        causal = (rng.random() < 0.3, rng.random() < 0.3)
+        h, w = (kk * d + rng.choice([0, 1, 3, 9, 21]) for kk, d in zip(kernel, dilation))
+        batch, heads, dim, dim_v = rng.randint(1, 2), rng.randint(1, 3), rng.randint(1, 5), rng.randint(1, 5)
+        gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        q, k = (torch.randn(batch, h, w, heads, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+        v = torch.randn(batch, h, w, heads, dim_v, generator=gen, dtype=torch.float64)
+        rpb = torch.randn(heads, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64)
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+        scale = rng.choice([None, 0.3])
+        ref = brute_na2d(*ref_in[:3], kernel, dilation, causal, scale, rpb=ref_in[3])
+        if case % 2:  # the whole image
+            q0, q1, c0, c1 = 0, h, 0, w
+        else:  # a sub-window and its keys
+            q0, q1 = sorted(rng.sample(range(h + 1), 2))
+            c0, c1 = sorted(rng.sample(range(w + 1), 2))
+        kr = key_span(q0, q1, length=h, kernel=kernel[0], dilation=dilation[0], causal=causal[0])
+        kc = key_span(c0, c1, length=w, kernel=kernel[1], dilation=dilation[1], causal=causal[1])
+        ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+        out = neighborhood_attention_2d(
+            ins[0][:, q0:q1, c0:c1], ins[1][:, kr[0]:kr[1], kc[0]:kc[1]], ins[2][:, kr[0]:kr[1], kc[0]:kc[1]],
+            kernel, dilation, causal, scale=scale, global_size=(h, w),
+            q_offset=(q0, c0), k_offset=(kr[0], kc[0]), rel_pos_bias=ins[3])
+        where = f"kernel {kernel} dilation {dilation} causal {causal} size {(h, w)} q {(q0, q1, c0, c1)}"
+        assert_out_and_grads(out, ref[:, q0:q1, c0:c1], ins, ref_in, gen, where, **TIGHT)
+
+
+def test_fp32_matches_tile_kernel_and_fp64_oracle(monkeypatch):
+    """fp32 on the C kernel (its own exp, 16 lanes) against the fp64 oracle and the fp32 tile
+    kernel: the benchmark shape's kernel and head dim on a smaller image, with borders and bias."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 21, 37, 2, 32, generator=gen) for _ in range(3))
+    rpb = torch.randn(2, 13, 13, generator=gen)
+    cot = torch.randn(2, 21, 37, 2, 32, generator=gen)
+    results = {}
+    for choice in ("c", "torch"):
+        monkeypatch.setenv("TPLAYERS_NA_KERNEL", choice)
+        ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+        out = neighborhood_attention_2d(*ins[:3], (7, 7), (1, 1), (False, False), global_size=(21, 37),
+                                        rel_pos_bias=ins[3])
+        (out * cot).sum().backward()
+        results[choice] = [out] + [t.grad for t in ins]
+    ref_in = [t.double().requires_grad_() for t in (q, k, v, rpb)]
+    ref = brute_na2d(*ref_in[:3], (7, 7), rpb=ref_in[3])
+    (ref * cot.double()).sum().backward()
+    for i, name in enumerate(("out", "dq", "dk", "dv", "drpb")):
+        expect = (ref if i == 0 else ref_in[i - 1].grad).float()
+        for choice in ("c", "torch"):
+            torch.testing.assert_close(results[choice][i], expect, rtol=2e-4, atol=2e-5,
+                                       msg=lambda m: f"{name} ({choice}): {m}")
+
+
+def test_gradcheck_c_kernel(monkeypatch):
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    gen = torch.Generator().manual_seed(1)
+    for kernel, dilation, causal, size in [((3, 2), (1, 2), (False, True), (4, 19)), ((3, 3), (2, 1), (True, False), (7, 5))]:
+        q, k, v = (torch.randn(1, *size, 2, 2, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        rpb = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64, requires_grad=True)
+        fn = lambda q, k, v, b: neighborhood_attention_2d(  # noqa: E731
+            q, k, v, kernel, dilation, causal, global_size=size, rel_pos_bias=b)
+        assert torch.autograd.gradcheck(fn, (q, k, v, rpb))
+
+
+def test_threads_split_planes_identically(monkeypatch):
+    """With several torch threads the planes are split over Python threads; results (and the
+    bias gradient, summed over per-thread partials: rounding only) are those of one thread."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(3, 9, 18, 3, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    rpb = torch.randn(3, 5, 5, generator=gen, dtype=torch.float64)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+            out = neighborhood_attention_2d(*ins[:3], (3, 3), (1, 1), (False, False), global_size=(9, 18),
+                                            rel_pos_bias=ins[3])
+            out.square().sum().backward()
+            results.append([out] + [t.grad for t in ins])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(results[0][:4], results[1][:4]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(results[0][4], results[1][4], rtol=1e-12, atol=1e-12)
+
+
+def test_switch_values_and_errors(monkeypatch):
+    q = torch.randn(1, 5, 5, 1, 2)
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "torch")
+    assert not na_cpu.use_c_kernel(q, (3, 3))
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "C ")
+    assert na_cpu.use_c_kernel(q, (3, 3))
+    with pytest.raises(RuntimeError, match="TPLAYERS_NA_KERNEL=c.*float16"):
+        tplayers.na2d(q.half(), q.half(), q.half(), 3)
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "fast")
+    with pytest.raises(ValueError, match="TPLAYERS_NA_KERNEL must be 'c', 'torch' or unset, got 'fast'"):
+        tplayers.na2d(q, q, q, 3)
+
+
+def _run_python(code: str, env: dict) -> subprocess.CompletedProcess:
+    full = {**os.environ, **env, "PYTHONPATH": REPO + os.pathsep + os.path.join(REPO, "tests")}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, capture_output=True, text=True,
+                          timeout=300)
+
+
+BUILD_AND_CHECK = """
+    import torch, tplayers
+    from na_oracle import brute_na2d
+    from tplayers.ops import na_cpu
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 6, 7, 2, 3, generator=g, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(tplayers.na2d(q, k, v, 3), brute_na2d(q, k, v, (3, 3)), rtol=1e-10, atol=1e-12)
+    print("USED_C", na_cpu.use_c_kernel(q, (3, 3)))
+"""
+
+
+def test_concurrent_first_builds_share_one_cached_file(tmp_path):
+    """Two processes building into an empty cache at once: both run the C kernel, one file per
+    dtype stays (named by the hash), no temporary files are left; a third process reuses it."""
+    env = {"TPLAYERS_CACHE": str(tmp_path), "TPLAYERS_NA_KERNEL": "c"}
+    full = {**os.environ, **env, "PYTHONPATH": REPO + os.pathsep + os.path.join(REPO, "tests")}
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(BUILD_AND_CHECK)], env=full,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        assert "USED_C True" in out
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == 1 and files[0].startswith("na_cpu_f64_") and files[0].endswith(".so"), files
+    stamp = os.stat(tmp_path / files[0]).st_mtime_ns
+    done = _run_python(BUILD_AND_CHECK, env)
+    assert done.returncode == 0 and "USED_C True" in done.stdout, done.stderr
+    assert os.stat(tmp_path / files[0]).st_mtime_ns == stamp and sorted(os.listdir(tmp_path)) == files
+
+
+def test_without_a_compiler_falls_back_or_raises_when_forced(tmp_path):
+    env = {"TPLAYERS_CACHE": str(tmp_path), "CC": "no-such-compiler-tplayers", "TPLAYERS_NA_KERNEL": ""}
+    done = _run_python(BUILD_AND_CHECK, env)
+    assert done.returncode == 0, done.stderr
+    assert "USED_C False" in done.stdout and "no-such-compiler-tplayers" in done.stderr  # the warning
+    forced = _run_python(BUILD_AND_CHECK, {**env, "TPLAYERS_NA_KERNEL": "c"})
+    assert forced.returncode != 0
+    assert "RuntimeError: the C na2d kernel needs a C compiler: 'no-such-compiler-tplayers'" in forced.stderr
+    assert os.listdir(tmp_path) == []
