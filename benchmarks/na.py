@@ -1,6 +1,8 @@
 """tplayers.na2d on one CPU core against the same-run fp32 matmul rate, peak memory vs the
 O(B*heads*H*W*k^2) bound, natten.na2d when installed, and 2-rank domain-parallel
-NeighborhoodAttention vs single-device.
+NeighborhoodAttention vs single-device. Both CPU kernels are measured: the compiled C kernel
+(``TPLAYERS_NA_KERNEL=c``, the default where a C compiler is available; its build time is
+printed first, into a fresh cache) and the torch tile kernel (``TPLAYERS_NA_KERNEL=torch``).
 
     python benchmarks/na.py                # 1x64x64, 4 heads, head_dim 32 and 1x96x96, 2 heads, head_dim 16; kernel 7
     python benchmarks/na.py --repeats 9 --no-domain
@@ -96,12 +98,49 @@ def tile_ceiling(size, heads, head_dim, kernel, mm_rate, tile=4, chunk=80):
     return cpu, flops / cpu / mm_rate
 
 
+KERNELS = ("c", "torch")
+
+
+def use_kernel(choice: str) -> None:
+    os.environ["TPLAYERS_NA_KERNEL"] = choice
+
+
+def build_time() -> None:
+    """Compile the C kernel (fp32 and fp64) into a fresh temporary cache and print how long it took."""
+    import tempfile
+
+    from tplayers.ops import na_cpu
+
+    old = os.environ.get("TPLAYERS_CACHE")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["TPLAYERS_CACHE"] = tmp
+        na_cpu.load_library.cache_clear()
+        times = []
+        for dtype in (torch.float32, torch.float64):
+            start = time.perf_counter()
+            na_cpu.load_library(dtype)
+            times.append(time.perf_counter() - start)
+        na_cpu.load_library.cache_clear()  # the next call loads from the regular cache
+    if old is None:
+        del os.environ["TPLAYERS_CACHE"]
+    else:
+        os.environ["TPLAYERS_CACHE"] = old
+    print(f"C kernel build (cc -O3 -march=native, into an empty cache): fp32 {times[0]:.2f} s, fp64 {times[1]:.2f} s "
+          f"(once per machine; later processes load the cached library)")
+
+
 def bench_single(size, heads, head_dim, kernel, repeats):
+    for choice in KERNELS:
+        use_kernel(choice)
+        _bench_single(size, heads, head_dim, kernel, repeats, choice)
+
+
+def _bench_single(size, heads, head_dim, kernel, repeats, choice):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, size, size, heads, head_dim) for _ in range(3))
     natten = _natten()
-    print(f"na2d 1x{size}x{size}, {heads} heads, head_dim {head_dim}, kernel {kernel}, fp32, 1 thread, "
+    print(f"na2d [{choice} kernel] 1x{size}x{size}, {heads} heads, head_dim {head_dim}, kernel {kernel}, fp32, 1 thread, "
           f"{repeats} interleaved repeats; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     grads = [x.clone().requires_grad_() for x in (q, k, v)]
     cot = torch.randn_like(q)
@@ -124,6 +163,8 @@ def bench_single(size, heads, head_dim, kernel, repeats):
     for name, c, w, f in (("forward", fwd_cpu, fwd_wall, flops), ("backward", bwd_cpu, bwd_wall, 2 * flops)):
         print(f"  {name:8s} {c * 1e3:7.2f} ms CPU = {f / c / 1e9:5.1f} GFLOP/s = {f / c / mm_cpu:.3f} x matmul "
               f"(target 0.25) | wall median {w * 1e3:7.2f} ms = {f / w / mm_wall:.3f} x matmul (wall)")
+    if choice == "c":
+        return
     ceil_cpu, ceil_ratio = tile_ceiling(size, heads, head_dim, kernel, mm_cpu)
     print(f"  (ceiling of the 4x4-tile formulation: its forward tile compute alone, in cache, no gathers or "
           f"scatter: {ceil_cpu * 1e3:.2f} ms CPU = {ceil_ratio:.3f} x matmul)")
@@ -141,6 +182,12 @@ def bench_single(size, heads, head_dim, kernel, repeats):
 
 
 def bench_memory(size, heads, head_dim, kernel):
+    for choice in KERNELS:
+        use_kernel(choice)
+        _bench_memory(size, heads, head_dim, kernel, choice)
+
+
+def _bench_memory(size, heads, head_dim, kernel, choice):
     q, k, v = (torch.randn(1, size, size, heads, head_dim) for _ in range(3))
     bound = heads * size * size * kernel ** 2 * 4
     dense = heads * (size * size) ** 2 * 4
@@ -153,7 +200,7 @@ def bench_memory(size, heads, head_dim, kernel):
     qkv = [x.clone().requires_grad_() for x in (q, k, v)]
     cot = torch.randn_like(q)
     train_dense = peak_bytes(lambda: (tplayers.na2d(*qkv, kernel) * cot).sum().backward())
-    print(f"peak memory na2d 1x{size}x{size}, {heads} heads, head_dim {head_dim}, kernel {kernel} (fp32); "
+    print(f"peak memory na2d [{choice} kernel] 1x{size}x{size}, {heads} heads, head_dim {head_dim}, kernel {kernel} (fp32); "
           f"limit: 4 x bound")
     print(f"  bound B*heads*H*W*k^2*4 = {bound / 2**20:.2f} MiB; one dense attention matrix = {dense / 2**20:.1f} MiB; "
           f"q (= k = v) = {q.numel() * 4 / 2**20:.2f} MiB")
@@ -218,12 +265,15 @@ def main():
     parser.add_argument("--no-domain", action="store_true", help="skip the 2-rank NeighborhoodAttention run")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the rate is per core: matmul reference and na2d on one thread
+    start_choice = os.environ.get("TPLAYERS_NA_KERNEL", "")
+    build_time()
     shapes = [(args.size, args.heads, args.head_dim), (96, 2, 16)]
     for size, heads, head_dim in shapes:
         bench_single(size, heads, head_dim, args.kernel, args.repeats)
     for size, heads, head_dim in shapes:
         bench_memory(size, heads, head_dim, args.kernel)
     if not args.no_domain:
+        use_kernel(start_choice)  # the layer on the default (or the caller's) kernel
         bench_domain(args.size, args.heads, args.head_dim, args.kernel, args.repeats)
 
 

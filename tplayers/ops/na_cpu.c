@@ -219,17 +219,20 @@ INL vt softmax(int nk, vt *s, const vt *add) {
     return 1 / l;
 }
 
-/* plane (b, h) of x (B, H*W, heads*C) into dst (H, C, W), times mul; and back. 16 pixels at a
- * time through a small buffer: contiguous reads and writes on both sides, the transpose in L1. */
-static void to_plane(const T *x, int b, int h, int heads, int H, int W, int C, T mul, T *dst) {
-    const T *src = x + (size_t)b * H * W * heads * C + (size_t)h * C;
+/* plane (b, h) of x into dst (H, C, W), times mul; x has element strides st = (batch, pixel, head,
+ * channel). 16 pixels at a time through a small buffer: the transpose happens in L1. */
+static void to_plane(const T *x, const long *st, int b, int h, int H, int W, int C, T mul, T *dst) {
+    const T *src = x + b * st[0] + h * st[2];
     T buf[16 * C];
     for (int i = 0; i < H; i++)
         for (int j0 = 0; j0 < W; j0 += 16) {
             int n = W - j0 < 16 ? W - j0 : 16;
             for (int t = 0; t < n; t++) {
-                const T *p = src + ((size_t)i * W + j0 + t) * heads * C;
-                for (int c = 0; c < C; c++) buf[t * C + c] = p[c];
+                const T *p = src + ((long)i * W + j0 + t) * st[1];
+                if (st[3] == 1)
+                    for (int c = 0; c < C; c++) buf[t * C + c] = p[c];
+                else
+                    for (int c = 0; c < C; c++) buf[t * C + c] = p[c * st[3]];
             }
             for (int c = 0; c < C; c++) {
                 T *d = dst + ((size_t)i * C + c) * W + j0;
@@ -238,15 +241,16 @@ static void to_plane(const T *x, int b, int h, int heads, int H, int W, int C, T
         }
 }
 
-static void from_plane(const T *src, int b, int h, int heads, int H, int W, int C, T mul, T *x) {
+/* rows [i0, i1) of plane (b, h) of contiguous x (B, H*W, heads*C) from src (i1 - i0, C, W) */
+static void from_rows(const T *src, int b, int h, int heads, int H, int W, int C, int i0, int i1, T *x) {
     T *dst = x + (size_t)b * H * W * heads * C + (size_t)h * C;
     T buf[16 * C];
-    for (int i = 0; i < H; i++)
+    for (int i = i0; i < i1; i++)
         for (int j0 = 0; j0 < W; j0 += 16) {
             int n = W - j0 < 16 ? W - j0 : 16;
             for (int c = 0; c < C; c++) {
-                const T *s = src + ((size_t)i * C + c) * W + j0;
-                for (int t = 0; t < n; t++) buf[t * C + c] = s[t] * mul;
+                const T *s = src + ((size_t)(i - i0) * C + c) * W + j0;
+                for (int t = 0; t < n; t++) buf[t * C + c] = s[t];
             }
             for (int t = 0; t < n; t++) {
                 T *p = dst + ((size_t)i * W + j0 + t) * heads * C;
@@ -254,6 +258,13 @@ static void from_plane(const T *src, int b, int h, int heads, int H, int W, int 
             }
         }
 }
+
+static void dense_strides(int H, int W, int heads, int C, long *st) {
+    st[0] = (long)H * W * heads * C; st[1] = (long)heads * C; st[2] = C; st[3] = 1;
+}
+
+/* the blocks of a row (the same for every row): at most Wq of them, malloc'd */
+static Lanes *row_blocks(const void *g, int *count, long **bases);
 
 /* offset of key (a, b) of query row i in a (Hk, C, Wk) plane, for the block's base columns */
 static void key_offsets(const Geo *g, int i, const long *base, int C, long *off) {
@@ -274,11 +285,13 @@ static Geo make_geo(const int64_t *dims, const int32_t *rows, const int32_t *col
 
 #define PAD (2 * L) /* zeroed elements after each plane buffer: shifted loads may run past a row */
 
-/* scratch elements the kernels need (dims as below; the caller allocates them) */
+/* scratch elements the kernels need (dims as below; the caller allocates them); backward:
+ * 0 forward, 1 backward with dk and dv, 2 backward without */
 long na_scratch(const int64_t *dims, int backward) {
-    long pq = dims[2] * dims[3], pk = dims[4] * dims[5], D = dims[6], Dv = dims[7];
-    if (backward) return 2 * (D * pq + PAD) + 2 * (D * pk + PAD) + 2 * (Dv * pk + PAD) + Dv * pq + PAD + pq + PAD;
-    return D * pq + PAD + D * pk + PAD + Dv * pk + PAD + Dv * pq + PAD;
+    long pq = dims[2] * dims[3], pk = dims[4] * dims[5], D = dims[6], Dv = dims[7], W = dims[3];
+    long fwd = D * pq + PAD + D * pk + PAD + Dv * pk + PAD + Dv * W + PAD;
+    if (!backward) return fwd;
+    return fwd - (Dv * W + PAD) + Dv * pq + PAD + pq + PAD + D * W + PAD + (backward == 1 ? D * pk + Dv * pk + 2 * PAD : 0);
 }
 
 static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(T)); *next = p + n + PAD; return p; }
@@ -287,39 +300,55 @@ static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(
 void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, const int64_t *dims,
                 const int32_t *rows, const int32_t *cols, double scale, T *scratch, int p0, int p1) {
     Geo g = make_geo(dims, rows, cols, table, scale);
-    long pq = (long)g.Hq * g.Wq, pk = (long)g.Hk * g.Wk;
+    long pq = (long)g.Hq * g.Wq, pk = (long)g.Hk * g.Wk, sq[4], sk[4], sv[4];
+    dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
+    dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
+    dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);
     T *next = scratch;
     T *qt = carve(&next, g.D * pq), *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
-    T *ot = carve(&next, g.Dv * pq);
+    T *orow = carve(&next, g.Dv * g.Wq); /* one output row */
     vt s[g.nkp], add[g.nkp];
-    long off[g.nkp], voff[g.nkp], base[g.kw];
-    Lanes ln;
+    long off[g.nkp], voff[g.nkp];
+    int nb;
+    long *bases;
+    Lanes *blocks = row_blocks(&g, &nb, &bases);
     for (int pl = p0; pl < p1; pl++) {
         int b = pl / g.heads, h = pl % g.heads;
-        to_plane(q, b, h, g.heads, g.Hq, g.Wq, g.D, g.scale, qt);
-        to_plane(k, b, h, g.heads, g.Hk, g.Wk, g.D, 1, kt);
-        to_plane(v, b, h, g.heads, g.Hk, g.Wk, g.Dv, 1, vtp);
-        for (int j0 = 0; j0 < g.Wq; j0 += ln.n) {
-            block_lanes(&g, j0, &ln, base);
-            for (int i = 0; i < g.Hq; i++) {
-                key_offsets(&g, i, base, g.D, off);
-                key_offsets(&g, i, base, g.Dv, voff);
+        to_plane(q, sq, b, h, g.Hq, g.Wq, g.D, g.scale, qt);
+        to_plane(k, sk, b, h, g.Hk, g.Wk, g.D, 1, kt);
+        to_plane(v, sv, b, h, g.Hk, g.Wk, g.Dv, 1, vtp);
+        for (int i = 0; i < g.Hq; i++) {
+            for (int bk = 0, j0 = 0; bk < nb; j0 += blocks[bk].n, bk++) {
+                const Lanes *ln = blocks + bk;
+                key_offsets(&g, i, bases + (long)bk * g.kw, g.D, off);
+                key_offsets(&g, i, bases + (long)bk * g.kw, g.Dv, voff);
                 const T *qrow = qt + (long)i * g.D * g.Wq + j0;
-                T *orow = ot + (long)i * g.Dv * g.Wq + j0;
-                vt *a = block_add(&g, i, j0, h, &ln, add) ? add : NULL;
-                if (ln.mode == 0) {
-                    scores(0, &ln, g.nkp, g.D, qrow, g.Wq, kt, g.Wk, off, s);
+                vt *a = block_add(&g, i, j0, h, ln, add) ? add : NULL;
+                if (ln->mode == 0) {
+                    scores(0, ln, g.nkp, g.D, qrow, g.Wq, kt, g.Wk, off, s);
                     vt inv = softmax(g.nk, s, a);
-                    apply(0, &ln, g.nk, g.Dv, s, vtp, g.Wk, voff, orow, g.Wq, inv);
+                    apply(0, ln, g.nk, g.Dv, s, vtp, g.Wk, voff, orow + j0, g.Wq, inv);
                 } else {
-                    scores(1, &ln, g.nkp, g.D, qrow, g.Wq, kt, g.Wk, off, s);
+                    scores(1, ln, g.nkp, g.D, qrow, g.Wq, kt, g.Wk, off, s);
                     vt inv = softmax(g.nk, s, a);
-                    apply(1, &ln, g.nk, g.Dv, s, vtp, g.Wk, voff, orow, g.Wq, inv);
+                    apply(1, ln, g.nk, g.Dv, s, vtp, g.Wk, voff, orow + j0, g.Wq, inv);
                 }
             }
+            from_rows(orow, b, h, g.heads, g.Hq, g.Wq, g.Dv, i, i + 1, out);
         }
-        from_plane(ot, b, h, g.heads, g.Hq, g.Wq, g.Dv, 1, out);
     }
+    free(blocks);
+    free(bases);
+}
+
+static Lanes *row_blocks(const void *gp, int *count, long **bases) {
+    const Geo *g = gp;
+    Lanes *blocks = aligned_alloc(_Alignof(Lanes), sizeof(Lanes) * g->Wq); /* vector members */
+    *bases = malloc(sizeof(long) * g->Wq * g->kw);
+    int nb = 0;
+    for (int j0 = 0; j0 < g->Wq; j0 += blocks[nb].n, nb++) block_lanes(g, j0, blocks + nb, *bases + (long)nb * g->kw);
+    *count = nb;
+    return blocks;
 }
 
 /* one block's backward (mode constant after inlining) */
@@ -336,11 +365,11 @@ INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int 
         p[ab] *= inv;
         ds[ab] = p[ab] * (ds[ab] - dl);
     }
-    apply(mode, ln, g->nk, g->D, ds, kt, g->Wk, off, dqt + (long)i * g->D * g->Wq + j0, g->Wq, splat(g->scale));
+    apply(mode, ln, g->nk, g->D, ds, kt, g->Wk, off, dqt + j0, g->Wq, splat(g->scale)); /* dqt: one row */
     /* dK, dV: read-modify-writes of shifted vectors. Slots b and b + 1 overlap, so b is the
      * outer loop: an overlapping load comes kH * (D + Dv) stores after the store it overlaps,
      * not right after it (a partial store-to-load forward stalls). */
-    for (int b = 0; b < g->kw; b++)
+    for (int b = 0; b < g->kw && dkt; b++)
         for (int ab = b; ab < g->nk; ab += g->kw) {
             for (int c = 0; c < g->D; c++)
                 kadd(dkt + off[ab] + (long)c * g->Wk, ds[ab] * ld(qrow + (long)c * g->Wq), mode, ln);
@@ -357,48 +386,61 @@ INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int 
     }
 }
 
-/* gradients of na_forward: dq, dk, dv (overwritten) and dtable (accumulated; NULL without a bias) */
-void na_backward(const T *dout, const T *q, const T *k, const T *v, const T *table, const T *out, T *dq, T *dk,
-                 T *dv, T *dtable, const int64_t *dims, const int32_t *rows, const int32_t *cols, double scale,
-                 T *scratch, int p0, int p1) {
+/* gradients of na_forward: dq (overwritten), dk and dv (overwritten; both NULL: not wanted) and
+ * dtable (accumulated; NULL without a bias). dout has element strides sd (batch, pixel, head, channel). */
+void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const T *v, const T *table, const T *out,
+                 T *dq, T *dk, T *dv, T *dtable, const int64_t *dims, const int32_t *rows, const int32_t *cols,
+                 double scale, T *scratch, int p0, int p1) {
     Geo g = make_geo(dims, rows, cols, table, scale);
-    long pq = (long)g.Hq * g.Wq, pk = (long)g.Hk * g.Wk;
+    long pq = (long)g.Hq * g.Wq, pk = (long)g.Hk * g.Wk, sq[4], sk[4], sv[4], so[4], sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
+    dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
+    dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
+    dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);
+    dense_strides(g.Hq, g.Wq, g.heads, g.Dv, so);
+    int kv = dk != NULL;
     T *next = scratch;
     T *qt = carve(&next, g.D * pq), *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
-    T *got = carve(&next, g.Dv * pq), *delta = carve(&next, pq), *dqt = carve(&next, g.D * pq);
-    T *dkt = carve(&next, g.D * pk), *dvt = carve(&next, g.Dv * pk);
+    T *got = carve(&next, g.Dv * pq), *delta = carve(&next, pq), *dqrow = carve(&next, g.D * g.Wq);
+    T *dkt = kv ? carve(&next, g.D * pk) : NULL, *dvt = kv ? carve(&next, g.Dv * pk) : NULL;
     vt p[g.nkp], ds[g.nkp], add[g.nkp];
-    long off[g.nkp], voff[g.nkp], base[g.kw];
-    Lanes ln;
+    long off[g.nkp], voff[g.nkp];
+    int nb;
+    long *bases;
+    Lanes *blocks = row_blocks(&g, &nb, &bases);
     for (int pl = p0; pl < p1; pl++) {
         int b = pl / g.heads, h = pl % g.heads;
-        to_plane(q, b, h, g.heads, g.Hq, g.Wq, g.D, g.scale, qt);
-        to_plane(k, b, h, g.heads, g.Hk, g.Wk, g.D, 1, kt);
-        to_plane(v, b, h, g.heads, g.Hk, g.Wk, g.Dv, 1, vtp);
-        to_plane(dout, b, h, g.heads, g.Hq, g.Wq, g.Dv, 1, got);
-        const T *o = out + (size_t)b * pq * g.heads * g.Dv + (size_t)h * g.Dv;
-        const T *d = dout + (size_t)b * pq * g.heads * g.Dv + (size_t)h * g.Dv;
-        for (long x = 0; x < pq; x++) { /* rowsum(dO * O) */
+        to_plane(q, sq, b, h, g.Hq, g.Wq, g.D, g.scale, qt);
+        to_plane(k, sk, b, h, g.Hk, g.Wk, g.D, 1, kt);
+        to_plane(v, sv, b, h, g.Hk, g.Wk, g.Dv, 1, vtp);
+        to_plane(dout, sdo, b, h, g.Hq, g.Wq, g.Dv, 1, got);
+        const T *o = out + b * so[0] + h * so[2];
+        for (long x = 0; x < pq; x++) { /* rowsum(dO * O), from the transposed dO */
             T acc = 0;
-            for (int c = 0; c < g.Dv; c++) acc += d[x * g.heads * g.Dv + c] * o[x * g.heads * g.Dv + c];
+            for (int c = 0; c < g.Dv; c++) acc += got[(x / g.Wq * g.Dv + c) * g.Wq + x % g.Wq] * o[x * so[1] + c];
             delta[x] = acc;
         }
-        memset(dkt, 0, g.D * pk * sizeof(T));
-        memset(dvt, 0, g.Dv * pk * sizeof(T));
-        for (int j0 = 0; j0 < g.Wq; j0 += ln.n) {
-            block_lanes(&g, j0, &ln, base);
-            for (int i = 0; i < g.Hq; i++) {
-                key_offsets(&g, i, base, g.D, off);
-                key_offsets(&g, i, base, g.Dv, voff);
-                vt *a = block_add(&g, i, j0, h, &ln, add) ? add : NULL;
-                if (ln.mode == 0)
-                    back_block(0, &g, &ln, i, j0, h, a, qt, kt, vtp, got, delta, dqt, dkt, dvt, dtable, off, voff, p, ds);
-                else
-                    back_block(1, &g, &ln, i, j0, h, a, qt, kt, vtp, got, delta, dqt, dkt, dvt, dtable, off, voff, p, ds);
-            }
+        if (kv) {
+            memset(dkt, 0, g.D * pk * sizeof(T));
+            memset(dvt, 0, g.Dv * pk * sizeof(T));
         }
-        from_plane(dqt, b, h, g.heads, g.Hq, g.Wq, g.D, 1, dq);
-        from_plane(dkt, b, h, g.heads, g.Hk, g.Wk, g.D, 1, dk);
-        from_plane(dvt, b, h, g.heads, g.Hk, g.Wk, g.Dv, 1, dv);
+        for (int i = 0; i < g.Hq; i++) {
+            for (int bk = 0, j0 = 0; bk < nb; j0 += blocks[bk].n, bk++) {
+                const Lanes *ln = blocks + bk;
+                key_offsets(&g, i, bases + (long)bk * g.kw, g.D, off);
+                key_offsets(&g, i, bases + (long)bk * g.kw, g.Dv, voff);
+                vt *a = block_add(&g, i, j0, h, ln, add) ? add : NULL;
+                if (ln->mode == 0)
+                    back_block(0, &g, ln, i, j0, h, a, qt, kt, vtp, got, delta, dqrow, dkt, dvt, dtable, off, voff, p, ds);
+                else
+                    back_block(1, &g, ln, i, j0, h, a, qt, kt, vtp, got, delta, dqrow, dkt, dvt, dtable, off, voff, p, ds);
+            }
+            from_rows(dqrow, b, h, g.heads, g.Hq, g.Wq, g.D, i, i + 1, dq);
+        }
+        if (kv) {
+            from_rows(dkt, b, h, g.heads, g.Hk, g.Wk, g.D, 0, g.Hk, dk);
+            from_rows(dvt, b, h, g.heads, g.Hk, g.Wk, g.Dv, 0, g.Hk, dv);
+        }
     }
+    free(blocks);
+    free(bases);
 }

@@ -117,7 +117,7 @@ def load_library(dtype: torch.dtype) -> ctypes.CDLL:
     lib.na_scratch.argtypes, lib.na_scratch.restype = [ptr, i32], ctypes.c_long
     lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, i32, i32]
     lib.na_forward.restype = None
-    lib.na_backward.argtypes = [ptr] * 10 + [ptr, ptr, ptr, dbl, ptr, i32, i32]
+    lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, i32, i32]
     lib.na_backward.restype = None
     return lib
 
@@ -177,7 +177,7 @@ def _ptr(t: Optional[torch.Tensor]):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
-def _split(lib, backward: bool, dims: torch.Tensor, planes: int):
+def _split(lib, backward: int, dims: torch.Tensor, planes: int):
     """Plane ranges, one per worker thread (``torch.get_num_threads()`` at most), and the scratch
     elements each needs."""
     workers = max(1, min(torch.get_num_threads(), planes))
@@ -196,7 +196,7 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     out = q.new_empty(batch, q.shape[1], v.shape[-1])
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
-    bounds, size = _split(lib, False, dims, planes)
+    bounds, size = _split(lib, 0, dims, planes)
 
     def work(p0, p1):
         scratch = q.new_empty(size)
@@ -207,23 +207,32 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     return out
 
 
-def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, heads: int):
-    """``(dq, dk, dv, dtable or None)`` of :func:`c_forward` (all contiguous, pixel-major)."""
+def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, heads: int, want_kv: bool = True):
+    """``(dq, dk, dv, dtable)`` of :func:`c_forward`; ``dk``/``dv`` None unless ``want_kv``,
+    ``dtable`` None without a table. ``grad_out`` may have any strides (an expanded gradient
+    of ``.sum()`` is read in place)."""
     lib = load_library(q.dtype)
     batch = q.shape[0]
-    dims = _dims(geo, batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
+    dim_v = v.shape[-1] // heads
+    dims = _dims(geo, batch, heads, q.shape[-1] // heads, dim_v)
     rows, cols = _tables(tuple(geo))
-    grad_out = grad_out.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    try:
+        g4 = grad_out.view(batch, q.shape[1], heads, dim_v)
+    except RuntimeError:
+        g4 = grad_out.contiguous().view(batch, q.shape[1], heads, dim_v)
+    strides = torch.tensor(g4.stride(), dtype=torch.int64)
+    dq = torch.empty_like(q)
+    dk, dv = (torch.empty_like(k), torch.empty_like(v)) if want_kv else (None, None)
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
-    bounds, size = _split(lib, True, dims, planes)
+    bounds, size = _split(lib, 1 if want_kv else 2, dims, planes)
     dtabs = [None if tab is None else torch.zeros_like(tab) for _ in bounds]
 
     def work(p0, p1, dtab):
         scratch = q.new_empty(size)
-        lib.na_backward(_ptr(grad_out), _ptr(q), _ptr(k), _ptr(v), _ptr(tab), _ptr(out), _ptr(dq), _ptr(dk),
-                        _ptr(dv), _ptr(dtab), _ptr(dims), _ptr(rows), _ptr(cols), scale, _ptr(scratch), p0, p1)
+        lib.na_backward(_ptr(g4), _ptr(strides), _ptr(q), _ptr(k), _ptr(v), _ptr(tab), _ptr(out), _ptr(dq),
+                        _ptr(dk), _ptr(dv), _ptr(dtab), _ptr(dims), _ptr(rows), _ptr(cols), scale, _ptr(scratch),
+                        p0, p1)
 
     _parallel(work, [(p0, p1, d) for (p0, p1), d in zip(bounds, dtabs)])
     dtable = None if tab is None else sum(dtabs[1:], dtabs[0])
@@ -259,5 +268,7 @@ class CAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, table, out = ctx.saved_tensors
-        dq, dk, dv, dt = c_backward(grad_out, q, k, v, table, out, ctx.geo, ctx.scale, ctx.heads)
-        return dq, dk, dv, (dt if ctx.needs_input_grad[3] else None), None, None, None
+        want = ctx.needs_input_grad
+        dq, dk, dv, dt = c_backward(grad_out, q, k, v, table, out, ctx.geo, ctx.scale, ctx.heads,
+                                    want_kv=want[1] or want[2])
+        return dq, dk, dv, (dt if want[3] else None), None, None, None
