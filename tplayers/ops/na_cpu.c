@@ -219,12 +219,12 @@ INL vt softmax(int nk, vt *s, const vt *add) {
     return 1 / l;
 }
 
-/* plane (b, h) of x into dst (H, C, W), times mul; x has element strides st = (batch, pixel, head,
+/* rows [i0, i1) of plane (b, h) of x into dst (i1 - i0, C, W), times mul; x has element strides st = (batch, pixel, head,
  * channel). 16 pixels at a time through a small buffer: the transpose happens in L1. */
-static void to_plane(const T *x, const long *st, int b, int h, int H, int W, int C, T mul, T *dst) {
+static void to_rows(const T *x, const long *st, int b, int h, int i0, int i1, int W, int C, T mul, T *dst) {
     const T *src = x + b * st[0] + h * st[2];
     T buf[16 * C];
-    for (int i = 0; i < H; i++)
+    for (int i = i0; i < i1; i++)
         for (int j0 = 0; j0 < W; j0 += 16) {
             int n = W - j0 < 16 ? W - j0 : 16;
             for (int t = 0; t < n; t++) {
@@ -235,7 +235,7 @@ static void to_plane(const T *x, const long *st, int b, int h, int H, int W, int
                     for (int c = 0; c < C; c++) buf[t * C + c] = p[c * st[3]];
             }
             for (int c = 0; c < C; c++) {
-                T *d = dst + ((size_t)i * C + c) * W + j0;
+                T *d = dst + ((size_t)(i - i0) * C + c) * W + j0;
                 for (int t = 0; t < n; t++) d[t] = buf[t * C + c] * mul;
             }
         }
@@ -288,10 +288,10 @@ static Geo make_geo(const int64_t *dims, const int32_t *rows, const int32_t *col
 /* scratch elements the kernels need (dims as below; the caller allocates them); backward:
  * 0 forward, 1 backward with dk and dv, 2 backward without */
 long na_scratch(const int64_t *dims, int backward) {
-    long pq = dims[2] * dims[3], pk = dims[4] * dims[5], D = dims[6], Dv = dims[7], W = dims[3];
-    long fwd = D * pq + PAD + D * pk + PAD + Dv * pk + PAD + Dv * W + PAD;
+    long pk = dims[4] * dims[5], D = dims[6], Dv = dims[7], W = dims[3];
+    long fwd = D * W + PAD + D * pk + PAD + Dv * pk + PAD + Dv * W + PAD;
     if (!backward) return fwd;
-    return fwd - (Dv * W + PAD) + Dv * pq + PAD + pq + PAD + D * W + PAD + (backward == 1 ? D * pk + Dv * pk + 2 * PAD : 0);
+    return fwd + W + PAD + D * W + PAD + (backward == 1 ? D * pk + Dv * pk + 2 * PAD : 0);
 }
 
 static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(T)); *next = p + n + PAD; return p; }
@@ -300,13 +300,13 @@ static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(
 void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, const int64_t *dims,
                 const int32_t *rows, const int32_t *cols, double scale, T *scratch, int p0, int p1) {
     Geo g = make_geo(dims, rows, cols, table, scale);
-    long pq = (long)g.Hq * g.Wq, pk = (long)g.Hk * g.Wk, sq[4], sk[4], sv[4];
+    long pk = (long)g.Hk * g.Wk, sq[4], sk[4], sv[4];
     dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
     dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
     dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);
     T *next = scratch;
-    T *qt = carve(&next, g.D * pq), *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
-    T *orow = carve(&next, g.Dv * g.Wq); /* one output row */
+    T *qrows = carve(&next, g.D * g.Wq), *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
+    T *orow = carve(&next, g.Dv * g.Wq); /* one query row, one output row */
     vt s[g.nkp], add[g.nkp];
     long off[g.nkp], voff[g.nkp];
     int nb;
@@ -314,15 +314,15 @@ void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, cons
     Lanes *blocks = row_blocks(&g, &nb, &bases);
     for (int pl = p0; pl < p1; pl++) {
         int b = pl / g.heads, h = pl % g.heads;
-        to_plane(q, sq, b, h, g.Hq, g.Wq, g.D, g.scale, qt);
-        to_plane(k, sk, b, h, g.Hk, g.Wk, g.D, 1, kt);
-        to_plane(v, sv, b, h, g.Hk, g.Wk, g.Dv, 1, vtp);
+        to_rows(k, sk, b, h, 0, g.Hk, g.Wk, g.D, 1, kt);
+        to_rows(v, sv, b, h, 0, g.Hk, g.Wk, g.Dv, 1, vtp);
         for (int i = 0; i < g.Hq; i++) {
+            to_rows(q, sq, b, h, i, i + 1, g.Wq, g.D, g.scale, qrows);
             for (int bk = 0, j0 = 0; bk < nb; j0 += blocks[bk].n, bk++) {
                 const Lanes *ln = blocks + bk;
                 key_offsets(&g, i, bases + (long)bk * g.kw, g.D, off);
                 key_offsets(&g, i, bases + (long)bk * g.kw, g.Dv, voff);
-                const T *qrow = qt + (long)i * g.D * g.Wq + j0;
+                const T *qrow = qrows + j0;
                 vt *a = block_add(&g, i, j0, h, ln, add) ? add : NULL;
                 if (ln->mode == 0) {
                     scores(0, ln, g.nkp, g.D, qrow, g.Wq, kt, g.Wk, off, s);
@@ -355,12 +355,12 @@ static Lanes *row_blocks(const void *gp, int *count, long **bases) {
 INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int h, const vt *a, const T *qt,
                     const T *kt, const T *vtp, const T *got, const T *delta, T *dqt, T *dkt, T *dvt,
                     T *dtable, const long *off, const long *voff, vt *p, vt *ds) {
-    const T *qrow = qt + (long)i * g->D * g->Wq + j0, *grow = got + (long)i * g->Dv * g->Wq + j0;
+    const T *qrow = qt + j0, *grow = got + j0; /* row buffers of query row i */
     scores(mode, ln, g->nkp, g->D, qrow, g->Wq, kt, g->Wk, off, p);
     vt inv = softmax(g->nk, p, a);
     inv = (vt)((vi)inv & ln->live); /* spare lanes: P = 0, so they add nothing below */
     scores(mode, ln, g->nkp, g->Dv, grow, g->Wq, vtp, g->Wk, voff, ds); /* dP = dO . V */
-    vt dl = ld(delta + (long)i * g->Wq + j0);
+    vt dl = ld(delta + j0);
     for (int ab = 0; ab < g->nk; ab++) {
         p[ab] *= inv;
         ds[ab] = p[ab] * (ds[ab] - dl);
@@ -392,15 +392,15 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
                  T *dq, T *dk, T *dv, T *dtable, const int64_t *dims, const int32_t *rows, const int32_t *cols,
                  double scale, T *scratch, int p0, int p1) {
     Geo g = make_geo(dims, rows, cols, table, scale);
-    long pq = (long)g.Hq * g.Wq, pk = (long)g.Hk * g.Wk, sq[4], sk[4], sv[4], so[4], sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
+    long pk = (long)g.Hk * g.Wk, sq[4], sk[4], sv[4], so[4], sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
     dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
     dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
     dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);
     dense_strides(g.Hq, g.Wq, g.heads, g.Dv, so);
     int kv = dk != NULL;
     T *next = scratch;
-    T *qt = carve(&next, g.D * pq), *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
-    T *got = carve(&next, g.Dv * pq), *delta = carve(&next, pq), *dqrow = carve(&next, g.D * g.Wq);
+    T *qt = carve(&next, g.D * g.Wq), *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
+    T *got = carve(&next, g.Dv * g.Wq), *delta = carve(&next, g.Wq), *dqrow = carve(&next, g.D * g.Wq);
     T *dkt = kv ? carve(&next, g.D * pk) : NULL, *dvt = kv ? carve(&next, g.Dv * pk) : NULL;
     vt p[g.nkp], ds[g.nkp], add[g.nkp];
     long off[g.nkp], voff[g.nkp];
@@ -409,21 +409,21 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
     Lanes *blocks = row_blocks(&g, &nb, &bases);
     for (int pl = p0; pl < p1; pl++) {
         int b = pl / g.heads, h = pl % g.heads;
-        to_plane(q, sq, b, h, g.Hq, g.Wq, g.D, g.scale, qt);
-        to_plane(k, sk, b, h, g.Hk, g.Wk, g.D, 1, kt);
-        to_plane(v, sv, b, h, g.Hk, g.Wk, g.Dv, 1, vtp);
-        to_plane(dout, sdo, b, h, g.Hq, g.Wq, g.Dv, 1, got);
+        to_rows(k, sk, b, h, 0, g.Hk, g.Wk, g.D, 1, kt);
+        to_rows(v, sv, b, h, 0, g.Hk, g.Wk, g.Dv, 1, vtp);
         const T *o = out + b * so[0] + h * so[2];
-        for (long x = 0; x < pq; x++) { /* rowsum(dO * O), from the transposed dO */
-            T acc = 0;
-            for (int c = 0; c < g.Dv; c++) acc += got[(x / g.Wq * g.Dv + c) * g.Wq + x % g.Wq] * o[x * so[1] + c];
-            delta[x] = acc;
-        }
         if (kv) {
             memset(dkt, 0, g.D * pk * sizeof(T));
             memset(dvt, 0, g.Dv * pk * sizeof(T));
         }
         for (int i = 0; i < g.Hq; i++) {
+            to_rows(q, sq, b, h, i, i + 1, g.Wq, g.D, g.scale, qt); /* this query row only */
+            to_rows(dout, sdo, b, h, i, i + 1, g.Wq, g.Dv, 1, got);
+            for (int j = 0; j < g.Wq; j++) { /* rowsum(dO * O) */
+                T acc = 0;
+                for (int c = 0; c < g.Dv; c++) acc += got[(long)c * g.Wq + j] * o[((long)i * g.Wq + j) * so[1] + c];
+                delta[j] = acc;
+            }
             for (int bk = 0, j0 = 0; bk < nb; j0 += blocks[bk].n, bk++) {
                 const Lanes *ln = blocks + bk;
                 key_offsets(&g, i, bases + (long)bk * g.kw, g.D, off);
