@@ -149,7 +149,7 @@ def _need(cond: bool, where, what) -> None:
 
 
 def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return type(v) is int and v >= 0  # JSON gives plain ints; a bool is not one
 
 
 def stored_shape(shape: Tuple[int, ...], dim: Optional[int], start: int, stop: int,
@@ -176,6 +176,16 @@ def _digest_list(digests, count: int, hex_len: int) -> bool:
     if count and (set(map(type, digests)) != {str} or set(map(len, digests)) != {hex_len}):
         return False
     return _HEX.fullmatch("".join(digests)) is not None
+
+
+def _digest_pool_ok(pool: list, hex_len: int) -> bool:
+    """Every string in the lists of ``pool`` is ``hex_len`` lowercase hex characters (C-level checks)."""
+    flat = [d for ds in pool for d in ds]
+    if not flat:
+        return True
+    if set(map(type, flat)) != {str} or set(map(len, flat)) != {hex_len}:
+        return False
+    return _HEX.fullmatch("".join(flat)) is not None
 
 
 def index_digest(doc: dict) -> str:
@@ -233,6 +243,8 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
               and hex_digest.fullmatch(info[file_field]) is not None, where,
               f"file {name!r}: needs an int size and a {algorithm} {file_field!r}")
         out_files[full] = {"size": info["size"], "digest": info[file_field]}
+    full_of = {name: os.path.join(directory, name) for name in files}
+    pool: list = []  # every digest of every piece: their strings are checked together at the end
     out = {}
     for key, t in tensors.items():
         w = lambda: f"{where}: tensor {key!r}"  # noqa: E731 - formatted on failure only
@@ -256,18 +268,20 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
             stored = stored_shape(shape, dim, start, stop, layout == NATURAL)
             rows = stored[0] if stored else 1
             k, digests = p.get("block_rows"), p.get(block_field)
-            _need(_int(k) and k >= 1 and _digest_list(digests, -(-rows // k), hex_len), w,
+            _need(_int(k) and k >= 1 and type(digests) is list and len(digests) == -(-rows // k), w,
                   lambda: f"piece in {p['file']}: block_rows / {block_field} list malformed")
+            pool.append(digests)
             name = p.get("name", key)
             _need(isinstance(name, str) and name != "__metadata__", w, lambda: f"piece in {p['file']}: bad stored name {name!r:.80}")
             band, band_digests = None, None
             if layout == NATURAL and dim not in (None, 0):
                 band, band_digests = p.get("band"), p.get("band_digests")
-                _need(_int(band) and band >= 1 and _digest_list(band_digests, -(-(stop - start) // band), hex_len), w,
+                _need(_int(band) and band >= 1 and type(band_digests) is list
+                      and len(band_digests) == -(-(stop - start) // band), w,
                       lambda: f"piece in {p['file']}: band / band_digests malformed")
+                pool.append(band_digests)
                 band_digests = tuple(band_digests)
-            parsed.append(Piece(os.path.join(directory, p["file"]), start, stop, k, tuple(digests), name,
-                                band, band_digests))
+            parsed.append(Piece(full_of[p["file"]], start, stop, k, tuple(digests), name, band, band_digests))
         if dim is None:
             _need(len(parsed) == 1, w, lambda: f"a replicated tensor needs exactly 1 piece, got {len(parsed)}")
         else:
@@ -275,6 +289,12 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
             check_tiling(w(), shape[dim], [(p.start, p.stop) for p in parsed],
                          lambda rng: next(os.path.basename(p.file) for p in parsed if (p.start, p.stop) == rng))
         out[key] = TensorEntry(shape, t["dtype"], dim, tuple(parsed))
+    if not _digest_pool_ok(pool, hex_len):  # the slow path names the first bad piece
+        for key, t in tensors.items():
+            for p in t["pieces"]:
+                for field in (block_field, "band_digests"):
+                    _need(field not in p or _digest_list(p[field], len(p[field]), hex_len), f"{where}: tensor {key!r}",
+                          lambda: f"piece in {p['file']}: {field} must be {hex_len}-character lowercase hex strings")
     if version >= 2:  # after the structure, so a structural error keeps its precise message
         digest = raw.get("index_sha256")
         _need(isinstance(digest, str) and digest == index_digest(raw), where,

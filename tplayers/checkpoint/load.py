@@ -29,7 +29,7 @@ class LoadResult(NamedTuple):
 
     missing_keys: List[str]  # in the model, not in the checkpoint (only with strict=False)
     unexpected_keys: List[str]  # in the checkpoint, not in the model (only with strict=False)
-    bytes_read: int  # tensor bytes this rank asked of safe_open(...).get_slice
+    bytes_read: int  # tensor bytes this rank mapped to read (what ``safe_open(...).get_slice`` would)
 
 
 def load_checkpoint(
@@ -49,7 +49,7 @@ def load_checkpoint(
     saved at any world size or layout, a ``consolidated=True`` file, or any
     standard safetensors file of the serial model's ``state_dict()``.
 
-    Each rank reads only the rows it holds, via ``safe_open(...).get_slice``.
+    Each rank reads only the rows it holds (the byte ranges ``safe_open(...).get_slice`` would read).
     Before any parameter changes, every rank checks keys (``strict`` lists all
     missing and unexpected ones), global shapes, dtypes (no silent cast;
     ``cast=True`` converts), the index (format, coverage: no gaps or overlaps,

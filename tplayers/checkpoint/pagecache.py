@@ -1,15 +1,15 @@
 """Page-cache hints for memory-mapped checkpoint reads (Linux ``madvise``; no-ops elsewhere).
 
-``safe_open`` maps whole files. These hints make the kernel read exactly the
-pages a rank needs: no read-ahead around a touched page (``MADV_RANDOM``), and
-the needed pages requested ahead of use (``MADV_WILLNEED``).
+The reader maps whole files (:class:`~tplayers.checkpoint.mapped.MappedFile`,
+which turns read-ahead off: ``MADV_RANDOM``). These hints make the kernel read
+exactly the pages a rank needs, requested ahead of use (``MADV_WILLNEED``), and
+tell whether they are already cached.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 
 import torch
 
@@ -27,27 +27,6 @@ def _madvise(start: int, length: int, advice: int) -> None:
     lo = start // page * page
     hi = -(-(start + length) // page) * page
     _LIBC.madvise(lo, hi - lo, advice)
-
-
-def advise_mapping_random(path: str) -> None:
-    """Turn off kernel read-ahead for every mapping of ``path`` in this process (Linux; a hint).
-
-    ``safe_open`` maps the whole file; the first touch of any page would
-    otherwise read megabytes around it (``read_ahead_kb``), far outside the
-    rows this rank needs. Found through ``/proc/self/maps``; skipped elsewhere.
-    """
-    if not hasattr(mmap, "MADV_RANDOM"):
-        return
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/self/maps") as f:
-            lines = [line.split() for line in f if line.rstrip("\n").endswith(real)]
-    except OSError:
-        return
-    for fields in lines:
-        if len(fields) >= 6 and " ".join(fields[5:]) == real:
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            _madvise(lo, hi - lo, mmap.MADV_RANDOM)
 
 
 def _resident(start: int, length: int) -> bool:
