@@ -63,7 +63,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 from tplayers.checkpoint.digest import ALGORITHMS, DEFAULT, hex_length
 from tplayers.checkpoint.format import CheckpointError, read_header, torch_dtype
@@ -84,8 +84,7 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
 _FIELDS = {1: ("sha256", "sha256"), 2: ("digest", "digests"), 3: ("digest", "digests")}
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """One stored piece: ``[start, stop)`` of the tensor's shard dim in ``file`` under ``name``."""
 
     file: str  # a path (directory + name) ready to open
@@ -98,8 +97,7 @@ class Piece:
     band_digests: Optional[Tuple[str, ...]] = None
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
     shape: Tuple[int, ...]
     dtype: str
     dim: Optional[int]
@@ -259,9 +257,9 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
         pieces = t.get("pieces")
         _need(isinstance(pieces, list), w, "needs a 'pieces' list")
         parsed = []
+        banded = layout == NATURAL and dim not in (None, 0)
         for p in pieces:
-            _need(isinstance(p, dict) and isinstance(p.get("file"), str) and p["file"] in files, w,
-                  lambda: f"piece names a file not in 'files': {p!r:.200}")
+            _need(type(p) is dict and p.get("file") in files, w, lambda: f"piece names a file not in 'files': {p!r:.200}")
             start, stop = (p.get("start"), p.get("stop")) if dim is not None else (0, 0)
             _need(_int(start) and _int(stop) and (dim is None or start < stop <= shape[dim]), w,
                   lambda: f"piece range [{start}, {stop}) is not a non-empty range of dim length {shape[dim] if dim is not None else '-'}")
@@ -272,9 +270,9 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
                   lambda: f"piece in {p['file']}: block_rows / {block_field} list malformed")
             pool.append(digests)
             name = p.get("name", key)
-            _need(isinstance(name, str) and name != "__metadata__", w, lambda: f"piece in {p['file']}: bad stored name {name!r:.80}")
+            _need(type(name) is str and name != "__metadata__", w, lambda: f"piece in {p['file']}: bad stored name {name!r:.80}")
             band, band_digests = None, None
-            if layout == NATURAL and dim not in (None, 0):
+            if banded:
                 band, band_digests = p.get("band"), p.get("band_digests")
                 _need(_int(band) and band >= 1 and type(band_digests) is list
                       and len(band_digests) == -(-(stop - start) // band), w,

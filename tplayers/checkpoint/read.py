@@ -224,7 +224,7 @@ class Reader:
             first = box[g][0] // k
         t = whole[tuple(slice(x, y) for x, y in box)]
         self.bytes_read += t.numel() * t.element_size()
-        trim = tuple(slice(x - bx, y - bx) for (x, y), (bx, _) in zip(want, box))
+        trim = () if box is want else tuple(slice(x - bx, y - bx) for (x, y), (bx, _) in zip(want, box))
         return Part(key, where, p, dest, moved, t, first, trim, by_band)
 
     def _check(self, part: Part) -> torch.Tensor:
