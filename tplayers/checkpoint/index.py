@@ -186,6 +186,32 @@ def _digest_pool_ok(pool: list, hex_len: int) -> bool:
     return _HEX.fullmatch("".join(flat)) is not None
 
 
+#: The digest field as :func:`build_index` writes it (compact JSON, keys sorted: never the first key).
+_SIGNATURE = re.compile(rb',"index_sha256":"([0-9a-f]{64})"')
+
+
+def _signed_body(data: bytes) -> Optional[dict]:
+    """The index parsed from exactly the bytes its ``index_sha256`` covers, or None (then the caller
+    parses ``data`` and checks the digest over its canonical JSON, which also accepts a reformatted file).
+
+    An index written as :func:`build_index` writes it is that canonical JSON with the digest field
+    inserted, so removing the one field gives the hashed bytes: they are hashed as they are, and it is
+    those bytes that are parsed, without serialising the document again.
+    """
+    found = _SIGNATURE.findall(data)
+    if len(found) != 1:
+        return None
+    m = _SIGNATURE.search(data)
+    body = data[: m.start()] + data[m.end() :]
+    if hashlib.sha256(body).hexdigest() != found[0].decode():
+        return None
+    doc = json.loads(body)
+    if not isinstance(doc, dict):
+        return None
+    doc["index_sha256"] = found[0].decode()
+    return doc
+
+
 def index_digest(doc: dict) -> str:
     """SHA-256 hex of ``doc``'s canonical JSON without its ``index_sha256`` field."""
     body = {k: v for k, v in doc.items() if k != "index_sha256"}
@@ -196,7 +222,9 @@ def _parse_index(directory: str) -> Source:
     where = os.path.join(directory, INDEX_NAME)
     try:
         with open(where, "rb") as f:
-            raw = json.loads(f.read())
+            data = f.read()
+        signed = _signed_body(data)
+        raw = signed if signed is not None else json.loads(data)
     except FileNotFoundError:
         raise CheckpointError(f"{where}: missing; {directory} is not a tplayers checkpoint directory") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -204,7 +232,7 @@ def _parse_index(directory: str) -> Source:
     except OSError as e:
         raise CheckpointError(f"{where}: cannot be read ({e})") from None
     try:
-        return _parse_raw(directory, where, raw)
+        return _parse_raw(directory, where, raw, signed is not None)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError, OverflowError) as e:
         if isinstance(e, CheckpointError):
             raise
@@ -212,7 +240,7 @@ def _parse_index(directory: str) -> Source:
         raise CheckpointError(f"{where}: malformed index ({type(e).__name__}: {e})") from None
 
 
-def _parse_raw(directory: str, where: str, raw) -> Source:
+def _parse_raw(directory: str, where: str, raw, signed: bool = False) -> Source:
     _need(isinstance(raw, dict), where, "must be a JSON object")
     _need(raw.get("format") == FORMAT, where, f"format must be {FORMAT!r}, got {raw.get('format')!r}")
     version = raw.get("version")
@@ -293,7 +321,7 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
                 for field in (block_field, "band_digests"):
                     _need(field not in p or _digest_list(p[field], len(p[field]), hex_len), f"{where}: tensor {key!r}",
                           lambda: f"piece in {p['file']}: {field} must be {hex_len}-character lowercase hex strings")
-    if version >= 2:  # after the structure, so a structural error keeps its precise message
+    if version >= 2 and not signed:  # after the structure, so a structural error keeps its precise message
         digest = raw.get("index_sha256")
         _need(isinstance(digest, str) and digest == index_digest(raw), where,
               "index digest mismatch: index.json was edited or corrupted (its index_sha256 does not "
@@ -319,4 +347,4 @@ def build_index(world: int, convention: str, block_bytes: int, files: Dict[str, 
         "tensors": tensors,
     }
     doc["index_sha256"] = index_digest(doc)
-    return json.dumps(doc, indent=1, sort_keys=True).encode()
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()  # canonical: see _signed_body
