@@ -105,33 +105,22 @@ def test_load_into_plain_model_and_consolidated_is_standard(ckpts):
 # Exact byte ranges: forbid any read outside what this rank holds
 # ---------------------------------------------------------------------------
 
-class _GuardedView:
-    """Stands for a mapped tensor: every box sliced out of it must lie inside this rank's rows."""
-
-    def __init__(self, real, allowed, counter):
-        self.real, self.allowed, self.counter = real, allowed, counter
-        self.shape = real.shape
-
-    def __getitem__(self, slices):
-        if slices == ():  # a 0-d tensor, read whole
-            self.counter[0] += self.real.element_size()
-            return self.real[()]
-        dim, lo, hi = self.allowed
-        got = slices[dim]
-        assert lo <= got.start and got.stop <= hi, f"read [{got.start}, {got.stop}) of dim {dim} outside [{lo}, {hi})"
-        assert all(s.start == 0 and s.stop == n for g, (s, n) in enumerate(zip(slices, self.shape)) if g != dim), \
-            "read part of a dim it needs whole"
-        t = self.real[slices]
-        self.counter[0] += t.numel() * t.element_size()
-        return t
-
-
 def _guarded_mapped(allowed, counter):
+    """A MappedFile whose every box must lie inside this rank's rows (and counts the bytes it maps)."""
     class Guarded(read_mod.MappedFile):
-        def tensor(self, key):
+        def box(self, key, box):
             name = os.path.basename(self.path)
             assert (name, key) in allowed, f"{name}:{key} is not needed by this rank"
-            return _GuardedView(super().tensor(key), allowed[(name, key)], counter)
+            t = super().box(key, box)
+            counter[0] += t.numel() * t.element_size()
+            if not box:  # a 0-d tensor, read whole
+                return t
+            dim, lo, hi = allowed[(name, key)]
+            a, b = box[dim]
+            assert lo <= a and b <= hi, f"read [{a}, {b}) of dim {dim} outside [{lo}, {hi})"
+            assert all((x, y) == (0, n) for g, ((x, y), n) in enumerate(zip(box, self.shape(key))) if g != dim), \
+                "read part of a dim it needs whole"
+            return t
     return Guarded
 
 

@@ -34,6 +34,9 @@ def test_views_equal_safetensors_for_every_dtype_and_alignment(tmp_path):
             assert torch.equal(got, want) and torch.equal(got, tensors[name]), name
     part = mapped.tensor("b_f32")[1:4, 1:]
     assert torch.equal(part, tensors["b_f32"][1:4, 1:])
+    assert torch.equal(mapped.box("b_f32", [(1, 4), (1, 3)]), tensors["b_f32"][1:4, 1:])
+    assert mapped.box("b_f32", [(0, 5), (0, 3)]).shape == (5, 3) and mapped.shape("b_f32") == (5, 3)
+    assert mapped.box("f_i64", []).item() == -7
     mapped.close()
 
 

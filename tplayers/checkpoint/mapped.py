@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from typing import Dict
+from typing import Dict, Sequence, Tuple
 
 import torch
 
@@ -69,6 +69,17 @@ class MappedFile:
         else:
             flat = self._bytes[begin:end].view(dtype)
         return flat.view(e["shape"])
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        """The stored shape of tensor ``name``."""
+        return tuple(self.header[name]["shape"])
+
+    def box(self, name: str, box: Sequence[Tuple[int, int]]) -> torch.Tensor:
+        """``[a, b)`` of each dim of tensor ``name`` (one pair per dim; ``[]`` for a 0-d tensor), a view."""
+        t = self.tensor(name)
+        if all(a == 0 and b == n for (a, b), n in zip(box, t.shape)):
+            return t
+        return t[tuple(slice(a, b) for a, b in box)]
 
     def close(self) -> None:
         """Close the file and drop the mapping (it is unmapped once no view of it is alive)."""

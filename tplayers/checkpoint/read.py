@@ -204,12 +204,11 @@ class Reader:
         where = f"{p.file}: tensor {key!r}"
         verified = self.verify and p.digests is not None
         stored_name = p.name or key
-        whole = f.tensor(stored_name)
         if not want:  # a 0-d tensor
-            t = whole[()]
+            t = f.box(stored_name, [])
             self.bytes_read += t.element_size()
             return Part(key, where, p, dest, moved, t, 0 if verified else None, ())
-        shape = whole.shape
+        shape = f.shape(stored_name)
         box, first, by_band = want, None, None
         if verified:
             narrowed = [g for g, (a, b) in enumerate(want) if (a, b) != (0, shape[g])]
@@ -222,7 +221,7 @@ class Reader:
             box = [(0, n) for n in shape]
             box[g] = (a // k * k, min(-(-b // k) * k, shape[g]))
             first = box[g][0] // k
-        t = whole[tuple(slice(x, y) for x, y in box)]
+        t = f.box(stored_name, box)
         self.bytes_read += t.numel() * t.element_size()
         trim = () if box is want else tuple(slice(x - bx, y - bx) for (x, y), (bx, _) in zip(want, box))
         return Part(key, where, p, dest, moved, t, first, trim, by_band)
