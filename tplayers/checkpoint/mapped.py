@@ -2,8 +2,8 @@
 
 The reader's replacement for ``safe_open``: the header is the one
 :func:`~tplayers.checkpoint.format.read_header` already parsed and checked, the
-data section is one private read-only-in-practice mapping (``MAP_PRIVATE``:
-nothing is ever written through it), and read-ahead is turned off on that
+data section is one read-only shared mapping of the file (no copy-on-write
+reservation: nothing is ever written through it), and read-ahead is turned off on that
 mapping directly (``MADV_RANDOM``), so touching a page reads that page only.
 Slicing a view touches nothing: a rank reads exactly the pages of the bytes it
 copies or hashes.
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import warnings
 from typing import Dict, Sequence, Tuple
 
 import torch
@@ -32,6 +33,14 @@ import torch
 from tplayers.checkpoint.format import CheckpointError, torch_dtype
 
 __all__ = ["MappedFile"]
+
+
+def _frombuffer(buf, dtype: torch.dtype, count: int = -1, offset: int = 0) -> torch.Tensor:
+    """``torch.frombuffer`` over a read-only mapping, without its "not writable" warning: these
+    views are only ever read (a write would fault, which is the point of mapping read-only)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
 
 
 class MappedFile:
@@ -49,13 +58,13 @@ class MappedFile:
             raise CheckpointError(f"{path}: cannot be opened ({e.strerror or e})") from None
         try:
             self.size = os.fstat(self._fd).st_size
-            self._map = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_COPY) if self.size else None
+            self._map = mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ) if self.size else None
         except (OSError, ValueError) as e:
             os.close(self._fd)
             raise CheckpointError(f"{path}: cannot be mapped ({e})") from None
         if self._map is not None and hasattr(mmap, "MADV_RANDOM"):
             self._map.madvise(mmap.MADV_RANDOM)  # a hint: no read-ahead around a touched page
-        self._bytes = torch.frombuffer(self._map, dtype=torch.uint8) if self._map is not None else None
+        self._bytes = _frombuffer(self._map, torch.uint8) if self._map is not None else None
 
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as a view of the mapping (nothing is read until its bytes are touched)."""
@@ -65,7 +74,7 @@ class MappedFile:
         if begin == end:
             return torch.empty(e["shape"], dtype=dtype)
         if begin % dtype.itemsize:  # an unaligned tensor (mixed dtypes): its own typed buffer view
-            flat = torch.frombuffer(self._map, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin)
+            flat = _frombuffer(self._map, dtype, (end - begin) // dtype.itemsize, begin)
         else:
             flat = self._bytes[begin:end].view(dtype)
         return flat.view(e["shape"])
