@@ -73,3 +73,18 @@ def test_the_signature_text_inside_a_value_cannot_take_the_byte_path(tmp_path):
     _write(path, edited)
     with pytest.raises(CheckpointError, match="index digest mismatch"):
         open_source(path)
+
+
+def test_digest_strings_are_checked_together_exactly():
+    """The index parser's one pass over every digest string: exact length, lowercase hex only."""
+    from tplayers.checkpoint.index import _digest_pool_ok as ok
+
+    h = "0123456789abcdef" * 2
+    assert ok([[h, h], [h]], 32) and ok([], 32) and ok([[]], 32)
+    bad = [
+        [[h.upper()]], [[h[:31]]], [[h + "0"]], [[h[:16] + " " + h[17:]]], [[h[:31] + "g"]],
+        [[h[:20] + " " + h[20:], h[:31]]],  # a space inside one, another short: the same total length
+        [[h, 5]], [[h, None]], [[h[:30] + "\t0"]], [[h, h[:16] + "\u0660" * 16]],
+    ]
+    for pool in bad:
+        assert not ok(pool, 32), pool

@@ -59,6 +59,7 @@ reads as the same structure: every tensor replicated, one piece, no block hashes
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -135,7 +136,7 @@ def open_source(path: str) -> Source:
     raise CheckpointError(f"{path}: no checkpoint here (neither a checkpoint directory nor a safetensors file)")
 
 
-_HEX = re.compile("[0-9a-f]*")  # block digests are checked joined: one match per piece
+_HEX = re.compile("[0-9a-f]*")  # a digest list, checked joined (error messages' slow path)
 
 
 def _need(cond: bool, where, what) -> None:
@@ -177,13 +178,26 @@ def _digest_list(digests, count: int, hex_len: int) -> bool:
 
 
 def _digest_pool_ok(pool: list, hex_len: int) -> bool:
-    """Every string in the lists of ``pool`` is ``hex_len`` lowercase hex characters (C-level checks)."""
-    flat = [d for ds in pool for d in ds]
-    if not flat:
+    """Every item of the lists in ``pool`` is a string of ``hex_len`` lowercase hex characters.
+
+    C-level passes over all of them at once: joined by spaces, the spaces must sit exactly
+    between items and ``bytes.fromhex`` must find ``hex_len`` digits per item (any other character,
+    or a space inside an item, fails one of the two), and lowercasing must change nothing.
+    """
+    count = sum(map(len, pool))
+    if not count:
         return True
-    if set(map(type, flat)) != {str} or set(map(len, flat)) != {hex_len}:
+    try:
+        joined = " ".join(itertools.chain.from_iterable(pool))
+    except TypeError:  # an item that is not a string
         return False
-    return _HEX.fullmatch("".join(flat)) is not None
+    if len(joined) != count * (hex_len + 1) - 1 or joined[hex_len :: hex_len + 1] != " " * (count - 1):
+        return False
+    try:
+        digits = 2 * len(bytes.fromhex(joined))
+    except ValueError:
+        return False
+    return digits == count * hex_len and joined.lower() == joined
 
 
 #: The digest field as :func:`build_index` writes it (compact JSON, keys sorted: never the first key).

@@ -129,8 +129,8 @@ def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast:
             if spec.dim is None:
                 boxes = [(tensor, reader.plan(key, None))]
             else:  # one box per global range this rank holds (several for a fused layer)
-                boxes = [(tensor.narrow(spec.dim, off, b - a), reader.plan(key, spec.dim, a, b))
-                         for (a, b), off in zip(spec.spans, spec.local_offsets)]
+                boxes = [(tensor if b - a == tensor.shape[spec.dim] else tensor.narrow(spec.dim, off, b - a),
+                          reader.plan(key, spec.dim, a, b)) for (a, b), off in zip(spec.spans, spec.local_offsets)]
             for target, box_parts in boxes:
                 parts += box_parts
                 targets += [target] * len(box_parts)
@@ -150,7 +150,8 @@ def apply_copies(copies, bar: Progress) -> None:
     scratch: list = [None]  # one reused buffer for transposes into non-contiguous destinations
     with torch.no_grad():
         for dst, dest, t in copies:
-            copy_into(dst[dest], to_device(t, dst.device), scratch)
+            box = dst[dest] if dest else dst
+            copy_into(box, to_device(t, box.device), scratch)
             bar.update(t.numel() * t.element_size())
     bar.close()
 

@@ -40,7 +40,7 @@ class Part(NamedTuple):
     key: str
     where: str  # "file: tensor 'key'" for messages
     piece: Piece
-    dest: tuple  # slices of the requested box this part fills
+    dest: tuple  # slices of the requested box this part fills (``()``: all of it)
     dim: Optional[int]  # a version 1-2 piece's shard dim (stored first; moved back on fetch), else None
     mapped: torch.Tensor  # the stored part to read, a view of the mapped file
     first_block: Optional[int]  # index of mapped's first hashed block or band; None: not verified
@@ -154,7 +154,8 @@ class Reader:
             moved = None if self.natural or entry.dim is None else entry.dim
             order = list(range(nd)) if moved is None else [moved] + [g for g in range(nd) if g != moved]
             want = [(ilo[g] - plo[g], ihi[g] - plo[g]) for g in order]  # stored coordinates
-            dest = tuple(slice(ilo[g] - lo[g], ihi[g] - lo[g]) for g in range(nd))
+            whole = ilo == lo and ihi == hi  # the part fills the requested box
+            dest = () if whole else tuple(slice(ilo[g] - lo[g], ihi[g] - lo[g]) for g in range(nd))
             band_dim = entry.dim if self.natural and p.band is not None else None
             out.append(self._map_stored(key, p, want, dest, moved, band_dim))
         return out
@@ -193,7 +194,7 @@ class Reader:
         box = torch.empty(shape, dtype=torch_dtype(entry.dtype, key))
         scratch: list = [None]
         for dest, t in self.read(key, dim, start, stop):
-            copy_into(box[dest], t, scratch)
+            copy_into(box[dest] if dest else box, t, scratch)
         return box
 
     def _map_stored(self, key: str, p: Piece, want: List[Tuple[int, int]], dest: tuple, moved: Optional[int],
