@@ -97,6 +97,17 @@ INL vt kload(const T *p, int mode, const Lanes *ln) {
 #endif
 }
 
+/* lanes of x moved by a two-register shuffle mask m (entries >= L give 0) */
+INL vt shift2(vt x, vi m) {
+#ifdef __clang__
+    vt r;
+    for (int u = 0; u < L; u++) r[u] = m[u] < L ? x[m[u]] : 0;
+    return r;
+#else
+    return __builtin_shuffle(x, (vt){0}, m);
+#endif
+}
+
 /* p[key column of lane t] += x[t] for the live lanes (x is 0 on the others) */
 INL void kadd(T *p, vt x, int mode, const Lanes *ln) {
     vt acc = ld(p);
@@ -114,6 +125,7 @@ INL void kadd(T *p, vt x, int mode, const Lanes *ln) {
 
 typedef struct {
     int B, heads, Hq, Wq, Hk, Wk, D, Dv, kh, kw, nk, nkp, tw; /* tw: bias table width (2kW-1) */
+    long kp; /* row pitch of the key planes (see key_pitch) */
     const int32_t *rows, *cols; /* (3, Hq, kh), (3, Wq, kw) */
     const T *table;             /* (heads, 2kH-1, 2kW-1) or NULL */
     T scale;
@@ -226,9 +238,11 @@ INL vt softmax(int nk, vt *s, const vt *add) {
     return 1 / l;
 }
 
-/* rows [i0, i1) of plane (b, h) of x into dst (i1 - i0, C, W), times mul; x has element strides st = (batch, pixel, head,
+/* rows [i0, i1) of plane (b, h) of x into dst (i1 - i0, C, pitch), times mul; x has element strides st = (batch, pixel, head,
  * channel). 16 pixels at a time through a small buffer: the transpose happens in L1. */
-static void to_rows(const T *x, const long *st, int b, int h, int i0, int i1, int W, int C, T mul, T *dst) {
+__attribute__((optimize("no-tree-loop-distribute-patterns"))) /* no memcpy calls per pixel */
+static void to_rows(const T *x, const long *st, int b, int h, int i0, int i1, int W, long pitch, int C, T mul,
+                    T *dst) {
     const T *src = x + b * st[0] + h * st[2];
     T buf[16 * C];
     for (int i = i0; i < i1; i++)
@@ -242,21 +256,22 @@ static void to_rows(const T *x, const long *st, int b, int h, int i0, int i1, in
                     for (int c = 0; c < C; c++) buf[t * C + c] = p[c * st[3]];
             }
             for (int c = 0; c < C; c++) {
-                T *d = dst + ((size_t)(i - i0) * C + c) * W + j0;
+                T *d = dst + ((size_t)(i - i0) * C + c) * pitch + j0;
                 for (int t = 0; t < n; t++) d[t] = buf[t * C + c] * mul;
             }
         }
 }
 
-/* rows [i0, i1) of plane (b, h) of contiguous x (B, H*W, heads*C) from src (i1 - i0, C, W) */
-static void from_rows(const T *src, int b, int h, int heads, int H, int W, int C, int i0, int i1, T *x) {
+/* rows [i0, i1) of plane (b, h) of contiguous x (B, H*W, heads*C) from src (i1 - i0, C, pitch) */
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, int W, int C, int i0, int i1, T *x) {
     T *dst = x + (size_t)b * H * W * heads * C + (size_t)h * C;
     T buf[16 * C];
     for (int i = i0; i < i1; i++)
         for (int j0 = 0; j0 < W; j0 += 16) {
             int n = W - j0 < 16 ? W - j0 : 16;
             for (int c = 0; c < C; c++) {
-                const T *s = src + ((size_t)(i - i0) * C + c) * W + j0;
+                const T *s = src + ((size_t)(i - i0) * C + c) * pitch + j0;
                 for (int t = 0; t < n; t++) buf[t * C + c] = s[t];
             }
             for (int t = 0; t < n; t++) {
@@ -277,16 +292,22 @@ static Lanes *row_blocks(const void *g, int *count, long **bases);
 static void key_offsets(const Geo *g, int i, const long *base, int C, long *off) {
     for (int a = 0; a < g->kh; a++)
         for (int b = 0; b < g->kw; b++)
-            off[a * g->kw + b] = (long)g->rows[i * g->kh + a] * C * g->Wk + base[b];
+            off[a * g->kw + b] = (long)g->rows[i * g->kh + a] * C * g->kp + base[b];
     for (int ab = g->nk; ab < g->nkp; ab++) off[ab] = off[0];
+}
+
+/* key planes' row pitch (padding the rows measured no faster) */
+static long key_pitch(long wk) {
+    return wk;
 }
 
 static Geo make_geo(const int64_t *dims, const int32_t *rows, const int32_t *cols, const T *table, double scale) {
     Geo g = {(int)dims[0], (int)dims[1], (int)dims[2], (int)dims[3], (int)dims[4], (int)dims[5], (int)dims[6],
-             (int)dims[7], (int)dims[8], (int)dims[9], 0, 0, 0, rows, cols, table, (T)scale};
+             (int)dims[7], (int)dims[8], (int)dims[9], 0, 0, 0, 0, rows, cols, table, (T)scale};
     g.nk = g.kh * g.kw;
     g.nkp = (g.nk + G - 1) / G * G;
     g.tw = 2 * g.kw - 1;
+    g.kp = key_pitch(g.Wk);
     return g;
 }
 
@@ -295,10 +316,10 @@ static Geo make_geo(const int64_t *dims, const int32_t *rows, const int32_t *col
 /* scratch elements the kernels need (dims as below; the caller allocates them); backward:
  * 0 forward, 1 backward with dk and dv, 2 backward without */
 long na_scratch(const int64_t *dims, int backward) {
-    long pk = dims[4] * dims[5], D = dims[6], Dv = dims[7], W = dims[3];
+    long pk = dims[4] * key_pitch(dims[5]), D = dims[6], Dv = dims[7], W = dims[3];
     long fwd = D * W + PAD + D * pk + PAD + Dv * pk + PAD + Dv * W + PAD;
     if (!backward) return fwd;
-    return fwd + W + PAD + D * W + PAD + (backward == 1 ? D * pk + Dv * pk + 2 * PAD : 0);
+    return fwd + W + PAD + D * W + PAD + Dv * W + PAD + (backward == 1 ? D * pk + Dv * pk + 2 * PAD : 0);
 }
 
 static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(T)); *next = p + n + PAD; return p; }
@@ -307,7 +328,7 @@ static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(
 void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, const int64_t *dims,
                 const int32_t *rows, const int32_t *cols, double scale, T *scratch, int p0, int p1) {
     Geo g = make_geo(dims, rows, cols, table, scale);
-    long pk = (long)g.Hk * g.Wk, sq[4], sk[4], sv[4];
+    long pk = (long)g.Hk * g.kp, sq[4], sk[4], sv[4];
     dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
     dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
     dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);
@@ -321,10 +342,10 @@ void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, cons
     Lanes *blocks = row_blocks(&g, &nb, &bases);
     for (int pl = p0; pl < p1; pl++) {
         int b = pl / g.heads, h = pl % g.heads;
-        to_rows(k, sk, b, h, 0, g.Hk, g.Wk, g.D, 1, kt);
-        to_rows(v, sv, b, h, 0, g.Hk, g.Wk, g.Dv, 1, vtp);
+        to_rows(k, sk, b, h, 0, g.Hk, g.Wk, g.kp, g.D, 1, kt);
+        to_rows(v, sv, b, h, 0, g.Hk, g.Wk, g.kp, g.Dv, 1, vtp);
         for (int i = 0; i < g.Hq; i++) {
-            to_rows(q, sq, b, h, i, i + 1, g.Wq, g.D, g.scale, qrows);
+            to_rows(q, sq, b, h, i, i + 1, g.Wq, g.Wq, g.D, g.scale, qrows);
             for (int bk = 0, j0 = 0; bk < nb; j0 += blocks[bk].n, bk++) {
                 const Lanes *ln = blocks + bk;
                 key_offsets(&g, i, bases + (long)bk * g.kw, g.D, off);
@@ -332,16 +353,16 @@ void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, cons
                 const T *qrow = qrows + j0;
                 vt *a = block_add(&g, i, j0, h, ln, add) ? add : NULL;
                 if (ln->mode == 0) {
-                    scores(0, ln, g.nkp, g.D, qrow, g.Wq, kt, g.Wk, off, s);
+                    scores(0, ln, g.nkp, g.D, qrow, g.Wq, kt, g.kp, off, s);
                     vt inv = softmax(g.nk, s, a);
-                    apply(0, ln, g.nk, g.Dv, s, vtp, g.Wk, voff, orow + j0, g.Wq, inv);
+                    apply(0, ln, g.nk, g.Dv, s, vtp, g.kp, voff, orow + j0, g.Wq, inv);
                 } else {
-                    scores(1, ln, g.nkp, g.D, qrow, g.Wq, kt, g.Wk, off, s);
+                    scores(1, ln, g.nkp, g.D, qrow, g.Wq, kt, g.kp, off, s);
                     vt inv = softmax(g.nk, s, a);
-                    apply(1, ln, g.nk, g.Dv, s, vtp, g.Wk, voff, orow + j0, g.Wq, inv);
+                    apply(1, ln, g.nk, g.Dv, s, vtp, g.kp, voff, orow + j0, g.Wq, inv);
                 }
             }
-            from_rows(orow, b, h, g.heads, g.Hq, g.Wq, g.Dv, i, i + 1, out);
+            from_rows(orow, g.Wq, b, h, g.heads, g.Hq, g.Wq, g.Dv, i, i + 1, out);
         }
     }
     free(blocks);
@@ -361,28 +382,59 @@ static Lanes *row_blocks(const void *gp, int *count, long **bases) {
 /* one block's backward (mode constant after inlining) */
 INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int h, const vt *a, const T *qt,
                     const T *kt, const T *vtp, const T *got, const T *delta, T *dqt, T *dkt, T *dvt,
-                    T *dtable, const long *off, const long *voff, vt *p, vt *ds) {
+                    T *dtable, const long *off, const long *voff, vt *p, vt *ds, const vi *sh) {
     const T *qrow = qt + j0, *grow = got + j0; /* row buffers of query row i */
-    scores(mode, ln, g->nkp, g->D, qrow, g->Wq, kt, g->Wk, off, p);
+    scores(mode, ln, g->nkp, g->D, qrow, g->Wq, kt, g->kp, off, p);
     vt inv = softmax(g->nk, p, a);
     inv = (vt)((vi)inv & ln->live); /* spare lanes: P = 0, so they add nothing below */
-    scores(mode, ln, g->nkp, g->Dv, grow, g->Wq, vtp, g->Wk, voff, ds); /* dP = dO . V */
+    scores(mode, ln, g->nkp, g->Dv, grow, g->Wq, vtp, g->kp, voff, ds); /* dP = dO . V */
     vt dl = ld(delta + j0);
     for (int ab = 0; ab < g->nk; ab++) {
         p[ab] *= inv;
         ds[ab] = p[ab] * (ds[ab] - dl);
     }
-    apply(mode, ln, g->nk, g->D, ds, kt, g->Wk, off, dqt + j0, g->Wq, splat(g->scale)); /* dqt: one row */
-    /* dK, dV: read-modify-writes of shifted vectors. Slots b and b + 1 overlap, so b is the
-     * outer loop: an overlapping load comes kH * (D + Dv) stores after the store it overlaps,
-     * not right after it (a partial store-to-load forward stalls). */
-    for (int b = 0; b < g->kw && dkt; b++)
-        for (int ab = b; ab < g->nk; ab += g->kw) {
-            for (int c = 0; c < g->D; c++)
-                kadd(dkt + off[ab] + (long)c * g->Wk, ds[ab] * ld(qrow + (long)c * g->Wq), mode, ln);
-            for (int c = 0; c < g->Dv; c++)
-                kadd(dvt + voff[ab] + (long)c * g->Wk, p[ab] * ld(grow + (long)c * g->Wq), mode, ln);
+    apply(mode, ln, g->nk, g->D, ds, kt, g->kp, off, dqt + j0, g->Wq, splat(g->scale)); /* dqt: one row */
+    if (!dkt) {
+    } else if (mode == 0 && sh) {
+        /* dK, dV of an interior block: slot b's keys are columns base_0 + sh_b + t, so the kW
+         * slots of one key row add into 2L columns from base_0; sum them in two registers
+         * (each slot's vector shifted in by one two-register shuffle) and write once */
+        for (int a = 0; a < g->kh; a++) {
+            for (int c = 0; c < g->D; c++) {
+                vt qv = ld(qrow + (long)c * g->Wq), lo = {0}, hi = {0};
+                for (int b = 0; b < g->kw; b++) {
+                    vt x = ds[a * g->kw + b] * qv;
+                    lo += shift2(x, sh[2 * b]);
+                    hi += shift2(x, sh[2 * b + 1]);
+                }
+                T *d = dkt + off[a * g->kw] + (long)c * g->kp;
+                st(d, ld(d) + lo);
+                st(d + L, ld(d + L) + hi);
+            }
+            for (int c = 0; c < g->Dv; c++) {
+                vt gv = ld(grow + (long)c * g->Wq), lo = {0}, hi = {0};
+                for (int b = 0; b < g->kw; b++) {
+                    vt x = p[a * g->kw + b] * gv;
+                    lo += shift2(x, sh[2 * b]);
+                    hi += shift2(x, sh[2 * b + 1]);
+                }
+                T *d = dvt + voff[a * g->kw] + (long)c * g->kp;
+                st(d, ld(d) + lo);
+                st(d + L, ld(d + L) + hi);
+            }
         }
+    } else {
+        /* read-modify-writes of shifted (and, near borders, shuffled) vectors. Slots b and b + 1
+         * overlap, so b is the outer loop: an overlapping load comes kH * (D + Dv) stores after
+         * the store it overlaps, not right after it (a partial store-to-load forward stalls) */
+        for (int b = 0; b < g->kw; b++)
+            for (int ab = b; ab < g->nk; ab += g->kw) {
+                for (int c = 0; c < g->D; c++)
+                    kadd(dkt + off[ab] + (long)c * g->kp, ds[ab] * ld(qrow + (long)c * g->Wq), mode, ln);
+                for (int c = 0; c < g->Dv; c++)
+                    kadd(dvt + voff[ab] + (long)c * g->kp, p[ab] * ld(grow + (long)c * g->Wq), mode, ln);
+            }
+    }
     if (dtable) {
         const int32_t *rr = g->rows + 2 * g->Hq * g->kh, *rc = g->cols + 2 * g->Wq * g->kw;
         T *tab = dtable + (size_t)h * (2 * g->kh - 1) * g->tw;
@@ -399,7 +451,7 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
                  T *dq, T *dk, T *dv, T *dtable, const int64_t *dims, const int32_t *rows, const int32_t *cols,
                  double scale, T *scratch, int p0, int p1) {
     Geo g = make_geo(dims, rows, cols, table, scale);
-    long pk = (long)g.Hk * g.Wk, sq[4], sk[4], sv[4], so[4], sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
+    long pk = (long)g.Hk * g.kp, sq[4], sk[4], sv[4], so[4], sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
     dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
     dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
     dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);
@@ -408,46 +460,64 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
     T *next = scratch;
     T *qt = carve(&next, g.D * g.Wq), *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
     T *got = carve(&next, g.Dv * g.Wq), *delta = carve(&next, g.Wq), *dqrow = carve(&next, g.D * g.Wq);
+    T *orow = carve(&next, g.Dv * g.Wq);
     T *dkt = kv ? carve(&next, g.D * pk) : NULL, *dvt = kv ? carve(&next, g.Dv * pk) : NULL;
     vt p[g.nkp], ds[g.nkp], add[g.nkp];
     long off[g.nkp], voff[g.nkp];
     int nb;
     long *bases;
     Lanes *blocks = row_blocks(&g, &nb, &bases);
+    /* interior blocks whose kW slots lie within 2L columns of slot 0: shuffle masks per slot */
+    vi *shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 2 * g.kw * nb);
+    int *fused = malloc(sizeof(int) * nb);
+    for (int bk = 0; bk < nb; bk++) {
+        const long *base = bases + (long)bk * g.kw;
+        fused[bk] = blocks[bk].mode == 0;
+        for (int b = 0; b < g.kw; b++) {
+            long r = base[b] - base[0];
+            if (r < 0 || r >= L) { fused[bk] = 0; break; }
+            for (int u = 0; u < L; u++) {
+                shifts[(2 * (long)bk * g.kw + 2 * b)][u] = u >= r ? u - r : L;     /* lo: lane u takes x[u - r] */
+                shifts[(2 * (long)bk * g.kw + 2 * b + 1)][u] = u < r ? u + L - r : L; /* hi: lane u takes x[u + L - r] */
+            }
+        }
+    }
     for (int pl = p0; pl < p1; pl++) {
         int b = pl / g.heads, h = pl % g.heads;
-        to_rows(k, sk, b, h, 0, g.Hk, g.Wk, g.D, 1, kt);
-        to_rows(v, sv, b, h, 0, g.Hk, g.Wk, g.Dv, 1, vtp);
-        const T *o = out + b * so[0] + h * so[2];
+        to_rows(k, sk, b, h, 0, g.Hk, g.Wk, g.kp, g.D, 1, kt);
+        to_rows(v, sv, b, h, 0, g.Hk, g.Wk, g.kp, g.Dv, 1, vtp);
         if (kv) {
             memset(dkt, 0, g.D * pk * sizeof(T));
             memset(dvt, 0, g.Dv * pk * sizeof(T));
         }
         for (int i = 0; i < g.Hq; i++) {
-            to_rows(q, sq, b, h, i, i + 1, g.Wq, g.D, g.scale, qt); /* this query row only */
-            to_rows(dout, sdo, b, h, i, i + 1, g.Wq, g.Dv, 1, got);
-            for (int j = 0; j < g.Wq; j++) { /* rowsum(dO * O) */
-                T acc = 0;
-                for (int c = 0; c < g.Dv; c++) acc += got[(long)c * g.Wq + j] * o[((long)i * g.Wq + j) * so[1] + c];
-                delta[j] = acc;
-            }
+            to_rows(q, sq, b, h, i, i + 1, g.Wq, g.Wq, g.D, g.scale, qt); /* this query row only */
+            to_rows(dout, sdo, b, h, i, i + 1, g.Wq, g.Wq, g.Dv, 1, got);
+            to_rows(out, so, b, h, i, i + 1, g.Wq, g.Wq, g.Dv, 1, orow);
+            for (int j = 0; j < g.Wq; j++) delta[j] = 0; /* rowsum(dO * O) */
+            for (int c = 0; c < g.Dv; c++)
+                for (int j = 0; j < g.Wq; j++) delta[j] += got[(long)c * g.Wq + j] * orow[(long)c * g.Wq + j];
             for (int bk = 0, j0 = 0; bk < nb; j0 += blocks[bk].n, bk++) {
                 const Lanes *ln = blocks + bk;
                 key_offsets(&g, i, bases + (long)bk * g.kw, g.D, off);
                 key_offsets(&g, i, bases + (long)bk * g.kw, g.Dv, voff);
                 vt *a = block_add(&g, i, j0, h, ln, add) ? add : NULL;
                 if (ln->mode == 0)
-                    back_block(0, &g, ln, i, j0, h, a, qt, kt, vtp, got, delta, dqrow, dkt, dvt, dtable, off, voff, p, ds);
+                    back_block(0, &g, ln, i, j0, h, a, qt, kt, vtp, got, delta, dqrow, dkt, dvt, dtable, off, voff, p, ds,
+                               fused[bk] ? shifts + 2 * g.kw * (long)bk : NULL);
                 else
-                    back_block(1, &g, ln, i, j0, h, a, qt, kt, vtp, got, delta, dqrow, dkt, dvt, dtable, off, voff, p, ds);
+                    back_block(1, &g, ln, i, j0, h, a, qt, kt, vtp, got, delta, dqrow, dkt, dvt, dtable, off, voff, p, ds,
+                               NULL);
             }
-            from_rows(dqrow, b, h, g.heads, g.Hq, g.Wq, g.D, i, i + 1, dq);
+            from_rows(dqrow, g.Wq, b, h, g.heads, g.Hq, g.Wq, g.D, i, i + 1, dq);
         }
         if (kv) {
-            from_rows(dkt, b, h, g.heads, g.Hk, g.Wk, g.D, 0, g.Hk, dk);
-            from_rows(dvt, b, h, g.heads, g.Hk, g.Wk, g.Dv, 0, g.Hk, dv);
+            from_rows(dkt, g.kp, b, h, g.heads, g.Hk, g.Wk, g.D, 0, g.Hk, dk);
+            from_rows(dvt, g.kp, b, h, g.heads, g.Hk, g.Wk, g.Dv, 0, g.Hk, dv);
         }
     }
     free(blocks);
     free(bases);
+    free(shifts);
+    free(fused);
 }
