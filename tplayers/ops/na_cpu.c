@@ -382,7 +382,8 @@ static Lanes *row_blocks(const void *gp, int *count, long **bases) {
 /* one block's backward (mode constant after inlining) */
 INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int h, const vt *a, const T *qt,
                     const T *kt, const T *vtp, const T *got, const T *delta, T *dqt, T *dkt, T *dvt,
-                    T *dtable, const long *off, const long *voff, vt *p, vt *ds, const vi *sh) {
+                    T *dtable, const long *off, const long *voff, vt *p, vt *ds, const vi *sh,
+                    const int *ex, const long *rb) {
     const T *qrow = qt + j0, *grow = got + j0; /* row buffers of query row i */
     scores(mode, ln, g->nkp, g->D, qrow, g->Wq, kt, g->kp, off, p);
     vt inv = softmax(g->nk, p, a);
@@ -395,10 +396,11 @@ INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int 
     }
     apply(mode, ln, g->nk, g->D, ds, kt, g->kp, off, dqt + j0, g->Wq, splat(g->scale)); /* dqt: one row */
     if (!dkt) {
-    } else if (mode == 0 && sh) {
-        /* dK, dV of an interior block: slot b's keys are columns base_0 + sh_b + t, so the kW
-         * slots of one key row add into 2L columns from base_0; sum them in two registers
-         * (each slot's vector shifted in by one two-register shuffle) and write once */
+    } else if (sh) {
+        /* dK, dV: slot b's keys are columns base_0 + r_b + perm[t], so the kW slots of one key
+         * row add into 2L columns from base_0: sum them in two registers (each slot's vector
+         * moved in by a two-register shuffle: the first lane of each key) and write once; lanes
+         * that share a key with an earlier lane (borders) add theirs one by one below */
         for (int a = 0; a < g->kh; a++) {
             for (int c = 0; c < g->D; c++) {
                 vt qv = ld(qrow + (long)c * g->Wq), lo = {0}, hi = {0};
@@ -421,6 +423,20 @@ INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int 
                 T *d = dvt + voff[a * g->kw] + (long)c * g->kp;
                 st(d, ld(d) + lo);
                 st(d + L, ld(d + L) + hi);
+            }
+        }
+        for (int e = 0; e < ex[0]; e++) { /* ex: count, then (lane, key lane) pairs */
+            int t = ex[1 + 2 * e], u = ex[2 + 2 * e];
+            for (int a = 0; a < g->kh; a++) {
+                const T *dsa = (const T *)(ds + a * g->kw), *pa = (const T *)(p + a * g->kw);
+                for (int c = 0; c < g->D; c++) {
+                    T x = qrow[(long)c * g->Wq + t], *d = dkt + off[a * g->kw] + (long)c * g->kp + u;
+                    for (int b = 0; b < g->kw; b++) d[rb[b]] += dsa[b * L + t] * x;
+                }
+                for (int c = 0; c < g->Dv; c++) {
+                    T x = grow[(long)c * g->Wq + t], *d = dvt + voff[a * g->kw] + (long)c * g->kp + u;
+                    for (int b = 0; b < g->kw; b++) d[rb[b]] += pa[b * L + t] * x;
+                }
             }
         }
     } else {
@@ -467,18 +483,32 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
     int nb;
     long *bases;
     Lanes *blocks = row_blocks(&g, &nb, &bases);
-    /* interior blocks whose kW slots lie within 2L columns of slot 0: shuffle masks per slot */
+    /* blocks whose kW slots' keys lie within 2L columns of slot 0's base: per slot the shuffle
+     * masks (first lane of each key) and the lanes sharing a key with an earlier one */
     vi *shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 2 * g.kw * nb);
-    int *fused = malloc(sizeof(int) * nb);
+    int *fused = malloc(sizeof(int) * nb), *extra = malloc(sizeof(int) * (2 * L + 1) * nb);
+    long *rshift = malloc(sizeof(long) * g.kw * nb);
     for (int bk = 0; bk < nb; bk++) {
         const long *base = bases + (long)bk * g.kw;
-        fused[bk] = blocks[bk].mode == 0;
+        const Lanes *ln = blocks + bk;
+        int first[L], *ex = extra + (2 * L + 1) * bk, maxp = 0;
+        for (int u = 0; u < L; u++) first[u] = -1;
+        ex[0] = 0;
+        for (int t = 0; t < ln->n; t++) {
+            int u = ln->perm[t];
+            maxp = u > maxp ? u : maxp;
+            if (first[u] < 0) first[u] = t;
+            else { ex[1 + 2 * ex[0]] = t; ex[2 + 2 * ex[0]] = u; ex[0]++; }
+        }
+        fused[bk] = 1;
         for (int b = 0; b < g.kw; b++) {
             long r = base[b] - base[0];
-            if (r < 0 || r >= L) { fused[bk] = 0; break; }
+            rshift[(long)bk * g.kw + b] = r;
+            if (r < 0 || r + maxp >= 2 * L) { fused[bk] = 0; break; }
             for (int u = 0; u < L; u++) {
-                shifts[(2 * (long)bk * g.kw + 2 * b)][u] = u >= r ? u - r : L;     /* lo: lane u takes x[u - r] */
-                shifts[(2 * (long)bk * g.kw + 2 * b + 1)][u] = u < r ? u + L - r : L; /* hi: lane u takes x[u + L - r] */
+                long lo = u - r, hi = u + L - r;
+                shifts[2 * (long)bk * g.kw + 2 * b][u] = lo >= 0 && lo < L && first[lo] >= 0 ? first[lo] : L;
+                shifts[2 * (long)bk * g.kw + 2 * b + 1][u] = hi >= 0 && hi < L && first[hi] >= 0 ? first[hi] : L;
             }
         }
     }
@@ -504,10 +534,12 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
                 vt *a = block_add(&g, i, j0, h, ln, add) ? add : NULL;
                 if (ln->mode == 0)
                     back_block(0, &g, ln, i, j0, h, a, qt, kt, vtp, got, delta, dqrow, dkt, dvt, dtable, off, voff, p, ds,
-                               fused[bk] ? shifts + 2 * g.kw * (long)bk : NULL);
+                               fused[bk] ? shifts + 2 * g.kw * (long)bk : NULL, extra + (2 * L + 1) * bk,
+                               rshift + (long)bk * g.kw);
                 else
                     back_block(1, &g, ln, i, j0, h, a, qt, kt, vtp, got, delta, dqrow, dkt, dvt, dtable, off, voff, p, ds,
-                               NULL);
+                               fused[bk] ? shifts + 2 * g.kw * (long)bk : NULL, extra + (2 * L + 1) * bk,
+                               rshift + (long)bk * g.kw);
             }
             from_rows(dqrow, g.Wq, b, h, g.heads, g.Hq, g.Wq, g.D, i, i + 1, dq);
         }
@@ -520,4 +552,6 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
     free(bases);
     free(shifts);
     free(fused);
+    free(extra);
+    free(rshift);
 }
