@@ -6,17 +6,19 @@
  * No torch headers, no intrinsics: GCC vector extensions, lowered to whatever -march offers.
  *
  * Inputs are pixel-major, as tplayers passes them: q (B, Hq*Wq, heads*D), k (B, Hk*Wk, heads*D),
- * v (B, Hk*Wk, heads*Dv). Each (batch, head) plane is transposed into a scratch buffer laid out
- * (row, channel, column), so that L consecutive queries of one row are one vector, and so are the
+ * v (B, Hk*Wk, heads*Dv). Per (batch, head) plane the keys and values are transposed into
+ * scratch laid out (row, channel, column), the queries one row at a time (the output and dq are
+ * written back a row at a time), so that L consecutive queries of one row are one vector, and so are the
  * L keys they meet at one window offset (a shifted load): every score is a vertical FMA, no
  * horizontal sums. The window is the product of a row window and a column window, given as
  * per-dimension tables built by tplayers' geometry code (na_layout.axis_tiles):
  *   rows[3][Hq][kH]: local key row, valid (0/1: causal), bias row index of query row i, slot a;
  *   cols[3][Wq][kW]: the same along the columns.
- * A block is L consecutive queries of one row (the last block of a row repeats its last query in
- * the spare lanes, which are never stored). Inside a block, lane t's key column at slot b is
- * base_b + perm[t]: perm is the identity in the interior (a plain load), a shuffle near the
- * borders (windows shifted inside the image: lanes share keys), a per-lane gather otherwise.
+ * A block is up to L consecutive queries of one row (spare lanes repeat its last query and are
+ * never stored). Inside a block, lane t's key column at slot b is base_b + perm[t]: perm is the
+ * identity in the interior (a plain load) and a shuffle near the borders (windows shifted inside
+ * the image: lanes share keys); a block holds as many queries as one shuffle can serve. Forward
+ * keeps nothing but the output; backward computes the softmax again per block (flash-style).
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,20 +32,12 @@ typedef int64_t IT;
 #else
 typedef float T;
 typedef int32_t IT;
-#ifndef NA_LANES
 #define L 16
-#else
-#define L NA_LANES
-#endif
 #endif
 typedef T vt __attribute__((vector_size(L * sizeof(T))));
 typedef IT vi __attribute__((vector_size(L * sizeof(IT))));
-#ifndef G
 #define G 8  /* score accumulators per pass (keys at a time) */
-#endif
-#ifndef GV
-#define GV 8 /* output-channel accumulators per pass */
-#endif
+#define GV 8 /* output-channel accumulators per pass (8 measured ~10% faster than 4) */
 #define INL static inline __attribute__((always_inline))
 
 INL vt ld(const T *p) { vt v; memcpy(&v, p, sizeof v); return v; }
@@ -157,9 +151,6 @@ static void block_lanes(const Geo *g, int j0, Lanes *ln, long *base) {
         ident &= ln->perm[t] == t;
     }
     for (int b = 0; b < g->kw; b++) base[b] = kc[j0 * g->kw + b] + mn;
-#ifdef FORCE_M1
-    ident = 0;
-#endif
     ln->mode = ident ? 0 : 1;
     ln->layers = 0;
     if (!ident) { /* round r takes the r-th live lane of each key lane u */
@@ -174,8 +165,7 @@ static void block_lanes(const Geo *g, int j0, Lanes *ln, long *base) {
     }
 }
 
-/* additive window mask (-inf: causal) and bias of a block, add[ab] over lanes; 0 when all zero.
- * *uniform: the bias index of every slot is the same on all lanes (then brow/bcol hold it). */
+/* additive window mask (-inf: causal) and bias of a block, add[ab] over lanes; 0 when all zero */
 static int block_add(const Geo *g, int i, int j0, int h, const Lanes *ln, vt *add) {
     const int32_t *vr = g->rows + g->Hq * g->kh, *rr = g->rows + 2 * g->Hq * g->kh;
     const int32_t *vc = g->cols + g->Wq * g->kw, *rc = g->cols + 2 * g->Wq * g->kw;
@@ -425,10 +415,25 @@ INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int 
                 st(d + L, ld(d + L) + hi);
             }
         }
+        int dense = g->kw <= L;
+        for (int b = 0; b < g->kw; b++) dense &= rb[b] == b;
         for (int e = 0; e < ex[0]; e++) { /* ex: count, then (lane, key lane) pairs */
             int t = ex[1 + 2 * e], u = ex[2 + 2 * e];
             for (int a = 0; a < g->kh; a++) {
                 const T *dsa = (const T *)(ds + a * g->kw), *pa = (const T *)(p + a * g->kw);
+                if (dense) { /* slots at consecutive columns: one vector over the slots */
+                    vt dsx = {0}, px = {0};
+                    for (int b = 0; b < g->kw; b++) { dsx[b] = dsa[b * L + t]; px[b] = pa[b * L + t]; }
+                    for (int c = 0; c < g->D; c++) {
+                        T *d = dkt + off[a * g->kw] + (long)c * g->kp + u;
+                        st(d, ld(d) + dsx * qrow[(long)c * g->Wq + t]);
+                    }
+                    for (int c = 0; c < g->Dv; c++) {
+                        T *d = dvt + voff[a * g->kw] + (long)c * g->kp + u;
+                        st(d, ld(d) + px * grow[(long)c * g->Wq + t]);
+                    }
+                    continue;
+                }
                 for (int c = 0; c < g->D; c++) {
                     T x = qrow[(long)c * g->Wq + t], *d = dkt + off[a * g->kw] + (long)c * g->kp + u;
                     for (int b = 0; b < g->kw; b++) d[rb[b]] += dsa[b * L + t] * x;
