@@ -189,3 +189,17 @@ def test_without_a_compiler_falls_back_or_raises_when_forced(tmp_path):
     assert forced.returncode != 0
     assert "RuntimeError: the C na2d kernel needs a C compiler: 'no-such-compiler-tplayers'" in forced.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_only_q_needs_grad_and_an_expanded_grad_out(monkeypatch):
+    """Backward without dk/dv (only q requires grad: the kernel skips them) and with the stride-0
+    gradient of ``.sum()`` (read through its strides): dq equals the all-gradients run's."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 9, 23, 2, 3, generator=gen, dtype=torch.float64) for _ in range(3))
+    qa = q.clone().requires_grad_()
+    tplayers.na2d(qa, k, v, (3, 5), (2, 1), (False, True)).sum().backward()
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = brute_na2d(*ins, (3, 5), (2, 1), (False, True))
+    ref.sum().backward()
+    torch.testing.assert_close(qa.grad, ins[0].grad, **TIGHT)
