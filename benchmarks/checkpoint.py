@@ -25,7 +25,7 @@ transpose (the limits a load meets), the last the load average. ~1 minute.
 Run 2 (3 ranks, ``--reshard``): loads the 2-rank checkpoint at 3 ranks, one
 rank at a time with a cold page cache (ranks on one machine share the page
 cache), through the same staging code as ``load_checkpoint``; reports, per rank, the bytes the kernel read from disk
-(``/proc/self/io`` read_bytes) and the tensor bytes asked of ``get_slice``,
+(``/proc/self/io`` read_bytes) and the tensor bytes it maps to read (what ``get_slice`` would),
 against the ideal: the bytes that rank holds (~1/3 of the model).
 """
 
@@ -255,7 +255,7 @@ def reshard(args, mesh) -> None:
             for i, verify in enumerate((False, True)):
                 disk, logical, want = s[i].tolist()
                 print(f"  rank {r} verify={verify!s:5s}: disk {disk / 1e6:7.1f} MB ({disk / want:.3f}x ideal), "
-                      f"get_slice {logical / 1e6:7.1f} MB ({logical / want:.3f}x), ideal (held) {want / 1e6:.1f} MB, "
+                      f"mapped {logical / 1e6:7.1f} MB ({logical / want:.3f}x), ideal (held) {want / 1e6:.1f} MB, "
                       f"1/N of the file bytes {total / world / 1e6:.1f} MB")
 
 

@@ -69,8 +69,9 @@ class MappedFile:
     def tensor(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as a view of the mapping (nothing is read until its bytes are touched)."""
         e = self.header[name]
-        dtype = torch_dtype(e["dtype"], f"{self.path}: tensor {name!r}")
-        begin, end = (self.data_start + o for o in e["data_offsets"])
+        dtype = torch_dtype(e["dtype"], self.path)  # read_header checked it: the name of the file is enough
+        begin, end = e["data_offsets"]
+        begin, end = begin + self.data_start, end + self.data_start
         if begin == end:
             return torch.empty(e["shape"], dtype=dtype)
         if begin % dtype.itemsize:  # an unaligned tensor (mixed dtypes): its own typed buffer view
