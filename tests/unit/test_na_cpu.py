@@ -203,3 +203,19 @@ def test_only_q_needs_grad_and_an_expanded_grad_out(monkeypatch):
     ref = brute_na2d(*ins, (3, 5), (2, 1), (False, True))
     ref.sum().backward()
     torch.testing.assert_close(qa.grad, ins[0].grad, **TIGHT)
+
+
+def test_head_dims_of_whole_vectors_fp64(monkeypatch):
+    """Head dims that are whole multiples of the vector (fp64: 8 lanes) take the in-register
+    transposes of q/k/v/dO and of out/dq/dk/dv; rows wider than two blocks, a bias table."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    gen = torch.Generator().manual_seed(9)
+    q, k = (torch.randn(1, 6, 35, 2, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, 6, 35, 2, 8, generator=gen, dtype=torch.float64)
+    rpb = torch.randn(2, 5, 9, generator=gen, dtype=torch.float64)
+    ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+    out = neighborhood_attention_2d(*ins[:3], (3, 5), (1, 1), (False, False), global_size=(6, 35),
+                                    rel_pos_bias=ins[3])
+    ref = brute_na2d(*ref_in[:3], (3, 5), rpb=ref_in[3])
+    assert_out_and_grads(out, ref, ins, ref_in, gen, "d16/dv8", **TIGHT)

@@ -228,27 +228,55 @@ INL vt softmax(int nk, vt *s, const vt *add) {
     return 1 / l;
 }
 
-/* rows [i0, i1) of plane (b, h) of x into dst (i1 - i0, C, pitch), times mul; x has element strides st = (batch, pixel, head,
- * channel). 16 pixels at a time through a small buffer: the transpose happens in L1. */
+/* r[0..L) as an L x L tile, transposed in place: log2(L) rounds swapping off-diagonal blocks */
+INL void transpose_tile(vt *r) {
+#ifdef __clang__
+    T m[L][L];
+    for (int i = 0; i < L; i++) for (int j = 0; j < L; j++) m[j][i] = r[i][j];
+    for (int i = 0; i < L; i++) memcpy(&r[i], m[i], sizeof(vt));
+#else
+    for (int s = L / 2; s >= 1; s /= 2) {
+        vi ma, mb;
+        for (int j = 0; j < L; j++) { ma[j] = (j & s) ? L + j - s : j; mb[j] = (j & s) ? L + j : j + s; }
+        for (int i = 0; i < L; i++)
+            if (!(i & s)) {
+                vt x = r[i], y = r[i + s];
+                r[i] = __builtin_shuffle(x, y, ma);
+                r[i + s] = __builtin_shuffle(x, y, mb);
+            }
+    }
+#endif
+}
+
+/* rows [i0, i1) of plane (b, h) of x into dst (i1 - i0, C, pitch), times mul; x has element strides
+ * xs = (batch, pixel, head, channel). L x L tiles (pixels x channels) transposed in registers;
+ * the rest through a small buffer. */
 __attribute__((optimize("no-tree-loop-distribute-patterns"))) /* no memcpy calls per pixel */
-static void to_rows(const T *x, const long *st, int b, int h, int i0, int i1, int W, long pitch, int C, T mul,
+static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, int W, long pitch, int C, T mul,
                     T *dst) {
-    const T *src = x + b * st[0] + h * st[2];
-    T buf[16 * C];
+    const T *src = x + b * xs[0] + h * xs[2];
+    T buf[L * C];
     for (int i = i0; i < i1; i++)
-        for (int j0 = 0; j0 < W; j0 += 16) {
-            int n = W - j0 < 16 ? W - j0 : 16;
+        for (int j0 = 0; j0 < W; j0 += L) {
+            int n = W - j0 < L ? W - j0 : L, c0 = 0;
+            T *d0 = dst + (size_t)(i - i0) * C * pitch + j0;
+            if (n == L && xs[3] == 1)
+                for (; c0 + L <= C; c0 += L) {
+                    vt r[L];
+                    for (int t = 0; t < L; t++) {
+                        __builtin_prefetch(src + ((long)i * W + j0 + t + L) * xs[1] + c0); /* next tile */
+                        r[t] = ld(src + ((long)i * W + j0 + t) * xs[1] + c0);
+                    }
+                    transpose_tile(r);
+                    for (int c = 0; c < L; c++) st(d0 + (size_t)(c0 + c) * pitch, r[c] * mul);
+                }
+            if (c0 == C) continue;
             for (int t = 0; t < n; t++) {
-                const T *p = src + ((long)i * W + j0 + t) * st[1];
-                if (st[3] == 1)
-                    for (int c = 0; c < C; c++) buf[t * C + c] = p[c];
-                else
-                    for (int c = 0; c < C; c++) buf[t * C + c] = p[c * st[3]];
+                const T *p = src + ((long)i * W + j0 + t) * xs[1];
+                for (int c = c0; c < C; c++) buf[t * C + c] = p[c * xs[3]];
             }
-            for (int c = 0; c < C; c++) {
-                T *d = dst + ((size_t)(i - i0) * C + c) * pitch + j0;
-                for (int t = 0; t < n; t++) d[t] = buf[t * C + c] * mul;
-            }
+            for (int c = c0; c < C; c++)
+                for (int t = 0; t < n; t++) d0[(size_t)c * pitch + t] = buf[t * C + c] * mul;
         }
 }
 
@@ -256,17 +284,24 @@ static void to_rows(const T *x, const long *st, int b, int h, int i0, int i1, in
 __attribute__((optimize("no-tree-loop-distribute-patterns")))
 static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, int W, int C, int i0, int i1, T *x) {
     T *dst = x + (size_t)b * H * W * heads * C + (size_t)h * C;
-    T buf[16 * C];
+    T buf[L * C];
     for (int i = i0; i < i1; i++)
-        for (int j0 = 0; j0 < W; j0 += 16) {
-            int n = W - j0 < 16 ? W - j0 : 16;
-            for (int c = 0; c < C; c++) {
-                const T *s = src + ((size_t)(i - i0) * C + c) * pitch + j0;
-                for (int t = 0; t < n; t++) buf[t * C + c] = s[t];
-            }
+        for (int j0 = 0; j0 < W; j0 += L) {
+            int n = W - j0 < L ? W - j0 : L, c0 = 0;
+            const T *s0 = src + (size_t)(i - i0) * C * pitch + j0;
+            if (n == L)
+                for (; c0 + L <= C; c0 += L) {
+                    vt r[L];
+                    for (int c = 0; c < L; c++) r[c] = ld(s0 + (size_t)(c0 + c) * pitch);
+                    transpose_tile(r);
+                    for (int t = 0; t < L; t++) st(dst + ((size_t)i * W + j0 + t) * heads * C + c0, r[t]);
+                }
+            if (c0 == C) continue;
+            for (int c = c0; c < C; c++)
+                for (int t = 0; t < n; t++) buf[t * C + c] = s0[(size_t)c * pitch + t];
             for (int t = 0; t < n; t++) {
                 T *p = dst + ((size_t)i * W + j0 + t) * heads * C;
-                for (int c = 0; c < C; c++) p[c] = buf[t * C + c];
+                for (int c = c0; c < C; c++) p[c] = buf[t * C + c];
             }
         }
 }
