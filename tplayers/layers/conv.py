@@ -46,16 +46,28 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CL = {2: torch.channels_last, 3: torch.channels_last_3d}
 
 
-def _is_cl(t: torch.Tensor, spatial: int) -> bool:
-    """Whether ``t`` is channels-last (and not also plainly contiguous, as a 1-channel tensor is)."""
-    return t.is_contiguous(memory_format=_CL[spatial]) and not t.is_contiguous()
+def _is_cl(t: torch.Tensor) -> bool:
+    """Whether PyTorch suggests channels-last for ``t``: its strides read as ``suggest_memory_format``
+    reads them (C, then the spatial dims last to first, then N, non-decreasing; ambiguous cases
+    such as a trivial C default to contiguous), except that an empty shard (0 local rows) is read by
+    its strides alone, as the non-empty tensor it was cut from (the serial layer sees that one)."""
+    sizes, strides = t.shape, t.stride()
+    if strides[1] == 0:
+        return False
+    low = 0
+    for d in (1,) + tuple(range(t.dim() - 1, 1, -1)) + (0,):
+        if strides[d] < low or (d == 0 and low == strides[1]):
+            return False
+        low = strides[d] * max(sizes[d], 1)
+    return True
 
 
-def serial_format(x: torch.Tensor, weight: torch.Tensor, spatial: int) -> torch.memory_format:
+def serial_format(x: torch.Tensor, weight: torch.Tensor, spatial: int, padding_mode: str) -> torch.memory_format:
     """The layout ``nn.ConvNd`` gives its output for ``x`` and ``weight``: channels-last (2-D / 3-D)
-    when either is channels-last, else contiguous; the CPU's 3-D kernel for other dtypes than
-    float32 / bfloat16 / float16 (no oneDNN) returns contiguous in any case."""
-    if spatial == 1 or not (_is_cl(x, spatial) or _is_cl(weight, spatial)):
+    when either is channels-last, else contiguous. As there: circular padding hands the
+    convolution a contiguous padded input (only the weight counts), and the CPU's 3-D kernel for
+    other dtypes than float32 / bfloat16 / float16 (no oneDNN) returns contiguous in any case."""
+    if spatial == 1 or not ((padding_mode != "circular" and _is_cl(x)) or _is_cl(weight)):
         return torch.contiguous_format
     if spatial == 3 and x.device.type == "cpu" and x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return torch.contiguous_format
@@ -197,7 +209,7 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
         # under torch.autocast: compute (and exchange halos) in the autocast dtype, as nn.ConvNd does
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
         first, _, specs = self._layout(x, weight)  # validated on every rank before any halo traffic
-        out_format = serial_format(x, weight, self.spatial)  # the output's layout is nn.ConvNd's
+        out_format = serial_format(x, weight, self.spatial, self.padding_mode)  # the output's layout is nn.ConvNd's
         spec = specs[(out_format if self.memory_format is None else self.memory_format, out_format)]
         for d, plan in first.items():  # a 2-D mesh: the first dim's exchange, corners ride on the next
             x = gather_rows(x, d, self._group_of(d), plan, self.padding_mode, memory_format=spec.memory_format)
