@@ -3,7 +3,8 @@
 ``DistributedConv1d/2d/3d`` take every ``nn.ConvNd`` argument (same defaults) plus
 ``mesh``, ``shard_dims`` (dims of the ``(N, C, *spatial)`` input; one per mesh
 dim, e.g. ``(2,)`` = L / H / D, ``(2, 3)`` over a 2-D mesh) and
-``memory_format``. Input and output are plain local tensors, this rank's slice
+``memory_format`` (the local convolution's layout; the output keeps ``nn.ConvNd``'s, see
+:func:`serial_format`). Input and output are plain local tensors, this rank's slice
 along the sharded dims; gathering the outputs gives ``nn.ConvNd`` on the
 gathered input, and every gradient matches.
 
@@ -278,9 +279,13 @@ class DistributedConv2d(_DistributedConvNd):
 
     ``padding_mode``: "zeros", "circular" (a periodic domain), "reflect", "replicate".
     ``memory_format`` (keyword, beyond ``nn.Conv2d``'s arguments): layout of the halo-padded
-    buffer, hence of the convolution and its output. ``None`` ("auto") picks
-    ``torch.channels_last`` when ``in_channels // groups`` and ``out_channels // groups`` are both at
-    least ``AUTO_CHANNELS_LAST_MIN`` (16), else ``torch.contiguous_format``. Under ``torch.autocast``
+    buffer, hence of the local convolution. The output always has the layout ``nn.Conv2d`` gives
+    for the same input and weight (contiguous in -> contiguous out, channels_last in ->
+    channels_last out), and the input gradient the input's. ``None`` (default) convolves in that
+    layout, so nothing is converted; ``torch.channels_last`` / ``torch.contiguous_format`` force
+    the convolution's layout and convert the output back when it differs (one copy; measured on
+    one CPU core: for a contiguous input the channels_last convolution's gain is eaten by the
+    conversions from 16 channels up, ``benchmarks/conv_halo.py`` "tpl CL"). Under ``torch.autocast``
     it computes in the autocast dtype as ``nn.Conv2d`` does, and the halo messages and gradient
     sums carry that dtype. A partition whose
     shards cannot supply their neighbours' halos raises ``ValueError`` on every rank before any
