@@ -13,12 +13,15 @@ Prints, in one run:
    by importing ``shard_utils.conv_patches``; ``sharding_shapes="chunk"``), as a ratio;
 4. Triton halo pack/unpack GB/s vs a device-to-device copy (CUDA only).
 
-Each rank uses one thread. Timings are interleaved (tplayers, overlap, ShardTensor,
-serial, repeated) and reported as medians, since the machine may be shared. The last
-table prints each ratio next to its issue-13 target (tplayers / ShardTensor <= 0.55
-compute-bound and <= 0.5 overhead-bound; compute-bound within 1.15x of one-process / 2),
-and the floor: each rank's local convolution alone, no communication, in the layout the twin
-uses (floor / ShardTensor is the best ratio any halo scheme over that convolution can reach).
+Each rank uses one thread. Timings are interleaved (tplayers, tpl CL, overlap, ShardTensor,
+serial, floors, repeated) and reported as medians, since the machine may be shared. The
+compute-bound shape runs twice: contiguous input and channels_last input (every contender gets
+the same layout; every output is checked against nn.Conv2d, values and layout). The last table
+prints each ratio next to its issue-13 target (tplayers / ShardTensor <= 0.55 compute-bound and
+<= 0.5 overhead-bound; compute-bound within 1.15x of one-process / 2), and the floors: each
+rank's local convolution alone, no communication, in the layout the twin convolves in (the
+input's), and contiguous / channels_last (floor / ShardTensor is the best ratio any halo scheme
+over that convolution can reach).
 """
 
 from __future__ import annotations
