@@ -102,48 +102,26 @@ def test_load_into_plain_model_and_consolidated_is_standard(ckpts):
 
 
 # ---------------------------------------------------------------------------
-# Exact byte ranges: forbid any get_slice outside what this rank holds
+# Exact byte ranges: forbid any read outside what this rank holds
 # ---------------------------------------------------------------------------
 
-class _GuardedSlice:
-    def __init__(self, real, allowed, counter):
-        self.real, self.allowed, self.counter = real, allowed, counter
-
-    def get_shape(self):
-        return self.real.get_shape()
-
-    def __getitem__(self, slices):
-        dim, lo, hi = self.allowed
-        got = slices[dim]
-        assert lo <= got.start and got.stop <= hi, f"read [{got.start}, {got.stop}) of dim {dim} outside [{lo}, {hi})"
-        shape = self.real.get_shape()
-        assert all(s.start == 0 and s.stop == n for g, (s, n) in enumerate(zip(slices, shape)) if g != dim), \
-            "read part of a dim it needs whole"
-        t = self.real[slices]
-        self.counter[0] += t.numel() * t.element_size()
-        return t
-
-
-class _GuardedFile:
-    def __init__(self, real, path, allowed, counter):
-        self.real, self.name, self.allowed, self.counter = real, os.path.basename(path), allowed, counter
-
-    def __enter__(self):
-        self.real.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.real.__exit__(*exc)
-
-    def get_slice(self, key):
-        assert (self.name, key) in self.allowed, f"{self.name}:{key} is not needed by this rank"
-        return _GuardedSlice(self.real.get_slice(key), self.allowed[(self.name, key)], self.counter)
-
-    def get_tensor(self, key):
-        assert (self.name, key) in self.allowed
-        t = self.real.get_tensor(key)
-        self.counter[0] += t.element_size()
-        return t
+def _guarded_mapped(allowed, counter):
+    """A MappedFile whose every box must lie inside this rank's rows (and counts the bytes it maps)."""
+    class Guarded(read_mod.MappedFile):
+        def box(self, key, box):
+            name = os.path.basename(self.path)
+            assert (name, key) in allowed, f"{name}:{key} is not needed by this rank"
+            t = super().box(key, box)
+            counter[0] += t.numel() * t.element_size()
+            if not box:  # a 0-d tensor, read whole
+                return t
+            dim, lo, hi = allowed[(name, key)]
+            a, b = box[dim]
+            assert lo <= a and b <= hi, f"read [{a}, {b}) of dim {dim} outside [{lo}, {hi})"
+            assert all((x, y) == (0, n) for g, ((x, y), n) in enumerate(zip(box, self.shape(key))) if g != dim), \
+                "read part of a dim it needs whole"
+            return t
+    return Guarded
 
 
 def _allowed_rows(net, index):
@@ -168,18 +146,18 @@ def _guarded_load(rank, world, path):
     with open(os.path.join(path, "index.json")) as f:
         allowed = _allowed_rows(net, json.load(f))
     counter = [0]
-    real_open = read_mod.safe_open
-    read_mod.safe_open = lambda p, framework: _GuardedFile(real_open(p, framework=framework), p, allowed, counter)
+    real_mapped = read_mod.MappedFile
+    read_mod.MappedFile = _guarded_mapped(allowed, counter)
     try:
         res = load_checkpoint(net, path, verify=False)
     finally:
-        read_mod.safe_open = real_open
+        read_mod.MappedFile = real_mapped
     assert counter[0] == res.bytes_read == _ideal_bytes(net)
     return counter[0]
 
 
 def test_reads_only_owned_rows(ckpts):
-    """2 -> 3 and 4 -> 3 ranks: every get_slice stays inside this rank's rows; bytes == ideal."""
+    """2 -> 3 and 4 -> 3 ranks: every box mapped stays inside this rank's rows; bytes == ideal."""
     root, _ = ckpts
     for saved in ("w2", "w4"):
         got = run_ranks(_guarded_load, 3, args=(str(root / saved),), timeout=60)

@@ -53,6 +53,10 @@ def test_strided_parts_ask_for_their_span_or_their_rows(monkeypatch):
     assert calls == [(sparse[i].data_ptr(), 400, mmap.MADV_WILLNEED) for i in range(64)]
     calls.clear()
     whole.fill_(1.0)  # now resident
-    pagecache.advise_exact_read(sparse)
+    pagecache.advise_exact_read(sparse)  # a span under PROBE_BYTES: asked for without probing
+    assert len(calls) == 64
+    calls.clear()
+    monkeypatch.setattr(pagecache, "PROBE_BYTES", 4096)
+    pagecache.advise_exact_read(sparse)  # probed: resident, so nothing is asked
     assert calls == []
     del whole, dense, sparse

@@ -68,7 +68,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, buffer: Optional[list] = Non
     (grown as needed), for destinations that are not contiguous.
     """
     same = src.dtype == dst.dtype and src.device == dst.device and src.device.type == "cpu"
-    if not same or src.numel() < 4096 or src.dim() < 2:
+    if not same or src.numel() < 4096 or src.dim() < 2 or src.is_contiguous():
         dst.copy_(src)
         return
     d = moved_dim(src)

@@ -79,7 +79,8 @@ def torch_dtype(name: str, where: str) -> torch.dtype:
 
 
 def itemsize(name: str) -> int:
-    return torch.empty((), dtype=_DTYPES[name]).element_size()
+    """Bytes per element of safetensors dtype ``name``."""
+    return _DTYPES[name].itemsize
 
 
 def _write_all(fd: int, data) -> None:

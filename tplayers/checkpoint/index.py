@@ -59,11 +59,12 @@ reads as the same structure: every tensor replicated, one piece, no block hashes
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 from tplayers.checkpoint.digest import ALGORITHMS, DEFAULT, hex_length
 from tplayers.checkpoint.format import CheckpointError, read_header, torch_dtype
@@ -84,8 +85,7 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
 _FIELDS = {1: ("sha256", "sha256"), 2: ("digest", "digests"), 3: ("digest", "digests")}
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """One stored piece: ``[start, stop)`` of the tensor's shard dim in ``file`` under ``name``."""
 
     file: str  # a path (directory + name) ready to open
@@ -98,8 +98,7 @@ class Piece:
     band_digests: Optional[Tuple[str, ...]] = None
 
 
-@dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(NamedTuple):
     shape: Tuple[int, ...]
     dtype: str
     dim: Optional[int]
@@ -137,7 +136,7 @@ def open_source(path: str) -> Source:
     raise CheckpointError(f"{path}: no checkpoint here (neither a checkpoint directory nor a safetensors file)")
 
 
-_HEX = re.compile("[0-9a-f]*")  # block digests are checked joined: one match per piece
+_HEX = re.compile("[0-9a-f]*")  # a digest list, checked joined (error messages' slow path)
 
 
 def _need(cond: bool, where, what) -> None:
@@ -149,7 +148,7 @@ def _need(cond: bool, where, what) -> None:
 
 
 def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    return type(v) is int and v >= 0  # JSON gives plain ints; a bool is not one
 
 
 def stored_shape(shape: Tuple[int, ...], dim: Optional[int], start: int, stop: int,
@@ -178,6 +177,55 @@ def _digest_list(digests, count: int, hex_len: int) -> bool:
     return _HEX.fullmatch("".join(digests)) is not None
 
 
+def _digest_pool_ok(pool: list, hex_len: int) -> bool:
+    """Every item of the lists in ``pool`` is a string of ``hex_len`` lowercase hex characters.
+
+    C-level passes over all of them at once: joined by spaces, the spaces must sit exactly
+    between items and ``bytes.fromhex`` must find ``hex_len`` digits per item (any other character,
+    or a space inside an item, fails one of the two), and lowercasing must change nothing.
+    """
+    count = sum(map(len, pool))
+    if not count:
+        return True
+    try:
+        joined = " ".join(itertools.chain.from_iterable(pool))
+    except TypeError:  # an item that is not a string
+        return False
+    if len(joined) != count * (hex_len + 1) - 1 or joined[hex_len :: hex_len + 1] != " " * (count - 1):
+        return False
+    try:
+        digits = 2 * len(bytes.fromhex(joined))
+    except ValueError:
+        return False
+    return digits == count * hex_len and joined.lower() == joined
+
+
+#: The digest field as :func:`build_index` writes it (compact JSON, keys sorted: never the first key).
+_SIGNATURE = re.compile(rb',"index_sha256":"([0-9a-f]{64})"')
+
+
+def _signed_body(data: bytes) -> Optional[dict]:
+    """The index parsed from exactly the bytes its ``index_sha256`` covers, or None (then the caller
+    parses ``data`` and checks the digest over its canonical JSON, which also accepts a reformatted file).
+
+    An index written as :func:`build_index` writes it is that canonical JSON with the digest field
+    inserted, so removing the one field gives the hashed bytes: they are hashed as they are, and it is
+    those bytes that are parsed, without serialising the document again.
+    """
+    found = _SIGNATURE.findall(data)
+    if len(found) != 1:
+        return None
+    m = _SIGNATURE.search(data)
+    body = data[: m.start()] + data[m.end() :]
+    if hashlib.sha256(body).hexdigest() != found[0].decode():
+        return None
+    doc = json.loads(body)
+    if not isinstance(doc, dict):
+        return None
+    doc["index_sha256"] = found[0].decode()
+    return doc
+
+
 def index_digest(doc: dict) -> str:
     """SHA-256 hex of ``doc``'s canonical JSON without its ``index_sha256`` field."""
     body = {k: v for k, v in doc.items() if k != "index_sha256"}
@@ -188,7 +236,9 @@ def _parse_index(directory: str) -> Source:
     where = os.path.join(directory, INDEX_NAME)
     try:
         with open(where, "rb") as f:
-            raw = json.loads(f.read())
+            data = f.read()
+        signed = _signed_body(data)
+        raw = signed if signed is not None else json.loads(data)
     except FileNotFoundError:
         raise CheckpointError(f"{where}: missing; {directory} is not a tplayers checkpoint directory") from None
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -196,7 +246,7 @@ def _parse_index(directory: str) -> Source:
     except OSError as e:
         raise CheckpointError(f"{where}: cannot be read ({e})") from None
     try:
-        return _parse_raw(directory, where, raw)
+        return _parse_raw(directory, where, raw, signed is not None)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError, OverflowError) as e:
         if isinstance(e, CheckpointError):
             raise
@@ -204,7 +254,7 @@ def _parse_index(directory: str) -> Source:
         raise CheckpointError(f"{where}: malformed index ({type(e).__name__}: {e})") from None
 
 
-def _parse_raw(directory: str, where: str, raw) -> Source:
+def _parse_raw(directory: str, where: str, raw, signed: bool = False) -> Source:
     _need(isinstance(raw, dict), where, "must be a JSON object")
     _need(raw.get("format") == FORMAT, where, f"format must be {FORMAT!r}, got {raw.get('format')!r}")
     version = raw.get("version")
@@ -233,6 +283,8 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
               and hex_digest.fullmatch(info[file_field]) is not None, where,
               f"file {name!r}: needs an int size and a {algorithm} {file_field!r}")
         out_files[full] = {"size": info["size"], "digest": info[file_field]}
+    full_of = {name: os.path.join(directory, name) for name in files}
+    pool: list = []  # every digest of every piece: their strings are checked together at the end
     out = {}
     for key, t in tensors.items():
         w = lambda: f"{where}: tensor {key!r}"  # noqa: E731 - formatted on failure only
@@ -247,27 +299,29 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
         pieces = t.get("pieces")
         _need(isinstance(pieces, list), w, "needs a 'pieces' list")
         parsed = []
+        banded = layout == NATURAL and dim not in (None, 0)
         for p in pieces:
-            _need(isinstance(p, dict) and isinstance(p.get("file"), str) and p["file"] in files, w,
-                  lambda: f"piece names a file not in 'files': {p!r:.200}")
+            _need(type(p) is dict and p.get("file") in files, w, lambda: f"piece names a file not in 'files': {p!r:.200}")
             start, stop = (p.get("start"), p.get("stop")) if dim is not None else (0, 0)
             _need(_int(start) and _int(stop) and (dim is None or start < stop <= shape[dim]), w,
                   lambda: f"piece range [{start}, {stop}) is not a non-empty range of dim length {shape[dim] if dim is not None else '-'}")
             stored = stored_shape(shape, dim, start, stop, layout == NATURAL)
             rows = stored[0] if stored else 1
             k, digests = p.get("block_rows"), p.get(block_field)
-            _need(_int(k) and k >= 1 and _digest_list(digests, -(-rows // k), hex_len), w,
+            _need(_int(k) and k >= 1 and type(digests) is list and len(digests) == -(-rows // k), w,
                   lambda: f"piece in {p['file']}: block_rows / {block_field} list malformed")
+            pool.append(digests)
             name = p.get("name", key)
-            _need(isinstance(name, str) and name != "__metadata__", w, lambda: f"piece in {p['file']}: bad stored name {name!r:.80}")
+            _need(type(name) is str and name != "__metadata__", w, lambda: f"piece in {p['file']}: bad stored name {name!r:.80}")
             band, band_digests = None, None
-            if layout == NATURAL and dim not in (None, 0):
+            if banded:
                 band, band_digests = p.get("band"), p.get("band_digests")
-                _need(_int(band) and band >= 1 and _digest_list(band_digests, -(-(stop - start) // band), hex_len), w,
+                _need(_int(band) and band >= 1 and type(band_digests) is list
+                      and len(band_digests) == -(-(stop - start) // band), w,
                       lambda: f"piece in {p['file']}: band / band_digests malformed")
+                pool.append(band_digests)
                 band_digests = tuple(band_digests)
-            parsed.append(Piece(os.path.join(directory, p["file"]), start, stop, k, tuple(digests), name,
-                                band, band_digests))
+            parsed.append(Piece(full_of[p["file"]], start, stop, k, tuple(digests), name, band, band_digests))
         if dim is None:
             _need(len(parsed) == 1, w, lambda: f"a replicated tensor needs exactly 1 piece, got {len(parsed)}")
         else:
@@ -275,7 +329,13 @@ def _parse_raw(directory: str, where: str, raw) -> Source:
             check_tiling(w(), shape[dim], [(p.start, p.stop) for p in parsed],
                          lambda rng: next(os.path.basename(p.file) for p in parsed if (p.start, p.stop) == rng))
         out[key] = TensorEntry(shape, t["dtype"], dim, tuple(parsed))
-    if version >= 2:  # after the structure, so a structural error keeps its precise message
+    if not _digest_pool_ok(pool, hex_len):  # the slow path names the first bad piece
+        for key, t in tensors.items():
+            for p in t["pieces"]:
+                for field in (block_field, "band_digests"):
+                    _need(field not in p or _digest_list(p[field], len(p[field]), hex_len), f"{where}: tensor {key!r}",
+                          lambda: f"piece in {p['file']}: {field} must be {hex_len}-character lowercase hex strings")
+    if version >= 2 and not signed:  # after the structure, so a structural error keeps its precise message
         digest = raw.get("index_sha256")
         _need(isinstance(digest, str) and digest == index_digest(raw), where,
               "index digest mismatch: index.json was edited or corrupted (its index_sha256 does not "
@@ -301,4 +361,4 @@ def build_index(world: int, convention: str, block_bytes: int, files: Dict[str, 
         "tensors": tensors,
     }
     doc["index_sha256"] = index_digest(doc)
-    return json.dumps(doc, indent=1, sort_keys=True).encode()
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()  # canonical: see _signed_body

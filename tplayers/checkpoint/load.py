@@ -29,7 +29,7 @@ class LoadResult(NamedTuple):
 
     missing_keys: List[str]  # in the model, not in the checkpoint (only with strict=False)
     unexpected_keys: List[str]  # in the checkpoint, not in the model (only with strict=False)
-    bytes_read: int  # tensor bytes this rank asked of safe_open(...).get_slice
+    bytes_read: int  # tensor bytes this rank mapped to read (what ``safe_open(...).get_slice`` would)
 
 
 def load_checkpoint(
@@ -49,7 +49,7 @@ def load_checkpoint(
     saved at any world size or layout, a ``consolidated=True`` file, or any
     standard safetensors file of the serial model's ``state_dict()``.
 
-    Each rank reads only the rows it holds, via ``safe_open(...).get_slice``.
+    Each rank reads only the rows it holds (the byte ranges ``safe_open(...).get_slice`` would read).
     Before any parameter changes, every rank checks keys (``strict`` lists all
     missing and unexpected ones), global shapes, dtypes (no silent cast;
     ``cast=True`` converts), the index (format, coverage: no gaps or overlaps,
@@ -129,8 +129,8 @@ def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast:
             if spec.dim is None:
                 boxes = [(tensor, reader.plan(key, None))]
             else:  # one box per global range this rank holds (several for a fused layer)
-                boxes = [(tensor.narrow(spec.dim, off, b - a), reader.plan(key, spec.dim, a, b))
-                         for (a, b), off in zip(spec.spans, spec.local_offsets)]
+                boxes = [(tensor if b - a == tensor.shape[spec.dim] else tensor.narrow(spec.dim, off, b - a),
+                          reader.plan(key, spec.dim, a, b)) for (a, b), off in zip(spec.spans, spec.local_offsets)]
             for target, box_parts in boxes:
                 parts += box_parts
                 targets += [target] * len(box_parts)
@@ -150,7 +150,8 @@ def apply_copies(copies, bar: Progress) -> None:
     scratch: list = [None]  # one reused buffer for transposes into non-contiguous destinations
     with torch.no_grad():
         for dst, dest, t in copies:
-            copy_into(dst[dest], to_device(t, dst.device), scratch)
+            box = dst[dest] if dest else dst
+            copy_into(box, to_device(t, box.device), scratch)
             bar.update(t.numel() * t.element_size())
     bar.close()
 

@@ -1,15 +1,15 @@
 """Page-cache hints for memory-mapped checkpoint reads (Linux ``madvise``; no-ops elsewhere).
 
-``safe_open`` maps whole files. These hints make the kernel read exactly the
-pages a rank needs: no read-ahead around a touched page (``MADV_RANDOM``), and
-the needed pages requested ahead of use (``MADV_WILLNEED``).
+The reader maps whole files (:class:`~tplayers.checkpoint.mapped.MappedFile`,
+which turns read-ahead off: ``MADV_RANDOM``). These hints make the kernel read
+exactly the pages a rank needs, requested ahead of use (``MADV_WILLNEED``), and
+tell whether they are already cached.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 
 import torch
 
@@ -17,51 +17,35 @@ from tplayers.checkpoint.fastcopy import dense_from
 
 _LIBC = None
 
+#: Spans at least this long are probed for residency before a ``MADV_WILLNEED``.
+PROBE_BYTES = 256 << 10
 
-def _madvise(start: int, length: int, advice: int) -> None:
+
+def _libc():
+    """libc with ``madvise`` and ``mincore`` (where it has one) typed, loaded on first use."""
     global _LIBC
     if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if hasattr(lib, "mincore"):
+            lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        _LIBC = lib
+    return _LIBC
+
+
+def _madvise(start: int, length: int, advice: int) -> None:
     page = mmap.PAGESIZE
     lo = start // page * page
     hi = -(-(start + length) // page) * page
-    _LIBC.madvise(lo, hi - lo, advice)
-
-
-def advise_mapping_random(path: str) -> None:
-    """Turn off kernel read-ahead for every mapping of ``path`` in this process (Linux; a hint).
-
-    ``safe_open`` maps the whole file; the first touch of any page would
-    otherwise read megabytes around it (``read_ahead_kb``), far outside the
-    rows this rank needs. Found through ``/proc/self/maps``; skipped elsewhere.
-    """
-    if not hasattr(mmap, "MADV_RANDOM"):
-        return
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/self/maps") as f:
-            lines = [line.split() for line in f if line.rstrip("\n").endswith(real)]
-    except OSError:
-        return
-    for fields in lines:
-        if len(fields) >= 6 and " ".join(fields[5:]) == real:
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            _madvise(lo, hi - lo, mmap.MADV_RANDOM)
+    _libc().madvise(lo, hi - lo, advice)
 
 
 def _resident(start: int, length: int) -> bool:
     """Whether the first, middle and last pages of ``[start, start + length)`` are in the page cache
     (``mincore``); False where it cannot tell."""
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn = getattr(_LIBC, "mincore", None)
+    fn = getattr(_libc(), "mincore", None)
     if fn is None:
         return False
-    if fn.argtypes is None:
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
     page = mmap.PAGESIZE
     vec = ctypes.create_string_buffer(1)
     for at in (start, start + length // 2, start + length - 1):
@@ -86,14 +70,16 @@ def advise_exact_read(t: torch.Tensor) -> None:
     """Start reading exactly ``t``'s pages of a memory-mapped file now (``MADV_WILLNEED``; a hint).
 
     Skipped when :func:`cached` (a hot load: the kernel would otherwise walk
-    every cached page of it, ~3-5 ms per 250 MB here). A strided ``t`` (part of
+    every cached page of it, ~3-5 ms per 250 MB here); a span under
+    :data:`PROBE_BYTES` is asked for unprobed (walking it costs what probing
+    does). A strided ``t`` (part of
     each row of a piece) asks for its whole span when at least half of it is
     wanted (the pages in between hold wanted bytes anyway), else for each row's
     run. Harmless on ordinary memory; skipped where ``madvise`` is missing.
     """
-    if not hasattr(mmap, "MADV_WILLNEED") or cached(t):
-        return
     extent = _extent(t)
+    if not hasattr(mmap, "MADV_WILLNEED") or extent == 0 or (extent >= PROBE_BYTES and cached(t)):
+        return
     rows = t.flatten(1) if t.dim() >= 2 and dense_from(t, 1) else None  # a view: dims 1.. are dense
     if t.is_contiguous() or 2 * t.numel() * t.element_size() >= extent or rows is None or rows.shape[0] > 4096:
         _madvise(t.data_ptr(), extent, mmap.MADV_WILLNEED)

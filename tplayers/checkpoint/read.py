@@ -2,7 +2,8 @@
 
 :class:`Reader` serves "the part of tensor ``key`` that holds ``[start, stop)``
 of dim ``dim``" from whatever pieces the checkpoint has, through
-``safe_open(...).get_slice``. Pieces are stored in their natural layout
+one memory mapping per file (:class:`~tplayers.checkpoint.mapped.MappedFile`, the
+bytes ``safe_open(...).get_slice`` would read, as views). Pieces are stored in their natural layout
 (version 3; versions 1-2 moved the shard dim first), so a piece read whole, or
 along dim 0, is one contiguous span, and part of the range of a piece sharded
 on a dim > 0 is part of each of its rows. With ``verify=True`` the read is
@@ -16,18 +17,17 @@ and bytes that are not needed are not read.
 from __future__ import annotations
 
 import os
-from contextlib import ExitStack
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from tplayers.checkpoint.digest import DEFAULT, block_digest, file_hasher, label
 from tplayers.checkpoint.fastcopy import copy_into
 from tplayers.checkpoint.blocks import band_digests, row_blocks
 from tplayers.checkpoint.format import CheckpointError, read_header, torch_dtype
 from tplayers.checkpoint.index import Piece, Source, TensorEntry, stored_shape
-from tplayers.checkpoint.pagecache import advise_exact_read, advise_mapping_random
+from tplayers.checkpoint.mapped import MappedFile
+from tplayers.checkpoint.pagecache import advise_exact_read
 
 
 #: Bytes of page reads kept in flight ahead of the part being checked.
@@ -40,7 +40,7 @@ class Part(NamedTuple):
     key: str
     where: str  # "file: tensor 'key'" for messages
     piece: Piece
-    dest: tuple  # slices of the requested box this part fills
+    dest: tuple  # slices of the requested box this part fills (``()``: all of it)
     dim: Optional[int]  # a version 1-2 piece's shard dim (stored first; moved back on fetch), else None
     mapped: torch.Tensor  # the stored part to read, a view of the mapped file
     first_block: Optional[int]  # index of mapped's first hashed block or band; None: not verified
@@ -53,7 +53,7 @@ class Part(NamedTuple):
 
 
 class Reader:
-    """Read boxes of checkpoint tensors; counts ``bytes_read`` (tensor bytes asked of ``get_slice``).
+    """Read boxes of checkpoint tensors; counts ``bytes_read`` (tensor bytes mapped to be read).
 
     Example::
 
@@ -69,8 +69,7 @@ class Reader:
         self.bytes_read = 0
         self.header_bytes = 0
         self._scratch: list = [None]  # reused for gathering bands
-        self._stack = ExitStack()
-        self._handles: Dict[str, object] = {}
+        self._handles: Dict[str, MappedFile] = {}
         self._in_file: Dict[str, Dict[str, Tuple[TensorEntry, Piece]]] = {}
         for key, entry in source.tensors.items():
             for p in entry.pieces:
@@ -83,7 +82,9 @@ class Reader:
         self.close()
 
     def close(self) -> None:
-        self._stack.close()
+        for f in self._handles.values():
+            f.close()
+        self._handles = {}
 
     def check_files_present(self) -> None:
         """Cheap check of every file the index names: present and of the recorded size."""
@@ -94,22 +95,19 @@ class Reader:
             if size != info["size"]:
                 raise CheckpointError(f"{path}: {size} bytes, the index says {info['size']}: truncated or replaced")
 
-    def _open(self, path: str):
+    def _open(self, path: str) -> MappedFile:
         if path not in self._handles:
-            self._check_header(path)
-            try:
-                self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
-                advise_mapping_random(path)  # before any slicing: creating a slice touches its pages
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"{path}: safetensors cannot open it ({e})") from None
+            prefix, header = self._check_header(path)
+            self._handles[path] = MappedFile(path, header, len(prefix))
         return self._handles[path]
 
-    def _check_header(self, path: str) -> None:
+    def _check_header(self, path: str) -> Tuple[bytes, Dict[str, dict]]:
+        """The checked header of ``path`` (``(prefix bytes, {name: entry})``), matched against the index."""
         prefix, header, _ = read_header(path)
         self.header_bytes += len(prefix)
         info = self.source.files.get(path)
         if info is None:  # a plain safetensors file: its own header is the source
-            return
+            return prefix, header
         expected = self._in_file.get(path, {})
         if set(header) != set(expected):
             raise CheckpointError(
@@ -128,6 +126,7 @@ class Reader:
         if digest.hexdigest() != info["digest"]:
             raise CheckpointError(f"{path}: {label(self.algorithm)} of header and block digests does not match the index: "
                                   "file or index corrupted")
+        return prefix, header
 
     def plan(self, key: str, dim: Optional[int], start: int = 0, stop: int = 0) -> List[Part]:
         """Map the parts of ``key`` covering ``[start, stop)`` of ``dim`` (all of it if ``dim`` is None).
@@ -155,7 +154,8 @@ class Reader:
             moved = None if self.natural or entry.dim is None else entry.dim
             order = list(range(nd)) if moved is None else [moved] + [g for g in range(nd) if g != moved]
             want = [(ilo[g] - plo[g], ihi[g] - plo[g]) for g in order]  # stored coordinates
-            dest = tuple(slice(ilo[g] - lo[g], ihi[g] - lo[g]) for g in range(nd))
+            whole = ilo == lo and ihi == hi  # the part fills the requested box
+            dest = () if whole else tuple(slice(ilo[g] - lo[g], ihi[g] - lo[g]) for g in range(nd))
             band_dim = entry.dim if self.natural and p.band is not None else None
             out.append(self._map_stored(key, p, want, dest, moved, band_dim))
         return out
@@ -194,7 +194,7 @@ class Reader:
         box = torch.empty(shape, dtype=torch_dtype(entry.dtype, key))
         scratch: list = [None]
         for dest, t in self.read(key, dim, start, stop):
-            copy_into(box[dest], t, scratch)
+            copy_into(box[dest] if dest else box, t, scratch)
         return box
 
     def _map_stored(self, key: str, p: Piece, want: List[Tuple[int, int]], dest: tuple, moved: Optional[int],
@@ -206,11 +206,10 @@ class Reader:
         verified = self.verify and p.digests is not None
         stored_name = p.name or key
         if not want:  # a 0-d tensor
-            t = f.get_tensor(stored_name)
+            t = f.box(stored_name, [])
             self.bytes_read += t.element_size()
             return Part(key, where, p, dest, moved, t, 0 if verified else None, ())
-        sl = f.get_slice(stored_name)
-        shape = sl.get_shape()
+        shape = f.shape(stored_name)
         box, first, by_band = want, None, None
         if verified:
             narrowed = [g for g, (a, b) in enumerate(want) if (a, b) != (0, shape[g])]
@@ -223,9 +222,9 @@ class Reader:
             box = [(0, n) for n in shape]
             box[g] = (a // k * k, min(-(-b // k) * k, shape[g]))
             first = box[g][0] // k
-        t = sl[tuple(slice(x, y) for x, y in box)]
+        t = f.box(stored_name, box)
         self.bytes_read += t.numel() * t.element_size()
-        trim = tuple(slice(x - bx, y - bx) for (x, y), (bx, _) in zip(want, box))
+        trim = () if box is want else tuple(slice(x - bx, y - bx) for (x, y), (bx, _) in zip(want, box))
         return Part(key, where, p, dest, moved, t, first, trim, by_band)
 
     def _check(self, part: Part) -> torch.Tensor:
