@@ -83,3 +83,41 @@ def test_memory_format_argument_checked():
         with pytest.raises(ValueError, match="memory_format must be None, torch.channels_last or "
                                              "torch.contiguous_format, got"):
             tplayers.DistributedConv2d(4, 4, 3, memory_format=bad)
+
+
+def _compiled(rank, world):
+    import torch._dynamo as dynamo
+
+    mesh = tplayers.default_mesh()
+    cases = [(True, None, False), (False, torch.channels_last, False), (False, torch.channels_last, True),
+             (True, torch.contiguous_format, False)]  # (channels_last input, memory_format, overlap)
+    for x_cl, fmt, overlap in cases:
+        torch.manual_seed(3)
+        serial = nn.Conv2d(4, 6, 3, padding=1).double()
+        twin = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, memory_format=fmt, overlap_halo=overlap)
+        x = torch.randn(2, 4, 11, 7, dtype=torch.float64)
+        if x_cl:
+            x = x.contiguous(memory_format=torch.channels_last)
+        local = tplayers.shard(x, 2, mesh).clone(memory_format=torch.preserve_format)
+        dynamo.reset()
+        compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+        results = []
+        for layer in (compiled, twin):
+            xl = local.detach().clone(memory_format=torch.preserve_format).requires_grad_(True)
+            y = layer(xl)
+            (y * torch.arange(y.numel(), dtype=y.dtype).view(y.shape)).sum().backward()
+            results.append((y.detach(), xl.grad, twin.weight.grad.clone()))
+            twin.zero_grad()
+        what = f"x_cl={x_cl} memory_format={fmt} overlap={overlap}"
+        ys = serial(x)
+        for got, ref in zip(results[0], results[1]):
+            torch.testing.assert_close(got, ref, rtol=1e-13, atol=1e-13, msg=lambda m: f"{what}: {m}")
+        assert same_layout(results[0][0], ys) and layout(results[0][0]) != "both", what
+        assert same_layout(results[0][1], x), what
+    return True
+
+
+def test_layouts_under_torch_compile():
+    """fullgraph (aot_eager): the output conversion of a forced layout, and channels_last inputs,
+    compile without a graph break and equal eager, layouts included."""
+    run_ranks(_compiled, 2, timeout=240)
