@@ -13,12 +13,15 @@ Prints, in one run:
    by importing ``shard_utils.conv_patches``; ``sharding_shapes="chunk"``), as a ratio;
 4. Triton halo pack/unpack GB/s vs a device-to-device copy (CUDA only).
 
-Each rank uses one thread. Timings are interleaved (tplayers, overlap, ShardTensor,
-serial, repeated) and reported as medians, since the machine may be shared. The last
-table prints each ratio next to its issue-13 target (tplayers / ShardTensor <= 0.55
-compute-bound and <= 0.5 overhead-bound; compute-bound within 1.15x of one-process / 2),
-and the floor: each rank's local convolution alone, no communication, in the layout the twin
-uses (floor / ShardTensor is the best ratio any halo scheme over that convolution can reach).
+Each rank uses one thread. Timings are interleaved (tplayers, tpl CL, overlap, ShardTensor,
+serial, floors, repeated) and reported as medians, since the machine may be shared. The
+compute-bound shape runs twice: contiguous input and channels_last input (every contender gets
+the same layout; every output is checked against nn.Conv2d, values and layout). The last table
+prints each ratio next to its issue-13 target (tplayers / ShardTensor <= 0.55 compute-bound and
+<= 0.5 overhead-bound; compute-bound within 1.15x of one-process / 2), and the floors: each
+rank's local convolution alone, no communication, in the layout the twin convolves in (the
+input's), and contiguous / channels_last (floor / ShardTensor is the best ratio any halo scheme
+over that convolution can reach).
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ from torch import nn
 import tplayers
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 
-SHAPES = {  # name: (N, C_in, H, W, C_out, k)
-    "compute-bound": (4, 32, 256, 256, 64, 3),
-    "overhead-bound": (1, 8, 64, 64, 8, 3),
+SHAPES = {  # name: (N, C_in, H, W, C_out, k, input layout)
+    "compute-bound": (4, 32, 256, 256, 64, 3, torch.contiguous_format),
+    "compute-bound CL": (4, 32, 256, 256, 64, 3, torch.channels_last),  # the same, channels_last input
+    "overhead-bound": (1, 8, 64, 64, 8, 3, torch.contiguous_format),
 }
 
 
@@ -108,29 +112,39 @@ def timed(fn, iters):
 
 
 # issue 13 targets (same run, 2 ranks): tplayers / ShardTensor, and tplayers / (one-process time / 2)
-TARGETS = {"compute-bound": {"st": 0.55, "half": 1.15}, "overhead-bound": {"st": 0.50}}
+TARGETS = {"compute-bound": {"st": 0.55, "half": 1.15}, "compute-bound CL": {"st": 0.55, "half": 1.15},
+           "overhead-bound": {"st": 0.50}}
 
 
 def speed_table(mesh, rank, world, repeats, st):
     if rank == 0:
         print("\n## 2-rank forward+backward (ms, median of interleaved repeats)")
-        print("tplayers: DistributedConv2d (default: the halo exchange, then one convolution);")
-        print("overlap: overlap_halo=True (interior rows convolved while the halo flies, then the edges)")
-        print("floor: each rank's local convolution alone (halo-padded slab, the twin's layout, no communication)")
-        print(f"{'shape':16s} {'tplayers':>9s} {'overlap':>9s} {'ShardTensor':>12s} {'nn.Conv2d 1 proc':>17s} {'floor':>7s}")
+        print("tplayers: DistributedConv2d (default: the halo exchange, then one convolution in the input's layout;")
+        print("  the output in the layout nn.Conv2d gives: contiguous in -> contiguous out, channels_last -> channels_last)")
+        print("tpl CL: memory_format=torch.channels_last (channels_last convolution, output converted back; contiguous")
+        print("  input only); overlap: overlap_halo=True (interior rows convolved while the halo flies, then the edges)")
+        print("floor: each rank's local convolution alone (halo-padded slab, no communication), fwd+bwd, in the layout")
+        print("  the twin convolves in (the input's); floor NCHW / floor CL: the same slab contiguous / channels_last")
+        print("ShardTensor and nn.Conv2d 1 proc get the same input layout")
+        print(f"{'shape':17s} {'tplayers':>9s} {'tpl CL':>8s} {'overlap':>9s} {'ShardTensor':>12s} {'nn.Conv2d 1 proc':>17s} "
+              f"{'floor':>7s} {'fl NCHW':>8s} {'fl CL':>7s}")
     rows = []
-    for name, (n, c, h, w, co, k) in SHAPES.items():
+    for name, (n, c, h, w, co, k, fmt) in SHAPES.items():
         torch.manual_seed(0)
         serial = nn.Conv2d(c, co, k, padding=k // 2)
         conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh)
+        conv_cl = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, memory_format=torch.channels_last)
         overlapped = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, overlap_halo=True)
-        x = torch.randn(n, c, h, w)
-        local = x.chunk(world, dim=2)[rank].clone().requires_grad_(True)  # torch.chunk == balanced here
-        xs = x.clone().requires_grad_(True)
-        iters = 2 if name == "compute-bound" else 40
+        x = torch.randn(n, c, h, w).contiguous(memory_format=fmt)
+        local = x.chunk(world, dim=2)[rank].clone(memory_format=fmt).requires_grad_(True)  # chunk == balanced here
+        xs = x.clone(memory_format=fmt).requires_grad_(True)
+        iters = 2 if name.startswith("compute-bound") else 40
 
         def step_tpl():
             conv(local).sum().backward()
+
+        def step_tpl_cl():
+            conv_cl(local).sum().backward()
 
         def step_overlap():
             overlapped(local).sum().backward()
@@ -139,16 +153,17 @@ def speed_table(mesh, rank, world, repeats, st):
             if rank == 0:  # one process does the whole conv; the other waits at the barrier
                 serial(xs).sum().backward()
 
-        # the floor: this rank's convolution alone on a slab of the halo-padded size, in the layout
-        # the twin convolves in (channels_last from 16 channels, else contiguous), no communication
-        # (no halo scheme beats it)
-        fmt = conv.memory_format
-        slab = torch.randn(n, c, local.shape[2] + 2 * (k // 2), w).contiguous(memory_format=fmt)
-        slab.requires_grad_(True)
-        w_cl = serial.weight.detach().contiguous(memory_format=fmt).requires_grad_(True)
+        # the floor: this rank's convolution alone on a slab of the halo-padded size, no communication
+        # (no halo scheme over that convolution beats it): in the input's layout (the twin's), and in both
+        floors = {}
+        for key, layout in (("floor", fmt), ("floor_nchw", torch.contiguous_format), ("floor_cl", torch.channels_last)):
+            slab = torch.randn(n, c, local.shape[2] + 2 * (k // 2), w).contiguous(memory_format=layout)
+            weight_f = serial.weight.detach().clone().requires_grad_(True)
 
-        def step_floor():
-            F.conv2d(slab, w_cl, serial.bias, padding=(0, k // 2)).sum().backward()
+            def step_floor(slab=slab.requires_grad_(True), weight_f=weight_f):
+                F.conv2d(slab, weight_f, serial.bias, padding=(0, k // 2)).sum().backward()
+
+            floors[key] = step_floor
 
         step_st = None
         if st is not None:
@@ -161,13 +176,16 @@ def speed_table(mesh, rank, world, repeats, st):
 
         with torch.no_grad():  # every distributed result is checked against the serial conv first
             ref = serial(x).chunk(world, dim=2)[rank]
-            torch.testing.assert_close(conv(local), ref, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(overlapped(local), ref, rtol=1e-4, atol=1e-4)
+            for layer in (conv, conv_cl, overlapped):
+                y = layer(local)
+                torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+                assert y.is_contiguous(memory_format=fmt), "the output keeps nn.Conv2d's layout"
             if st is not None:
                 t = ShardTensor.from_local(local, mesh, [Shard(2)], sharding_shapes="chunk", global_shape=x.shape)
                 torch.testing.assert_close(F.conv2d(t, weight, bias, padding=k // 2).to_local(), ref,
                                            rtol=1e-4, atol=1e-4)
-        steps = {"tpl": step_tpl, "overlap": step_overlap, "st": step_st, "serial": step_serial, "floor": step_floor}
+        steps = {"tpl": step_tpl, "tpl_cl": step_tpl_cl if fmt == torch.contiguous_format else None,
+                 "overlap": step_overlap, "st": step_st, "serial": step_serial, **floors}
         for fn in filter(None, steps.values()):
             fn()  # warm-up (and the layout exchange)
         times = {key: [] for key in steps}
@@ -178,25 +196,30 @@ def speed_table(mesh, rank, world, repeats, st):
         med = {key: statistics.median(v) * 1e3 if v else float("nan") for key, v in times.items()}
         rows.append((name, med))
         if rank == 0:
-            print(f"{name:16s} {med['tpl']:9.2f} {med['overlap']:9.2f} {med['st']:12.2f} {med['serial']:17.2f} "
-                  f"{med['floor']:7.2f}   "
-                  f"(input {n}x{c}x{h}x{w}, {co} out, {k}x{k})")
+            print(f"{name:17s} {med['tpl']:9.2f} {med['tpl_cl']:8.2f} {med['overlap']:9.2f} {med['st']:12.2f} "
+                  f"{med['serial']:17.2f} {med['floor']:7.2f} {med['floor_nchw']:8.2f} {med['floor_cl']:7.2f}   "
+                  f"(input {n}x{c}x{h}x{w} {'channels_last' if fmt == torch.channels_last else 'contiguous'}, "
+                  f"{co} out, {k}x{k})")
     if rank == 0:
         print("\n## Ratios vs the issue-13 targets (same run)")
-        print(f"{'shape':16s} {'ratio':28s} {'value':>6s} {'target':>8s}  met")
+        print(f"{'shape':17s} {'ratio':28s} {'value':>6s} {'target':>8s}  met")
         for name, med in rows:
             target = TARGETS[name]
             checks = [("tplayers / ShardTensor", med["tpl"] / med["st"], "st"),
                       ("tplayers / (1 proc / 2)", med["tpl"] / (med["serial"] / world), "half"),
+                      ("tpl CL / tplayers", med["tpl_cl"] / med["tpl"], None),
                       ("overlap / ShardTensor", med["overlap"] / med["st"], None),
                       ("overlap / tplayers", med["overlap"] / med["tpl"], None),
                       ("floor / ShardTensor", med["floor"] / med["st"], None),
+                      ("floor CL / ShardTensor", med["floor_cl"] / med["st"], None),
                       ("tplayers / floor", med["tpl"] / med["floor"], None)]
             for label, value, key in checks:
+                if value != value:
+                    continue  # not measured for this shape
                 limit = target.get(key) if key else None
-                met = "" if limit is None or value != value else ("yes" if value <= limit else "NO")
+                met = "" if limit is None else ("yes" if value <= limit else "NO")
                 shown = f"<= {limit:.2f}" if limit is not None else "-"
-                print(f"{name:16s} {label:28s} {value:6.2f} {shown:>8s}  {met}")
+                print(f"{name:17s} {label:28s} {value:6.2f} {shown:>8s}  {met}")
 
 
 def triton_table(rank):

@@ -52,7 +52,7 @@ def main():
     with torch.no_grad():
         torch.testing.assert_close(conv(local), serial(x).chunk(world, dim=2)[rank], rtol=1e-4, atol=1e-4)
 
-    fmt = conv.memory_format
+    fmt = conv.memory_format or torch.contiguous_format  # None: the input's layout (contiguous here)
     slab = torch.randn(n, c, h // world + 2 * (k // 2), w).contiguous(memory_format=fmt).requires_grad_(True)
     weight = serial.weight.detach().contiguous(memory_format=fmt).requires_grad_(True)
     bias = serial.bias.detach().clone().requires_grad_(True)

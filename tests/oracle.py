@@ -76,3 +76,20 @@ def assert_local_slices(parallel: torch.nn.Module, serial: torch.nn.Module, *, g
         assert (got is None) == (want is None), f"{key}: gradient presence differs"
         if got is not None:
             torch.testing.assert_close(got, lt.spec.take(want), msg=lambda m: f"{key}: {m}", **tol)
+
+
+def memory_layout(t: torch.Tensor) -> str:
+    """'cl' (channels-last 4-D / 5-D, not also plainly contiguous), 'contiguous' (not also
+    channels-last), 'both' (e.g. one channel, or 1x1 spatial; an empty tensor), or 'other'."""
+    if t.numel() == 0:
+        return "both"
+    cl = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    is_cl, is_plain = cl is not None and t.is_contiguous(memory_format=cl), t.is_contiguous()
+    return "both" if is_cl and is_plain else "cl" if is_cl else "contiguous" if is_plain else "other"
+
+
+def same_layout(local: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Whether ``local`` (a shard) is laid out as ``ref`` (the serial result) is: a tensor that is
+    both layouts at once (ambiguous) matches either."""
+    a, b = memory_layout(local), memory_layout(ref)
+    return a == b or "both" in (a, b)

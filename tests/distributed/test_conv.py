@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
 from harness import run_ranks
-from oracle import same_on_all_ranks
+from oracle import memory_layout as layout, same_layout, same_on_all_ranks
 from tplayers.window_plan import conv_out_len, conv_window, plan_windows
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 
@@ -91,6 +91,7 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count, overlap=False):
             ys = serial(xs)
             with tplayers.count_collectives() as log:
                 yp = conv(xp)
+                assert same_layout(yp, ys), (args, fmt, xp.stride(), yp.stride(), layout(ys))  # nn.Conv2d's
                 yg = tplayers.gather(yp, shard_dims, mesh)
                 torch.testing.assert_close(yg, ys, **TIGHT, msg=lambda m: f"{args} {layouts}: {m}")
                 cot = torch.randn_like(ys)
@@ -105,6 +106,7 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count, overlap=False):
             nparam = sum(p.numel() for p in conv.parameters()) * 8
             assert all(r.nbytes == nparam for r in grad_msgs), (grad_msgs, nparam)
             same_on_all_ranks(conv.weight.grad)
+            assert same_layout(xp.grad, xs.grad), (args, fmt, xp.shape, xp.stride(), xp.grad.stride(), xs.grad.stride())
             gx = tplayers.gather(xp.grad, shard_dims, mesh)
             torch.testing.assert_close(gx, xs.grad, **TIGHT, msg=lambda m: f"{args} {layouts}: {m}")
             torch.testing.assert_close(conv.weight.grad, serial.weight.grad, **TIGHT, msg=lambda m: f"{args} {layouts} step {step}: {m}")

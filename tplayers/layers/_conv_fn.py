@@ -26,7 +26,7 @@ from tplayers.comm.halo import halo_adjoint, halo_pad
 from tplayers.comm.route import HaloRoute, halo_route
 from tplayers.window_plan import AxisPlan
 
-__all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "halo_conv"]
+__all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "halo_conv", "in_format"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +50,7 @@ class ConvSpec:
     rest: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # prepare's padding of other dims (None: none)
     overlap: bool = False  # exchange overlapped with compute (layers._conv_overlap); the same on every rank
     plain: bool = False  # prepare is the identity (no boundary rows, no trim, no padding of other dims)
+    out_format: torch.memory_format = torch.contiguous_format  # the output's layout (nn.ConvNd's for the input)
     # derived once here, so that no step repeats them (per-call cost is the overhead-bound regime's whole budget)
     order: "_Order" = field(init=False, repr=False)  # the convolution on spatially permuted views
     route: HaloRoute = field(init=False, repr=False)  # the fused dim's neighbours
@@ -89,12 +90,19 @@ class _ConvCompute(torch.autograd.Function):
         if spec.empty:
             return xp.new_zeros(spec.out_shape)
         p = spec.order
-        return p.back(spec.conv(p.fwd(xp if spec.plain else spec.prepare(xp)), p.fwd(weight), bias, p.stride,
-                                p.padding, p.dilation, spec.groups))
+        y = p.back(spec.conv(p.fwd(xp if spec.plain else spec.prepare(xp)), p.fwd(weight), bias, p.stride,
+                             p.padding, p.dilation, spec.groups))
+        return in_format(y, spec.out_format)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None, None, None, None
+
+
+def in_format(y: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+    """``y`` in ``memory_format`` (itself when already so laid out: the convolution ran in the
+    output's layout; else one copy, e.g. a convolution in another layout than the input's)."""
+    return y if y.is_contiguous(memory_format=memory_format) else y.contiguous(memory_format=memory_format)
 
 
 class HaloConvFunction(torch.autograd.Function):

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tplayers.comm.halo import HaloState, halo_adjoint, halo_pad, halo_state
-from tplayers.layers._conv_fn import ConvSpec, _compiled_backward, _Order, _pair_backward, _reduce_backward
+from tplayers.layers._conv_fn import ConvSpec, _compiled_backward, _Order, _pair_backward, _reduce_backward, in_format
 from tplayers.window_plan import RowSplit, split_rows
 
 __all__ = ["HaloConvOverlap", "HaloConvSave", "conv_split", "overlapped_conv", "overlapped_forward"]
@@ -76,7 +76,14 @@ def overlapped_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
                 a, b = split.extended(o0, o1)
                 pieces[key] = _conv(spec, order, xc.narrow(dim, a, b - a), weight, bias)
     out = [pieces[k] for k in ("lo", "mid", "hi") if k in pieces]
-    y = out[0] if len(out) == 1 else torch.cat(out, dim)
+    if len(out) == 1:
+        return in_format(out[0], spec.out_format), xp, state
+    # the pieces assembled straight into the output's layout (a layout change rides on this copy)
+    y = torch.empty(spec.out_shape, dtype=out[0].dtype, device=out[0].device, memory_format=spec.out_format)
+    at = 0
+    for piece in out:
+        y.narrow(dim, at, piece.size(dim)).copy_(piece)
+        at += piece.size(dim)
     return y, xp, state
 
 

@@ -3,7 +3,8 @@
 ``DistributedConv1d/2d/3d`` take every ``nn.ConvNd`` argument (same defaults) plus
 ``mesh``, ``shard_dims`` (dims of the ``(N, C, *spatial)`` input; one per mesh
 dim, e.g. ``(2,)`` = L / H / D, ``(2, 3)`` over a 2-D mesh) and
-``memory_format``. Input and output are plain local tensors, this rank's slice
+``memory_format`` (the local convolution's layout; the output keeps ``nn.ConvNd``'s, see
+:func:`serial_format`). Input and output are plain local tensors, this rank's slice
 along the sharded dims; gathering the outputs gives ``nn.ConvNd`` on the
 gathered input, and every gradient matches.
 
@@ -23,6 +24,7 @@ gloo, where a halo message is short next to the extra passes over memory the spl
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -39,12 +41,38 @@ from tplayers.layers._conv_overlap import overlapped_conv
 from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
 from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows
 
-__all__ = ["DistributedConv1d", "DistributedConv2d", "DistributedConv3d", "AUTO_CHANNELS_LAST_MIN"]
+__all__ = ["DistributedConv1d", "DistributedConv2d", "DistributedConv3d"]
 
-# memory_format=None: channels_last from this many channels per group (in and out), plain below.
-AUTO_CHANNELS_LAST_MIN = 16
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CL = {2: torch.channels_last, 3: torch.channels_last_3d}
+
+
+def _is_cl(t: torch.Tensor) -> bool:
+    """Whether PyTorch suggests channels-last for ``t``: its strides read as ``suggest_memory_format``
+    reads them (C, then the spatial dims last to first, then N, non-decreasing; ambiguous cases
+    such as a trivial C default to contiguous), except that an empty shard (0 local rows) is read by
+    its strides alone, as the non-empty tensor it was cut from (the serial layer sees that one)."""
+    sizes, strides = t.shape, t.stride()
+    if strides[1] == 0:
+        return False
+    low = 0
+    for d in (1,) + tuple(range(t.dim() - 1, 1, -1)) + (0,):
+        if strides[d] < low or (d == 0 and low == strides[1]):
+            return False
+        low = strides[d] * max(sizes[d], 1)
+    return True
+
+
+def serial_format(x: torch.Tensor, weight: torch.Tensor, spatial: int, padding_mode: str) -> torch.memory_format:
+    """The layout ``nn.ConvNd`` gives its output for ``x`` and ``weight``: channels-last (2-D / 3-D)
+    when either is channels-last, else contiguous. As there: circular padding hands the
+    convolution a contiguous padded input (only the weight counts), and the CPU's 3-D kernel for
+    other dtypes than float32 / bfloat16 / float16 (no oneDNN) returns contiguous in any case."""
+    if spatial == 1 or not ((padding_mode != "circular" and _is_cl(x)) or _is_cl(weight)):
+        return torch.contiguous_format
+    if spatial == 3 and x.device.type == "cpu" and x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return torch.contiguous_format
+    return _CL[spatial]
 
 
 class _DistributedConvNd(ConvParameters, DomainLayer):
@@ -75,14 +103,12 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
                              f"{self.kernel_size}, {self.stride}, {self.dilation}")
         self.padding, self.padding_mode = padding, padding_mode
         self._pads = self._resolve_padding(padding)
-        if memory_format is None:
-            narrow = min(in_channels, out_channels) // groups < AUTO_CHANNELS_LAST_MIN
-            memory_format = torch.contiguous_format if narrow or n == 1 else torch.channels_last
-        if memory_format not in (torch.channels_last, torch.contiguous_format, torch.channels_last_3d):
+        if memory_format not in (None, torch.channels_last, torch.contiguous_format, torch.channels_last_3d):
             raise ValueError(f"{name}: memory_format must be None, torch.channels_last or torch.contiguous_format, "
                              f"got {memory_format}")
-        self.memory_format = _CL.get(n, torch.contiguous_format) if memory_format != torch.contiguous_format \
-            else memory_format
+        # None: per call, the layout nn.ConvNd would give the output (no layout conversion at all)
+        self.memory_format = memory_format if memory_format in (None, torch.contiguous_format) else \
+            _CL.get(n, torch.contiguous_format)
         self._init_domain(mesh, shard_dims)
         self._make_parameters((out_channels, in_channels // groups) + self.kernel_size, out_channels, bias, device,
                               dtype)
@@ -166,21 +192,28 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
                 conv_pad.append(0)
                 extra.append((2 + i, lo, hi))
         prepare = functools.partial(_prepare, dim=last, plan=plans[last], mode=self.padding_mode, extra=tuple(extra))
-        spec = ConvSpec(last, self._group_of(last), plans[last], self.padding_mode == "circular", self.memory_format,
-                        prepare, _CONV[self.spatial], self.stride, tuple(conv_pad), self.dilation, self.groups,
-                        tuple(out_shape), tuple(self._groups), conv_order(tuple(shape), like),
+        spec = ConvSpec(last, self._group_of(last), plans[last], self.padding_mode == "circular",
+                        torch.contiguous_format, prepare, _CONV[self.spatial], self.stride, tuple(conv_pad),
+                        self.dilation, self.groups, tuple(out_shape), tuple(self._groups),
+                        conv_order(tuple(shape), like),
                         functools.partial(_pad_rest, mode=self.padding_mode, extra=tuple(extra)) if extra else None,
                         overlap=self.overlap_halo,
-                        plain=not extra and plans[last].boundary == (0, 0) and plans[last].trim == (0, 0))
-        return {d: plans[d] for d in self.shard_dims[:-1]}, spec
+                        plain=not extra and plans[last].boundary == (0, 0) and plans[last].trim == (0, 0),
+                        out_format=torch.contiguous_format)
+        # one spec per (convolution layout, output layout): the layout is chosen per call from the input
+        formats = (torch.contiguous_format,) + ((_CL[self.spatial],) if self.spatial > 1 else ())
+        specs = {(f, o): dataclasses.replace(spec, memory_format=f, out_format=o) for f in formats for o in formats}
+        return {d: plans[d] for d in self.shard_dims[:-1]}, spec, specs  # spec: the plain-layout one
 
     # ----------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # under torch.autocast: compute (and exchange halos) in the autocast dtype, as nn.ConvNd does
         x, weight, bias = autocast_inputs(x, self.weight, self.bias)
-        first, spec = self._layout(x, weight)  # validated on every rank before any halo traffic
+        first, _, specs = self._layout(x, weight)  # validated on every rank before any halo traffic
+        out_format = serial_format(x, weight, self.spatial, self.padding_mode)  # the output's layout is nn.ConvNd's
+        spec = specs[(out_format if self.memory_format is None else self.memory_format, out_format)]
         for d, plan in first.items():  # a 2-D mesh: the first dim's exchange, corners ride on the next
-            x = gather_rows(x, d, self._group_of(d), plan, self.padding_mode, memory_format=self.memory_format)
+            x = gather_rows(x, d, self._group_of(d), plan, self.padding_mode, memory_format=spec.memory_format)
         # (N, C_in, *local rows) -> (N, C_out, *owned output rows)
         return (overlapped_conv if spec.overlap else halo_conv)(x, weight, bias, spec)
 
@@ -246,9 +279,13 @@ class DistributedConv2d(_DistributedConvNd):
 
     ``padding_mode``: "zeros", "circular" (a periodic domain), "reflect", "replicate".
     ``memory_format`` (keyword, beyond ``nn.Conv2d``'s arguments): layout of the halo-padded
-    buffer, hence of the convolution and its output. ``None`` ("auto") picks
-    ``torch.channels_last`` when ``in_channels // groups`` and ``out_channels // groups`` are both at
-    least ``AUTO_CHANNELS_LAST_MIN`` (16), else ``torch.contiguous_format``. Under ``torch.autocast``
+    buffer, hence of the local convolution. The output always has the layout ``nn.Conv2d`` gives
+    for the same input and weight (contiguous in -> contiguous out, channels_last in ->
+    channels_last out), and the input gradient the input's. ``None`` (default) convolves in that
+    layout, so nothing is converted; ``torch.channels_last`` / ``torch.contiguous_format`` force
+    the convolution's layout and convert the output back when it differs (one copy; measured on
+    one CPU core: for a contiguous input the channels_last convolution's gain is eaten by the
+    conversions from 16 channels up, ``benchmarks/conv_halo.py`` "tpl CL"). Under ``torch.autocast``
     it computes in the autocast dtype as ``nn.Conv2d`` does, and the halo messages and gradient
     sums carry that dtype. A partition whose
     shards cannot supply their neighbours' halos raises ``ValueError`` on every rank before any
