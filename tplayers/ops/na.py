@@ -1,4 +1,8 @@
-"""2-D neighborhood attention with NATTEN's semantics: the torch reference path.
+"""2-D neighborhood attention with NATTEN's semantics.
+
+On fp32/fp64 CPU tensors the work runs on the compiled kernel of :mod:`tplayers.ops.na_cpu`
+(when a C compiler is available; ``TPLAYERS_NA_KERNEL`` chooses), elsewhere on the torch tile
+kernel described here; both give NATTEN's exact window.
 
 :func:`na2d` is the public functional (``tplayers.na2d``). The work is tiled:
 ``tH x tW`` queries of one dilation group share a key region of

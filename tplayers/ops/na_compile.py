@@ -4,8 +4,9 @@ The tile kernel (:class:`~tplayers.ops.na_kernel.TileAttention`) builds its inde
 from the geometry with torch ops and reads them on the host, which ``torch.compile`` cannot
 trace. While compiling, :func:`~tplayers.ops.na.neighborhood_attention_2d` calls these ops
 instead: each is one opaque node of the graph, its arguments the tensors and the geometry as
-ints; the eager body builds (and caches) the same tables and runs the same kernel, so the
-results are bitwise those of eager mode. ``tplayers::na2d_tiles`` is the forward,
+ints; the eager body builds (and caches) the same tables and runs the same kernel as eager
+mode (the compiled C kernel of :mod:`~tplayers.ops.na_cpu` for fp32/fp64 CPU tensors, else the
+tile kernel), so the results are bitwise those of eager mode. ``tplayers::na2d_tiles`` is the forward,
 ``tplayers::na2d_tiles_backward`` its backward (registered as its autograd formula).
 
 Example::
