@@ -6,8 +6,9 @@ exact window (fp rounding may differ). The C kernel is used for CPU tensors of f
 the system C compiler can build it; ``TPLAYERS_NA_KERNEL=torch`` asks for the tile kernel,
 ``TPLAYERS_NA_KERNEL=c`` for the C kernel (an error when it cannot be built or does not apply).
 
-The source ships in the package. On the first CPU call (never at import) it is compiled with
-``$CC`` (else ``cc``), ``-O3 -march=native -shared -fPIC``, once per element type, into
+The source (``na_cpu.c`` and ``na_cpu_blocks.h``) ships in the package. On the first CPU call
+(never at import) it is compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -shared
+-fPIC``, once per element type, into
 ``$TPLAYERS_CACHE`` (else ``~/.cache/tplayers``) under a name hashed from the source, the compiler,
 its version, the flags and the CPU's model and flags; it is written under a temporary name and
 renamed into place, so processes compiling at once are safe. It is loaded with ``ctypes`` and
@@ -46,6 +47,8 @@ from tplayers.ops.na_layout import axis_tiles
 __all__ = ["use_c_kernel", "kernel_choice", "load_library", "cache_dir", "c_forward", "c_backward", "CAttention"]
 
 SOURCE = Path(__file__).with_name("na_cpu.c")
+#: every file of the kernel (the hash of the built library covers them all)
+SOURCES = (SOURCE, Path(__file__).with_name("na_cpu_blocks.h"))
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}
 #: the window slots per axis the kernel's block tables hold (kernels above it use the tile kernel)
@@ -88,7 +91,7 @@ def load_library(dtype: torch.dtype) -> ctypes.CDLL:
     cc_path = shutil.which(cc)
     if cc_path is None:
         raise RuntimeError(f"the C na2d kernel needs a C compiler: {cc!r} ($CC or cc) is not on PATH")
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     flags = FLAGS + defines
     try:
         version = subprocess.run([cc_path, "--version"], capture_output=True, timeout=60).stdout

@@ -1,0 +1,332 @@
+/* Building blocks of na_cpu.c (included by it, once per element type): the vector type and its
+ * helpers, the exp, a block's lanes and key addressing, the score / softmax / value loops, the
+ * plane transposes and the scratch layout. See na_cpu.c for the layout and the algorithm. */
+#ifndef NA_CPU_BLOCKS_H
+#define NA_CPU_BLOCKS_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef NA_DOUBLE
+typedef double T;
+typedef int64_t IT;
+#define L 8
+#else
+typedef float T;
+typedef int32_t IT;
+#define L 16
+#endif
+typedef T vt __attribute__((vector_size(L * sizeof(T))));
+typedef IT vi __attribute__((vector_size(L * sizeof(IT))));
+#define G 8  /* score accumulators per pass (keys at a time) */
+#define GV 8 /* output-channel accumulators per pass (8 measured ~10% faster than 4) */
+#define INL static inline __attribute__((always_inline))
+
+INL vt ld(const T *p) { vt v; memcpy(&v, p, sizeof v); return v; }
+INL void st(T *p, vt v) { memcpy(p, &v, sizeof v); }
+INL vt splat(T x) { return (vt){0} + x; }
+INL vt vsel(vi m, vt a, vt b) { return (vt)(((vi)a & m) | ((vi)b & ~m)); }
+INL vt vmax(vt a, vt b) { return vsel(a > b, a, b); }
+
+/* exp on a vector (Cody-Waite reduction, Taylor polynomial on [-ln2/2, ln2/2]); exactly 0 below
+ * the underflow threshold (masked keys carry -inf). */
+INL vt vexp(vt x) {
+#ifdef NA_DOUBLE
+    const T lo = -708.0, hi_ln2 = 6.93147180369123816490e-01, lo_ln2 = 1.90821492927058770002e-10;
+    static const T c[] = {1.0 / 6227020800, 1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880,
+                          1.0 / 40320, 1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5, 1.0, 1.0};
+    const int nc = 14, bias = 1023, mant = 52;
+#else
+    const T lo = -87.0f, hi_ln2 = 0.693359375f, lo_ln2 = -2.12194440e-4f;
+    static const T c[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}; /* |err| < 1.2e-7 */
+    const int nc = 7, bias = 127, mant = 23;
+#endif
+    vi keep = x >= lo;
+    x = vsel(keep, x, splat(lo));
+    vt t = x * (T)1.44269504088896340736 - (T)0.5;
+    vi n = __builtin_convertvector(t, vi); /* truncation of t - 0.5 (t <= ~0): round to nearest */
+    vt nf = __builtin_convertvector(n, vt);
+    vt r = x - nf * hi_ln2 - nf * lo_ln2;
+    vt p = splat(c[0]);
+    for (int i = 1; i < nc; i++) p = p * r + c[i];
+    vi scale = (n + bias) << mant;
+    return (vt)((vi)(p * (vt)scale) & keep);
+}
+
+/* One block: n consecutive queries of a row in L lanes (spare lanes repeat the last query).
+ * Lane t of slot b reads key column base_b + perm[t]; mode 0: perm is 0..L-1 (a plain load),
+ * mode 1: a shuffle of the L columns from base_b. */
+typedef struct {
+    int mode, n, layers; /* layers: scatter-add rounds (mode 1): lanes sharing a key add in turn */
+    vi perm, live;       /* live: -1 on the n real lanes */
+    vi inv[L], has[L];   /* round r: key lane u takes lane inv[r][u] where has[r][u] is -1 */
+} Lanes;
+
+INL vt kload(const T *p, int mode, const Lanes *ln) {
+    if (mode == 0) return ld(p);
+#ifdef __clang__
+    vt v = ld(p), r;
+    for (int t = 0; t < L; t++) r[t] = v[ln->perm[t]];
+    return r;
+#else
+    return __builtin_shuffle(ld(p), ln->perm);
+#endif
+}
+
+/* lanes of x moved by a two-register shuffle mask m (entries >= L give 0) */
+INL vt shift2(vt x, vi m) {
+#ifdef __clang__
+    vt r;
+    for (int u = 0; u < L; u++) r[u] = m[u] < L ? x[m[u]] : 0;
+    return r;
+#else
+    return __builtin_shuffle(x, (vt){0}, m);
+#endif
+}
+
+/* p[key column of lane t] += x[t] for the live lanes (x is 0 on the others) */
+INL void kadd(T *p, vt x, int mode, const Lanes *ln) {
+    vt acc = ld(p);
+    if (mode == 0) { st(p, acc + x); return; }
+    for (int r = 0; r < ln->layers; r++) {
+#ifdef __clang__
+        vt y; for (int u = 0; u < L; u++) y[u] = x[ln->inv[r][u]];
+#else
+        vt y = __builtin_shuffle(x, ln->inv[r]);
+#endif
+        acc += (vt)((vi)y & ln->has[r]);
+    }
+    st(p, acc);
+}
+
+typedef struct {
+    int B, heads, Hq, Wq, Hk, Wk, D, Dv, kh, kw, nk, nkp, tw; /* tw: bias table width (2kW-1) */
+    long kp; /* row pitch of the key planes (see key_pitch) */
+    const int32_t *rows, *cols; /* (3, Hq, kh), (3, Wq, kw) */
+    const T *table;             /* (heads, 2kH-1, 2kW-1) or NULL */
+    T scale;
+} Geo;
+
+/* the block of queries starting at column j0: as many (<= L) as share one shuffle pattern;
+ * base[b]: slot b's first key column */
+static void block_lanes(const Geo *g, int j0, Lanes *ln, long *base) {
+    const int32_t *kc = g->cols;
+    int n = g->Wq - j0 < L ? g->Wq - j0 : L, mn = 0;
+    for (; n > 1; n--) { /* the shifts must not depend on the slot and must span < L columns */
+        int ok = 1, mx = 0;
+        mn = 0;
+        for (int t = 1; t < n && ok; t++) {
+            int d = kc[(j0 + t) * g->kw] - kc[j0 * g->kw];
+            for (int b = 1; b < g->kw; b++) ok &= kc[(j0 + t) * g->kw + b] - kc[j0 * g->kw + b] == d;
+            mn = d < mn ? d : mn;
+            mx = d > mx ? d : mx;
+        }
+        if (ok && mx - mn < L) break;
+    }
+    if (n == 1) mn = 0;
+    ln->n = n;
+    int ident = n == L;
+    for (int t = 0; t < L; t++) {
+        int j = j0 + (t < n ? t : n - 1);
+        ln->perm[t] = kc[j * g->kw] - kc[j0 * g->kw] - mn;
+        ln->live[t] = t < n ? -1 : 0;
+        ident &= ln->perm[t] == t;
+    }
+    for (int b = 0; b < g->kw; b++) base[b] = kc[j0 * g->kw + b] + mn;
+    ln->mode = ident ? 0 : 1;
+    ln->layers = 0;
+    if (!ident) { /* round r takes the r-th live lane of each key lane u */
+        int count[L] = {0};
+        for (int r = 0; r < L; r++) { ln->inv[r] = (vi){0}; ln->has[r] = (vi){0}; }
+        for (int t = 0; t < n; t++) {
+            int u = ln->perm[t], r = count[u]++;
+            ln->inv[r][u] = t;
+            ln->has[r][u] = -1;
+            if (r + 1 > ln->layers) ln->layers = r + 1;
+        }
+    }
+}
+
+/* additive window mask (-inf: causal) and bias of a block, add[ab] over lanes; 0 when all zero */
+static int block_add(const Geo *g, int i, int j0, int h, const Lanes *ln, vt *add) {
+    const int32_t *vr = g->rows + g->Hq * g->kh, *rr = g->rows + 2 * g->Hq * g->kh;
+    const int32_t *vc = g->cols + g->Wq * g->kw, *rc = g->cols + 2 * g->Wq * g->kw;
+    int any = g->table != NULL;
+    for (int a = 0; a < g->kh && !any; a++) any = !vr[i * g->kh + a];
+    for (int t = 0; t < ln->n && !any; t++)
+        for (int b = 0; b < g->kw; b++) any |= !vc[(j0 + t) * g->kw + b];
+    if (!any) return 0;
+    const T *tab = g->table ? g->table + (size_t)h * (2 * g->kh - 1) * g->tw : NULL;
+    for (int a = 0; a < g->kh; a++)
+        for (int b = 0; b < g->kw; b++) {
+            vt x;
+            for (int t = 0; t < L; t++) {
+                int j = j0 + (t < ln->n ? t : ln->n - 1);
+                int ok = vr[i * g->kh + a] && vc[j * g->kw + b];
+                x[t] = !ok ? -INFINITY : tab ? tab[rr[i * g->kh + a] * g->tw + rc[j * g->kw + b]] : 0;
+            }
+            add[a * g->kw + b] = x;
+        }
+    return 1;
+}
+
+/* s[ab] = sum_c x[c] * y[c][key ab] over C channels; x rows at stride xs, y rows at stride ys */
+INL void scores(int mode, const Lanes *ln, int nkp, int C, const T *x, long xs, const T *y, long ys,
+                const long *off, vt *s) {
+    for (int ab = 0; ab < nkp; ab += G) {
+        vt acc[G] = {0};
+        for (int c = 0; c < C; c++) {
+            vt xv = ld(x + c * xs);
+            for (int q = 0; q < G; q++) acc[q] += xv * kload(y + off[ab + q] + c * ys, mode, ln);
+        }
+        for (int q = 0; q < G; q++) s[ab + q] = acc[q];
+    }
+}
+
+/* out[c] = mul * sum_ab p[ab] * y[c][key ab] for C channels, out rows at stride os; n lanes stored */
+INL void apply(int mode, const Lanes *ln, int nk, int C, const vt *p, const T *y, long ys, const long *off,
+               T *out, long os, vt mul) {
+    for (int c0 = 0; c0 < C; c0 += GV) {
+        vt acc[GV] = {0};
+        long cs[GV];
+        for (int q = 0; q < GV; q++) cs[q] = (c0 + q < C ? c0 + q : C - 1) * ys;
+        for (int ab = 0; ab < nk; ab++)
+            for (int q = 0; q < GV; q++) acc[q] += p[ab] * kload(y + off[ab] + cs[q], mode, ln);
+        for (int q = 0; q < GV && c0 + q < C; q++) {
+            vt r = acc[q] * mul;
+            if (ln->n == L) st(out + (c0 + q) * os, r);
+            else memcpy(out + (c0 + q) * os, &r, ln->n * sizeof(T));
+        }
+    }
+}
+
+/* exp(s - rowmax) in place, over the nk scores of each lane; returns 1 / rowsum */
+INL vt softmax(int nk, vt *s, const vt *add) {
+    if (add)
+        for (int ab = 0; ab < nk; ab++) s[ab] += add[ab];
+    vt m = s[0], l = {0};
+    for (int ab = 1; ab < nk; ab++) m = vmax(m, s[ab]);
+    for (int ab = 0; ab < nk; ab++) { s[ab] = vexp(s[ab] - m); l += s[ab]; }
+    return 1 / l;
+}
+
+/* r[0..L) as an L x L tile, transposed in place: log2(L) rounds swapping off-diagonal blocks */
+INL void transpose_tile(vt *r) {
+#ifdef __clang__
+    T m[L][L];
+    for (int i = 0; i < L; i++) for (int j = 0; j < L; j++) m[j][i] = r[i][j];
+    for (int i = 0; i < L; i++) memcpy(&r[i], m[i], sizeof(vt));
+#else
+    for (int s = L / 2; s >= 1; s /= 2) {
+        vi ma, mb;
+        for (int j = 0; j < L; j++) { ma[j] = (j & s) ? L + j - s : j; mb[j] = (j & s) ? L + j : j + s; }
+        for (int i = 0; i < L; i++)
+            if (!(i & s)) {
+                vt x = r[i], y = r[i + s];
+                r[i] = __builtin_shuffle(x, y, ma);
+                r[i + s] = __builtin_shuffle(x, y, mb);
+            }
+    }
+#endif
+}
+
+/* rows [i0, i1) of plane (b, h) of x into dst (i1 - i0, C, pitch), times mul; x has element strides
+ * xs = (batch, pixel, head, channel). L x L tiles (pixels x channels) transposed in registers;
+ * the rest through a small buffer. */
+__attribute__((optimize("no-tree-loop-distribute-patterns"))) /* no memcpy calls per pixel */
+static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, int W, long pitch, int C, T mul,
+                    T *dst) {
+    const T *src = x + b * xs[0] + h * xs[2];
+    T buf[L * C];
+    for (int i = i0; i < i1; i++)
+        for (int j0 = 0; j0 < W; j0 += L) {
+            int n = W - j0 < L ? W - j0 : L, c0 = 0;
+            T *d0 = dst + (size_t)(i - i0) * C * pitch + j0;
+            if (n == L && xs[3] == 1)
+                for (; c0 + L <= C; c0 += L) {
+                    vt r[L];
+                    for (int t = 0; t < L; t++) {
+                        __builtin_prefetch(src + ((long)i * W + j0 + t + L) * xs[1] + c0); /* next tile */
+                        r[t] = ld(src + ((long)i * W + j0 + t) * xs[1] + c0);
+                    }
+                    transpose_tile(r);
+                    for (int c = 0; c < L; c++) st(d0 + (size_t)(c0 + c) * pitch, r[c] * mul);
+                }
+            if (c0 == C) continue;
+            for (int t = 0; t < n; t++) {
+                const T *p = src + ((long)i * W + j0 + t) * xs[1];
+                for (int c = c0; c < C; c++) buf[t * C + c] = p[c * xs[3]];
+            }
+            for (int c = c0; c < C; c++)
+                for (int t = 0; t < n; t++) d0[(size_t)c * pitch + t] = buf[t * C + c] * mul;
+        }
+}
+
+/* rows [i0, i1) of plane (b, h) of contiguous x (B, H*W, heads*C) from src (i1 - i0, C, pitch) */
+__attribute__((optimize("no-tree-loop-distribute-patterns")))
+static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, int W, int C, int i0, int i1, T *x) {
+    T *dst = x + (size_t)b * H * W * heads * C + (size_t)h * C;
+    T buf[L * C];
+    for (int i = i0; i < i1; i++)
+        for (int j0 = 0; j0 < W; j0 += L) {
+            int n = W - j0 < L ? W - j0 : L, c0 = 0;
+            const T *s0 = src + (size_t)(i - i0) * C * pitch + j0;
+            if (n == L)
+                for (; c0 + L <= C; c0 += L) {
+                    vt r[L];
+                    for (int c = 0; c < L; c++) r[c] = ld(s0 + (size_t)(c0 + c) * pitch);
+                    transpose_tile(r);
+                    for (int t = 0; t < L; t++) st(dst + ((size_t)i * W + j0 + t) * heads * C + c0, r[t]);
+                }
+            if (c0 == C) continue;
+            for (int c = c0; c < C; c++)
+                for (int t = 0; t < n; t++) buf[t * C + c] = s0[(size_t)c * pitch + t];
+            for (int t = 0; t < n; t++) {
+                T *p = dst + ((size_t)i * W + j0 + t) * heads * C;
+                for (int c = c0; c < C; c++) p[c] = buf[t * C + c];
+            }
+        }
+}
+
+static void dense_strides(int H, int W, int heads, int C, long *st) {
+    st[0] = (long)H * W * heads * C; st[1] = (long)heads * C; st[2] = C; st[3] = 1;
+}
+
+/* the blocks of a row (the same for every row): at most Wq of them, malloc'd */
+static Lanes *row_blocks(const void *gp, int *count, long **bases) {
+    const Geo *g = gp;
+    Lanes *blocks = aligned_alloc(_Alignof(Lanes), sizeof(Lanes) * g->Wq); /* vector members */
+    *bases = malloc(sizeof(long) * g->Wq * g->kw);
+    int nb = 0;
+    for (int j0 = 0; j0 < g->Wq; j0 += blocks[nb].n, nb++) block_lanes(g, j0, blocks + nb, *bases + (long)nb * g->kw);
+    *count = nb;
+    return blocks;
+}
+
+/* offset of key (a, b) of query row i in a (Hk, C, Wk) plane, for the block's base columns */
+static void key_offsets(const Geo *g, int i, const long *base, int C, long *off) {
+    for (int a = 0; a < g->kh; a++)
+        for (int b = 0; b < g->kw; b++)
+            off[a * g->kw + b] = (long)g->rows[i * g->kh + a] * C * g->kp + base[b];
+    for (int ab = g->nk; ab < g->nkp; ab++) off[ab] = off[0];
+}
+
+/* key planes' row pitch (padding the rows measured no faster) */
+static long key_pitch(long wk) {
+    return wk;
+}
+
+static Geo make_geo(const int64_t *dims, const int32_t *rows, const int32_t *cols, const T *table, double scale) {
+    Geo g = {(int)dims[0], (int)dims[1], (int)dims[2], (int)dims[3], (int)dims[4], (int)dims[5], (int)dims[6],
+             (int)dims[7], (int)dims[8], (int)dims[9], 0, 0, 0, 0, rows, cols, table, (T)scale};
+    g.nk = g.kh * g.kw;
+    g.nkp = (g.nk + G - 1) / G * G;
+    g.tw = 2 * g.kw - 1;
+    g.kp = key_pitch(g.Wk);
+    return g;
+}
+
+#define PAD (2 * L) /* zeroed elements after each plane buffer: shifted loads may run past a row */
+
+#endif
