@@ -219,3 +219,17 @@ def test_head_dims_of_whole_vectors_fp64(monkeypatch):
                                     rel_pos_bias=ins[3])
     ref = brute_na2d(*ref_in[:3], (3, 5), rpb=ref_in[3])
     assert_out_and_grads(out, ref, ins, ref_in, gen, "d16/dv8", **TIGHT)
+
+
+def test_nan_propagates_exactly_like_the_oracle(monkeypatch):
+    """A NaN in one query makes exactly that query's output NaN, a NaN key exactly the outputs of
+    the queries whose window holds it (the oracle's pattern; the tile kernel spreads a NaN key over
+    its whole tile, since -inf + NaN is NaN)."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(1, 8, 21, 1, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    q[0, 2, 3, 0, 5] = float("nan")
+    k[0, 6, 17, 0, 1] = float("nan")
+    got = torch.isnan(tplayers.na2d(q, k, v, 3))
+    expect = torch.isnan(brute_na2d(q, k, v, (3, 3)))
+    assert expect.any() and torch.equal(got, expect)

@@ -42,7 +42,7 @@ INL vt vexp(vt x) {
     static const T c[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}; /* |err| < 1.2e-7 */
     const int nc = 7, bias = 127, mant = 23;
 #endif
-    vi keep = x >= lo;
+    vi keep = (x >= lo) | (x != x); /* NaN passes through (and comes out NaN, as torch's exp) */
     x = vsel(keep, x, splat(lo));
     vt t = x * (T)1.44269504088896340736 - (T)0.5;
     vi n = __builtin_convertvector(t, vi); /* truncation of t - 0.5 (t <= ~0): round to nearest */
