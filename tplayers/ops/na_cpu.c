@@ -79,6 +79,24 @@ void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, cons
 }
 
 
+/* key row a of one block's dK (or dV): for each of n channels, the kW slot vectors w[a, b] * row[c]
+ * summed in two registers (each moved in by its two-register shuffle sh: the first lane of each key)
+ * and added to the 2L key columns from d (plus the channel's plane offset) with one write */
+INL void add_slots(const Geo *g, int a, int n, const T *row, const vt *w, const vi *sh, T *d) {
+    for (int c = 0; c < n; c++) {
+        vt rv = ld(row + (long)c * g->Wq), lo = {0}, hi = {0};
+        for (int b = 0; b < g->kw; b++) {
+            vt x = w[a * g->kw + b] * rv;
+            lo += shift2(x, sh[2 * b]);
+            hi += shift2(x, sh[2 * b + 1]);
+        }
+        T *dc = d + (long)c * g->kp;
+        st(dc, ld(dc) + lo);
+        st(dc + L, ld(dc + L) + hi);
+    }
+}
+
+
 /* one block's backward (mode constant after inlining) */
 INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int h, const vt *a, const T *qt,
                     const T *kt, const T *vtp, const T *got, const T *delta, T *dqt, T *dkt, T *dvt,
@@ -102,28 +120,8 @@ INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int 
          * moved in by a two-register shuffle: the first lane of each key) and write once; lanes
          * that share a key with an earlier lane (borders) add theirs one by one below */
         for (int a = 0; a < g->kh; a++) {
-            for (int c = 0; c < g->D; c++) {
-                vt qv = ld(qrow + (long)c * g->Wq), lo = {0}, hi = {0};
-                for (int b = 0; b < g->kw; b++) {
-                    vt x = ds[a * g->kw + b] * qv;
-                    lo += shift2(x, sh[2 * b]);
-                    hi += shift2(x, sh[2 * b + 1]);
-                }
-                T *d = dkt + off[a * g->kw] + (long)c * g->kp;
-                st(d, ld(d) + lo);
-                st(d + L, ld(d + L) + hi);
-            }
-            for (int c = 0; c < g->Dv; c++) {
-                vt gv = ld(grow + (long)c * g->Wq), lo = {0}, hi = {0};
-                for (int b = 0; b < g->kw; b++) {
-                    vt x = p[a * g->kw + b] * gv;
-                    lo += shift2(x, sh[2 * b]);
-                    hi += shift2(x, sh[2 * b + 1]);
-                }
-                T *d = dvt + voff[a * g->kw] + (long)c * g->kp;
-                st(d, ld(d) + lo);
-                st(d + L, ld(d + L) + hi);
-            }
+            add_slots(g, a, g->D, qrow, ds, sh, dkt + off[a * g->kw]);  /* dK += dS^T Q */
+            add_slots(g, a, g->Dv, grow, p, sh, dvt + voff[a * g->kw]); /* dV += P^T dO */
         }
         int dense = g->kw <= L;
         for (int b = 0; b < g->kw; b++) dense &= rb[b] == b;
