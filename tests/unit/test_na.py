@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tplayers
+from na_cases import na_on_subwindow
 from na_oracle import assert_out_and_grads, brute_na2d, window_1d
 from tplayers.ops.na import neighborhood_attention_2d
 from tplayers.ops.na_layout import axis_tiles, key_span
@@ -81,14 +82,9 @@ def test_engine_tiles_offsets_and_rel_pos_bias(seed):
         # a query sub-window and the key span it needs
         q0, q1 = sorted(rng.sample(range(h + 1), 2))
         c0, c1 = sorted(rng.sample(range(w + 1), 2))
-        kr = key_span(q0, q1, length=h, kernel=kernel[0], dilation=dilation[0], causal=causal[0])
-        kc = key_span(c0, c1, length=w, kernel=kernel[1], dilation=dilation[1], causal=causal[1])
         ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
-        out = neighborhood_attention_2d(
-            ins[0][:, q0:q1, c0:c1], ins[1][:, kr[0]:kr[1], kc[0]:kc[1]], ins[2][:, kr[0]:kr[1], kc[0]:kc[1]],
-            kernel, dilation, causal, global_size=(h, w), q_offset=(q0, c0), k_offset=(kr[0], kc[0]),
-            rel_pos_bias=ins[3], tile=(rng.randint(1, 6), rng.randint(1, 6)),
-        )
+        out = na_on_subwindow(ins, (h, w), kernel, dilation, causal, (q0, q1, c0, c1),
+                              tile=(rng.randint(1, 6), rng.randint(1, 6)))
         assert_out_and_grads(out, ref[:, q0:q1, c0:c1], ins, ref_in, gen, **TIGHT)
 
 

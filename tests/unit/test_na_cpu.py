@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import tplayers
+from na_cases import na_on_subwindow
 from na_oracle import assert_out_and_grads, brute_na2d
 from tplayers.ops import na_cpu
 from tplayers.ops.na import neighborhood_attention_2d
-from tplayers.ops.na_layout import key_span
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,13 +60,8 @@ def test_random_configurations_with_bias_and_offsets_fp64(seed, monkeypatch):
         else:  # a sub-window and its keys
             q0, q1 = sorted(rng.sample(range(h + 1), 2))
             c0, c1 = sorted(rng.sample(range(w + 1), 2))
-        kr = key_span(q0, q1, length=h, kernel=kernel[0], dilation=dilation[0], causal=causal[0])
-        kc = key_span(c0, c1, length=w, kernel=kernel[1], dilation=dilation[1], causal=causal[1])
         ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
-        out = neighborhood_attention_2d(
-            ins[0][:, q0:q1, c0:c1], ins[1][:, kr[0]:kr[1], kc[0]:kc[1]], ins[2][:, kr[0]:kr[1], kc[0]:kc[1]],
-            kernel, dilation, causal, scale=scale, global_size=(h, w),
-            q_offset=(q0, c0), k_offset=(kr[0], kc[0]), rel_pos_bias=ins[3])
+        out = na_on_subwindow(ins, (h, w), kernel, dilation, causal, (q0, q1, c0, c1), scale=scale)
         where = f"kernel {kernel} dilation {dilation} causal {causal} size {(h, w)} q {(q0, q1, c0, c1)}"
         assert_out_and_grads(out, ref[:, q0:q1, c0:c1], ins, ref_in, gen, where, **TIGHT)
 
