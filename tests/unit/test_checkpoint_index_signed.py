@@ -88,3 +88,14 @@ def test_digest_strings_are_checked_together_exactly():
     ]
     for pool in bad:
         assert not ok(pool, 32), pool
+
+
+def test_a_malformed_digest_string_names_its_tensor(tmp_path):
+    """The one-pass check fails, and the slow path names the tensor and the field."""
+    path, data = _saved(tmp_path)
+    doc = json.loads(data)
+    key = sorted(doc["tensors"])[0]
+    doc["tensors"][key]["pieces"][0]["digests"][0] = doc["tensors"][key]["pieces"][0]["digests"][0].upper()
+    _write(path, json.dumps(doc).encode())
+    with pytest.raises(CheckpointError, match=f"tensor {key!r}.*digests must be 32-character lowercase hex"):
+        open_source(path)

@@ -212,17 +212,17 @@ def _signed_body(data: bytes) -> Optional[dict]:
     inserted, so removing the one field gives the hashed bytes: they are hashed as they are, and it is
     those bytes that are parsed, without serialising the document again.
     """
-    found = _SIGNATURE.findall(data)
+    found = list(_SIGNATURE.finditer(data))
     if len(found) != 1:
         return None
-    m = _SIGNATURE.search(data)
+    m, digest = found[0], found[0].group(1).decode()
     body = data[: m.start()] + data[m.end() :]
-    if hashlib.sha256(body).hexdigest() != found[0].decode():
+    if hashlib.sha256(body).hexdigest() != digest:
         return None
     doc = json.loads(body)
     if not isinstance(doc, dict):
         return None
-    doc["index_sha256"] = found[0].decode()
+    doc["index_sha256"] = digest
     return doc
 
 
@@ -335,6 +335,7 @@ def _parse_raw(directory: str, where: str, raw, signed: bool = False) -> Source:
                 for field in (block_field, "band_digests"):
                     _need(field not in p or _digest_list(p[field], len(p[field]), hex_len), f"{where}: tensor {key!r}",
                           lambda: f"piece in {p['file']}: {field} must be {hex_len}-character lowercase hex strings")
+        _need(False, where, f"digest lists malformed (each must hold {hex_len}-character lowercase hex strings)")
     if version >= 2 and not signed:  # after the structure, so a structural error keeps its precise message
         digest = raw.get("index_sha256")
         _need(isinstance(digest, str) and digest == index_digest(raw), where,
