@@ -115,9 +115,11 @@ def test_chunked_kernel_batches_padding_and_bias(seed):
             torch.testing.assert_close(a.grad, b.grad, **TIGHT, msg=lambda m: f"d{name} {kernel} {dilation}: {m}")
 
 
-def test_gradcheck_tiny():
+def test_gradcheck_tiny(na_kernel):
+    """Both kernels; the last two cases are wider than one 16-query block of the C kernel, and causal."""
     gen = torch.Generator().manual_seed(0)
-    for kernel, dilation, causal, size in [((3, 2), (1, 2), (False, False), (4, 5)), ((2, 3), (2, 1), (True, False), (5, 4))]:
+    for kernel, dilation, causal, size in [((3, 2), (1, 2), (False, False), (4, 5)), ((2, 3), (2, 1), (True, False), (5, 4)),
+                                           ((3, 2), (1, 2), (False, True), (4, 19)), ((3, 3), (2, 1), (True, False), (7, 5))]:
         q, k, v = (torch.randn(1, *size, 2, 2, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
         rpb = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64, requires_grad=True)
         fn = lambda q, k, v, b: neighborhood_attention_2d(  # noqa: E731

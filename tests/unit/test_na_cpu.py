@@ -91,17 +91,6 @@ def test_fp32_matches_tile_kernel_and_fp64_oracle(monkeypatch):
                                        msg=lambda m: f"{name} ({choice}): {m}")
 
 
-def test_gradcheck_c_kernel(monkeypatch):
-    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
-    gen = torch.Generator().manual_seed(1)
-    for kernel, dilation, causal, size in [((3, 2), (1, 2), (False, True), (4, 19)), ((3, 3), (2, 1), (True, False), (7, 5))]:
-        q, k, v = (torch.randn(1, *size, 2, 2, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
-        rpb = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64, requires_grad=True)
-        fn = lambda q, k, v, b: neighborhood_attention_2d(  # noqa: E731
-            q, k, v, kernel, dilation, causal, global_size=size, rel_pos_bias=b)
-        assert torch.autograd.gradcheck(fn, (q, k, v, rpb))
-
-
 def test_threads_split_planes_identically(monkeypatch):
     """With several torch threads the planes are split over Python threads; results (and the
     bias gradient, summed over per-thread partials: rounding only) are those of one thread."""
