@@ -23,8 +23,8 @@ and ``gather`` move between global and local tensors, and
 
 from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
 from tplayers.comm import CommLog, count_collectives
-from tplayers.comm.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated
-from tplayers.domain import gather, reset_layouts, scatter, shard
+from tplayers.domain.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated
+from tplayers.domain.shard import gather, reset_layouts, scatter, shard
 from tplayers.layers import (
     ColumnParallelEmbedding,
     ColumnParallelLinear,
@@ -64,7 +64,7 @@ from tplayers.layers import (
 from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import default_mesh, init_mesh
 from tplayers.ops.na import na2d
-from tplayers.reductions import domain_mean, domain_sum
+from tplayers.domain.reductions import domain_mean, domain_sum
 from tplayers.parallelize import (
     ColumnParallel,
     DomainParallel,

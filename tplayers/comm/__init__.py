@@ -1,11 +1,12 @@
 """Communication: autograd-paired collectives and comm accounting.
 
-Halo exchange for domain parallelism lives here too (``tplayers.comm.halo``).
+The domain-parallel halo exchange and boundary operations live in :mod:`tplayers.domain`
+(re-exported here for existing imports).
 """
 
 from tplayers.comm.accounting import CollectiveRecord, CommLog, count_collectives, record_collective
-from tplayers.comm.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated
-from tplayers.comm.halo import HaloExchange1d, halo_exchange, halo_exchange_along
+from tplayers.domain.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated
+from tplayers.domain.halo import HaloExchange1d, halo_exchange, halo_exchange_along
 from tplayers.comm.sequence import (
     GatherFromSequenceRegion,
     ReduceScatterToSequenceRegion,

@@ -49,8 +49,8 @@ def peer_code(peer) -> int:
 
 
 def halo_state(dim: int, group_name: str, recv, send, n: int, lo: int, hi: int, grad_format: int):
-    """The :class:`~tplayers.comm.halo.HaloState` an op's integer arguments describe."""
-    from tplayers.comm.halo import HaloState
+    """The :class:`~tplayers.domain.halo.HaloState` an op's integer arguments describe."""
+    from tplayers.domain.halo import HaloState
 
     peers = (None if lo < 0 else lo, None if hi < 0 else hi)
     return HaloState(dim, _group(group_name), tuple(recv), tuple(send), n, peers, _FORMATS[grad_format])
@@ -87,8 +87,8 @@ def _(x, dim, sizes, group_name, tag):
 @torch.library.custom_op("tplayers::halo_pad", mutates_args=())
 def halo_pad_op(x: torch.Tensor, dim: int, group_name: str, recv: List[int], send: List[int], periodic: bool,
                 memory_format: int) -> torch.Tensor:
-    """``x`` padded with its neighbours' rows along ``dim`` (see :func:`tplayers.comm.halo.halo_pad`)."""
-    from tplayers.comm.halo import halo_pad
+    """``x`` padded with its neighbours' rows along ``dim`` (see :func:`tplayers.domain.halo.halo_pad`)."""
+    from tplayers.domain.halo import halo_pad
 
     return halo_pad(x, dim, _group(group_name), tuple(recv), tuple(send), periodic, _FORMATS[memory_format])[0]
 
@@ -104,7 +104,7 @@ def _(x, dim, group_name, recv, send, periodic, memory_format):
 def halo_adjoint_op(grad: torch.Tensor, dim: int, group_name: str, recv: List[int], send: List[int], n: int,
                     lo: int, hi: int, grad_format: int) -> torch.Tensor:
     """The adjoint of :func:`halo_pad_op`: halo gradients sent back and added into their owners' rows."""
-    from tplayers.comm.halo import halo_adjoint
+    from tplayers.domain.halo import halo_adjoint
 
     return halo_adjoint(grad, halo_state(dim, group_name, recv, send, n, lo, hi, grad_format))
 

@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from tplayers.comm import all_reduce_sum, record_collective
 from tplayers.comm.collectives import exchange_p2p
-from tplayers.comm.halo import halo_adjoint, halo_pad
-from tplayers.comm.route import HaloRoute, halo_route
-from tplayers.window_plan import AxisPlan
+from tplayers.domain.halo import halo_adjoint, halo_pad
+from tplayers.domain.route import HaloRoute, halo_route
+from tplayers.domain.window_plan import AxisPlan
 
 __all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "halo_conv", "in_format"]
 

@@ -7,7 +7,7 @@ per-pixel ``proj`` linear. With ``shard_dims`` the input is this rank's slice
 of the image along H (``(1,)``), W (``(2,)``) or both (``(1, 2)``, 2-D mesh):
 
 * queries stay local; only the K and V halos travel
-  (the window core's N-d halo exchange, :func:`tplayers.comm.window.gather_windows`), with
+  (the window core's N-d halo exchange, :func:`tplayers.domain.window.gather_windows`), with
   per-rank asymmetric widths from global positions (:func:`tplayers.ops.na_layout.axis_plans`);
 * the window rule uses global positions, so the result equals the
   single-device module on the gathered input, for any partition whose shards
@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_many_to_parallel_region
-from tplayers.comm.window import gather_windows
+from tplayers.domain.window import gather_windows
 from tplayers.comm.agree import exchange_agreed
 from tplayers.layers._common import ShardedModule, autocast_dtype_ok
 from tplayers.layers._domain import layout_priming, priming

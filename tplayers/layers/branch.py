@@ -7,7 +7,7 @@ from typing import Optional
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.comm.boundary import replicated_to_sharded
+from tplayers.domain.boundary import replicated_to_sharded
 from tplayers.mesh import resolve_mesh
 
 __all__ = ["ReplicatedBranch"]
@@ -17,7 +17,7 @@ class ReplicatedBranch(nn.Module):
     """Run ``module`` on replicated data and hand its (replicated) output to sharded computation.
 
     forward: ``replicated_to_sharded(module(*args))`` (identity forward, all-reduce of the output's
-    gradient in backward, :class:`~tplayers.comm.boundary.ReplicatedToSharded`). The module's
+    gradient in backward, :class:`~tplayers.domain.boundary.ReplicatedToSharded`). The module's
     parameters then get the full gradient on every rank without any further sum, and so does
     whatever fed the branch (a global pool's output, for squeeze-excitation). ``DomainParallel``
     leaves the wrapped module as it is (no twin swap, no gradient wrapping) and binds a

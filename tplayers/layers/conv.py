@@ -9,9 +9,9 @@ along the sharded dims; gathering the outputs gives ``nn.ConvNd`` on the
 gathered input, and every gradient matches.
 
 Each is a thin twin over the window-op core: the axis plan
-(:func:`tplayers.window_plan.plan_windows`, output rows partitioned by the
+(:func:`tplayers.domain.window_plan.plan_windows`, output rows partitioned by the
 DESIGN §2.4 rule: "same" convolutions keep the input's partition, others give the
-balanced one), the N-d halo exchange (:mod:`tplayers.comm.window`) for all but
+balanced one), the N-d halo exchange (:mod:`tplayers.domain.window`) for all but
 the last sharded dim, and :func:`~tplayers.layers._conv_overlap.overlapped_conv`
 fusing the last dim's exchange with the convolution: the interior output rows are
 convolved while the halo messages fly, then the edge strips (and the adjoint likewise
@@ -34,12 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.comm.window import edge_pad, gather_rows, pad_arg, pad_dim
+from tplayers.domain.window import edge_pad, gather_rows, pad_arg, pad_dim
 from tplayers.layers._common import autocast_inputs
 from tplayers.layers._conv_fn import ConvSpec, conv_order, halo_conv
 from tplayers.layers._conv_overlap import overlapped_conv
 from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
-from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows
+from tplayers.domain.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows
 
 __all__ = ["DistributedConv1d", "DistributedConv2d", "DistributedConv3d"]
 

@@ -4,7 +4,7 @@ A transposed convolution spreads each input row over ``d(k-1)+1`` output rows,
 so each rank computes the local transposed convolution of its own rows (no input
 halo) and the *partial* output rows that belong to a neighbour are sent to it
 and added into its rows: the adjoint of the halo exchange
-(:func:`tplayers.comm.window.scatter_add_windows`, whose backward is the
+(:func:`tplayers.domain.window.scatter_add_windows`, whose backward is the
 gather). Output rows follow the DESIGN §2.4 rule (balanced unless the length is
 kept); the bias is added once, on owned rows; weight and bias are replicated and
 their gradients summed over the domain in backward
@@ -21,10 +21,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_many_to_parallel_region
-from tplayers.comm.window import scatter_add_windows
+from tplayers.domain.window import scatter_add_windows
 from tplayers.layers._common import autocast_inputs
 from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
-from tplayers.window_plan import out_partition, plan_ranges, transposed_needs, transposed_out_len
+from tplayers.domain.window_plan import out_partition, plan_ranges, transposed_needs, transposed_out_len
 
 __all__ = ["DistributedConvTranspose1d", "DistributedConvTranspose2d", "DistributedConvTranspose3d"]
 

@@ -12,7 +12,7 @@ The wrapper registers the module's own parameters, buffers and children under
 their original names, so ``state_dict`` keys are exactly the serial model's.
 Wrap only modules applied to *sharded* data (per-pixel computation): a module applied to
 replicated data (a head after a global pool) already gets the full gradient, and summing it
-would multiply it by the domain size (see :mod:`tplayers.parallelize.regions`). Norms over the
+would multiply it by the domain size (see :mod:`tplayers.domain.region`). Norms over the
 spatial dims need their twins (``DistributedGroupNorm``...), not this wrapper.
 """
 

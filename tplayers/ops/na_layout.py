@@ -175,12 +175,12 @@ def axis_tiles(
 
 
 def axis_plans(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "H"):
-    """Window-core plans (:class:`tplayers.window_plan.AxisPlan`) of one sharded axis: each
+    """Window-core plans (:class:`tplayers.domain.window_plan.AxisPlan`) of one sharded axis: each
     shard's queries stay local; its keys are the range :func:`key_span` gives (asymmetric; an edge
     shard's shifted window reaches further than ``k // 2``), from the adjacent shards only.
     ``ValueError`` when a neighbour is too small, or when ``kernel * dilation`` exceeds the length.
     """
-    from tplayers.window_plan import plan_ranges
+    from tplayers.domain.window_plan import plan_ranges
 
     sizes = [int(s) for s in sizes]
     length = sum(sizes)

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers.layers as L
 from tplayers.layers.attention import NeighborhoodAttention
-from tplayers.parallelize.regions import replicated_consumers, wrap_region
+from tplayers.domain.region import replicated_consumers, wrap_region
 from tplayers.parallelize.styles import ParallelStyle
 
 __all__ = ["DomainParallel", "DOMAIN_TWINS", "SPATIAL_MIXERS_WITHOUT_TWIN"]
@@ -79,7 +79,7 @@ class DomainParallel(ParallelStyle):
     summed over the domain. Modules that see replicated data (after a global pool inside an
     ``nn.Sequential``) are left untouched, so their gradients are not doubled; a global pool inside a
     custom ``forward`` next to modules with parameters is a ``ValueError`` saying where to end the
-    region (see :mod:`tplayers.parallelize.regions`). Matched on a container, the region is exactly
+    region (see :mod:`tplayers.domain.region`). Matched on a container, the region is exactly
     that subtree: modules outside it (a head) stay serial. Functional calls
     inside a ``forward`` (``F.max_pool2d``, ``F.interpolate``) cannot be seen: use the twins there.
 
@@ -95,7 +95,7 @@ class DomainParallel(ParallelStyle):
     _regions: List[nn.Module] = field(default_factory=list, compare=False, repr=False)
 
     def build(self, name, module, mesh):
-        skip = replicated_consumers(module, self.shard_dims, name)  # region convention (regions.py)
+        skip = replicated_consumers(module, self.shard_dims, name)  # region convention (tplayers/domain/region.py)
         mixers = [f"{name + '.' if name else ''}{n} ({type(m).__name__})"
                   for n, m in module.named_modules(remove_duplicate=False)
                   if isinstance(m, SPATIAL_MIXERS_WITHOUT_TWIN) and _twin_of(m) is None

@@ -25,7 +25,7 @@ a replicated time step) needs nothing. A 2-D mesh reduces over both of its dims.
 Example (``torchrun --nproc-per-node 2``)::
 
     import torch, tplayers
-    from tplayers.comm.boundary import replicated_to_sharded, sharded_to_replicated
+    from tplayers.domain.boundary import replicated_to_sharded, sharded_to_replicated
     mesh = tplayers.init_mesh()
     h = torch.randn(2, 4, 5, 8, requires_grad=True)           # this rank's rows of (2, 4, 10, 8)
     pooled = sharded_to_replicated(h.sum((2, 3)), mesh) / 80  # global average pool, replicated

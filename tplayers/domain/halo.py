@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.accounting import record_collective
 from tplayers.comm.collectives import exchange_p2p
-from tplayers.comm.route import HaloRoute, _peers, halo_route
+from tplayers.domain.route import HaloRoute, _peers, halo_route
 from tplayers.ops import pack_faces, unpack_faces
 
 __all__ = [

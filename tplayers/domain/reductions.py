@@ -4,7 +4,7 @@
 elements) as the same scalar on every rank; the gradient each rank receives for its own
 elements is exactly the serial one, on any partition (uneven, empty shards), 1-D or 2-D mesh.
 They cross the sharded -> replicated boundary with one fused all-reduce per mesh dim
-(:class:`tplayers.comm.boundary.ShardedToReplicated`: all-reduce forward, identity backward).
+(:class:`tplayers.domain.boundary.ShardedToReplicated`: all-reduce forward, identity backward).
 
 Per-pixel losses::
 
@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.comm.boundary import sharded_to_replicated
+from tplayers.domain.boundary import sharded_to_replicated
 
 __all__ = ["domain_sum", "domain_mean"]
 
