@@ -51,7 +51,7 @@ def _cases(rank, world, mesh_shape, shard_dims, layouts, plan_kind):
     plan = {"": style} if plan_kind == "root" else {nn.Conv2d: style}
     parallel = tplayers.parallelize_module(copy.deepcopy(serial), plan, mesh=mesh)
     assert isinstance(parallel.enc, tplayers.DistributedConv2d)
-    assert isinstance(parallel.mix, tplayers.DomainReplicated)
+    assert type(parallel.mix) is nn.Linear  # the region guard sums its gradients where it meets the shards
     assert list(parallel.state_dict()) == list(serial.state_dict())
     opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
     opt_p = torch.optim.SGD(parallel.parameters(), lr=0.1)

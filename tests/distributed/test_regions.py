@@ -89,6 +89,8 @@ def _parity(rank, world, kind, mesh_shape, layouts):
         "trunk": (classifier, "features", 2, 2, True),
         "whole": (classifier, "", 2, 2, True),
         "custom_trunk": (CustomClassifier, "trunk", 2, 2, None),
+        "custom_whole": (CustomClassifier, "", 2, 2, True),
+        "partial_pool": (partial_pool, "", 2, 2, True),
         "conditioned": (Conditioned, "", 2, 2, False),
         "conv1d_bn": (conv1d_bn, "", 1, 3, False),
         "cnn3d": (cnn3d, "", 3, 2, False),
@@ -181,22 +183,29 @@ def test_unet_3d_sharded_along_d():
     run_ranks(_parity, 2, args=("unet3d", (2,), [[6, 6]]), timeout=120)
 
 
-def _raises(rank, world):
-    import pytest
+class PartialPool(nn.Module):
+    """Pool H to 1 (replicated along mesh dim 0, still sharded along W), then a max over W, then a head."""
 
-    model = CustomClassifier()
-    before = [type(m) for m in model.modules()]
-    for _ in range(2):  # every rank, before any communication, and again (style reused)
-        with pytest.raises(ValueError, match=r"pool turns the sharded dims into a replicated tensor inside the custom "
-                                             r"forward of <root> \(CustomClassifier\).*trunk, head.*End the domain region"):
-            tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2,))})
-        assert [type(m) for m in model.modules()] == before
-    with pytest.raises(ValueError, match="reduces some sharded dims"):
-        tplayers.parallelize_module(nn.Sequential(nn.Conv2d(2, 2, 1), nn.AdaptiveAvgPool2d((1, 4))),
-                                    {"": tplayers.DomainParallel(shard_dims=(2, 3))},
-                                    mesh=DeviceMesh("cpu", torch.arange(world).reshape(world, 1)))
-    return True
+    def __init__(self):
+        super().__init__()
+        self.conv, self.pool, self.head = nn.Conv2d(2, 3, 3, padding=1), nn.AdaptiveAvgPool2d((1, None)), nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = self.pool(torch.tanh(self.conv(x)))  # (N, 3, 1, W)
+        return self.head(h.amax(dim=-1).flatten(1) * 2)
 
 
-def test_invisible_global_pool_raises_saying_where_to_end_the_region():
-    run_ranks(_raises, 2, timeout=30)
+def partial_pool():
+    return PartialPool()
+
+
+def test_global_pool_in_a_custom_forward_then_head_is_exact():
+    # The region guard follows the data: the pool's output is replicated, the head after it is left
+    # alone (its gradient is not summed again); before the guard this case had to raise.
+    run_ranks(_parity, 2, args=("custom_whole", (2,), [[4, 3]]), timeout=90)
+    run_ranks(_parity, 4, args=("custom_whole", (2, 2), [[3, 4], [2, 5]]), timeout=90)
+
+
+def test_pool_to_one_along_one_sharded_dim_of_two():
+    # output replicated along H (mesh dim 0), still sharded along W (mesh dim 1)
+    run_ranks(_parity, 4, args=("partial_pool", (2, 2), [[3, 4], [4, 3]]), timeout=90)

@@ -98,6 +98,12 @@ def sharded_to_replicated(x_partial: torch.Tensor, mesh: Optional[DeviceMesh] = 
     See :class:`ShardedToReplicated`. Example: ``sharded_to_replicated(h.sum((2, 3)), mesh)``
     is the global spatial sum of a sharded ``h``.
     """
+    guard = _guard()
+    if guard is not None:  # inside a guarded region every replicated value is already global
+        if guard.layout(x_partial) is not None:
+            raise guard.error("sharded_to_replicated of a tensor that is still sharded", guard.layout(x_partial),
+                              "Reduce it first (x.sum(dim) over the sharded dims is global inside a region).")
+        return x_partial
     groups = _active(domain_groups(mesh))
     return ShardedToReplicated.apply(x_partial, groups) if groups else x_partial
 
@@ -107,5 +113,13 @@ def replicated_to_sharded(x: torch.Tensor, mesh: Optional[DeviceMesh] = None) ->
 
     See :class:`ReplicatedToSharded`. Example: ``h + replicated_to_sharded(emb, mesh)[..., None, None]``.
     """
+    if _guard() is not None:  # the region guard sums the gradient where the data meets the shards
+        return x
     groups = _active(domain_groups(mesh))
     return ReplicatedToSharded.apply(x, groups) if groups else x
+
+
+def _guard():
+    from tplayers.domain.guard import active_guard
+
+    return active_guard()

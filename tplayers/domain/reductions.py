@@ -15,6 +15,7 @@ Per-pixel losses::
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -23,6 +24,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.domain.boundary import sharded_to_replicated
 
 __all__ = ["domain_sum", "domain_mean"]
+
+
+def _unguarded():
+    """Inside a domain region these functions read local slices and reduce them themselves: the
+    region guard steps aside for them (their result is replicated)."""
+    from tplayers.domain.guard import active_guard, stepped_aside
+
+    guard = active_guard()
+    return stepped_aside(guard) if guard is not None else contextlib.nullcontext()
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -43,8 +53,9 @@ def domain_sum(x_local: torch.Tensor, mesh: Optional[DeviceMesh] = None) -> torc
     """
     if not x_local.is_floating_point():
         raise TypeError(f"domain_sum: x_local must be a floating-point tensor, got {x_local.dtype}")
-    total = sharded_to_replicated(x_local.sum(dtype=_acc_dtype(x_local)), mesh)
-    return total.to(x_local.dtype)
+    with _unguarded():
+        total = sharded_to_replicated(x_local.sum(dtype=_acc_dtype(x_local)), mesh)
+        return total.to(x_local.dtype)
 
 
 def domain_mean(x_local: torch.Tensor, mesh: Optional[DeviceMesh] = None, *,
@@ -69,6 +80,11 @@ def domain_mean(x_local: torch.Tensor, mesh: Optional[DeviceMesh] = None, *,
     """
     if not x_local.is_floating_point():
         raise TypeError(f"domain_mean: x_local must be a floating-point tensor, got {x_local.dtype}")
+    with _unguarded():
+        return _domain_mean(x_local, mesh, mask)
+
+
+def _domain_mean(x_local, mesh, mask):
     acc = _acc_dtype(x_local)
     if mask is None:
         local = x_local.sum(dtype=acc)

@@ -23,6 +23,29 @@ class ShardedModule(MeshBound, nn.Module):
     stores groups as mesh-dim references (:class:`~tplayers.layers._copy.MeshBound`).
     """
 
+    def __call__(self, *args, **kwargs):
+        # Inside a domain region the guard steps aside while a twin runs, and tags its output
+        # (tplayers.domain.guard); everywhere else this is nn.Module.__call__.
+        if not torch.compiler.is_compiling():
+            from tplayers.domain.guard import active_guard
+
+            guard = active_guard()
+            if guard is not None:
+                return guard.call_twin(self, super().__call__, args, kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def attach_serial(self, module: nn.Module) -> None:
+        """Keep the serial ``module`` this twin replaces, its parameters and buffers rebound to this
+        twin's (one set of tensors), to run where a domain region applies the twin to replicated data
+        (a 1x1 convolution on a globally pooled tensor, as squeeze-excitation does)."""
+        for name, p in self.named_parameters(recurse=False):
+            if name in module._parameters:
+                module._parameters[name] = p
+        for name, b in self.named_buffers(recurse=False):
+            if name in module._buffers:
+                module._buffers[name] = b
+        self._serial = (module,)  # a tuple: not a registered child (no state_dict keys)
+
     def _bind_mesh(self, mesh: Optional[DeviceMesh], ndim=1) -> DeviceMesh:
         mesh = resolve_mesh(mesh, ndim)
         self.mesh = mesh

@@ -70,8 +70,10 @@ class DomainReplicated(MeshBound, nn.Module):
         return self._wrapped[0]
 
     def forward(self, *args, **kwargs):
+        from tplayers.domain.guard import active_guard
+
         named = list(self.named_parameters(recurse=False))
-        if not named:  # nothing replicated to sum
+        if not named or active_guard() is not None:  # nothing to sum, or the region guard sums where used
             return self.module(*args, **kwargs)
         names, params = zip(*named)
         params = list(params)

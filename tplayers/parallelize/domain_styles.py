@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers.layers as L
 from tplayers.layers.attention import NeighborhoodAttention
-from tplayers.domain.region import replicated_consumers, wrap_region
+from tplayers.domain.scope import bind_region
 from tplayers.parallelize.styles import ParallelStyle
 
 __all__ = ["DomainParallel", "DOMAIN_TWINS", "SPATIAL_MIXERS_WITHOUT_TWIN"]
@@ -49,9 +49,8 @@ SPATIAL_MIXERS_WITHOUT_TWIN: Tuple[type, ...] = (
     nn.LazyConv1d, nn.LazyConv2d, nn.LazyConv3d, nn.LazyConvTranspose1d, nn.LazyConvTranspose2d,
     nn.LazyConvTranspose3d, nn.Fold, nn.Unfold, nn.PixelShuffle, nn.PixelUnshuffle,
     nn.ReflectionPad1d, nn.ReflectionPad2d, nn.ReflectionPad3d, nn.ReplicationPad1d, nn.ReplicationPad2d,
-    nn.ReplicationPad3d, nn.ZeroPad1d, nn.ZeroPad2d, nn.ZeroPad3d, nn.ConstantPad1d, nn.ConstantPad2d,
-    nn.ConstantPad3d, nn.CircularPad1d, nn.CircularPad2d, nn.CircularPad3d,
-)
+    nn.ReplicationPad3d, nn.CircularPad1d, nn.CircularPad2d, nn.CircularPad3d,
+)  # zero / constant pads are routed by the region guard (tplayers.functional.pad)
 
 
 def _twin_of(module: nn.Module):
@@ -95,35 +94,36 @@ class DomainParallel(ParallelStyle):
     _regions: List[nn.Module] = field(default_factory=list, compare=False, repr=False)
 
     def build(self, name, module, mesh):
-        skip = replicated_consumers(module, self.shard_dims, name)  # region convention (tplayers/domain/region.py)
         mixers = [f"{name + '.' if name else ''}{n} ({type(m).__name__})"
                   for n, m in module.named_modules(remove_duplicate=False)
-                  if isinstance(m, SPATIAL_MIXERS_WITHOUT_TWIN) and _twin_of(m) is None
-                  and not _inside(module, n, skip)]
+                  if isinstance(m, SPATIAL_MIXERS_WITHOUT_TWIN) and _twin_of(m) is None]
         if mixers:
             raise ValueError(
                 "DomainParallel: these modules mix spatial positions and have no domain-parallel twin, so "
                 "they would run on each shard alone and differ from the serial model: " + ", ".join(mixers)
                 + ". Replace them (or keep them outside the DomainParallel region)")
-        new = self._swap(module, mesh, skip)
-        if new is module:  # a container: the region is exactly this subtree
-            new = wrap_region(module, mesh, skip)
+        new = self._swap(module, mesh)
+        if new is module:  # a container: the region is exactly this subtree, guarded on every call
+            bind_region(new, mesh, self.shard_dims, name)
             self._regions.append(new)
         return new
 
-    def _swap(self, module: nn.Module, mesh: DeviceMesh, skip=frozenset()) -> nn.Module:
+    def _swap(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if isinstance(module, L.ReplicatedBranch):  # a declared replicated branch: bound, contents untouched
             return module if module.mesh is not None else L.ReplicatedBranch(module.module, mesh)
-        if id(module) in skip:
-            return module  # sees replicated data: left as it is
         twin = _twin_of(module)
+        spatial = getattr(twin, "spatial", None)
+        if twin is not None and spatial is not None and max(self.shard_dims) >= 2 + spatial:
+            return module  # cannot hold these sharded dims (a BatchNorm1d in a 2-D head): the guard checks its ops
         if twin is not None:
-            return twin.from_module(module, mesh=mesh, shard_dims=self.shard_dims)
+            new = twin.from_module(module, mesh=mesh, shard_dims=self.shard_dims)
+            new.attach_serial(module)  # runs the serial module where the data is replicated (a pooled SE branch)
+            return new
         if isinstance(module, NeighborhoodAttention) and module.shard_dims is None:
             # same spatial axes, in its (B, H, W, C) layout: NCHW dim 2 (H) -> 1, dim 3 (W) -> 2
             return NeighborhoodAttention.from_module(module, mesh=mesh, shard_dims=tuple(d - 1 for d in self.shard_dims))
         for child_name, child in list(module.named_children()):
-            new = self._swap(child, mesh, skip)
+            new = self._swap(child, mesh)
             if new is not child:
                 setattr(module, child_name, new)
         return module
@@ -131,18 +131,7 @@ class DomainParallel(ParallelStyle):
     def finalize(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         regions, self._regions[:] = list(self._regions), []
         if any(any(m is r for m in model.modules()) for r in regions):
-            return model  # container regions were wrapped in build; modules outside them stay serial
+            return model  # container regions were bound in build; modules outside them stay serial
         # only leaf layers matched (e.g. a type key {nn.Conv2d: ...}): the whole model is the region
-        return wrap_region(model, mesh, replicated_consumers(model, self.shard_dims))
-
-
-def _inside(root: nn.Module, name: str, skip) -> bool:
-    """Whether submodule ``name`` of ``root`` lies in a subtree listed in ``skip``."""
-    m, parts = root, name.split(".") if name else []
-    for part in parts:
-        if id(m) in skip:
-            return True
-        m = getattr(m, part)
-    return id(m) in skip
-
-
+        bind_region(model, mesh, self.shard_dims, "")
+        return model

@@ -1,0 +1,213 @@
+"""The region guard: inside a domain region, see every op applied to domain-sharded data.
+
+A :class:`RegionGuard` is a ``TorchFunctionMode`` active while a domain region runs. It follows
+which tensors carry domain-sharded dims (the region's spatial input, twin outputs, and everything
+derived from them: a tag on the tensor, :mod:`tplayers.domain.layout`) and classifies each torch
+call that touches one (:mod:`tplayers.domain.rules`):
+
+* inside a twin (a :class:`~tplayers.layers._common.ShardedModule`): the twin's own business, the
+  guard steps aside and tags the twin's output;
+* provably exact on local data (pointwise / broadcasting, channel ops, views keeping each sharded
+  dim whole, ``cat`` along whole dims, dtype moves): run as is;
+* interpolation, functional pools and pads, reductions over sharded dims, attention over sharded
+  tokens: routed to the distributed implementations in :mod:`tplayers.functional`;
+* anything else touching a sharded dim: ``ValueError`` naming the op, the module and the dim, the
+  same on every rank (deny by default).
+
+It also makes the region convention (DESIGN §2.4) follow the data: where a replicated tensor that
+requires grad (a parameter, a time embedding, a squeeze-excitation gate) meets sharded data, it is
+passed through :class:`~tplayers.domain.boundary.ReplicatedToSharded` (identity forward, gradient
+summed over the mesh dims the result is sharded over), once per tensor and call, so every
+``.grad`` equals the serial model's whichever module computed what. Explicit boundary calls
+(``replicated_to_sharded``, ``sharded_to_replicated``, :class:`~tplayers.DomainReplicated`,
+:class:`~tplayers.ReplicatedBranch`) are identities under a guard: the guard already sums where
+the data says so, and every replicated value inside a guarded region is already global.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tplayers.domain.layout import Layout, LayoutError, is_sharded, mesh_dims_of, region_layout, sharded_dims
+
+__all__ = ["RegionGuard", "active_guard", "GuardError"]
+
+_TAG = "_tplayers_domain_tag"
+
+
+class GuardError(ValueError):
+    """An op on domain-sharded data that the guard cannot prove exact and does not route."""
+
+
+def active_guard() -> Optional["RegionGuard"]:
+    """The innermost active :class:`RegionGuard` (``None`` outside regions, inside twins, and
+    inside the guard's own handlers, where it is popped)."""
+    if torch.compiler.is_compiling():
+        return None
+    n = torch._C._len_torch_function_stack()
+    for i in range(n - 1, -1, -1):
+        mode = torch._C._get_function_stack_at(i)
+        if isinstance(mode, RegionGuard):
+            return mode
+    return None
+
+
+class RegionGuard(TorchFunctionMode):
+    """The torch-function mode of one call of a domain region (see the module docstring).
+
+    ``mesh``: the region's 1-D or 2-D mesh (mesh dim ``i`` shards tensor dim ``shard_dims[i]`` of
+    its input); ``where``: a name for messages (the region's module path).
+    """
+
+    def __init__(self, mesh, shard_dims: Sequence[int], where: str = "<region>") -> None:
+        super().__init__()
+        self.mesh = mesh
+        self.shard_dims = tuple(shard_dims)
+        self.groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+        self.where = [where]  # module path stack (region hooks push and pop)
+        self._bounded: Dict[Tuple[int, Tuple[int, ...]], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.routes: Dict[Any, Any] = {}  # per call-site routed twins (kept across calls by the region)
+
+    # ----------------------------------------------------------------- tags
+    def layout(self, t: Any) -> Optional[Layout]:
+        """The sharded layout of ``t`` in this call (``None``: replicated / not a tensor)."""
+        tag = getattr(t, _TAG, None) if isinstance(t, torch.Tensor) else None
+        return tag[1] if tag is not None and tag[0] is self else None
+
+    def mark(self, t: Any, layout: Optional[Layout]) -> Any:
+        """Tag ``t`` as sharded with ``layout`` in this call (a replicated layout clears the tag)."""
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            if layout is not None and is_sharded(layout):
+                setattr(t, _TAG, (self, layout))
+            elif getattr(t, _TAG, None) is not None:
+                setattr(t, _TAG, None)
+        return t
+
+    def mark_input(self, x: torch.Tensor) -> torch.Tensor:
+        """Tag a region input: ``shard_dims`` sharded over the mesh."""
+        if max(self.shard_dims) >= x.dim():
+            raise ValueError(f"domain region {self.where[0]}: its input has {x.dim()} dims, fewer than the sharded "
+                             f"dims {self.shard_dims} need")
+        return self.mark(x, region_layout(x.shape, self.shard_dims))
+
+    # ------------------------------------------------------------ boundary
+    def bound(self, t: torch.Tensor, axes: Sequence[int]) -> torch.Tensor:
+        """``t`` (replicated, requires grad) as used by data sharded over mesh dims ``axes``: identity
+        forward, gradient summed over those dims in backward; once per tensor and call."""
+        from tplayers.domain.boundary import ReplicatedToSharded
+
+        groups = [self.groups[a] for a in axes if self.groups[a].size() > 1]
+        if not groups or not torch.is_grad_enabled() or not t.requires_grad:
+            return t
+        key = (id(t), tuple(axes))
+        hit = self._bounded.get(key)
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        out = ReplicatedToSharded.apply(t, groups)
+        self._bounded[key] = (t, out)
+        return out
+
+    # --------------------------------------------------------------- errors
+    def error(self, what: str, layout: Optional[Layout] = None, advice: str = "") -> GuardError:
+        dims = f" (sharded dims {sharded_dims(layout)} of the input)" if layout is not None else ""
+        return GuardError(
+            f"domain region guard: {what}{dims}, in module {self.where[-1]!r}. On a domain-sharded tensor this "
+            f"would run on each rank's slice alone and differ from the serial model. {advice}".rstrip())
+
+    # -------------------------------------------------------- torch function
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not _touches(self, args, kwargs):
+            return func(*args, **kwargs)
+        from tplayers.domain.rules import handle
+
+        return handle(self, func, args, kwargs)
+
+    # ---------------------------------------------------------------- twins
+    def call_twin(self, module, call: Callable, args, kwargs):
+        """Run a twin with the guard stepped aside; tag its output from its input's layout."""
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        layout = self.layout(x)
+        dims = getattr(module, "shard_dims", None)
+        name = type(module).__name__
+        if dims is not None and x is not None:
+            if layout is None and getattr(module, "_serial", None) is not None:
+                serial = module._serial[0]  # replicated data: the serial module, same tensors
+                serial.train(module.training)
+                return serial(*args, **kwargs)
+            if layout is None:
+                raise self.error(f"{name} (a domain twin) applied to a replicated tensor of shape {tuple(x.shape)}",
+                                 advice="Twins take this rank's slice of a sharded tensor.")
+            if layout != region_layout(x.shape, tuple(dims)):
+                raise self.error(f"{name} shards dims {tuple(dims)} but its input is sharded as {layout}", layout,
+                                 "Keep the spatial layout (N, C, *spatial) that the region's input had.")
+        with _stepped_aside(self):
+            out = call(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and layout is not None:
+            if dims is not None:
+                self.mark(out, _twin_out_layout(module, out, tuple(dims)))
+            elif out.dim() == x.dim() and x.dim() - 1 not in sharded_dims(layout):
+                self.mark(out, layout[:-1] + (None,))  # a feature-dim layer (tensor-parallel linear)
+            else:
+                raise self.error(f"{name} applied to domain-sharded data", layout)
+        return out
+
+
+def _twin_out_layout(module, out: torch.Tensor, dims: Tuple[int, ...]) -> Layout:
+    """A twin's output keeps its sharded dims, except an adaptive pool's dims of output size 1 (global
+    reductions, replicated along them)."""
+    size = getattr(module, "output_size", None)
+    if size is None:
+        return region_layout(out.shape, dims)
+    per = list(size) if isinstance(size, (tuple, list)) else [size] * (out.dim() - 2)
+    return tuple(((int(out.shape[d]), dims.index(d)),) if d in dims and per[d - 2] != 1 else None
+                 for d in range(out.dim()))
+
+
+class _stepped_aside:
+    """Pop ``guard`` from the torch-function mode stack for a block (it must be the innermost mode)."""
+
+    def __init__(self, guard: RegionGuard) -> None:
+        self.guard = guard
+        self.popped = False
+
+    def __enter__(self):
+        n = torch._C._len_torch_function_stack()
+        if n and torch._C._get_function_stack_at(n - 1) is self.guard:
+            torch._C._pop_torch_function_stack()
+            self.popped = True
+        return self
+
+    def __exit__(self, *exc):
+        if self.popped:
+            torch._C._push_on_torch_function_stack(self.guard)
+        return False
+
+
+def _touches(guard: RegionGuard, args, kwargs) -> bool:
+    """Whether any tensor argument (top level, or inside a list/tuple) is sharded in this call."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            tag = getattr(a, _TAG, None)
+            if tag is not None and tag[0] is guard:
+                return True
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    tag = getattr(b, _TAG, None)
+                    if tag is not None and tag[0] is guard:
+                        return True
+    for a in kwargs.values():
+        if isinstance(a, torch.Tensor):
+            tag = getattr(a, _TAG, None)
+            if tag is not None and tag[0] is guard:
+                return True
+    return False
+
+
+def stepped_aside(guard: RegionGuard) -> _stepped_aside:
+    """Context: run a block with ``guard`` popped (twins, routed implementations)."""
+    return _stepped_aside(guard)

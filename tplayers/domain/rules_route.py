@@ -1,0 +1,213 @@
+"""Region-guard routes: ``F.interpolate``, functional pools and pads, and attention over sharded tokens.
+
+Inside a region shapes are local (``x.shape`` is this rank's slice), so a ``size=`` given to
+``F.interpolate`` along a sharded dim is read as this rank's share of the target, as
+``F.interpolate(x, size=skip.shape[2:])`` in a U-Net decoder means it; the global size is the sum
+of the ranks' shares, which must be the partition the window core produces (the input's partition
+when the length is kept, else the balanced one), else a ``ValueError`` on every rank.
+``output_size`` of adaptive pools and every kernel / stride stays global, as written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tplayers.domain.layout import mesh_dims_of, region_layout, sharded_dims
+from tplayers.domain.rules import _mark_all, op_name
+from tplayers.domain.rules_ops import _bind, _simple
+
+__all__ = ["TABLE"]
+
+
+def _spatial(g, x, lay, what):
+    dims = _simple(g, lay, what)
+    if min(dims) < 2:
+        raise g.error(f"{what} with a sharded batch or channel dim", lay)
+    return dims
+
+
+def _global_size(g, x, lay, dims, size):
+    """Global target sizes from this rank's shares along the sharded dims (see the module docstring)."""
+    from tplayers.comm.collectives import exchange_sizes
+    from tplayers.sharding import shard_sizes
+
+    n_sp = x.dim() - 2
+    size = list(size) if isinstance(size, (list, tuple, torch.Size)) else [size] * n_sp
+    out = [int(s) for s in size]
+    for axis, d in enumerate(dims):
+        group = g.groups[axis]
+        want = exchange_sizes(out[d - 2], group)
+        have = exchange_sizes(x.shape[d], group)
+        total, total_in = sum(want), sum(have)
+        expect = have if total == total_in else shard_sizes(total, len(have))
+        if want != expect:
+            raise g.error(f"F.interpolate: size along sharded dim {d} asks for shares {want} (global {total}), but the "
+                          f"window core produces the partition {expect}", lay,
+                          "Inside a region sizes are local (x.shape); derive size= from a tensor of the target "
+                          "resolution, or use scale_factor.")
+        out[d - 2] = total
+    return tuple(out)
+
+
+def _interpolate(g, func, args, kwargs):
+    from tplayers.functional.window import interpolate
+
+    a = _bind(args, kwargs, ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor",
+                             "antialias"), {"size": None, "scale_factor": None, "mode": "nearest",
+                                            "align_corners": None, "recompute_scale_factor": None,
+                                            "antialias": False})
+    x = a.pop("input")
+    lay = g.layout(x)
+    dims = _spatial(g, x, lay, "F.interpolate")
+    if a["size"] is not None:
+        a["size"] = _global_size(g, x, lay, dims, a["size"])
+    out = interpolate(x, **a, mesh=g.mesh, shard_dims=dims, cache=g.routes)
+    return g.mark(out, region_layout(out.shape, dims))
+
+
+def _pool(g, func, args, kwargs):
+    import tplayers.functional.window as W
+
+    name = func.__name__.replace("_with_indices", "")
+    x, lay = args[0], g.layout(args[0])
+    dims = _spatial(g, x, lay, op_name(func))
+    fn = getattr(W, name, None)
+    if fn is None:
+        raise g.error(f"{op_name(func)} over sharded dims", lay)
+    out = fn(*args, **kwargs, mesh=g.mesh, shard_dims=dims, cache=g.routes)
+    if name.startswith("adaptive"):
+        size = args[1] if len(args) > 1 else kwargs["output_size"]
+        size = list(size) if isinstance(size, (list, tuple)) else [size] * (x.dim() - 2)
+        kept = tuple(d for d in dims if size[d - 2] != 1)
+        layout = tuple(((out.shape[d], dims.index(d)),) if d in kept else None for d in range(out.dim()))
+        return g.mark(out, layout)
+    return g.mark(out, region_layout(out.shape, dims))
+
+
+def _pad(g, func, args, kwargs):
+    from tplayers.functional.window import pad
+
+    a = _bind(args, kwargs, ("input", "pad", "mode", "value"), {"mode": "constant", "value": None})
+    x, lay = a["input"], g.layout(a["input"])
+    n = x.dim()
+    pads = [int(p) for p in a["pad"]]
+    for d in sharded_dims(lay):
+        k = n - 1 - d
+        if 2 * k + 1 < len(pads) and (pads[2 * k] or pads[2 * k + 1]):
+            if len(lay[d]) != 1 or pads[2 * k] < 0 or pads[2 * k + 1] < 0 or a["mode"] != "constant":
+                raise g.error(f"F.pad (mode {a['mode']!r}, pad {tuple(pads)}) along sharded dim {d}", lay,
+                              "Constant padding of a plain sharded dim is routed; for reflect / replicate / circular "
+                              "use a convolution twin's padding_mode.")
+    shard_dims = [None] * len(g.groups)
+    for d in sharded_dims(lay):
+        shard_dims[lay[d][0][1]] = d
+    axes = [i for i, d in enumerate(shard_dims) if d is not None]
+    if len(axes) != len(g.groups):
+        shard_dims = [d if d is not None else -1 for d in shard_dims]
+    out = pad(x, pads, a["mode"], a["value"], mesh=g.mesh, shard_dims=shard_dims)
+    layout = tuple(((out.shape[d], e[0][1]),) if e is not None and len(e) == 1 else e for d, e in enumerate(lay))
+    return g.mark(out, layout)
+
+
+# ------------------------------------------------------------------ attention
+def _attention_impl(g, what, lay):
+    try:
+        from tplayers.functional import attention
+    except ImportError:
+        attention = None
+    if attention is None or not hasattr(attention, "scaled_dot_product_attention"):
+        raise g.error(f"{what} over sharded tokens", lay,
+                      "Full attention over domain-sharded pixels is not available in this build.")
+    return attention
+
+
+def _token_info(g, t, dim, what):
+    """(factors, positions-maker) of the token dim ``dim`` of ``t``; ``None`` when replicated."""
+    lay = g.layout(t)
+    if lay is None:
+        return None
+    d = dim % t.dim()
+    others = [e for i, e in enumerate(lay) if i != d and e is not None]
+    if others:
+        raise g.error(f"{what} on a tensor sharded along a non-token dim", lay)
+    factors = lay[d]
+    if mesh_dims_of(lay) != tuple(range(len(g.groups))):
+        raise g.error(f"{what} on tokens sharded over part of the mesh only", lay)
+    return factors
+
+
+def _positions(attention, g, factors):
+    return attention.token_positions([s for s, _ in factors], [a for _, a in factors], g.mesh)
+
+
+def _sdpa(g, func, args, kwargs):
+    a = _bind(args, kwargs, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
+              {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False})
+    q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
+    qf = _token_info(g, q, -2, "F.scaled_dot_product_attention")
+    kf, vf = _token_info(g, k, -2, "F.scaled_dot_product_attention"), _token_info(g, v, -2, "attention")
+    lay = g.layout(q) or g.layout(k)
+    if qf is None or (kf is None) != (vf is None) or (kf is not None and kf != vf):
+        raise g.error("F.scaled_dot_product_attention with replicated queries or differently sharded keys / values",
+                      lay)
+    attention = _attention_impl(g, "F.scaled_dot_product_attention", lay)
+    axes = mesh_dims_of(g.layout(q))
+    mask = a["attn_mask"]
+    q_pos = kv_pos = None
+    if a["is_causal"] or mask is not None:
+        q_pos, q_len = _positions(attention, g, qf)
+        kv_pos = _positions(attention, g, kf)[0] if kf is not None else None
+        if mask is not None and g.layout(mask) is None and mask.dim() >= 2 and mask.shape[-2] != 1:
+            if mask.shape[-2] != q_len:
+                raise g.error(f"an attn_mask with {mask.shape[-2]} query rows for {q_len} global queries", lay)
+            mask = mask.index_select(-2, q_pos)
+    k2, v2 = (k, v) if kf is not None else (g.bound(k, axes), g.bound(v, axes))
+    mask = g.bound(mask, axes) if isinstance(mask, torch.Tensor) and mask.is_floating_point() else mask
+    out = attention.scaled_dot_product_attention(q, k2, v2, mask, a["dropout_p"], a["is_causal"], a["scale"],
+                                                 a["enable_gqa"], mesh=g.mesh, kv_sharded=kf is not None,
+                                                 q_positions=q_pos, kv_positions=kv_pos)
+    return g.mark(out, g.layout(q)[:-1] + (None,))
+
+
+_MHA = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias", "bias_k",
+        "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training", "key_padding_mask",
+        "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
+        "static_k", "static_v", "average_attn_weights", "is_causal")
+
+
+def _mha(g, func, args, kwargs):
+    a = _bind(args, kwargs, _MHA, {})
+    q, k = a["query"], a["key"]
+    qf = _token_info(g, q, 0, "F.multi_head_attention_forward")
+    kf = _token_info(g, k, 0, "F.multi_head_attention_forward")
+    lay = g.layout(q)
+    if qf is None:
+        raise g.error("nn.MultiheadAttention with replicated queries and sharded keys", g.layout(k))
+    attention = _attention_impl(g, "nn.MultiheadAttention (F.multi_head_attention_forward)", lay)
+    axes = mesh_dims_of(lay)
+    for key in ("in_proj_weight", "in_proj_bias", "bias_k", "bias_v", "out_proj_weight", "out_proj_bias",
+                "q_proj_weight", "k_proj_weight", "v_proj_weight"):
+        if isinstance(a.get(key), torch.Tensor):
+            a[key] = g.bound(a[key], axes)
+    if kf is None:
+        a["key"], a["value"] = g.bound(a["key"], axes), g.bound(a["value"], axes)
+    q_pos = kv_pos = None
+    if a.get("is_causal") or a.get("attn_mask") is not None or a.get("key_padding_mask") is not None:
+        q_pos = _positions(attention, g, qf)[0]
+        kv_pos = _positions(attention, g, kf)[0] if kf is not None else None
+    out = attention.multi_head_attention_forward(**a, mesh=g.mesh, kv_sharded=kf is not None, q_positions=q_pos,
+                                                 kv_positions=kv_pos)
+    attn, weights = out
+    g.mark(attn, lay[:1] + (None,) * (attn.dim() - 1))
+    if isinstance(weights, torch.Tensor) and weights.dim() >= 2:
+        g.mark(weights, (None,) * (weights.dim() - 2) + (lay[0], None))
+    return out
+
+
+TABLE = {"interpolate": _interpolate, "upsample": _interpolate, "pad": _pad,
+         "scaled_dot_product_attention": _sdpa, "multi_head_attention_forward": _mha}
+for _n in (1, 2, 3):
+    for _kind in ("max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool"):
+        TABLE[f"{_kind}{_n}d"] = _pool
+        TABLE[f"{_kind}{_n}d_with_indices"] = _pool
+        TABLE[f"_{_kind}{_n}d"] = _pool

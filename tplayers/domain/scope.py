@@ -1,0 +1,172 @@
+"""Where a region guard is on: a :class:`DomainRegion` bound to a module, or :func:`domain_region` by hand.
+
+``DomainParallel`` binds a :class:`DomainRegion` to its region's root module with a forward
+pre-hook and an always-called forward hook (no wrapper module: ``state_dict`` keys are unchanged),
+and a pair of small hooks on every submodule that keep the module path for error messages. Each
+call of the root:
+
+1. one small agreement: every rank's local input shape, compared with the previous call's table
+   (the only collective the guard adds, DESIGN §2.6); when any rank's partition changed, every
+   rank forgets the region's cached layouts together, so a partition that changes on some ranks
+   only is re-planned on all of them instead of hanging;
+2. a :class:`~tplayers.domain.guard.RegionGuard` is pushed, the first tensor argument is tagged as
+   sharded along ``shard_dims``, the forward runs guarded, and the guard is popped.
+
+Under ``torch.compile`` tracing the guard does not run (validate the model eagerly first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from tplayers.comm.agree import exchange_agreed
+from tplayers.domain.guard import RegionGuard, active_guard
+from tplayers.mesh import resolve_mesh
+
+__all__ = ["DomainRegion", "domain_region", "bind_region"]
+
+
+class DomainRegion:
+    """A domain region's configuration and the state it keeps across calls (routed twins, the last
+    agreement table)."""
+
+    def __init__(self, mesh, shard_dims: Sequence[int], name: str = "") -> None:
+        self.mesh = resolve_mesh(mesh, (1, 2))
+        self.shard_dims = tuple(int(d) for d in shard_dims)
+        if len(self.shard_dims) != self.mesh.ndim:
+            raise ValueError(f"domain region {name or '<root>'}: shard_dims {self.shard_dims} needs a "
+                             f"{len(self.shard_dims)}-D mesh, got a {self.mesh.ndim}-D one")
+        self.name = name or "<root>"
+        self.routes: Dict = {}
+        self._table: Optional[List] = None
+        self._stack: List[RegionGuard] = []
+        self.root: Optional[nn.Module] = None
+
+    # copy / pickle: the mesh by reference, caches empty
+    def __deepcopy__(self, memo):
+        new = DomainRegion.__new__(DomainRegion)
+        memo[id(self)] = new
+        new.__dict__.update(self.__dict__)
+        new.routes, new._table, new._stack, new.root = {}, None, [], None
+        return new
+
+    def __getstate__(self):
+        return {"mesh": self.mesh, "shard_dims": self.shard_dims, "name": self.name}
+
+    def __setstate__(self, state):
+        self.__init__(state["mesh"], state["shard_dims"], state["name"])
+
+    # ------------------------------------------------------------------ entry / exit
+    def agree(self, x) -> None:
+        """The per-call agreement (see the module docstring)."""
+        groups = [self.mesh.get_group(i) for i in range(self.mesh.ndim)]
+        ok = isinstance(x, torch.Tensor) and x.dim() > max(self.shard_dims)
+        shape = list(x.shape) if ok else []
+        row = [int(ok), len(shape)] + shape + [-1] * (6 - len(shape))
+        table = exchange_agreed(row, {"region": self.name, "shard_dims": self.shard_dims}, groups,
+                                f"domain region {self.name}", tag="domain.region")
+        flat = [r for line in table for r in line]
+        bad = [i for i, r in enumerate(flat) if not r[0]]
+        if bad:
+            raise ValueError(f"domain region {self.name}: the first tensor argument must have more than "
+                             f"{max(self.shard_dims)} dims on every rank; rank(s) {bad} passed something else")
+        if self._table is not None and self._table != flat and self.root is not None:
+            from tplayers.domain.shard import reset_layouts
+
+            reset_layouts(self.root)
+            for twin in self.routes.values():
+                twin.reset_layout()
+        self._table = flat
+
+    def enter(self, x) -> RegionGuard:
+        guard = RegionGuard(self.mesh, self.shard_dims, self.name)
+        guard.routes = self.routes
+        guard.__enter__()
+        self._stack.append(guard)
+        if isinstance(x, torch.Tensor):
+            guard.mark_input(x)
+        return guard
+
+    def exit(self) -> None:
+        if self._stack:
+            self._stack.pop().__exit__(None, None, None)
+
+    # ------------------------------------------------------------------ hooks
+    def pre_hook(self, module, args, kwargs):
+        if torch.compiler.is_compiling():
+            return None
+        if any(g is active_guard() for g in self._stack):
+            return None  # re-entered inside its own call
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is None:
+            x = next((a for a in kwargs.values() if isinstance(a, torch.Tensor)), None)
+        self.agree(x)
+        self.enter(x)
+        return None
+
+    def post_hook(self, module, args, kwargs, output):
+        if self._stack and active_guard() is self._stack[-1]:
+            self.exit()
+        return None
+
+
+class _PathHook:
+    """Keeps the module path of the running module on the active guard (error messages)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def pre(self, module, args):
+        g = active_guard()
+        if g is not None:
+            g.where.append(self.name)
+
+    def post(self, module, args, output):
+        g = active_guard()
+        if g is not None and len(g.where) > 1 and g.where[-1] == self.name:
+            g.where.pop()
+
+
+def bind_region(root: nn.Module, mesh, shard_dims: Sequence[int], name: str = "") -> DomainRegion:
+    """Guard every call of ``root`` as a domain region (hooks only; the module is unchanged otherwise)."""
+    region = DomainRegion(mesh, shard_dims, name)
+    region.root = root
+    root.register_forward_pre_hook(region.pre_hook, with_kwargs=True)
+    root.register_forward_hook(region.post_hook, with_kwargs=True, always_call=True)
+    for sub_name, sub in root.named_modules(remove_duplicate=False):
+        if sub is root:
+            continue
+        hook = _PathHook(f"{name}.{sub_name}" if name else sub_name)
+        sub.register_forward_pre_hook(hook.pre)
+        sub.register_forward_hook(hook.post, always_call=True)
+    return region
+
+
+@contextlib.contextmanager
+def domain_region(mesh=None, shard_dims: Sequence[int] = (2,), *, inputs: Sequence[torch.Tensor] = ()):
+    """Guard hand-written code as a domain region: every op on the tensors of ``inputs`` (this rank's
+    slices along ``shard_dims``) and on what derives from them is checked, routed or refused exactly
+    as inside a ``DomainParallel`` region. Yields the :class:`RegionGuard` (``guard.mark_input(t)``
+    tags another sharded tensor).
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, torch.nn.functional as F, tplayers
+        mesh = tplayers.init_mesh()
+        x = tplayers.shard(torch.randn(2, 3, 8, 8), 2, mesh)
+        with tplayers.domain_region(mesh, (2,), inputs=(x,)):
+            m = x.mean(dim=(2, 3), keepdim=True)                       # global mean, replicated
+            y = F.interpolate(x - m, scale_factor=2, mode="bilinear")  # routed: exact
+    """
+    region = DomainRegion(mesh, shard_dims, "<domain_region>")
+    guard = region.enter(None)
+    try:
+        for t in inputs:
+            guard.mark_input(t)
+        yield guard
+    finally:
+        region.exit()
