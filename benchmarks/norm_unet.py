@@ -8,7 +8,9 @@
    ranks vs the serial model in one process;
 3. collectives per step by kind (count_collectives), against the minimum for the norms (one
    forward and one backward collective per norm: the statistics need every rank's moments, the
-   input gradient every rank's statistic sums).
+   input gradient every rank's statistic sums);
+4. the region guard's steady-state cost: the same 2-rank U-Net step with the guard's hooks removed
+   (its replicated-gradient sums go too, so the difference is an upper bound on the guard's cost).
 
 Timings alternate (2-rank, then 1-process on rank 0 while rank 1 waits) and are medians.
 """
@@ -39,6 +41,25 @@ def _time(fn, reps: int = 3) -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - t0) / reps
+
+
+def _without_guard(model: nn.Module) -> nn.Module:
+    """``model`` with the domain regions' hooks removed (for timing the guard only: not exact)."""
+    for m in model.modules():
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            for key, hook in list(hooks.items()):
+                owner = type(getattr(hook, "__self__", None)).__name__
+                if owner in ("DomainRegion", "_PathHook"):
+                    del hooks[key]
+    return model
+
+
+def _isa() -> str:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return "unknown"
+    return "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "x86-64/other"
 
 
 def main() -> None:
@@ -76,6 +97,14 @@ def main() -> None:
         opt_p.zero_grad(), loss.backward(), opt_p.step()
         dist.barrier()
 
+    bare = _without_guard(copy.deepcopy(model))
+    opt_b = torch.optim.Adam(bare.parameters())
+
+    def bare_unet():
+        loss = tplayers.domain_mean(F.mse_loss(bare(ul, t), tl, reduction="none"), mesh)
+        opt_b.zero_grad(), loss.backward(), opt_b.step()
+        dist.barrier()
+
     def ser_unet():
         loss = F.mse_loss(serial(u, t), tgt)
         opt_s.zero_grad(), loss.backward(), opt_s.step()
@@ -91,6 +120,11 @@ def main() -> None:
                 st.append(_time(ser))
             dist.barrier()
         results[name] = (statistics.median(pt), statistics.median(st) if st else float("nan"))
+    guarded, unguarded = [], []
+    for _ in range(args.repeats):  # alternating, same run
+        guarded.append(_time(par_unet))
+        unguarded.append(_time(bare_unet))
+    guard_ratio = statistics.median(guarded) / statistics.median(unguarded)
 
     with tplayers.count_collectives() as log:
         loss = tplayers.domain_mean(F.mse_loss(model(ul, t), tl, reduction="none"), mesh)
@@ -102,6 +136,9 @@ def main() -> None:
         print(f"{world} ranks (gloo, CPU, 1 thread each) vs 1 process")
         for name, (p, s) in results.items():
             print(f"{name}: 2-rank {p * 1e3:.1f} ms, 1-process {s * 1e3:.1f} ms, speed-up {s / p:.2f}x")
+        print(f"region guard: U-Net step {statistics.median(guarded) * 1e3:.1f} ms guarded vs "
+              f"{statistics.median(unguarded) * 1e3:.1f} ms without it: {100 * (guard_ratio - 1):+.1f}% "
+              f"(target <= +2%; CPU {_isa()})")
         print(f"U-Net step collectives by kind: {log.summary()}")
         print(f"norm collectives: forward {norm_fwd}, backward {norm_bwd} for {norms} GroupNorms "
               f"(minimum {norms} + {norms})")

@@ -142,7 +142,10 @@ def _domain_cnn(rank, world, backend, warm):
         with count_collectives() as log_e:
             ref = _step(eager, local, g)
         if step == 1:  # both layouts cached (step 0 may include one layout exchange, eager or tracing)
-            assert log_c.summary() == log_e.summary()  # the same collectives, counted at run time
+            # the same collectives, counted at run time, but for the eager region's entry agreement
+            # (the region guard does not run under torch.compile tracing)
+            log_e.records = [r for r in log_e.records if not r.tag.startswith("domain.region")]
+            assert log_c.summary() == log_e.summary()
         tol = dict(rtol=1e-13, atol=1e-13)
         torch.testing.assert_close(got[0], ref[0], **tol)
         torch.testing.assert_close(got[1], ref[1], **tol)

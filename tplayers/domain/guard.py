@@ -126,6 +126,19 @@ class RegionGuard(TorchFunctionMode):
 
         return handle(self, func, args, kwargs)
 
+    def _norm_any_layout(self, module, call, x, layout, args, kwargs):
+        """A norm twin on sharded data of another layout (diffusers' attention normalises ``(N, C, H*W)``):
+        its statistics run over every dim after the channels, so it sees the input as ``(N, C, L, 1...)``."""
+        dims = tuple(module.shard_dims)
+        nd = 2 + (module.spatial or len(dims))
+        if (set(sharded_dims(layout)) & {0, 1} or mesh_dims_of(layout) != tuple(range(len(self.groups)))
+                or dims != tuple(range(2, 2 + len(dims))) or len(args) != 1 or kwargs):
+            raise self.error(f"{type(module).__name__} on a tensor sharded as {layout}", layout)
+        flat = x.reshape(x.shape[0], x.shape[1], -1, *([1] * (nd - 3)))
+        with _stepped_aside(self):
+            out = call(flat)
+        return self.mark(out.reshape(x.shape), layout)
+
     # ---------------------------------------------------------------- twins
     def call_twin(self, module, call: Callable, args, kwargs):
         """Run a twin with the guard stepped aside; tag its output from its input's layout."""
@@ -141,6 +154,8 @@ class RegionGuard(TorchFunctionMode):
             if layout is None:
                 raise self.error(f"{name} (a domain twin) applied to a replicated tensor of shape {tuple(x.shape)}",
                                  advice="Twins take this rank's slice of a sharded tensor.")
+            if layout != region_layout(x.shape, tuple(dims)) and _statistics_twin(module):
+                return self._norm_any_layout(module, call, x, layout, args, kwargs)
             if layout != region_layout(x.shape, tuple(dims)):
                 raise self.error(f"{name} shards dims {tuple(dims)} but its input is sharded as {layout}", layout,
                                  "Keep the spatial layout (N, C, *spatial) that the region's input had.")
@@ -154,6 +169,12 @@ class RegionGuard(TorchFunctionMode):
             else:
                 raise self.error(f"{name} applied to domain-sharded data", layout)
         return out
+
+
+def _statistics_twin(module) -> bool:
+    from tplayers.layers.norm import _DomainNorm
+
+    return isinstance(module, _DomainNorm)
 
 
 def _twin_out_layout(module, out: torch.Tensor, dims: Tuple[int, ...]) -> Layout:

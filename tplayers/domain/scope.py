@@ -60,6 +60,12 @@ class DomainRegion:
     def __setstate__(self, state):
         self.__init__(state["mesh"], state["shard_dims"], state["name"])
 
+    def collectives(self):
+        """Collectives per call: ``(forward list, backward list)``: the entry agreement; replicated tensors
+        meeting the shards add one all-reduce each in backward (counted at run time by
+        :func:`tplayers.count_collectives`)."""
+        return ["all_gather (region entry agreement)"], ["all_reduce per replicated tensor meeting the shards"]
+
     # ------------------------------------------------------------------ entry / exit
     def agree(self, x) -> None:
         """The per-call agreement (see the module docstring)."""

@@ -107,13 +107,17 @@ class DomainNormFn(torch.autograd.Function):
         shift = -mean_a * scale
         if bias is not None:
             shift = shift + bias.to(acc).reshape(1, num_groups, cg, 1)
-        y = torch.addcmul(shift, x4, scale)  # one pass: (x - mean) * rstd * w + b
+        if acc == x.dtype:  # one pass: (x - mean) * rstd * w + b, written into a base tensor (never a view,
+            y = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # so callers may modify it in place)
+            torch.addcmul(shift, x4, scale, out=y.view(x4.shape))
+        else:
+            y = torch.addcmul(shift, x4, scale)
         count_a = count.to(acc).clamp(min=1).reshape(shape)
         ctx.save_for_backward(x, weight, mean_a, rstd_a, count_a)
         ctx.info = (num_groups, per_channel, groups, bias is not None)
         unbiased = m2 / (count - 1).clamp(min=1)
         ctx.mark_non_differentiable(mean, unbiased, count)
-        return y.reshape(x.shape).to(x.dtype), mean, unbiased, count
+        return (y if y.dtype == x.dtype and y.shape == x.shape else y.reshape(x.shape).to(x.dtype)), mean, unbiased, count
 
     @staticmethod
     def backward(ctx, dy, _mean, _var, _count):

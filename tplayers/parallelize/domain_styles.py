@@ -9,7 +9,7 @@ they raise ``ValueError`` (all of them listed), never run silently local.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import tplayers.layers as L
 from tplayers.layers.attention import NeighborhoodAttention
 from tplayers.domain.scope import bind_region
+from tplayers.layers._common import ShardedModule
 from tplayers.parallelize.styles import ParallelStyle
 
 __all__ = ["DomainParallel", "DOMAIN_TWINS", "SPATIAL_MIXERS_WITHOUT_TWIN"]
@@ -89,6 +90,10 @@ class DomainParallel(ParallelStyle):
     """
 
     shard_dims: Tuple[int, ...] = (2,)
+    #: dims of the region's first tensor argument that are sharded (mesh dim i shards input_dims[i]);
+    #: None: ``shard_dims`` (NCHW), or ``shard_dims - 1`` when the region's only twins are
+    #: NeighborhoodAttention, whose models take ``(B, H, W, C)``
+    input_dims: Optional[Tuple[int, ...]] = None
     accepts = (nn.Module,)
     # region roots built by this plan (container matches), consumed by finalize
     _regions: List[nn.Module] = field(default_factory=list, compare=False, repr=False)
@@ -104,7 +109,7 @@ class DomainParallel(ParallelStyle):
                 + ". Replace them (or keep them outside the DomainParallel region)")
         new = self._swap(module, mesh)
         if new is module:  # a container: the region is exactly this subtree, guarded on every call
-            bind_region(new, mesh, self.shard_dims, name)
+            bind_region(new, mesh, self._input_dims(new), name)
             self._regions.append(new)
         return new
 
@@ -132,6 +137,16 @@ class DomainParallel(ParallelStyle):
         regions, self._regions[:] = list(self._regions), []
         if any(any(m is r for m in model.modules()) for r in regions):
             return model  # container regions were bound in build; modules outside them stay serial
-        # only leaf layers matched (e.g. a type key {nn.Conv2d: ...}): the whole model is the region
-        bind_region(model, mesh, self.shard_dims, "")
+        # only leaf layers matched (e.g. a type key {nn.Conv2d: ...}): the whole model is the region,
+        # unless the model is itself one twin (exact by itself)
+        if not isinstance(model, ShardedModule):
+            bind_region(model, mesh, self._input_dims(model), "")
         return model
+
+    def _input_dims(self, region: nn.Module) -> Tuple[int, ...]:
+        if self.input_dims is not None:
+            return tuple(self.input_dims)
+        twins = [m for m in region.modules() if isinstance(m, ShardedModule)]
+        if twins and all(isinstance(m, NeighborhoodAttention) for m in twins):
+            return tuple(d - 1 for d in self.shard_dims)
+        return tuple(self.shard_dims)

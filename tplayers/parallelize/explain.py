@@ -27,6 +27,10 @@ def _collectives(module: nn.Module) -> str:
     described = False
     for sub in module.modules():
         describe = getattr(sub, "collectives", None)
+        for hook in sub._forward_pre_hooks.values():  # a domain region's per-call agreement and guard
+            region = getattr(hook, "__self__", None)
+            if hasattr(region, "collectives") and hasattr(region, "agree"):
+                describe = region.collectives
         if describe is None:
             continue
         described = True

@@ -1,0 +1,195 @@
+"""The region guard (issue 23): custom forwards on domain-sharded data are exact or a clear error.
+
+Every model here runs under ``{"": DomainParallel(shard_dims=...)}`` and is compared with the serial
+model in fp64: outputs, the input gradient, every parameter gradient, buffers, after an optimizer
+step, then a second input (eval mode where the model has running statistics).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import tplayers
+from harness import run_ranks
+from oracle import assert_params_match
+
+TIGHT = dict(rtol=1e-9, atol=1e-11)
+
+
+def _local(x, dims, layouts, coords):
+    for d, sizes, c in zip(dims, layouts, coords):
+        start = sum(sizes[:c])
+        x = x.narrow(d, start, sizes[c])
+    return x
+
+
+class Functional(nn.Module):
+    """Interpolations, functional pools, spatial statistics and a head, all in a custom forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv1(x))
+        h = F.interpolate(h, scale_factor=2, mode="bilinear", align_corners=False)
+        h = h - h.mean(dim=(2, 3), keepdim=True)                     # spatial mean
+        h = h / (h.var(dim=(2, 3), keepdim=True) + 1.0).sqrt()        # spatial variance
+        h = F.max_pool2d(h, 2)
+        h = self.conv2(h) * self.scale[:, None, None]
+        h = F.interpolate(h, scale_factor=2, mode="nearest")
+        h = F.avg_pool2d(h, 2)
+        peak = h.amax(dim=(2, 3))                                     # spatial max
+        pooled = F.adaptive_avg_pool2d(h, 1).flatten(1)               # global pool, then the head
+        return self.head(torch.cat([pooled, peak], dim=1))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None if stride == 1 and cin == cout else nn.Sequential(
+            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        identity = x if self.down is None else self.down(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity                                               # in place, on a twin's output
+        return self.relu(out)
+
+
+class MyGroupNorm(nn.GroupNorm):
+    """A subclass (as timm's): never matched as the nn type, its F.group_norm is routed."""
+
+
+class MyBatchNorm(nn.BatchNorm2d):
+    def forward(self, x):
+        return torch.relu(super().forward(x))
+
+
+class ResNetish(nn.Module):
+    """ResNet-18-style: stem, max pool, basic blocks (one strided), norm subclasses, global pool, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(2, 4, 3, 1, 1, bias=False), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+                                  nn.MaxPool2d(3, 2, 1))
+        self.layer1 = BasicBlock(4, 4, 1)
+        self.layer2 = BasicBlock(4, 6, 2)
+        self.gn, self.bn = MyGroupNorm(2, 6), MyBatchNorm(6)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.bn(self.gn(self.layer2(self.layer1(self.stem(x)))))
+        return self.fc(torch.flatten(self.pool(h), 1))
+
+
+def _parity(rank, world, kind, mesh_shape, layouts, other):
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
+    coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+    dims = tuple(range(2, 2 + mesh.ndim))
+    torch.manual_seed(3)
+    serial = {"functional": Functional, "resnet": ResNetish}[kind]().double()
+    parallel = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)},
+                                           mesh=mesh)
+    assert list(parallel.state_dict()) == list(serial.state_dict())
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.05, momentum=0.9)
+    opt_p = torch.optim.SGD(parallel.parameters(), lr=0.05, momentum=0.9)
+    for mode in ["train", "train", "eval"]:
+        serial.train(mode == "train"), parallel.train(mode == "train")
+        shape = [3, 2] + [sum(layouts[i]) if i < len(dims) else other for i in range(2)]
+        x = torch.randn(shape, dtype=torch.float64)
+        xs = x.clone().requires_grad_(True)
+        xl = _local(x, dims, layouts, coords).clone().requires_grad_(True)
+        ys, yl = serial(xs), parallel(xl)
+        torch.testing.assert_close(yl, ys, **TIGHT)  # replicated output
+        labels = torch.randint(0, 3, (3,))
+        loss_s, loss_p = F.cross_entropy(ys, labels), F.cross_entropy(yl, labels)
+        loss_s.backward(), loss_p.backward()
+        torch.testing.assert_close(xl.grad, _local(xs.grad, dims, layouts, coords), **TIGHT)
+        assert_params_match(parallel, serial, grads=True, **TIGHT)
+        opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
+        assert_params_match(parallel, serial, grads=False, **TIGHT)
+        for (n, b), r in zip(parallel.named_buffers(), serial.buffers()):
+            torch.testing.assert_close(b, r, msg=lambda m: f"{kind} {n}: {m}", **TIGHT)
+    return True
+
+
+def test_functional_ops_in_a_custom_forward_are_routed_exactly():
+    run_ranks(_parity, 2, args=("functional", (2,), [[5, 4]], 6), timeout=120)
+    run_ranks(_parity, 4, args=("functional", (2, 2), [[5, 4], [4, 3]], None), timeout=120)
+
+
+def test_resnet_with_inplace_relu_residual_add_and_norm_subclasses():
+    run_ranks(_parity, 2, args=("resnet", (2,), [[8, 6]], 9), timeout=120)
+    run_ranks(_parity, 4, args=("resnet", (2, 2), [[6, 6], [5, 6]], None), timeout=120)
+
+
+# ------------------------------------------------------------------ refused ops
+class Op(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.conv(x))
+
+
+def _flat_matmul(h):
+    t = h.flatten(2)                     # (N, C, H*W): tokens
+    return t.transpose(1, 2) @ t          # (N, HW, HW): scores over sharded tokens
+
+
+REFUSED = {
+    "fft_rfft2": lambda h: torch.fft.rfft2(h).real,
+    "roll": lambda h: torch.roll(h, 1, dims=2),
+    r"indexing \(a slice, step": lambda h: h[:, :, ::2],
+    "unfold": lambda h: F.unfold(h, 3),
+    "cumsum": lambda h: torch.cumsum(h, 2),
+    "both operands' sharded rows meet": _flat_matmul,
+}
+
+
+def _refused(rank, world):
+    import time
+
+    for what, fn in REFUSED.items():
+        model = tplayers.parallelize_module(Op(fn).double(), {"": tplayers.DomainParallel(shard_dims=(2,))})
+        x = tplayers.shard(torch.randn(2, 2, 9, 5, dtype=torch.float64), 2)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match=what) as err:
+            model(x)
+        assert time.monotonic() - t0 < 5
+        assert "domain region guard" in str(err.value) and "in module '<root>'" in str(err.value)
+    return True
+
+
+def test_ops_that_cannot_be_exact_raise_on_every_rank():
+    run_ranks(_refused, 2, timeout=60)
+
+
+def _partition_change(rank, world):
+    torch.manual_seed(0)
+    serial = Functional().double()
+    parallel = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    for h in (9, 10, 9):  # 5+4 -> 5+5 -> 5+4: rank 0 keeps 5 rows, rank 1 changes
+        x = torch.randn(2, 2, h, 6, dtype=torch.float64)
+        torch.testing.assert_close(parallel(tplayers.shard(x, 2)), serial(x), **TIGHT)
+    return True
+
+
+def test_partition_change_on_one_rank_is_replanned_on_every_rank():
+    run_ranks(_partition_change, 2, timeout=60)
