@@ -49,7 +49,7 @@ def _without_guard(model: nn.Module) -> nn.Module:
         for hooks in (m._forward_pre_hooks, m._forward_hooks):
             for key, hook in list(hooks.items()):
                 owner = type(getattr(hook, "__self__", None)).__name__
-                if owner in ("DomainRegion", "_PathHook"):
+                if owner in ("DomainRegion", "_PathHook", "Watch"):
                     del hooks[key]
     return model
 

@@ -90,6 +90,7 @@ def _parity(rank, world, kind, mesh_shape, layouts):
         "whole": (classifier, "", 2, 2, True),
         "custom_trunk": (CustomClassifier, "trunk", 2, 2, None),
         "custom_whole": (CustomClassifier, "", 2, 2, True),
+        "custom_trunk_nn": (CustomClassifier, "trunk", 2, 2, True),
         "partial_pool": (partial_pool, "", 2, 2, True),
         "conditioned": (Conditioned, "", 2, 2, False),
         "conv1d_bn": (conv1d_bn, "", 1, 3, False),
@@ -204,6 +205,12 @@ def test_global_pool_in_a_custom_forward_then_head_is_exact():
     # alone (its gradient is not summed again); before the guard this case had to raise.
     run_ranks(_parity, 2, args=("custom_whole", (2,), [[4, 3]]), timeout=90)
     run_ranks(_parity, 4, args=("custom_whole", (2, 2), [[3, 4], [2, 5]]), timeout=90)
+
+
+def test_pool_outside_a_trunk_region_is_routed_by_the_model_watch():
+    # region = "trunk" only; the model's own forward pools the trunk's sharded output with a plain
+    # nn.AdaptiveAvgPool2d: the watch over the model's forward routes it (it used to be local, 0.68 off)
+    run_ranks(_parity, 2, args=("custom_trunk_nn", (2,), [[4, 3]]), timeout=90)
 
 
 def test_pool_to_one_along_one_sharded_dim_of_two():

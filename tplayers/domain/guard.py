@@ -62,8 +62,9 @@ class RegionGuard(TorchFunctionMode):
     its input); ``where``: a name for messages (the region's module path).
     """
 
-    def __init__(self, mesh, shard_dims: Sequence[int], where: str = "<region>") -> None:
+    def __init__(self, mesh, shard_dims: Sequence[int], where: str = "<region>", token: Any = None) -> None:
         super().__init__()
+        self.token = object() if token is None else token  # tags are valid for this call (shared by nested guards)
         self.mesh = mesh
         self.shard_dims = tuple(shard_dims)
         self.groups = [mesh.get_group(i) for i in range(mesh.ndim)]
@@ -75,13 +76,13 @@ class RegionGuard(TorchFunctionMode):
     def layout(self, t: Any) -> Optional[Layout]:
         """The sharded layout of ``t`` in this call (``None``: replicated / not a tensor)."""
         tag = getattr(t, _TAG, None) if isinstance(t, torch.Tensor) else None
-        return tag[1] if tag is not None and tag[0] is self else None
+        return tag[1] if tag is not None and tag[0] is self.token else None
 
     def mark(self, t: Any, layout: Optional[Layout]) -> Any:
         """Tag ``t`` as sharded with ``layout`` in this call (a replicated layout clears the tag)."""
         if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
             if layout is not None and is_sharded(layout):
-                setattr(t, _TAG, (self, layout))
+                setattr(t, _TAG, (self.token, layout))
             elif getattr(t, _TAG, None) is not None:
                 setattr(t, _TAG, None)
         return t
@@ -124,7 +125,8 @@ class RegionGuard(TorchFunctionMode):
             return func(*args, **kwargs)
         from tplayers.domain.rules import handle
 
-        return handle(self, func, args, kwargs)
+        with _stepped_aside(self):  # an outer guard (a model watch) must not see the handler's own ops
+            return handle(self, func, args, kwargs)
 
     def _norm_any_layout(self, module, call, x, layout, args, kwargs):
         """A norm twin on sharded data of another layout (diffusers' attention normalises ``(N, C, H*W)``):
@@ -189,42 +191,43 @@ def _twin_out_layout(module, out: torch.Tensor, dims: Tuple[int, ...]) -> Layout
 
 
 class _stepped_aside:
-    """Pop ``guard`` from the torch-function mode stack for a block (it must be the innermost mode)."""
+    """Pop the region guards (and any mode above them) from the torch-function mode stack for a block;
+    push them back after it."""
 
     def __init__(self, guard: RegionGuard) -> None:
         self.guard = guard
-        self.popped = False
+        self.popped: List[Any] = []
 
     def __enter__(self):
-        n = torch._C._len_torch_function_stack()
-        if n and torch._C._get_function_stack_at(n - 1) is self.guard:
-            torch._C._pop_torch_function_stack()
-            self.popped = True
+        while any(isinstance(torch._C._get_function_stack_at(i), RegionGuard)
+                  for i in range(torch._C._len_torch_function_stack())):
+            self.popped.append(torch._C._pop_torch_function_stack())
         return self
 
     def __exit__(self, *exc):
-        if self.popped:
-            torch._C._push_on_torch_function_stack(self.guard)
+        while self.popped:
+            torch._C._push_on_torch_function_stack(self.popped.pop())
         return False
 
 
 def _touches(guard: RegionGuard, args, kwargs) -> bool:
     """Whether any tensor argument (top level, or inside a list/tuple) is sharded in this call."""
+    token = guard.token
     for a in args:
         if isinstance(a, torch.Tensor):
             tag = getattr(a, _TAG, None)
-            if tag is not None and tag[0] is guard:
+            if tag is not None and tag[0] is token:
                 return True
         elif isinstance(a, (list, tuple)):
             for b in a:
                 if isinstance(b, torch.Tensor):
                     tag = getattr(b, _TAG, None)
-                    if tag is not None and tag[0] is guard:
+                    if tag is not None and tag[0] is token:
                         return True
     for a in kwargs.values():
         if isinstance(a, torch.Tensor):
             tag = getattr(a, _TAG, None)
-            if tag is not None and tag[0] is guard:
+            if tag is not None and tag[0] is token:
                 return True
     return False
 

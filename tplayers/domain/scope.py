@@ -27,7 +27,7 @@ from tplayers.comm.agree import exchange_agreed
 from tplayers.domain.guard import RegionGuard, active_guard
 from tplayers.mesh import resolve_mesh
 
-__all__ = ["DomainRegion", "domain_region", "bind_region"]
+__all__ = ["DomainRegion", "Watch", "domain_region", "bind_region", "bind_watch"]
 
 
 class DomainRegion:
@@ -89,7 +89,8 @@ class DomainRegion:
         self._table = flat
 
     def enter(self, x) -> RegionGuard:
-        guard = RegionGuard(self.mesh, self.shard_dims, self.name)
+        outer = active_guard()  # a model-level watch: region outputs stay visible to it
+        guard = RegionGuard(self.mesh, self.shard_dims, self.name, token=None if outer is None else outer.token)
         guard.routes = self.routes
         guard.__enter__()
         self._stack.append(guard)
@@ -130,11 +131,59 @@ class _PathHook:
         g = active_guard()
         if g is not None:
             g.where.append(self.name)
+        elif torch._C._current_graph_task_id() != -1 and not torch.compiler.is_compiling():
+            # a region's submodule re-run during backward (activation checkpointing inside the region):
+            # the guard is not active there, so routed ops and gradient sums would silently change
+            raise ValueError(
+                f"domain region: module {self.name!r} runs during backward without its region guard "
+                "(activation checkpointing inside a domain region). Checkpoint the whole region's root "
+                "module instead (its recomputation re-enters the guard)")
 
     def post(self, module, args, output):
         g = active_guard()
         if g is not None and len(g.where) > 1 and g.where[-1] == self.name:
             g.where.pop()
+
+
+class Watch:
+    """A guard over a model whose domain regions are submodules: the ops its own ``forward`` applies to
+    a region's (sharded) output are checked and routed too, as inside the region."""
+
+    def __init__(self, mesh) -> None:
+        self.mesh = mesh
+        self._stack: List[RegionGuard] = []
+
+    def __deepcopy__(self, memo):
+        new = Watch(self.mesh)
+        memo[id(self)] = new
+        return new
+
+    def __getstate__(self):
+        return {"mesh": self.mesh}
+
+    def __setstate__(self, state):
+        self.__init__(state["mesh"])
+
+    def pre_hook(self, module, args, kwargs):
+        if torch.compiler.is_compiling() or active_guard() is not None:
+            return None
+        guard = RegionGuard(self.mesh, tuple(range(2, 2 + self.mesh.ndim)), "<root>")
+        guard.__enter__()
+        self._stack.append(guard)
+        return None
+
+    def post_hook(self, module, args, kwargs, output):
+        if self._stack and active_guard() is self._stack[-1]:
+            self._stack.pop().__exit__(None, None, None)
+        return None
+
+
+def bind_watch(root: nn.Module, mesh) -> Watch:
+    """Guard ``root``'s own forward around its domain regions (see :class:`Watch`)."""
+    watch = Watch(resolve_mesh(mesh, (1, 2)))
+    root.register_forward_pre_hook(watch.pre_hook, with_kwargs=True)
+    root.register_forward_hook(watch.post_hook, with_kwargs=True, always_call=True)
+    return watch
 
 
 def bind_region(root: nn.Module, mesh, shard_dims: Sequence[int], name: str = "") -> DomainRegion:

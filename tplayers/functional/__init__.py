@@ -1,9 +1,26 @@
 """Functional twins for hand-written code: ``torch.nn.functional`` calls on domain-sharded data.
 
 Each function takes local tensors (this rank's slice along the sharded dims) plus the mesh and the
-sharded dims, and returns exactly this rank's slice of what the serial function returns on the
-gathered input, values and gradients. Inside a domain region the region guard routes the plain
-``torch`` / ``F`` calls here by itself.
+sharded dims (``shard_dims[i]`` is the tensor dim sharded over mesh dim ``i``), and returns exactly
+this rank's slice of what the serial function returns on the gathered input, values and gradients.
+Inside a domain region the region guard routes the plain ``torch`` / ``F`` calls here by itself.
+
+Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+    import torch, tplayers
+    import tplayers.functional as TF
+    mesh = tplayers.init_mesh()
+    x = tplayers.shard(torch.randn(2, 3, 10, 8), 2, mesh)
+    y = TF.max_pool2d(TF.interpolate(x, scale_factor=2, mode="bilinear", mesh=mesh), 2, mesh=mesh)
+    m = TF.mean(y, dim=(2, 3), mesh=mesh)         # (2, 3), the same on every rank
 """
 
-__all__: list = []
+from tplayers.functional.reduce import amax, amin, mean, norm, std, sum, var  # noqa: A004
+from tplayers.functional.window import (adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_avg_pool3d,
+                                        adaptive_max_pool1d, adaptive_max_pool2d, adaptive_max_pool3d, avg_pool1d,
+                                        avg_pool2d, avg_pool3d, interpolate, max_pool1d, max_pool2d, max_pool3d,
+                                        pad)
+
+__all__ = ["sum", "mean", "amax", "amin", "var", "std", "norm", "interpolate", "max_pool1d", "max_pool2d",
+           "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
+           "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "pad"]

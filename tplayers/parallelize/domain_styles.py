@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers.layers as L
 from tplayers.layers.attention import NeighborhoodAttention
-from tplayers.domain.scope import bind_region
+from tplayers.domain.scope import bind_region, bind_watch
 from tplayers.layers._common import ShardedModule
 from tplayers.parallelize.styles import ParallelStyle
 
@@ -136,7 +136,11 @@ class DomainParallel(ParallelStyle):
     def finalize(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         regions, self._regions[:] = list(self._regions), []
         if any(any(m is r for m in model.modules()) for r in regions):
-            return model  # container regions were bound in build; modules outside them stay serial
+            # container regions were bound in build; modules outside them stay serial, and the ops the
+            # model's own forward applies to a region's sharded output are guarded too
+            if not any(r is model for r in regions):
+                bind_watch(model, mesh)
+            return model
         # only leaf layers matched (e.g. a type key {nn.Conv2d: ...}): the whole model is the region,
         # unless the model is itself one twin (exact by itself)
         if not isinstance(model, ShardedModule):
