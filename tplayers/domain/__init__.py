@@ -7,7 +7,9 @@
   the N-d halo exchange and window gathers built on those plans;
 * :mod:`~tplayers.domain.boundary`, :mod:`~tplayers.domain.reductions` - where sharded data meets
   replicated data, and the global sums / means of losses and metrics;
-* :mod:`~tplayers.domain.region` - the region convention (which modules see sharded data).
+* :mod:`~tplayers.domain.layout`, :mod:`~tplayers.domain.guard`, :mod:`~tplayers.domain.rules` and
+  :mod:`~tplayers.domain.scope` - the region guard: which tensors are sharded, what each op on them
+  does (local, routed to :mod:`tplayers.functional`, or refused), where it is on.
 
 The spatial twins in :mod:`tplayers.layers` are thin modules over these pieces.
 """

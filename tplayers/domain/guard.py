@@ -71,6 +71,7 @@ class RegionGuard(TorchFunctionMode):
         self.where = [where]  # module path stack (region hooks push and pop)
         self._bounded: Dict[Tuple[int, Tuple[int, ...]], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.routes: Dict[Any, Any] = {}  # per call-site routed twins (kept across calls by the region)
+        self.acted = False  # whether this call routed an op or summed a replicated gradient
 
     # ----------------------------------------------------------------- tags
     def layout(self, t: Any) -> Optional[Layout]:
@@ -109,6 +110,7 @@ class RegionGuard(TorchFunctionMode):
             return hit[1]
         out = ReplicatedToSharded.apply(t, groups)
         self._bounded[key] = (t, out)
+        self.acted = True
         return out
 
     # --------------------------------------------------------------- errors

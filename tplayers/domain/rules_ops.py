@@ -92,6 +92,7 @@ def _reduction(g, func, args, kwargs):
         raise g.error(f"{op_name(func)} with ord {p!r} over sharded dims", lay)
     groups = _groups(g, mesh_dims_of(lay, dims))
     dtype = kwargs.get("dtype")
+    g.acted = True
     if name in ("sum", "nansum"):
         src = x.nan_to_num(0.0, posinf=float("inf"), neginf=float("-inf")) if name == "nansum" else x
         out = R.sum_over(src, dims, keepdim, groups, dtype)
@@ -231,6 +232,7 @@ def _domain_norm(g, func, args, kwargs):
     if 0 in sharded_dims(lay) or 1 in sharded_dims(lay):
         raise g.error(f"{op_name(func)} over a sharded batch or channel dim", lay)
     groups = [g.groups[a] for a in mesh_dims_of(lay)]
+    g.acted = True
     if name == "group_norm":
         a = _bind(args, kwargs, ("input", "num_groups", "weight", "bias", "eps"), {"weight": None, "bias": None,
                                                                                  "eps": 1e-5})

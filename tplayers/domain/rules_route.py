@@ -50,6 +50,7 @@ def _global_size(g, x, lay, dims, size):
 
 
 def _interpolate(g, func, args, kwargs):
+    g.acted = True
     from tplayers.functional.window import interpolate
 
     a = _bind(args, kwargs, ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor",
@@ -66,6 +67,7 @@ def _interpolate(g, func, args, kwargs):
 
 
 def _pool(g, func, args, kwargs):
+    g.acted = True
     import tplayers.functional.window as W
 
     name = func.__name__.replace("_with_indices", "")
@@ -85,6 +87,7 @@ def _pool(g, func, args, kwargs):
 
 
 def _pad(g, func, args, kwargs):
+    g.acted = True
     from tplayers.functional.window import pad
 
     a = _bind(args, kwargs, ("input", "pad", "mode", "value"), {"mode": "constant", "value": None})
@@ -141,6 +144,7 @@ def _positions(attention, g, factors):
 
 
 def _sdpa(g, func, args, kwargs):
+    g.acted = True
     a = _bind(args, kwargs, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
               {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False})
     q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
@@ -176,6 +180,7 @@ _MHA = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_wei
 
 
 def _mha(g, func, args, kwargs):
+    g.acted = True
     a = _bind(args, kwargs, _MHA, {})
     q, k = a["query"], a["key"]
     qf = _token_info(g, q, 0, "F.multi_head_attention_forward")

@@ -12,7 +12,9 @@ call of the root:
 2. a :class:`~tplayers.domain.guard.RegionGuard` is pushed, the first tensor argument is tagged as
    sharded along ``shard_dims``, the forward runs guarded, and the guard is popped.
 
-Under ``torch.compile`` tracing the guard does not run (validate the model eagerly first).
+Under ``torch.compile`` tracing the guard does not run: a region whose eager calls needed it (routed
+ops, summed replicated gradients) raises ``ValueError`` when traced; validate a model eagerly
+before compiling it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class DomainRegion:
         self._table: Optional[List] = None
         self._stack: List[RegionGuard] = []
         self.root: Optional[nn.Module] = None
+        self.needs_guard = False  # an eager call routed an op or summed a replicated gradient
 
     # copy / pickle: the mesh by reference, caches empty
     def __deepcopy__(self, memo):
@@ -52,6 +55,7 @@ class DomainRegion:
         memo[id(self)] = new
         new.__dict__.update(self.__dict__)
         new.routes, new._table, new._stack, new.root = {}, None, [], None
+        new.needs_guard = self.needs_guard
         return new
 
     def __getstate__(self):
@@ -100,11 +104,19 @@ class DomainRegion:
 
     def exit(self) -> None:
         if self._stack:
-            self._stack.pop().__exit__(None, None, None)
+            guard = self._stack.pop()
+            guard.__exit__(None, None, None)
+            self.needs_guard |= guard.acted
 
     # ------------------------------------------------------------------ hooks
     def pre_hook(self, module, args, kwargs):
         if torch.compiler.is_compiling():
+            if self.needs_guard:
+                raise ValueError(
+                    f"domain region {self.name}: its eager calls route ops through the region guard (functional "
+                    "interpolation / pooling / reductions / attention on sharded data, or replicated gradients "
+                    "summed where they meet the shards), which torch.compile does not trace: run this region "
+                    "eagerly (compile only regions made of twins and local ops)")
             return None
         if any(g is active_guard() for g in self._stack):
             return None  # re-entered inside its own call

@@ -12,7 +12,8 @@ The wrapper registers the module's own parameters, buffers and children under
 their original names, so ``state_dict`` keys are exactly the serial model's.
 Wrap only modules applied to *sharded* data (per-pixel computation): a module applied to
 replicated data (a head after a global pool) already gets the full gradient, and summing it
-would multiply it by the domain size (see :mod:`tplayers.domain.region`). Norms over the
+would multiply it by the domain size. Inside a ``DomainParallel`` region the region guard
+sums replicated gradients where the data meets the shards, and this wrapper is the identity. Norms over the
 spatial dims need their twins (``DistributedGroupNorm``...), not this wrapper.
 """
 

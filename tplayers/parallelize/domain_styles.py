@@ -73,15 +73,13 @@ class DomainParallel(ParallelStyle):
     A module in the subtree that mixes spatial positions and has no twin
     (:data:`SPATIAL_MIXERS_WITHOUT_TWIN`: FractionalMaxPool, LPPool, MaxUnpool, batch / group /
     instance norms, LocalResponseNorm, padding layers, PixelShuffle, Fold, ...) is a ``ValueError``
-    listing all of them, before anything is swapped. Then, once per plan, every other module that
-    owns replicated parameters (``nn.Linear``, per-pixel norms, custom ``nn.Parameter``s) and is
-    applied to sharded data is wrapped in :class:`~tplayers.DomainReplicated` so its gradients are
-    summed over the domain. Modules that see replicated data (after a global pool inside an
-    ``nn.Sequential``) are left untouched, so their gradients are not doubled; a global pool inside a
-    custom ``forward`` next to modules with parameters is a ``ValueError`` saying where to end the
-    region (see :mod:`tplayers.domain.region`). Matched on a container, the region is exactly
-    that subtree: modules outside it (a head) stay serial. Functional calls
-    inside a ``forward`` (``F.max_pool2d``, ``F.interpolate``) cannot be seen: use the twins there.
+    listing all of them, before anything is swapped. Every call of the region then runs under the
+    region guard (:mod:`tplayers.domain.guard`): ops a ``forward`` applies to sharded data outside the
+    twins (``F.interpolate``, ``x.mean((2, 3))``, attention over pixels, a per-pixel ``Linear``) are
+    run locally where that is exact, routed to their distributed form, or refused with a
+    ``ValueError``; replicated parameters get their gradients summed where they meet sharded data.
+    The first tensor argument of the region is its sharded input (``input_dims``). Matched on a
+    container, the region is that subtree; the model's own ``forward`` around it is watched too.
 
     Example (``torchrun --nproc-per-node 2``)::
 
