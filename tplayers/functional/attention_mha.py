@@ -1,0 +1,2 @@
+def multi_head_attention_forward(*a, **k):
+    raise NotImplementedError
