@@ -177,7 +177,7 @@ class RingAttention(torch.autograd.Function):
                     merge.add(qs, _expand_kv(kb, plan.groups), _expand_kv(vb, plan.groups),
                               plan.block_bias(b, q.dtype, q.device), plan.block_keep(b), plan.drop_scale)
 
-            _exchange_many(topo, [(held if t < n - 1 else None, recv, 0)], "attention.ring.fwd", compute)
+            _exchange_many(topo, [(held if t < n - 1 else None, recv, 0, "attention.ring.fwd")], compute)
             held = recv
         out, lse = merge.finish()
         ctx.plan = plan
@@ -221,8 +221,8 @@ class RingAttention(torch.autograd.Function):
 
             # K/V for the next step and the accumulator of the previous step's block go out while
             # this block is computed; this block's accumulator (made by the previous rank) comes in.
-            _exchange_many(topo, [(held if t < n - 1 else None, recv, 0), (acc_out, acc_recv, 1)],
-                           "attention.ring.bwd", compute)
+            _exchange_many(topo, [(held if t < n - 1 else None, recv, 0, "attention.ring.bwd"),
+                                  (acc_out, acc_recv, 1, "attention.ring.bwd.grads")], compute)
             g = result["g"]
             if acc_recv is not None:
                 g.add_(acc_recv)
@@ -233,17 +233,18 @@ class RingAttention(torch.autograd.Function):
             held = recv
         if n > 1:                                                      # the last accumulator goes home
             back = own.new_empty(own.numel())
-            _exchange_many(topo, [(acc_out, back, 1)], "attention.ring.bwd", None)
+            _exchange_many(topo, [(acc_out, back, 1, "attention.ring.bwd.grads")], None)
             own.add_(back)
         dk, dv = _unpack(own, k.shape, v.shape)
         return (dq * plan.scale).sum_to_size(q.shape), dk, dv, None
 
 
-def _exchange_many(topo, pairs, label, during):
-    """Several (send, recv, tag) pairs to the next / from the previous rank in one batch."""
+def _exchange_many(topo, pairs, during):
+    """Several (send, recv, tag, label) messages to the next / from the previous rank in one batch
+    (None or empty buffers move nothing: both ends know every block's size), ``during()`` overlapped."""
     prev, nxt = topo.peers
     sends, recvs = [], []
-    for send, recv, tag in pairs:
+    for send, recv, tag, label in pairs:
         if send is not None and send.numel():
             sends.append((send, nxt, tag))
             record_collective("send", send.numel() * send.element_size(), topo.size, label)
