@@ -28,6 +28,8 @@ from tplayers.domain.shard import gather, reset_layouts, scatter, shard
 from tplayers.layers import (
     ColumnParallelEmbedding,
     ColumnParallelLinear,
+    ContextParallelAttention,
+    DistributedMultiheadAttention,
     DistributedConv1d,
     DistributedConv2d,
     DistributedConv3d,
@@ -144,4 +146,6 @@ __all__ = [
     "gather_state_dict",
     "na2d",
     "NeighborhoodAttention",
+    "ContextParallelAttention",
+    "DistributedMultiheadAttention",
 ]
