@@ -153,3 +153,17 @@ def _replicated_kv(rank, world, seed):
 
 def test_replicated_kv_moves_nothing_and_grads_sum_to_serial():
     assert all(run_ranks(_replicated_kv, 3, args=(2,), timeout=60))
+
+
+def _chunked(rank, world, seed):
+    from tplayers.functional import attention_ring
+    attention_ring.SCORE_CHUNK_BYTES = 2 * 3 * 8 * 3   # a few keys per chunk: every block is split
+    _mask_cases(rank, world, seed)
+    _causal_cases(rank, world, seed, "ring")
+    _dropout_cases(rank, world, seed)
+    _gqa_cases(rank, world, seed)
+    return True
+
+
+def test_blocks_split_into_key_chunks():
+    assert all(run_ranks(_chunked, 3, args=(4,), timeout=90))

@@ -48,6 +48,11 @@ class _Merge:
         self.acc = torch.zeros(batch + (lq, ev), dtype=dtype, device=device)
 
     def add(self, qs: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, bias, keep, drop_scale: float) -> None:
+        for start, length in _key_chunks(kb.size(-2), qs):
+            self._add(qs, kb.narrow(-2, start, length), vb.narrow(-2, start, length), _cols(bias, start, length),
+                      _cols(keep, start, length), drop_scale)
+
+    def _add(self, qs, kb, vb, bias, keep, drop_scale: float) -> None:
         s = torch.matmul(qs, kb.transpose(-1, -2))                    # (*batch, Lq, Lb)
         if bias is not None:
             s.add_(bias)
@@ -69,8 +74,39 @@ class _Merge:
         return out, lse
 
 
+# Scores are formed for at most this many bytes of keys at a time (per rank): a block of keys
+# is split into chunks so that (*batch, Lq_local, chunk) stays under it.
+SCORE_CHUNK_BYTES = 64 << 20
+
+
+def _key_chunks(lb: int, qs: torch.Tensor):
+    per_key = max(1, qs.numel() // max(1, qs.size(-1))) * qs.element_size()   # bytes of one score column
+    chunk = max(1, SCORE_CHUNK_BYTES // per_key)
+    return [(s, min(chunk, lb - s)) for s in range(0, lb, chunk)]
+
+
+def _cols(t: Optional[torch.Tensor], start: int, length: int) -> Optional[torch.Tensor]:
+    return t if t is None or t.size(-1) == 1 else t.narrow(-1, start, length)
+
+
 def _block_grads(qs, kb, vb, bias, keep, drop_scale, dout, lse_safe, delta):
-    """One block's (dS K_b, dK_b, dV_b) in the attention's batch shape (dK_b, dV_b unfolded)."""
+    """One block's (dS K_b, dK_b, dV_b) in the attention's batch shape (dK_b, dV_b unfolded),
+    key chunk by key chunk (see :data:`SCORE_CHUNK_BYTES`)."""
+    chunks = _key_chunks(kb.size(-2), qs)
+    if len(chunks) == 1:
+        return _chunk_grads(qs, kb, vb, bias, keep, drop_scale, dout, lse_safe, delta)
+    gq, gks, gvs = None, [], []
+    for start, length in chunks:
+        q_part, k_part, v_part = _chunk_grads(qs, kb.narrow(-2, start, length), vb.narrow(-2, start, length),
+                                              _cols(bias, start, length), _cols(keep, start, length), drop_scale,
+                                              dout, lse_safe, delta)
+        gq = q_part if gq is None else gq.add_(q_part)
+        gks.append(k_part)
+        gvs.append(v_part)
+    return gq, torch.cat(gks, -2), torch.cat(gvs, -2)
+
+
+def _chunk_grads(qs, kb, vb, bias, keep, drop_scale, dout, lse_safe, delta):
     p = torch.matmul(qs, kb.transpose(-1, -2))
     if bias is not None:
         p.add_(bias)
