@@ -47,7 +47,7 @@ def _causal_cases(rank, world, seed, algorithm):
         g = torch.Generator().manual_seed(seed + case)
         q = torch.randn(2, 2, lq, 4, dtype=torch.float64, generator=g)
         k = torch.randn(2, 2, lk, 4, dtype=torch.float64, generator=g)
-        v = torch.randn(2, 2, lk, 3, dtype=torch.float64, generator=g)
+        v = torch.randn(2, 2, lk, 4 if case < 2 else 3, dtype=torch.float64, generator=g)  # fused kernel, torch ops
         check_against_serial(rank, q, k, v, qpos, kpos, is_causal=True, mesh=mesh, algorithm=algorithm,
                              pass_positions=strided, seed=case)
     return True
@@ -69,7 +69,7 @@ def _mask_cases(rank, world, seed):
         g = torch.Generator().manual_seed(seed + case)
         q = torch.randn(2, 3, lq, 4, dtype=torch.float64, generator=g)
         k = torch.randn(2, 3, lk, 4, dtype=torch.float64, generator=g)
-        v = torch.randn(2, 3, lk, 5, dtype=torch.float64, generator=g)
+        v = torch.randn(2, 3, lk, 4 if case < 4 else 5, dtype=torch.float64, generator=g)  # fused, torch ops
         shape = rng.choice([(lq, lk), (2, 1, lq, lk), (1, 3, 1, lk), (2, 3, lq, lk)])
         if case % 2:
             mask = torch.rand(shape, generator=g) < 0.7
@@ -156,8 +156,10 @@ def test_replicated_kv_moves_nothing_and_grads_sum_to_serial():
 
 
 def _chunked(rank, world, seed):
-    from tplayers.functional import attention_ring
-    attention_ring.SCORE_CHUNK_BYTES = 2 * 3 * 8 * 3   # a few keys per chunk: every block is split
+    from tplayers.functional import attention_blocks
+    attention_blocks.FUSED_CPU = False                   # the torch-ops kernel for every block
+    attention_blocks.SCORE_CHUNK_BYTES = 2 * 3 * 8 * 3   # a few keys per chunk: every block is split
+    _random_cases(rank, world, seed, "ring")
     _mask_cases(rank, world, seed)
     _causal_cases(rank, world, seed, "ring")
     _dropout_cases(rank, world, seed)
@@ -165,5 +167,5 @@ def _chunked(rank, world, seed):
     return True
 
 
-def test_blocks_split_into_key_chunks():
+def test_torch_ops_kernel_with_blocks_split_into_key_chunks():
     assert all(run_ranks(_chunked, 3, args=(4,), timeout=90))

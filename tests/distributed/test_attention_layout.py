@@ -49,7 +49,7 @@ def _strided_causal(rank, world, seed):
         g = torch.Generator().manual_seed(seed + case)
         q = torch.randn(2, 2, h * w, 4, dtype=torch.float64, generator=g)
         k = torch.randn(2, 2, h * w, 4, dtype=torch.float64, generator=g)
-        v = torch.randn(2, 2, h * w, 3, dtype=torch.float64, generator=g)
+        v = torch.randn(2, 2, h * w, 4 if case % 2 else 3, dtype=torch.float64, generator=g)
         for algorithm in ("ring", "all_gather"):
             check_against_serial(me, q, k, v, flat_pos, flat_pos, is_causal=True, mesh=mesh, algorithm=algorithm,
                                  seed=case)
@@ -89,7 +89,9 @@ def test_ring_moves_the_minimum_bytes(world):
     assert all(run_ranks(_bytes, world, timeout=60))
 
 
-def _memory(rank, world):
+def _memory(rank, world, fused):
+    from tplayers.functional import attention_blocks
+    attention_blocks.FUSED_CPU = fused
     mesh = tplayers.default_mesh()
     length, e = 1024, 16
     g = torch.Generator().manual_seed(0)
@@ -112,8 +114,9 @@ def _memory(rank, world):
     return dist_peak, serial_peak
 
 
-def test_peak_memory_at_most_half_the_serial_plus_one_block():
-    peaks = run_ranks(_memory, 2, timeout=90)
+@pytest.mark.parametrize("fused", [True, False])
+def test_peak_memory_at_most_half_the_serial_plus_one_block(fused):
+    peaks = run_ranks(_memory, 2, args=(fused,), timeout=90)
     assert all(d < s for d, s in peaks)
 
 
