@@ -51,6 +51,8 @@ def _pixel_block(rank, world, seed):
         twin = copy.deepcopy(serial)
         twin.attn = tplayers.DistributedMultiheadAttention.from_module(serial.attn, mesh=mesh)
         assert list(twin.state_dict()) == list(serial.state_dict())
+        twin = copy.deepcopy(twin)                                    # shares the mesh, copies parameters
+        assert twin.attn.mesh is mesh
         opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
         opt_t = torch.optim.SGD(twin.parameters(), lr=0.1)
         hs = uneven_sizes(rng, h, world)                              # uneven H, zeros allowed
