@@ -180,8 +180,8 @@ def _module_raises(rank, world):
     mesh = tplayers.default_mesh()
     twin = tplayers.DistributedMultiheadAttention(4, 2, mesh=mesh).double()
     x = torch.randn(3, 1, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="need_weights=True is unsupported"):
-        twin(x, x, x)
+    with pytest.raises(ValueError, match="must span the global keys"):       # one rank's mask is wrong
+        twin(x, x, x, key_padding_mask=torch.zeros(1, 3 * world + rank, dtype=torch.bool))
     with pytest.raises(ValueError, match="add_bias_kv=True is unsupported"):
         tplayers.DistributedMultiheadAttention(4, 2, add_bias_kv=True, mesh=mesh)
     with pytest.raises(ValueError, match="add_zero_attn=True is unsupported"):
@@ -206,3 +206,45 @@ def _module_raises(rank, world):
 
 def test_module_raises_on_every_rank():
     assert all(run_ranks(_module_raises, 2, timeout=60))
+
+
+def _weights(rank, world, seed):
+    """need_weights=True (nn's default): this rank's rows of the weights, averaged or per head,
+    differentiable, with masks, dropout and the causal hint; batch_first both ways."""
+    mesh = tplayers.default_mesh()
+    rng = random.Random(seed)
+    for case in range(4):
+        torch.manual_seed(seed + case)
+        batch_first = case % 2 == 0
+        serial = nn.MultiheadAttention(6, 2, dropout=0.2 if case == 1 else 0.0, batch_first=batch_first).double()
+        twin = tplayers.DistributedMultiheadAttention.from_module(serial, mesh=mesh)
+        length = rng.randint(world, 9)
+        sizes = uneven_sizes(rng, length, world)
+        seq = 1 if batch_first else 0
+        x = torch.randn((2, length, 6) if batch_first else (length, 2, 6), dtype=torch.float64)
+        kw, kw_local = {}, {}
+        if case == 2:
+            kw["key_padding_mask"] = kw_local["key_padding_mask"] = torch.rand(2, length) < 0.3
+            kw["key_padding_mask"][:, 0] = False
+        if case == 3:
+            mask = nn.Transformer.generate_square_subsequent_mask(length, dtype=torch.float64)
+            kw = dict(attn_mask=mask, is_causal=True)
+            kw_local = dict(attn_mask=_mine(mask, sizes, rank, 0), is_causal=True)
+        average = case != 1
+        xs, xt = x.clone().requires_grad_(), _mine(x, sizes, rank, seq).clone().requires_grad_()
+        torch.manual_seed(11)
+        ys, ws = serial(xs, xs, xs, average_attn_weights=average, **kw)
+        torch.manual_seed(11)
+        yt, wt = twin(xt, xt, xt, average_attn_weights=average, **kw_local)
+        torch.testing.assert_close(yt, _mine(ys, sizes, rank, seq), **TIGHT)
+        torch.testing.assert_close(wt, _mine(ws, sizes, rank, -2), **TIGHT)
+        (ys.square().sum() + ws.square().sum()).backward()
+        (yt.square().sum() + wt.square().sum()).backward()
+        torch.testing.assert_close(xt.grad, _mine(xs.grad, sizes, rank, seq), **TIGHT)
+        _assert_param_grads(twin, serial)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_need_weights_rows_of_the_serial_weights(world):
+    assert all(run_ranks(_weights, world, args=(world,), timeout=90))

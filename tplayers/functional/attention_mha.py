@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.functional.attention import scaled_dot_product_attention
+from tplayers.functional.attention_weights import attention_with_weights
 
 __all__ = ["multi_head_attention_forward"]
 
@@ -31,14 +32,12 @@ def _float_mask(mask: Optional[torch.Tensor], name: str, dtype) -> Optional[torc
     return mask.to(dtype)
 
 
-def _unsupported(bias_k, bias_v, add_zero_attn, static_k, static_v, need_weights) -> None:
+def _unsupported(bias_k, bias_v, add_zero_attn, static_k, static_v) -> None:
     for name, bad, why in (
         ("bias_k/bias_v (add_bias_kv=True)", bias_k is not None or bias_v is not None,
          "the extra key/value token has no owner among the sharded tokens"),
         ("add_zero_attn=True", bool(add_zero_attn), "the zero key has no owner among the sharded tokens"),
         ("static_k/static_v", static_k is not None or static_v is not None, "precomputed keys are not sharded here"),
-        ("need_weights=True", bool(need_weights), "the averaged weights are an (N, Lq, Lk_global) tensor per rank, "
-         "the full score matrix's rows that this attention never forms; pass need_weights=False"),
     ):
         if bad:
             raise ValueError(f"multi_head_attention_forward over sharded tokens: {name} is unsupported ({why})")
@@ -58,10 +57,15 @@ def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_head
     ``attn_mask`` is ``(Lq_local, Lk_global)`` or ``(N * num_heads, Lq_local, Lk_global)`` (bool True
     = not allowed, as in torch). ``is_causal`` is torch's hint: with no ``key_padding_mask`` the mask
     is dropped and causality is taken over the global positions (``q_positions``/``kv_positions``,
-    see :func:`scaled_dot_product_attention`). Returns ``(attn_output, None)``.
+    see :func:`scaled_dot_product_attention`). Returns ``(attn_output, weights)``.
 
-    Unsupported (``ValueError`` naming the option): ``need_weights=True``, ``bias_k``/``bias_v``,
-    ``add_zero_attn``, ``static_k``/``static_v``. Parameter gradients are this rank's partial sums.
+    ``need_weights=True`` returns this rank's rows of the weights, ``(N, Lq_local, Lk_global)``
+    (averaged) or ``(N, heads, Lq_local, Lk_global)``: rows of the full score matrix, so that path
+    gathers K/V (all-gather forward, reduce-scatter backward) and runs torch's own ``need_weights``
+    computation on this rank's rows (exact, weights differentiable; memory of the weights). With
+    ``need_weights=False`` (the fast path) nothing score-sized is formed and ``weights`` is None.
+    Unsupported (``ValueError`` naming the option): ``bias_k``/``bias_v``, ``add_zero_attn``,
+    ``static_k``/``static_v``. Parameter gradients are this rank's partial sums.
 
     Example (``torchrun --nproc-per-node 2``: 6 of 12 tokens per rank)::
 
@@ -74,7 +78,7 @@ def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_head
             x, x, x, 16, 4, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0,
             mha.out_proj.weight, mha.out_proj.bias, need_weights=False, mesh=mesh)
     """
-    _unsupported(bias_k, bias_v, add_zero_attn, static_k, static_v, need_weights)
+    _unsupported(bias_k, bias_v, add_zero_attn, static_k, static_v)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"multi_head_attention_forward: {name} must be a tensor, got {type(t).__name__}")
@@ -97,7 +101,7 @@ def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_head
         raise ValueError("multi_head_attention_forward: is_causal is a hint and needs attn_mask (as in torch)")
     kpm = _float_mask(key_padding_mask, "key_padding_mask", query.dtype)
     causal = False
-    if is_causal and kpm is None:
+    if is_causal and kpm is None and not need_weights:
         attn_mask = None                                                # causal over global positions
         causal = True
     mask = _float_mask(attn_mask, "attn_mask", query.dtype)
@@ -128,12 +132,21 @@ def multi_head_attention_forward(query, key, value, embed_dim_to_check, num_head
                              f"{tuple(key_padding_mask.shape)}")
         kpm = kpm.view(bsz, 1, 1, kpm.size(-1)).expand(-1, num_heads, -1, -1).reshape(bsz * num_heads, 1, -1)
         mask = kpm if mask is None else mask + kpm
-    if mask is not None:
-        mask = mask.unsqueeze(0) if mask.size(0) == 1 else mask.view(bsz, num_heads, -1, mask.size(-1))
-
-    out = scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p if training else 0.0,
-                                       is_causal=causal, mesh=mesh, kv_sharded=kv_sharded, q_positions=q_positions,
-                                       kv_positions=kv_positions, algorithm=algorithm)
+    dropout_p = dropout_p if training else 0.0
+    if need_weights:                                                    # the weights' rows are wanted
+        out, weights = attention_with_weights(q, k, v, mask, dropout_p, average_attn_weights, mesh=mesh,
+                                              kv_sharded=kv_sharded, q_positions=q_positions,
+                                              kv_positions=kv_positions)
+    else:
+        if mask is not None:
+            mask = mask.unsqueeze(0) if mask.size(0) == 1 else mask.view(bsz, num_heads, -1, mask.size(-1))
+        out, weights = scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, mesh=mesh, kv_sharded=kv_sharded,
+            q_positions=q_positions, kv_positions=kv_positions, algorithm=algorithm), None
     out = out.permute(2, 0, 1, 3).reshape(tgt_len * bsz, embed_dim)      # (Lq_local * N, E)
     out = F.linear(out, out_proj_weight, out_proj_bias).view(tgt_len, bsz, out_proj_weight.size(0))
-    return (out if batched else out.squeeze(1)), None
+    if not batched:
+        out = out.squeeze(1)
+        weights = None if weights is None else weights.squeeze(0)
+    return out, weights
+

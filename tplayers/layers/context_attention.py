@@ -91,8 +91,11 @@ class DistributedMultiheadAttention(MeshBound, nn.MultiheadAttention):
     is_causal=False, q_positions=None, kv_positions=None)``: query/key/value hold this rank's
     tokens along the sequence dim (dim 1 with ``batch_first``, else 0); ``key_padding_mask`` is
     ``(N, Lk_global)``, ``attn_mask`` ``(Lq_local, Lk_global)`` or ``(N*heads, Lq_local, Lk_global)``.
-    Returns ``(output, None)``: ``need_weights=True`` raises ``ValueError`` (pass False), as do
-    ``add_bias_kv`` and ``add_zero_attn``. The parameters are replicated; their gradients are
+    Returns ``(output, weights)`` as ``nn.MultiheadAttention`` does: ``need_weights=True`` (its
+    default) gives this rank's rows of the weights ``(N, Lq_local, Lk_global)`` by gathering K/V
+    (the weights are rows of the full score matrix); ``need_weights=False`` is the ring path that
+    never forms them (None). ``add_bias_kv`` and ``add_zero_attn`` raise ``ValueError``. The
+    parameters are replicated; their gradients are
     summed over the ranks in backward (one all-reduce per mesh dim), so every ``.grad`` is the
     serial one. Build the optimizer after swapping in the twin.
 
@@ -137,10 +140,6 @@ class DistributedMultiheadAttention(MeshBound, nn.MultiheadAttention):
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False, q_positions=None, kv_positions=None):
-        if need_weights:
-            raise ValueError("DistributedMultiheadAttention: need_weights=True is unsupported (the weights are "
-                             "rows of the full score matrix, which this attention never forms); pass "
-                             "need_weights=False")
         if self.batch_first and query.dim() == 3:                      # (N, L, E) -> (L, N, E)
             query, key, value = (t.transpose(0, 1) for t in (query, key, value))
         names = [n for n, _ in self.named_parameters()]
@@ -152,14 +151,15 @@ class DistributedMultiheadAttention(MeshBound, nn.MultiheadAttention):
                 key, value = _SumOverGroups.apply(key, self._groups), _SumOverGroups.apply(value, self._groups)
         p = dict(zip(names, params))
         separate = not self._qkv_same_embed_dim
-        out, _ = multi_head_attention_forward(
+        out, weights = multi_head_attention_forward(
             query, key, value, self.embed_dim, self.num_heads, p.get("in_proj_weight"), p.get("in_proj_bias"),
             None, None, False, self.dropout, p["out_proj.weight"], p.get("out_proj.bias"), training=self.training,
-            key_padding_mask=key_padding_mask, need_weights=False, attn_mask=attn_mask,
+            key_padding_mask=key_padding_mask, need_weights=need_weights, attn_mask=attn_mask,
+            average_attn_weights=average_attn_weights,
             use_separate_proj_weight=separate, q_proj_weight=p.get("q_proj_weight"),
             k_proj_weight=p.get("k_proj_weight"), v_proj_weight=p.get("v_proj_weight"), is_causal=is_causal,
             mesh=self.mesh, kv_sharded=self.kv_sharded, q_positions=q_positions, kv_positions=kv_positions,
             algorithm=self.algorithm)
         if self.batch_first and out.dim() == 3:
             out = out.transpose(0, 1)
-        return out, None
+        return out, weights
