@@ -7,10 +7,13 @@ blocks, or one all-gather) and are merged with an online softmax, so the result 
 rank's rows of ``torch.nn.functional.scaled_dot_product_attention`` on the gathered tokens,
 values and gradients, and no rank ever holds the full score matrix.
 
-Choosing the algorithm (``algorithm="auto"``, measured in ``benchmarks/attention.py``, see
-``benchmarks/RESULTS.md``): on 2 ranks the ring and the all-gather move the same bytes, and
-the ring holds one remote block instead of all of them, so ``auto`` is the ring; ``"all_gather"``
-is kept for N > 2 ranks on fast links where one collective beats N - 1 point-to-point steps.
+Choosing the algorithm (``algorithm="auto"``), measured with ``benchmarks/attention.py`` (a U-Net
+mid-block attention, 2 CPU ranks, 64^2 and 128^2 tokens, see ``benchmarks/RESULTS.md``): both move
+the minimum forward (every other rank's K/V once); the ring's forward+backward took 0.68-1.13x the
+all-gather's (median 0.95 over 3 runs x 3 sizes) and holds one remote block at a time instead of
+all of them, and its backward returns dK/dV point to point instead of a reduce-scatter of the full
+padded K/V size. Rule: ``auto`` = ring. ``"all_gather"`` stays selectable (one collective instead
+of N - 1 steps may win at N > 2 ranks on a fast fabric; not measured here).
 """
 
 from __future__ import annotations
