@@ -30,6 +30,8 @@ from tplayers import functional
 from tplayers.layers import (
     ColumnParallelEmbedding,
     ColumnParallelLinear,
+    ContextParallelAttention,
+    DistributedMultiheadAttention,
     DistributedConv1d,
     DistributedConv2d,
     DistributedConv3d,
@@ -148,4 +150,6 @@ __all__ = [
     "gather_state_dict",
     "na2d",
     "NeighborhoodAttention",
+    "ContextParallelAttention",
+    "DistributedMultiheadAttention",
 ]

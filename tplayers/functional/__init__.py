@@ -5,6 +5,13 @@ sharded dims (``shard_dims[i]`` is the tensor dim sharded over mesh dim ``i``), 
 this rank's slice of what the serial function returns on the gathered input, values and gradients.
 Inside a domain region the region guard routes the plain ``torch`` / ``F`` calls here by itself.
 
+- reductions: :func:`sum`, :func:`mean`, :func:`amax`, :func:`amin`, :func:`var`, :func:`std`, :func:`norm`;
+- window ops: :func:`interpolate`, max / avg / adaptive pools, :func:`pad`;
+- :func:`scaled_dot_product_attention`: ``F.scaled_dot_product_attention`` over tokens sharded on
+  all ranks of a mesh (ring or all-gather of K/V, online-softmax merge); :func:`token_positions`
+  gives the global indices of the local tokens of a sharded image for causal / masked attention;
+- :func:`multi_head_attention_forward`: ``F.multi_head_attention_forward`` with the sequence sharded.
+
 Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
     import torch, tplayers
@@ -15,6 +22,8 @@ Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
     m = TF.mean(y, dim=(2, 3), mesh=mesh)         # (2, 3), the same on every rank
 """
 
+from tplayers.functional.attention import scaled_dot_product_attention, token_positions
+from tplayers.functional.attention_mha import multi_head_attention_forward
 from tplayers.functional.reduce import amax, amin, mean, norm, std, sum, var  # noqa: A004
 from tplayers.functional.window import (adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_avg_pool3d,
                                         adaptive_max_pool1d, adaptive_max_pool2d, adaptive_max_pool3d, avg_pool1d,
@@ -23,4 +32,5 @@ from tplayers.functional.window import (adaptive_avg_pool1d, adaptive_avg_pool2d
 
 __all__ = ["sum", "mean", "amax", "amin", "var", "std", "norm", "interpolate", "max_pool1d", "max_pool2d",
            "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
-           "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "pad"]
+           "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "pad",
+           "scaled_dot_product_attention", "token_positions", "multi_head_attention_forward"]

@@ -2,6 +2,7 @@
 
 from tplayers.layers._common import ShardedModule
 from tplayers.layers.attention import NeighborhoodAttention
+from tplayers.layers.context_attention import ContextParallelAttention, DistributedMultiheadAttention
 from tplayers.layers.branch import ReplicatedBranch
 from tplayers.layers.adaptive_max import (
     DistributedAdaptiveMaxPool1d,
@@ -43,6 +44,8 @@ from tplayers.layers.embedding import ColumnParallelEmbedding, VocabParallelEmbe
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = [
+    "ContextParallelAttention",
+    "DistributedMultiheadAttention",
     "ShardedModule",
     "ColumnParallelLinear",
     "RowParallelLinear",
