@@ -114,11 +114,9 @@ def _pad(g, func, args, kwargs):
 
 # ------------------------------------------------------------------ attention
 def _attention_impl(g, what, lay):
-    try:
-        from tplayers.functional import attention
-    except ImportError:
-        attention = None
-    if attention is None or not hasattr(attention, "scaled_dot_product_attention"):
+    import tplayers.functional as attention
+
+    if not hasattr(attention, "scaled_dot_product_attention"):
         raise g.error(f"{what} over sharded tokens", lay,
                       "Full attention over domain-sharded pixels is not available in this build.")
     return attention
