@@ -23,7 +23,7 @@ from torch import nn
 
 from tplayers.parallelize.styles import key_repr
 
-__all__ = ["module_names", "inside", "check_shared_descendants"]
+__all__ = ["module_names", "inside", "check_shared_descendants", "check_aliases_kept"]
 
 
 def module_names(model: nn.Module) -> Dict[int, List[str]]:
@@ -85,3 +85,29 @@ def _where(match) -> str:
     if match is None:
         return "outside every module the plan swaps"
     return f"inside {match.name or '<root>'!r} (plan key {key_repr(match.key)})"
+
+
+def check_aliases_kept(model: nn.Module, names_of: Dict[int, List[str]], before: Dict[int, nn.Module]) -> None:
+    """After the swap: ``ValueError`` if a module with parameters or buffers that had several names
+    in the serial model now has different modules under them (a style rewired one name only).
+
+    ``before`` is ``{id: module}`` of the serial model (ids in ``names_of``). Names that no longer
+    exist (inside a replaced subtree of another shape) are not compared.
+    """
+    for key, names in names_of.items():
+        if len(names) < 2 or not _holds_state(before[key]):
+            continue
+        now = []
+        for name in names:
+            try:
+                now.append((name, model.get_submodule(name)))
+            except AttributeError:
+                continue
+        for name, mod in now[1:]:
+            if mod is not now[0][1]:
+                raise ValueError(
+                    f"modules {now[0][0]!r} and {name!r} are one {type(before[key]).__name__} in the model, but the "
+                    f"plan left {type(now[0][1]).__name__} under {now[0][0]!r} and {type(mod).__name__} under "
+                    f"{name!r}, so the two uses would no longer be one module (e.g. only one wrapped to sum its "
+                    "gradient over the domain). Give the module a single name, or plan it so every name gets the "
+                    "same replacement")

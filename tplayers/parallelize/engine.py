@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.agree import exchange_agreed
 from tplayers.mesh import resolve_mesh
-from tplayers.parallelize.aliases import check_shared_descendants, inside, module_names
+from tplayers.parallelize.aliases import check_aliases_kept, check_shared_descendants, inside, module_names
 from tplayers.parallelize.attention_groups import check_attention_groups
 from tplayers.parallelize.source import (check_src_rank, partition_inputs, plan_from_source, serial_tensors,
                                          structure_digest)
@@ -177,6 +177,7 @@ def parallelize_module(
             stacklevel=2,
         )
     snapshot = _snapshot(model)
+    names_of, objects = module_names(model), {id(m): m for m in model.modules()}
     serial = serial_tensors(model)
     before = structure_digest(model)
     try:  # build every replacement first, then swap; any failure puts the tree back as it was
@@ -187,6 +188,7 @@ def parallelize_module(
             inputs, rng = partition_inputs(functions, mesh, src_rank, before)
         try:
             model, built = _swap_all(model, matches, mesh, ties, inputs, rng)
+            check_aliases_kept(model, names_of, objects)
             if src_rank is not None:
                 exclude = frozenset(id(t) for m, new in built if id(m) in inputs for t in serial_tensors(new).values())
                 source = plan_from_source(model, serial, mesh, exclude)
