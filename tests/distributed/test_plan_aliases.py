@@ -175,6 +175,12 @@ def _alias_errors(rank, world):
     refused(Trunk().double(), {"trunk": tplayers.DomainParallel(shard_dims=(2,))}, "trunk.0", "head_conv")
     # the same through a partition function given the container
     refused(Trunk().double(), {"trunk": lambda name, m, mesh: copy.deepcopy(m)}, "trunk.0", "head_conv")
+    # one conv in two regions given by two keys (two replacements): both names
+    two = nn.Module()
+    two.r1 = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.ReLU())
+    two.r2 = nn.Sequential(two.r1[0], nn.Tanh())
+    refused(two, {"r1": tplayers.DomainParallel(shard_dims=(2,)), "r2": tplayers.DomainParallel(shard_dims=(3,))},
+            "r1.0", "r2.0")
     # a stateful module nested in one swapped subtree and matched itself: nested keys
     with pytest.raises(ValueError, match="nested modules"):
         tplayers.parallelize_module(Trunk().double(), {"trunk": tplayers.DomainParallel(shard_dims=(2,)),
@@ -187,6 +193,7 @@ def test_aliases_that_cannot_share_one_replacement_raise_naming_both_names():
         assert "matched by two plan keys" in msgs[0][0] and msgs[0][1] == 0
         assert "outside every module the plan swaps" in msgs[1][0] and msgs[1][1] == 0
         assert "outside every module the plan swaps" in msgs[2][0] and msgs[2][1] == 0
+        assert "inside 'r1'" in msgs[3][0] and "inside 'r2'" in msgs[3][0] and msgs[3][1] == 0
 
 
 def _per_pixel_alias(rank, world):
