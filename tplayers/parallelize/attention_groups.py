@@ -9,7 +9,7 @@ plan groups them before anything is built:
 
 - **who**: siblings under one parent module, by role. A role is given by the style
   (``ColumnParallel(head_role="q" | "k" | "v")``, ``RowParallel(head_role="o")``) or read from
-  the module's name (``q_proj``, ``q``, ``query``, ``wq``, ``q_lin``; ``k_...``, ``v_...``;
+  the module's name (``q_proj``, ``q``, ``query``, ``wq``, ``q_lin``, ``to_q``; ``k_...``, ``v_...``;
   ``o_proj``, ``o``, ``out_proj``, ``wo``, ``out_lin``);
 - **head size**: a member style's ``head_dim``, else the parent's integer ``head_dim``
   attribute (Hugging Face attention modules have one);
@@ -34,9 +34,9 @@ __all__ = ["check_attention_groups", "ROLE_NAMES"]
 
 #: module names read as a projection's role when its style names none
 ROLE_NAMES: Dict[str, Tuple[str, ...]] = {
-    "q": ("q_proj", "q", "query", "wq", "q_lin"),
-    "k": ("k_proj", "k", "key", "wk", "k_lin"),
-    "v": ("v_proj", "v", "value", "wv", "v_lin"),
+    "q": ("q_proj", "q", "query", "wq", "q_lin", "to_q"),
+    "k": ("k_proj", "k", "key", "wk", "k_lin", "to_k"),
+    "v": ("v_proj", "v", "value", "wv", "v_lin", "to_v"),
     "o": ("o_proj", "o", "out_proj", "wo", "out_lin"),
 }
 

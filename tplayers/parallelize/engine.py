@@ -190,7 +190,11 @@ def parallelize_module(
             model, built = _swap_all(model, matches, mesh, ties, inputs, rng)
             check_aliases_kept(model, names_of, objects)
             if src_rank is not None:
-                exclude = frozenset(id(t) for m, new in built if id(m) in inputs for t in serial_tensors(new).values())
+                # a function's output is rank src_rank's by construction: not re-cut (a tensor it shares
+                # with a style's twin, e.g. a tie, is sourced as the style's)
+                styled = {id(t) for m, new in built if id(m) not in inputs for t in serial_tensors(new).values()}
+                exclude = frozenset(id(t) for m, new in built if id(m) in inputs
+                                    for t in serial_tensors(new).values() if id(t) not in styled)
                 source = plan_from_source(model, serial, mesh, exclude)
         except Exception as err:  # noqa: BLE001 - travels to every rank below, then re-raised
             error = err

@@ -5,6 +5,10 @@ the plan into a twin that shards it the same way (same global shape, dim and
 ranges on every rank): the twins then get one Parameter again. Anything else
 would silently untie the weights (the copies drift apart after one step), so
 it raises ``ValueError`` naming both modules, before the model changes.
+
+A whole module shared under two names (``self.b = self.a``) is not a tie between two modules:
+the plan replaces it under every name with one replacement (:mod:`tplayers.parallelize.aliases`),
+so its Parameters stay one set; a module's names are its aliases throughout this file.
 """
 
 from __future__ import annotations
