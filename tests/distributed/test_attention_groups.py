@@ -173,3 +173,22 @@ def test_heads_that_cannot_follow_their_kv_group_or_would_split_raise_on_every_r
         assert all(m[i] == out[0][i] for m in out), [m[i] for m in out]
     if world == 3:
         assert "layers.0.attn.q_proj (4 heads)" in out[0][0] and "layers.0.attn.k_proj (2 heads)" in out[0][0]
+
+
+def _docstring_example(rank, world):
+    import textwrap
+
+    import tplayers.parallelize.attention_groups as mod
+    doc = mod.__doc__
+    code = textwrap.dedent(doc[doc.index("::\n") + 3:])
+    if world == 3:
+        with pytest.raises(ValueError, match=r"rank 1 holds query heads \[2, 3\) of wq_"):
+            exec(code, {})
+        return "raised"
+    exec(code, {})
+    return "ran"
+
+
+@pytest.mark.parametrize("world,expected", [(2, "ran"), (3, "raised")])
+def test_module_docstring_example(world, expected):
+    assert run_ranks(_docstring_example, world, timeout=60) == [expected] * world

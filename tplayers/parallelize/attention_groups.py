@@ -17,6 +17,21 @@ plan groups them before anything is built:
   any collective): each member's local features are whole heads; each rank's query heads use
   only the key/value heads that rank holds (query head ``i`` of ``H`` uses kv head
   ``i * K // H``); the output projection's local input is exactly the local query heads.
+
+Example (``torchrun --nproc-per-node 2``; at 3 ranks it raises, naming rank 1's heads)::
+
+    import tplayers
+    from torch import nn
+    mesh = tplayers.init_mesh()
+    attn = nn.Module()  # 4 query heads and 2 key/value heads of 8 features, names no rule reads
+    attn.wq_, attn.wk_, attn.wv_ = nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 16)
+    attn.wo_ = nn.Linear(32, 32)
+    plan = {"wq_": tplayers.ColumnParallel(head_dim=8, head_role="q"),
+            "wk_": tplayers.ColumnParallel(head_dim=8, head_role="k"),
+            "wv_": tplayers.ColumnParallel(head_dim=8, head_role="v"),
+            "wo_": tplayers.RowParallel(head_dim=8, head_role="o")}
+    attn = tplayers.parallelize_module(attn, plan, mesh=mesh)
+    assert attn.wq_.weight_ranges[0][1] - attn.wq_.weight_ranges[0][0] == 32 // mesh.size()
 """
 
 from __future__ import annotations
