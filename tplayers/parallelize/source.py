@@ -181,9 +181,9 @@ def partition_inputs(matches, mesh: DeviceMesh, src: int, model_digest: str):
             if id(t) not in seen:
                 seen.add(id(t))
                 targets.append(t)
-    rng = torch.get_rng_state()
+    rng = torch.get_rng_state().to(mesh.device_type)  # travels on the mesh's device (nccl: cuda)
     got = broadcast_flat(targets + [rng], mesh, src, "src_rank.partition")
     with torch.no_grad():
         for t, v in zip(targets, got):
             t.copy_(v)
-    return copies, got[-1].clone()
+    return copies, got[-1].cpu().clone()
