@@ -219,3 +219,42 @@ def _per_pixel_alias(rank, world):
 def test_per_pixel_linear_under_two_names_in_a_region_is_exact_or_refused():
     out = run_ranks(_per_pixel_alias, 2, timeout=60)
     assert len(set(out)) == 1, out
+
+
+def _tie_through_alias(rank, world):
+    """A tied head reachable under a second name, planned under that name: the tie and the alias
+    both survive (one Parameter, one module), exact against the serial model; the embedding side
+    alone still refuses naming both tied names."""
+    import os
+    import sys
+
+    import torch.nn.functional as F
+
+    from oracle import assert_local_slices
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
+    from gpt2_tp import GPT2, gpt2_plan
+
+    mesh = tplayers.default_mesh()
+    torch.manual_seed(3)
+    vocab, d = 19, 8
+    serial = GPT2(vocab, d, 2, 1, 8).double()
+    serial.head_alias = serial.lm_head  # the tied head under a second name
+    plan = gpt2_plan(d, 2)
+    plan["head_alias"] = plan.pop("lm_head")
+    model = tplayers.parallelize_module(copy.deepcopy(serial), plan, mesh=mesh)
+    assert model.lm_head is model.head_alias and model.lm_head.weight is model.wte.weight
+    idx = torch.randint(0, vocab, (2, 6), generator=torch.Generator().manual_seed(1))
+    ls = F.cross_entropy(serial(idx).reshape(-1, vocab), idx.reshape(-1))
+    lp = tplayers.vocab_parallel_cross_entropy(model(idx), idx, mesh)
+    torch.testing.assert_close(lp, ls, **TIGHT)
+    ls.backward(), lp.backward()
+    assert_local_slices(model, serial, grads=True, **TIGHT)
+    with pytest.raises(ValueError, match="tied") as err:
+        tplayers.parallelize_module(copy.deepcopy(serial), {"wte": tplayers.RowParallel()}, mesh=mesh)
+    assert "wte.weight" in str(err.value) and "lm_head.weight" in str(err.value)
+    return True
+
+
+def test_tie_through_an_aliased_head_is_kept():
+    assert all(run_ranks(_tie_through_alias, 2, timeout=60))
