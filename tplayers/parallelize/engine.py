@@ -42,7 +42,7 @@ def match_plan(model: nn.Module, plan: Mapping) -> List[_Match]:
         raise TypeError(f"plan must be a mapping of keys to styles, got {type(plan).__name__}")
     modules = list(model.named_modules(remove_duplicate=False))
     names_of = module_names(model)
-    owner: Dict[int, Tuple[PlanKey, str, object]] = {}  # id(module) -> (key, name it matched, value)
+    owner: Dict[int, Tuple[PlanKey, str]] = {}  # id(module) -> (key, name it matched)
     matches: List[_Match] = []
     for key, value in plan.items():
         if isinstance(key, str):
@@ -67,15 +67,15 @@ def match_plan(model: nn.Module, plan: Mapping) -> List[_Match]:
             )
         for name, module in found:
             if id(module) in owner:
-                okey, oname, ovalue = owner[id(module)]
-                if okey is key or ovalue == value:
-                    continue  # another name of a module already matched, to the same replacement
+                okey, oname = owner[id(module)]
+                if okey is key:
+                    continue  # another name of a module this key already matched
                 alias = f" ({oname!r} and {name!r} are one module)" if oname != name else ""
                 raise ValueError(
                     f"module {name or '<root>'!r} ({type(module).__name__}) is matched by two plan keys: "
                     f"{key_repr(okey)} and {key_repr(key)}{alias}"
                 )
-            owner[id(module)] = (key, name, value)
+            owner[id(module)] = (key, name)
             if isinstance(value, ParallelStyle):
                 value.check(key, name, module)
             aliases = tuple(names_of[id(module)])
