@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 2 examples/llama_tp.py     # or 4 ranks
     torchrun --standalone --nproc-per-node 2 examples/llama_tp.py --fused-qkv
+    torchrun --standalone --nproc-per-node 3 examples/llama_tp.py     # heads cannot split: attention replicated
 
 Llama blocks in plain ``nn`` code: RMSNorm, rotary embeddings, GQA, a SwiGLU
 MLP with a fused ``gate_up`` projection, untied vocab-parallel embedding and
@@ -14,6 +15,11 @@ the replicas. ``--fused-qkv`` uses one ``qkv_proj`` with
 gate and up. First a parity check against the serial model in fp64 (loss and
 every parameter after one AdamW step, through ``gather_state_dict``), then a
 few fp32 training steps with ``vocab_parallel_cross_entropy``.
+
+At 3 ranks no split keeps each kv head's 4 query heads with it (3 divides neither 8 nor 2):
+``parallelize_module`` (and ``explain``) refuse the attention part of the plan with a
+``ValueError`` naming the rank and heads, fused or separate. The example then says so and keeps
+the attention projections replicated, which is exact; everything else stays tensor-parallel.
 """
 
 from __future__ import annotations
@@ -147,7 +153,14 @@ def main() -> None:
     torch.manual_seed(0)  # same seed everywhere: identical serial model and data on every rank
     serial = Llama(args.vocab, args.dim, args.heads, args.kv_heads, args.ffn, args.layers, args.fused_qkv).double()
     plan = llama_plan(args.dim, args.heads, args.kv_heads, args.ffn, args.fused_qkv)
-    tplayers.explain(serial, plan, mesh, print_table=dist.get_rank() == 0)
+    try:  # the plan is checked before anything is built: query heads must sit with their kv heads
+        tplayers.explain(serial, plan, mesh, print_table=dist.get_rank() == 0)
+    except ValueError as err:  # e.g. 8 query / 2 kv heads on 3 ranks: no split keeps every group whole
+        say(f"attention heads cannot be split over {mesh.size()} ranks:\n  {err}\n"
+            "keeping the attention projections replicated (every rank computes all heads); the embedding, "
+            "MLP and lm_head stay tensor-parallel")
+        plan = {k: v for k, v in plan.items() if r"\.attn\." not in k}
+        tplayers.explain(serial, plan, mesh, print_table=dist.get_rank() == 0)
     gen = torch.Generator().manual_seed(1)
     inp, target = synthetic_batch(gen, args.batch, args.seq, args.vocab)
     model = parity_step(serial, plan, mesh, inp, target, args.smoothing, say)

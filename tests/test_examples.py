@@ -33,6 +33,12 @@ def test_llama_gqa_example_at_4_ranks():
     assert "parity (fp64, one AdamW step)" in out and "step    3" in out and "done" in out
 
 
+def test_llama_example_at_3_ranks_says_why_heads_cannot_split_and_passes_parity():
+    out = _torchrun("llama_tp.py", "--steps", "2", "--layers", "1", "--seq", "16", ranks=3)
+    assert "attention heads cannot be split over 3 ranks" in out and "rank 1 holds query heads [3, 6)" in out
+    assert "parity (fp64, one AdamW step)" in out and "step    2" in out and "done" in out
+
+
 def test_domain_cnn_example():
     out = _torchrun("domain_cnn.py", "--size", "32", "--steps", "3")
     assert "parity vs serial" in out and "step" in out

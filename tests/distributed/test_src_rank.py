@@ -104,6 +104,18 @@ def test_src_rank_none_keeps_each_rank_copy_without_communication():
     assert all(run_ranks(_own_copy, 2, timeout=30))
 
 
+class _Built(tplayers.ParallelStyle):
+    """A custom style building whatever ``make(module, mesh)`` returns."""
+
+    accepts = (nn.Linear,)
+
+    def __init__(self, make):
+        self.make = make
+
+    def build(self, name, module, mesh):
+        return self.make(module, mesh)
+
+
 def _failures(rank, world):
     mesh = tplayers.default_mesh()
     torch.manual_seed(rank)
@@ -142,13 +154,15 @@ def _failures(rank, world):
     expected = RuntimeError if rank == 1 else ValueError
     with pytest.raises(expected, match="rank 1|rank\\(s\\) \\[1\\]"):
         unchanged(model, lambda: tplayers.parallelize_module(model, {"fc1": flaky}, mesh=mesh))
-    # a shard that matches no serial tensor (a partition function changed its shape)
-    wider = lambda name, module, mesh: tplayers.ColumnParallelLinear(module.in_features, 9, mesh=mesh, dtype=torch.float64)  # noqa: E731
+    # (a partition function's output is rank src's by construction and never re-cut, see
+    # test_partition_src.py; a style's output is cut from the serial tensors, so these refuse:)
+    # a shard that matches no serial tensor (a custom style changed its shape)
+    wider = _Built(lambda module, mesh: tplayers.ColumnParallelLinear(module.in_features, 9, mesh=mesh, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"shard fc1.weight of global shape \(9, 5\) has no serial tensor"):
         unchanged(model, lambda: tplayers.parallelize_module(model, {"fc1": wider}, mesh=mesh))
     # a shard laid out over another mesh than parallelize_module's
     own = torch.distributed.device_mesh.DeviceMesh("cpu", [rank])
-    elsewhere = lambda name, module, mesh: tplayers.ColumnParallelLinear.from_module(module, mesh=own)  # noqa: E731
+    elsewhere = _Built(lambda module, mesh: tplayers.ColumnParallelLinear.from_module(module, mesh=own))
     with pytest.raises(ValueError, match="fc1.weight is shard 0 of 1, but parallelize_module's mesh is"):
         unchanged(model, lambda: tplayers.parallelize_module(model, {"fc1": elsewhere}, mesh=mesh))
     # a meta model cannot send values: ValueError on every rank
@@ -214,7 +228,7 @@ def _irregular(rank, world, src):
     oracle = copy.deepcopy(model)
     for t in _everything(oracle).values():
         dist.broadcast(t.data, src)
-    plan = {"0": lambda name, m, mesh: _SwappedRows(m, mesh), "1": tplayers.RowParallel()}
+    plan = {"0": _Built(_SwappedRows), "1": tplayers.RowParallel()}  # a style: its output is cut from src's tensors
     with tplayers.count_collectives() as log:
         par = tplayers.parallelize_module(model, plan, mesh=mesh, src_rank=src)
     assert torch.equal(par[0].weight, par[0].shard_specs()["weight"].take(oracle[0].weight))
@@ -222,6 +236,18 @@ def _irregular(rank, world, src):
     # agreement, then the per-shard layout flags; the irregular shard travels whole, the regular scattered
     assert [r.tag for r in log.records if r.kind == "all_gather"] == ["src_rank.check", "src_rank.layouts"]
     assert log.count("scatter") == 1 and log.count("broadcast") == 1
+    # the same layer from a partition function: it gets rank src's module first, its output is kept
+    model = nn.Sequential(nn.Linear(4, 7, bias=False), nn.Linear(7, 3)).double()  # drawn anew on every rank
+    oracle = copy.deepcopy(model)
+    for t in _everything(oracle).values():
+        dist.broadcast(t.data, src)
+    with tplayers.count_collectives() as log:
+        par = tplayers.parallelize_module(model, {"0": lambda name, m, mesh: _SwappedRows(m, mesh)}, mesh=mesh, src_rank=src)
+    assert torch.equal(par[0].weight, par[0].shard_specs()["weight"].take(oracle[0].weight))
+    assert torch.equal(par[1].weight, oracle[1].weight)
+    assert [r.tag for r in log.records if r.kind == "all_gather"] == ["src_rank.partition", "src_rank.check"]
+    # src's module (fp64) and generator state (uint8), one broadcast per dtype; then the rest (fp64)
+    assert log.count("scatter") == 0 and log.count("broadcast") == 3
     return True
 
 

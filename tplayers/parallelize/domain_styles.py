@@ -111,7 +111,10 @@ class DomainParallel(ParallelStyle):
             self._regions.append(new)
         return new
 
-    def _swap(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    def _swap(self, module: nn.Module, mesh: DeviceMesh, done=None) -> nn.Module:
+        # done: {id(child): (child, its replacement)}, so a module reachable under several names in
+        # the region (``self.up2 = self.up1``, a reused block) gets one twin under all of them
+        done = {} if done is None else done
         if isinstance(module, L.ReplicatedBranch):  # a declared replicated branch: bound, contents untouched
             return module if module.mesh is not None else L.ReplicatedBranch(module.module, mesh)
         twin = _twin_of(module)
@@ -125,8 +128,12 @@ class DomainParallel(ParallelStyle):
         if isinstance(module, NeighborhoodAttention) and module.shard_dims is None:
             # same spatial axes, in its (B, H, W, C) layout: NCHW dim 2 (H) -> 1, dim 3 (W) -> 2
             return NeighborhoodAttention.from_module(module, mesh=mesh, shard_dims=tuple(d - 1 for d in self.shard_dims))
-        for child_name, child in list(module.named_children()):
-            new = self._swap(child, mesh)
+        for child_name, child in list(module._modules.items()):  # every name (named_children lists an alias once)
+            if child is None:
+                continue
+            if id(child) not in done:
+                done[id(child)] = (child, self._swap(child, mesh, done))
+            new = done[id(child)][1]
             if new is not child:
                 setattr(module, child_name, new)
         return module

@@ -5,14 +5,18 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Union
+from typing import Dict, List, Mapping, Optional, Tuple, Union
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.agree import exchange_agreed
 from tplayers.mesh import resolve_mesh
-from tplayers.parallelize.source import check_src_rank, plan_from_source, serial_tensors, structure_digest
+from tplayers.parallelize.aliases import check_aliases_kept, check_shared_descendants, inside, module_names
+from tplayers.parallelize.attention_groups import check_attention_groups
+from tplayers.parallelize.source import (check_src_rank, partition_inputs, plan_from_source, serial_tensors,
+                                         structure_digest)
 from tplayers.parallelize.styles import ParallelStyle, PartitionFn, PlanKey, key_repr
 from tplayers.parallelize.ties import check_tie_owners, find_ties, retie
 
@@ -21,18 +25,24 @@ __all__ = ["parallelize_module", "match_plan", "build_match"]
 
 @dataclass
 class _Match:
-    name: str
+    name: str  # the module's first name (``named_modules`` order)
     module: nn.Module
     key: PlanKey
     value: Union[ParallelStyle, PartitionFn]
+    aliases: Tuple[str, ...] = ()  # every name of the module (``name`` first): all get the replacement
 
 
 def match_plan(model: nn.Module, plan: Mapping) -> List[_Match]:
-    """Resolve every key of ``plan`` to modules; validate everything before any change."""
+    """Resolve every key of ``plan`` to modules; validate everything before any change.
+
+    A key matches module *objects*: one reachable under several names (``self.b = self.a``)
+    is matched once, whichever of its names the key matches, and replaced under all of them.
+    """
     if not isinstance(plan, Mapping):
         raise TypeError(f"plan must be a mapping of keys to styles, got {type(plan).__name__}")
-    modules = list(model.named_modules())
-    owner: Dict[str, PlanKey] = {}
+    modules = list(model.named_modules(remove_duplicate=False))
+    names_of = module_names(model)
+    owner: Dict[int, Tuple[PlanKey, str]] = {}  # id(module) -> (key, name it matched)
     matches: List[_Match] = []
     for key, value in plan.items():
         if isinstance(key, str):
@@ -56,24 +66,30 @@ def match_plan(model: nn.Module, plan: Mapping) -> List[_Match]:
                 f"plan key {key_repr(key)} matches no module; candidates: " + ", ".join(candidates)
             )
         for name, module in found:
-            if name in owner:
+            if id(module) in owner:
+                okey, oname = owner[id(module)]
+                if okey is key:
+                    continue  # another name of a module this key already matched
+                alias = f" ({oname!r} and {name!r} are one module)" if oname != name else ""
                 raise ValueError(
                     f"module {name or '<root>'!r} ({type(module).__name__}) is matched by two plan keys: "
-                    f"{key_repr(owner[name])} and {key_repr(key)}"
+                    f"{key_repr(okey)} and {key_repr(key)}{alias}"
                 )
-            owner[name] = key
+            owner[id(module)] = (key, name)
             if isinstance(value, ParallelStyle):
                 value.check(key, name, module)
-            matches.append(_Match(name, module, key, value))
-    names = sorted(owner)
-    for name in names:
-        for other in names:
-            if other != name and (name == "" or other.startswith(name + ".")):
+            aliases = tuple(names_of[id(module)])
+            matches.append(_Match(aliases[0], module, key, value, aliases))
+    for m in matches:
+        for other in matches:
+            pair = next(((a, b) for a in m.aliases for b in other.aliases if other is not m and a != b
+                         and inside(b, a)), None)
+            if pair is not None:
                 raise ValueError(
-                    f"plan keys {key_repr(owner[name])} and {key_repr(owner[other])} match nested "
-                    f"modules {name or '<root>'!r} and {other!r}; a swapped module's children cannot be "
-                    "swapped too"
+                    f"plan keys {key_repr(m.key)} and {key_repr(other.key)} match nested modules "
+                    f"{pair[0] or '<root>'!r} and {pair[1]!r}; a swapped module's children cannot be swapped too"
                 )
+    check_shared_descendants(matches, names_of)
     return matches
 
 
@@ -119,6 +135,16 @@ def parallelize_module(
     ``src_rank``, and carries any rank's build error (so every rank raises).
     ``src_rank=None`` keeps each rank's own values without communication (use
     it when every rank built the model identically, e.g. under one seed).
+    A partition function gets, on every rank, a copy of rank ``src_rank``'s
+    serial module (broadcast before it runs, with that rank's CPU generator
+    state, so a layer it draws anew is drawn alike) and its output is kept as
+    built, never re-cut: a function that regroups rows builds rank
+    ``src_rank``'s model by construction.
+
+    A module reachable under several names (``self.b = self.a``) is one module:
+    a key matching any of its names replaces it under all of them. Separate
+    q/k/v/o projections of one attention are checked together (see
+    :func:`~tplayers.parallelize.attention_groups.check_attention_groups`).
 
     A plan that fails partway (a partition function or a layer constructor
     raising, a disagreement between ranks, a failed transfer) leaves ``model``
@@ -141,6 +167,7 @@ def parallelize_module(
     mesh = resolve_mesh(mesh, (1, 2))  # 2-D only for domain styles sharding two dims
     check_src_rank(src_rank, mesh)
     matches = match_plan(model, plan)
+    check_attention_groups(model, matches, mesh)
     ties = find_ties(model)
     check_tie_owners(matches, ties)
     if any(p.grad is not None for m in matches for p in m.module.parameters()):
@@ -150,14 +177,25 @@ def parallelize_module(
             stacklevel=2,
         )
     snapshot = _snapshot(model)
+    names_of, objects = module_names(model), {id(m): m for m in model.modules()}
     serial = serial_tensors(model)
     before = structure_digest(model)
     try:  # build every replacement first, then swap; any failure puts the tree back as it was
         error, source = None, None
+        inputs, rng = {}, None
+        functions = [m for m in matches if not isinstance(m.value, ParallelStyle)]
+        if src_rank is not None and functions:  # collective: every rank gets rank src_rank's modules
+            inputs, rng = partition_inputs(functions, mesh, src_rank, before)
         try:
-            model = _swap_all(model, matches, mesh, ties)
+            model, built = _swap_all(model, matches, mesh, ties, inputs, rng)
+            check_aliases_kept(model, names_of, objects)
             if src_rank is not None:
-                source = plan_from_source(model, serial, mesh)
+                # a function's output is rank src_rank's by construction: not re-cut (a tensor it shares
+                # with a style's twin, e.g. a tie, is sourced as the style's)
+                styled = {id(t) for m, new in built if id(m) not in inputs for t in serial_tensors(new).values()}
+                exclude = frozenset(id(t) for m, new in built if id(m) in inputs
+                                    for t in serial_tensors(new).values() if id(t) not in styled)
+                source = plan_from_source(model, serial, mesh, exclude)
         except Exception as err:  # noqa: BLE001 - travels to every rank below, then re-raised
             error = err
         if src_rank is None:
@@ -177,19 +215,26 @@ def parallelize_module(
     return model
 
 
-def _swap_all(model: nn.Module, matches: List[_Match], mesh: DeviceMesh, ties=()) -> nn.Module:
-    built = [(match, build_match(match, match.module, mesh)) for match in matches]
+def _swap_all(model: nn.Module, matches: List[_Match], mesh: DeviceMesh, ties=(), inputs=None, rng=None):
+    """Build every replacement (partition functions from ``inputs`` where given, under the
+    generator state ``rng``), then swap them in; returns ``(model, [(match, replacement)])``."""
+    inputs = inputs or {}
+    with torch.random.fork_rng(devices=[], enabled=rng is not None):
+        if rng is not None:
+            torch.set_rng_state(rng)
+        built = [(match, build_match(match, inputs.get(id(match), match.module), mesh)) for match in matches]
     retie(built, ties)  # tied parameters sharded alike stay one Parameter (raises if not alike)
     for match, new in built:
         if match.name == "":
             model = new
             continue
-        parent_name, _, child = match.name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, new)
+        for alias in match.aliases or (match.name,):  # every name of an aliased module: one replacement
+            parent_name, _, child = alias.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, new)
     styles = {id(m.value): m.value for m in matches if isinstance(m.value, ParallelStyle)}
     for style in styles.values():
         model = style.finalize(model, mesh)
-    return model
+    return model, built
 
 
 def _snapshot(model: nn.Module) -> List[tuple]:

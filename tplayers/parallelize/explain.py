@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.mesh import resolve_mesh
+from tplayers.parallelize.attention_groups import check_attention_groups
 from tplayers.parallelize.engine import build_match, match_plan
 from tplayers.parallelize.styles import ParallelStyle, key_repr
 
@@ -73,6 +74,7 @@ def explain(model: nn.Module, plan: Mapping, mesh: Optional[DeviceMesh] = None, 
     """
     mesh = resolve_mesh(mesh, (1, 2))
     matches = match_plan(model, plan)
+    check_attention_groups(model, matches, mesh)
     rows = []
     swapped_before = swapped_after = 0
     for match in matches:

@@ -10,10 +10,18 @@ swap, every tensor of the result is either
 
 Grouped by dtype and flattened: one scatter and one broadcast per dtype for the whole model.
 Values are copied into the model only after every transfer completed.
+
+Modules matched by a partition function are different: a function may build its layer from a
+transformed copy (regrouped rows, a new layout), whose shard specs do not describe rows of the
+serial tensor. So :func:`partition_inputs` first gives every rank a copy of rank ``r``'s serial
+module (one agreement exchange, one broadcast per dtype, rank ``r``'s CPU generator state too)
+and the function runs on that copy on every rank, under that generator state: what it builds is
+rank ``r``'s model by construction, and its output is never re-cut (``exclude`` below).
 """
 
 from __future__ import annotations
 
+import copy
 import zlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -22,12 +30,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tplayers.comm.agree import exchange_agreed
 from tplayers.comm.collectives import exchange_grid_table
 from tplayers.comm.source import broadcast_flat, mesh_index, scatter_flat
 from tplayers.layers._common import ShardedModule
 from tplayers.sharding import ShardSpec
 
-__all__ = ["serial_tensors", "SourcePlan", "plan_from_source", "structure_digest", "check_src_rank"]
+__all__ = ["serial_tensors", "SourcePlan", "plan_from_source", "structure_digest", "check_src_rank", "partition_inputs"]
 
 
 def serial_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -98,16 +107,19 @@ class SourcePlan:
                 t.copy_(spec.take(full))
 
 
-def plan_from_source(result: nn.Module, serial: Dict[str, torch.Tensor], mesh: DeviceMesh) -> SourcePlan:
+def plan_from_source(result: nn.Module, serial: Dict[str, torch.Tensor], mesh: DeviceMesh,
+                     exclude: frozenset = frozenset()) -> SourcePlan:
     """Classify every tensor of the swapped model ``result``; raise ``ValueError`` if one cannot
     be sourced (a meta tensor, a shard with no serial tensor of that name, a shard laid out over
-    another mesh). Runs before any communication."""
+    another mesh). ``exclude``: ids of tensors already rank ``src``'s by construction (what
+    partition functions built from :func:`partition_inputs`), left as they are. Runs before
+    any communication."""
     specs: Dict[str, ShardSpec] = {}
     for prefix, mod in result.named_modules(remove_duplicate=False):
         if isinstance(mod, ShardedModule):
             for name, spec in mod.shard_specs().items():
                 specs[f"{prefix}.{name}" if prefix else name] = spec
-    seen = set()
+    seen = set(exclude)
     sharded, replicated, sliced = [], [], []
     for key, t in serial_tensors(result).items():
         if id(t) in seen:  # a tied tensor moves once
@@ -140,3 +152,38 @@ def check_src_rank(src_rank: Optional[int], mesh: DeviceMesh) -> None:
         raise TypeError(f"src_rank must be an int or None, got {type(src_rank).__name__}")
     if not 0 <= src_rank < mesh.size():
         raise ValueError(f"src_rank must be in [0, {mesh.size()}) (an index into the mesh), got {src_rank}")
+
+
+def partition_inputs(matches, mesh: DeviceMesh, src: int, model_digest: str):
+    """Rank ``src``'s serial module of every partition-function match, on every rank.
+
+    Returns ``({id(match): copy of its module holding rank src's values}, rank src's CPU generator
+    state)``. Collective: one agreement exchange (same model structure, same matches, same
+    ``src``; a rank's local failure raises on every rank), then one broadcast per dtype. The
+    model itself is not touched (the copies are what the functions get).
+    """
+    copies, error = {}, None
+    try:
+        for m in matches:
+            copies[id(m)] = copy.deepcopy(m.module)
+            for key, t in serial_tensors(copies[id(m)]).items():
+                if t.device.type == "meta":
+                    raise ValueError(f"src_rank: {m.name}.{key} is on the meta device and holds no values to send "
+                                     "to the partition function; materialise the model first, or pass src_rank=None")
+    except Exception as err:  # noqa: BLE001 - travels to every rank in the exchange, then re-raised
+        error = err
+    config = {"model tensors": model_digest, "partition-function modules": [m.name for m in matches], "src_rank": src}
+    groups = [mesh.get_group(d) for d in range(mesh.ndim)]
+    exchange_agreed([], config, groups, "parallelize_module", "src_rank.partition", error=error)
+    targets, seen = [], set()
+    for module in copies.values():
+        for t in serial_tensors(module).values():
+            if id(t) not in seen:
+                seen.add(id(t))
+                targets.append(t)
+    rng = torch.get_rng_state().to(mesh.device_type)  # travels on the mesh's device (nccl: cuda)
+    got = broadcast_flat(targets + [rng], mesh, src, "src_rank.partition")
+    with torch.no_grad():
+        for t, v in zip(targets, got):
+            t.copy_(v)
+    return copies, got[-1].cpu().clone()

@@ -48,6 +48,12 @@ class ParallelStyle:
             )
 
 
+def _check_role(key: PlanKey, style: "ParallelStyle", roles: Tuple[str, ...]) -> None:
+    if style.head_role is not None and style.head_role not in roles:
+        raise ValueError(f"plan key {key_repr(key)}: {type(style).__name__}(head_role=...) must be one of "
+                         f"{', '.join(map(repr, roles))} or None, got {style.head_role!r}")
+
+
 @dataclass(frozen=True)
 class ColumnParallel(ParallelStyle):
     r"""Swap an ``nn.Linear`` for :class:`~tplayers.ColumnParallelLinear` (output features split),
@@ -57,6 +63,12 @@ class ColumnParallel(ParallelStyle):
     linears only. ``sequence_parallel=True``: the input is sequence-sharded along
     ``sequence_dim`` and all-gathered (see :class:`SequenceParallel` for the norms and
     dropout between).
+
+    ``head_role`` (``"q"``, ``"k"`` or ``"v"``): this linear is that projection of an
+    attention whose q / k / v / o are separate linears; siblings under one parent are then
+    checked together (query heads with their key/value heads on every rank, whole heads;
+    see :mod:`tplayers.parallelize.attention_groups`). Modules named ``q_proj``, ``k_proj``,
+    ``v_proj``, ``query``, ``wq``, ... are read as such without it.
 
     Example::
 
@@ -71,14 +83,16 @@ class ColumnParallel(ParallelStyle):
     head_dim: Optional[int] = None
     sequence_parallel: bool = False
     sequence_dim: int = 1
+    head_role: Optional[str] = None
     accepts = (nn.Linear, nn.Embedding)
 
     def check(self, key, name, module):
         super().check(key, name, module)
+        _check_role(key, self, ("q", "k", "v"))
         if isinstance(module, nn.Embedding) and (self.sections is not None or self.head_dim is not None
-                                                 or self.sequence_parallel):
-            raise ValueError(f"plan key {key_repr(key)}: ColumnParallel(sections=, head_dim=, sequence_parallel=) "
-                             f"applies to nn.Linear, but module {name!r} is nn.Embedding")
+                                                 or self.sequence_parallel or self.head_role is not None):
+            raise ValueError(f"plan key {key_repr(key)}: ColumnParallel(sections=, head_dim=, sequence_parallel=, "
+                             f"head_role=) applies to nn.Linear, but module {name!r} is nn.Embedding")
 
     def build(self, name, module, mesh):
         if isinstance(module, nn.Embedding):
@@ -97,7 +111,10 @@ class RowParallel(ParallelStyle):
 
     ``input_is_parallel=False`` makes the swapped linear take the full input and
     split it locally (a drop-in for an ``nn.Linear`` anywhere in a model);
-    ``head_dim`` splits its input in whole heads (an attention output projection)::
+    ``head_dim`` splits its input in whole heads (an attention output projection);
+    ``head_role="o"`` marks it as the output projection of separate q / k / v linears
+    (read from names such as ``o_proj``, ``out_proj``, ``wo`` without it), checked to read
+    exactly each rank's query heads::
 
         head = tplayers.parallelize_module(nn.Linear(64, 10), {"": tplayers.RowParallel(input_is_parallel=False)})
         plan = {"wte": tplayers.RowParallel(), "lm_head": tplayers.ColumnParallel()}  # tied: one Parameter
@@ -107,14 +124,16 @@ class RowParallel(ParallelStyle):
     head_dim: Optional[int] = None
     sequence_parallel: bool = False
     sequence_dim: int = 1
+    head_role: Optional[str] = None
     accepts = (nn.Linear, nn.Embedding)
 
     def check(self, key, name, module):
         super().check(key, name, module)
+        _check_role(key, self, ("o",))
         if isinstance(module, nn.Embedding) and (self.head_dim is not None or not self.input_is_parallel
-                                                 or self.sequence_parallel):
+                                                 or self.sequence_parallel or self.head_role is not None):
             raise ValueError(f"plan key {key_repr(key)}: RowParallel(head_dim=, input_is_parallel=, "
-                             f"sequence_parallel=) applies to nn.Linear, but module {name!r} is nn.Embedding")
+                             f"sequence_parallel=, head_role=) applies to nn.Linear, but module {name!r} is nn.Embedding")
 
     def build(self, name, module, mesh):
         if isinstance(module, nn.Embedding):

@@ -5,6 +5,10 @@ the plan into a twin that shards it the same way (same global shape, dim and
 ranges on every rank): the twins then get one Parameter again. Anything else
 would silently untie the weights (the copies drift apart after one step), so
 it raises ``ValueError`` naming both modules, before the model changes.
+
+A whole module shared under two names (``self.b = self.a``) is not a tie between two modules:
+the plan replaces it under every name with one replacement (:mod:`tplayers.parallelize.aliases`),
+so its Parameters stay one set; a module's names are its aliases throughout this file.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from torch import nn
 
 from tplayers.layers._common import ShardedModule
+from tplayers.parallelize.aliases import inside
 from tplayers.parallelize.styles import key_repr
 
 __all__ = ["find_ties", "check_tie_owners", "retie"]
@@ -37,7 +42,7 @@ def find_ties(model: nn.Module) -> List[List[Member]]:
 
 def _owner(matches, mname: str):
     for m in matches:
-        if m.name == "" or mname == m.name or mname.startswith(m.name + "."):
+        if any(inside(mname, alias) for alias in m.aliases or (m.name,)):
             return m
     return None
 
@@ -57,7 +62,7 @@ def check_tie_owners(matches: Sequence, ties: List[List[Member]]) -> None:
         for (a, oa), (b, ob) in ((x, y) for x in zip(group, owners) for y in zip(group, owners)):
             if oa is ob:
                 continue
-            if oa is None or ob is None or oa.name != a[0] or ob.name != b[0]:
+            if oa is None or ob is None or a[0] not in (oa.aliases or (oa.name,)) or b[0] not in (ob.aliases or (ob.name,)):
                 plan_a = f"swapped by plan key {key_repr(oa.key)}" if oa is not None else "not in the plan"
                 plan_b = f"swapped by plan key {key_repr(ob.key)}" if ob is not None else "not in the plan"
                 raise ValueError(
@@ -80,7 +85,7 @@ def _layout(module: nn.Module, pname: str) -> Optional[tuple]:
 def retie(built: Sequence, ties: List[List[Member]]) -> None:
     """Make the twins of tied modules share one Parameter again (the replacements only; the model
     is not touched). Raises ``ValueError`` naming both modules if they shard it differently."""
-    new_of = {match.name: new for match, new in built}
+    new_of = {alias: new for match, new in built for alias in match.aliases or (match.name,)}
     for group in ties:
         if not all(mname in new_of for mname, _ in group):
             continue  # checked by check_tie_owners: all inside one swapped subtree, or none swapped
