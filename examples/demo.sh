@@ -16,6 +16,8 @@ echo "=== domain parallelism: a CNN on a periodic field split across ranks (halo
 $RUN examples/domain_cnn.py
 echo "=== U-Net (GroupNorm, time embedding) on a field split across ranks, trained with domain_mean"
 $RUN examples/unet.py --steps 5
+echo "=== a U-Net with self-attention over all mid-block pixels: the region guard routes F.scaled_dot_product_attention"
+$RUN examples/unet_attention.py --attention plan --steps 3
 echo "=== the same U-Net in 3-D, sharded along D"
 $RUN examples/unet.py --dims 3 --steps 3
 echo "=== neighborhood attention: a small NA transformer on an image split across ranks"

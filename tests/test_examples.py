@@ -51,6 +51,14 @@ def test_unet_example_2d_and_3d():
     assert "3-D U-Net" in out and "parity vs serial" in out
 
 
+def test_unet_attention_example_plan_and_by_hand():
+    # the plan: the region guard routes the mid block's F.scaled_dot_product_attention (q/k/v are
+    # non-contiguous unbind views of a transpose); by hand: ContextParallelAttention inside the region
+    for mode in ("plan", "hand"):
+        out = _torchrun("unet_attention.py", "--attention", mode, "--steps", "1")
+        assert "parity vs serial" in out and "step   0" in out
+
+
 def test_checkpoint_reshard_example(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     out = _torchrun("checkpoint_reshard.py", "train", ckpt)

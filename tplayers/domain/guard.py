@@ -165,11 +165,12 @@ class RegionGuard(TorchFunctionMode):
                                  "Keep the spatial layout (N, C, *spatial) that the region's input had.")
         with _stepped_aside(self):
             out = call(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and layout is not None:
+        first = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else out
+        if isinstance(first, torch.Tensor) and layout is not None:
             if dims is not None:
-                self.mark(out, _twin_out_layout(module, out, tuple(dims)))
-            elif out.dim() == x.dim() and x.dim() - 1 not in sharded_dims(layout):
-                self.mark(out, layout[:-1] + (None,))  # a feature-dim layer (tensor-parallel linear)
+                self.mark(first, _twin_out_layout(module, first, tuple(dims)))
+            elif first.dim() == x.dim() and x.dim() - 1 not in sharded_dims(layout):
+                self.mark(first, layout[:-1] + (None,))  # a feature-dim layer (attention, tensor-parallel linear)
             else:
                 raise self.error(f"{name} applied to domain-sharded data", layout)
         return out

@@ -65,7 +65,8 @@ def _fused_ok(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return (FUSED_CPU and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and plan.keep is None
             and q.dim() == 4 and len(plan.batch) == 2 and q.size(-1) == v.size(-1) and tuple(q.shape[:-2]) == plan.batch
             and tuple(expand_kv(k[..., :0, :], plan.groups).shape[:-2]) == plan.batch
-            and tuple(expand_kv(v[..., :0, :], plan.groups).shape[:-2]) == plan.batch and q.size(-2) > 0)
+            and tuple(expand_kv(v[..., :0, :], plan.groups).shape[:-2]) == plan.batch and q.size(-2) > 0
+            and all(t.stride(-1) == 1 for t in (q, k, v)))  # the kernel reads the last dim as contiguous
 
 
 def _dead_rows(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -150,7 +151,9 @@ class BlockBackward:
         self.dout = dout.expand(plan.batch + dout.shape[-2:])
         self.lse_safe = lse.masked_fill(lse == _NEG_INF, float("inf"))      # no allowed key: P = 0
         if self.fused:
-            self.out, self.lse_flat = out, self.lse_safe.squeeze(-1)
+            if self.dout.stride(-1) != 1:  # the fused kernel reads the last dim as contiguous
+                self.dout = self.dout.contiguous()
+            self.out, self.lse_flat = out.contiguous(), self.lse_safe.squeeze(-1)
         else:
             self.qs = (q * plan.scale).expand(plan.batch + q.shape[-2:])
             self.delta = (self.dout * out).sum(-1, keepdim=True)           # rowsum(dO * O)

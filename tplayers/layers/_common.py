@@ -13,15 +13,10 @@ from tplayers.mesh import resolve_mesh
 from tplayers.sharding import ShardSpec
 
 
-class ShardedModule(MeshBound, nn.Module):
-    """Base of every parallel layer: stores its mesh, rank and group, and says
-    how each of its tensors is laid out (:meth:`shard_specs`).
-
-    :meth:`shard_specs` is the one source of truth for ``from_module`` (which
-    copies ``spec.take(full)``) and for checkpoints (which save and reshard by it).
-    ``copy.deepcopy`` keeps the mesh and process groups by reference, ``pickle``
-    stores groups as mesh-dim references (:class:`~tplayers.layers._copy.MeshBound`).
-    """
+class RegionAware:
+    """Mixin for modules that run their own collectives on domain-sharded data (twins, context-parallel
+    attention): inside a domain region the guard steps aside while they run and tags their output
+    (:mod:`tplayers.domain.guard`); everywhere else this is ``nn.Module.__call__``."""
 
     def __call__(self, *args, **kwargs):
         # Inside a domain region the guard steps aside while a twin runs, and tags its output
@@ -33,6 +28,18 @@ class ShardedModule(MeshBound, nn.Module):
             if guard is not None:
                 return guard.call_twin(self, super().__call__, args, kwargs)
         return super().__call__(*args, **kwargs)
+
+
+
+class ShardedModule(RegionAware, MeshBound, nn.Module):
+    """Base of every parallel layer: stores its mesh, rank and group, and says
+    how each of its tensors is laid out (:meth:`shard_specs`).
+
+    :meth:`shard_specs` is the one source of truth for ``from_module`` (which
+    copies ``spec.take(full)``) and for checkpoints (which save and reshard by it).
+    ``copy.deepcopy`` keeps the mesh and process groups by reference, ``pickle``
+    stores groups as mesh-dim references (:class:`~tplayers.layers._copy.MeshBound`).
+    """
 
     def attach_serial(self, module: nn.Module) -> None:
         """Keep the serial ``module`` this twin replaces, its parameters and buffers rebound to this

@@ -18,6 +18,7 @@ from tplayers.comm import copy_many_to_parallel_region
 from tplayers.comm.collectives import all_reduce_sum
 from tplayers.functional.attention import scaled_dot_product_attention
 from tplayers.functional.attention_mha import multi_head_attention_forward
+from tplayers.layers._common import RegionAware
 from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh
 
@@ -43,7 +44,7 @@ class _SumOverGroups(torch.autograd.Function):
         return grad, None
 
 
-class ContextParallelAttention(MeshBound, nn.Module):
+class ContextParallelAttention(RegionAware, MeshBound, nn.Module):
     """``F.scaled_dot_product_attention`` over tokens sharded on all ranks of ``mesh``.
 
     ``forward(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -81,7 +82,7 @@ class ContextParallelAttention(MeshBound, nn.Module):
         return f"kv_sharded={self.kv_sharded}, algorithm={self.algorithm!r}, mesh={tuple(self.mesh.shape)}"
 
 
-class DistributedMultiheadAttention(MeshBound, nn.MultiheadAttention):
+class DistributedMultiheadAttention(RegionAware, MeshBound, nn.MultiheadAttention):
     """``nn.MultiheadAttention`` over a sequence sharded on all ranks of ``mesh`` (pixels, frames).
 
     Same arguments, parameters and ``state_dict`` keys as ``nn.MultiheadAttention`` (it is one),
