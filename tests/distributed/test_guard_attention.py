@@ -162,3 +162,24 @@ def _causal(rank, world, layouts):
 def test_causal_attention_over_a_sharded_sequence():
     run_ranks(_causal, 2, args=([[7, 5]],), timeout=120)
     run_ranks(_causal, 3, args=([[4, 6, 3]],), timeout=120)
+
+
+def _noncontiguous(rank, world):
+    torch.manual_seed(0)
+    z = torch.randn(2, 3, 2, 4, 30, dtype=torch.float64)
+    q, k, v = z.transpose(-1, -2).unbind(1)                      # views whose last dim is strided
+    mesh = tplayers.default_mesh()
+    ql, kl, vl = (tplayers.shard(t, 2, mesh).requires_grad_(True) for t in (q, k, v))
+    qs, ks, vs = (t.clone().requires_grad_(True) for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qs, ks, vs)
+    out = tplayers.functional.scaled_dot_product_attention(ql, kl, vl, mesh=mesh)
+    torch.testing.assert_close(out, tplayers.shard(ref, 2, mesh), **TIGHT)
+    g = torch.randn(ref.shape, dtype=torch.float64).transpose(-1, -2).contiguous().transpose(-1, -2)
+    ref.backward(g), out.backward(tplayers.shard(g, 2, mesh))
+    for mine, full in ((ql, qs), (kl, ks), (vl, vs)):
+        torch.testing.assert_close(mine.grad, tplayers.shard(full.grad, 2, mesh), **TIGHT)
+    return True
+
+
+def test_attention_on_views_with_a_strided_last_dim():
+    run_ranks(_noncontiguous, 2, timeout=60)
