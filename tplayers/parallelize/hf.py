@@ -340,6 +340,14 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, mesh=None, *, ign
     transformers' ``ForCausalLMLoss`` shifts them; the mean over positions not equal to
     ``ignore_index``. Equals ``F.cross_entropy`` on the gathered, shifted logits (value and
     gradient) without gathering them (:func:`~tplayers.vocab_parallel_cross_entropy`).
+
+    Example (``torchrun --nproc-per-node 2``)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        head = tplayers.ColumnParallelLinear(8, 50, mesh=mesh)        # a vocab-parallel lm_head
+        ids = torch.randint(0, 50, (2, 7))
+        loss = tplayers.causal_lm_loss(head(torch.randn(2, 7, 8)), ids, mesh)
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(f"causal_lm_loss: expected logits (B, S, vocab_local) and labels (B, S), got "
