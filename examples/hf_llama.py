@@ -20,6 +20,7 @@ import argparse
 import copy
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 
@@ -108,8 +109,12 @@ def main():
             say(f"step {step:4d} | loss {loss.item():.4f}")
 
     # a consolidated file in the serial layout: transformers loads it as it is
-    out = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(out, src=0)
+    name = torch.zeros(256, dtype=torch.uint8)  # rank 0's temporary directory, sent as bytes (no pickle)
+    if rank == 0:
+        made = tempfile.mkdtemp().encode()
+        name[: len(made)] = torch.tensor(list(made), dtype=torch.uint8)
+    dist.broadcast(name, src=0)
+    out = [bytes(name[name != 0].tolist()).decode()]
     path = os.path.join(out[0], "model.safetensors")
     tplayers.save_checkpoint(model, path, consolidated=True)
     full = tplayers.gather_state_dict(model)  # collective: every rank calls it (rank 0 gets the dict)
@@ -118,6 +123,7 @@ def main():
         loaded = transformers.LlamaForCausalLM.from_pretrained(out[0], dtype=torch.float32)
         same = all(torch.equal(loaded.state_dict()[k], v) for k, v in full.items())
         say(f"from_pretrained of the consolidated checkpoint: every tensor equal = {same}")
+        shutil.rmtree(out[0])
     say("done")
     dist.destroy_process_group()
 
