@@ -8,7 +8,9 @@ import shutil
 
 import pytest
 
-pytest.importorskip("transformers")
+from hf_util import require  # noqa: E402
+
+require("transformers")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

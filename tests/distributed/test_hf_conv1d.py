@@ -5,15 +5,14 @@ outputs, input and parameter gradients, after an SGD step; the twins keep the ``
 """
 
 import copy
-import os
 
 import pytest
 import torch
 from torch import nn
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-pytest.importorskip("transformers")
+from hf_util import require  # noqa: E402 - sets the offline environment first
+
+require("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 import tplayers  # noqa: E402

@@ -9,7 +9,9 @@ import copy
 
 import pytest
 
-pytest.importorskip("transformers")
+from hf_util import require  # noqa: E402
+
+require("transformers")
 
 import tplayers  # noqa: E402
 from harness import run_ranks  # noqa: E402

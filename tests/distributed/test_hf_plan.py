@@ -8,7 +8,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("transformers")
+from hf_util import require  # noqa: E402
+
+require("transformers")
 
 import torch  # noqa: E402
 
@@ -142,3 +144,12 @@ def _docstring_example(rank, world):
 def test_docstring_example_runs():
     losses = run_ranks(_docstring_example, 2, timeout=120)
     assert losses[0] == losses[1] and re.match(r"\d", str(losses[0]))
+
+
+def test_a_missing_peer_fails_in_ci_and_skips_locally(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(ModuleNotFoundError):
+        require("tplayers_no_such_peer")
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception):
+        require("tplayers_no_such_peer")

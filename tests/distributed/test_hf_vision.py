@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 import tplayers  # noqa: E402
 from harness import run_ranks  # noqa: E402
+from hf_util import require  # noqa: E402 - sets HF_HUB_OFFLINE
 from oracle import assert_params_match  # noqa: E402
 
 TIGHT = dict(rtol=1e-9, atol=1e-10)
@@ -71,11 +71,11 @@ def _compare(rank, world, kind, shape):
 
 @pytest.mark.parametrize("world,shape", [(2, (2, 2, 16, 8)), (3, (1, 2, 12, 8))])
 def test_diffusers_unet2d_without_attention(world, shape):
-    pytest.importorskip("diffusers")
+    require("diffusers")
     run_ranks(_compare, world, args=("diffusers", shape), timeout=180)
 
 
 @pytest.mark.parametrize("world,shape", [(2, (1, 1, 8, 6, 6))])
 def test_monai_unet_3d(world, shape):
-    pytest.importorskip("monai")
+    require("monai")
     run_ranks(_compare, world, args=("monai", shape), timeout=180)
