@@ -12,6 +12,8 @@ echo "=== GPT-2: fused c_attn sharded per block, tied vocab-parallel embedding/h
 $RUN examples/gpt2_tp.py --steps 10
 echo "=== Llama: grouped-query attention (8 query heads, 2 kv heads), fused gate_up, vocab-parallel"
 $RUN examples/llama_tp.py --steps 10
+echo "=== Hugging Face transformers: LlamaForCausalLM (GQA) from its own tp plan, one call (skipped without transformers)"
+$RUN examples/hf_llama.py --steps 5
 echo "=== domain parallelism: a CNN on a periodic field split across ranks (halo exchange)"
 $RUN examples/domain_cnn.py
 echo "=== U-Net (GroupNorm, time embedding) on a field split across ranks, trained with domain_mean"

@@ -39,6 +39,19 @@ def test_llama_example_at_3_ranks_says_why_heads_cannot_split_and_passes_parity(
     assert "parity (fp64, one AdamW step)" in out and "step    2" in out and "done" in out
 
 
+def test_hf_llama_example_at_4_ranks_sequence_parallel():
+    out = _torchrun("hf_llama.py", "--steps", "2", "--layers", "1", "--sequence-parallel", ranks=4)
+    assert "parity (fp64, one SGD step) on 4 ranks" in out and "every tensor equal = True" in out and "done" in out
+
+
+def test_hf_llama_example_without_transformers_prints_one_line():
+    # python -S: no site-packages, so no transformers (the script exits before importing torch)
+    out = subprocess.run([sys.executable, "-S", os.path.join(ROOT, "examples", "hf_llama.py")],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["hf_llama.py: transformers is not installed (pip install transformers); skipped"]
+
+
 def test_domain_cnn_example():
     out = _torchrun("domain_cnn.py", "--size", "32", "--steps", "3")
     assert "parity vs serial" in out and "step" in out

@@ -79,6 +79,7 @@ from tplayers.parallelize import (
     explain,
     parallelize_module,
 )
+from tplayers.parallelize.hf import ReplicatedGradSum, causal_lm_loss, plan_from_transformers
 from tplayers.sharding import ShardSpec, shard_range, shard_sizes
 
 __version__ = "0.1.0"
@@ -144,6 +145,9 @@ __all__ = [
     "ShardedDropout",
     "ParallelDropout",
     "parallelize_module",
+    "plan_from_transformers",
+    "ReplicatedGradSum",
+    "causal_lm_loss",
     "explain",
     "save_checkpoint",
     "load_checkpoint",

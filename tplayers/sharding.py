@@ -15,7 +15,7 @@ convention by :data:`CONVENTION` so a file says how it was cut.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -180,6 +180,20 @@ class ShardSpec:
         if self.dim is None:
             return ShardSpec(self.global_shape, None, 0, 0, self.parts, index)
         return ShardSpec.balanced(self.global_shape, self.dim, self.parts, index)
+
+    def transposed(self) -> "ShardSpec":
+        """The same layout for the transpose of a 2-D tensor (the sharded dim follows its axis).
+
+        A tensor-parallel linear stored ``(in, out)`` like transformers' ``Conv1D`` shards dim 1
+        where an ``nn.Linear``'s ``(out, in)`` weight shards dim 0, with the same ranges.
+
+        >>> ShardSpec.balanced((10, 4), dim=0, parts=4, index=1).transposed()
+        ShardSpec(global_shape=(4, 10), dim=1, start=3, stop=6, parts=4, index=1, ranges=())
+        """
+        if len(self.global_shape) != 2:
+            raise ValueError(f"transposed() needs a 2-D tensor, got global shape {self.global_shape}")
+        dim = None if self.dim is None else 1 - self.dim
+        return replace(self, global_shape=self.global_shape[::-1], dim=dim)
 
     def take(self, full):
         """This rank's slice of the full (serial-layout) tensor ``full`` (a copy when multi-range)."""

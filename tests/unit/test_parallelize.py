@@ -44,7 +44,7 @@ def _plan_errors(rank, world):
         tplayers.parallelize_module(net, {r"blocks\.\d+\.fc3": tplayers.ColumnParallel()})
     with pytest.raises(ValueError, match=r"module 'head' \(Linear\) is matched by two plan keys: 'head' and Linear"):
         tplayers.parallelize_module(net, {"head": tplayers.ColumnParallel(), nn.Linear: tplayers.RowParallel()})
-    with pytest.raises(ValueError, match=re.escape("plan key 'blocks\\.0\\.norm': ColumnParallel expects Linear or Embedding, but module 'blocks.0.norm' is LayerNorm")):
+    with pytest.raises(ValueError, match=re.escape("plan key 'blocks\\.0\\.norm': ColumnParallel expects Linear or Embedding (or a Conv1D-like linear: weight (in, out) and nf), but module 'blocks.0.norm' is LayerNorm")):
         tplayers.parallelize_module(net, {r"blocks\.0\.norm": tplayers.ColumnParallel()})
     with pytest.raises(ValueError, match="not a valid regex"):
         tplayers.parallelize_module(net, {"blocks[": tplayers.ColumnParallel()})

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import gather_along_dim, reduce_from_parallel_region
+from tplayers.comm.sequence import reduce_scatter_to_sequence_region
 from tplayers.layers._common import ShardedModule, init_shards_like_serial
 from tplayers.sharding import ShardSpec, shard_sizes
 
@@ -118,6 +119,12 @@ class VocabParallelEmbedding(_ParallelEmbedding):
     ``nn.Embedding`` in a plan builds this layer. Its weight is laid out like a
     column-parallel ``lm_head``'s, so tied embeddings stay one Parameter.
 
+    Sequence parallelism (``sequence_parallel=True``): the partial lookups are
+    reduce-scattered along ``sequence_dim`` of the output (default 1 for ids ``(B, S)``)
+    instead of all-reduced, so the output is this rank's balanced sequence shard
+    ``(B, S_local, embedding_dim)`` (Megatron-LM's embedding under sequence parallelism);
+    backward all-gathers the output gradient.
+
     Example::
 
         import torch, tplayers
@@ -129,11 +136,21 @@ class VocabParallelEmbedding(_ParallelEmbedding):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, *,
-                 mesh: Optional[DeviceMesh] = None, device=None, dtype=None) -> None:
+                 mesh: Optional[DeviceMesh] = None, device=None, dtype=None,
+                 sequence_parallel: bool = False, sequence_dim: int = 1) -> None:
+        name = type(self).__name__
+        if not isinstance(sequence_parallel, bool):
+            raise TypeError(f"{name}: sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
+        if isinstance(sequence_dim, bool) or not isinstance(sequence_dim, int):
+            raise TypeError(f"{name}: sequence_dim must be an int, got {type(sequence_dim).__name__}")
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
         super().__init__(num_embeddings, embedding_dim, padding_idx, mesh, device, dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self._check_ids(ids)
+        if self.sequence_parallel and not -ids.dim() <= self.sequence_dim < ids.dim():
+            raise ValueError(f"{type(self).__name__}: sequence_dim={self.sequence_dim} must name a dim of the ids, "
+                             f"got ids of shape {tuple(ids.shape)}")
         if self.tp_size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
         start, stop = self._rows
@@ -144,18 +161,23 @@ class VocabParallelEmbedding(_ParallelEmbedding):
             part = self.weight.new_zeros(ids.shape + (self.embedding_dim,)) + self.weight.sum() * 0
         else:
             part = F.embedding(local, self.weight, pad).masked_fill(outside.unsqueeze(-1), 0)  # (..., dim) partial
+        if self.sequence_parallel:  # (B, S, dim) partial -> (B, S_local, dim) summed; backward all-gather
+            return reduce_scatter_to_sequence_region(part, self.sequence_dim % ids.dim(), self._group)
         return reduce_from_parallel_region(part, self._group)  # one all-reduce: (..., dim) replicated
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
-        return (["all_reduce"], []) if self.tp_size > 1 else ([], [])
+        if self.tp_size == 1:
+            return [], []
+        return (["reduce_scatter"], ["all_gather"]) if self.sequence_parallel else (["all_reduce"], [])
 
     @property
     def partition_sizes(self) -> list:
         return shard_sizes(self.num_embeddings, self.tp_size)
 
     def extra_repr(self) -> str:
-        return self._local_repr()
+        extra = f", sequence_parallel=True, sequence_dim={self.sequence_dim}" if self.sequence_parallel else ""
+        return self._local_repr() + extra
 
 
 class ColumnParallelEmbedding(_ParallelEmbedding):

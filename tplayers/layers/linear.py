@@ -70,6 +70,10 @@ class ColumnParallelLinear(ParallelLinearBase):
     output is ``(B, S, out_local)``. Backward reduce-scatters the input gradient
     instead of all-reducing it, overlapped with the weight gradient.
 
+    ``transposed=True`` stores ``weight`` as ``(in_features, out_local)``, the layout of
+    Hugging Face transformers' ``Conv1D`` (GPT-2's ``c_attn``, ``c_fc``): ``from_module`` of a
+    ``Conv1D`` sets it, so ``state_dict`` and checkpoints keep the ``Conv1D`` layout.
+
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
         import torch, tplayers
@@ -103,13 +107,14 @@ class ColumnParallelLinear(ParallelLinearBase):
         device=None,
         dtype=None,
         reduce_dtype: Optional[torch.dtype] = None,
+        transposed: bool = False,
     ) -> None:
         self.reduce_dtype = check_reduce_dtype(reduce_dtype, type(self).__name__)
         check_sequence_args(type(self).__name__, sequence_parallel, sequence_dim)
         self.gather_output = bool(gather_output)
         self._options = (sections, head_dim)
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        super().__init__(in_features, out_features, bias, mesh, device, dtype)
+        super().__init__(in_features, out_features, bias, mesh, device, dtype, transposed)
 
     def _setup_layout(self) -> None:
         sections, head_dim = self._options
@@ -135,7 +140,7 @@ class ColumnParallelLinear(ParallelLinearBase):
     def local_sections(self) -> tuple:
         """This rank's width of each fused block, in order (``(out_local,)`` without ``sections``)."""
         if self._layout is None:
-            return (self.weight.shape[0],)
+            return (self.dense_weight().shape[0],)
         return self._layout.local_sections(self.tp_rank)
 
     @property
@@ -153,7 +158,8 @@ class ColumnParallelLinear(ParallelLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
-        x, weight, bias = autocast_inputs(x, self.weight, self.bias)  # as F.linear under torch.autocast
+        # as F.linear under torch.autocast; weight (out_local, in) or (out, in_local), a view if transposed
+        x, weight, bias = autocast_inputs(x, self.dense_weight(), self.bias)
         check_features(x, self.in_features, weight, "input", name)
         if self.tp_size > 1 and self._layout is not None and self._replicas[1]:
             # Blocks replicated in groups (GQA kv heads): identity now, gradient summed over replicas.
@@ -231,6 +237,9 @@ class RowParallelLinear(ParallelLinearBase):
     backward all-gathers the output gradient. The bias is still added once and
     its gradient is the full one on every rank.
 
+    ``transposed=True`` stores ``weight`` as ``(in_local, out_features)``, the layout of
+    transformers' ``Conv1D`` (``from_module`` of a ``Conv1D`` sets it).
+
     Example of a sequence-parallel MLP (``S`` need not divide the world size)::
 
         mesh = tplayers.init_mesh()
@@ -265,6 +274,7 @@ class RowParallelLinear(ParallelLinearBase):
         device=None,
         dtype=None,
         reduce_dtype: Optional[torch.dtype] = None,
+        transposed: bool = False,
     ) -> None:
         self.reduce_dtype = check_reduce_dtype(reduce_dtype, type(self).__name__)
         check_sequence_args(type(self).__name__, sequence_parallel, sequence_dim)
@@ -274,7 +284,7 @@ class RowParallelLinear(ParallelLinearBase):
         self.input_is_parallel = bool(input_is_parallel)
         self.head_dim = head_dim
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        super().__init__(in_features, out_features, bias, mesh, device, dtype)
+        super().__init__(in_features, out_features, bias, mesh, device, dtype, transposed)
 
     def _setup_layout(self) -> None:
         name = type(self).__name__
@@ -298,7 +308,8 @@ class RowParallelLinear(ParallelLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
-        x, weight, bias = autocast_inputs(x, self.weight, self.bias)  # as F.linear under torch.autocast
+        # as F.linear under torch.autocast; weight (out_local, in) or (out, in_local), a view if transposed
+        x, weight, bias = autocast_inputs(x, self.dense_weight(), self.bias)
         if self.input_is_parallel:
             check_features(x, weight.shape[1], weight, "input (this rank's in_features shard)", name)
         else:

@@ -8,6 +8,7 @@ from typing import Callable, Optional, Tuple, Union
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tplayers.layers._linear_base import transposed_linear_dims
 from tplayers.layers.embedding import ColumnParallelEmbedding, VocabParallelEmbedding
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
@@ -54,10 +55,22 @@ def _check_role(key: PlanKey, style: "ParallelStyle", roles: Tuple[str, ...]) ->
                          f"{', '.join(map(repr, roles))} or None, got {style.head_role!r}")
 
 
+def _check_linear_or_embedding(style: ParallelStyle, key, name: str, module: nn.Module) -> None:
+    """``ValueError`` unless ``module`` is an ``nn.Linear``, an ``nn.Embedding`` or a Conv1D-like linear."""
+    if isinstance(module, style.accepts) or transposed_linear_dims(module) is not None:
+        return
+    raise ValueError(
+        f"plan key {key_repr(key)}: {type(style).__name__} expects Linear or Embedding (or a Conv1D-like "
+        f"linear: weight (in, out) and nf), but module {name or '<root>'!r} is {type(module).__name__}"
+    )
+
+
 @dataclass(frozen=True)
 class ColumnParallel(ParallelStyle):
     r"""Swap an ``nn.Linear`` for :class:`~tplayers.ColumnParallelLinear` (output features split),
     or an ``nn.Embedding`` for :class:`~tplayers.ColumnParallelEmbedding` (embedding dim split).
+    A transformers ``Conv1D`` (a linear stored ``(in, out)``) is a linear here: its twin keeps
+    the ``(in, out)`` storage (``transposed=True``).
 
     ``sections`` / ``head_dim``: fused blocks and whole heads (see ColumnParallelLinear),
     linears only. ``sequence_parallel=True``: the input is sequence-sharded along
@@ -87,7 +100,7 @@ class ColumnParallel(ParallelStyle):
     accepts = (nn.Linear, nn.Embedding)
 
     def check(self, key, name, module):
-        super().check(key, name, module)
+        _check_linear_or_embedding(self, key, name, module)
         _check_role(key, self, ("q", "k", "v"))
         if isinstance(module, nn.Embedding) and (self.sections is not None or self.head_dim is not None
                                                  or self.sequence_parallel or self.head_role is not None):
@@ -104,10 +117,12 @@ class ColumnParallel(ParallelStyle):
 
 @dataclass(frozen=True)
 class RowParallel(ParallelStyle):
-    """Swap an ``nn.Linear`` for :class:`~tplayers.RowParallelLinear` (input features split), or an
-    ``nn.Embedding`` for :class:`~tplayers.VocabParallelEmbedding` (rows of the table split).
+    """Swap an ``nn.Linear`` (or a transformers ``Conv1D``, kept ``(in, out)``) for
+    :class:`~tplayers.RowParallelLinear` (input features split), or an ``nn.Embedding`` for
+    :class:`~tplayers.VocabParallelEmbedding` (rows of the table split).
 
-    ``sequence_parallel=True``: the output is reduce-scattered along ``sequence_dim``.
+    ``sequence_parallel=True``: the output is reduce-scattered along ``sequence_dim`` (on an
+    embedding too: its output is then this rank's sequence shard).
 
     ``input_is_parallel=False`` makes the swapped linear take the full input and
     split it locally (a drop-in for an ``nn.Linear`` anywhere in a model);
@@ -128,16 +143,17 @@ class RowParallel(ParallelStyle):
     accepts = (nn.Linear, nn.Embedding)
 
     def check(self, key, name, module):
-        super().check(key, name, module)
+        _check_linear_or_embedding(self, key, name, module)
         _check_role(key, self, ("o",))
         if isinstance(module, nn.Embedding) and (self.head_dim is not None or not self.input_is_parallel
-                                                 or self.sequence_parallel or self.head_role is not None):
-            raise ValueError(f"plan key {key_repr(key)}: RowParallel(head_dim=, input_is_parallel=, "
-                             f"sequence_parallel=, head_role=) applies to nn.Linear, but module {name!r} is nn.Embedding")
+                                                 or self.head_role is not None):
+            raise ValueError(f"plan key {key_repr(key)}: RowParallel(head_dim=, input_is_parallel=, head_role=) "
+                             f"applies to nn.Linear, but module {name!r} is nn.Embedding")
 
     def build(self, name, module, mesh):
         if isinstance(module, nn.Embedding):
-            return VocabParallelEmbedding.from_module(module, mesh=mesh)
+            return VocabParallelEmbedding.from_module(module, mesh=mesh, sequence_parallel=self.sequence_parallel,
+                                                      sequence_dim=self.sequence_dim)
         return RowParallelLinear.from_module(module, mesh=mesh, input_is_parallel=self.input_is_parallel,
                                              head_dim=self.head_dim, sequence_parallel=self.sequence_parallel,
                                              sequence_dim=self.sequence_dim)
