@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from typing import Callable, Dict, Optional
 
 import torch
@@ -45,13 +47,15 @@ class ShardedModule(RegionAware, MeshBound, nn.Module):
         """Keep the serial ``module`` this twin replaces, its parameters and buffers rebound to this
         twin's (one set of tensors), to run where a domain region applies the twin to replicated data
         (a 1x1 convolution on a globally pooled tensor, as squeeze-excitation does)."""
+        serial = copy.copy(module)  # a shallow copy: the caller's module is left as it is
+        serial._parameters, serial._buffers = dict(module._parameters), dict(module._buffers)
         for name, p in self.named_parameters(recurse=False):
-            if name in module._parameters:
-                module._parameters[name] = p
+            if name in serial._parameters:
+                serial._parameters[name] = p
         for name, b in self.named_buffers(recurse=False):
-            if name in module._buffers:
-                module._buffers[name] = b
-        self._serial = (module,)  # a tuple: not a registered child (no state_dict keys)
+            if name in serial._buffers:
+                serial._buffers[name] = b
+        self._serial = (serial,)  # a tuple: not a registered child (no state_dict keys)
 
     def _bind_mesh(self, mesh: Optional[DeviceMesh], ndim=1) -> DeviceMesh:
         mesh = resolve_mesh(mesh, ndim)
