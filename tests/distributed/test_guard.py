@@ -193,3 +193,28 @@ def _partition_change(rank, world):
 
 def test_partition_change_on_one_rank_is_replanned_on_every_rank():
     run_ranks(_partition_change, 2, timeout=60)
+
+
+def _no_extra_collectives(rank, world):
+    torch.manual_seed(0)
+    serial = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.MaxPool2d(2),
+                           nn.Upsample(scale_factor=2, mode="bilinear"), nn.Conv2d(4, 2, 3, padding=1)).double()
+    guarded = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    bare = copy.deepcopy(guarded)
+    for m in bare.modules():  # the same twins without the region's hooks
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            hooks.clear()
+    x = tplayers.shard(torch.randn(2, 2, 10, 6, dtype=torch.float64), 2)
+    logs = []
+    for model in (guarded, bare, guarded, bare):
+        with tplayers.count_collectives() as log:
+            model(x).square().sum().backward()
+        logs.append(log)
+    extra = [r for r in logs[2].records if r not in logs[3].records]
+    assert [r.tag for r in extra] == ["domain.region"], extra  # the entry agreement only
+    assert len(logs[2].records) == len(logs[3].records) + 1
+    return True
+
+
+def test_guard_adds_only_the_entry_agreement():
+    run_ranks(_no_extra_collectives, 2, timeout=60)
