@@ -218,3 +218,34 @@ def _no_extra_collectives(rank, world):
 
 def test_guard_adds_only_the_entry_agreement():
     run_ranks(_no_extra_collectives, 2, timeout=60)
+
+
+class CheckpointInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.ReLU())
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def _checkpoint_inside(rank, world):
+    from torch.utils.checkpoint import checkpoint
+
+    model = tplayers.parallelize_module(CheckpointInside().double(), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    x = tplayers.shard(torch.randn(2, 2, 9, 5, dtype=torch.float64), 2).requires_grad_(True)
+    with pytest.raises(ValueError, match="runs during backward without its region guard"):
+        model(x).sum().backward()
+    # checkpointing the region's root re-enters the guard: exact
+    serial = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.ReLU(), nn.Conv2d(2, 2, 1)).double()
+    whole = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    xs = torch.randn(2, 2, 9, 5, dtype=torch.float64, requires_grad=True)
+    xl = tplayers.shard(xs.detach(), 2).requires_grad_(True)
+    checkpoint(whole, xl, use_reentrant=False).square().sum().backward()
+    serial(xs).square().sum().backward()
+    torch.testing.assert_close(xl.grad, tplayers.shard(xs.grad, 2), **TIGHT)
+    return True
+
+
+def test_activation_checkpoint_inside_a_region_raises_and_of_the_region_is_exact():
+    run_ranks(_checkpoint_inside, 2, timeout=60)

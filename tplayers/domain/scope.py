@@ -27,6 +27,7 @@ from torch import nn
 
 from tplayers.comm.agree import exchange_agreed
 from tplayers.domain.guard import RegionGuard, active_guard
+from tplayers.layers._common import RegionAware
 from tplayers.mesh import resolve_mesh
 
 __all__ = ["DomainRegion", "Watch", "domain_region", "bind_region", "bind_watch"]
@@ -141,9 +142,11 @@ class _PathHook:
 
     def pre(self, module, args):
         g = active_guard()
+
         if g is not None:
             g.where.append(self.name)
-        elif torch._C._current_graph_task_id() != -1 and not torch.compiler.is_compiling():
+        elif (torch._C._current_graph_task_id() != -1 and not torch.compiler.is_compiling()
+              and not isinstance(module, RegionAware)):  # a twin runs with the guard stepped aside
             # a region's submodule re-run during backward (activation checkpointing inside the region):
             # the guard is not active there, so routed ops and gradient sums would silently change
             raise ValueError(
