@@ -2,7 +2,8 @@
  * tplayers.na2d for fp32 / fp64 CPU tensors (see tplayers/ops/na_cpu.py, which builds this file
  * with the system C compiler, once, into a cache directory, and calls it through ctypes).
  *
- * Compiled once per element type: -DNA_DOUBLE selects double (8 lanes), else float (16 lanes).
+ * Compiled once per element type: -DNA_DOUBLE selects double, else float; -DNA_LANES the lanes per
+ * vector (the host's register width: AVX-512 16 floats / 8 doubles, AVX2 8 / 4).
  * No torch headers, no intrinsics: GCC vector extensions, lowered to whatever -march offers.
  *
  * Inputs are pixel-major, as tplayers passes them: q (B, Hq*Wq, heads*D), k (B, Hk*Wk, heads*D),

@@ -6,9 +6,16 @@ exact window (fp rounding may differ). The C kernel is used for CPU tensors of f
 the system C compiler can build it; ``TPLAYERS_NA_KERNEL=torch`` asks for the tile kernel,
 ``TPLAYERS_NA_KERNEL=c`` for the C kernel (an error when it cannot be built or does not apply).
 
+The vector width follows the host (:func:`host_isa`): on AVX-512 CPUs the kernel is built with 16
+fp32 / 8 fp64 lanes, on AVX2 ones 8 / 4, elsewhere 4 / 2, so every vector is one register (16
+lanes on an AVX2-only CPU made it 2.4-4.8x slower than the tile kernel: each op split in two,
+each shuffle a permute network). Measured with ``benchmarks/na.py`` (and ``--isa avx2``, the
+AVX2 build and torch capped at AVX2 on an AVX-512 CPU), the C kernel is the faster of the two on
+both, forward and backward, so it is the default wherever it builds.
+
 The source (``na_cpu.c`` and ``na_cpu_blocks.h``) ships in the package. On the first CPU call
 (never at import) it is compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -shared
--fPIC``, once per element type, into
+-fPIC -DNA_LANES=n`` (:func:`build_flags`), once per element type, into
 ``$TPLAYERS_CACHE`` (else ``~/.cache/tplayers``) under a name hashed from the source, the compiler,
 its version, the flags and the CPU's model and flags; it is written under a temporary name and
 renamed into place, so processes compiling at once are safe. It is loaded with ``ctypes`` and
@@ -44,13 +51,17 @@ import torch
 
 from tplayers.ops.na_layout import axis_tiles
 
-__all__ = ["use_c_kernel", "kernel_choice", "load_library", "cache_dir", "c_forward", "c_backward", "CAttention"]
+__all__ = ["use_c_kernel", "kernel_choice", "load_library", "cache_dir", "c_forward", "c_backward", "CAttention",
+           "host_isa", "target_isa", "lanes", "build_flags"]
 
 SOURCE = Path(__file__).with_name("na_cpu.c")
 #: every file of the kernel (the hash of the built library covers them all)
 SOURCES = (SOURCE, Path(__file__).with_name("na_cpu_blocks.h"))
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}
+#: vector width in bits and the ``-march`` that builds for an ISA that is not the host's own
+#: (the host's own is built with ``-march=native``)
+ISAS = {"avx512": (512, "skylake-avx512"), "avx2": (256, "haswell"), "base": (128, None)}
 #: the window slots per axis the kernel's block tables hold (kernels above it use the tile kernel)
 MAX_KERNEL = 255
 
@@ -80,19 +91,74 @@ def _cpu_id() -> str:
     return text
 
 
-@lru_cache(maxsize=None)
+def host_isa(flags: Optional[str] = None) -> str:
+    """The widest vector ISA of this CPU the kernel is built for: ``"avx512"`` (AVX-512 F/BW/VL),
+    ``"avx2"`` (AVX2 and FMA) or ``"base"`` (anything else: SSE2 on x86-64, NEON on arm64).
+    ``flags``: a ``/proc/cpuinfo`` flags line to classify instead of this machine's."""
+    if flags is None:
+        return _this_host_isa()
+    have = set(flags.replace(":", " ").split())
+    if {"avx512f", "avx512bw", "avx512vl"} <= have:
+        return "avx512"
+    if {"avx2", "fma"} <= have:
+        return "avx2"
+    return "base"
+
+
+@lru_cache(maxsize=1)
+def _this_host_isa() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return host_isa(next((line for line in f if line.startswith("flags")), ""))
+    except OSError:
+        return "base"
+
+
+def target_isa() -> str:
+    """The ISA the kernel is built for: ``TPLAYERS_NA_ISA`` (``avx512`` / ``avx2`` / ``base``; one
+    this CPU runs, so a narrower build can be measured on a wider CPU) or :func:`host_isa`."""
+    host = host_isa()
+    value = os.environ.get("TPLAYERS_NA_ISA", "").strip().lower() or host
+    order = list(ISAS)
+    if value not in ISAS or order.index(value) < order.index(host):
+        raise ValueError(f"TPLAYERS_NA_ISA must be one of {order[order.index(host):]} on this CPU "
+                         f"(host ISA {host}), got {value!r}")
+    return value
+
+
+def lanes(dtype: torch.dtype, isa: Optional[str] = None) -> int:
+    """Elements per vector the kernel is built with: the ISA's register width over the element
+    size (AVX-512: 16 fp32 / 8 fp64, AVX2: 8 / 4, base: 4 / 2)."""
+    bits = ISAS[isa or target_isa()][0]
+    return bits // (8 * torch.empty(0, dtype=dtype).element_size())
+
+
+def build_flags(dtype: torch.dtype, isa: Optional[str] = None) -> Tuple[str, ...]:
+    """The compiler flags of the kernel for ``dtype`` on ``isa`` (default :func:`target_isa`)."""
+    isa = isa or target_isa()
+    march = ISAS[isa][1] if isa != host_isa() else "native"
+    arch = () if march is None else (f"-march={march}",)
+    return FLAGS + arch + _DTYPES[dtype][1] + (f"-DNA_LANES={lanes(dtype, isa)}",)
+
+
 def load_library(dtype: torch.dtype) -> ctypes.CDLL:
-    """The kernel for ``dtype`` (fp32 / fp64), compiled on first use; ``RuntimeError`` saying why
-    when it cannot be built (no compiler, a compile error). Cached per process."""
+    """The kernel for ``dtype`` (fp32 / fp64) on :func:`target_isa`, compiled on first use;
+    ``RuntimeError`` saying why when it cannot be built (no compiler, a compile error)."""
     if dtype not in _DTYPES:
         raise RuntimeError(f"the C na2d kernel supports float32 and float64, got {dtype}")
-    suffix, defines = _DTYPES[dtype]
+    return _load(dtype, target_isa())
+
+
+@lru_cache(maxsize=None)
+def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
+    """:func:`load_library` for one ISA, cached per process."""
+    suffix = _DTYPES[dtype][0]
     cc = os.environ.get("CC") or "cc"
     cc_path = shutil.which(cc)
     if cc_path is None:
         raise RuntimeError(f"the C na2d kernel needs a C compiler: {cc!r} ($CC or cc) is not on PATH")
     source = b"\0".join(path.read_bytes() for path in SOURCES)
-    flags = FLAGS + defines
+    flags = build_flags(dtype, isa)
     try:
         version = subprocess.run([cc_path, "--version"], capture_output=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
@@ -125,11 +191,15 @@ def load_library(dtype: torch.dtype) -> ctypes.CDLL:
     return lib
 
 
-@lru_cache(maxsize=None)
 def _build_failure(dtype: torch.dtype) -> Optional[str]:
-    """None when the kernel for ``dtype`` builds, else why not (warned once per process)."""
+    """None when the kernel for ``dtype`` builds, else why not (warned once per process and ISA)."""
+    return _build_failure_on(dtype, target_isa())
+
+
+@lru_cache(maxsize=None)
+def _build_failure_on(dtype: torch.dtype, isa: str) -> Optional[str]:
     try:
-        load_library(dtype)
+        _load(dtype, isa)
     except RuntimeError as exc:
         if kernel_choice() == "auto":
             warnings.warn(f"tplayers.na2d: using the torch tile kernel on the CPU: {exc}", RuntimeWarning)
