@@ -63,7 +63,7 @@ from tplayers.layers import (
 )
 from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import default_mesh, init_mesh
-from tplayers.ops.na import na2d
+from tplayers.ops.na import na1d, na2d, na3d
 from tplayers.domain.reductions import domain_mean, domain_sum
 from tplayers.parallelize import (
     ColumnParallel,
@@ -142,6 +142,8 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "gather_state_dict",
+    "na1d",
     "na2d",
+    "na3d",
     "NeighborhoodAttention",
 ]

@@ -49,7 +49,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from tplayers.ops.na_layout import axis_tiles
+from tplayers.ops.na_geometry import kernel_dims, kernel_tables
 
 __all__ = ["use_c_kernel", "kernel_choice", "load_library", "cache_dir", "c_forward", "c_backward", "CAttention",
            "host_isa", "target_isa", "lanes", "build_flags"]
@@ -64,6 +64,9 @@ _DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}
 ISAS = {"avx512": (512, "skylake-avx512"), "avx2": (256, "haswell"), "base": (128, None)}
 #: the window slots per axis the kernel's block tables hold (kernels above it use the tile kernel)
 MAX_KERNEL = 255
+#: window slots per query (row slots x column slots) the kernel runs: its per-block score vectors
+#: live on the stack (3 x slots x 64 bytes); larger windows use the tile kernel
+MAX_SLOTS = 4096
 
 
 def kernel_choice() -> str:
@@ -215,35 +218,18 @@ def use_c_kernel(q: torch.Tensor, kernel: Tuple[int, int] = (1, 1)) -> bool:
     choice = kernel_choice()
     if choice == "torch":
         return False
-    applies = q.device.type == "cpu" and q.dtype in _DTYPES and max(kernel) <= MAX_KERNEL
+    applies = (q.device.type == "cpu" and q.dtype in _DTYPES and max(kernel) <= MAX_KERNEL
+               and kernel[0] * kernel[1] <= MAX_SLOTS)
     if not applies:
         if choice == "c":
             raise RuntimeError(f"TPLAYERS_NA_KERNEL=c: the C na2d kernel runs fp32/fp64 CPU tensors with kernel "
-                               f"<= {MAX_KERNEL}, got {q.dtype} on {q.device}, kernel {kernel}")
+                               f"<= {MAX_KERNEL} and <= {MAX_SLOTS} window slots, got {q.dtype} on {q.device}, "
+                               f"kernel {kernel}")
         return False
     if choice == "c":
         load_library(q.dtype)  # raises, saying why
         return True
     return _build_failure(q.dtype) is None
-
-
-@lru_cache(maxsize=64)
-def _tables(geo: Tuple[int, ...]):
-    """Per-axis window tables from :func:`~tplayers.ops.na_layout.axis_tiles` with one query per
-    tile: ``(3, Q, k)`` int32 of (local key index, valid, bias index) per query and slot, for H and W."""
-    (gh, gw, kh, kw, dh, dw, ch, cw, qh0, qw0, kh0, kw0, qh, qw, khn, kwn) = geo[:16]
-
-    def axis(length, kernel, dilation, causal, q0, qn, k0, kn):
-        t = axis_tiles(length, kernel, dilation, bool(causal), q0, qn, k0, kn, 1)
-        slot = t.out_pos  # one query per tile: the tile of each query
-        return torch.stack([t.k_index[slot], t.mask[slot, 0].long(), t.rel[slot, 0]]).to(torch.int32).contiguous()
-
-    return axis(gh, kh, dh, ch, qh0, qh, kh0, khn), axis(gw, kw, dw, cw, qw0, qw, kw0, kwn)
-
-
-def _dims(geo, batch, heads, dim, dim_v) -> torch.Tensor:
-    (gh, gw, kh, kw, dh, dw, ch, cw, qh0, qw0, kh0, kw0, qh, qw, khn, kwn) = geo[:16]
-    return torch.tensor([batch, heads, qh, qw, khn, kwn, dim, dim_v, kh, kw], dtype=torch.int64)
 
 
 def _ptr(t: Optional[torch.Tensor]):
@@ -264,8 +250,8 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     ``table`` (heads, 2kH-1, 2kW-1) or None -> (B, Pq, heads*Dv)."""
     lib = load_library(q.dtype)
     batch = q.shape[0]
-    dims = _dims(geo, batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
-    rows, cols = _tables(tuple(geo))
+    dims = kernel_dims(geo, batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
+    rows, cols = kernel_tables(tuple(geo))
     out = q.new_empty(batch, q.shape[1], v.shape[-1])
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
@@ -287,8 +273,8 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     lib = load_library(q.dtype)
     batch = q.shape[0]
     dim_v = v.shape[-1] // heads
-    dims = _dims(geo, batch, heads, q.shape[-1] // heads, dim_v)
-    rows, cols = _tables(tuple(geo))
+    dims = kernel_dims(geo, batch, heads, q.shape[-1] // heads, dim_v)
+    rows, cols = kernel_tables(tuple(geo))
     try:
         g4 = grad_out.view(batch, q.shape[1], heads, dim_v)
     except RuntimeError:

@@ -113,7 +113,7 @@ INL void kadd(T *p, vt x, int mode, const Lanes *ln) {
 }
 
 typedef struct {
-    int B, heads, Hq, Wq, Hk, Wk, D, Dv, kh, kw, nk, nkp, tw; /* tw: bias table width (2kW-1) */
+    int B, heads, Hq, Wq, Hk, Wk, D, Dv, kh, kw, nk, nkp, tw, tr; /* bias table: tr rows of tw (2kW-1) */
     long kp; /* row pitch of the key planes (see key_pitch) */
     const int32_t *rows, *cols; /* (3, Hq, kh), (3, Wq, kw) */
     const T *table;             /* (heads, 2kH-1, 2kW-1) or NULL */
@@ -169,7 +169,7 @@ static int block_add(const Geo *g, int i, int j0, int h, const Lanes *ln, vt *ad
     for (int t = 0; t < ln->n && !any; t++)
         for (int b = 0; b < g->kw; b++) any |= !vc[(j0 + t) * g->kw + b];
     if (!any) return 0;
-    const T *tab = g->table ? g->table + (size_t)h * (2 * g->kh - 1) * g->tw : NULL;
+    const T *tab = g->table ? g->table + (size_t)h * g->tr * g->tw : NULL;
     for (int a = 0; a < g->kh; a++)
         for (int b = 0; b < g->kw; b++) {
             vt x;
@@ -331,7 +331,7 @@ static long key_pitch(long wk) {
 
 static Geo make_geo(const int64_t *dims, const int32_t *rows, const int32_t *cols, const T *table, double scale) {
     Geo g = {(int)dims[0], (int)dims[1], (int)dims[2], (int)dims[3], (int)dims[4], (int)dims[5], (int)dims[6],
-             (int)dims[7], (int)dims[8], (int)dims[9], 0, 0, 0, 0, rows, cols, table, (T)scale};
+             (int)dims[7], (int)dims[8], (int)dims[9], 0, 0, 0, (int)dims[10], 0, rows, cols, table, (T)scale};
     g.nk = g.kh * g.kw;
     g.nkp = (g.nk + G - 1) / G * G;
     g.tw = 2 * g.kw - 1;
