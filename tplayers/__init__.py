@@ -57,6 +57,8 @@ from tplayers.layers import (
     DomainReplicated,
     ReplicatedBranch,
     NeighborhoodAttention,
+    NeighborhoodAttention1d,
+    NeighborhoodAttention3d,
     ParallelDropout,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -146,4 +148,6 @@ __all__ = [
     "na2d",
     "na3d",
     "NeighborhoodAttention",
+    "NeighborhoodAttention1d",
+    "NeighborhoodAttention3d",
 ]

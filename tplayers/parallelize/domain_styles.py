@@ -120,8 +120,8 @@ class DomainParallel(ParallelStyle):
         if twin is not None:
             return twin.from_module(module, mesh=mesh, shard_dims=self.shard_dims)
         if isinstance(module, NeighborhoodAttention) and module.shard_dims is None:
-            # same spatial axes, in its (B, H, W, C) layout: NCHW dim 2 (H) -> 1, dim 3 (W) -> 2
-            return NeighborhoodAttention.from_module(module, mesh=mesh, shard_dims=tuple(d - 1 for d in self.shard_dims))
+            # same spatial axes, in its (B, *spatial, C) layout: NC* dim 2 -> 1, dim 3 -> 2 (1-D, 2-D, 3-D)
+            return type(module).from_module(module, mesh=mesh, shard_dims=tuple(d - 1 for d in self.shard_dims))
         for child_name, child in list(module.named_children()):
             new = self._swap(child, mesh, skip)
             if new is not child:
