@@ -13,7 +13,7 @@ import torch
 import tplayers
 from harness import run_ranks
 from oracle import assert_params_match
-from tplayers.ops.na_layout import axis_halos
+from tplayers.ops.na_layout import axis_halos, axis_plans
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 LAYERS = {1: tplayers.NeighborhoodAttention1d, 3: tplayers.NeighborhoodAttention3d}
@@ -24,16 +24,16 @@ def _random_partition(rng, length, parts):
     return [b - a for a, b in zip([0] + cuts, cuts + [length])]
 
 
-def _feasible(sizes, kernel, stride, dilation, causal):
+def _feasible(sizes, kernel, stride, dilation, causal, tile=False):
     try:
-        axis_halos(sizes, kernel=kernel, dilation=dilation, causal=causal, stride=stride)
+        axis_plans(sizes, kernel=kernel, dilation=dilation, causal=causal, stride=stride, tile=tile)
         return True
     except ValueError:
         return False
 
 
-def _draw_case(rng, rank, mesh_shape, shard_dims):
-    kernel = tuple(rng.randint(1, 4) if rank == 3 else rng.randint(2, 7) for _ in range(rank))
+def _draw_case(rng, rank, mesh_shape, shard_dims, min_kernel=1):
+    kernel = tuple(rng.randint(max(1, min_kernel), 4) if rank == 3 else rng.randint(2, 7) for _ in range(rank))
     stride = tuple(rng.choice([1, 1, kk, rng.randint(1, kk)]) for kk in kernel)
     dilation = tuple(rng.choice([1, 1, 2]) for _ in kernel)
     causal = tuple(rng.random() < 0.3 for _ in kernel)
@@ -48,21 +48,23 @@ def _local(full, sizes, coords, shard_dims):
     return full
 
 
-def _parity(rank, world, spatial, mesh_shape, shard_dims, seed, cases, want_infeasible):
+def _parity(rank, world, spatial, mesh_shape, shard_dims, seed, cases, want_infeasible, backend="tplayers"):
     mesh = tplayers.init_mesh(mesh_shape, ("a", "b")[: len(mesh_shape)], device_type="cpu")
     coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
     rng = random.Random(seed)
     done = infeasible = 0
     while done < cases or infeasible < want_infeasible:
-        kernel, stride, dilation, causal, size, sizes = _draw_case(rng, spatial, mesh_shape, shard_dims)
-        ok = all(_feasible(sizes[d], kernel[d - 1], stride[d - 1], dilation[d - 1], causal[d - 1]) for d in shard_dims)
+        tile = backend == "tile"  # the natten path with the tplayers kernel standing in: tiles, kernel >= 2
+        kernel, stride, dilation, causal, size, sizes = _draw_case(rng, spatial, mesh_shape, shard_dims, 1 + tile)
+        ok = all(_feasible(sizes[d], kernel[d - 1], stride[d - 1], dilation[d - 1], causal[d - 1], tile)
+                 for d in shard_dims)
         if not ok and infeasible >= want_infeasible or ok and done >= cases:
             continue
         heads, head_dim = rng.randint(1, 2), rng.randint(1, 3)
-        bias = all(s == 1 for s in stride) and rng.random() < 0.7
+        bias = all(s == 1 for s in stride) and rng.random() < 0.7 and not tile
         torch.manual_seed(rng.randrange(1 << 30))  # same on every rank
         serial = LAYERS[spatial](heads * head_dim, heads, kernel, dilation, causal, qkv_bias=rng.random() < 0.7,
-                                 rel_pos_bias=bias, stride=stride, dtype=torch.float64)
+                                 rel_pos_bias=bias, stride=stride, local_backend=backend, dtype=torch.float64)
         parallel = LAYERS[spatial].from_module(serial, mesh=mesh, shard_dims=shard_dims)
         make = lambda: torch.randn(2, *size, heads * head_dim, dtype=torch.float64)  # noqa: E731
         where = f"kernel {kernel} stride {stride} dilation {dilation} causal {causal} size {size} parts {sizes}"
@@ -172,3 +174,59 @@ def _plan_parity(rank, world, spatial, shard_dims, mesh_shape):
                                                                  (4, 3, (2, 3), (2, 2))])
 def test_domain_parallel_plan_swaps_1d_and_3d(world, spatial, shard_dims, mesh_shape):
     run_ranks(_plan_parity, world, args=(spatial, shard_dims, mesh_shape), timeout=180)
+
+
+@pytest.mark.parametrize("world,spatial,mesh_shape,shard_dims", [(4, 1, (4,), (1,)), (2, 3, (2,), (1,)),
+                                                                 (4, 3, (2, 2), (1, 2)), (4, 3, (2, 2), (2, 3))])
+def test_tile_path_with_the_tplayers_stand_in(world, spatial, mesh_shape, shard_dims):
+    """The natten code path (q, k, v gathered to each shard's tile, a whole-image kernel, the
+    shard's rows cut out) with the tplayers kernel as the whole-image kernel, against the serial
+    module: random uneven partitions, stride, dilation groups, causal; infeasible ones raise."""
+    run_ranks(_parity, world, args=(spatial, mesh_shape, shard_dims, 700 + world + 10 * shard_dims[-1], 3,
+                                    1 if world == 4 and spatial == 1 else 0, "tile"), timeout=240)
+
+
+def _natten_missing(rank, world):
+    from tplayers.ops.na_tile import natten_module
+
+    mesh = tplayers.init_mesh(device_type="cpu")
+    layer = tplayers.NeighborhoodAttention1d(4, 2, 3, local_backend="natten", mesh=mesh, shard_dims=(1,))
+    expect = ImportError if natten_module() is None else ValueError  # natten present: a CPU tensor
+    with pytest.raises(expect, match="local_backend='natten'"):
+        layer(torch.randn(1, 6, 4))
+    with tplayers.count_collectives() as log:  # nothing but the layout agreement ran
+        with pytest.raises(expect, match="pip install natten" if expect is ImportError else "CUDA"):
+            layer(torch.randn(1, 6, 4))
+    assert log.count("send") == 0 and log.count("recv") == 0
+    return True
+
+
+def test_natten_backend_without_natten_fails_on_every_rank_before_halos():
+    run_ranks(_natten_missing, 2, timeout=60)
+
+
+def _tile_wider_than_key_span(rank, world):
+    mesh = tplayers.init_mesh(device_type="cpu")
+    sizes = [7, 9]
+    # L = 16, kernel 4, stride 3: shard 1's key span starts at 5, but a tile starting there would
+    # cut the stride runs [6, 9), [9, 12), ... differently (runs from 5): its tile starts at 3
+    assert [p.recv for p in axis_plans(sizes, kernel=4, dilation=1, causal=False, stride=3, tile=True)] == [(0, 2), (4, 0)]
+    assert [p.recv for p in axis_plans(sizes, kernel=4, dilation=1, causal=False, stride=3)] == [(0, 2), (2, 0)]
+    torch.manual_seed(0)
+    serial = tplayers.NeighborhoodAttention1d(4, 2, 4, stride=3, local_backend="tile", dtype=torch.float64)
+    parallel = tplayers.NeighborhoodAttention1d.from_module(serial, mesh=mesh, shard_dims=(1,))
+    x = torch.randn(2, 16, 4, dtype=torch.float64)
+    local = x.narrow(1, sum(sizes[:rank]), sizes[rank]).clone().requires_grad_()
+    xs = x.clone().requires_grad_()
+    ys, yp = serial(xs), parallel(local)
+    torch.testing.assert_close(yp, ys.narrow(1, sum(sizes[:rank]), sizes[rank]), **TIGHT)
+    ys.square().sum().backward()
+    yp.square().sum().backward()
+    torch.testing.assert_close(local.grad, xs.grad.narrow(1, sum(sizes[:rank]), sizes[rank]), **TIGHT)
+    assert_params_match(parallel, serial, grads=True, **TIGHT)
+    return True
+
+
+def test_tile_wider_than_the_key_span():
+    """Hand-picked: a shard whose tile must reach past its key span to align the stride runs."""
+    run_ranks(_tile_wider_than_key_span, 2, timeout=60)

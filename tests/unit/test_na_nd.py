@@ -162,3 +162,55 @@ def test_front_door_errors():
         tplayers.na2d(q5, q5, q5, 3, rel_pos_bias=[1.0])
     with pytest.raises(ValueError, match="na3d: backend must be 'torch' or 'natten', got 'cuda'"):
         tplayers.na3d(q6, q6, q6, 3, backend="cuda")
+
+
+def test_tile_span_windows_equal_the_global_ones():
+    """Every query range's tile, seen as a whole image by NATTEN's predicate, gives those queries
+    exactly their global windows (an independent check of tile_span with the oracle's mask)."""
+    from tplayers.ops.na_layout import tile_span
+
+    rng = random.Random(99)
+    for _ in range(300):
+        kernel = rng.randint(2, 6)
+        dil, stride = rng.choice([1, 1, 2, 3]), rng.randint(1, kernel)
+        length = kernel * dil + rng.randint(0, 20)
+        causal = rng.random() < 0.4
+        q0 = rng.randrange(length)
+        q1 = rng.randint(q0 + 1, length)
+        a, b = tile_span(q0, q1, length=length, kernel=kernel, dilation=dil, causal=causal, stride=stride)
+        assert 0 <= a <= q0 and q1 <= b <= length and b - a >= kernel * dil
+        full = natten_mask_1d(length, kernel, stride, dil, causal)[q0:q1]
+        tile = natten_mask_1d(b - a, kernel, stride, dil, causal)[q0 - a:q1 - a]
+        assert not full[:, :a].any() and not full[:, b:].any()
+        assert torch.equal(full[:, a:b], tile), (length, kernel, stride, dil, causal, q0, q1, a, b)
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3])
+def test_single_device_tile_path_equals_the_key_path(rank):
+    """local_backend="tile" (the natten code path, tplayers kernel standing in) on one device."""
+    cls = {1: tplayers.NeighborhoodAttention1d, 2: tplayers.NeighborhoodAttention,
+           3: tplayers.NeighborhoodAttention3d}[rank]
+    torch.manual_seed(rank)
+    a = cls(8, 2, 3, 2, True, stride=2, dtype=torch.float64)
+    b = cls(8, 2, 3, 2, True, stride=2, local_backend="tile", dtype=torch.float64)
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, *(7,) * rank, 8, dtype=torch.float64)
+    torch.testing.assert_close(b(x), a(x), **TIGHT)
+
+
+def test_module_argument_errors():
+    with pytest.raises(ValueError, match="local_backend must be 'auto', 'natten', 'tplayers' or 'tile', got 'cuda'"):
+        tplayers.NeighborhoodAttention1d(4, 2, 3, local_backend="cuda")
+    with pytest.raises(ValueError, match="need no rel_pos_bias and kernel_size >= 2 .* rel_pos_bias=True"):
+        tplayers.NeighborhoodAttention3d(4, 2, 3, rel_pos_bias=True, local_backend="natten")
+    with pytest.raises(ValueError, match=r"kernel_size=\(1, 3\)"):
+        tplayers.NeighborhoodAttention(4, 2, (1, 3), local_backend="tile")
+    with pytest.raises(ValueError, match=r"rel_pos_bias needs stride 1 along every dim, got stride \(1, 2, 1\)"):
+        tplayers.NeighborhoodAttention3d(4, 2, 3, rel_pos_bias=True, stride=(1, 2, 1))
+    with pytest.raises(ValueError, match=r"shard_dims must be None or one of \[\(1,\)\] .*got \(2,\)"):
+        tplayers.NeighborhoodAttention1d(4, 2, 3, shard_dims=(2,))
+    with pytest.raises(TypeError, match="NeighborhoodAttention3d.from_module expects a NeighborhoodAttention3d, got "
+                                        "NeighborhoodAttention"):
+        tplayers.NeighborhoodAttention3d.from_module(tplayers.NeighborhoodAttention(4, 2, 3))
+    with pytest.raises(ValueError, match=r"input must be \(B, D, H, W, 4\)"):
+        tplayers.NeighborhoodAttention3d(4, 2, 3)(torch.randn(1, 5, 5, 4))

@@ -43,6 +43,7 @@ from tplayers.layers._common import ShardedModule, autocast_dtype_ok
 from tplayers.layers._domain import layout_priming, priming
 from tplayers.ops.na import AXIS_NAMES, check_window_fits, neighborhood_attention, normalize_window_args
 from tplayers.ops.na_layout import axis_plans
+from tplayers.ops.na_tile import natten_applies, natten_module, tile_attention
 from tplayers.sharding import ShardSpec
 
 __all__ = ["NeighborhoodAttention", "NeighborhoodAttention1d", "NeighborhoodAttention3d"]
@@ -63,6 +64,14 @@ class NeighborhoodAttention(ShardedModule):
     ``stride`` (keyword): NATTEN's strided windows (queries in a stride group share their
     leader's window; ``stride <= kernel_size``; no ``rel_pos_bias`` with stride > 1).
 
+    ``local_backend`` (keyword) picks the local compute: ``"auto"`` (default) runs NATTEN's fused
+    kernels on CUDA tensors when natten is installed and the call fits them (no ``rel_pos_bias``,
+    kernel sizes >= 2), else the tplayers kernels; ``"natten"`` requires natten (``ImportError``
+    with the install command at the first forward without it); ``"tplayers"`` always the tplayers
+    kernels on the shard and its key halos; ``"tile"`` the natten code path (the shard extended to
+    the tile whose whole-image windows equal the global ones, :mod:`tplayers.ops.na_tile`) with the
+    tplayers kernel standing in for natten: the CPU test of that path.
+
     Example (plain ``python``; under ``torchrun`` add ``mesh=`` and ``shard_dims=(1,)``)::
 
         import torch, tplayers
@@ -75,8 +84,9 @@ class NeighborhoodAttention(ShardedModule):
 
     def __init__(self, embed_dim: int, num_heads: int, kernel_size, dilation=1, is_causal=False,
                  qkv_bias: bool = True, qk_scale: Optional[float] = None, proj_drop: float = 0.0,
-                 rel_pos_bias: bool = False, *, stride=1, mesh: Optional[DeviceMesh] = None,
-                 shard_dims: Optional[Sequence[int]] = None, device=None, dtype=None) -> None:
+                 rel_pos_bias: bool = False, *, stride=1, local_backend: str = "auto",
+                 mesh: Optional[DeviceMesh] = None, shard_dims: Optional[Sequence[int]] = None, device=None,
+                 dtype=None) -> None:
         super().__init__()
         name, rank = type(self).__name__, self.spatial_rank
         for arg, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
@@ -88,6 +98,14 @@ class NeighborhoodAttention(ShardedModule):
             rank, kernel_size, stride, dilation, is_causal)
         if rel_pos_bias and any(s != 1 for s in self.stride):
             raise ValueError(f"{name}: rel_pos_bias needs stride 1 along every dim, got stride {self.stride}")
+        if local_backend not in ("auto", "natten", "tplayers", "tile"):
+            raise ValueError(f"{name}: local_backend must be 'auto', 'natten', 'tplayers' or 'tile', "
+                             f"got {local_backend!r}")
+        if local_backend in ("natten", "tile") and (rel_pos_bias or min(self.kernel_size) < 2):
+            raise ValueError(f"{name}: local_backend={local_backend!r} runs natten's whole-image kernels, which "
+                             f"need no rel_pos_bias and kernel_size >= 2 along every dim; got rel_pos_bias="
+                             f"{rel_pos_bias}, kernel_size={self.kernel_size}")
+        self.local_backend = local_backend
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.scale = qk_scale if qk_scale is not None else self.head_dim ** -0.5
         kw = {"device": device, "dtype": dtype}
@@ -140,7 +158,8 @@ class NeighborhoodAttention(ShardedModule):
             raise TypeError(f"{cls.__name__}.from_module expects a {cls.__name__}, got {type(module).__name__}")
         layer = cls(module.embed_dim, module.num_heads, module.kernel_size, module.dilation, module.is_causal,
                     module.qkv.bias is not None, module.scale, module.proj_drop.p, module.rpb is not None,
-                    stride=module.stride, mesh=mesh, shard_dims=shard_dims, device="meta",
+                    stride=module.stride, local_backend=module.local_backend, mesh=mesh, shard_dims=shard_dims,
+                    device="meta",
                     dtype=module.qkv.weight.dtype)
         layer = layer.to_empty(device=module.qkv.weight.device)
         layer._copy_shards_from(module)
@@ -176,8 +195,10 @@ class NeighborhoodAttention(ShardedModule):
         rank = self.spatial_rank
         ok = self._check_local(x)
         row = [int(ok)] + (list(x.shape[:rank + 1]) if ok else [-1] * (rank + 1))
+        tile = self._tile_backend() is not None
         config = {"kernel_size": self.kernel_size, "stride": self.stride, "dilation": self.dilation,
-                  "is_causal": self.is_causal,
+                  "is_causal": self.is_causal, "local_backend": self.local_backend, "tile": tile,
+                  "natten installed": natten_module() is not None if self.local_backend == "natten" else None,
                   "shard_dims": self.shard_dims, "embed_dim": self.embed_dim, "num_heads": self.num_heads,
                   "dtype": str(self.qkv.weight.dtype)}
         table = exchange_agreed(row, config, self._groups, type(self).__name__, "na.layout")
@@ -199,7 +220,7 @@ class NeighborhoodAttention(ShardedModule):
                 line = [key[tensor_dim]]  # not sharded
             what = AXIS_NAMES[rank][axis] + ("" if mesh_dim is None else f" (mesh dim {mesh_dim})")
             per = axis_plans(line, kernel=self.kernel_size[axis], dilation=self.dilation[axis],
-                             causal=self.is_causal[axis], what=what, stride=self.stride[axis])
+                             causal=self.is_causal[axis], what=what, stride=self.stride[axis], tile=tile)
             index = 0 if mesh_dim is None else self.mesh.get_local_rank(mesh_dim)
             if mesh_dim is not None:
                 plans[tensor_dim] = per[index]
@@ -245,8 +266,23 @@ class NeighborhoodAttention(ShardedModule):
         pieces = iter(present)
         return [None if p is None else next(pieces) for p in params]
 
+    def _tile_backend(self) -> Optional[str]:
+        """The whole-image kernel of the tile path (``"natten"`` / ``"tplayers"``), or None for the
+        key-halo path: fixed by ``local_backend``, the weights' device and whether natten is installed."""
+        if self.local_backend == "natten":
+            return "natten"
+        if self.local_backend == "tile":
+            return "tplayers"
+        if self.local_backend == "auto" and natten_applies(self.qkv.weight.device, self.kernel_size,
+                                                           self.rpb is not None) is None:
+            return "natten"
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rank = self.spatial_rank
+        tile_backend = self._tile_backend()
+        if tile_backend is not None:
+            return self._forward_tile(x, tile_backend)
         if self.shard_dims is None:
             if not self._check_local(x):
                 self._raise_bad_input(x)
@@ -267,6 +303,37 @@ class NeighborhoodAttention(ShardedModule):
         out = neighborhood_attention(q, k, v, self.kernel_size, self.dilation, self.is_causal, stride=self.stride,
                                      scale=self.scale, global_size=size, q_offset=offset, k_offset=k_offset,
                                      rel_pos_bias=rpb)
+        out = F.linear(out.reshape(*local, self.embed_dim), w_proj, b_proj)  # (B, *s, C)
+        return self.proj_drop(out)
+
+    def _forward_tile(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+        """The tile path: q, k and v of this shard's tile (its rows plus the halos of
+        :func:`~tplayers.ops.na_layout.tile_span`) through a whole-image kernel, then this
+        shard's rows of the result."""
+        rank = self.spatial_rank
+        if self.shard_dims is None:
+            if not self._check_local(x):
+                self._raise_bad_input(x)
+            check_window_fits(self.kernel_size, self.dilation, tuple(x.shape[1:1 + rank]), type(self).__name__)
+            offset, plans = (0,) * rank, None
+        else:
+            _, offset, plans = self._layout(x)  # validated on every rank before any halo traffic
+        if backend == "natten":  # every rank agreed on natten's presence in the layout exchange
+            why = natten_applies(x.device, self.kernel_size, False)
+            if why is not None:
+                raise (ImportError if natten_module() is None else ValueError)(
+                    f"{type(self).__name__}(local_backend='natten'): {why}")
+        w_qkv, b_qkv, w_proj, b_proj, _ = self._params()
+        local = tuple(x.shape[:rank + 1])  # (B, *local spatial)
+        qkv = F.linear(x, w_qkv, b_qkv).view(*local, 3, self.num_heads, self.head_dim)
+        if plans is not None:  # q, k and v of the tile: the N-d halo exchange of all three
+            groups = {d: self._groups[self.shard_dims.index(d)] for d in plans}
+            qkv = gather_windows(qkv.contiguous(), plans, groups, "zeros")
+        q, k, v = qkv.unbind(rank + 1)  # (B, *tile, heads, hd) each
+        out = tile_attention(q, k, v, self.kernel_size, self.stride, self.dilation, self.is_causal, self.scale,
+                             backend=backend)
+        for d, plan in (plans or {}).items():  # this shard's rows of the tile
+            out = out.narrow(d, offset[d - 1] - plan.in_start, local[d])
         out = F.linear(out.reshape(*local, self.embed_dim), w_proj, b_proj)  # (B, *s, C)
         return self.proj_drop(out)
 

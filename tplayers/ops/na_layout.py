@@ -42,7 +42,7 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["window_starts", "key_span", "axis_halos", "axis_plans", "AxisTiles", "axis_tiles", "merge_axes",
+__all__ = ["window_starts", "key_span", "tile_span", "axis_halos", "axis_plans", "AxisTiles", "axis_tiles", "merge_axes",
            "DEFAULT_TILE"]
 
 #: queries of one dilation group per tile along one axis (see ``axis_tiles``)
@@ -88,6 +88,43 @@ def key_span(q_start: int, q_stop: int, *, length: int, kernel: int, dilation: i
     lo = group + dilation * first
     hi = group + dilation * (first + count - 1) + 1
     return int(lo.min()), int(hi.max())
+
+
+def tile_span(q_start: int, q_stop: int, *, length: int, kernel: int, dilation: int, causal: bool,
+              stride: int = 1) -> Tuple[int, int]:
+    """``[a, b)``: a range of the axis holding the queries ``[q_start, q_stop)`` and their keys such
+    that NATTEN's rule applied to the range *as a whole image* (its own borders, dilation groups and
+    stride runs) gives each of those queries its global window. A kernel that only runs whole
+    images (natten's fused kernels) computes a shard's exact outputs on such a tile: an internal
+    shard edge must not look like an image border (that would shift the window), and the stride
+    runs and dilation groups must line up. Starts from the key span and grows the side whose
+    windows differ by one dilation step at a time (the whole axis always qualifies).
+
+    >>> tile_span(4, 8, length=20, kernel=5, dilation=1, causal=False)  # the key span suffices
+    (2, 10)
+    >>> tile_span(5, 6, length=20, kernel=5, dilation=1, causal=False, stride=5)  # query 5's leader is 7
+    (5, 10)
+    """
+    if q_stop <= q_start:
+        return q_start, q_start
+    lo, hi = key_span(q_start, q_stop, length=length, kernel=kernel, dilation=dilation, causal=causal, stride=stride)
+    a, b = min(lo, q_start), max(hi, q_stop)
+    pos = torch.arange(q_start, q_stop, dtype=torch.int64)
+    first, count = window_starts(pos, length, kernel, dilation, causal, stride)
+    want = pos % dilation + dilation * first  # global position of each window's first key
+    while True:
+        if b - a >= kernel * dilation:
+            local = pos - a
+            l_first, l_count = window_starts(local, b - a, kernel, dilation, causal, stride)
+            got = a + local % dilation + dilation * l_first
+            if bool((got == want).all()) and bool((l_count == count).all()):
+                return a, b
+            grow_lo = bool((got > want).any() | (l_count != count).any()) or b == length
+            grow_hi = bool((got < want).any()) or a == 0
+        else:
+            grow_lo = grow_hi = True
+        a = max(0, a - dilation) if grow_lo else a
+        b = min(length, b + dilation) if grow_hi else b
 
 
 @dataclass(frozen=True, eq=False)
@@ -217,11 +254,14 @@ def merge_axes(a: AxisTiles, b: AxisTiles, b_queries: int, b_keys: int, b_rel: i
                      mask=mask, rel=rel, out_pos=out_pos)
 
 
-def axis_plans(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "H", stride: int = 1):
+def axis_plans(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "H", stride: int = 1,
+               tile: bool = False):
     """Window-core plans (:class:`tplayers.domain.window_plan.AxisPlan`) of one sharded axis: each
     shard's queries stay local; its keys are the range :func:`key_span` gives (asymmetric; an edge
     shard's shifted window reaches further than ``k // 2``), from the adjacent shards only.
     ``ValueError`` when a neighbour is too small, or when ``kernel * dilation`` exceeds the length.
+    With ``tile``, a shard's rows are its :func:`tile_span` instead (a whole-image kernel's tile:
+    queries, keys and values all extended to it).
     """
     from tplayers.domain.window_plan import plan_ranges
 
@@ -232,8 +272,9 @@ def axis_plans(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "
                          f"{kernel} * dilation {dilation} > {what}={length}")
     needs, start = [], 0
     for size in sizes:
-        needs.append(key_span(start, start + size, length=length, kernel=kernel, dilation=dilation, causal=causal,
-                              stride=stride) if size else None)
+        span = tile_span if tile else key_span
+        needs.append(span(start, start + size, length=length, kernel=kernel, dilation=dilation, causal=causal,
+                          stride=stride) if size else None)
         start += size
     return plan_ranges(sizes, needs, sizes, mode="zeros", what=f"{what} (kernel {kernel}, dilation {dilation})")
 
