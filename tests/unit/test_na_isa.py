@@ -80,3 +80,24 @@ def test_each_isa_build_matches_the_oracle(isa, monkeypatch):
         out = na_on_subwindow(ins, (h, w), kernel, dilation, causal, (q0, q1, 0, w))
         where = f"isa {isa} kernel {kernel} dilation {dilation} causal {causal} size {(h, w)} rows {(q0, q1)}"
         assert_out_and_grads(out, ref[:, q0:q1], ins, ref_in, gen, where, rtol=1e-10, atol=1e-12)
+
+
+def test_backward_choice_follows_the_fused_rule(monkeypatch):
+    """The C backward runs where its dK/dV sums stay in registers ((kW - 1) * dW <= lanes), the
+    tile kernel's elsewhere; both exact against the oracle (fp64, a wide and a narrow window)."""
+    from tplayers.ops.na_geometry import Axis, geometry_args
+
+    monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
+    n = na_cpu.lanes(torch.float64)
+    wide = geometry_args([Axis(30, 3), Axis(40, n + 2)], 1, 1)
+    narrow = geometry_args([Axis(30, 3), Axis(40, n // 2 + 1, dilation=2)], 1, 1)
+    assert not na_cpu.backward_is_fused(wide, torch.float64) and na_cpu.backward_is_fused(narrow, torch.float64)
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    gen = torch.Generator().manual_seed(1)
+    for kernel, dil in (((3, n + 2), (1, 1)), ((3, n // 2 + 1), (1, 2))):
+        q, k, v = (torch.randn(1, 9, 2 * n + 9, 2, 3, generator=gen, dtype=torch.float64) for _ in range(3))
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = na_on_subwindow(ins + [None], (9, 2 * n + 9), kernel, dil, (False, True), (0, 9, 0, 2 * n + 9))
+        ref = brute_na2d(*ref_in, kernel, dil, (False, True))
+        assert_out_and_grads(out, ref, ins, ref_in, gen, f"kernel {kernel} dilation {dil}", rtol=1e-10, atol=1e-12)

@@ -59,7 +59,7 @@ def na2d_tiles_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     (:func:`~tplayers.ops.na_kernel.tile_backward`) on the same tables."""
     tab = _table(table)
     if na_cpu.use_c_kernel(q, merged_kernel(geo)):
-        dq, dk, dv, dt = na_cpu.c_backward(grad_out, q, k, v, tab, out, geo, scale, heads)
+        dq, dk, dv, dt = na_cpu.attention_backward(grad_out, q, k, v, tab, out, geo, scale, heads)
         return dq, dk, dv, (dt if tab is not None else table.new_empty(0))
     _, plan_bwd = tile_plans(geo, q.device, q.dtype)
     dq, dk, dv, dt = tile_backward(grad_out, q, k, v, tab, out, plan_bwd, scale, heads, True, True, tab is not None)

@@ -49,10 +49,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from tplayers.ops.na_geometry import kernel_dims, kernel_tables
+from tplayers.ops.na_geometry import kernel_dims, kernel_tables, split_geometry
 
 __all__ = ["use_c_kernel", "kernel_choice", "load_library", "cache_dir", "c_forward", "c_backward", "CAttention",
-           "host_isa", "target_isa", "lanes", "build_flags"]
+           "host_isa", "target_isa", "lanes", "build_flags", "backward_is_fused", "attention_backward"]
 
 SOURCE = Path(__file__).with_name("na_cpu.c")
 #: every file of the kernel (the hash of the built library covers them all)
@@ -307,13 +307,38 @@ def _parallel(work, jobs) -> None:
             f.result()
 
 
+def backward_is_fused(geo: List[int], dtype: torch.dtype) -> bool:
+    """Whether the C backward sums a block's dK/dV in registers: the ``kW`` slots of one key row
+    (``(kW - 1) * dilation_W`` columns apart) must fit two vectors from the block's first key
+    (``(kW - 1) * dW <= lanes``). Otherwise each slot is a read-modify-write of memory, measured
+    slower than the tile kernel's backward (1x48x48, 4 heads, d32: AVX-512 kernel 21 0.77x, AVX2
+    kernel 13-21 0.76-0.85x; 1-D kernel 33: 0.29-0.69x), so :class:`CAttention` then runs that."""
+    col = split_geometry(geo)[0][-1]
+    return (col.kernel - 1) * col.dilation <= lanes(dtype)
+
+
+def attention_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, heads: int,
+                       want_kv: bool = True, want_bias: bool = True):
+    """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_is_fused`,
+    else the tile kernel's (:func:`~tplayers.ops.na_kernel.tile_backward`; same values up to fp
+    rounding)."""
+    if backward_is_fused(geo, q.dtype):
+        return c_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=want_kv)
+    from tplayers.ops.na_kernel import tile_backward, tile_plans
+
+    _, plan_bwd = tile_plans(geo, q.device, q.dtype)
+    return tile_backward(grad_out, q, k, v, table, out, plan_bwd, scale, heads, want_kv, want_kv,
+                         table is not None and want_bias)
+
+
 class CAttention(torch.autograd.Function):
     """Neighborhood attention on the compiled CPU kernel.
 
     forward: per (batch, head) plane, ``S = scale Q K^T`` over each query's window (+ bias,
     -inf outside a causal window), ``O = softmax(S) V`` / backward: ``S`` and ``P`` again per
     block of queries, ``dP = dO V^T``, ``dS = P (dP - rowsum(dO O))``, ``dQ = scale dS K``,
-    ``dK += scale dS^T Q``, ``dV += P^T dO``, ``dbias += dS``. Same inputs as
+    ``dK += scale dS^T Q``, ``dV += P^T dO``, ``dbias += dS`` (the tile kernel's backward where the
+    C one is not :func:`backward_is_fused`). Same inputs as
     :class:`~tplayers.ops.na_kernel.TileAttention` with the :func:`geometry_args` list ``geo``.
     """
 
@@ -328,6 +353,6 @@ class CAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, table, out = ctx.saved_tensors
         want = ctx.needs_input_grad
-        dq, dk, dv, dt = c_backward(grad_out, q, k, v, table, out, ctx.geo, ctx.scale, ctx.heads,
-                                    want_kv=want[1] or want[2])
+        dq, dk, dv, dt = attention_backward(grad_out, q, k, v, table, out, ctx.geo, ctx.scale, ctx.heads,
+                                            want_kv=want[1] or want[2], want_bias=want[3])
         return dq, dk, dv, (dt if want[3] else None), None, None, None
