@@ -175,16 +175,18 @@ def bench_single(size, heads, head_dim, kernel, repeats):
     default_vs_tile(size, heads, head_dim, kernel, repeats)
 
 
-def default_vs_tile(size, heads, head_dim, kernel, repeats):
+def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None):
     """The default CPU kernel (what ``TPLAYERS_NA_KERNEL`` unset picks here) against the torch tile
-    kernel, forward and backward, timed interleaved in one run: the issue-22 ">= 1.0x" check."""
+    kernel, forward, backward and both, timed interleaved in one run: the issue-22 ">= 1.0x" check.
+    ``shape`` / ``fn``: another input shape and functional (``na1d`` / ``na3d``)."""
     from tplayers.ops import na_cpu
 
+    shape, fn = shape or (1, size, size, heads, head_dim), fn or tplayers.na2d
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, size, size, heads, head_dim) for _ in range(3))
+    q, k, v = (torch.randn(*shape) for _ in range(3))
     cot = torch.randn_like(q)
     use_kernel("")
-    default = "c" if na_cpu.use_c_kernel(q, (kernel, kernel)) else "torch"
+    default = "c" if na_cpu.use_c_kernel(q, (1, kernel)) else "torch"
 
     def on(choice, what):
         grads = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -192,18 +194,29 @@ def default_vs_tile(size, heads, head_dim, kernel, repeats):
         def run():
             use_kernel(choice)
             if what == "fwd":
-                return tplayers.na2d(q, k, v, kernel)
+                return fn(q, k, v, kernel)
             for g in grads:
                 g.grad = None
-            (tplayers.na2d(*grads, kernel) * cot).sum().backward()
+            (fn(*grads, kernel) * cot).sum().backward()
         return run
 
     t = _cpu_times({f"{c} {w}": on(c, w) for c in ("", "torch") for w in ("fwd", "both")}, repeats)
     fwd = t["torch fwd"][0] / t[" fwd"][0]
     bwd = (t["torch both"][0] - t["torch fwd"][0]) / (t[" both"][0] - t[" fwd"][0])
-    print(f"  default kernel here: {default}; speed over the torch tile kernel (same run, interleaved, thread CPU "
-          f"time): forward {fwd:.2f}x, backward {bwd:.2f}x (target >= 1.0) [{na_cpu_isa()}]")
+    both = t["torch both"][0] / t[" both"][0]
+    label = "" if fn is tplayers.na2d and len(shape) == 5 else f"{fn.__name__} {'x'.join(map(str, shape))} k{kernel}: "
+    print(f"  {label}default kernel here: {default}; speed over the torch tile kernel (same run, interleaved, thread "
+          f"CPU time): forward {fwd:.2f}x, backward {bwd:.2f}x, forward+backward {both:.2f}x (target >= 1.0) "
+          f"[{na_cpu_isa()}]")
     use_kernel("")
+
+
+def bench_ranks(repeats):
+    """1-D and 3-D: the default against the tile kernel (short and long 1-D windows, a 3-D volume)."""
+    print(f"na1d / na3d, fp32, 1 thread {isa_label()}")
+    for shape, fn, kernel in (((1, 4096, 4, 32), tplayers.na1d, 7), ((1, 4096, 4, 32), tplayers.na1d, 33),
+                              ((1, 16, 16, 16, 4, 32), tplayers.na3d, 5)):
+        default_vs_tile(0, 0, 0, kernel, repeats, shape, fn)
 
 
 def _bench_single(size, heads, head_dim, kernel, repeats, choice):
@@ -360,6 +373,7 @@ def main():
     shapes = [(args.size, args.heads, args.head_dim), (96, 2, 16)]
     for size, heads, head_dim in shapes:
         bench_single(size, heads, head_dim, args.kernel, args.repeats)
+    bench_ranks(args.repeats)
     for size, heads, head_dim in shapes if not args.no_memory else ():
         bench_memory(size, heads, head_dim, args.kernel)
     if not args.no_domain:
