@@ -341,7 +341,8 @@ class NeighborhoodAttention(ShardedModule):
         """Collectives per step: ``(forward list, backward list)``."""
         if self.shard_dims is None:
             return [], []
-        halo = [f"K/V halo send/recv (dim {d})" for d in self.shard_dims]
+        what = "Q/K/V tile halo" if self._tile_backend() is not None else "K/V halo"
+        halo = [f"{what} send/recv (dim {d})" for d in self.shard_dims]
         return halo, halo + ["all_reduce (all parameter grads, packed)"] * len(self.shard_dims)
 
     def extra_repr(self) -> str:
