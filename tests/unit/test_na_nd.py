@@ -214,3 +214,18 @@ def test_module_argument_errors():
         tplayers.NeighborhoodAttention3d.from_module(tplayers.NeighborhoodAttention(4, 2, 3))
     with pytest.raises(ValueError, match=r"input must be \(B, D, H, W, 4\)"):
         tplayers.NeighborhoodAttention3d(4, 2, 3)(torch.randn(1, 5, 5, 4))
+
+
+def test_tile_attention_backend_errors():
+    from tplayers.ops.na_tile import natten_applies, natten_module, tile_attention
+
+    q = torch.randn(1, 8, 2, 4)
+    assert "CUDA tensors" in natten_applies(q.device, (3,), False, True)  # the device first: no lookup
+    assert "kernel_size >= 2" in natten_applies(torch.device("cuda"), (1, 3), False, True)
+    assert "rel" in natten_applies(torch.device("cuda"), (3,), True, True)
+    assert "pip install natten" in natten_applies(torch.device("cuda"), (3,), False, False)
+    expect = ImportError if natten_module() is None else ValueError
+    with pytest.raises(expect, match="pip install natten" if expect is ImportError else "CUDA"):
+        tile_attention(q, q, q, (3,), (1,), (1,), (False,), None, backend="natten")
+    with pytest.raises(ValueError, match="backend must be 'natten' or 'tplayers', got 'c'"):
+        tile_attention(q, q, q, (3,), (1,), (1,), (False,), None, backend="c")

@@ -43,7 +43,7 @@ from tplayers.layers._common import ShardedModule, autocast_dtype_ok
 from tplayers.layers._domain import layout_priming, priming
 from tplayers.ops.na import AXIS_NAMES, check_window_fits, neighborhood_attention, normalize_window_args
 from tplayers.ops.na_layout import axis_plans
-from tplayers.ops.na_tile import natten_applies, natten_module, tile_attention
+from tplayers.ops.na_tile import INSTALL_HINT, natten_applies, natten_module, tile_attention
 from tplayers.sharding import ShardSpec
 
 __all__ = ["NeighborhoodAttention", "NeighborhoodAttention1d", "NeighborhoodAttention3d"]
@@ -106,6 +106,7 @@ class NeighborhoodAttention(ShardedModule):
                              f"need no rel_pos_bias and kernel_size >= 2 along every dim; got rel_pos_bias="
                              f"{rel_pos_bias}, kernel_size={self.kernel_size}")
         self.local_backend = local_backend
+        self._natten_installed = natten_module() is not None  # looked up here, never while compiling
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.scale = qk_scale if qk_scale is not None else self.head_dim ** -0.5
         kw = {"device": device, "dtype": dtype}
@@ -198,7 +199,7 @@ class NeighborhoodAttention(ShardedModule):
         tile = self._tile_backend() is not None
         config = {"kernel_size": self.kernel_size, "stride": self.stride, "dilation": self.dilation,
                   "is_causal": self.is_causal, "local_backend": self.local_backend, "tile": tile,
-                  "natten installed": natten_module() is not None if self.local_backend == "natten" else None,
+                  "natten installed": self._natten_installed if self.local_backend == "natten" else None,
                   "shard_dims": self.shard_dims, "embed_dim": self.embed_dim, "num_heads": self.num_heads,
                   "dtype": str(self.qkv.weight.dtype)}
         table = exchange_agreed(row, config, self._groups, type(self).__name__, "na.layout")
@@ -274,7 +275,7 @@ class NeighborhoodAttention(ShardedModule):
         if self.local_backend == "tile":
             return "tplayers"
         if self.local_backend == "auto" and natten_applies(self.qkv.weight.device, self.kernel_size,
-                                                           self.rpb is not None) is None:
+                                                           self.rpb is not None, self._natten_installed) is None:
             return "natten"
         return None
 
@@ -319,10 +320,12 @@ class NeighborhoodAttention(ShardedModule):
         else:
             _, offset, plans = self._layout(x)  # validated on every rank before any halo traffic
         if backend == "natten":  # every rank agreed on natten's presence in the layout exchange
-            why = natten_applies(x.device, self.kernel_size, False)
+            if not self._natten_installed:
+                raise ImportError(f"{type(self).__name__}(local_backend='natten'): natten is not installed "
+                                  f"({INSTALL_HINT})")
+            why = natten_applies(x.device, self.kernel_size, False, True)
             if why is not None:
-                raise (ImportError if natten_module() is None else ValueError)(
-                    f"{type(self).__name__}(local_backend='natten'): {why}")
+                raise ValueError(f"{type(self).__name__}(local_backend='natten'): {why}")
         w_qkv, b_qkv, w_proj, b_proj, _ = self._params()
         local = tuple(x.shape[:rank + 1])  # (B, *local spatial)
         qkv = F.linear(x, w_qkv, b_qkv).view(*local, 3, self.num_heads, self.head_dim)

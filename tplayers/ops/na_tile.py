@@ -45,14 +45,16 @@ def natten_module():
     return natten
 
 
-def natten_applies(device: torch.device, kernel: Sequence[int], has_bias: bool) -> Optional[str]:
-    """None when natten's fused kernels can run this call, else why not: natten installed, a CUDA
-    device, no relative-position bias (natten 0.21 has none), every kernel size >= 2 (natten's
-    requirement)."""
-    if natten_module() is None:
-        return f"natten is not installed ({INSTALL_HINT})"
+def natten_applies(device: torch.device, kernel: Sequence[int], has_bias: bool,
+                   installed: Optional[bool] = None) -> Optional[str]:
+    """None when natten's fused kernels can run this call, else why not: natten installed
+    (``installed``, else looked up), a CUDA device, no relative-position bias (natten 0.21 has
+    none), every kernel size >= 2 (natten's requirement). The device is checked first: a CPU call
+    never looks natten up (nor imports it while ``torch.compile`` traces)."""
     if device.type != "cuda":
         return f"natten's fused kernels run CUDA tensors, got a {device.type} tensor"
+    if not (natten_module() is not None if installed is None else installed):
+        return f"natten is not installed ({INSTALL_HINT})"
     if has_bias:
         return "natten 0.21 has no relative-position bias"
     if min(kernel) < 2:
@@ -70,10 +72,11 @@ def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: Se
     rank = q.dim() - 3
     size = tuple(q.shape[1:1 + rank])
     if backend == "natten":
-        why = natten_applies(q.device, kernel, rel_pos_bias is not None)
+        if natten_module() is None:
+            raise ImportError(f"neighborhood attention with backend='natten': natten is not installed ({INSTALL_HINT})")
+        why = natten_applies(q.device, kernel, rel_pos_bias is not None, True)
         if why is not None:
-            raise (ImportError if natten_module() is None else ValueError)(
-                f"neighborhood attention with backend='natten': {why}")
+            raise ValueError(f"neighborhood attention with backend='natten': {why}")
         fn = getattr(natten_module(), f"na{rank}d")
         return fn(q, k, v, kernel_size=tuple(kernel), stride=tuple(stride), dilation=tuple(dilation),
                   is_causal=tuple(causal), scale=scale)
