@@ -6,6 +6,14 @@ printed first, into a fresh cache) and the torch tile kernel (``TPLAYERS_NA_KERN
 
     python benchmarks/na.py                # 1x64x64, 4 heads, head_dim 32 and 1x96x96, 2 heads, head_dim 16; kernel 7
     python benchmarks/na.py --repeats 9 --no-domain
+    python benchmarks/na.py --isa avx2     # on an AVX-512 CPU: as an AVX2-only CPU would run it
+
+Every figure is printed with the ISA it ran on: the host's, the one the C kernel was built for
+(its vector lanes and ``-march``) and torch's CPU capability. ``--isa avx2`` (or ``base``) on a
+wider CPU builds the C kernel as the host rule builds it on such a CPU (``TPLAYERS_NA_ISA``) and
+restarts the script with torch's own kernels, MKL and oneDNN capped at that ISA
+(``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS``, ``ONEDNN_MAX_CPU_ISA``), so both kernels
+and the matmul reference run the narrower instructions.
 
 Rates are useful FLOPs (every query's k^2 scores and k^2 value sums; backward twice the
 forward) over thread CPU time (the minimum over interleaved repeats: the machine may be
@@ -105,6 +113,36 @@ def use_kernel(choice: str) -> None:
     os.environ["TPLAYERS_NA_KERNEL"] = choice
 
 
+#: what caps torch (its own kernels, MKL, oneDNN) at an ISA, per --isa value
+TORCH_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+              "base": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+                       "ONEDNN_MAX_CPU_ISA": "SSE41"}}
+
+
+def restart_capped(isa: str) -> None:
+    """With ``--isa`` narrower than the host's: set ``TPLAYERS_NA_ISA`` and, unless done already,
+    restart this script with torch capped at that ISA (the caps are read when torch loads)."""
+    from tplayers.ops import na_cpu
+
+    os.environ["TPLAYERS_NA_ISA"] = isa
+    na_cpu.target_isa()  # ValueError for an ISA this CPU does not run
+    caps = TORCH_CAPS.get(isa, {}) if isa != na_cpu.host_isa() else {}
+    if caps and any(os.environ.get(key) != val for key, val in caps.items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **caps})
+
+
+def isa_label() -> str:
+    """``[host avx512 (model); C: avx2 build, 8 fp32 lanes, -march=haswell; torch AVX2]``."""
+    from tplayers.ops import na_cpu
+
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 "unknown CPU") if os.path.exists("/proc/cpuinfo") else "unknown CPU"
+    isa = na_cpu.target_isa()
+    march = next((f for f in na_cpu.build_flags(torch.float32, isa) if f.startswith("-march")), "no -march")
+    return (f"[host {na_cpu.host_isa()} ({model}); C: {isa} build, {na_cpu.lanes(torch.float32, isa)} fp32 lanes, "
+            f"{march}; torch {torch.backends.cpu.get_cpu_capability()}]")
+
+
 def build_time() -> None:
     """Compile the C kernel (fp32 and fp64) into a fresh temporary cache and print how long it took."""
     import tempfile
@@ -114,34 +152,80 @@ def build_time() -> None:
     old = os.environ.get("TPLAYERS_CACHE")
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TPLAYERS_CACHE"] = tmp
-        na_cpu.load_library.cache_clear()
+        na_cpu._load.cache_clear()
         times = []
         for dtype in (torch.float32, torch.float64):
             start = time.perf_counter()
             na_cpu.load_library(dtype)
             times.append(time.perf_counter() - start)
-        na_cpu.load_library.cache_clear()  # the next call loads from the regular cache
+        na_cpu._load.cache_clear()  # the next call loads from the regular cache
     if old is None:
         del os.environ["TPLAYERS_CACHE"]
     else:
         os.environ["TPLAYERS_CACHE"] = old
-    print(f"C kernel build (cc -O3 -march=native, into an empty cache): fp32 {times[0]:.2f} s, fp64 {times[1]:.2f} s "
-          f"(once per machine; later processes load the cached library)")
+    flags = " ".join(na_cpu.build_flags(torch.float32))
+    print(f"C kernel build (cc {flags}, into an empty cache): fp32 {times[0]:.2f} s, fp64 {times[1]:.2f} s "
+          f"(once per machine; later processes load the cached library) {isa_label()}")
 
 
 def bench_single(size, heads, head_dim, kernel, repeats):
     for choice in KERNELS:
         use_kernel(choice)
         _bench_single(size, heads, head_dim, kernel, repeats, choice)
+    default_vs_tile(size, heads, head_dim, kernel, repeats)
+
+
+def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None):
+    """The default CPU kernel (what ``TPLAYERS_NA_KERNEL`` unset picks here) against the torch tile
+    kernel, forward, backward and both, timed interleaved in one run: the issue-22 ">= 1.0x" check.
+    ``shape`` / ``fn``: another input shape and functional (``na1d`` / ``na3d``)."""
+    from tplayers.ops import na_cpu
+
+    shape, fn = shape or (1, size, size, heads, head_dim), fn or tplayers.na2d
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(*shape) for _ in range(3))
+    cot = torch.randn_like(q)
+    use_kernel("")
+    default = "c" if na_cpu.use_c_kernel(q, (1, kernel)) else "torch"
+
+    def on(choice, what):
+        grads = [x.clone().requires_grad_() for x in (q, k, v)]
+
+        def run():
+            use_kernel(choice)
+            if what == "fwd":
+                return fn(q, k, v, kernel)
+            for g in grads:
+                g.grad = None
+            (fn(*grads, kernel) * cot).sum().backward()
+        return run
+
+    t = _cpu_times({f"{c} {w}": on(c, w) for c in ("", "torch") for w in ("fwd", "both")}, repeats)
+    fwd = t["torch fwd"][0] / t[" fwd"][0]
+    bwd = (t["torch both"][0] - t["torch fwd"][0]) / (t[" both"][0] - t[" fwd"][0])
+    both = t["torch both"][0] / t[" both"][0]
+    label = "" if fn is tplayers.na2d and len(shape) == 5 else f"{fn.__name__} {'x'.join(map(str, shape))} k{kernel}: "
+    print(f"  {label}default kernel here: {default}; speed over the torch tile kernel (same run, interleaved, thread "
+          f"CPU time): forward {fwd:.2f}x, backward {bwd:.2f}x, forward+backward {both:.2f}x (target >= 1.0) "
+          f"[{na_cpu_isa()}]")
+    use_kernel("")
+
+
+def bench_ranks(repeats):
+    """1-D and 3-D: the default against the tile kernel (short and long 1-D windows, a 3-D volume)."""
+    print(f"na1d / na3d, fp32, 1 thread {isa_label()}")
+    for shape, fn, kernel in (((1, 4096, 4, 32), tplayers.na1d, 7), ((1, 4096, 4, 32), tplayers.na1d, 33),
+                              ((1, 16, 16, 16, 4, 32), tplayers.na3d, 5)):
+        default_vs_tile(0, 0, 0, kernel, repeats, shape, fn)
 
 
 def _bench_single(size, heads, head_dim, kernel, repeats, choice):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, size, size, heads, head_dim) for _ in range(3))
-    natten = _natten()
     print(f"na2d [{choice} kernel] 1x{size}x{size}, {heads} heads, head_dim {head_dim}, kernel {kernel}, fp32, 1 thread, "
-          f"{repeats} interleaved repeats; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+          f"{repeats} interleaved repeats; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
+          f"{isa_label()}")
     grads = [x.clone().requires_grad_() for x in (q, k, v)]
     cot = torch.randn_like(q)
 
@@ -162,9 +246,23 @@ def _bench_single(size, heads, head_dim, kernel, repeats, choice):
     print(f"  useful FLOPs: forward {flops / 1e6:.1f} M (B*heads*H*W*k^2*(2D+2Dv)), backward {2 * flops / 1e6:.1f} M")
     for name, c, w, f in (("forward", fwd_cpu, fwd_wall, flops), ("backward", bwd_cpu, bwd_wall, 2 * flops)):
         print(f"  {name:8s} {c * 1e3:7.2f} ms CPU = {f / c / 1e9:5.1f} GFLOP/s = {f / c / mm_cpu:.3f} x matmul "
-              f"(target 0.25) | wall median {w * 1e3:7.2f} ms = {f / w / mm_wall:.3f} x matmul (wall)")
-    if choice == "c":
-        return
+              f"(target 0.25) | wall median {w * 1e3:7.2f} ms = {f / w / mm_wall:.3f} x matmul (wall) "
+              f"[{na_cpu_isa()}]")
+    if choice == "torch":
+        compare_peers(size, heads, head_dim, kernel, mm_cpu, fwd_cpu, q, k, v)
+
+
+def na_cpu_isa() -> str:
+    """The short ISA tag printed on each figure: the C build's ISA and lanes, torch's capability."""
+    from tplayers.ops import na_cpu
+
+    isa = na_cpu.target_isa()
+    return f"C {isa} x{na_cpu.lanes(torch.float32, isa)}, torch {torch.backends.cpu.get_cpu_capability()}"
+
+
+def compare_peers(size, heads, head_dim, kernel, mm_cpu, fwd_cpu, q, k, v):
+    """The tile formulation's ceiling and natten's CPU forward (after the torch kernel's figures)."""
+    natten = _natten()
     ceil_cpu, ceil_ratio = tile_ceiling(size, heads, head_dim, kernel, mm_cpu)
     print(f"  (ceiling of the 4x4-tile formulation: its forward tile compute alone, in cache, no gathers or "
           f"scatter: {ceil_cpu * 1e3:.2f} ms CPU = {ceil_ratio:.3f} x matmul)")
@@ -201,7 +299,7 @@ def _bench_memory(size, heads, head_dim, kernel, choice):
     cot = torch.randn_like(q)
     train_dense = peak_bytes(lambda: (tplayers.na2d(*qkv, kernel) * cot).sum().backward())
     print(f"peak memory na2d [{choice} kernel] 1x{size}x{size}, {heads} heads, head_dim {head_dim}, kernel {kernel} (fp32); "
-          f"limit: 4 x bound")
+          f"limit: 4 x bound [{na_cpu_isa()}]")
     print(f"  bound B*heads*H*W*k^2*4 = {bound / 2**20:.2f} MiB; one dense attention matrix = {dense / 2**20:.1f} MiB; "
           f"q (= k = v) = {q.numel() * 4 / 2**20:.2f} MiB")
     for name, val in (("forward (first call)", cold), ("forward (cached plan)", warm),
@@ -263,14 +361,20 @@ def main():
     parser.add_argument("--kernel", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-domain", action="store_true", help="skip the 2-rank NeighborhoodAttention run")
+    parser.add_argument("--isa", choices=("avx512", "avx2", "base"), default=None,
+                        help="run as a CPU of this ISA would (narrower than the host's: see the module docstring)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory figures")
     args = parser.parse_args()
+    if args.isa:
+        restart_capped(args.isa)
     torch.set_num_threads(1)  # the rate is per core: matmul reference and na2d on one thread
     start_choice = os.environ.get("TPLAYERS_NA_KERNEL", "")
     build_time()
     shapes = [(args.size, args.heads, args.head_dim), (96, 2, 16)]
     for size, heads, head_dim in shapes:
         bench_single(size, heads, head_dim, args.kernel, args.repeats)
-    for size, heads, head_dim in shapes:
+    bench_ranks(args.repeats)
+    for size, heads, head_dim in shapes if not args.no_memory else ():
         bench_memory(size, heads, head_dim, args.kernel)
     if not args.no_domain:
         use_kernel(start_choice)  # the layer on the default (or the caller's) kernel

@@ -1,11 +1,15 @@
 """Brute-force neighborhood attention, built query by query from NATTEN's rule (test oracle).
 
-Written independently of ``tplayers.ops``: it lists each dilation group's
-members, finds the window inside that list, and attends with plain loops.
-Slow; for tiny fp64 inputs only.
+Written independently of ``tplayers.ops``: ``brute_na2d`` lists each dilation group's members,
+finds the window inside that list, and attends with plain loops; ``brute_na`` (any rank,
+stride, GQA) evaluates NATTEN's mask predicate literally (the stride group's leader, the
+window centre clamped into the dilation group, ``|centre - key| <= left/right``) for every
+(query, key) pair and runs dense masked attention. Slow; for tiny fp64 inputs only.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -48,6 +52,60 @@ def brute_na2d(q, k, v, kernel, dilation=(1, 1), causal=(False, False), scale=No
             cols.append(torch.einsum("bhn,bnhd->bhd", p, vals))
         rows.append(torch.stack(cols, 1))
     return torch.stack(rows, 1)
+
+
+def natten_mask_1d(length: int, kernel: int, stride: int, dilation: int, causal: bool) -> torch.Tensor:
+    """``(length, length)`` bool: query ``x`` attends key ``y`` along one axis (NATTEN 0.21's
+    strided, dilated, causal predicate, evaluated pair by pair)."""
+    mask = torch.zeros(length, length, dtype=torch.bool)
+    left, right = kernel // 2, kernel // 2 + (kernel % 2 - 1)
+    for x, y in itertools.product(range(length), repeat=2):
+        if x % dilation != y % dilation:
+            continue
+        group_len = len(range(x % dilation, length, dilation))  # positions of x's dilation group
+        xi, yi = x // dilation, y // dilation
+        if causal:
+            leader = min(xi // stride * stride + stride - 1, group_len - 1)
+            mask[x, y] = xi - yi >= 0 and leader - yi < kernel
+        else:
+            leader = min(xi // stride * stride + stride // 2, group_len - 1)
+            centre = min(max(leader, left), group_len - 1 - right)
+            mask[x, y] = 0 <= centre - yi <= left or 0 <= yi - centre <= right
+    return mask
+
+
+def brute_na(q, k, v, kernel, stride=None, dilation=None, causal=None, scale=None, rpb=None):
+    """``q`` ``(B, *S, heads, D)``, ``k``/``v`` ``(B, *S, kv_heads, D|Dv)`` (``kv_heads`` divides
+    ``heads``; query head ``h`` reads kv head ``h // (heads // kv_heads)``) -> ``(B, *S, heads, Dv)``.
+    Per-dim tuples; ``rpb`` ``(heads, 2k_1 - 1, ..., 2k_n - 1)`` at ``(key - query) / dilation +
+    kernel - 1`` (stride 1). Differentiable."""
+    rank = q.dim() - 3
+    size = q.shape[1:1 + rank]
+    stride = stride or (1,) * rank
+    dilation = dilation or (1,) * rank
+    causal = causal or (False,) * rank
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    axes = [natten_mask_1d(size[i], kernel[i], stride[i], dilation[i], causal[i]) for i in range(rank)]
+    mask = axes[0]
+    for m in axes[1:]:  # product window: (N, N) over flattened positions, row-major
+        mask = (mask[:, None, :, None] & m[None, :, None, :]).reshape(mask.shape[0] * m.shape[0], -1)
+    n = mask.shape[0]
+    qf, kf, vf = q.reshape(q.shape[0], n, heads, -1), k.reshape(k.shape[0], n, kv_heads, -1), v.reshape(
+        v.shape[0], n, kv_heads, -1)
+    outs = []
+    for h in range(heads):
+        g = h // (heads // kv_heads)
+        s = torch.einsum("bqd,bkd->bqk", qf[:, :, h], kf[:, :, g]) * scale
+        if rpb is not None:
+            coords = torch.stack(torch.meshgrid(*[torch.arange(x) for x in size], indexing="ij"), -1).reshape(n, rank)
+            rel = (coords[None, :, :] - coords[:, None, :])  # (q, k, rank) key - query
+            idx = [(rel[..., i].div(dilation[i], rounding_mode="floor") + kernel[i] - 1).clamp(0, 2 * kernel[i] - 2)
+                   for i in range(rank)]
+            s = s + rpb[h][tuple(idx)][None]
+        s = s.masked_fill(~mask, float("-inf"))
+        outs.append(torch.einsum("bqk,bkd->bqd", torch.softmax(s, -1), vf[:, :, g]))
+    return torch.stack(outs, 2).reshape(*q.shape[:-1], v.shape[-1])
 
 
 def assert_out_and_grads(out, ref, ins, ref_ins, gen, where: str = "", rtol: float = 1e-10, atol: float = 1e-12):

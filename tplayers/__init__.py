@@ -61,13 +61,15 @@ from tplayers.layers import (
     DomainReplicated,
     ReplicatedBranch,
     NeighborhoodAttention,
+    NeighborhoodAttention1d,
+    NeighborhoodAttention3d,
     ParallelDropout,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import default_mesh, init_mesh
-from tplayers.ops.na import na2d
+from tplayers.ops.na import na1d, na2d, na3d
 from tplayers.domain.reductions import domain_mean, domain_sum
 from tplayers.parallelize import (
     ColumnParallel,
@@ -152,8 +154,12 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "gather_state_dict",
+    "na1d",
     "na2d",
+    "na3d",
     "NeighborhoodAttention",
     "ContextParallelAttention",
     "DistributedMultiheadAttention",
+    "NeighborhoodAttention1d",
+    "NeighborhoodAttention3d",
 ]

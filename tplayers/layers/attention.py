@@ -1,10 +1,13 @@
-"""Neighborhood attention (NATTEN semantics), single-device or domain-parallel.
+"""Neighborhood attention (NATTEN semantics), 1-D, 2-D and 3-D, single-device or domain-parallel.
 
 ``NeighborhoodAttention`` maps ``(B, H, W, C)`` to ``(B, H, W, C)``: a per-pixel
 ``qkv`` linear, :func:`tplayers.na2d` attention over each pixel's ``kH x kW``
 neighborhood (optionally with a learnable relative-position bias), and a
-per-pixel ``proj`` linear. With ``shard_dims`` the input is this rank's slice
-of the image along H (``(1,)``), W (``(2,)``) or both (``(1, 2)``, 2-D mesh):
+per-pixel ``proj`` linear. ``NeighborhoodAttention1d`` (``(B, L, C)``) and
+``NeighborhoodAttention3d`` (``(B, D, H, W, C)``) are the same layer over one and three
+spatial dims (``tplayers.na1d`` / ``na3d``). With ``shard_dims`` the input is this rank's slice
+of the image along any one or two spatial dims (2-D: H ``(1,)``, W ``(2,)`` or both ``(1, 2)``
+over a 2-D mesh; 3-D: e.g. D ``(1,)`` or D and H ``(1, 2)``):
 
 * queries stay local; only the K and V halos travel
   (the window core's N-d halo exchange, :func:`tplayers.domain.window.gather_windows`), with
@@ -38,13 +41,14 @@ from tplayers.domain.window import gather_windows
 from tplayers.comm.agree import exchange_agreed
 from tplayers.layers._common import ShardedModule, autocast_dtype_ok
 from tplayers.layers._domain import layout_priming, priming
-from tplayers.ops.na import check_window_fits, neighborhood_attention_2d, normalize_na_args
+from tplayers.ops.na import AXIS_NAMES, check_window_fits, neighborhood_attention, normalize_window_args
 from tplayers.ops.na_layout import axis_plans
+from tplayers.ops.na_tile import INSTALL_HINT, natten_applies, natten_module, tile_attention
 from tplayers.sharding import ShardSpec
 
-__all__ = ["NeighborhoodAttention"]
+__all__ = ["NeighborhoodAttention", "NeighborhoodAttention1d", "NeighborhoodAttention3d"]
 
-_Layout = Tuple[Tuple[int, int], Tuple[int, int], dict]  # global size, offsets, {tensor dim: AxisPlan}
+_Layout = Tuple[Tuple[int, ...], Tuple[int, ...], dict]  # global size, offsets, {tensor dim: AxisPlan}
 
 
 class NeighborhoodAttention(ShardedModule):
@@ -57,6 +61,17 @@ class NeighborhoodAttention(ShardedModule):
     is single-device (no mesh needed); ``(1,)``/``(2,)`` shard H/W over a 1-D
     mesh, ``(1, 2)`` both over a 2-D mesh (input and output are local slices).
 
+    ``stride`` (keyword): NATTEN's strided windows (queries in a stride group share their
+    leader's window; ``stride <= kernel_size``; no ``rel_pos_bias`` with stride > 1).
+
+    ``local_backend`` (keyword) picks the local compute: ``"auto"`` (default) runs NATTEN's fused
+    kernels on CUDA tensors when natten is installed and the call fits them (no ``rel_pos_bias``,
+    kernel sizes >= 2), else the tplayers kernels; ``"natten"`` requires natten (``ImportError``
+    with the install command at the first forward without it); ``"tplayers"`` always the tplayers
+    kernels on the shard and its key halos; ``"tile"`` the natten code path (the shard extended to
+    the tile whose whole-image windows equal the global ones, :mod:`tplayers.ops.na_tile`) with the
+    tplayers kernel standing in for natten: the CPU test of that path.
+
     Example (plain ``python``; under ``torchrun`` add ``mesh=`` and ``shard_dims=(1,)``)::
 
         import torch, tplayers
@@ -64,18 +79,34 @@ class NeighborhoodAttention(ShardedModule):
         y = layer(torch.randn(2, 12, 10, 32))      # (2, 12, 10, 32)
     """
 
+    #: spatial dims of the input ``(B, *spatial, C)``
+    spatial_rank = 2
+
     def __init__(self, embed_dim: int, num_heads: int, kernel_size, dilation=1, is_causal=False,
                  qkv_bias: bool = True, qk_scale: Optional[float] = None, proj_drop: float = 0.0,
-                 rel_pos_bias: bool = False, *, mesh: Optional[DeviceMesh] = None,
-                 shard_dims: Optional[Sequence[int]] = None, device=None, dtype=None) -> None:
+                 rel_pos_bias: bool = False, *, stride=1, local_backend: str = "auto",
+                 mesh: Optional[DeviceMesh] = None, shard_dims: Optional[Sequence[int]] = None, device=None,
+                 dtype=None) -> None:
         super().__init__()
-        name = type(self).__name__
+        name, rank = type(self).__name__, self.spatial_rank
         for arg, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
         if embed_dim % num_heads:
             raise ValueError(f"{name}: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        self.kernel_size, self.dilation, self.is_causal = normalize_na_args(kernel_size, dilation, is_causal)
+        self.kernel_size, self.stride, self.dilation, self.is_causal = normalize_window_args(
+            rank, kernel_size, stride, dilation, is_causal)
+        if rel_pos_bias and any(s != 1 for s in self.stride):
+            raise ValueError(f"{name}: rel_pos_bias needs stride 1 along every dim, got stride {self.stride}")
+        if local_backend not in ("auto", "natten", "tplayers", "tile"):
+            raise ValueError(f"{name}: local_backend must be 'auto', 'natten', 'tplayers' or 'tile', "
+                             f"got {local_backend!r}")
+        if local_backend in ("natten", "tile") and (rel_pos_bias or min(self.kernel_size) < 2):
+            raise ValueError(f"{name}: local_backend={local_backend!r} runs natten's whole-image kernels, which "
+                             f"need no rel_pos_bias and kernel_size >= 2 along every dim; got rel_pos_bias="
+                             f"{rel_pos_bias}, kernel_size={self.kernel_size}")
+        self.local_backend = local_backend
+        self._natten_installed = natten_module() is not None  # looked up here, never while compiling
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.scale = qk_scale if qk_scale is not None else self.head_dim ** -0.5
         kw = {"device": device, "dtype": dtype}
@@ -83,8 +114,7 @@ class NeighborhoodAttention(ShardedModule):
         self.proj = nn.Linear(embed_dim, embed_dim, **kw)
         self.proj_drop = nn.Dropout(proj_drop)
         if rel_pos_bias:
-            kh, kw_ = self.kernel_size
-            self.rpb = nn.Parameter(torch.zeros(num_heads, 2 * kh - 1, 2 * kw_ - 1, **kw))
+            self.rpb = nn.Parameter(torch.zeros(num_heads, *(2 * k - 1 for k in self.kernel_size), **kw))
             if self.rpb.device.type != "meta":
                 nn.init.trunc_normal_(self.rpb, std=0.02, a=-2.0, b=2.0)
         else:
@@ -94,8 +124,11 @@ class NeighborhoodAttention(ShardedModule):
         self._groups: list = []
         if shard_dims is not None:
             dims = tuple(int(d) for d in shard_dims)
-            if dims not in ((1,), (2,), (1, 2)):
-                raise ValueError(f"{name}: shard_dims must be None, (1,), (2,) or (1, 2), got {tuple(shard_dims)}")
+            allowed = [(d,) for d in range(1, rank + 1)] + [(a, b) for a in range(1, rank + 1)
+                                                           for b in range(a + 1, rank + 1)]
+            if dims not in allowed:
+                raise ValueError(f"{name}: shard_dims must be None or one of {allowed} (spatial dims of the "
+                                 f"(B, {', '.join(AXIS_NAMES[rank])}, C) input, at most two), got {tuple(shard_dims)}")
             self.shard_dims = dims
             mesh = self._bind_mesh(mesh, len(dims))
             self._groups = [mesh.get_group(i) for i in range(mesh.ndim)]
@@ -122,11 +155,13 @@ class NeighborhoodAttention(ShardedModule):
 
         Build optimizers after swapping: the new parameters are new objects.
         """
-        if not isinstance(module, NeighborhoodAttention):
-            raise TypeError(f"{cls.__name__}.from_module expects a NeighborhoodAttention, got {type(module).__name__}")
+        if not isinstance(module, NeighborhoodAttention) or module.spatial_rank != cls.spatial_rank:
+            raise TypeError(f"{cls.__name__}.from_module expects a {cls.__name__}, got {type(module).__name__}")
         layer = cls(module.embed_dim, module.num_heads, module.kernel_size, module.dilation, module.is_causal,
                     module.qkv.bias is not None, module.scale, module.proj_drop.p, module.rpb is not None,
-                    mesh=mesh, shard_dims=shard_dims, device="meta", dtype=module.qkv.weight.dtype)
+                    stride=module.stride, local_backend=module.local_backend, mesh=mesh, shard_dims=shard_dims,
+                    device="meta",
+                    dtype=module.qkv.weight.dtype)
         layer = layer.to_empty(device=module.qkv.weight.device)
         layer._copy_shards_from(module)
         return layer
@@ -137,13 +172,14 @@ class NeighborhoodAttention(ShardedModule):
 
     # ------------------------------------------------------------------ layout
     def _check_local(self, x: torch.Tensor) -> bool:
-        return (isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[-1] == self.embed_dim
+        return (isinstance(x, torch.Tensor) and x.dim() == self.spatial_rank + 2 and x.shape[-1] == self.embed_dim
                 and autocast_dtype_ok(x, self.qkv.weight) and x.device == self.qkv.weight.device)
 
     def _raise_bad_input(self, x, where: str = "") -> None:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         dtype = (x.dtype, x.device) if isinstance(x, torch.Tensor) else None
-        raise ValueError(f"{type(self).__name__}: input must be (B, H, W, {self.embed_dim}) with the weights' dtype "
+        names = ", ".join(AXIS_NAMES[self.spatial_rank])
+        raise ValueError(f"{type(self).__name__}: input must be (B, {names}, {self.embed_dim}) with the weights' dtype "
                          f"and device ({self.qkv.weight.dtype}, {self.qkv.weight.device}){where}; got {shape} {dtype}")
 
     def _layout(self, x: torch.Tensor) -> _Layout:
@@ -156,10 +192,14 @@ class NeighborhoodAttention(ShardedModule):
             if not self._check_local(x):
                 self._raise_bad_input(x)
             return self._layouts[key]
-        # table[c0][c1] = every rank's (ok, B, H, W), exchanged along each mesh dim
+        # table[c0][c1] = every rank's (ok, B, *spatial), exchanged along each mesh dim
+        rank = self.spatial_rank
         ok = self._check_local(x)
-        row = [int(ok)] + (list(x.shape[:3]) if ok else [-1, -1, -1])
-        config = {"kernel_size": self.kernel_size, "dilation": self.dilation, "is_causal": self.is_causal,
+        row = [int(ok)] + (list(x.shape[:rank + 1]) if ok else [-1] * (rank + 1))
+        tile = self._tile_backend() is not None
+        config = {"kernel_size": self.kernel_size, "stride": self.stride, "dilation": self.dilation,
+                  "is_causal": self.is_causal, "local_backend": self.local_backend, "tile": tile,
+                  "natten installed": self._natten_installed if self.local_backend == "natten" else None,
                   "shard_dims": self.shard_dims, "embed_dim": self.embed_dim, "num_heads": self.num_heads,
                   "dtype": str(self.qkv.weight.dtype)}
         table = exchange_agreed(row, config, self._groups, type(self).__name__, "na.layout")
@@ -169,8 +209,8 @@ class NeighborhoodAttention(ShardedModule):
         if not all(r[0] for r in rows):
             self._raise_bad_input(x, " on every rank (another rank passed a bad input)")
         self._check_grid(table)
-        sizes, offsets, plans = [0, 0], [0, 0], {}
-        for axis in (0, 1):  # H, W: tensor dims 1, 2
+        sizes, offsets, plans = [0] * rank, [0] * rank, {}
+        for axis in range(rank):  # spatial axis i is tensor dim i + 1
             tensor_dim = axis + 1
             mesh_dim = self.shard_dims.index(tensor_dim) if tensor_dim in self.shard_dims else None
             if mesh_dim == 0:
@@ -179,14 +219,14 @@ class NeighborhoodAttention(ShardedModule):
                 line = [r[1 + tensor_dim] for r in table[0]]  # extents along mesh dim 1
             else:
                 line = [key[tensor_dim]]  # not sharded
-            what = "HW"[axis] + ("" if mesh_dim is None else f" (mesh dim {mesh_dim})")
+            what = AXIS_NAMES[rank][axis] + ("" if mesh_dim is None else f" (mesh dim {mesh_dim})")
             per = axis_plans(line, kernel=self.kernel_size[axis], dilation=self.dilation[axis],
-                             causal=self.is_causal[axis], what=what)
+                             causal=self.is_causal[axis], what=what, stride=self.stride[axis], tile=tile)
             index = 0 if mesh_dim is None else self.mesh.get_local_rank(mesh_dim)
             if mesh_dim is not None:
                 plans[tensor_dim] = per[index]
             sizes[axis], offsets[axis] = sum(line), sum(line[:index])
-        self._layouts[key] = ((sizes[0], sizes[1]), (offsets[0], offsets[1]), plans)
+        self._layouts[key] = (tuple(sizes), tuple(offsets), plans)
         return self._layouts[key]
 
     @torch._dynamo.assume_constant_result
@@ -200,18 +240,19 @@ class NeighborhoodAttention(ShardedModule):
         return 0
 
     def _check_grid(self, table) -> None:
-        """Batch equal everywhere; unsharded dims equal everywhere; H (W) equal along mesh rows (columns)."""
-        h_dim = self.shard_dims.index(1) if 1 in self.shard_dims else None
-        w_dim = self.shard_dims.index(2) if 2 in self.shard_dims else None
+        """Batch equal everywhere; unsharded dims equal everywhere; a sharded dim equal along the
+        other mesh dim (H equal along mesh rows when H is sharded over mesh dim 0, ...)."""
+        names = AXIS_NAMES[self.spatial_rank]
+        mesh_of = [self.shard_dims.index(d + 1) if d + 1 in self.shard_dims else None for d in range(len(names))]
         for c0, line in enumerate(table):
             for c1, r in enumerate(line):
-                ref_h = table[c0 if h_dim == 0 else 0][c1 if h_dim == 1 else 0][2]
-                ref_w = table[c0 if w_dim == 0 else 0][c1 if w_dim == 1 else 0][3]
-                if r[1] != table[0][0][1] or r[2] != ref_h or r[3] != ref_w:
+                ref = [table[c0 if m == 0 else 0][c1 if m == 1 else 0][2 + d] for d, m in enumerate(mesh_of)]
+                if r[1] != table[0][0][1] or list(r[2:]) != ref:
+                    expect = ", ".join(f"{n}={e}" for n, e in zip(names, ref))
                     raise ValueError(
                         f"{type(self).__name__}: local input shapes do not form a grid partition over the mesh "
                         f"(shard_dims={self.shard_dims}): rank at mesh position {(c0, c1)[:len(self._groups)]} has "
-                        f"(B, H, W)={tuple(r[1:])}, expected B={table[0][0][1]}, H={ref_h}, W={ref_w}"
+                        f"(B, {', '.join(names)})={tuple(r[1:])}, expected B={table[0][0][1]}, {expect}"
                     )
 
     # ----------------------------------------------------------------- forward
@@ -226,37 +267,119 @@ class NeighborhoodAttention(ShardedModule):
         pieces = iter(present)
         return [None if p is None else next(pieces) for p in params]
 
+    def _tile_backend(self) -> Optional[str]:
+        """The whole-image kernel of the tile path (``"natten"`` / ``"tplayers"``), or None for the
+        key-halo path: fixed by ``local_backend``, the weights' device and whether natten is installed."""
+        if self.local_backend == "natten":
+            return "natten"
+        if self.local_backend == "tile":
+            return "tplayers"
+        if self.local_backend == "auto" and natten_applies(self.qkv.weight.device, self.kernel_size,
+                                                           self.rpb is not None, self._natten_installed) is None:
+            return "natten"
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank = self.spatial_rank
+        tile_backend = self._tile_backend()
+        if tile_backend is not None:
+            return self._forward_tile(x, tile_backend)
         if self.shard_dims is None:
             if not self._check_local(x):
                 self._raise_bad_input(x)
-            size, offset, plans = (x.shape[1], x.shape[2]), (0, 0), None
+            size, offset, plans = tuple(x.shape[1:1 + rank]), (0,) * rank, None
             check_window_fits(self.kernel_size, self.dilation, size, type(self).__name__)
         else:
             size, offset, plans = self._layout(x)  # validated on every rank before any halo traffic
         w_qkv, b_qkv, w_proj, b_proj, rpb = self._params()
-        batch, h, w, _ = x.shape
-        qkv = F.linear(x, w_qkv, b_qkv).view(batch, h, w, 3, self.num_heads, self.head_dim)
-        q, kv = qkv[:, :, :, 0], qkv[:, :, :, 1:]  # (B, h, w, heads, hd), (B, h, w, 2, heads, hd)
+        local = tuple(x.shape[:rank + 1])  # (B, *local spatial)
+        qkv = F.linear(x, w_qkv, b_qkv).view(*local, 3, self.num_heads, self.head_dim)
+        q, kv = qkv.select(rank + 1, 0), qkv.narrow(rank + 1, 1, 2)  # (B, *s, heads, hd), (B, *s, 2, heads, hd)
         k_offset = offset
         if plans is not None:  # only K and V travel: the window core's N-d halo exchange (plans per axis)
             groups = {d: self._groups[self.shard_dims.index(d)] for d in plans}
             kv = gather_windows(kv.contiguous(), plans, groups, "zeros")
-            k_offset = tuple(plans[1 + a].in_start if 1 + a in plans else offset[a] for a in (0, 1))
-        k, v = kv.unbind(3)
-        out = neighborhood_attention_2d(q, k, v, self.kernel_size, self.dilation, self.is_causal, scale=self.scale,
-                                        global_size=size, q_offset=offset, k_offset=k_offset, rel_pos_bias=rpb)
-        out = F.linear(out.reshape(batch, h, w, self.embed_dim), w_proj, b_proj)  # (B, h, w, C)
+            k_offset = tuple(plans[1 + a].in_start if 1 + a in plans else offset[a] for a in range(rank))
+        k, v = kv.unbind(rank + 1)
+        out = neighborhood_attention(q, k, v, self.kernel_size, self.dilation, self.is_causal, stride=self.stride,
+                                     scale=self.scale, global_size=size, q_offset=offset, k_offset=k_offset,
+                                     rel_pos_bias=rpb)
+        out = F.linear(out.reshape(*local, self.embed_dim), w_proj, b_proj)  # (B, *s, C)
+        return self.proj_drop(out)
+
+    def _forward_tile(self, x: torch.Tensor, backend: str) -> torch.Tensor:
+        """The tile path: q, k and v of this shard's tile (its rows plus the halos of
+        :func:`~tplayers.ops.na_layout.tile_span`) through a whole-image kernel, then this
+        shard's rows of the result."""
+        rank = self.spatial_rank
+        if self.shard_dims is None:
+            if not self._check_local(x):
+                self._raise_bad_input(x)
+            check_window_fits(self.kernel_size, self.dilation, tuple(x.shape[1:1 + rank]), type(self).__name__)
+            offset, plans = (0,) * rank, None
+        else:
+            _, offset, plans = self._layout(x)  # validated on every rank before any halo traffic
+        if backend == "natten":  # every rank agreed on natten's presence in the layout exchange
+            if not self._natten_installed:
+                raise ImportError(f"{type(self).__name__}(local_backend='natten'): natten is not installed "
+                                  f"({INSTALL_HINT})")
+            why = natten_applies(x.device, self.kernel_size, False, True)
+            if why is not None:
+                raise ValueError(f"{type(self).__name__}(local_backend='natten'): {why}")
+        w_qkv, b_qkv, w_proj, b_proj, _ = self._params()
+        local = tuple(x.shape[:rank + 1])  # (B, *local spatial)
+        qkv = F.linear(x, w_qkv, b_qkv).view(*local, 3, self.num_heads, self.head_dim)
+        if plans is not None:  # q, k and v of the tile: the N-d halo exchange of all three
+            groups = {d: self._groups[self.shard_dims.index(d)] for d in plans}
+            qkv = gather_windows(qkv.contiguous(), plans, groups, "zeros")
+        q, k, v = qkv.unbind(rank + 1)  # (B, *tile, heads, hd) each
+        out = tile_attention(q, k, v, self.kernel_size, self.stride, self.dilation, self.is_causal, self.scale,
+                             backend=backend)
+        for d, plan in (plans or {}).items():  # this shard's rows of the tile
+            out = out.narrow(d, offset[d - 1] - plan.in_start, local[d])
+        out = F.linear(out.reshape(*local, self.embed_dim), w_proj, b_proj)  # (B, *s, C)
         return self.proj_drop(out)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
         if self.shard_dims is None:
             return [], []
-        halo = [f"K/V halo send/recv (dim {d})" for d in self.shard_dims]
+        what = "Q/K/V tile halo" if self._tile_backend() is not None else "K/V halo"
+        halo = [f"{what} send/recv (dim {d})" for d in self.shard_dims]
         return halo, halo + ["all_reduce (all parameter grads, packed)"] * len(self.shard_dims)
 
     def extra_repr(self) -> str:
-        return (f"{self.embed_dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, "
+        stride = f"stride={self.stride}, " if any(s != 1 for s in self.stride) else ""
+        return (f"{self.embed_dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, {stride}"
                 f"dilation={self.dilation}, is_causal={self.is_causal}, rel_pos_bias={self.rpb is not None}, "
                 f"shard_dims={self.shard_dims}")
+
+
+class NeighborhoodAttention1d(NeighborhoodAttention):
+    """1-D neighborhood attention layer, ``(B, L, C) -> (B, L, C)`` (:func:`tplayers.na1d`): the
+    arguments of :class:`NeighborhoodAttention` over one spatial dim; ``rpb`` is ``(heads, 2k - 1)``;
+    ``shard_dims=(1,)`` shards L over a 1-D mesh.
+
+    Example::
+
+        import torch, tplayers
+        layer = tplayers.NeighborhoodAttention1d(16, 2, kernel_size=7, is_causal=True, stride=2)
+        y = layer(torch.randn(2, 40, 16))          # (2, 40, 16)
+    """
+
+    spatial_rank = 1
+
+
+class NeighborhoodAttention3d(NeighborhoodAttention):
+    """3-D neighborhood attention layer, ``(B, D, H, W, C) -> (B, D, H, W, C)`` (:func:`tplayers.na3d`):
+    the arguments of :class:`NeighborhoodAttention` per dim of three; ``rpb`` is
+    ``(heads, 2kD - 1, 2kH - 1, 2kW - 1)``; ``shard_dims`` any one or two of ``1, 2, 3`` (D, H, W).
+
+    Example::
+
+        import torch, tplayers
+        layer = tplayers.NeighborhoodAttention3d(16, 2, kernel_size=(3, 5, 5), dilation=(1, 2, 1))
+        y = layer(torch.randn(1, 6, 12, 9, 16))    # (1, 6, 12, 9, 16)
+    """
+
+    spatial_rank = 3

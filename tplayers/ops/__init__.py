@@ -8,7 +8,7 @@ from tplayers.ops.halo import (
     unpack_faces,
     unpack_faces_reference,
 )
-from tplayers.ops.na import na2d, neighborhood_attention_2d
+from tplayers.ops.na import na1d, na2d, na3d, neighborhood_attention, neighborhood_attention_2d
 
 __all__ = [
     "pack_faces",
@@ -17,6 +17,9 @@ __all__ = [
     "unpack_faces_reference",
     "triton_available",
     "faces_overlap",
+    "na1d",
     "na2d",
+    "na3d",
+    "neighborhood_attention",
     "neighborhood_attention_2d",
 ]

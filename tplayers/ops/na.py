@@ -1,22 +1,16 @@
-"""2-D neighborhood attention with NATTEN's semantics.
+"""1-D, 2-D and 3-D neighborhood attention with NATTEN's semantics: the public functionals.
 
-On fp32/fp64 CPU tensors the work runs on the compiled kernel of :mod:`tplayers.ops.na_cpu`
-(when a C compiler is available; ``TPLAYERS_NA_KERNEL`` chooses), elsewhere on the torch tile
-kernel described here; both give NATTEN's exact window.
+:func:`na1d`, :func:`na2d`, :func:`na3d` (``tplayers.na1d`` ...) take heads-last tensors
+``(B, *spatial, heads, head_dim)`` and per-dim ``kernel_size``, ``dilation``, ``is_causal`` and
+(keyword) ``stride``, as NATTEN 0.21 defines them (see :mod:`tplayers.ops.na_layout` for the
+exact window rule: windows shifted inside the image at borders, dilation groups, even kernels,
+causal per dim, stride groups sharing their leader's window). Keys and values may have fewer
+heads than the queries (GQA/MQA: ``kv_heads`` divides ``heads``). All ranks run one engine
+(:mod:`tplayers.ops.na_engine`): the compiled C kernel on fp32/fp64 CPU tensors where a C
+compiler is available (``TPLAYERS_NA_KERNEL`` chooses), the torch tile kernel elsewhere; the
+``(L)^2`` matrix of dense attention never exists.
 
-:func:`na2d` is the public functional (``tplayers.na2d``). The work is tiled:
-``tH x tW`` queries of one dilation group share a key region of
-``(tH + kH - 1) x (tW + kW - 1)`` group members, so one batched matmul scores a
-whole tile against its region, an additive mask (``-inf`` outside each query's
-window) keeps exactly NATTEN's window, and a second batched matmul applies the
-values. :mod:`tplayers.ops.na_kernel` runs the tiles in chunks and keeps nothing
-score-sized for backward (it scores a chunk again), so memory is the inputs',
-the output's and the gradients' plus one chunk; the ``(H*W)^2`` matrix of dense
-attention never exists.
-
-:func:`neighborhood_attention_2d` is the general engine: queries and keys may be
-windows of a larger global image (a domain-parallel shard with its halos), and
-an optional relative-position-bias table is added to the scores.
+:func:`neighborhood_attention_2d` (re-exported) is the 2-D engine the domain-parallel layer calls.
 """
 
 from __future__ import annotations
@@ -26,95 +20,174 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from tplayers.ops import na_cpu, na_kernel
-from tplayers.ops.na_kernel import TileAttention
-from tplayers.ops.na_layout import DEFAULT_TILE
+from tplayers.ops.na_engine import neighborhood_attention, neighborhood_attention_2d
 
-__all__ = ["na2d", "neighborhood_attention_2d", "normalize_na_args", "check_window_fits"]
+__all__ = ["na1d", "na2d", "na3d", "neighborhood_attention_2d", "neighborhood_attention", "normalize_na_args",
+           "normalize_window_args", "check_window_fits", "check_qkv", "check_bias"]
 
-IntPair = Union[int, Sequence[int]]
-BoolPair = Union[bool, Sequence[bool]]
+IntArg = Union[int, Sequence[int]]
+BoolArg = Union[bool, Sequence[bool]]
+AXIS_NAMES = {1: ("L",), 2: ("H", "W"), 3: ("D", "H", "W")}
 
 
-def _pair(value, name: str, kind: type) -> Tuple:
-    items = tuple(value) if isinstance(value, (tuple, list)) else (value, value)
-    if len(items) != 2:
-        raise ValueError(f"{name} must be a {kind.__name__} or a pair of them, got {value!r}")
+def _per_dim(value, rank: int, name: str, kind: type) -> Tuple:
+    items = tuple(value) if isinstance(value, (tuple, list)) else (value,) * rank
+    what = f"a bool or a sequence of {rank} of them" if kind is bool else f"a positive int or a sequence of {rank} of them"
+    if len(items) != rank:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
     for item in items:
         if kind is bool:
             if not isinstance(item, bool):
-                raise ValueError(f"{name} must be a bool or a pair of bools, got {value!r}")
+                raise ValueError(f"{name} must be {what}, got {value!r}")
         elif isinstance(item, bool) or not isinstance(item, int) or item < 1:
-            raise ValueError(f"{name} must be a positive int or a pair of them, got {value!r}")
+            raise ValueError(f"{name} must be {what}, got {value!r}")
     return items
 
 
-def normalize_na_args(kernel_size: IntPair, dilation: IntPair, is_causal: BoolPair):
-    """``(kernel, dilation, causal)`` as per-dim pairs; ``ValueError`` on bad values."""
-    return _pair(kernel_size, "kernel_size", int), _pair(dilation, "dilation", int), _pair(is_causal, "is_causal", bool)
+def normalize_window_args(rank: int, kernel_size: IntArg, stride: IntArg = 1, dilation: IntArg = 1,
+                          is_causal: BoolArg = False):
+    """``(kernel, stride, dilation, causal)`` as ``rank``-tuples; ``ValueError`` on bad values
+    (and on a stride larger than the kernel along a dim, as NATTEN)."""
+    kernel, strides = _per_dim(kernel_size, rank, "kernel_size", int), _per_dim(stride, rank, "stride", int)
+    for axis, (kk, ss) in enumerate(zip(kernel, strides)):
+        if ss > kk:
+            raise ValueError(f"stride must be <= kernel_size along every dim: got stride {ss} > kernel_size {kk} "
+                             f"along {AXIS_NAMES[rank][axis]}")
+    return kernel, strides, _per_dim(dilation, rank, "dilation", int), _per_dim(is_causal, rank, "is_causal", bool)
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def normalize_na_args(kernel_size: IntArg, dilation: IntArg, is_causal: BoolArg):
+    """2-D ``(kernel, dilation, causal)`` as per-dim pairs; ``ValueError`` on bad values."""
+    kernel, _, dil, causal = normalize_window_args(2, kernel_size, 1, dilation, is_causal)
+    return kernel, dil, causal
+
+
+def check_window_fits(kernel: Sequence[int], dilation: Sequence[int], size: Sequence[int], who: str) -> None:
+    """``ValueError`` unless ``kernel * dilation <= size`` along every dim (NATTEN's requirement)."""
+    names = AXIS_NAMES.get(len(kernel), tuple(f"dim {i}" for i in range(len(kernel))))
+    for axis, name in enumerate(names):
+        if kernel[axis] * dilation[axis] > size[axis]:
+            raise ValueError(
+                f"{who}: kernel_size * dilation must be <= the input size along {name}: got kernel_size "
+                f"{kernel[axis]} * dilation {dilation[axis]} > {name}={size[axis]}"
+            )
+
+
+def check_qkv(q, k, v, rank: int, who: str) -> None:
+    """Types, ranks and agreeing shapes of ``q``, ``k``, ``v`` (``(B, *S, heads|kv_heads, D|Dv)``);
+    ``kv_heads`` must divide ``heads``. ``TypeError`` / ``ValueError`` naming the argument."""
+    names = ", ".join(AXIS_NAMES[rank])
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"na2d: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 5:
-            raise ValueError(f"na2d: {name} must be (B, H, W, heads, head_dim), got shape {tuple(t.shape)}")
-    if k.shape != v.shape[:-1] + k.shape[-1:] or k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(f"na2d: k and v must agree on (B, H, W, heads), got {tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[3:] != k.shape[3:]:
-        raise ValueError(
-            f"na2d: q and k must agree on batch, heads and head_dim, got {tuple(q.shape)} and {tuple(k.shape)}"
-        )
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank + 3:
+            raise ValueError(f"{who}: {name} must be (B, {names}, heads, head_dim), got shape {tuple(t.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{who}: k and v must agree on (B, {names}, heads), got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{who}: q and k must agree on batch and head_dim, got {tuple(q.shape)} and {tuple(k.shape)}")
+    heads, kv_heads = q.shape[-2], k.shape[-2]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"{who}: the key/value heads must divide the query heads (GQA/MQA), got {kv_heads} "
+                         f"key/value heads for {heads} query heads")
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise ValueError(
-            f"na2d: q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
+            f"{who}: q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
             f"{q.device}/{k.device}/{v.device}"
         )
 
 
-def na2d(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kernel_size: IntPair,
-    dilation: IntPair = 1,
-    is_causal: BoolPair = False,
-    scale: Optional[float] = None,
-    *,
-    backend: str = "torch",
-) -> torch.Tensor:
+def check_bias(rpb: Optional[torch.Tensor], heads: int, kernel: Sequence[int], stride: Sequence[int], who: str):
+    """``rel_pos_bias`` must be ``(heads, 2*k_1 - 1, ..., 2*k_n - 1)`` of the inputs' dtype, and
+    needs stride 1 (a strided query's keys lie outside the table's ``2k - 1`` offsets)."""
+    if rpb is None:
+        return
+    if not isinstance(rpb, torch.Tensor):
+        raise TypeError(f"{who}: rel_pos_bias must be a torch.Tensor or None, got {type(rpb).__name__}")
+    expect = (heads, *(2 * kk - 1 for kk in kernel))
+    if tuple(rpb.shape) != expect:
+        raise ValueError(f"{who}: rel_pos_bias must have shape {expect} (heads, 2*kernel_size - 1 per dim), "
+                         f"got {tuple(rpb.shape)}")
+    if any(s != 1 for s in stride):
+        raise ValueError(f"{who}: rel_pos_bias needs stride 1 along every dim, got stride {tuple(stride)}")
+
+
+def _na(rank, q, k, v, kernel_size, dilation, is_causal, scale, stride, rel_pos_bias, backend):
+    who = f"na{rank}d"
+    check_qkv(q, k, v, rank, who)
+    if q.shape[1:1 + rank] != k.shape[1:1 + rank]:
+        raise ValueError(f"{who}: q and k must have the same spatial size, got {tuple(q.shape)} and {tuple(k.shape)}")
+    kernel, strides, dil, causal = normalize_window_args(rank, kernel_size, stride, dilation, is_causal)
+    size = tuple(q.shape[1:1 + rank])
+    check_window_fits(kernel, dil, size, who)
+    check_bias(rel_pos_bias, q.shape[-2], kernel, strides, who)
+    if backend == "natten":
+        natten = _natten()
+        if natten is None:
+            raise ImportError(f"{who}(backend='natten') needs the optional natten package: pip install natten==0.21.7")
+        if rel_pos_bias is not None:
+            raise ValueError(f"{who}(backend='natten'): natten 0.21 has no rel_pos_bias; use backend='torch'")
+        return getattr(natten, who)(q, k, v, kernel_size=kernel, stride=strides, dilation=dil, is_causal=causal,
+                                    scale=scale)
+    if backend != "torch":
+        raise ValueError(f"{who}: backend must be 'torch' or 'natten', got {backend!r}")
+    return neighborhood_attention(q, k, v, kernel, dil, causal, stride=strides, scale=scale, global_size=size,
+                                  rel_pos_bias=rel_pos_bias)
+
+
+def na1d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntArg, dilation: IntArg = 1,
+         is_causal: BoolArg = False, scale: Optional[float] = None, *, stride: IntArg = 1,
+         rel_pos_bias: Optional[torch.Tensor] = None, backend: str = "torch") -> torch.Tensor:
+    """1-D neighborhood attention, NATTEN's semantics: ``q`` ``(B, L, heads, D)``, ``k``/``v``
+    ``(B, L, kv_heads, D|Dv)`` -> ``(B, L, heads, Dv)``. Arguments as :func:`na2d` (one dim).
+
+    >>> import torch, tplayers
+    >>> q = torch.randn(2, 20, 4, 8); kv = torch.randn(2, 20, 2, 8)   # 2 kv heads: GQA
+    >>> tplayers.na1d(q, kv, kv, kernel_size=5, stride=2, is_causal=True).shape
+    torch.Size([2, 20, 4, 8])
+    """
+    return _na(1, q, k, v, kernel_size, dilation, is_causal, scale, stride, rel_pos_bias, backend)
+
+
+def na2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntArg, dilation: IntArg = 1,
+         is_causal: BoolArg = False, scale: Optional[float] = None, *, stride: IntArg = 1,
+         rel_pos_bias: Optional[torch.Tensor] = None, backend: str = "torch") -> torch.Tensor:
     """2-D neighborhood attention, NATTEN's semantics, heads-last layout.
 
-    ``q``, ``k``, ``v``: ``(B, H, W, heads, head_dim)`` (``v`` may have its own
-    head dim). Each query ``(i, j)`` attends to the ``kH x kW`` keys of its
-    window (see :mod:`tplayers.ops.na_layout` for the exact rule: windows
-    shifted inside the image at borders, dilation groups, even kernels, causal
-    per dim). ``kernel_size``, ``dilation``, ``is_causal``: int/bool or per-dim
-    pairs. ``scale`` defaults to ``head_dim ** -0.5``. Needs
+    ``q``: ``(B, H, W, heads, head_dim)``; ``k``, ``v``: ``(B, H, W, kv_heads, head_dim)``
+    (``v`` may have its own head dim; ``kv_heads`` divides ``heads``: GQA/MQA, query head ``h``
+    reads ``h // (heads // kv_heads)``). Each query ``(i, j)`` attends to the ``kH x kW`` keys
+    of its window (see :mod:`tplayers.ops.na_layout` for the exact rule: windows shifted inside
+    the image at borders, dilation groups, even kernels, causal per dim, ``stride`` groups sharing
+    their leader's window). ``kernel_size``, ``dilation``, ``is_causal``, ``stride``: int/bool
+    or per-dim pairs (``stride <= kernel_size``). ``scale`` defaults to ``head_dim ** -0.5``.
+    ``rel_pos_bias`` ``(heads, 2kH - 1, 2kW - 1)`` (stride 1) is added to the scores. Needs
     ``kernel_size * dilation <= (H, W)``. Returns ``(B, H, W, heads, head_dim_v)``.
-    ``backend="natten"`` (opt-in) dispatches to ``natten.na2d`` when natten is
-    installed; the default ``"torch"`` path is the oracle and runs everywhere.
+    ``backend="natten"`` (opt-in) dispatches to ``natten.na2d`` when natten is installed; the
+    default ``"torch"`` path is the oracle and runs everywhere.
 
     >>> import torch, tplayers
     >>> q = k = v = torch.randn(1, 9, 11, 2, 8)
     >>> tplayers.na2d(q, k, v, kernel_size=(3, 4), dilation=(2, 1)).shape
     torch.Size([1, 9, 11, 2, 8])
     """
-    _check_qkv(q, k, v)
-    if q.shape[1:3] != k.shape[1:3]:
-        raise ValueError(f"na2d: q and k must have the same (H, W), got {tuple(q.shape)} and {tuple(k.shape)}")
-    kernel, dil, causal = normalize_na_args(kernel_size, dilation, is_causal)
-    size = (q.shape[1], q.shape[2])
-    check_window_fits(kernel, dil, size, "na2d")
-    if backend == "natten":
-        natten = _natten()
-        if natten is None:
-            raise ImportError("na2d(backend='natten') needs the optional natten package: pip install natten==0.21.7")
-        return natten.na2d(q, k, v, kernel_size=kernel, dilation=dil, is_causal=causal, scale=scale)
-    if backend != "torch":
-        raise ValueError(f"na2d: backend must be 'torch' or 'natten', got {backend!r}")
-    return neighborhood_attention_2d(q, k, v, kernel, dil, causal, scale=scale, global_size=size)
+    return _na(2, q, k, v, kernel_size, dilation, is_causal, scale, stride, rel_pos_bias, backend)
+
+
+def na3d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntArg, dilation: IntArg = 1,
+         is_causal: BoolArg = False, scale: Optional[float] = None, *, stride: IntArg = 1,
+         rel_pos_bias: Optional[torch.Tensor] = None, backend: str = "torch") -> torch.Tensor:
+    """3-D neighborhood attention, NATTEN's semantics: ``q`` ``(B, D, H, W, heads, head_dim)``,
+    ``k``/``v`` ``(B, D, H, W, kv_heads, head_dim|Dv)`` -> ``(B, D, H, W, heads, Dv)``; per-dim
+    triples (or one value) for ``kernel_size``, ``dilation``, ``is_causal``, ``stride``;
+    ``rel_pos_bias`` ``(heads, 2kD - 1, 2kH - 1, 2kW - 1)``. Arguments otherwise as :func:`na2d`.
+
+    >>> import torch, tplayers
+    >>> q = k = v = torch.randn(1, 6, 7, 8, 2, 4)
+    >>> tplayers.na3d(q, k, v, kernel_size=(3, 3, 5), is_causal=(True, False, False)).shape
+    torch.Size([1, 6, 7, 8, 2, 4])
+    """
+    return _na(3, q, k, v, kernel_size, dilation, is_causal, scale, stride, rel_pos_bias, backend)
 
 
 @lru_cache(maxsize=1)
@@ -125,87 +198,3 @@ def _natten():
     except ImportError:
         return None
     return natten
-
-
-def check_window_fits(kernel: Tuple[int, int], dilation: Tuple[int, int], size: Sequence[int], who: str) -> None:
-    """``ValueError`` unless ``kernel * dilation <= size`` along H and W (NATTEN's requirement)."""
-    for axis, name in enumerate(("H", "W")):
-        if kernel[axis] * dilation[axis] > size[axis]:
-            raise ValueError(
-                f"{who}: kernel_size * dilation must be <= the input size along {name}: got kernel_size "
-                f"{kernel[axis]} * dilation {dilation[axis]} > {name}={size[axis]}"
-            )
-
-
-def neighborhood_attention_2d(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kernel: Tuple[int, int],
-    dilation: Tuple[int, int],
-    causal: Tuple[bool, bool],
-    *,
-    scale: Optional[float] = None,
-    global_size: Tuple[int, int],
-    q_offset: Tuple[int, int] = (0, 0),
-    k_offset: Tuple[int, int] = (0, 0),
-    rel_pos_bias: Optional[torch.Tensor] = None,
-    tile: Optional[Tuple[int, int]] = None,
-    chunk_scores: Optional[int] = None,
-) -> torch.Tensor:
-    """The engine behind :func:`na2d` (arguments already normalised to pairs).
-
-    ``q`` holds global rows/cols ``q_offset + [0, Hq) x [0, Wq)`` of an image of
-    ``global_size``; ``k``/``v`` hold ``k_offset + [0, Hk) x [0, Wk)`` and must
-    contain every key those queries attend to. ``rel_pos_bias``
-    ``(heads, 2*kH - 1, 2*kW - 1)`` is added to each score at
-    ``[(key - query) / dilation + kernel - 1]`` per dim. ``tile`` (queries per tile
-    along H, W) and ``chunk_scores`` (score elements per (batch, head) plane per chunk,
-    forward and backward) are tuning knobs: defaults from :func:`default_tile` and
-    ``na_kernel.CHUNK_SCORES`` / ``BACKWARD_CHUNK_SCORES`` (all planes of a chunk
-    together); any positive values give the same result.
-    """
-    _check_qkv(q, k, v)
-    batch, hq, wq, heads, dim = q.shape
-    if hq == 0 or wq == 0 or batch == 0:
-        # nothing to compute (an empty shard): zeros still tied to every input, so backward runs
-        tie = q.sum() + k.sum() + v.sum() + (0 if rel_pos_bias is None else rel_pos_bias.sum())
-        return q.new_zeros(batch, hq, wq, heads, v.shape[-1]) + 0 * tie
-    scale = dim ** -0.5 if scale is None else float(scale)
-    tile = default_tile(kernel, dim) if tile is None else tile
-    if chunk_scores is None:  # the defaults count every (batch, head) plane of a chunk
-        planes = batch * heads
-        fwd_chunk = max(1, na_kernel.CHUNK_SCORES // planes)
-        bwd_chunk = max(1, na_kernel.BACKWARD_CHUNK_SCORES // planes)
-    else:
-        fwd_chunk = bwd_chunk = chunk_scores
-
-    def pixels(x: torch.Tensor) -> torch.Tensor:  # (B, Hx, Wx, heads, D) -> (B, Hx*Wx, heads*D)
-        return x.reshape(batch, x.shape[1] * x.shape[2], -1).contiguous()
-
-    geo = na_kernel.geometry_args(global_size, kernel, dilation, causal, q_offset, k_offset, (hq, wq),
-                                  (k.shape[1], k.shape[2]), tile, fwd_chunk, bwd_chunk)
-    if torch.compiler.is_compiling():  # the tables are built inside one registered op (see na_compile)
-        import tplayers.ops.na_compile  # noqa: F401  (registers tplayers::na2d_tiles)
-
-        table = rel_pos_bias if rel_pos_bias is not None else q.new_empty(0)
-        out = torch.ops.tplayers.na2d_tiles(pixels(q), pixels(k), pixels(v), table, geo, scale, heads)
-        return out.view(batch, hq, wq, heads, -1)
-    if na_cpu.use_c_kernel(q, kernel):
-        out = na_cpu.CAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads)
-        return out.view(batch, hq, wq, heads, -1)
-    plan, plan_bwd = na_kernel.tile_plans(geo, q.device, q.dtype)
-    out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, plan_bwd, scale, heads)
-    return out.view(batch, hq, wq, heads, -1)
-
-
-def default_tile(kernel: Tuple[int, int], head_dim: int) -> Tuple[int, int]:
-    """Queries per tile along (H, W), chosen by measurement (``benchmarks/na.py``, one core).
-
-    A tile of ``t`` queries along an axis scores ``t + k - 1`` keys where each query needs
-    ``k``: small tiles waste fewer scores, large ones make larger matmuls. For kernel 7,
-    head_dim 32 on one CPU core 4x4 and 4x8 measured fastest (8x8: ~15-25% slower);
-    small kernels waste less per tile and get 8.
-    """
-    del head_dim  # measured at 16-64: the same choice
-    return tuple(4 if k >= 5 else DEFAULT_TILE for k in kernel)

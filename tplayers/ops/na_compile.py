@@ -24,6 +24,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from tplayers.ops import na_cpu
+from tplayers.ops.na_geometry import merged_kernel
 from tplayers.ops.na_kernel import TileAttention, tile_backward, tile_plans
 
 __all__ = ["na2d_tiles"]
@@ -38,7 +39,7 @@ def na2d_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.T
                scale: float, heads: int) -> torch.Tensor:
     """The tile kernel's forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major,
     ``table`` the bias (or an empty tensor) -> (B, Pq, heads*Dv)."""
-    if na_cpu.use_c_kernel(q, (geo[2], geo[3])):
+    if na_cpu.use_c_kernel(q, merged_kernel(geo)):
         return na_cpu.c_forward(q, k, v, _table(table), geo, scale, heads)
     plan, plan_bwd = tile_plans(geo, q.device, q.dtype)
     with torch.no_grad():
@@ -57,8 +58,8 @@ def na2d_tiles_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     """``(dq, dk, dv, dtable)`` (``dtable`` empty without a bias): the kernel's own backward
     (:func:`~tplayers.ops.na_kernel.tile_backward`) on the same tables."""
     tab = _table(table)
-    if na_cpu.use_c_kernel(q, (geo[2], geo[3])):
-        dq, dk, dv, dt = na_cpu.c_backward(grad_out, q, k, v, tab, out, geo, scale, heads)
+    if na_cpu.use_c_kernel(q, merged_kernel(geo)):
+        dq, dk, dv, dt = na_cpu.attention_backward(grad_out, q, k, v, tab, out, geo, scale, heads)
         return dq, dk, dv, (dt if tab is not None else table.new_empty(0))
     _, plan_bwd = tile_plans(geo, q.device, q.dtype)
     dq, dk, dv, dt = tile_backward(grad_out, q, k, v, tab, out, plan_bwd, scale, heads, True, True, tab is not None)

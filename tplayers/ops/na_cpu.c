@@ -2,7 +2,8 @@
  * tplayers.na2d for fp32 / fp64 CPU tensors (see tplayers/ops/na_cpu.py, which builds this file
  * with the system C compiler, once, into a cache directory, and calls it through ctypes).
  *
- * Compiled once per element type: -DNA_DOUBLE selects double (8 lanes), else float (16 lanes).
+ * Compiled once per element type: -DNA_DOUBLE selects double, else float; -DNA_LANES the lanes per
+ * vector (the host's register width: AVX-512 16 floats / 8 doubles, AVX2 8 / 4).
  * No torch headers, no intrinsics: GCC vector extensions, lowered to whatever -march offers.
  *
  * Inputs are pixel-major, as tplayers passes them: q (B, Hq*Wq, heads*D), k (B, Hk*Wk, heads*D),
@@ -33,7 +34,7 @@ long na_scratch(const int64_t *dims, int backward) {
 
 static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(T)); *next = p + n + PAD; return p; }
 
-/* dims: B, heads, Hq, Wq, Hk, Wk, D, Dv, kH, kW. Planes [p0, p1) of the B*heads (batch-major). */
+/* dims: B, heads, Hq, Wq, Hk, Wk, D, Dv, kH, kW, bias table rows. Planes [p0, p1) of the B*heads (batch-major). */
 void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, const int64_t *dims,
                 const int32_t *rows, const int32_t *cols, double scale, T *scratch, int p0, int p1) {
     Geo g = make_geo(dims, rows, cols, table, scale);
@@ -166,7 +167,7 @@ INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int 
     }
     if (dtable) {
         const int32_t *rr = g->rows + 2 * g->Hq * g->kh, *rc = g->cols + 2 * g->Wq * g->kw;
-        T *tab = dtable + (size_t)h * (2 * g->kh - 1) * g->tw;
+        T *tab = dtable + (size_t)h * g->tr * g->tw;
         for (int ab = 0; ab < g->nk; ab++) {
             int ra = rr[i * g->kh + ab / g->kw] * g->tw, b = ab % g->kw;
             for (int t = 0; t < ln->n; t++) tab[ra + rc[(j0 + t) * g->kw + b]] += ds[ab][t];

@@ -6,9 +6,16 @@ exact window (fp rounding may differ). The C kernel is used for CPU tensors of f
 the system C compiler can build it; ``TPLAYERS_NA_KERNEL=torch`` asks for the tile kernel,
 ``TPLAYERS_NA_KERNEL=c`` for the C kernel (an error when it cannot be built or does not apply).
 
+The vector width follows the host (:func:`host_isa`): on AVX-512 CPUs the kernel is built with 16
+fp32 / 8 fp64 lanes, on AVX2 ones 8 / 4, elsewhere 4 / 2, so every vector is one register (16
+lanes on an AVX2-only CPU made it 2.4-4.8x slower than the tile kernel: each op split in two,
+each shuffle a permute network). Measured with ``benchmarks/na.py`` (and ``--isa avx2``, the
+AVX2 build and torch capped at AVX2 on an AVX-512 CPU), the C kernel is the faster of the two on
+both, forward and backward, so it is the default wherever it builds.
+
 The source (``na_cpu.c`` and ``na_cpu_blocks.h``) ships in the package. On the first CPU call
 (never at import) it is compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -shared
--fPIC``, once per element type, into
+-fPIC -DNA_LANES=n`` (:func:`build_flags`), once per element type, into
 ``$TPLAYERS_CACHE`` (else ``~/.cache/tplayers``) under a name hashed from the source, the compiler,
 its version, the flags and the CPU's model and flags; it is written under a temporary name and
 renamed into place, so processes compiling at once are safe. It is loaded with ``ctypes`` and
@@ -42,17 +49,24 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from tplayers.ops.na_layout import axis_tiles
+from tplayers.ops.na_geometry import kernel_dims, kernel_tables, split_geometry
 
-__all__ = ["use_c_kernel", "kernel_choice", "load_library", "cache_dir", "c_forward", "c_backward", "CAttention"]
+__all__ = ["use_c_kernel", "kernel_choice", "load_library", "cache_dir", "c_forward", "c_backward", "CAttention",
+           "host_isa", "target_isa", "lanes", "build_flags", "backward_is_fused", "attention_backward"]
 
 SOURCE = Path(__file__).with_name("na_cpu.c")
 #: every file of the kernel (the hash of the built library covers them all)
 SOURCES = (SOURCE, Path(__file__).with_name("na_cpu_blocks.h"))
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}
+#: vector width in bits and the ``-march`` that builds for an ISA that is not the host's own
+#: (the host's own is built with ``-march=native``)
+ISAS = {"avx512": (512, "skylake-avx512"), "avx2": (256, "haswell"), "base": (128, None)}
 #: the window slots per axis the kernel's block tables hold (kernels above it use the tile kernel)
 MAX_KERNEL = 255
+#: window slots per query (row slots x column slots) the kernel runs: its per-block score vectors
+#: live on the stack (3 x slots x 64 bytes); larger windows use the tile kernel
+MAX_SLOTS = 4096
 
 
 def kernel_choice() -> str:
@@ -80,19 +94,74 @@ def _cpu_id() -> str:
     return text
 
 
-@lru_cache(maxsize=None)
+def host_isa(flags: Optional[str] = None) -> str:
+    """The widest vector ISA of this CPU the kernel is built for: ``"avx512"`` (AVX-512 F/BW/VL),
+    ``"avx2"`` (AVX2 and FMA) or ``"base"`` (anything else: SSE2 on x86-64, NEON on arm64).
+    ``flags``: a ``/proc/cpuinfo`` flags line to classify instead of this machine's."""
+    if flags is None:
+        return _this_host_isa()
+    have = set(flags.replace(":", " ").split())
+    if {"avx512f", "avx512bw", "avx512vl"} <= have:
+        return "avx512"
+    if {"avx2", "fma"} <= have:
+        return "avx2"
+    return "base"
+
+
+@lru_cache(maxsize=1)
+def _this_host_isa() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return host_isa(next((line for line in f if line.startswith("flags")), ""))
+    except OSError:
+        return "base"
+
+
+def target_isa() -> str:
+    """The ISA the kernel is built for: ``TPLAYERS_NA_ISA`` (``avx512`` / ``avx2`` / ``base``; one
+    this CPU runs, so a narrower build can be measured on a wider CPU) or :func:`host_isa`."""
+    host = host_isa()
+    value = os.environ.get("TPLAYERS_NA_ISA", "").strip().lower() or host
+    order = list(ISAS)
+    if value not in ISAS or order.index(value) < order.index(host):
+        raise ValueError(f"TPLAYERS_NA_ISA must be one of {order[order.index(host):]} on this CPU "
+                         f"(host ISA {host}), got {value!r}")
+    return value
+
+
+def lanes(dtype: torch.dtype, isa: Optional[str] = None) -> int:
+    """Elements per vector the kernel is built with: the ISA's register width over the element
+    size (AVX-512: 16 fp32 / 8 fp64, AVX2: 8 / 4, base: 4 / 2)."""
+    bits = ISAS[isa or target_isa()][0]
+    return bits // (8 * torch.empty(0, dtype=dtype).element_size())
+
+
+def build_flags(dtype: torch.dtype, isa: Optional[str] = None) -> Tuple[str, ...]:
+    """The compiler flags of the kernel for ``dtype`` on ``isa`` (default :func:`target_isa`)."""
+    isa = isa or target_isa()
+    march = ISAS[isa][1] if isa != host_isa() else "native"
+    arch = () if march is None else (f"-march={march}",)
+    return FLAGS + arch + _DTYPES[dtype][1] + (f"-DNA_LANES={lanes(dtype, isa)}",)
+
+
 def load_library(dtype: torch.dtype) -> ctypes.CDLL:
-    """The kernel for ``dtype`` (fp32 / fp64), compiled on first use; ``RuntimeError`` saying why
-    when it cannot be built (no compiler, a compile error). Cached per process."""
+    """The kernel for ``dtype`` (fp32 / fp64) on :func:`target_isa`, compiled on first use;
+    ``RuntimeError`` saying why when it cannot be built (no compiler, a compile error)."""
     if dtype not in _DTYPES:
         raise RuntimeError(f"the C na2d kernel supports float32 and float64, got {dtype}")
-    suffix, defines = _DTYPES[dtype]
+    return _load(dtype, target_isa())
+
+
+@lru_cache(maxsize=None)
+def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
+    """:func:`load_library` for one ISA, cached per process."""
+    suffix = _DTYPES[dtype][0]
     cc = os.environ.get("CC") or "cc"
     cc_path = shutil.which(cc)
     if cc_path is None:
         raise RuntimeError(f"the C na2d kernel needs a C compiler: {cc!r} ($CC or cc) is not on PATH")
     source = b"\0".join(path.read_bytes() for path in SOURCES)
-    flags = FLAGS + defines
+    flags = build_flags(dtype, isa)
     try:
         version = subprocess.run([cc_path, "--version"], capture_output=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
@@ -125,11 +194,15 @@ def load_library(dtype: torch.dtype) -> ctypes.CDLL:
     return lib
 
 
-@lru_cache(maxsize=None)
 def _build_failure(dtype: torch.dtype) -> Optional[str]:
-    """None when the kernel for ``dtype`` builds, else why not (warned once per process)."""
+    """None when the kernel for ``dtype`` builds, else why not (warned once per process and ISA)."""
+    return _build_failure_on(dtype, target_isa())
+
+
+@lru_cache(maxsize=None)
+def _build_failure_on(dtype: torch.dtype, isa: str) -> Optional[str]:
     try:
-        load_library(dtype)
+        _load(dtype, isa)
     except RuntimeError as exc:
         if kernel_choice() == "auto":
             warnings.warn(f"tplayers.na2d: using the torch tile kernel on the CPU: {exc}", RuntimeWarning)
@@ -145,35 +218,18 @@ def use_c_kernel(q: torch.Tensor, kernel: Tuple[int, int] = (1, 1)) -> bool:
     choice = kernel_choice()
     if choice == "torch":
         return False
-    applies = q.device.type == "cpu" and q.dtype in _DTYPES and max(kernel) <= MAX_KERNEL
+    applies = (q.device.type == "cpu" and q.dtype in _DTYPES and max(kernel) <= MAX_KERNEL
+               and kernel[0] * kernel[1] <= MAX_SLOTS)
     if not applies:
         if choice == "c":
             raise RuntimeError(f"TPLAYERS_NA_KERNEL=c: the C na2d kernel runs fp32/fp64 CPU tensors with kernel "
-                               f"<= {MAX_KERNEL}, got {q.dtype} on {q.device}, kernel {kernel}")
+                               f"<= {MAX_KERNEL} and <= {MAX_SLOTS} window slots, got {q.dtype} on {q.device}, "
+                               f"kernel {kernel}")
         return False
     if choice == "c":
         load_library(q.dtype)  # raises, saying why
         return True
     return _build_failure(q.dtype) is None
-
-
-@lru_cache(maxsize=64)
-def _tables(geo: Tuple[int, ...]):
-    """Per-axis window tables from :func:`~tplayers.ops.na_layout.axis_tiles` with one query per
-    tile: ``(3, Q, k)`` int32 of (local key index, valid, bias index) per query and slot, for H and W."""
-    (gh, gw, kh, kw, dh, dw, ch, cw, qh0, qw0, kh0, kw0, qh, qw, khn, kwn) = geo[:16]
-
-    def axis(length, kernel, dilation, causal, q0, qn, k0, kn):
-        t = axis_tiles(length, kernel, dilation, bool(causal), q0, qn, k0, kn, 1)
-        slot = t.out_pos  # one query per tile: the tile of each query
-        return torch.stack([t.k_index[slot], t.mask[slot, 0].long(), t.rel[slot, 0]]).to(torch.int32).contiguous()
-
-    return axis(gh, kh, dh, ch, qh0, qh, kh0, khn), axis(gw, kw, dw, cw, qw0, qw, kw0, kwn)
-
-
-def _dims(geo, batch, heads, dim, dim_v) -> torch.Tensor:
-    (gh, gw, kh, kw, dh, dw, ch, cw, qh0, qw0, kh0, kw0, qh, qw, khn, kwn) = geo[:16]
-    return torch.tensor([batch, heads, qh, qw, khn, kwn, dim, dim_v, kh, kw], dtype=torch.int64)
 
 
 def _ptr(t: Optional[torch.Tensor]):
@@ -194,8 +250,8 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     ``table`` (heads, 2kH-1, 2kW-1) or None -> (B, Pq, heads*Dv)."""
     lib = load_library(q.dtype)
     batch = q.shape[0]
-    dims = _dims(geo, batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
-    rows, cols = _tables(tuple(geo))
+    dims = kernel_dims(geo, batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
+    rows, cols = kernel_tables(tuple(geo))
     out = q.new_empty(batch, q.shape[1], v.shape[-1])
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
@@ -217,8 +273,8 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     lib = load_library(q.dtype)
     batch = q.shape[0]
     dim_v = v.shape[-1] // heads
-    dims = _dims(geo, batch, heads, q.shape[-1] // heads, dim_v)
-    rows, cols = _tables(tuple(geo))
+    dims = kernel_dims(geo, batch, heads, q.shape[-1] // heads, dim_v)
+    rows, cols = kernel_tables(tuple(geo))
     try:
         g4 = grad_out.view(batch, q.shape[1], heads, dim_v)
     except RuntimeError:
@@ -251,13 +307,38 @@ def _parallel(work, jobs) -> None:
             f.result()
 
 
+def backward_is_fused(geo: List[int], dtype: torch.dtype) -> bool:
+    """Whether the C backward sums a block's dK/dV in registers: the ``kW`` slots of one key row
+    (``(kW - 1) * dilation_W`` columns apart) must fit two vectors from the block's first key
+    (``(kW - 1) * dW <= lanes``). Otherwise each slot is a read-modify-write of memory, measured
+    slower than the tile kernel's backward (1x48x48, 4 heads, d32: AVX-512 kernel 21 0.77x, AVX2
+    kernel 13-21 0.76-0.85x; 1-D kernel 33: 0.29-0.69x), so :class:`CAttention` then runs that."""
+    col = split_geometry(geo)[0][-1]
+    return (col.kernel - 1) * col.dilation <= lanes(dtype)
+
+
+def attention_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, heads: int,
+                       want_kv: bool = True, want_bias: bool = True):
+    """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_is_fused`,
+    else the tile kernel's (:func:`~tplayers.ops.na_kernel.tile_backward`; same values up to fp
+    rounding)."""
+    if backward_is_fused(geo, q.dtype):
+        return c_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=want_kv)
+    from tplayers.ops.na_kernel import tile_backward, tile_plans
+
+    _, plan_bwd = tile_plans(geo, q.device, q.dtype)
+    return tile_backward(grad_out, q, k, v, table, out, plan_bwd, scale, heads, want_kv, want_kv,
+                         table is not None and want_bias)
+
+
 class CAttention(torch.autograd.Function):
     """Neighborhood attention on the compiled CPU kernel.
 
     forward: per (batch, head) plane, ``S = scale Q K^T`` over each query's window (+ bias,
     -inf outside a causal window), ``O = softmax(S) V`` / backward: ``S`` and ``P`` again per
     block of queries, ``dP = dO V^T``, ``dS = P (dP - rowsum(dO O))``, ``dQ = scale dS K``,
-    ``dK += scale dS^T Q``, ``dV += P^T dO``, ``dbias += dS``. Same inputs as
+    ``dK += scale dS^T Q``, ``dV += P^T dO``, ``dbias += dS`` (the tile kernel's backward where the
+    C one is not :func:`backward_is_fused`). Same inputs as
     :class:`~tplayers.ops.na_kernel.TileAttention` with the :func:`geometry_args` list ``geo``.
     """
 
@@ -272,6 +353,6 @@ class CAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, table, out = ctx.saved_tensors
         want = ctx.needs_input_grad
-        dq, dk, dv, dt = c_backward(grad_out, q, k, v, table, out, ctx.geo, ctx.scale, ctx.heads,
-                                    want_kv=want[1] or want[2])
+        dq, dk, dv, dt = attention_backward(grad_out, q, k, v, table, out, ctx.geo, ctx.scale, ctx.heads,
+                                            want_kv=want[1] or want[2], want_bias=want[3])
         return dq, dk, dv, (dt if want[3] else None), None, None, None

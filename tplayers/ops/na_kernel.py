@@ -22,9 +22,10 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from tplayers.ops.na_layout import AxisTiles, axis_tiles
+from tplayers.ops.na_geometry import row_tiles, split_geometry
+from tplayers.ops.na_layout import AxisTiles
 
-__all__ = ["TilePlan", "tile_plan", "tile_plans", "geometry_args", "TileAttention", "tile_backward", "CHUNK_SCORES", "BACKWARD_CHUNK_SCORES"]
+__all__ = ["TilePlan", "tile_plan", "tile_plans", "TileAttention", "tile_backward", "CHUNK_SCORES", "BACKWARD_CHUNK_SCORES"]
 
 #: score elements per forward chunk, all (batch, head) planes together: 128 Ki fp32 = 512 KiB,
 #: so a chunk's scores and tiles stay in a core's L2 cache
@@ -118,20 +119,14 @@ def tile_plan(th: AxisTiles, tw: AxisTiles, wq: int, wk: int, device: torch.devi
                     valid, masks.to(device), mask_id.to(device), tuple(chunks), tuple(pattern))
 
 
-def geometry_args(global_size, kernel, dilation, causal, q_offset, k_offset, q_hw, k_hw, tile,
-                  fwd_chunk: int, bwd_chunk: int) -> List[int]:
-    """Everything that decides the tile tables, as one list of ints (also a custom-op argument)."""
-    return [*global_size, *kernel, *dilation, *(int(c) for c in causal), *q_offset, *k_offset, *q_hw, *k_hw,
-            *tile, fwd_chunk, bwd_chunk]
-
-
 def tile_plans(geo: List[int], device: torch.device, dtype: torch.dtype) -> Tuple[TilePlan, TilePlan]:
-    """The forward and backward :class:`TilePlan` of a :func:`geometry_args` list (cached)."""
-    (gh, gw, kh, kw, dh, dw, ch, cw, qh0, qw0, kh0, kw0, qh, qw, khn, kwn, th_, tw_, fwd, bwd) = geo
-    th = axis_tiles(gh, kh, dh, bool(ch), qh0, qh, kh0, khn, th_)
-    tw = axis_tiles(gw, kw, dw, bool(cw), qw0, qw, kw0, kwn, tw_)
-    plan = tile_plan(th, tw, qw, kwn, device, dtype, fwd)
-    return plan, plan if bwd == fwd else tile_plan(th, tw, qw, kwn, device, dtype, bwd)
+    """The forward and backward :class:`TilePlan` of a :func:`~tplayers.ops.na_geometry.geometry_args`
+    list (cached): the leading spatial axes merged into the row axis, the last one the columns."""
+    axes, fwd, bwd = split_geometry(geo)
+    th, col = row_tiles(axes[:-1]), axes[-1]
+    tw = col.tiles(col.tile)
+    plan = tile_plan(th, tw, col.q_count, col.k_count, device, dtype, fwd)
+    return plan, plan if bwd == fwd else tile_plan(th, tw, col.q_count, col.k_count, device, dtype, bwd)
 
 
 @lru_cache(maxsize=32)

@@ -13,6 +13,13 @@ holds ``ceil((L - g) / d)`` positions, and inside a group, at in-group index
 In global positions a window member ``n'`` is ``g + d * n'``. Requires
 ``k * d <= L`` (so every group holds at least ``k`` positions), as NATTEN does.
 
+Stride ``s`` (NATTEN's strided NA): in-group indices are cut into runs of ``s``
+(``[s*m, s*m + s)``) and every query of a run takes the window of the run's *leader*,
+clamped to the group (``min(leader, Lg - 1)``): non-causal, the centre query
+``s*m + s // 2`` (the right one of the two when ``s`` is even), whose window is the one above;
+causal, the last query ``s*m + s - 1``, and the query attends the keys of the leader's
+window up to itself: ``[max(leader - k + 1, 0), n]``.
+
 The attention kernel works on *tiles*: ``t`` queries of one dilation group with
 consecutive in-group indices share a *region* of ``t + k - 1`` consecutive
 group members that holds every key of their windows. :func:`axis_tiles`
@@ -35,7 +42,8 @@ from typing import Tuple
 
 import torch
 
-__all__ = ["window_starts", "key_span", "axis_halos", "axis_plans", "AxisTiles", "axis_tiles", "DEFAULT_TILE"]
+__all__ = ["window_starts", "key_span", "tile_span", "axis_halos", "axis_plans", "AxisTiles", "axis_tiles", "merge_axes",
+           "DEFAULT_TILE"]
 
 #: queries of one dilation group per tile along one axis (see ``axis_tiles``)
 DEFAULT_TILE = 8
@@ -49,21 +57,25 @@ def _group_coords(pos: torch.Tensor, length: int, dilation: int):
     return index, group, group_len
 
 
-def window_starts(pos: torch.Tensor, length: int, kernel: int, dilation: int, causal: bool):
+def window_starts(pos: torch.Tensor, length: int, kernel: int, dilation: int, causal: bool, stride: int = 1):
     """``(first, count)``: in-group index of the first window member and the window size.
 
     ``pos`` holds global positions (int64). Non-causal windows have ``kernel``
-    members; a causal window near the start of its group has fewer.
+    members; a causal window near the start of its group (or before its stride leader) has fewer.
     """
     index, _, group_len = _group_coords(pos, length, dilation)
+    run = index // stride * stride
     if causal:
-        first = (index - kernel + 1).clamp(min=0)
+        leader = torch.minimum(run + stride - 1, group_len - 1)
+        first = (leader - kernel + 1).clamp(min=0)
         return first, index - first + 1
-    first = torch.minimum((index - kernel // 2).clamp(min=0), group_len - kernel)
+    leader = torch.minimum(run + stride // 2, group_len - 1)
+    first = torch.minimum((leader - kernel // 2).clamp(min=0), group_len - kernel)
     return first, torch.full_like(first, kernel)
 
 
-def key_span(q_start: int, q_stop: int, *, length: int, kernel: int, dilation: int, causal: bool) -> Tuple[int, int]:
+def key_span(q_start: int, q_stop: int, *, length: int, kernel: int, dilation: int, causal: bool,
+             stride: int = 1) -> Tuple[int, int]:
     """``[lo, hi)``: the global positions of all keys the queries ``[q_start, q_stop)`` attend to.
 
     An empty query range needs no keys and returns ``(q_start, q_start)``.
@@ -71,11 +83,48 @@ def key_span(q_start: int, q_stop: int, *, length: int, kernel: int, dilation: i
     if q_stop <= q_start:
         return q_start, q_start
     pos = torch.arange(q_start, q_stop, dtype=torch.int64)
-    first, count = window_starts(pos, length, kernel, dilation, causal)
+    first, count = window_starts(pos, length, kernel, dilation, causal, stride)
     group = pos % dilation
     lo = group + dilation * first
     hi = group + dilation * (first + count - 1) + 1
     return int(lo.min()), int(hi.max())
+
+
+def tile_span(q_start: int, q_stop: int, *, length: int, kernel: int, dilation: int, causal: bool,
+              stride: int = 1) -> Tuple[int, int]:
+    """``[a, b)``: a range of the axis holding the queries ``[q_start, q_stop)`` and their keys such
+    that NATTEN's rule applied to the range *as a whole image* (its own borders, dilation groups and
+    stride runs) gives each of those queries its global window. A kernel that only runs whole
+    images (natten's fused kernels) computes a shard's exact outputs on such a tile: an internal
+    shard edge must not look like an image border (that would shift the window), and the stride
+    runs and dilation groups must line up. Starts from the key span and grows the side whose
+    windows differ by one dilation step at a time (the whole axis always qualifies).
+
+    >>> tile_span(4, 8, length=20, kernel=5, dilation=1, causal=False)  # the key span suffices
+    (2, 10)
+    >>> tile_span(5, 6, length=20, kernel=5, dilation=1, causal=False, stride=5)  # query 5's leader is 7
+    (5, 10)
+    """
+    if q_stop <= q_start:
+        return q_start, q_start
+    lo, hi = key_span(q_start, q_stop, length=length, kernel=kernel, dilation=dilation, causal=causal, stride=stride)
+    a, b = min(lo, q_start), max(hi, q_stop)
+    pos = torch.arange(q_start, q_stop, dtype=torch.int64)
+    first, count = window_starts(pos, length, kernel, dilation, causal, stride)
+    want = pos % dilation + dilation * first  # global position of each window's first key
+    while True:
+        if b - a >= kernel * dilation:
+            local = pos - a
+            l_first, l_count = window_starts(local, b - a, kernel, dilation, causal, stride)
+            got = a + local % dilation + dilation * l_first
+            if bool((got == want).all()) and bool((l_count == count).all()):
+                return a, b
+            grow_lo = bool((got > want).any() | (l_count != count).any()) or b == length
+            grow_hi = bool((got < want).any()) or a == 0
+        else:
+            grow_lo = grow_hi = True
+        a = max(0, a - dilation) if grow_lo else a
+        b = min(length, b + dilation) if grow_hi else b
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,6 +170,7 @@ def axis_tiles(
     k_start: int,
     k_count: int,
     tile: int = DEFAULT_TILE,
+    stride: int = 1,
 ) -> AxisTiles:
     """Tile tables for queries ``[q_start, q_start + q_count)`` of a global axis of ``length``.
 
@@ -134,7 +184,6 @@ def axis_tiles(
     index, group, _ = _group_coords(pos, length, dilation)
     counts = torch.bincount(group, minlength=dilation)
     t = max(1, min(tile, int(counts.max())))
-    region = t + kernel - 1
     # Order queries by (group, in-group index); tile each group separately.
     order = torch.argsort(group * (length + 1) + index)
     tiles_per_group = (counts + t - 1) // t
@@ -154,7 +203,10 @@ def axis_tiles(
     out_pos[order] = slot
     # Region of each tile: group members first(q of slot 0) + [0, region).
     q_pos = pos[q_slot]  # (tiles, t) global positions
-    first, count = window_starts(q_pos, length, kernel, dilation, causal)
+    first, count = window_starts(q_pos, length, kernel, dilation, causal, stride)
+    # first is non-decreasing along a tile: slot 0's is the least; with stride > 1 a tile's windows
+    # may span more than t + k - 1 members (a run's leader lies ahead of its queries)
+    region = max(t + kernel - 1, int(((first + count).max(1).values - first[:, 0]).max()))
     q_index_in_group = q_pos // dilation
     tile_group = q_pos[:, :1] % dilation  # (tiles, 1)
     member = first[:, :1] + torch.arange(region)  # (tiles, R) in-group indices
@@ -174,11 +226,42 @@ def axis_tiles(
     )
 
 
-def axis_plans(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "H"):
+def merge_axes(a: AxisTiles, b: AxisTiles, b_queries: int, b_keys: int, b_rel: int) -> AxisTiles:
+    """Two axes' tiles as the tiles of one merged axis (``a`` outer, ``b`` inner): local query
+    ``ia * b_queries + ib``, key ``ja * b_keys + jb``, bias index ``rel_a * b_rel + rel_b``. A
+    3-D (or higher) window is the product of its axes' windows, so the leading axes merged into
+    one "row" axis run on the 2-D kernels unchanged.
+
+    >>> d = axis_tiles(6, 3, 1, False, 0, 6, 0, 6, 1)
+    >>> h = axis_tiles(5, 3, 1, False, 0, 5, 0, 5, 1)
+    >>> dh = merge_axes(d, h, 5, 5, 5)
+    >>> tuple(dh.k_index.shape), tuple(dh.mask.shape)
+    ((30, 9), (30, 1, 9))
+    """
+    na, nb, ta, tb = a.num_tiles, b.num_tiles, a.tile, b.tile
+
+    def outer(x, y, scale):  # (na, ta|Ra...), (nb, tb|Rb...) -> (na*nb, ...) with x * scale + y
+        return (x[:, None, :, None] * scale + y[None, :, None, :]).reshape(na * nb, -1)
+
+    mask = (a.mask[:, None, :, None, :, None] & b.mask[None, :, None, :, None, :]).reshape(
+        na * nb, ta * tb, a.region * b.region)
+    rel = (a.rel[:, None, :, None, :, None] * b_rel + b.rel[None, :, None, :, None, :]).reshape(
+        na * nb, ta * tb, a.region * b.region)
+    tile_a, slot_a = a.out_pos // ta, a.out_pos % ta
+    tile_b, slot_b = b.out_pos // tb, b.out_pos % tb
+    out_pos = ((tile_a[:, None] * nb + tile_b[None, :]) * (ta * tb) + slot_a[:, None] * tb + slot_b[None, :]).flatten()
+    return AxisTiles(q_index=outer(a.q_index, b.q_index, b_queries), k_index=outer(a.k_index, b.k_index, b_keys),
+                     mask=mask, rel=rel, out_pos=out_pos)
+
+
+def axis_plans(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "H", stride: int = 1,
+               tile: bool = False):
     """Window-core plans (:class:`tplayers.domain.window_plan.AxisPlan`) of one sharded axis: each
     shard's queries stay local; its keys are the range :func:`key_span` gives (asymmetric; an edge
     shard's shifted window reaches further than ``k // 2``), from the adjacent shards only.
     ``ValueError`` when a neighbour is too small, or when ``kernel * dilation`` exceeds the length.
+    With ``tile``, a shard's rows are its :func:`tile_span` instead (a whole-image kernel's tile:
+    queries, keys and values all extended to it).
     """
     from tplayers.domain.window_plan import plan_ranges
 
@@ -189,13 +272,14 @@ def axis_plans(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "
                          f"{kernel} * dilation {dilation} > {what}={length}")
     needs, start = [], 0
     for size in sizes:
-        needs.append(key_span(start, start + size, length=length, kernel=kernel, dilation=dilation, causal=causal)
-                     if size else None)
+        span = tile_span if tile else key_span
+        needs.append(span(start, start + size, length=length, kernel=kernel, dilation=dilation, causal=causal,
+                          stride=stride) if size else None)
         start += size
     return plan_ranges(sizes, needs, sizes, mode="zeros", what=f"{what} (kernel {kernel}, dilation {dilation})")
 
 
-def axis_halos(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "H"):
+def axis_halos(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "H", stride: int = 1):
     """Per-shard ``(start, recv, send)`` of one sharded axis (from :func:`axis_plans`).
 
     ``sizes``: every shard's length in mesh order (any partition). Shard ``c``
@@ -208,6 +292,6 @@ def axis_halos(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "
     >>> axis_halos([6, 2], kernel=5, dilation=1, causal=False)[1]
     (6, (3, 0), (2, 0))
     """
-    plans = axis_plans(sizes, kernel=kernel, dilation=dilation, causal=causal, what=what)
+    plans = axis_plans(sizes, kernel=kernel, dilation=dilation, causal=causal, what=what, stride=stride)
     starts = [sum(sizes[:c]) for c in range(len(sizes))]
     return [(starts[c], p.recv, p.send) for c, p in enumerate(plans)]

@@ -126,8 +126,8 @@ class DomainParallel(ParallelStyle):
             new.attach_serial(module)  # runs the serial module where the data is replicated (a pooled SE branch)
             return new
         if isinstance(module, NeighborhoodAttention) and module.shard_dims is None:
-            # same spatial axes, in its (B, H, W, C) layout: NCHW dim 2 (H) -> 1, dim 3 (W) -> 2
-            return NeighborhoodAttention.from_module(module, mesh=mesh, shard_dims=tuple(d - 1 for d in self.shard_dims))
+            # same spatial axes, in its (B, *spatial, C) layout: NC* dim 2 -> 1, dim 3 -> 2 (1-D, 2-D, 3-D)
+            return type(module).from_module(module, mesh=mesh, shard_dims=tuple(d - 1 for d in self.shard_dims))
         for child_name, child in list(module._modules.items()):  # every name (named_children lists an alias once)
             if child is None:
                 continue

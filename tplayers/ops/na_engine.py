@@ -1,0 +1,153 @@
+"""The engine behind :func:`tplayers.na1d` / :func:`~tplayers.na2d` / :func:`~tplayers.na3d`: one
+code path for every spatial rank.
+
+:func:`neighborhood_attention` takes queries that may be a window of a larger global image (a
+domain-parallel shard) and the keys/values those queries read, per axis the window arguments
+(kernel, stride, dilation, causal), an optional relative-position-bias table, and grouped
+key/value heads (GQA/MQA). The geometry (:mod:`tplayers.ops.na_geometry`) merges the leading
+spatial axes into one row axis, so the two 2-D kernels serve 1-D, 2-D and 3-D alike:
+
+* the compiled C kernel (:mod:`tplayers.ops.na_cpu`) for fp32/fp64 CPU tensors where it builds;
+* the torch tile kernel (:mod:`tplayers.ops.na_kernel`) elsewhere (any device), in chunks, nothing
+  score-sized kept for backward; memory is bounded by ``B*heads*L*k`` (never ``L^2``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from tplayers.ops import na_cpu, na_kernel
+from tplayers.ops.na_geometry import Axis, geometry_args, merged_kernel
+from tplayers.ops.na_kernel import TileAttention
+from tplayers.ops.na_layout import DEFAULT_TILE
+
+__all__ = ["neighborhood_attention", "neighborhood_attention_2d", "default_tile", "expand_kv_heads"]
+
+
+def default_tile(kernel: Sequence[int], head_dim: int = 0) -> Tuple[int, ...]:
+    """Queries per tile per axis (tile kernel), chosen by measurement (``benchmarks/na.py``, one core).
+
+    A tile of ``t`` queries along an axis scores ``t + k - 1`` keys where each query needs ``k``:
+    small tiles waste fewer scores, large ones make larger matmuls. For kernel 7, head_dim 32 on
+    one CPU core 4x4 and 4x8 measured fastest (8x8: ~15-25% slower); small kernels waste less per
+    tile and get 8. In 3-D the leading axis takes 1 (a 4x4 tile of one depth slice already scores
+    ``kD x 10 x 10`` keys at k7: the 2-D tile's 49% useful).
+    """
+    del head_dim  # measured at 16-64: the same choice
+    per_axis = [4 if k >= 5 else DEFAULT_TILE for k in kernel]
+    if len(kernel) >= 3:
+        per_axis[: len(kernel) - 2] = [1] * (len(kernel) - 2)
+    return tuple(per_axis)
+
+
+def expand_kv_heads(k: torch.Tensor, heads: int) -> torch.Tensor:
+    """GQA/MQA: ``(..., kv_heads, D)`` -> ``(..., heads, D)``, query head ``h`` reading key/value
+    head ``h // (heads // kv_heads)`` (NATTEN's and ``torch`` SDPA's ``enable_gqa`` mapping). A
+    copy, differentiable: the gradient of a shared head is the sum over its query heads."""
+    groups = heads // k.shape[-2]
+    return k if groups == 1 else k.repeat_interleave(groups, dim=-2)
+
+
+def neighborhood_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel: Sequence[int],
+    dilation: Sequence[int],
+    causal: Sequence[bool],
+    *,
+    stride: Optional[Sequence[int]] = None,
+    scale: Optional[float] = None,
+    global_size: Sequence[int],
+    q_offset: Optional[Sequence[int]] = None,
+    k_offset: Optional[Sequence[int]] = None,
+    rel_pos_bias: Optional[torch.Tensor] = None,
+    tile: Optional[Sequence[int]] = None,
+    chunk_scores: Optional[int] = None,
+) -> torch.Tensor:
+    """Neighborhood attention of any spatial rank ``n`` (arguments already normalised to ``n``-tuples).
+
+    ``q`` ``(B, *Sq, heads, D)`` holds global positions ``q_offset + [0, Sq)`` of an image of
+    ``global_size``; ``k`` ``(B, *Sk, kv_heads, D)`` / ``v`` ``(B, *Sk, kv_heads, Dv)`` hold
+    ``k_offset + [0, Sk)`` and must contain every key those queries attend to (``kv_heads``
+    divides ``heads``). ``rel_pos_bias`` ``(heads, 2*k_1 - 1, ..., 2*k_n - 1)`` is added to each
+    score at ``[(key - query) / dilation + kernel - 1]`` per dim (stride 1 only). ``tile`` (queries
+    per tile per axis) and ``chunk_scores`` (score elements per (batch, head) plane per chunk)
+    tune the tile kernel; any positive values give the same result. Returns ``(B, *Sq, heads, Dv)``.
+    """
+    rank = q.dim() - 3
+    heads = q.shape[-2]
+    stride = (1,) * rank if stride is None else tuple(stride)
+    q_offset = (0,) * rank if q_offset is None else tuple(q_offset)
+    k_offset = (0,) * rank if k_offset is None else tuple(k_offset)
+    k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
+    if q.shape[0] == 0 or any(s == 0 for s in q.shape[1:1 + rank]):
+        # nothing to compute (an empty shard): zeros still tied to every input, so backward runs
+        tie = q.sum() + k.sum() + v.sum() + (0 if rel_pos_bias is None else rel_pos_bias.sum())
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]) + 0 * tie
+    if rank == 1:  # a row axis of length 1 (kernel 1) in front: the 2-D kernels run it
+        out = neighborhood_attention(
+            q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), (1, *kernel), (1, *dilation), (False, *causal),
+            stride=(1, *stride), scale=scale, global_size=(1, *global_size), q_offset=(0, *q_offset),
+            k_offset=(0, *k_offset), rel_pos_bias=None if rel_pos_bias is None else rel_pos_bias.unsqueeze(1),
+            tile=None if tile is None else (1, *tile), chunk_scores=chunk_scores)
+        return out.squeeze(1)
+    batch, dim = q.shape[0], q.shape[-1]
+    scale = dim ** -0.5 if scale is None else float(scale)
+    tile = default_tile(kernel, dim) if tile is None else tuple(tile)
+    if chunk_scores is None:  # the defaults count every (batch, head) plane of a chunk
+        fwd_chunk = max(1, na_kernel.CHUNK_SCORES // (batch * heads))
+        bwd_chunk = max(1, na_kernel.BACKWARD_CHUNK_SCORES // (batch * heads))
+    else:
+        fwd_chunk = bwd_chunk = chunk_scores
+    axes = [Axis(int(global_size[i]), int(kernel[i]), int(stride[i]), int(dilation[i]), int(causal[i]),
+                 int(q_offset[i]), q.shape[1 + i], int(k_offset[i]), k.shape[1 + i], int(tile[i]))
+            for i in range(rank)]
+    geo = geometry_args(axes, fwd_chunk, bwd_chunk)
+
+    def pixels(x: torch.Tensor) -> torch.Tensor:  # (B, *S, heads, D) -> (B, prod(S), heads*D)
+        return x.reshape(batch, math.prod(x.shape[1:1 + rank]), -1).contiguous()
+
+    out_shape = (*q.shape[:-1], -1)
+    if torch.compiler.is_compiling():  # the tables are built inside one registered op (see na_compile)
+        import tplayers.ops.na_compile  # noqa: F401  (registers tplayers::na2d_tiles)
+
+        table = rel_pos_bias if rel_pos_bias is not None else q.new_empty(0)
+        out = torch.ops.tplayers.na2d_tiles(pixels(q), pixels(k), pixels(v), table, geo, scale, heads)
+        return out.view(out_shape)
+    if na_cpu.use_c_kernel(q, merged_kernel(geo)):
+        out = na_cpu.CAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads)
+        return out.view(out_shape)
+    plan, plan_bwd = na_kernel.tile_plans(geo, q.device, q.dtype)
+    out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, plan_bwd, scale, heads)
+    return out.view(out_shape)
+
+
+def neighborhood_attention_2d(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel: Tuple[int, int],
+    dilation: Tuple[int, int],
+    causal: Tuple[bool, bool],
+    *,
+    scale: Optional[float] = None,
+    global_size: Tuple[int, int],
+    q_offset: Tuple[int, int] = (0, 0),
+    k_offset: Tuple[int, int] = (0, 0),
+    rel_pos_bias: Optional[torch.Tensor] = None,
+    tile: Optional[Tuple[int, int]] = None,
+    chunk_scores: Optional[int] = None,
+    stride: Tuple[int, int] = (1, 1),
+) -> torch.Tensor:
+    """:func:`neighborhood_attention` for ``(B, H, W, heads, D)`` tensors (the 2-D engine's
+    original signature; ``stride`` added)."""
+    from tplayers.ops.na import check_qkv
+
+    check_qkv(q, k, v, 2, "neighborhood_attention_2d")
+    return neighborhood_attention(q, k, v, kernel, dilation, causal, stride=stride, scale=scale,
+                                  global_size=global_size, q_offset=q_offset, k_offset=k_offset,
+                                  rel_pos_bias=rel_pos_bias, tile=tile, chunk_scores=chunk_scores)
