@@ -9,8 +9,9 @@
 3. collectives per step by kind (count_collectives), against the minimum for the norms (one
    forward and one backward collective per norm: the statistics need every rank's moments, the
    input gradient every rank's statistic sums);
-4. the region guard's steady-state cost: the same 2-rank U-Net step with the guard's hooks removed
-   (its replicated-gradient sums go too, so the difference is an upper bound on the guard's cost).
+4. the region guard's steady-state cost: the same 2-rank U-Net step with the guard's hooks removed and
+   the replicated parameters' gradient sums done per module as before the guard (DomainReplicated),
+   alternating with the guarded step in the same run.
 
 Timings alternate (2-rank, then 1-process on rank 0 while rank 1 waits) and are medians.
 """
@@ -43,15 +44,30 @@ def _time(fn, reps: int = 3) -> float:
     return (time.perf_counter() - t0) / reps
 
 
-def _without_guard(model: nn.Module) -> nn.Module:
-    """``model`` with the domain regions' hooks removed (for timing the guard only: not exact)."""
+def _without_guard(model: nn.Module, mesh) -> nn.Module:
+    """``model`` with the domain regions' hooks removed and, as before the guard, every module with
+    replicated parameters outside the twins wrapped in ``DomainReplicated`` (one gradient all-reduce
+    each): the same kind of collectives without the guard's bookkeeping. For timing only (the
+    wrapped time-embedding MLP's gradients are summed where they should not be)."""
     for m in model.modules():
         for hooks in (m._forward_pre_hooks, m._forward_hooks):
             for key, hook in list(hooks.items()):
                 owner = type(getattr(hook, "__self__", None)).__name__
                 if owner in ("DomainRegion", "_PathHook", "Watch"):
                     del hooks[key]
-    return model
+    return _wrap_replicated(model, mesh)
+
+
+def _wrap_replicated(module: nn.Module, mesh) -> nn.Module:
+    from tplayers.layers._common import RegionAware
+
+    if isinstance(module, (RegionAware, tplayers.DomainReplicated)):
+        return module
+    for name, child in list(module.named_children()):
+        setattr(module, name, _wrap_replicated(child, mesh))
+    if next(module.parameters(recurse=False), None) is not None:
+        return tplayers.DomainReplicated(module, mesh)
+    return module
 
 
 def _isa() -> str:
@@ -97,7 +113,7 @@ def main() -> None:
         opt_p.zero_grad(), loss.backward(), opt_p.step()
         dist.barrier()
 
-    bare = _without_guard(copy.deepcopy(model))
+    bare = _without_guard(copy.deepcopy(model), mesh)
     opt_b = torch.optim.Adam(bare.parameters())
 
     def bare_unet():
