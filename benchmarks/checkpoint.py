@@ -2,7 +2,6 @@
 
     torchrun --standalone --nproc-per-node 2 benchmarks/checkpoint.py --mb 500 --repeats 5 --dir /tmp/ckbench
     torchrun --standalone --nproc-per-node 3 benchmarks/checkpoint.py --mb 500 --dir /tmp/ckbench --reshard
-    (add --layout shard-dim-first to the first command to save, and so reshard, that layout)
 
 Run 1 (2 ranks): a tensor-parallel MLP stack of about ``--mb`` MB (fp32) is
 saved and loaded with tplayers, and each rank saves / loads the very same local
@@ -181,7 +180,7 @@ def throughput(args, mesh) -> None:
         model.load_state_dict(tensors)
 
     for rep in range(args.repeats):
-        times["save ours"].append(_timed(lambda: save_checkpoint(model, ours, progress=False, layout=args.layout)))
+        times["save ours"].append(_timed(lambda: save_checkpoint(model, ours, progress=False)))
         times["save st"].append(_timed(lambda: st_save(False)))
         times["save st+fsync"].append(_timed(lambda: st_save(True)))
         for cache in ("hot", "cold"):
@@ -218,8 +217,7 @@ def throughput(args, mesh) -> None:
         print(f"  floor of a verified hot load (load st hot + one XXH3-128 pass over the same bytes first, as DESIGN 2.7 "
               f"orders): {med['floor hot verified']:.3f} s, so 'load ours hot' can reach at most {reach:.2f}x load st hot "
               f"(target 0.80x); ours reaches {med['floor hot verified'] / med['load ours hot']:.2f} of that floor")
-        how = ("stored in their natural layout: a load copies them without a transpose" if args.layout == "natural" else
-               "stored shard dim first: a load transposes them")
+        how = "stored in their natural layout: a load copies them without a transpose"
         print(f"  {transposed / 1e6:.0f} MB of each rank's ~{mb / dist.get_world_size():.0f} MB are pieces sharded on dim 1, "
               f"{how} (a transpose of them at the rate above: {transposed / rates['transpose'] / 1e9 * 1e3:.0f} ms)")
         print(f"  load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
@@ -265,8 +263,6 @@ def main() -> None:
     p.add_argument("--dir", default="/tmp/tplayers-ckbench")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--reshard", action="store_true")
-    p.add_argument("--layout", default="natural", choices=["natural", "shard-dim-first"],
-                   help="save_checkpoint's layout (run 1; run 2 loads what run 1 saved)")
     args = p.parse_args()
     torch.set_num_threads(1)
     mesh = tplayers.init_mesh(device_type="cpu")
