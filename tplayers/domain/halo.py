@@ -210,8 +210,9 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
     """
     state = halo_state(x, dim, group, recv, send, periodic, route)
     if torch.compiler.is_compiling():
-        from tplayers.comm.ops import format_code
+        from tplayers.comm.ops import ensure_comm_ops, format_code
 
+        ensure_comm_ops()
         out = torch.ops.tplayers.halo_pad(x, dim, group.group_name, list(recv), list(send), bool(periodic),
                                           format_code(memory_format))
         if during is not None:
@@ -270,10 +271,11 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
     """
     if torch.compiler.is_compiling() and extra is None:
         assert into_own is None, "into_own is eager only: add into the padded gradient before the op"
-        from tplayers.comm.ops import format_code, peer_code
+        from tplayers.comm.ops import ensure_comm_ops, format_code, peer_code
 
         if during is not None:
             during()
+        ensure_comm_ops()
         return torch.ops.tplayers.halo_adjoint(grad, state.dim, state.group.group_name, list(state.recv),
                                                list(state.send), state.n, peer_code(state.peers[0]),
                                                peer_code(state.peers[1]), format_code(state.grad_format))

@@ -25,6 +25,7 @@ from tplayers.comm.collectives import exchange_p2p
 from tplayers.domain.halo import halo_adjoint, halo_pad
 from tplayers.domain.route import HaloRoute, halo_route
 from tplayers.domain.window_plan import AxisPlan
+from tplayers.ops.registry import OpSpec, register
 
 __all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "halo_conv", "in_format"]
 
@@ -269,6 +270,7 @@ def _compiled_backward(gxp, flat, state, groups):
     from tplayers.comm.ops import format_code, peer_code
 
     has_x = gxp is not None
+    _ensure_conv_ops()
     grad_x, summed = torch.ops.tplayers.halo_conv_backward(
         gxp if has_x else flat.new_empty(0), flat, has_x, state.dim, state.group.group_name, list(state.recv),
         list(state.send), state.n, peer_code(state.peers[0]), peer_code(state.peers[1]),
@@ -276,7 +278,6 @@ def _compiled_backward(gxp, flat, state, groups):
     return (grad_x if has_x else None), summed
 
 
-@torch.library.custom_op("tplayers::halo_conv_backward", mutates_args=())
 def _halo_conv_backward_op(gxp: torch.Tensor, flat: torch.Tensor, has_x: bool, dim: int, group_name: str,
                            recv: List[int], send: List[int], n: int, lo: int, hi: int, grad_format: int,
                            reduce0: str, reduce1: str) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -294,8 +295,7 @@ def _halo_conv_backward_op(gxp: torch.Tensor, flat: torch.Tensor, has_x: bool, d
     return (grad_x if has_x else flat.new_empty(0)), flat
 
 
-@_halo_conv_backward_op.register_fake
-def _(gxp, flat, has_x, dim, group_name, recv, send, n, lo, hi, grad_format, reduce0, reduce1):
+def _halo_conv_backward_fake(gxp, flat, has_x, dim, group_name, recv, send, n, lo, hi, grad_format, reduce0, reduce1):
     from tplayers.comm.ops import _FORMATS
 
     if has_x:
@@ -305,3 +305,9 @@ def _(gxp, flat, has_x, dim, group_name, recv, send, n, lo, hi, grad_format, red
     else:
         grad_x = flat.new_empty(0)
     return grad_x, torch.empty_like(flat)
+
+
+@torch.compiler.assume_constant_result
+def _ensure_conv_ops() -> bool:
+    """Register ``tplayers::halo_conv_backward`` on first use (idempotent; see :mod:`tplayers.ops.registry`)."""
+    return register([OpSpec("tplayers::halo_conv_backward", _halo_conv_backward_op, _halo_conv_backward_fake)])

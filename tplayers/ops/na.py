@@ -27,6 +27,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from tplayers.ops import na_cpu, na_kernel
+from tplayers.ops.na_compile import ensure_na_ops
 from tplayers.ops.na_kernel import TileAttention
 from tplayers.ops.na_layout import DEFAULT_TILE
 
@@ -186,7 +187,7 @@ def neighborhood_attention_2d(
     geo = na_kernel.geometry_args(global_size, kernel, dilation, causal, q_offset, k_offset, (hq, wq),
                                   (k.shape[1], k.shape[2]), tile, fwd_chunk, bwd_chunk)
     if torch.compiler.is_compiling():  # the tables are built inside one registered op (see na_compile)
-        import tplayers.ops.na_compile  # noqa: F401  (registers tplayers::na2d_tiles)
+        ensure_na_ops()
 
         table = rel_pos_bias if rel_pos_bias is not None else q.new_empty(0)
         out = torch.ops.tplayers.na2d_tiles(pixels(q), pixels(k), pixels(v), table, geo, scale, heads)
