@@ -2,9 +2,8 @@
 
 The last sharded dim's halo exchange and the local convolution form one
 Function so that the backward can overlap the parameter-gradient sum with the
-adjoint halo messages (on a 1-D mesh of 2 ranks the sum is one exchange with
-the peer riding in the halo batch, :func:`_pair_backward`; otherwise an async
-all-reduce posted with the halo messages, :func:`_reduce_backward`).
+adjoint halo messages (an async all-reduce posted with the halo messages,
+:func:`_reduce_backward`, on any number of ranks).
 
 Activation checkpointing / ``torch.compile`` friendly: the Function keeps no
 autograd graph on ``ctx``; it saves the halo-padded input and the weight with
@@ -21,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from tplayers.comm import all_reduce_sum, record_collective
-from tplayers.comm.collectives import exchange_p2p
 from tplayers.domain.halo import halo_adjoint, halo_pad
 from tplayers.domain.route import HaloRoute, halo_route
 from tplayers.domain.window_plan import AxisPlan
@@ -56,15 +54,12 @@ class ConvSpec:
     order: "_Order" = field(init=False, repr=False)  # the convolution on spatially permuted views
     route: HaloRoute = field(init=False, repr=False)  # the fused dim's neighbours
     live_groups: tuple = field(init=False, repr=False)  # reduce_groups of more than one rank
-    pair: bool = field(init=False, repr=False)  # the parameter-gradient sum is one exchange with the halo peer
     empty: bool = field(init=False, repr=False)  # this rank owns no output rows
 
     def __post_init__(self):
         derived = {"order": _Order(self), "route": halo_route(self.group, self.periodic),
                    "live_groups": tuple(g for g in self.reduce_groups if dist.get_world_size(g) > 1),
                    "empty": 0 in self.out_shape}
-        derived["pair"] = (len(derived["live_groups"]) == 1 and derived["live_groups"][0] is self.group
-                           and derived["route"].size == 2)
         for name, value in derived.items():
             object.__setattr__(self, name, value)  # frozen: set once, at construction
 
@@ -112,8 +107,8 @@ class HaloConvFunction(torch.autograd.Function):
     a zero-strided zeros tensor of the output's shape, whose gradient is the convolution's output
     gradient (:class:`_ConvCompute` passes it back) /
     backward: the convolution's backward; then the adjoint halo exchange runs while the weight and
-    bias gradients are summed over the domain (2 ranks: one peer exchange inside the halo batch;
-    else an async all-reduce overlapping it, and one more all-reduce per further mesh dim).
+    bias gradients are summed over the domain (an async all-reduce overlapping it, and one more
+    all-reduce per further mesh dim).
     A rank owning no output rows takes part in every collective with zero contributions.
     """
 
@@ -165,8 +160,6 @@ class HaloConvFunction(torch.autograd.Function):
         state = ctx.state
         if torch.compiler.is_compiling():  # one registered op: adjoint halo + parameter-gradient sum
             grad_x, flat = _compiled_backward(gxp, flat, state, groups)
-        elif params and spec.pair:
-            grad_x = _pair_backward(gxp, flat, state)
         else:
             grad_x = _reduce_backward(gxp, flat, state, groups)
         offset = 0
@@ -214,29 +207,6 @@ def conv_order(local_shape: Tuple[int, ...], like: torch.Tensor) -> Optional[Tup
     if n * c * sp[0] * sp[1] > 20480 or n * c * sp[order[0]] * sp[order[1]] <= 20480:
         return None
     return order
-
-
-def _pair_backward(grad_xp: Optional[torch.Tensor], flat: torch.Tensor, state) -> Optional[torch.Tensor]:
-    """Two ranks: the parameter-gradient sum is one exchange with the peer (send mine, receive
-    theirs, add), carried in the same batch as the adjoint halo messages: one round trip.
-
-    ``mine + theirs`` on one rank and ``theirs + mine`` on the other are the same float sum,
-    so both ranks hold bitwise-identical gradients (as an all-reduce would give them).
-    """
-    route = state.resolved()
-    side = 1 if route.peers[1] is not None else 0  # the peer: the high neighbour, else the low one
-    peer, peer_g = route.peers[side], route.local[side]
-    theirs = torch.empty_like(flat)
-    if grad_xp is not None:
-        grad_x = halo_adjoint(grad_xp, state, extra=(flat, theirs, peer, "conv.param_grads"))
-    else:
-        grad_x = None
-        nbytes = flat.numel() * flat.element_size()
-        record_collective("send", nbytes, 2, "conv.param_grads")
-        record_collective("recv", nbytes, 2, "conv.param_grads")
-        exchange_p2p(route.group, [(flat, peer_g, 0)], [(theirs, peer_g, 0)], route.direct)
-    flat.add_(theirs)
-    return grad_x
 
 
 def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups) -> Optional[torch.Tensor]:
@@ -288,10 +258,7 @@ def _halo_conv_backward_op(gxp: torch.Tensor, flat: torch.Tensor, has_x: bool, d
     groups = [_group(name) for name in (reduce0, reduce1) if name]  # a mesh has at most 2 dims
     flat = flat.clone()  # reduced in place below; the op's input stays untouched
     gxp = gxp if has_x else None
-    if len(groups) == 1 and groups[0] is state.group and dist.get_world_size(groups[0]) == 2:
-        grad_x = _pair_backward(gxp, flat, state)
-    else:
-        grad_x = _reduce_backward(gxp, flat, state, groups)
+    grad_x = _reduce_backward(gxp, flat, state, groups)
     return (grad_x if has_x else flat.new_empty(0)), flat
 
 
