@@ -218,7 +218,7 @@ def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_fo
 
 
 def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable[[], None]] = None,
-                 into_own: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+                 into_own: Optional[Callable[[torch.Tensor], None]] = None, owned: bool = False) -> torch.Tensor:
     """Backward of :class:`HaloExchange1d`: the gradient of ``x`` from the padded tensor's ``grad``.
 
     ``during`` (optional) runs after the messages are posted and before they are
@@ -226,6 +226,10 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
     ``into_own(grad_x)`` (optional, eager only) runs in the same window with the own rows'
     gradient (``grad``'s own rows, before the neighbours' halo gradients are added) to add more
     into it in place (e.g. a convolution's interior rows, computed while the halo gradients fly).
+    ``owned=True`` (eager only): ``grad`` is a fresh buffer of the caller's, which nothing else
+    reads (a convolution's input gradient); when it is laid out in the input's layout, the result
+    is the view of its own rows with the halo gradients added in place, instead of a copy of them
+    (the same values: the halo rows that travel are packed before any own row changes).
     While compiling, the adjoint is the custom op ``tplayers::halo_adjoint``
     (``during`` then runs before it).
     """
@@ -242,7 +246,9 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
     route = state.resolved()
     dim, n, (lo, hi), size = state.dim, state.n, route.peers, route.size
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
-    grad_x = grad.narrow(dim, r_lo, n).clone(memory_format=state.grad_format)
+    grad_x = grad.narrow(dim, r_lo, n)
+    if not (owned and grad.is_contiguous(memory_format=state.grad_format)):
+        grad_x = grad_x.clone(memory_format=state.grad_format)
     if into_own is not None:
         def window(outer=during):
             if outer is not None:

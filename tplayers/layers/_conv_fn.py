@@ -160,8 +160,8 @@ class HaloConvFunction(torch.autograd.Function):
         state = ctx.state
         if torch.compiler.is_compiling():  # one registered op: adjoint halo + parameter-gradient sum
             grad_x, flat = _compiled_backward(gxp, flat, state, groups)
-        else:
-            grad_x = _reduce_backward(gxp, flat, state, groups)
+        else:  # gxp: convolution_backward's fresh input gradient (or views of it), read by nothing else
+            grad_x = _reduce_backward(gxp, flat, state, groups, owned=True)
         offset = 0
         if need_w:
             gw = flat[: weight.numel()].view_as(weight)
@@ -209,8 +209,10 @@ def conv_order(local_shape: Tuple[int, ...], like: torch.Tensor) -> Optional[Tup
     return order
 
 
-def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups) -> Optional[torch.Tensor]:
-    """General case: an async all-reduce over the first group, posted after the halo messages and
+def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups,
+                     owned: bool = False) -> Optional[torch.Tensor]:
+    """The adjoint halo exchange of ``grad_xp`` (``owned``: see :func:`~tplayers.domain.halo.halo_adjoint`)
+    with an async all-reduce of ``flat`` over the first group, posted after the halo messages and
     waited after them; one blocking all-reduce per further mesh dim."""
     pending = []
 
@@ -222,7 +224,7 @@ def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tenso
 
     grad_x = None
     if grad_xp is not None:
-        grad_x = halo_adjoint(grad_xp, state, during=start_reduce)
+        grad_x = halo_adjoint(grad_xp, state, during=start_reduce, owned=owned)
     else:
         start_reduce()
     for work in pending:
