@@ -20,7 +20,9 @@ the same layout; every output is checked against nn.Conv2d, values and layout). 
 rank's local convolution alone (the halo-padded slab, no communication), fwd+bwd, in the layout
 the twin convolves in (the input's), and contiguous / channels_last. The last table prints each
 ratio next to its target: the issue-21 target is the twin's step against its floor in the same
-layout, <= 1.05 in both layouts (ratio of the medians, with the range of the per-repeat ratios);
+layout, <= 1.05 in both layouts (ratio of the medians, with the range of the per-repeat ratios;
+beside it the same ratio in CPU time, both ranks' process CPU time per step, which time spent
+descheduled on a shared machine does not inflate);
 the ShardTensor and one-process ratios are printed for reference (floor / ShardTensor is the best
 ratio any halo scheme over that convolution can reach).
 """
@@ -103,12 +105,16 @@ def halo_table(mesh, rank, world):
             print(f"{label:16s} {int(sent):10d} {minimum:10d} {int(sent) / minimum:6.2f}")
 
 
-def timed(fn, iters):
+def timed(fn, iters, cpu=None):
+    """Wall seconds per call (between barriers); appends this process's CPU seconds per call to ``cpu``."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(iters):
         fn()
+    c1 = time.process_time()
     dist.barrier()
+    if cpu is not None:
+        cpu.append((c1 - c0) / iters)
     return (time.perf_counter() - t0) / iters
 
 
@@ -190,12 +196,16 @@ def speed_table(mesh, rank, world, repeats, st):
         for fn in filter(None, steps.values()):
             fn()  # warm-up (and the layout exchange)
         times = {key: [] for key in steps}
+        cpus = {"tpl": [], "floor": []}  # CPU seconds per step of this rank: blind to time spent descheduled
         for _ in range(repeats):
             for key, fn in steps.items():
                 if fn is not None:
-                    times[key].append(timed(fn, max(1, iters // 2) if key == "serial" else iters))
+                    times[key].append(timed(fn, max(1, iters // 2) if key == "serial" else iters, cpus.get(key)))
+        cpu = torch.tensor([statistics.median(cpus["tpl"]), statistics.median(cpus["floor"])], dtype=torch.float64)
+        dist.all_reduce(cpu)  # both ranks' CPU time
         med = {key: statistics.median(v) * 1e3 if v else float("nan") for key, v in times.items()}
         per = sorted(a / b for a, b in zip(times["tpl"], times["floor"]))  # same-repeat ratios
+        med["cpu"] = float(cpu[0] / cpu[1])
         rows.append((name, med, per))
         if rank == 0:
             print(f"{name:17s} {med['tpl']:9.2f} {med['tpl_cl']:8.2f} {med['overlap']:9.2f} {med['st']:12.2f} "
@@ -208,6 +218,7 @@ def speed_table(mesh, rank, world, repeats, st):
         for name, med, per in rows:
             target = TARGETS[name]
             checks = [("tplayers / floor", med["tpl"] / med["floor"], "floor"),
+                      ("tplayers / floor, CPU time", med["cpu"], None),
                       ("tpl CL / floor CL", med["tpl_cl"] / med["floor_cl"], None),
                       ("tplayers / ShardTensor", med["tpl"] / med["st"], None),
                       ("tplayers / (1 proc / 2)", med["tpl"] / (med["serial"] / world), None),
