@@ -186,3 +186,14 @@ def test_band_digests_cover_each_band_in_row_major_order(tmp_path):
     _, plain, _ = fmt.write_file(str(tmp_path / "b.safetensors"), items, block_bytes=200)
     assert plain != digest  # same bytes, but the band digests are part of the file digest
     assert torch.equal(load_file(path)["w"], items[0][1])
+
+
+def test_module_doctests():
+    import doctest
+
+    import tplayers.checkpoint.index as index
+    import tplayers.checkpoint.pagecache as pagecache
+
+    for mod in (index, pagecache):
+        result = doctest.testmod(mod)
+        assert result.attempted >= 1 and result.failed == 0, (mod.__name__, result)

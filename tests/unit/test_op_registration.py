@@ -69,3 +69,16 @@ def test_explicit_registration_is_idempotent():
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_registry_docstring_example():
+    out = _run("""
+        import doctest
+        import tplayers.ops.registry as registry
+
+        result = doctest.testmod(registry)
+        assert result.attempted >= 4 and result.failed == 0, result
+        assert ours() == [], "the example registers under its own namespace only"
+        print("ok")
+    """)
+    assert out.strip() == "ok"
