@@ -2,7 +2,6 @@
 
     torchrun --standalone --nproc-per-node 2 benchmarks/checkpoint.py --mb 500 --repeats 5 --dir /tmp/ckbench
     torchrun --standalone --nproc-per-node 3 benchmarks/checkpoint.py --mb 500 --dir /tmp/ckbench --reshard
-    (add --layout shard-dim-first to the first command to save, and so reshard, that layout)
 
 Run 1 (2 ranks): a tensor-parallel MLP stack of about ``--mb`` MB (fp32) is
 saved and loaded with tplayers, and each rank saves / loads the very same local
@@ -14,11 +13,12 @@ are interleaved; medians are printed with the ratio tplayers / safetensors
 load checks every digest before it changes any parameter (DESIGN 2.7), so it reads its bytes
 twice where ``load_file`` reads them once: the "floor" line times ``load_file`` +
 ``load_state_dict`` preceded by one XXH3-128 pass over the same bytes, the least such a
-load can cost, and prints the ratio it leaves reachable.
+load can cost, and prints the ratio it leaves reachable; the verified hot load is measured
+against that floor (issue 21: >= 0.95x the floor's speed).
 Saves are compared with ``save_file`` as is (no fsync: the data may still be
 only in the page cache) and with ``save_file`` + ``fsync`` (the durability
 tplayers gives: every file and directory fsynced, atomic rename). Each ratio with a
-target in issue 13 is printed with it and PASS / MISS; the first line gives the
+target (issues 13 and 21) is printed with it and PASS / MISS; the first line gives the
 same-run single-core rates of the digests, a memory copy and torch's 2-D
 transpose (the limits a load meets), the last the load average. ~1 minute.
 
@@ -134,7 +134,9 @@ def hash_rates(mb: int = 256) -> dict:
 
 
 #: Issue targets (throughput ratio tplayers / safetensors, same run).
-TARGETS = {("load ours hot", "load st hot"): 0.8, ("load ours hot verify=False", "load st hot"): 0.9,
+# ("load ours hot", "floor hot verified"): issue 21's target for a verified hot load, against its same-run
+# floor (issue 13's 0.8x of load_file was floor-bound: the floor itself allows ~0.7-0.85x)
+TARGETS = {("load ours hot", "floor hot verified"): 0.95, ("load ours hot verify=False", "load st hot"): 0.9,
            ("load ours cold", "load st cold"): 0.95, ("save ours", "save st+fsync"): 1.0, ("save ours", "save st"): 0.9}
 
 
@@ -181,7 +183,7 @@ def throughput(args, mesh) -> None:
         model.load_state_dict(tensors)
 
     for rep in range(args.repeats):
-        times["save ours"].append(_timed(lambda: save_checkpoint(model, ours, progress=False, layout=args.layout)))
+        times["save ours"].append(_timed(lambda: save_checkpoint(model, ours, progress=False)))
         times["save st"].append(_timed(lambda: st_save(False)))
         times["save st+fsync"].append(_timed(lambda: st_save(True)))
         for cache in ("hot", "cold"):
@@ -204,6 +206,7 @@ def throughput(args, mesh) -> None:
         for k, v in med.items():
             print(f"  {k:32s} {v:7.3f} s  {mb / v:8.0f} MB/s   (all: {', '.join(f'{x:.3f}' for x in times[k])})")
         pairs = [("save ours", "save st"), ("save ours", "save st+fsync"), ("load ours hot", "load st hot"),
+                 ("load ours hot", "floor hot verified"),
                  ("load ours hot verify=False", "load st hot"), ("load ours hot sha256", "load st hot"),
                  ("load ours cold", "load st cold"), ("load ours cold verify=False", "load st cold")]
         for a, b in pairs:
@@ -216,10 +219,9 @@ def throughput(args, mesh) -> None:
                   f"(per repeat: median {statistics.median(per):.2f}x, range {per[0]:.2f}-{per[-1]:.2f}x)")
         reach = med["load st hot"] / med["floor hot verified"]
         print(f"  floor of a verified hot load (load st hot + one XXH3-128 pass over the same bytes first, as DESIGN 2.7 "
-              f"orders): {med['floor hot verified']:.3f} s, so 'load ours hot' can reach at most {reach:.2f}x load st hot "
-              f"(target 0.80x); ours reaches {med['floor hot verified'] / med['load ours hot']:.2f} of that floor")
-        how = ("stored in their natural layout: a load copies them without a transpose" if args.layout == "natural" else
-               "stored shard dim first: a load transposes them")
+              f"orders): {med['floor hot verified']:.3f} s, so 'load ours hot' can reach at most {reach:.2f}x load st hot; "
+              f"ours reaches {med['floor hot verified'] / med['load ours hot']:.2f} of that floor (target >= 0.95)")
+        how = "stored in their natural layout: a load copies them without a transpose"
         print(f"  {transposed / 1e6:.0f} MB of each rank's ~{mb / dist.get_world_size():.0f} MB are pieces sharded on dim 1, "
               f"{how} (a transpose of them at the rate above: {transposed / rates['transpose'] / 1e9 * 1e3:.0f} ms)")
         print(f"  load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
@@ -265,8 +267,6 @@ def main() -> None:
     p.add_argument("--dir", default="/tmp/tplayers-ckbench")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--reshard", action="store_true")
-    p.add_argument("--layout", default="natural", choices=["natural", "shard-dim-first"],
-                   help="save_checkpoint's layout (run 1; run 2 loads what run 1 saved)")
     args = p.parse_args()
     torch.set_num_threads(1)
     mesh = tplayers.init_mesh(device_type="cpu")

@@ -169,34 +169,20 @@ def test_edited_index_is_an_error_on_every_rank(tmp_path):
             assert "index.json" in m and why in m, m
 
 
-def _as_version_1(idx):
-    """Rewrite a SHA-256 v2 index the way version 1 wrote it (no digest name, fields called sha256)."""
-    idx.pop("index_sha256")
-    assert idx.pop("digest") == "sha256"
-    idx["version"] = 1
-    for info in idx["files"].values():
-        info["sha256"] = info.pop("digest")
-    for t in idx["tensors"].values():
-        for p in t["pieces"]:
-            p["sha256"] = p.pop("digests")
-
-
-def test_sha256_option_and_version_1_checkpoints_load(tmp_path):
+def test_sha256_option_loads_and_catches_corruption(tmp_path):
     base = str(tmp_path / "sha")
     save_checkpoint(serial_net(3), base, digest="sha256")
     assert json.load(open(os.path.join(base, "index.json")))["digest"] == "sha256"
-    v1 = _edit(base, str(tmp_path / "v1"), _as_version_1)
-    for path in (base, v1):
-        net = serial_net(9)
-        load_checkpoint(net, path)
-        assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), serial_net(3).state_dict().values()))
-    # a flipped data byte in the old format is still caught, and named by its algorithm
-    f = os.path.join(v1, "rank-00000-of-00001.safetensors")
+    net = serial_net(9)
+    load_checkpoint(net, base)
+    assert all(torch.equal(a, b) for a, b in zip(net.state_dict().values(), serial_net(3).state_dict().values()))
+    # a flipped data byte is caught, and named by its algorithm
+    f = os.path.join(base, "rank-00000-of-00001.safetensors")
     data = bytearray(open(f, "rb").read())
     data[-3] ^= 0xFF
     open(f, "wb").write(bytes(data))
     with pytest.raises(CheckpointError, match="SHA-256"):
-        load_checkpoint(serial_net(9), v1)
+        load_checkpoint(serial_net(9), base)
     with pytest.raises(ValueError, match="digest must be one of"):
         save_checkpoint(serial_net(3), str(tmp_path / "x"), digest="md5")
 

@@ -21,7 +21,7 @@ PLAN = {"0": tplayers.ColumnParallel(), "1": tplayers.RowParallel()}
 
 
 def _serial(seed: int) -> nn.Module:
-    """An MLP whose row-parallel weight pieces are large enough for torch's blocked transpose (>= 4096 items),
+    """An MLP whose row-parallel weight pieces span several hash blocks and bands,
     holding awkward bit patterns (-0.0, NaN with a payload) that only an exact copy keeps."""
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(64, 601), nn.Linear(601, 64))
@@ -57,8 +57,8 @@ def _damaged_copy(good: str, bad: str, where, mask: int) -> str:
     return bad
 
 
-def _save(rank, world, path, layout):
-    save_checkpoint(tplayers.parallelize_module(_serial(1), PLAN), path, layout=layout)
+def _save(rank, world, path):
+    save_checkpoint(tplayers.parallelize_module(_serial(1), PLAN), path)
     return True
 
 
@@ -78,15 +78,14 @@ def _load(rank, world, good, bad):
     return True
 
 
-@pytest.mark.parametrize("layout", ["natural", "shard-dim-first"])
 @pytest.mark.parametrize("load_world", [2, 3])
-def test_transposed_pieces_load_exactly_and_corruption_is_caught(tmp_path, load_world, layout):
+def test_dim_1_pieces_load_exactly_and_corruption_is_caught(tmp_path, load_world):
     good = str(tmp_path / "ckpt")
-    run_ranks(_save, 2, args=(good, layout), timeout=60)
+    run_ranks(_save, 2, args=(good,), timeout=60)
     _, header, meta = read_header(os.path.join(good, "rank-00001-of-00002.safetensors"))
-    assert meta["layout"] == layout
-    assert header["1.weight"]["shape"] == ([64, 300] if layout == "natural" else [300, 64])
-    # the last column of rank 1's piece of 1.weight (its last stored bytes either way): read by every
+    assert meta["layout"] == "natural"
+    assert header["1.weight"]["shape"] == [64, 300]
+    # the last column of rank 1's piece of 1.weight (its last stored bytes): read by every
     # loading layout that holds the last columns, after the blocks or bands before it checked out
     bad = _damaged_copy(good, str(tmp_path / "bad"), lambda begin, end: end - 3, 0x10)
     run_ranks(_load, load_world, args=(good, bad), timeout=90)
@@ -131,19 +130,6 @@ def test_resharded_reads_check_only_the_bands_they_touch(tmp_path):
         assert torch.equal(_bits(r.read_box("1.weight", 1, 401, 601)), _bits(want[:, 401:601]))
 
 
-def _bad_layouts(rank, world, path):
-    net = tplayers.parallelize_module(_serial(1), PLAN)
-    with pytest.raises(ValueError, match=r"layout must be one of \['natural', 'shard-dim-first'\], got 'rows'"):
-        save_checkpoint(net, path, layout="rows")
-    with pytest.raises(ValueError, match="layout applies to the sharded form only"):
-        save_checkpoint(net, path + ".safetensors", consolidated=True, layout="shard-dim-first")
-    return not os.path.exists(path) and not os.path.exists(path + ".safetensors")
-
-
-def test_bad_layout_raises_on_every_rank_before_writing(tmp_path):
-    assert all(run_ranks(_bad_layouts, 2, args=(str(tmp_path / "ck"),), timeout=30))
-
-
 def _load_exact(rank, world, path):
     net = tplayers.parallelize_module(_serial(2), PLAN)
     load_checkpoint(net, path)
@@ -151,17 +137,17 @@ def _load_exact(rank, world, path):
     return True
 
 
-def test_cli_reshard_keeps_the_layout(tmp_path):
-    """``python -m tplayers.checkpoint reshard`` writes the source's layout; the result loads exactly."""
+def test_cli_reshard_writes_natural_pieces_with_bands(tmp_path):
+    """``python -m tplayers.checkpoint reshard`` writes pieces sharded on dim 1 with their column bands;
+    the result loads exactly."""
     import json
 
     from tplayers.checkpoint.__main__ import main
 
-    for layout in ("natural", "shard-dim-first"):
-        src, out = str(tmp_path / f"src-{layout}"), str(tmp_path / f"out-{layout}")
-        run_ranks(_save, 2, args=(src, layout), timeout=60)
-        assert main(["reshard", src, out, "--world-size", "3"]) == 0
-        idx = json.load(open(os.path.join(out, "index.json")))
-        assert idx["layout"] == layout and idx["world_size"] == 3
-        assert ("band" in idx["tensors"]["1.weight"]["pieces"][0]) == (layout == "natural")
-        run_ranks(_load_exact, 3, args=(out,), timeout=60)
+    src, out = str(tmp_path / "src"), str(tmp_path / "out")
+    run_ranks(_save, 2, args=(src,), timeout=60)
+    assert main(["reshard", src, out, "--world-size", "3"]) == 0
+    idx = json.load(open(os.path.join(out, "index.json")))
+    assert idx["layout"] == "natural" and idx["world_size"] == 3
+    assert "band" in idx["tensors"]["1.weight"]["pieces"][0]
+    run_ranks(_load_exact, 3, args=(out,), timeout=60)

@@ -152,17 +152,8 @@ def test_cli_inspect_merge_reshard(tmp_path, capsys):
     assert proc.returncode == 0 and "head.weight" in proc.stdout
 
 
-def test_to_device_keeps_layout_and_values():
-    from tplayers.checkpoint.load import to_device
-
-    x = torch.arange(24.0).reshape(2, 3, 4).movedim(0, 2)  # a stored piece viewed back in natural order
-    meta = to_device(x, torch.device("meta"))
-    assert meta.shape == x.shape and meta.stride() == x.stride()
-    assert to_device(x, x.device) is x
-
-
 def test_writer_stages_strided_tensors_in_chunks(tmp_path, monkeypatch):
-    """movedim views (the stored form of row-parallel pieces) cut into many chunks: same bytes, same digests."""
+    """Strided views (transposes, movedim views, narrowed blocks) cut into many chunks: same bytes, same digests."""
     monkeypatch.setattr(fmt, "CHUNK_BYTES", 96)
     g = torch.Generator().manual_seed(1)
     views = [("t", torch.randn(5, 13, generator=g).t()), ("c", torch.randn(11, 3, generator=g)),
@@ -195,3 +186,14 @@ def test_band_digests_cover_each_band_in_row_major_order(tmp_path):
     _, plain, _ = fmt.write_file(str(tmp_path / "b.safetensors"), items, block_bytes=200)
     assert plain != digest  # same bytes, but the band digests are part of the file digest
     assert torch.equal(load_file(path)["w"], items[0][1])
+
+
+def test_module_doctests():
+    import doctest
+
+    import tplayers.checkpoint.index as index
+    import tplayers.checkpoint.pagecache as pagecache
+
+    for mod in (index, pagecache):
+        result = doctest.testmod(mod)
+        assert result.attempted >= 1 and result.failed == 0, (mod.__name__, result)

@@ -39,7 +39,7 @@ def inspect(path: str, verify: bool = False, out=None) -> None:
         out.write(f"{path}: safetensors file, {len(src.tensors)} tensors, metadata {info['metadata']}\n")
     else:
         out.write(f"{path}: tplayers checkpoint v{info['version']}, saved at world size {info['world_size']}, "
-                  f"convention {info['convention']}, {info['layout']} layout, {len(src.files)} files\n")
+                  f"convention {info['convention']}, {len(src.files)} files\n")
         for f, fi in sorted(src.files.items()):
             out.write(f"  {os.path.basename(f)}  {fi['size']} bytes  {info['algorithm']} {fi['digest'][:16]}...\n")
     total = 0
@@ -92,7 +92,6 @@ def reshard(directory: str, out_dir: str, world_size: int, progress: Optional[bo
     ]
     tensors, writes = plan_layout(per_rank)
     block_bytes = src.info.get("block_bytes") or BLOCK_BYTES
-    layout = src.info["layout"]
     tmp = temp_sibling(out_dir, secrets.token_hex(8))
     os.makedirs(tmp)
     with Reader(src, verify=True) as r:
@@ -103,10 +102,9 @@ def reshard(directory: str, out_dir: str, world_size: int, progress: Optional[bo
             for key, start, stop, name in writes[rank]:
                 e = src.tensors[key]
                 box = r.read_box(key, e.dim, start, stop) if e.dim is not None else r.read_box(key)
-                items.append((name, stored(box, None if src.natural else e.dim), e.dim))
-            infos.append(write_rank_file(tmp, rank, world_size, items, block_bytes, progress, layout=layout))
-    # the source's layout (versions 1-2: shard dim first), the default digest
-    finish_dir(tmp, out_dir, world_size, tensors, infos, block_bytes, layout=layout)
+                items.append((name, stored(box), e.dim))
+            infos.append(write_rank_file(tmp, rank, world_size, items, block_bytes, progress))
+    finish_dir(tmp, out_dir, world_size, tensors, infos, block_bytes)  # the default digest
 
 
 def _refuse_unsafe(out_path: str) -> None:

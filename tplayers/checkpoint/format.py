@@ -31,7 +31,6 @@ import torch
 
 from tplayers.checkpoint.blocks import band_digests, band_width, block_rows, byte_view, row_blocks
 from tplayers.checkpoint.digest import DEFAULT, block_digest, file_hasher
-from tplayers.checkpoint.fastcopy import copy_into
 
 #: Default size of a hashed block (whole rows are kept together).
 BLOCK_BYTES = 1 << 18
@@ -125,11 +124,10 @@ class _WriteBack:
 class _Stager:
     """Contiguous chunks of whole hash blocks of the tensors to write, staging non-contiguous ones.
 
-    A contiguous tensor is sliced (no copy). Any other (a ``movedim`` view) is
-    first copied whole into one of two reused buffers: a whole 2-D transpose
-    takes torch's blocked transpose path, several times faster than copying
-    row chunks of it, and reusing the buffers avoids page-faulting fresh
-    memory for every tensor. Double buffering: before a buffer is refilled,
+    A contiguous tensor is sliced (no copy). Any other (a block narrowed out of a
+    fused tensor along a dim > 0) is first copied whole into one of two reused
+    buffers; reusing them avoids page-faulting fresh memory for every tensor.
+    Double buffering: before a buffer is refilled,
     the hash job that last read it is waited for.
     """
 
@@ -137,7 +135,6 @@ class _Stager:
         self.buffers = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
         self.readers: List[Optional[Future]] = [None, None]  # last hash job reading each buffer
         self.turn = 0
-        self.scratch: list = [None]  # for pieces narrowed out of a fused tensor (fastcopy)
 
     def chunks(self, t: torch.Tensor, k: int) -> Iterator[Tuple[torch.Tensor, Optional[int]]]:
         """``(chunk, slot)`` pairs covering ``t`` (rows along dim 0); ``slot`` is the buffer used, or None."""
@@ -153,7 +150,7 @@ class _Stager:
             if self.buffers[slot].numel() < need:
                 self.buffers[slot] = torch.empty(need, dtype=torch.uint8)
             staged = self.buffers[slot][:need].view(t.dtype).view(t.shape)
-            copy_into(staged, t, self.scratch)
+            staged.copy_(t)
             t = staged
         row = t[:1].numel() * t.element_size()
         step = k * max(1, CHUNK_BYTES // max(row * k, 1))
@@ -188,7 +185,7 @@ def write_file(
     """Write ``items`` (name, CPU tensor) as a standard safetensors file and fsync it.
 
     A tensor is stored as its logical row-major bytes; a non-contiguous one (a
-    narrowed or ``movedim`` view) is staged through a reused buffer. The bytes go
+    narrowed view) is staged through a reused buffer. The bytes go
     out in chunks of whole blocks, each hashed on a second thread while this one
     writes it, and the disk write-back starts as the file grows.
     ``band_dims`` (``{name: dim}``): also hash those tensors in bands along ``dim``

@@ -36,21 +36,19 @@ some of those indices checks just the bands it reads. A file's ``digest`` is
 the hash of its header bytes' digest followed by, per tensor in file order, its
 block digests and then its band digests.
 
-With ``"layout": "shard-dim-first"`` (``save_checkpoint(..., layout=...)``), and
-always in versions 1 and 2, a piece of a tensor sharded on ``dim > 0`` is stored
-with that dim moved first (``movedim(dim, 0)``, no bands): the rows any
-resharding reader needs are then one contiguous span of the file, at the cost
-of a transpose on save and on every load. Version 1-2 checkpoints still load;
-version 1 names the digest fields ``sha256`` (SHA-256 throughout).
+There is one format before tplayers 1.0: this one. An index written by an
+older tplayers (``version`` 1 or 2, or version 3 with ``"layout":
+"shard-dim-first"``: pieces stored with their shard dim moved first) is refused
+with a :class:`CheckpointError` that names the format and says how to convert it
+(load and save it once with tplayers <= 0.1, whose default writes this format).
 
-``index_sha256`` (versions 2 and 3) is the SHA-256 of the index itself: of its canonical
+``index_sha256`` is the SHA-256 of the index itself: of its canonical
 JSON (sorted keys, no spaces) without that one field. It covers every field that
 decides where bytes land (shapes, dtypes, dims, ranges, file names and sizes,
 block sizes and digests), so an edited or corrupted index is a
 :class:`CheckpointError` naming ``index.json`` instead of wrong weights. It is
 checked on every load, with or without ``verify`` (it costs microseconds; only
-the data blocks' hashes are skipped by ``verify=False``). Version 1 indexes,
-written before the digest existed, still load without it.
+the data blocks' hashes are skipped by ``verify=False``).
 
 A plain safetensors file (e.g. from ``consolidated=True`` or ``save_file``)
 reads as the same structure: every tensor replicated, one piece, no block hashes.
@@ -72,17 +70,12 @@ from tplayers.checkpoint.layout import check_tiling
 
 FORMAT = "tplayers.checkpoint"
 VERSION = 3
-#: Versions this reader accepts (1: no index digest; 1-2: pieces stored shard dim first).
-READABLE_VERSIONS = (1, 2, 3)
 INDEX_NAME = "index.json"
-#: How versions 1-2 (and version 3 on request) store a piece of a tensor sharded on dim d > 0:
-#: ``movedim(d, 0)``; version 3's default keeps the natural layout.
-SHARD_DIM_FIRST = "shard-dim-first"
+#: The one piece layout: a piece is the tensor narrowed to its range (recorded in the index as ``layout``).
 NATURAL = "natural"
-LAYOUTS = (NATURAL, SHARD_DIM_FIRST)
+#: The last tplayers release that reads (and re-saves as this format) the older ones.
+LAST_OLD_READER = "0.1"
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\.safetensors")
-#: Field names of the file digest and the block digests, by index version.
-_FIELDS = {1: ("sha256", "sha256"), 2: ("digest", "digests"), 3: ("digest", "digests")}
 
 
 class Piece(NamedTuple):
@@ -94,7 +87,7 @@ class Piece(NamedTuple):
     block_rows: Optional[int]  # None: no block hashes (plain files)
     digests: Optional[Tuple[str, ...]]
     name: str = ""  # the safetensors key in ``file``: the tensor's key unless the index says otherwise
-    band: Optional[int] = None  # shard-dim indices per hashed band (version 3, dim > 0); None: no bands
+    band: Optional[int] = None  # shard-dim indices per hashed band (dim > 0); None: no bands
     band_digests: Optional[Tuple[str, ...]] = None
 
 
@@ -112,12 +105,7 @@ class Source:
     path: str
     tensors: Dict[str, TensorEntry]
     files: Dict[str, dict]  # path -> {"size", "digest"} (empty for a plain file)
-    info: dict  # format, version, convention, world_size, block_bytes, algorithm, layout
-
-    @property
-    def natural(self) -> bool:
-        """Pieces are stored in their natural layout (version 3's default, plain files), not shard dim first."""
-        return self.info.get("layout") != SHARD_DIM_FIRST
+    info: dict  # format, version, convention, world_size, block_bytes, algorithm
 
 
 def open_source(path: str) -> Source:
@@ -131,8 +119,7 @@ def open_source(path: str) -> Source:
             k: TensorEntry(tuple(e["shape"]), e["dtype"], None, (Piece(path, 0, 0, None, None, k),))
             for k, e in header.items()
         }
-        return Source(path, tensors, {}, {"format": "safetensors", "metadata": meta, "algorithm": None,
-                                          "layout": NATURAL})
+        return Source(path, tensors, {}, {"format": "safetensors", "metadata": meta, "algorithm": None})
     raise CheckpointError(f"{path}: no checkpoint here (neither a checkpoint directory nor a safetensors file)")
 
 
@@ -151,21 +138,38 @@ def _int(v) -> bool:
     return type(v) is int and v >= 0  # JSON gives plain ints; a bool is not one
 
 
-def stored_shape(shape: Tuple[int, ...], dim: Optional[int], start: int, stop: int,
-                 natural: bool = True) -> Tuple[int, ...]:
+def stored_shape(shape: Tuple[int, ...], dim: Optional[int], start: int, stop: int) -> Tuple[int, ...]:
     """Shape of the stored piece ``[start, stop)`` of ``dim`` of a tensor of ``shape``: the tensor
-    narrowed to that range, with ``dim`` moved first unless ``natural`` (``shape`` if ``dim`` is None).
+    narrowed to that range (``shape`` if ``dim`` is None).
 
-    >>> stored_shape((6, 7), 1, 4, 7), stored_shape((6, 7), 1, 4, 7, natural=False)
-    ((6, 3), (3, 6))
+    >>> stored_shape((6, 7), 1, 4, 7)
+    (6, 3)
     """
     if dim is None:
         return tuple(shape)
     s = list(shape)
     s[dim] = stop - start
-    if not natural:
-        s.insert(0, s.pop(dim))
     return tuple(s)
+
+
+def older_format(raw: dict) -> Optional[str]:
+    """Why an index (a parsed JSON object of format :data:`FORMAT`) was written by an older tplayers,
+    or None when it is this format: the version it names, or version 3's dropped shard-dim-first layout.
+
+    >>> older_format({"version": 2})
+    'written by an older tplayers (format v2): re-save it with tplayers <= 0.1 (load it, save it again)'
+    >>> older_format({"version": 3, "layout": "natural"}) is None
+    True
+    """
+    version, layout = raw.get("version"), raw.get("layout", NATURAL)
+    if version in (1, 2) and not isinstance(version, bool):
+        what = f"format v{version}"
+    elif version == VERSION and not isinstance(version, bool) and layout == "shard-dim-first":
+        what = f"format v{version}, layout {layout!r}"
+    else:
+        return None
+    return (f"written by an older tplayers ({what}): re-save it with tplayers <= {LAST_OLD_READER} "
+            "(load it, save it again)")
 
 
 def _digest_list(digests, count: int, hex_len: int) -> bool:
@@ -257,17 +261,18 @@ def _parse_index(directory: str) -> Source:
 def _parse_raw(directory: str, where: str, raw, signed: bool = False) -> Source:
     _need(isinstance(raw, dict), where, "must be a JSON object")
     _need(raw.get("format") == FORMAT, where, f"format must be {FORMAT!r}, got {raw.get('format')!r}")
+    older = older_format(raw)
+    _need(older is None, where, older)
     version = raw.get("version")
-    _need(version in READABLE_VERSIONS and not isinstance(version, bool), where,
-          f"unsupported version {version!r} (this reader knows {list(READABLE_VERSIONS)})")
+    _need(version == VERSION and not isinstance(version, bool), where,
+          f"unsupported version {version!r:.80} (this reader knows {VERSION})")
     _need(isinstance(raw.get("convention"), str), where, "missing shard convention name")
     _need(_int(raw.get("world_size")) and raw["world_size"] >= 1, where, f"world_size must be a positive int, got {raw.get('world_size')!r:.80}")
     _need(_int(raw.get("block_bytes")) and raw["block_bytes"] >= 1, where, f"block_bytes must be a positive int, got {raw.get('block_bytes')!r:.80}")
-    algorithm = "sha256" if version == 1 else raw.get("digest")
+    algorithm = raw.get("digest")
     _need(algorithm in ALGORITHMS, where, f"digest must be one of {list(ALGORITHMS)}, got {algorithm!r:.80}")
-    layout = raw.get("layout", NATURAL) if version >= 3 else SHARD_DIM_FIRST
-    _need(layout in LAYOUTS, where, f"layout must be one of {list(LAYOUTS)}, got {layout!r:.80}")
-    file_field, block_field = _FIELDS[version]
+    layout = raw.get("layout", NATURAL)
+    _need(layout == NATURAL, where, f"layout must be {NATURAL!r}, got {layout!r:.80}")
     hex_digest = re.compile(f"[0-9a-f]{{{hex_length(algorithm)}}}")
     hex_len = hex_length(algorithm)
     files, tensors = raw.get("files"), raw.get("tensors")
@@ -279,10 +284,10 @@ def _parse_raw(directory: str, where: str, raw, signed: bool = False) -> Source:
         full = os.path.join(directory, name) if ok else str(name)
         _need(ok and os.path.dirname(os.path.realpath(full)) == real_dir, where,
               f"file name {name!r} is not a plain *.safetensors name inside {directory} (path traversal?)")
-        _need(isinstance(info, dict) and _int(info.get("size")) and isinstance(info.get(file_field), str)
-              and hex_digest.fullmatch(info[file_field]) is not None, where,
-              f"file {name!r}: needs an int size and a {algorithm} {file_field!r}")
-        out_files[full] = {"size": info["size"], "digest": info[file_field]}
+        _need(isinstance(info, dict) and _int(info.get("size")) and isinstance(info.get("digest"), str)
+              and hex_digest.fullmatch(info["digest"]) is not None, where,
+              f"file {name!r}: needs an int size and a {algorithm} 'digest'")
+        out_files[full] = {"size": info["size"], "digest": info["digest"]}
     full_of = {name: os.path.join(directory, name) for name in files}
     pool: list = []  # every digest of every piece: their strings are checked together at the end
     out = {}
@@ -299,17 +304,17 @@ def _parse_raw(directory: str, where: str, raw, signed: bool = False) -> Source:
         pieces = t.get("pieces")
         _need(isinstance(pieces, list), w, "needs a 'pieces' list")
         parsed = []
-        banded = layout == NATURAL and dim not in (None, 0)
+        banded = dim not in (None, 0)
         for p in pieces:
             _need(type(p) is dict and p.get("file") in files, w, lambda: f"piece names a file not in 'files': {p!r:.200}")
             start, stop = (p.get("start"), p.get("stop")) if dim is not None else (0, 0)
             _need(_int(start) and _int(stop) and (dim is None or start < stop <= shape[dim]), w,
                   lambda: f"piece range [{start}, {stop}) is not a non-empty range of dim length {shape[dim] if dim is not None else '-'}")
-            stored = stored_shape(shape, dim, start, stop, layout == NATURAL)
+            stored = stored_shape(shape, dim, start, stop)
             rows = stored[0] if stored else 1
-            k, digests = p.get("block_rows"), p.get(block_field)
+            k, digests = p.get("block_rows"), p.get("digests")
             _need(_int(k) and k >= 1 and type(digests) is list and len(digests) == -(-rows // k), w,
-                  lambda: f"piece in {p['file']}: block_rows / {block_field} list malformed")
+                  lambda: f"piece in {p['file']}: block_rows / digests list malformed")
             pool.append(digests)
             name = p.get("name", key)
             _need(type(name) is str and name != "__metadata__", w, lambda: f"piece in {p['file']}: bad stored name {name!r:.80}")
@@ -332,29 +337,28 @@ def _parse_raw(directory: str, where: str, raw, signed: bool = False) -> Source:
     if not _digest_pool_ok(pool, hex_len):  # the slow path names the first bad piece
         for key, t in tensors.items():
             for p in t["pieces"]:
-                for field in (block_field, "band_digests"):
+                for field in ("digests", "band_digests"):
                     _need(field not in p or _digest_list(p[field], len(p[field]), hex_len), f"{where}: tensor {key!r}",
                           lambda: f"piece in {p['file']}: {field} must be {hex_len}-character lowercase hex strings")
         _need(False, where, f"digest lists malformed (each must hold {hex_len}-character lowercase hex strings)")
-    if version >= 2 and not signed:  # after the structure, so a structural error keeps its precise message
+    if not signed:  # after the structure, so a structural error keeps its precise message
         digest = raw.get("index_sha256")
         _need(isinstance(digest, str) and digest == index_digest(raw), where,
               "index digest mismatch: index.json was edited or corrupted (its index_sha256 does not "
               "match its contents), so it cannot be trusted to say where bytes belong")
     info = {k: raw.get(k) for k in ("format", "version", "convention", "world_size", "block_bytes")}
     info["algorithm"] = algorithm
-    info["layout"] = layout
     return Source(directory, out, out_files, info)
 
 
 def build_index(world: int, convention: str, block_bytes: int, files: Dict[str, dict], tensors: Dict[str, dict],
-                algorithm: str = DEFAULT, layout: str = NATURAL) -> bytes:
+                algorithm: str = DEFAULT) -> bytes:
     """Serialise an index (see the module docstring for the fields)."""
     doc = {
         "format": FORMAT,
         "version": VERSION,
         "digest": algorithm,
-        "layout": layout,
+        "layout": NATURAL,
         "convention": convention,
         "world_size": world,
         "block_bytes": block_bytes,

@@ -70,17 +70,14 @@ def local_tensors(model: nn.Module, staging: Optional[Staging] = None) -> Dict[s
     return out
 
 
-def stored(t: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """How a piece is stored: in its natural layout, or with shard dim ``dim`` moved first
-    (``layout="shard-dim-first"``: pass the dim; None or 0 changes nothing).
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """A piece as it is stored (its natural layout) and as ``write_file`` takes it: on the CPU.
 
-    On the CPU this is a view (``write_file`` stages a non-contiguous one chunk by
-    chunk, no whole copy); a device tensor is rearranged on its device and copied
-    to the host.
+    On the CPU this is the tensor itself, detached (``write_file`` stages a
+    non-contiguous one through a reused buffer); a device tensor is made
+    contiguous on its device and copied to the host.
     """
     t = t.detach()
-    if dim:
-        t = t.movedim(dim, 0)
     return t if t.device.type == "cpu" else t.contiguous().to("cpu")
 
 

@@ -8,7 +8,6 @@ from typing import List, NamedTuple, Optional
 import torch
 from torch import nn
 
-from tplayers.checkpoint.fastcopy import copy_into
 from tplayers.checkpoint.format import CheckpointError, torch_dtype
 from tplayers.checkpoint.index import open_source
 from tplayers.checkpoint.layout import agree, local_tensors, world_info
@@ -142,36 +141,12 @@ def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast:
 
 
 def apply_copies(copies, bar: Progress) -> None:
-    """Write the staged sources into the model's tensors (the only step that changes the model).
-
-    Pieces of version 1-2 checkpoints sharded on a dim > 0 arrive transposed; :func:`copy_into`
-    takes torch's blocked 2-D transpose for them, whatever the destination's layout.
-    """
-    scratch: list = [None]  # one reused buffer for transposes into non-contiguous destinations
+    """Write the staged sources into the model's tensors (the only step that changes the model)."""
     with torch.no_grad():
         for dst, dest, t in copies:
-            box = dst[dest] if dest else dst
-            copy_into(box, to_device(t, box.device), scratch)
+            (dst[dest] if dest else dst).copy_(t)
             bar.update(t.numel() * t.element_size())
     bar.close()
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` with its memory layout kept: a transposed view of a stored piece is sent
-    as the contiguous block it is and transposed on the device, not rearranged on the host first.
-
-    >>> x = torch.arange(6.).reshape(3, 2).t()   # a transposed view
-    >>> torch.equal(to_device(x, torch.device("cpu")), x)
-    True
-    """
-    if t.device == device:
-        return t
-    order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
-    block = t.permute(order)
-    if not block.is_contiguous():
-        return t.to(device)
-    back = sorted(range(t.dim()), key=lambda i: order[i])
-    return block.to(device).permute(back)
 
 
 def _nbytes(copies) -> int:

@@ -13,7 +13,6 @@ import mmap
 
 import torch
 
-from tplayers.checkpoint.fastcopy import dense_from
 
 _LIBC = None
 
@@ -87,3 +86,18 @@ def advise_exact_read(t: torch.Tensor) -> None:
     run = rows.shape[1] * t.element_size()
     for i in range(rows.shape[0]):
         _madvise(rows[i].data_ptr(), run, mmap.MADV_WILLNEED)
+
+
+def dense_from(t: torch.Tensor, d: int) -> bool:
+    """The dims from ``d`` on are dense: ``t`` is a narrow along ``d`` of a contiguous tensor, or (``d = 1``)
+    rows of contiguous runs, such as a column band.
+
+    >>> dense_from(torch.zeros(4, 6)[:, 1:3], 1), dense_from(torch.zeros(4, 6).t(), 1)
+    (True, False)
+    """
+    expect = 1
+    for i in range(t.dim() - 1, d - 1, -1):
+        if t.shape[i] != 1 and t.stride(i) != expect:
+            return False
+        expect *= t.shape[i]
+    return True

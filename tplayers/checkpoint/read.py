@@ -4,13 +4,13 @@
 of dim ``dim``" from whatever pieces the checkpoint has, through
 one memory mapping per file (:class:`~tplayers.checkpoint.mapped.MappedFile`, the
 bytes ``safe_open(...).get_slice`` would read, as views). Pieces are stored in their natural layout
-(version 3; versions 1-2 moved the shard dim first), so a piece read whole, or
+(the tensor narrowed to the piece's range), so a piece read whole, or
 along dim 0, is one contiguous span, and part of the range of a piece sharded
 on a dim > 0 is part of each of its rows. With ``verify=True`` the read is
 widened to whole hashed row blocks, or for that last case to whole bands along
 the shard dim (at most one block or band extra at each end), and every block or
 band read is checked against its digest (the algorithm the index names:
-XXH3-128, or SHA-256 for older checkpoints): bytes that are read are verified,
+XXH3-128, or SHA-256 when saved with ``digest="sha256"``): bytes that are read are verified,
 and bytes that are not needed are not read.
 """
 
@@ -22,7 +22,6 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from tplayers.checkpoint.digest import DEFAULT, block_digest, file_hasher, label
-from tplayers.checkpoint.fastcopy import copy_into
 from tplayers.checkpoint.blocks import band_digests, row_blocks
 from tplayers.checkpoint.format import CheckpointError, read_header, torch_dtype
 from tplayers.checkpoint.index import Piece, Source, TensorEntry, stored_shape
@@ -41,7 +40,6 @@ class Part(NamedTuple):
     where: str  # "file: tensor 'key'" for messages
     piece: Piece
     dest: tuple  # slices of the requested box this part fills (``()``: all of it)
-    dim: Optional[int]  # a version 1-2 piece's shard dim (stored first; moved back on fetch), else None
     mapped: torch.Tensor  # the stored part to read, a view of the mapped file
     first_block: Optional[int]  # index of mapped's first hashed block or band; None: not verified
     trim: tuple  # slices of ``mapped`` that were asked for (``()``: all of it)
@@ -65,7 +63,6 @@ class Reader:
         self.source, self.verify = source, verify
         self.algorithm = source.info.get("algorithm") or DEFAULT
         self._digest = block_digest(self.algorithm) if source.files else None
-        self.natural = source.natural
         self.bytes_read = 0
         self.header_bytes = 0
         self._scratch: list = [None]  # reused for gathering bands
@@ -118,7 +115,7 @@ class Reader:
         for key in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
             entry, piece = expected[key]
             got = (tuple(header[key]["shape"]), header[key]["dtype"])
-            want = (stored_shape(entry.shape, entry.dim, piece.start, piece.stop, self.natural), entry.dtype)
+            want = (stored_shape(entry.shape, entry.dim, piece.start, piece.stop), entry.dtype)
             if got != want:
                 raise CheckpointError(f"{path}: tensor {key!r} is stored as {got}, the index says {want}")
             hexes.append("".join(piece.digests + (piece.band_digests or ())))
@@ -151,13 +148,11 @@ class Reader:
             ihi = [min(a, b) for a, b in zip(hi, phi)]
             if any(h <= l for l, h in zip(ilo, ihi)):
                 continue
-            moved = None if self.natural or entry.dim is None else entry.dim
-            order = list(range(nd)) if moved is None else [moved] + [g for g in range(nd) if g != moved]
-            want = [(ilo[g] - plo[g], ihi[g] - plo[g]) for g in order]  # stored coordinates
+            want = [(ilo[g] - plo[g], ihi[g] - plo[g]) for g in range(nd)]  # stored coordinates
             whole = ilo == lo and ihi == hi  # the part fills the requested box
             dest = () if whole else tuple(slice(ilo[g] - lo[g], ihi[g] - lo[g]) for g in range(nd))
-            band_dim = entry.dim if self.natural and p.band is not None else None
-            out.append(self._map_stored(key, p, want, dest, moved, band_dim))
+            band_dim = entry.dim if p.band is not None else None
+            out.append(self._map_stored(key, p, want, dest, band_dim))
         return out
 
     def fetch_all(self, parts: Sequence[Part], window: Optional[int] = None) -> Iterator[Tuple[Part, torch.Tensor]]:
@@ -192,12 +187,11 @@ class Reader:
         if dim is not None:
             shape[dim] = stop - start
         box = torch.empty(shape, dtype=torch_dtype(entry.dtype, key))
-        scratch: list = [None]
         for dest, t in self.read(key, dim, start, stop):
-            copy_into(box[dest] if dest else box, t, scratch)
+            (box[dest] if dest else box).copy_(t)
         return box
 
-    def _map_stored(self, key: str, p: Piece, want: List[Tuple[int, int]], dest: tuple, moved: Optional[int],
+    def _map_stored(self, key: str, p: Piece, want: List[Tuple[int, int]], dest: tuple,
                     band_dim: Optional[int]) -> Part:
         """Map ``want`` (a box in stored coordinates) of piece ``p``; when verifying, widened to the
         whole row blocks, or (a box narrowed along ``band_dim`` only) the whole bands, it touches."""
@@ -208,7 +202,7 @@ class Reader:
         if not want:  # a 0-d tensor
             t = f.box(stored_name, [])
             self.bytes_read += t.element_size()
-            return Part(key, where, p, dest, moved, t, 0 if verified else None, ())
+            return Part(key, where, p, dest, t, 0 if verified else None, ())
         shape = f.shape(stored_name)
         box, first, by_band = want, None, None
         if verified:
@@ -225,21 +219,17 @@ class Reader:
         t = f.box(stored_name, box)
         self.bytes_read += t.numel() * t.element_size()
         trim = () if box is want else tuple(slice(x - bx, y - bx) for (x, y), (bx, _) in zip(want, box))
-        return Part(key, where, p, dest, moved, t, first, trim, by_band)
+        return Part(key, where, p, dest, t, first, trim, by_band)
 
     def _check(self, part: Part) -> torch.Tensor:
-        """``part``'s tensor in the box's dim order, its blocks or bands checked against their digests."""
+        """``part``'s tensor (trimmed to what was asked for), its blocks or bands checked against their digests."""
         t = part.mapped
         if part.first_block is not None:
             if part.band_dim is None:
                 self._check_blocks(part.where, part.piece, t.contiguous(), part.first_block)
             else:
                 self._check_bands(part.where, part.piece, t, part.band_dim, part.first_block)
-        if part.trim:
-            t = t[part.trim]
-        if part.dim not in (None, 0):
-            t = t.movedim(0, part.dim)
-        return t
+        return t[part.trim] if part.trim else t
 
     def _check_bands(self, where: str, p: Piece, t: torch.Tensor, dim: int, first: int) -> None:
         for i, got in enumerate(band_digests(t, dim, p.band, self._digest, self._scratch)):

@@ -21,7 +21,7 @@ from torch import nn
 from tplayers.checkpoint.digest import DEFAULT, check_algorithm
 from tplayers.checkpoint.format import BLOCK_BYTES, CheckpointError, commit, fsync_dir, read_header, write_file
 from tplayers.checkpoint.gather import gather_state_dict
-from tplayers.checkpoint.index import FORMAT, INDEX_NAME, LAYOUTS, NATURAL, SHARD_DIM_FIRST, build_index
+from tplayers.checkpoint.index import FORMAT, INDEX_NAME, NATURAL, build_index
 from tplayers.checkpoint.layout import (
     GlobalTensor,
     agree,
@@ -64,7 +64,6 @@ def save_checkpoint(
     block_bytes: int = BLOCK_BYTES,
     digest: str = DEFAULT,
     optimizer=None,
-    layout: str = NATURAL,
 ) -> None:
     """Save ``model`` to ``path``; collective over the default process group (all ranks call it).
 
@@ -91,13 +90,6 @@ def save_checkpoint(
     (:mod:`tplayers.checkpoint.wrapped`). ``optimizer`` (sharded form only) also saves its
     per-parameter state, sharded like each parameter (:mod:`tplayers.checkpoint.optim`).
 
-    ``layout`` (sharded form): ``"natural"`` (default) stores every piece as it lies in
-    memory, so saving and loading at the same layout copy without transposing;
-    ``"shard-dim-first"`` stores a piece of a tensor sharded on a dim > 0 with that dim
-    moved first, so a rank loading at another world size reads one contiguous span of
-    it (the fewest disk bytes from a cold cache) at the cost of a transpose on save
-    and load (see :mod:`tplayers.checkpoint.index`).
-
     Example (``torchrun --nproc-per-node 2 train.py``)::
 
         tplayers.checkpoint.save_checkpoint(model, "ckpt/", optimizer=opt)
@@ -107,11 +99,6 @@ def save_checkpoint(
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
         raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
     check_algorithm(digest)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {list(LAYOUTS)}, got {layout!r}")
-    if consolidated and layout != NATURAL:
-        raise ValueError("save_checkpoint: layout applies to the sharded form only (consolidated=True writes "
-                         f"the serial model's tensors as they are); got layout={layout!r}")
     if consolidated and optimizer is not None:
         raise ValueError("save_checkpoint: optimizer state is saved in the sharded form only "
                          "(consolidated=True writes exactly the serial model's state_dict); got both")
@@ -130,10 +117,8 @@ def save_checkpoint(
     info, error = None, None
     try:
         os.makedirs(tmp, exist_ok=True)
-        moved = layout == SHARD_DIM_FIRST
-        items = [(name, stored(_piece(local[k], start, stop), local[k].spec.dim if moved else None), local[k].spec.dim)
-                 for k, start, stop, name in writes[rank]]
-        info = write_rank_file(tmp, rank, world, items, block_bytes, progress if rank == 0 else False, digest, layout)
+        items = [(name, stored(_piece(local[k], start, stop)), local[k].spec.dim) for k, start, stop, name in writes[rank]]
+        info = write_rank_file(tmp, rank, world, items, block_bytes, progress if rank == 0 else False, digest)
     except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, or peers hang
         error = f"{type(e).__name__}: {e}"
     infos = allgather_json({"info": info, "error": error})
@@ -144,7 +129,7 @@ def save_checkpoint(
             if failed:
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
-                old = finish_dir(tmp, path, world, tensors, [x["info"] for x in infos], block_bytes, digest, layout)
+                old = finish_dir(tmp, path, world, tensors, [x["info"] for x in infos], block_bytes, digest)
                 if old is not None:  # a directory's files are deleted by all ranks, anything else by rank 0
                     is_dir = os.path.isdir(old) and not os.path.islink(old)
                     old = {"path": old, "files": sorted(os.listdir(old)) if is_dir else None}
@@ -230,14 +215,13 @@ def remove_previous(path: str, files: Optional[Sequence[str]], rank: int, world:
 
 
 def write_rank_file(directory: str, rank: int, world: int, items, block_bytes: int, progress,
-                    algorithm: str = DEFAULT, layout: str = NATURAL) -> dict:
+                    algorithm: str = DEFAULT) -> dict:
     """Write one rank's pieces ``(stored name, stored tensor, shard dim or None)``; returns the facts
-    the index needs about the file. In the natural layout, pieces sharded on a dim > 0 are also hashed
-    in bands along it."""
+    the index needs about the file. Pieces sharded on a dim > 0 are also hashed in bands along it."""
     name = shard_file_name(rank, world)
     bar = Progress(sum(t.numel() * t.element_size() for _, t, _ in items), f"save {name}", progress)
-    meta = {"format": "tplayers.checkpoint", "layout": layout}
-    band_dims = {n: d for n, _, d in items if d not in (None, 0)} if layout == NATURAL else {}
+    meta = {"format": "tplayers.checkpoint", "layout": NATURAL}
+    band_dims = {n: d for n, _, d in items if d not in (None, 0)}
     size, digest, hashed = write_file(os.path.join(directory, name), [(n, t) for n, t, _ in items], meta,
                                       block_bytes=block_bytes, on_bytes=bar.update, algorithm=algorithm,
                                       band_dims=band_dims)
@@ -246,7 +230,7 @@ def write_rank_file(directory: str, rank: int, world: int, items, block_bytes: i
 
 
 def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor], infos: Sequence[dict], block_bytes: int,
-               algorithm: str = DEFAULT, layout: str = NATURAL) -> Optional[str]:
+               algorithm: str = DEFAULT) -> Optional[str]:
     """Write the index into ``tmp``, fsync it, and move ``tmp`` to ``path``; returns where the previous
     checkpoint now is (to be deleted), or None."""
     entries = {}
@@ -266,7 +250,7 @@ def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor]
     files = {x["file"]: {"size": x["size"], "digest": x["digest"]} for x in infos}
     index_path = os.path.join(tmp, INDEX_NAME)
     with open(index_path, "xb") as f:
-        f.write(build_index(world, CONVENTION, block_bytes, files, entries, algorithm, layout))
+        f.write(build_index(world, CONVENTION, block_bytes, files, entries, algorithm))
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from tplayers.comm import ops as _ops  # noqa: F401 - registers the tplayers:: custom ops
+from tplayers.comm.ops import ensure_comm_ops
 from tplayers.comm.accounting import record_collective
 from tplayers.sharding import offsets_from_sizes, shard_range, shard_sizes
 
@@ -63,6 +63,7 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, tag: str = "") -> 
     if torch.compiler.is_compiling():
         if dist.get_world_size(group) == 1:
             return x
+        ensure_comm_ops()
         return torch.ops.tplayers.all_reduce(x, group.group_name, tag)
     return _eager_all_reduce_sum(x, group, tag)
 
@@ -86,6 +87,7 @@ def all_gather_along_dim(
     the custom op ``tplayers::all_gather``.
     """
     if torch.compiler.is_compiling() and dist.get_world_size(group) > 1:
+        ensure_comm_ops()
         return torch.ops.tplayers.all_gather(x, dim % x.dim(), [int(s) for s in sizes], group.group_name, tag)
     return _eager_all_gather_along_dim(x, dim, sizes, group, tag)
 

@@ -9,7 +9,9 @@ as its name (``group.group_name``), which dynamo reads from the group object.
 The raw collectives of :mod:`tplayers.comm.collectives` switch to these ops
 while compiling (``torch.compiler.is_compiling()``), so every autograd Function
 built on them (forward and backward) traces into one graph; eager execution
-keeps calling ``torch.distributed`` directly (no dispatcher overhead).
+keeps calling ``torch.distributed`` directly (no dispatcher overhead). Importing
+this module registers nothing: the ops are registered on first use, by
+:func:`ensure_comm_ops` (see :mod:`tplayers.ops.registry`).
 
 Example::
 
@@ -28,8 +30,10 @@ from typing import List
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-__all__ = ["all_reduce_op", "all_gather_op", "halo_pad_op", "halo_adjoint_op", "format_code", "peer_code",
-           "halo_state"]
+from tplayers.ops.registry import OpSpec, register
+
+__all__ = ["ensure_comm_ops", "all_reduce_op", "all_gather_op", "halo_pad_op", "halo_adjoint_op", "format_code",
+           "peer_code", "halo_state"]
 
 _FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
 
@@ -56,7 +60,6 @@ def halo_state(dim: int, group_name: str, recv, send, n: int, lo: int, hi: int, 
     return HaloState(dim, _group(group_name), tuple(recv), tuple(send), n, peers, _FORMATS[grad_format])
 
 
-@torch.library.custom_op("tplayers::all_reduce", mutates_args=())
 def all_reduce_op(x: torch.Tensor, group_name: str, tag: str) -> torch.Tensor:
     """Sum of ``x`` over the group, in a new contiguous tensor."""
     from tplayers.comm.collectives import _eager_all_reduce_sum
@@ -64,12 +67,10 @@ def all_reduce_op(x: torch.Tensor, group_name: str, tag: str) -> torch.Tensor:
     return _eager_all_reduce_sum(x.clone(memory_format=torch.contiguous_format), _group(group_name), tag)
 
 
-@all_reduce_op.register_fake
-def _(x, group_name, tag):
+def _all_reduce_fake(x, group_name, tag):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("tplayers::all_gather", mutates_args=())
 def all_gather_op(x: torch.Tensor, dim: int, sizes: List[int], group_name: str, tag: str) -> torch.Tensor:
     """Every rank's ``x`` concatenated along ``dim`` (rank ``r`` holds ``sizes[r]`` rows)."""
     from tplayers.comm.collectives import _eager_all_gather_along_dim
@@ -77,14 +78,12 @@ def all_gather_op(x: torch.Tensor, dim: int, sizes: List[int], group_name: str, 
     return _eager_all_gather_along_dim(x, dim, sizes, _group(group_name), tag).contiguous()
 
 
-@all_gather_op.register_fake
-def _(x, dim, sizes, group_name, tag):
+def _all_gather_fake(x, dim, sizes, group_name, tag):
     shape = list(x.shape)
     shape[dim] = sum(sizes)
     return x.new_empty(shape)
 
 
-@torch.library.custom_op("tplayers::halo_pad", mutates_args=())
 def halo_pad_op(x: torch.Tensor, dim: int, group_name: str, recv: List[int], send: List[int], periodic: bool,
                 memory_format: int) -> torch.Tensor:
     """``x`` padded with its neighbours' rows along ``dim`` (see :func:`tplayers.domain.halo.halo_pad`)."""
@@ -93,14 +92,12 @@ def halo_pad_op(x: torch.Tensor, dim: int, group_name: str, recv: List[int], sen
     return halo_pad(x, dim, _group(group_name), tuple(recv), tuple(send), periodic, _FORMATS[memory_format])[0]
 
 
-@halo_pad_op.register_fake
-def _(x, dim, group_name, recv, send, periodic, memory_format):
+def _halo_pad_fake(x, dim, group_name, recv, send, periodic, memory_format):
     shape = list(x.shape)
     shape[dim] += recv[0] + recv[1]
     return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_FORMATS[memory_format])
 
 
-@torch.library.custom_op("tplayers::halo_adjoint", mutates_args=())
 def halo_adjoint_op(grad: torch.Tensor, dim: int, group_name: str, recv: List[int], send: List[int], n: int,
                     lo: int, hi: int, grad_format: int) -> torch.Tensor:
     """The adjoint of :func:`halo_pad_op`: halo gradients sent back and added into their owners' rows."""
@@ -109,8 +106,22 @@ def halo_adjoint_op(grad: torch.Tensor, dim: int, group_name: str, recv: List[in
     return halo_adjoint(grad, halo_state(dim, group_name, recv, send, n, lo, hi, grad_format))
 
 
-@halo_adjoint_op.register_fake
-def _(grad, dim, group_name, recv, send, n, lo, hi, grad_format):
+def _halo_adjoint_fake(grad, dim, group_name, recv, send, n, lo, hi, grad_format):
     shape = list(grad.shape)
     shape[dim] = n
     return torch.empty(shape, dtype=grad.dtype, device=grad.device, memory_format=_FORMATS[grad_format])
+
+
+_OPS = (
+    OpSpec("tplayers::all_reduce", all_reduce_op, _all_reduce_fake),
+    OpSpec("tplayers::all_gather", all_gather_op, _all_gather_fake),
+    OpSpec("tplayers::halo_pad", halo_pad_op, _halo_pad_fake),
+    OpSpec("tplayers::halo_adjoint", halo_adjoint_op, _halo_adjoint_fake),
+)
+
+
+@torch.compiler.assume_constant_result
+def ensure_comm_ops() -> bool:
+    """Register ``tplayers::all_reduce``, ``all_gather``, ``halo_pad`` and ``halo_adjoint`` unless they
+    are registered already (idempotent); called right before one of them is used while compiling."""
+    return register(_OPS)

@@ -64,18 +64,14 @@ Pair = Tuple[int, int]
 # channels-last layout of a 4-D / 5-D tensor (the input gradient keeps the input's layout)
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
-# Tags keep the two directions apart when both neighbours are the same rank (2 ranks, periodic);
-# _TAG_EXTRA marks a caller's extra message riding in the same batch (see ``_swap``'s ``extra``).
-_TAG_DOWN, _TAG_UP, _TAG_EXTRA = 17, 18, 19
+# Tags keep the two directions apart when both neighbours are the same rank (2 ranks, periodic).
+_TAG_DOWN, _TAG_UP = 17, 18
 # A second exchange in flight together with a first one (see ``halo_pad``'s ``second``)
 _TAG_DOWN2, _TAG_UP2 = 20, 21
 
-# ``(send, recv, peer, tag)``: one more message to and from ``peer`` posted in the same batch.
-Extra = Tuple[torch.Tensor, torch.Tensor, int, str]
-
 
 def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, from_lo: int,
-          route: "HaloRoute", tag: str, during: Optional[Callable[[], None]] = None, extra: Optional[Extra] = None,
+          route: "HaloRoute", tag: str, during: Optional[Callable[[], None]] = None,
           tags: Tuple[int, int] = (_TAG_DOWN, _TAG_UP)) -> Tuple[torch.Tensor, int]:
     """Send face ``to_lo`` of ``src`` to the low neighbour and ``to_hi`` to the high one (``route``);
     receive ``from_hi`` rows from the high neighbour and ``from_lo`` rows from the low one.
@@ -87,11 +83,6 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
 
     ``tags``: the message tags of the two directions (another pair lets a second exchange be in
     flight with the same neighbours at once, e.g. nested in this one's ``during``).
-    ``extra = (send, recv, peer, tag)`` (optional) also sends ``send`` to ``peer`` and fills
-    ``recv`` from it. It rides on a face message to ``peer`` when there is one (appended to the
-    message sent down, else prepended to the one sent up), so it costs no message of its own;
-    the receiver finds it by the same rule from its facing widths (its ``from_hi`` is the peer's
-    ``to_lo``), otherwise it travels as a message of its own.
     """
     tag_down, tag_up = tags  # distinct pairs keep two batches in flight together apart
     (lo, hi), (lo_g, hi_g), group_size = route.peers, route.local, route.size
@@ -102,53 +93,25 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     if hi is not None and to_hi[1]:
         faces.append(to_hi)
     sendbuf = pack_faces(src, dim, faces)
-    n_lo_send = row * to_lo[1] if lo is not None else 0
     n_lo_recv = row * from_lo if lo is not None else 0
     n_hi_recv = row * from_hi if hi is not None else 0
-    ne, ride_send, ride_recv = 0, None, None
-    if extra is not None:
-        esend, erecv, epeer, etag = extra
-        assert esend.dtype == src.dtype and erecv.numel() == esend.numel()
-        ne = esend.numel()
-        ride_send = (tag_down if lo == epeer and n_lo_send else
-                     tag_up if hi == epeer and to_hi[1] and row else None)
-        ride_recv = tag_down if hi == epeer and n_hi_recv else tag_up if lo == epeer and n_lo_recv else None
-        if ride_send is not None:  # [face to lo | extra | face to hi]
-            sendbuf = torch.cat([sendbuf[:n_lo_send], esend, sendbuf[n_lo_send:]])
-    # receive layout: [extra | from lo | from hi] when it rides up, [from lo | from hi | extra] when down
-    raw = src.new_empty(n_lo_recv + n_hi_recv + (ne if ride_recv is not None else 0))
-    first = ne if ride_recv == tag_up else 0
-    recvbuf = raw if ride_recv is None else raw[first : first + n_lo_recv + n_hi_recv]
+    recvbuf = src.new_empty(n_lo_recv + n_hi_recv)  # [from lo | from hi]
     sends, recvs, offset = [], [], 0  # (tensor, the peer's rank in the group, tag)
     for peer, face, ptag in ((lo_g, to_lo, tag_down), (hi_g, to_hi, tag_up)):
         if peer is not None and face[1] and row:  # empty messages are skipped on both sides
-            size = row * face[1] + (ne if ptag == ride_send else 0)
+            size = row * face[1]
             part = sendbuf if size == sendbuf.numel() else sendbuf[offset : offset + size]  # one message: no slice
             offset += size
-            record_collective("send", row * face[1] * part.element_size(), group_size, tag)
+            record_collective("send", size * part.element_size(), group_size, tag)
             sends.append((part, peer, ptag))
     # Receive from hi what it sent down, and from lo what it sent up: same order everywhere.
     if n_hi_recv:
-        record_collective("recv", n_hi_recv * raw.element_size(), group_size, tag)
-        end = raw.numel() if ride_recv == tag_down else first + n_lo_recv + n_hi_recv
-        start = first + n_lo_recv
-        recvs.append((raw if start == 0 and end == raw.numel() else raw[start:end], hi_g, tag_down))
+        record_collective("recv", n_hi_recv * recvbuf.element_size(), group_size, tag)
+        recvs.append((recvbuf if not n_lo_recv else recvbuf[n_lo_recv:], hi_g, tag_down))
     if n_lo_recv:
-        record_collective("recv", n_lo_recv * raw.element_size(), group_size, tag)
-        end = first + n_lo_recv
-        recvs.append((raw if end == raw.numel() else raw[:end], lo_g, tag_up))
-    if extra is not None:
-        record_collective("send", ne * esend.element_size(), group_size, etag)
-        record_collective("recv", ne * erecv.element_size(), group_size, etag)
-        if ride_send is None or ride_recv is None:
-            epeer_g = lo_g if epeer == lo else hi_g if epeer == hi else dist.get_group_rank(route.group, epeer)
-            if ride_send is None:
-                sends.append((esend, epeer_g, _TAG_EXTRA))
-            if ride_recv is None:
-                recvs.append((erecv, epeer_g, _TAG_EXTRA))
+        record_collective("recv", n_lo_recv * recvbuf.element_size(), group_size, tag)
+        recvs.append((recvbuf if not n_hi_recv else recvbuf[:n_lo_recv], lo_g, tag_up))
     exchange_p2p(route.group, sends, recvs, route.direct, during)
-    if ride_recv is not None:
-        erecv.copy_(raw[:ne] if ride_recv == tag_up else raw[first + n_lo_recv + n_hi_recv :])
     del sendbuf  # complete: safe to release
     return recvbuf, n_lo_recv
 
@@ -210,8 +173,9 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
     """
     state = halo_state(x, dim, group, recv, send, periodic, route)
     if torch.compiler.is_compiling():
-        from tplayers.comm.ops import format_code
+        from tplayers.comm.ops import ensure_comm_ops, format_code
 
+        ensure_comm_ops()
         out = torch.ops.tplayers.halo_pad(x, dim, group.group_name, list(recv), list(send), bool(periodic),
                                           format_code(memory_format))
         if during is not None:
@@ -254,8 +218,7 @@ def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_fo
 
 
 def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable[[], None]] = None,
-                 extra: Optional[Extra] = None,
-                 into_own: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
+                 into_own: Optional[Callable[[torch.Tensor], None]] = None, owned: bool = False) -> torch.Tensor:
     """Backward of :class:`HaloExchange1d`: the gradient of ``x`` from the padded tensor's ``grad``.
 
     ``during`` (optional) runs after the messages are posted and before they are
@@ -263,24 +226,29 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
     ``into_own(grad_x)`` (optional, eager only) runs in the same window with the own rows'
     gradient (``grad``'s own rows, before the neighbours' halo gradients are added) to add more
     into it in place (e.g. a convolution's interior rows, computed while the halo gradients fly).
-    ``extra = (send, recv, peer, tag)`` (optional, not with a group of size 1) sends
-    ``send`` to ``peer`` and fills ``recv`` from it in the same batch as the halo gradients.
-    While compiling, the adjoint without ``extra`` is the custom op ``tplayers::halo_adjoint``
+    ``owned=True`` (eager only): ``grad`` is a fresh buffer of the caller's, which nothing else
+    reads (a convolution's input gradient); when it is laid out in the input's layout, the result
+    is the view of its own rows with the halo gradients added in place, instead of a copy of them
+    (the same values: the halo rows that travel are packed before any own row changes).
+    While compiling, the adjoint is the custom op ``tplayers::halo_adjoint``
     (``during`` then runs before it).
     """
-    if torch.compiler.is_compiling() and extra is None:
+    if torch.compiler.is_compiling():
         assert into_own is None, "into_own is eager only: add into the padded gradient before the op"
-        from tplayers.comm.ops import format_code, peer_code
+        from tplayers.comm.ops import ensure_comm_ops, format_code, peer_code
 
         if during is not None:
             during()
+        ensure_comm_ops()
         return torch.ops.tplayers.halo_adjoint(grad, state.dim, state.group.group_name, list(state.recv),
                                                list(state.send), state.n, peer_code(state.peers[0]),
                                                peer_code(state.peers[1]), format_code(state.grad_format))
     route = state.resolved()
     dim, n, (lo, hi), size = state.dim, state.n, route.peers, route.size
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
-    grad_x = grad.narrow(dim, r_lo, n).clone(memory_format=state.grad_format)
+    grad_x = grad.narrow(dim, r_lo, n)
+    if not (owned and grad.is_contiguous(memory_format=state.grad_format)):
+        grad_x = grad_x.clone(memory_format=state.grad_format)
     if into_own is not None:
         def window(outer=during):
             if outer is not None:
@@ -289,14 +257,13 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
 
         during = window
     if size == 1 and lo is not None:  # periodic onto itself
-        assert extra is None, "no peer to exchange the extra message with"
         if during is not None:
             during()
         grad_x.narrow(dim, n - r_lo, r_lo).add_(grad.narrow(dim, 0, r_lo))
         grad_x.narrow(dim, 0, r_hi).add_(grad.narrow(dim, r_lo + n, r_hi))
         return grad_x
     # Adjoint of the forward swap: halo gradients travel back the way the rows came.
-    buf, _ = _swap(grad, dim, (0, r_lo), (r_lo + n, r_hi), s_hi, s_lo, route, "halo.bwd", during, extra)
+    buf, _ = _swap(grad, dim, (0, r_lo), (r_lo + n, r_hi), s_hi, s_lo, route, "halo.bwd", during)
     faces = []
     if lo is not None and s_lo:
         faces.append((0, s_lo))

@@ -2,9 +2,8 @@
 
 The last sharded dim's halo exchange and the local convolution form one
 Function so that the backward can overlap the parameter-gradient sum with the
-adjoint halo messages (on a 1-D mesh of 2 ranks the sum is one exchange with
-the peer riding in the halo batch, :func:`_pair_backward`; otherwise an async
-all-reduce posted with the halo messages, :func:`_reduce_backward`).
+adjoint halo messages (an async all-reduce posted with the halo messages,
+:func:`_reduce_backward`, on any number of ranks).
 
 Activation checkpointing / ``torch.compile`` friendly: the Function keeps no
 autograd graph on ``ctx``; it saves the halo-padded input and the weight with
@@ -21,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from tplayers.comm import all_reduce_sum, record_collective
-from tplayers.comm.collectives import exchange_p2p
 from tplayers.domain.halo import halo_adjoint, halo_pad
 from tplayers.domain.route import HaloRoute, halo_route
 from tplayers.domain.window_plan import AxisPlan
+from tplayers.ops.registry import OpSpec, register
 
 __all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "halo_conv", "in_format"]
 
@@ -55,15 +54,13 @@ class ConvSpec:
     order: "_Order" = field(init=False, repr=False)  # the convolution on spatially permuted views
     route: HaloRoute = field(init=False, repr=False)  # the fused dim's neighbours
     live_groups: tuple = field(init=False, repr=False)  # reduce_groups of more than one rank
-    pair: bool = field(init=False, repr=False)  # the parameter-gradient sum is one exchange with the halo peer
     empty: bool = field(init=False, repr=False)  # this rank owns no output rows
+    padded: "PadBuffer" = field(init=False, repr=False)  # the halo-padded input's buffer, reused when free
 
     def __post_init__(self):
         derived = {"order": _Order(self), "route": halo_route(self.group, self.periodic),
                    "live_groups": tuple(g for g in self.reduce_groups if dist.get_world_size(g) > 1),
-                   "empty": 0 in self.out_shape}
-        derived["pair"] = (len(derived["live_groups"]) == 1 and derived["live_groups"][0] is self.group
-                           and derived["route"].size == 2)
+                   "empty": 0 in self.out_shape, "padded": PadBuffer()}
         for name, value in derived.items():
             object.__setattr__(self, name, value)  # frozen: set once, at construction
 
@@ -111,16 +108,20 @@ class HaloConvFunction(torch.autograd.Function):
     a zero-strided zeros tensor of the output's shape, whose gradient is the convolution's output
     gradient (:class:`_ConvCompute` passes it back) /
     backward: the convolution's backward; then the adjoint halo exchange runs while the weight and
-    bias gradients are summed over the domain (2 ranks: one peer exchange inside the halo batch;
-    else an async all-reduce overlapping it, and one more all-reduce per further mesh dim).
+    bias gradients are summed over the domain (an async all-reduce overlapping it, and one more
+    all-reduce per further mesh dim).
     A rank owning no output rows takes part in every collective with zero contributions.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, spec: ConvSpec):
         p = spec.plan
+        eager = not torch.compiler.is_compiling()
+        out = spec.padded.take(x, spec.dim, p.recv, spec.memory_format) if eager else None
         xp, ctx.state = halo_pad(x, spec.dim, spec.group, p.recv, p.send, spec.periodic, spec.memory_format,
-                                 route=spec.route)
+                                 out=out, route=spec.route)
+        if eager:
+            spec.padded.keep(xp)
         ctx.save_for_backward(xp, weight)
         ctx.spec, ctx.has_bias = spec, bias is not None
         ctx.mark_non_differentiable(xp)
@@ -164,10 +165,8 @@ class HaloConvFunction(torch.autograd.Function):
         state = ctx.state
         if torch.compiler.is_compiling():  # one registered op: adjoint halo + parameter-gradient sum
             grad_x, flat = _compiled_backward(gxp, flat, state, groups)
-        elif params and spec.pair:
-            grad_x = _pair_backward(gxp, flat, state)
-        else:
-            grad_x = _reduce_backward(gxp, flat, state, groups)
+        else:  # gxp: convolution_backward's fresh input gradient (or views of it), read by nothing else
+            grad_x = _reduce_backward(gxp, flat, state, groups, owned=True)
         offset = 0
         if need_w:
             gw = flat[: weight.numel()].view_as(weight)
@@ -175,6 +174,44 @@ class HaloConvFunction(torch.autograd.Function):
         if need_b:
             gb = flat[offset : offset + weight.shape[0]]
         return grad_x, gw if need_w else None, gb if need_b else None, None
+
+
+#: The number of references to a tensor's storage (``None`` where this PyTorch lacks it: no reuse).
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class PadBuffer:
+    """The halo-padded input of the last forward, kept to be filled again by the next one.
+
+    A fresh padded buffer per step costs page faults on every step (a large block comes from new
+    pages: ~8 ms per 17 MB here, 2-3% of a compute-bound step); the floor, a convolution of a
+    standing tensor, pays none. The buffer is handed out again only when nothing else holds its
+    storage (the previous step's backward has run and released it, or its graph is gone):
+    autograd's saved copy counts as a holder, so a second forward before the backward (a layer
+    applied twice, activation checkpointing, ``retain_graph``) gets a new buffer, and the values
+    are exactly those of a fresh one (every row is written: own rows, halos, boundary zeros).
+    It holds one padded input per layer and layout between steps (what a step needs anyway);
+    ``reset_layouts`` drops it with the layout.
+    """
+
+    def __init__(self) -> None:
+        self.tensor: Optional[torch.Tensor] = None
+
+    def take(self, x: torch.Tensor, dim: int, recv: Tuple[int, int], memory_format) -> Optional[torch.Tensor]:
+        """The kept buffer when it fits ``x`` padded by ``recv`` along ``dim`` and is free, else None."""
+        t = self.tensor
+        if t is None or _storage_use_count is None:
+            return None
+        shape = list(x.shape)
+        shape[dim] += recv[0] + recv[1]
+        if (list(t.shape) != shape or t.dtype != x.dtype or t.device != x.device
+                or not t.is_contiguous(memory_format=memory_format)):
+            return None
+        # our tensor and the temporary storage object are the only holders: no graph reads it
+        return t if _storage_use_count(t.untyped_storage()._cdata) == 2 else None
+
+    def keep(self, xp: torch.Tensor) -> None:
+        self.tensor = xp.detach()
 
 
 class _Order:
@@ -215,31 +252,10 @@ def conv_order(local_shape: Tuple[int, ...], like: torch.Tensor) -> Optional[Tup
     return order
 
 
-def _pair_backward(grad_xp: Optional[torch.Tensor], flat: torch.Tensor, state) -> Optional[torch.Tensor]:
-    """Two ranks: the parameter-gradient sum is one exchange with the peer (send mine, receive
-    theirs, add), carried in the same batch as the adjoint halo messages: one round trip.
-
-    ``mine + theirs`` on one rank and ``theirs + mine`` on the other are the same float sum,
-    so both ranks hold bitwise-identical gradients (as an all-reduce would give them).
-    """
-    route = state.resolved()
-    side = 1 if route.peers[1] is not None else 0  # the peer: the high neighbour, else the low one
-    peer, peer_g = route.peers[side], route.local[side]
-    theirs = torch.empty_like(flat)
-    if grad_xp is not None:
-        grad_x = halo_adjoint(grad_xp, state, extra=(flat, theirs, peer, "conv.param_grads"))
-    else:
-        grad_x = None
-        nbytes = flat.numel() * flat.element_size()
-        record_collective("send", nbytes, 2, "conv.param_grads")
-        record_collective("recv", nbytes, 2, "conv.param_grads")
-        exchange_p2p(route.group, [(flat, peer_g, 0)], [(theirs, peer_g, 0)], route.direct)
-    flat.add_(theirs)
-    return grad_x
-
-
-def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups) -> Optional[torch.Tensor]:
-    """General case: an async all-reduce over the first group, posted after the halo messages and
+def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups,
+                     owned: bool = False) -> Optional[torch.Tensor]:
+    """The adjoint halo exchange of ``grad_xp`` (``owned``: see :func:`~tplayers.domain.halo.halo_adjoint`)
+    with an async all-reduce of ``flat`` over the first group, posted after the halo messages and
     waited after them; one blocking all-reduce per further mesh dim."""
     pending = []
 
@@ -251,7 +267,7 @@ def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tenso
 
     grad_x = None
     if grad_xp is not None:
-        grad_x = halo_adjoint(grad_xp, state, during=start_reduce)
+        grad_x = halo_adjoint(grad_xp, state, during=start_reduce, owned=owned)
     else:
         start_reduce()
     for work in pending:
@@ -269,6 +285,7 @@ def _compiled_backward(gxp, flat, state, groups):
     from tplayers.comm.ops import format_code, peer_code
 
     has_x = gxp is not None
+    _ensure_conv_ops()
     grad_x, summed = torch.ops.tplayers.halo_conv_backward(
         gxp if has_x else flat.new_empty(0), flat, has_x, state.dim, state.group.group_name, list(state.recv),
         list(state.send), state.n, peer_code(state.peers[0]), peer_code(state.peers[1]),
@@ -276,7 +293,6 @@ def _compiled_backward(gxp, flat, state, groups):
     return (grad_x if has_x else None), summed
 
 
-@torch.library.custom_op("tplayers::halo_conv_backward", mutates_args=())
 def _halo_conv_backward_op(gxp: torch.Tensor, flat: torch.Tensor, has_x: bool, dim: int, group_name: str,
                            recv: List[int], send: List[int], n: int, lo: int, hi: int, grad_format: int,
                            reduce0: str, reduce1: str) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -287,15 +303,11 @@ def _halo_conv_backward_op(gxp: torch.Tensor, flat: torch.Tensor, has_x: bool, d
     groups = [_group(name) for name in (reduce0, reduce1) if name]  # a mesh has at most 2 dims
     flat = flat.clone()  # reduced in place below; the op's input stays untouched
     gxp = gxp if has_x else None
-    if len(groups) == 1 and groups[0] is state.group and dist.get_world_size(groups[0]) == 2:
-        grad_x = _pair_backward(gxp, flat, state)
-    else:
-        grad_x = _reduce_backward(gxp, flat, state, groups)
+    grad_x = _reduce_backward(gxp, flat, state, groups)
     return (grad_x if has_x else flat.new_empty(0)), flat
 
 
-@_halo_conv_backward_op.register_fake
-def _(gxp, flat, has_x, dim, group_name, recv, send, n, lo, hi, grad_format, reduce0, reduce1):
+def _halo_conv_backward_fake(gxp, flat, has_x, dim, group_name, recv, send, n, lo, hi, grad_format, reduce0, reduce1):
     from tplayers.comm.ops import _FORMATS
 
     if has_x:
@@ -305,3 +317,9 @@ def _(gxp, flat, has_x, dim, group_name, recv, send, n, lo, hi, grad_format, red
     else:
         grad_x = flat.new_empty(0)
     return grad_x, torch.empty_like(flat)
+
+
+@torch.compiler.assume_constant_result
+def _ensure_conv_ops() -> bool:
+    """Register ``tplayers::halo_conv_backward`` on first use (idempotent; see :mod:`tplayers.ops.registry`)."""
+    return register([OpSpec("tplayers::halo_conv_backward", _halo_conv_backward_op, _halo_conv_backward_fake)])

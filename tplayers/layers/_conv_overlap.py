@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tplayers.domain.halo import HaloState, halo_adjoint, halo_pad, halo_state
-from tplayers.layers._conv_fn import ConvSpec, _compiled_backward, _Order, _pair_backward, _reduce_backward, in_format
+from tplayers.layers._conv_fn import ConvSpec, _compiled_backward, _Order, _reduce_backward, in_format
 from tplayers.domain.window_plan import RowSplit, split_rows
 
 __all__ = ["HaloConvOverlap", "HaloConvSave", "conv_split", "overlapped_conv", "overlapped_forward"]
@@ -117,8 +117,8 @@ class HaloConvSave(torch.autograd.Function):
     """forward: saves the local input and the weight; returns ``token``, zero-strided zeros of the
     output's shape whose gradient is the convolution's output gradient /
     backward: the overlapped backward (module doc): adjoint halo and the input's faces again in one
-    window with the interior's gradients; then the parameter-gradient sum over the domain (its own
-    exchange with the peer on 2 ranks, else all-reduce(s)). A rank owning no output rows takes part
+    window with the interior's gradients; then the parameter-gradient sum over the domain
+    (all-reduce(s)). A rank owning no output rows takes part
     in every exchange with zero contributions.
     """
 
@@ -146,8 +146,6 @@ class HaloConvSave(torch.autograd.Function):
         groups = [g for g in spec.reduce_groups if dist.get_world_size(g) > 1] if params else []
         if torch.compiler.is_compiling():
             _, flat = _compiled_backward(None, flat, state, groups)
-        elif len(groups) == 1 and groups[0] is state.group and dist.get_world_size(groups[0]) == 2:
-            _pair_backward(None, flat, state)
         elif groups:
             _reduce_backward(None, flat, state, groups)
         gw = flat[: weight.numel()].view_as(weight) if need_w else None

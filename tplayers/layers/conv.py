@@ -29,7 +29,6 @@ import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -220,16 +219,12 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
         halo = [f"halo send/recv (dim {d})" for d in self.shard_dims]
-        pair = len(self._groups) == 1 and dist.get_world_size(self._groups[0]) == 2
         if not self.overlap_halo:
-            if pair:
-                return halo, [f"halo send/recv (dim {self.shard_dims[0]}) carrying the weight+bias grads"]
             return halo, halo + ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
         last = self.shard_dims[-1]
         backward = [f"halo send/recv (dim {last}): halo grads and the input's faces again, in flight together"]
         backward += halo[:-1]
-        backward += ["send/recv with the peer (weight+bias grads)"] if pair else \
-            ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
+        backward += ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
         return halo, backward
 
     def extra_repr(self) -> str:

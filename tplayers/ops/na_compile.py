@@ -7,7 +7,9 @@ instead: each is one opaque node of the graph, its arguments the tensors and the
 ints; the eager body builds (and caches) the same tables and runs the same kernel as eager
 mode (the compiled C kernel of :mod:`~tplayers.ops.na_cpu` for fp32/fp64 CPU tensors, else the
 tile kernel), so the results are bitwise those of eager mode. ``tplayers::na2d_tiles`` is the forward,
-``tplayers::na2d_tiles_backward`` its backward (registered as its autograd formula).
+``tplayers::na2d_tiles_backward`` its backward (registered as its autograd formula). Importing this
+module registers nothing: :func:`ensure_na_ops` registers both on first use (idempotent; see
+:mod:`tplayers.ops.registry`).
 
 Example::
 
@@ -26,15 +28,15 @@ import torch
 from tplayers.ops import na_cpu
 from tplayers.ops.na_geometry import merged_kernel
 from tplayers.ops.na_kernel import TileAttention, tile_backward, tile_plans
+from tplayers.ops.registry import OpSpec, register
 
-__all__ = ["na2d_tiles"]
+__all__ = ["na2d_tiles", "ensure_na_ops"]
 
 
 def _table(table: torch.Tensor) -> Optional[torch.Tensor]:
     return table if table.numel() else None  # an empty tensor stands for "no bias" in the schemas
 
 
-@torch.library.custom_op("tplayers::na2d_tiles", mutates_args=())
 def na2d_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, geo: List[int],
                scale: float, heads: int) -> torch.Tensor:
     """The tile kernel's forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major,
@@ -46,12 +48,10 @@ def na2d_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.T
         return TileAttention.apply(q, k, v, _table(table), plan, plan_bwd, scale, heads)
 
 
-@na2d_tiles.register_fake
-def _(q, k, v, table, geo, scale, heads):
+def _na2d_tiles_fake(q, k, v, table, geo, scale, heads):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
-@torch.library.custom_op("tplayers::na2d_tiles_backward", mutates_args=())
 def na2d_tiles_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         table: torch.Tensor, out: torch.Tensor, geo: List[int], scale: float,
                         heads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,8 +66,7 @@ def na2d_tiles_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     return dq, dk, dv, (dt if tab is not None else table.new_empty(0))
 
 
-@na2d_tiles_backward.register_fake
-def _(grad_out, q, k, v, table, out, geo, scale, heads):
+def _na2d_tiles_backward_fake(grad_out, q, k, v, table, out, geo, scale, heads):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(table)
 
 
@@ -84,4 +83,13 @@ def _backward(ctx, grad):
     return dq, dk, dv, (dt if table.numel() else None), None, None, None
 
 
-na2d_tiles.register_autograd(_backward, setup_context=_setup)
+_OPS = (
+    OpSpec("tplayers::na2d_tiles", na2d_tiles, _na2d_tiles_fake, (_backward, _setup)),
+    OpSpec("tplayers::na2d_tiles_backward", na2d_tiles_backward, _na2d_tiles_backward_fake),
+)
+
+
+@torch.compiler.assume_constant_result
+def ensure_na_ops() -> bool:
+    """Register ``tplayers::na2d_tiles`` and its backward unless they are registered already."""
+    return register(_OPS)

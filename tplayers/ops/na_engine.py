@@ -113,7 +113,9 @@ def neighborhood_attention(
 
     out_shape = (*q.shape[:-1], -1)
     if torch.compiler.is_compiling():  # the tables are built inside one registered op (see na_compile)
-        import tplayers.ops.na_compile  # noqa: F401  (registers tplayers::na2d_tiles)
+        from tplayers.ops.na_compile import ensure_na_ops
+
+        ensure_na_ops()  # registers tplayers::na2d_tiles on first use (nothing at import)
 
         table = rel_pos_bias if rel_pos_bias is not None else q.new_empty(0)
         out = torch.ops.tplayers.na2d_tiles(pixels(q), pixels(k), pixels(v), table, geo, scale, heads)
