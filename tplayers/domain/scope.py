@@ -141,12 +141,13 @@ class _PathHook:
         self.name = name
 
     def pre(self, module, args):
+        if torch.compiler.is_compiling():
+            return
         g = active_guard()
 
         if g is not None:
             g.where.append(self.name)
-        elif (torch._C._current_graph_task_id() != -1 and not torch.compiler.is_compiling()
-              and not isinstance(module, RegionAware)):  # a twin runs with the guard stepped aside
+        elif torch._C._current_graph_task_id() != -1 and not isinstance(module, RegionAware):  # a twin runs with the guard stepped aside
             # a region's submodule re-run during backward (activation checkpointing inside the region):
             # the guard is not active there, so routed ops and gradient sums would silently change
             raise ValueError(
@@ -155,6 +156,8 @@ class _PathHook:
                 "module instead (its recomputation re-enters the guard)")
 
     def post(self, module, args, output):
+        if torch.compiler.is_compiling():
+            return
         g = active_guard()
         if g is not None and len(g.where) > 1 and g.where[-1] == self.name:
             g.where.pop()

@@ -126,7 +126,8 @@ class DomainLayer(ShardedModule):
         name = type(self).__name__
         is_tensor = isinstance(x, torch.Tensor)
         if is_tensor and torch.compiler.is_compiling() and not layout_priming():  # shape arithmetic stays out of the graph
-            self._prime_layout(tuple(x.shape), x.dtype, x.device, None if ref is None else ref.dtype)
+            self._prime_layout(tuple(int(s) for s in x.shape), x.dtype, x.device,  # int(): never symbolic
+                               None if ref is None else ref.dtype)
         key = (tuple(x.shape), x.dtype, x.device) if is_tensor else None  # a bad input still joins the exchange
         if key in self._layouts:
             return self._layouts[key]

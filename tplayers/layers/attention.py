@@ -184,7 +184,7 @@ class NeighborhoodAttention(ShardedModule):
 
     def _layout(self, x: torch.Tensor) -> _Layout:
         if isinstance(x, torch.Tensor) and torch.compiler.is_compiling() and not layout_priming():
-            self._prime_layout(tuple(x.shape), x.dtype, x.device)  # the exchange stays out of the graph
+            self._prime_layout(tuple(int(s) for s in x.shape), x.dtype, x.device)  # the exchange stays out of the graph (int(): shapes specialised, never symbolic)
         key = tuple(x.shape) if isinstance(x, torch.Tensor) else None  # a bad input still joins the exchange
         if key in self._layouts:
             # Cached layout: every rank skips the exchange alike; the per-call checks stay local
