@@ -93,3 +93,25 @@ def same_layout(local: torch.Tensor, ref: torch.Tensor) -> bool:
     both layouts at once (ambiguous) matches either."""
     a, b = memory_layout(local), memory_layout(ref)
     return a == b or "both" in (a, b)
+
+
+def local_slice(x: torch.Tensor, dims, layouts, coords) -> torch.Tensor:
+    """This rank's block of the global ``x``: ``layouts[i]`` are the shard sizes of dim ``dims[i]``
+    and ``coords[i]`` this rank's position along that mesh dim."""
+    for d, sizes, c in zip(dims, layouts, coords):
+        x = x.narrow(d, sum(sizes[:c]), sizes[c])
+    return x
+
+
+def backward_step_match(loss_s, loss_p, xs, xl, local, serial, parallel, opt_s, opt_p, *, buffers=True, **tol):
+    """Backward both losses, then check the input gradient (``local`` maps the serial one to this
+    rank's block), every parameter gradient, one optimizer step and (``buffers``) every buffer."""
+    torch.testing.assert_close(loss_p, loss_s, **tol)
+    loss_s.backward(), loss_p.backward()
+    torch.testing.assert_close(xl.grad, local(xs.grad), **tol)
+    assert_params_match(parallel, serial, grads=True, **tol)
+    opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
+    assert_params_match(parallel, serial, grads=False, **tol)
+    if buffers:
+        for (n, b), r in zip(parallel.named_buffers(), serial.buffers()):
+            torch.testing.assert_close(b, r, msg=lambda m: f"buffer {n}: {m}", **tol)

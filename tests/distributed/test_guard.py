@@ -15,16 +15,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
 from harness import run_ranks
-from oracle import assert_params_match
+from oracle import backward_step_match, local_slice
 
 TIGHT = dict(rtol=1e-9, atol=1e-11)
 
 
-def _local(x, dims, layouts, coords):
-    for d, sizes, c in zip(dims, layouts, coords):
-        start = sum(sizes[:c])
-        x = x.narrow(d, start, sizes[c])
-    return x
+_local = local_slice
 
 
 class Functional(nn.Module):
@@ -116,14 +112,8 @@ def _parity(rank, world, kind, mesh_shape, layouts, other):
         ys, yl = serial(xs), parallel(xl)
         torch.testing.assert_close(yl, ys, **TIGHT)  # replicated output
         labels = torch.randint(0, 3, (3,))
-        loss_s, loss_p = F.cross_entropy(ys, labels), F.cross_entropy(yl, labels)
-        loss_s.backward(), loss_p.backward()
-        torch.testing.assert_close(xl.grad, _local(xs.grad, dims, layouts, coords), **TIGHT)
-        assert_params_match(parallel, serial, grads=True, **TIGHT)
-        opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
-        assert_params_match(parallel, serial, grads=False, **TIGHT)
-        for (n, b), r in zip(parallel.named_buffers(), serial.buffers()):
-            torch.testing.assert_close(b, r, msg=lambda m: f"{kind} {n}: {m}", **TIGHT)
+        backward_step_match(F.cross_entropy(ys, labels), F.cross_entropy(yl, labels), xs, xl,
+                            lambda t: _local(t, dims, layouts, coords), serial, parallel, opt_s, opt_p, **TIGHT)
     return True
 
 

@@ -17,16 +17,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
 from harness import run_ranks
-from oracle import assert_params_match
+from oracle import backward_step_match, local_slice
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 TIGHT = dict(rtol=1e-9, atol=1e-11)
 
 
-def _local(x, dims, layouts, coords):
-    for d, sizes, c in zip(dims, layouts, coords):
-        x = x.narrow(d, sum(sizes[:c]), sizes[c])
-    return x
+_local = local_slice
 
 
 def _train(serial, parallel, make_inputs, dims, layouts, coords, mesh, out_of=lambda y: y):
@@ -41,12 +38,8 @@ def _train(serial, parallel, make_inputs, dims, layouts, coords, mesh, out_of=la
         target = torch.randn_like(ys)
         loss_s = F.mse_loss(ys, target)
         loss_p = tplayers.domain_mean(F.mse_loss(yl, _local(target, dims, layouts, coords), reduction="none"), mesh)
-        torch.testing.assert_close(loss_p, loss_s, **TIGHT)
-        loss_s.backward(), loss_p.backward()
-        torch.testing.assert_close(xl.grad, _local(xs.grad, dims, layouts, coords), **TIGHT)
-        assert_params_match(parallel, serial, grads=True, **TIGHT)
-        opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
-        assert_params_match(parallel, serial, grads=False, **TIGHT)
+        backward_step_match(loss_s, loss_p, xs, xl, lambda t: _local(t, dims, layouts, coords), serial, parallel,
+                            opt_s, opt_p, **TIGHT)
 
 
 def _mesh(world, mesh_shape):

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
 from harness import run_ranks
-from oracle import assert_params_match
+from oracle import backward_step_match
 from tplayers.sharding import offsets_from_sizes
 
 TIGHT = dict(rtol=1e-9, atol=1e-10)
@@ -134,14 +134,8 @@ def _parity(rank, world, kind, mesh_shape, layouts):
             loss_s = F.mse_loss(ys, target)
             loss_p = tplayers.domain_mean(F.mse_loss(yl, _local(target, dims, layouts, coords), reduction="none"),
                                           mesh)
-        torch.testing.assert_close(loss_p, loss_s, **TIGHT)
-        loss_s.backward(), loss_p.backward()
-        torch.testing.assert_close(xl.grad, _local(xs.grad, dims, layouts, coords), **TIGHT)
-        assert_params_match(parallel, serial, grads=True, **TIGHT)
-        opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
-        assert_params_match(parallel, serial, grads=False, **TIGHT)
-        for (n, b), r in zip(parallel.named_buffers(), serial.buffers()):
-            torch.testing.assert_close(b, r, msg=lambda m: f"{kind} {n}: {m}", **TIGHT)
+        backward_step_match(loss_s, loss_p, xs, xl, lambda t: _local(t, dims, layouts, coords), serial, parallel,
+                            opt_s, opt_p, **TIGHT)
     return True
 
 
