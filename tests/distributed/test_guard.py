@@ -24,7 +24,7 @@ _local = local_slice
 
 
 class Functional(nn.Module):
-    """Interpolations, functional pools, spatial statistics and a head, all in a custom forward."""
+    """Interpolations, functional pools and pads, spatial statistics and a head, all in a custom forward."""
 
     def __init__(self):
         super().__init__()
@@ -38,6 +38,7 @@ class Functional(nn.Module):
         h = h - h.mean(dim=(2, 3), keepdim=True)                     # spatial mean
         h = h / (h.var(dim=(2, 3), keepdim=True) + 1.0).sqrt()        # spatial variance
         h = F.max_pool2d(h, 2)
+        h = F.pad(h, (1, 0, 2, 1), value=0.25)                        # constant pad along H and W
         h = self.conv2(h) * self.scale[:, None, None]
         h = F.interpolate(h, scale_factor=2, mode="nearest")
         h = F.avg_pool2d(h, 2)

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tplayers.domain.layout import Layout, LayoutError, is_sharded, mesh_dims_of, region_layout, sharded_dims
+from tplayers.domain.layout import Layout, is_sharded, mesh_dims_of, region_layout, sharded_dims
 
 __all__ = ["RegionGuard", "active_guard", "GuardError"]
 

@@ -11,7 +11,7 @@ A name not in the table is an error (deny by default).
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -89,11 +89,6 @@ def _passthrough(g, func, args, kwargs):
     return func(*args, **kwargs)
 
 
-def _replicated_result(g, func, args, kwargs):
-    """Factories taking sizes (``new_zeros``): the result is replicated data (checked where used)."""
-    return func(*args, **kwargs)
-
-
 def _refuse_value(g, func, args, kwargs):
     t, lay = first_sharded(g, args, kwargs)
     raise g.error(f"{op_name(func)} reads the values of a sharded tensor into Python", lay,
@@ -136,8 +131,6 @@ def _reshape(g, func, args, kwargs):
 
 def _flatten(g, func, args, kwargs):
     x, lay = args[0], g.layout(args[0])
-    start = kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
-    end = kwargs.get("end_dim", args[2] if len(args) > 2 else -1)
     out = func(*args, **kwargs)
     return g.mark(out, reshape_layout(x.shape, lay, out.shape)) if x.dim() else out
 
@@ -193,7 +186,7 @@ def _squeeze(g, func, args, kwargs):
 
 
 def _unsqueeze(g, func, args, kwargs):
-    x, lay = args[0], g.layout(args[0])
+    lay = g.layout(args[0])
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     return g.mark(func(*args, **kwargs), insert_dim(lay, dim))
 

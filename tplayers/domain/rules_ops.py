@@ -11,8 +11,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from tplayers.domain.layout import (LayoutError, broadcast_layouts, drop_dims, is_sharded, mesh_dims_of,
-                                    sharded_dims)
+from tplayers.domain.layout import LayoutError, broadcast_layouts, drop_dims, mesh_dims_of, sharded_dims
 from tplayers.domain.rules import _mark_all, dims_arg, first_sharded, op_name, run_pointwise
 
 __all__ = ["TABLE"]

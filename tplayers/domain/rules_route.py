@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from tplayers.domain.layout import mesh_dims_of, region_layout, sharded_dims
-from tplayers.domain.rules import _mark_all, op_name
+from tplayers.domain.rules import op_name
 from tplayers.domain.rules_ops import _bind, _simple
 
 __all__ = ["TABLE"]
@@ -101,12 +101,10 @@ def _pad(g, func, args, kwargs):
                 raise g.error(f"F.pad (mode {a['mode']!r}, pad {tuple(pads)}) along sharded dim {d}", lay,
                               "Constant padding of a plain sharded dim is routed; for reflect / replicate / circular "
                               "use a convolution twin's padding_mode.")
-    shard_dims = [None] * len(g.groups)
+    shard_dims = [-1] * len(g.groups)  # mesh dim i -> its padded tensor dim (-1: none is padded)
     for d in sharded_dims(lay):
-        shard_dims[lay[d][0][1]] = d
-    axes = [i for i, d in enumerate(shard_dims) if d is not None]
-    if len(axes) != len(g.groups):
-        shard_dims = [d if d is not None else -1 for d in shard_dims]
+        if len(lay[d]) == 1:
+            shard_dims[lay[d][0][1]] = d
     out = pad(x, pads, a["mode"], a["value"], mesh=g.mesh, shard_dims=shard_dims)
     layout = tuple(((out.shape[d], e[0][1]),) if e is not None and len(e) == 1 else e for d, e in enumerate(lay))
     return g.mark(out, layout)

@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.functional.attention_plan import AttentionPlan, Cols, contiguous_cols, gather_padded, gather_rows, topology

@@ -19,7 +19,7 @@ Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Sequence
 
 import torch
 import torch.distributed as dist

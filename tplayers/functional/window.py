@@ -107,6 +107,8 @@ def pad(x, pad, mode="constant", value=None, *, mesh=None, shard_dims=(2,)):
     n = x.dim()
     local = list(pad)
     for i, d in enumerate(shard_dims):
+        if d < 0:  # this mesh dim shards no dim of x
+            continue
         k = n - 1 - d  # F.pad lists the last dim first
         if 2 * k + 1 >= len(pad) or not (pad[2 * k] or pad[2 * k + 1]):
             continue
