@@ -156,6 +156,7 @@ def main():
     dist.barrier()
     if rank == 0:
         print("done")
+    dist.barrier()  # every rank done before any tears its group down
     dist.destroy_process_group()
 
 

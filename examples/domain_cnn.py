@@ -104,6 +104,7 @@ def main() -> None:
         dist.all_reduce(total)
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss {total.item():.6f}")
+    dist.barrier()  # every rank done before any tears its group down
     dist.destroy_process_group()
 
 

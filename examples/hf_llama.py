@@ -125,6 +125,7 @@ def main():
         say(f"from_pretrained of the consolidated checkpoint: every tensor equal = {same}")
         shutil.rmtree(out[0])
     say("done")
+    dist.barrier()  # every rank done before any tears its group down
     dist.destroy_process_group()
 
 

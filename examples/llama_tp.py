@@ -167,6 +167,7 @@ def main() -> None:
     del serial
     train(model, mesh, gen, args, say)
     say("done")
+    dist.barrier()  # every rank done before any tears its group down
     dist.destroy_process_group()
 
 

@@ -98,6 +98,7 @@ def main():
             dist.all_reduce(total, group=mesh.get_group(0))
         if rank == 0:
             print(f"step {step}: loss per pixel {total.item() / clean.numel():.4f}")
+    dist.barrier()  # every rank done before any tears its group down
     dist.destroy_process_group()
 
 

@@ -179,6 +179,7 @@ def main() -> None:
             rate = tokens / (time.perf_counter() - t0)
             say(f"step {step:4d} | loss {loss.item():.4f} | {rate:,.0f} tokens/s on {world} ranks")
     say("done")
+    dist.barrier()  # every rank done before any tears its group down
     dist.destroy_process_group()
 
 

@@ -127,6 +127,7 @@ def main() -> None:
         opt.step()
         if rank == 0:
             print(f"step {step:3d}  loss {loss.item():.5f}")
+    dist.barrier()  # every rank done before any tears its group down
     dist.destroy_process_group()
 
 
