@@ -76,6 +76,15 @@ class ShardedModule(RegionAware, MeshBound, nn.Module):
                     mine.requires_grad_(full.requires_grad)
 
 
+def adopt_tensors(wrapper: nn.Module, module: nn.Module) -> None:
+    """Register ``module``'s own parameters and buffers on ``wrapper`` under their names (the same
+    tensors), so a wrapper holding ``module`` in a tuple has exactly its ``state_dict`` keys."""
+    for name, p in module.named_parameters(recurse=False):
+        wrapper.register_parameter(name, p)
+    for name, b in module.named_buffers(recurse=False):
+        wrapper.register_buffer(name, b, persistent=name not in module._non_persistent_buffers_set)
+
+
 def get_tensor(module: nn.Module, name: str) -> torch.Tensor:
     """The parameter or buffer called ``name`` (dotted) of ``module``."""
     try:

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.func import functional_call
 
 from tplayers.comm import copy_many_to_parallel_region
-from tplayers.layers._common import ShardedModule
+from tplayers.layers._common import ShardedModule, adopt_tensors
 from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh
 
@@ -52,10 +52,7 @@ class DomainReplicated(MeshBound, nn.Module):
         self.mesh = mesh
         self._groups = [mesh.get_group(i) for i in range(mesh.ndim)]
         self._wrapped = (module,)  # a tuple: not a registered child, so no extra key prefix
-        for name, p in module.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, b in module.named_buffers(recurse=False):
-            self.register_buffer(name, b, persistent=name not in module._non_persistent_buffers_set)
+        adopt_tensors(self, module)
         for name, child in module.named_children():
             if _has_unsummed_parameters(child):
                 raise ValueError(

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import gather_along_dim
 from tplayers.comm.sequence import sequence_sizes
+from tplayers.layers._common import adopt_tensors
 from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh
 from tplayers.parallelize.styles import ParallelStyle, key_repr
@@ -50,10 +51,7 @@ class SequenceGathered(MeshBound, nn.Module):
         self._group = self.mesh.get_group(0)
         self.sequence_dim = sequence_dim
         self._wrapped = (module,)  # a tuple: not a registered child, so no extra key prefix
-        for name, p in module.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, b in module.named_buffers(recurse=False):
-            self.register_buffer(name, b, persistent=name not in module._non_persistent_buffers_set)
+        adopt_tensors(self, module)
         for name, child in module.named_children():
             self.add_module(name, child)
 
