@@ -6,7 +6,8 @@ Prints, in one run (gloo, CPU, one thread per rank, D sharded over 2 ranks):
 1. halo bytes sent per layer vs the minimum (distinct foreign input rows the owned outputs read,
    counted by brute force) for Conv3d, MaxPool3d, AvgPool3d and trilinear Upsample;
 2. 2-rank forward+backward of DistributedConv3d vs ShardTensor's conv3d (``nvidia-physicsnemo``
-   in a separate venv, see README) and vs one process running ``nn.Conv3d`` on the global input;
+   in a separate venv, see docs/testing-and-benchmarks.md) and vs one process running
+   ``nn.Conv3d`` on the global input;
 3. 2-rank forward+backward of the pooling / upsampling twins vs one process running the nn module
    (ShardTensor's pooling needs stride == kernel and its interpolation a fixed halo; not compared).
 

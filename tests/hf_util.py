@@ -73,7 +73,7 @@ def gpt2(seed=0, heads=3):
 
 
 def gpt2_hand_plan(model):
-    """The README's GPT-2 plan for transformers' GPT2LMHeadModel, written by hand."""
+    """The GPT-2 plan of ``docs/huggingface.md`` for transformers' GPT2LMHeadModel, written by hand."""
     d, heads = model.config.n_embd, model.config.n_head
     hd = d // heads
     return {

@@ -39,7 +39,7 @@ class SequenceParallel(ParallelStyle):
         model = tplayers.parallelize_module(model, plan, mesh=mesh)
         y = model(tplayers.shard(torch.randn(2, 7, 16), 1))    # (2, S_local, 16) in and out
 
-    (A GPT-2 plan: ``README.md``, "Sequence parallelism".)
+    (A GPT-2 plan: ``docs/tensor-parallel.md``, "Sequence parallelism".)
     """
 
     sequence_dim: int = 1
