@@ -145,6 +145,16 @@ def _domain_cnn(rank, world, backend, warm):
             # the same collectives, counted at run time, but for the eager region's entry agreement
             # (the region guard does not run under torch.compile tracing)
             log_e.records = [r for r in log_e.records if not r.tag.startswith("domain.region")]
+            # eager, the region's buckets sum the convolutions' parameter gradients in one all-reduce;
+            # compiled (no region guard), each convolution sums its own: the same bytes
+            grads = ("region.param_grads", "conv.param_grads")
+            bucket = [r for r in log_e.records if r.tag in grads]
+            per_layer = [r for r in log_c.records if r.tag in grads]
+            assert [r.tag for r in bucket] == ["region.param_grads"]
+            assert {r.tag for r in per_layer} == {"conv.param_grads"} and len(per_layer) == 3
+            assert sum(r.nbytes for r in bucket) == sum(r.nbytes for r in per_layer)
+            log_e.records = [r for r in log_e.records if r.tag not in grads]
+            log_c.records = [r for r in log_c.records if r.tag not in grads]
             assert log_c.summary() == log_e.summary()
         tol = dict(rtol=1e-13, atol=1e-13)
         torch.testing.assert_close(got[0], ref[0], **tol)

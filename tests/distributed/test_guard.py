@@ -201,13 +201,19 @@ def _no_extra_collectives(rank, world):
         with tplayers.count_collectives() as log:
             model(x).square().sum().backward()
         logs.append(log)
-    extra = [r for r in logs[2].records if r not in logs[3].records]
+    grads = ("region.param_grads", "conv.param_grads")
+    guarded_rest = [r for r in logs[2].records if r.tag not in grads]
+    bare_rest = [r for r in logs[3].records if r.tag not in grads]
+    extra = [r for r in guarded_rest if r not in bare_rest]
     assert [r.tag for r in extra] == ["domain.region"], extra  # the entry agreement only
-    assert len(logs[2].records) == len(logs[3].records) + 1
+    assert len(guarded_rest) == len(bare_rest) + 1
+    # the two convolutions' parameter-gradient sums: one per layer bare, one bucket in the region
+    assert [r.tag for r in logs[3].records if r.tag in grads] == ["conv.param_grads"] * 2
+    assert [r.tag for r in logs[2].records if r.tag in grads] == ["region.param_grads"]
     return True
 
 
-def test_guard_adds_only_the_entry_agreement():
+def test_guard_adds_only_the_entry_agreement_and_buckets_the_parameter_grads():
     run_ranks(_no_extra_collectives, 2, timeout=60)
 
 

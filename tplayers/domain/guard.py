@@ -72,6 +72,7 @@ class RegionGuard(TorchFunctionMode):
         self._bounded: Dict[Tuple[int, Tuple[int, ...]], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.routes: Dict[Any, Any] = {}  # per call-site routed twins (kept across calls by the region)
         self.acted = False  # whether this call routed an op or summed a replicated gradient
+        self.buckets = None  # this call's parameter-gradient buckets (tplayers.domain.buckets), set by the region
 
     # ----------------------------------------------------------------- tags
     def layout(self, t: Any) -> Optional[Layout]:
@@ -163,7 +164,9 @@ class RegionGuard(TorchFunctionMode):
             if layout != region_layout(x.shape, tuple(dims)):
                 raise self.error(f"{name} shards dims {tuple(dims)} but its input is sharded as {layout}", layout,
                                  "Keep the spatial layout (N, C, *spatial) that the region's input had.")
-        with _stepped_aside(self):
+        from tplayers.domain.buckets import using_buckets
+
+        with _stepped_aside(self), using_buckets(self.buckets):
             out = call(*args, **kwargs)
         first = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else out
         if isinstance(first, torch.Tensor) and layout is not None:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tplayers.comm.agree import exchange_agreed
+from tplayers.domain.buckets import GradBuckets
 from tplayers.domain.guard import RegionGuard, active_guard
 from tplayers.layers._common import RegionAware
 from tplayers.mesh import resolve_mesh
@@ -97,6 +98,8 @@ class DomainRegion:
         outer = active_guard()  # a model-level watch: region outputs stay visible to it
         guard = RegionGuard(self.mesh, self.shard_dims, self.name, token=None if outer is None else outer.token)
         guard.routes = self.routes
+        if self.root is not None:  # before any twin runs: the gate's backward must come last
+            guard.buckets = GradBuckets.for_region(self.root, guard.groups)
         guard.__enter__()
         self._stack.append(guard)
         if isinstance(x, torch.Tensor):

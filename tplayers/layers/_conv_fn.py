@@ -65,7 +65,8 @@ class ConvSpec:
             object.__setattr__(self, name, value)  # frozen: set once, at construction
 
 
-def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: ConvSpec) -> torch.Tensor:
+def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: ConvSpec,
+              reduce: bool = True) -> torch.Tensor:
     """The distributed convolution: :class:`HaloConvFunction` (exchange, save, the whole backward)
     then :class:`_ConvCompute` (the local convolution, nothing saved).
 
@@ -73,8 +74,10 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     recomputation before the convolution: it stops once every saved tensor is back, and a custom
     Function registers its saved tensors only when its forward returns, so saving and computing in
     one Function would recompute the region's last convolution for nothing.
+    ``reduce=False``: the weight and bias gradients are returned as this rank's partial sums (a
+    region's gradient buckets sum them, :mod:`tplayers.domain.buckets`).
     """
-    token, xp = HaloConvFunction.apply(x, weight, bias, spec)
+    token, xp = HaloConvFunction.apply(x, weight, bias, spec, reduce)
     return _ConvCompute.apply(token, xp, weight, bias, spec)
 
 
@@ -114,7 +117,7 @@ class HaloConvFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, spec: ConvSpec):
+    def forward(ctx, x, weight, bias, spec: ConvSpec, reduce: bool = True):
         p = spec.plan
         eager = not torch.compiler.is_compiling()
         out = spec.padded.take(x, spec.dim, p.recv, spec.memory_format) if eager else None
@@ -123,7 +126,7 @@ class HaloConvFunction(torch.autograd.Function):
         if eager:
             spec.padded.keep(xp)
         ctx.save_for_backward(xp, weight)
-        ctx.spec, ctx.has_bias = spec, bias is not None
+        ctx.spec, ctx.has_bias, ctx.reduce = spec, bias is not None, reduce
         ctx.mark_non_differentiable(xp)
         return xp.new_zeros(()).expand(spec.out_shape), xp  # x and weight share a dtype (checked by the layer)
 
@@ -161,7 +164,7 @@ class HaloConvFunction(torch.autograd.Function):
                 gxp = gi if xc is xp_ else torch.autograd.grad(xc, xp_, gi)[0]
         params = [g for g, need in ((gw, need_w), (gb, need_b)) if need]
         flat = torch.cat([g.reshape(-1) for g in params]) if params else None
-        groups = spec.live_groups if params else ()
+        groups = spec.live_groups if params and ctx.reduce else ()
         state = ctx.state
         if torch.compiler.is_compiling():  # one registered op: adjoint halo + parameter-gradient sum
             grad_x, flat = _compiled_backward(gxp, flat, state, groups)
@@ -173,7 +176,7 @@ class HaloConvFunction(torch.autograd.Function):
             offset = weight.numel()
         if need_b:
             gb = flat[offset : offset + weight.shape[0]]
-        return grad_x, gw if need_w else None, gb if need_b else None, None
+        return grad_x, gw if need_w else None, gb if need_b else None, None, None
 
 
 #: The number of references to a tensor's storage (``None`` where this PyTorch lacks it: no reuse).

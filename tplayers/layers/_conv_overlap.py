@@ -87,10 +87,12 @@ def overlapped_forward(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     return y, xp, state
 
 
-def overlapped_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: ConvSpec) -> torch.Tensor:
+def overlapped_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: ConvSpec,
+                    reduce: bool = True) -> torch.Tensor:
     """The distributed convolution with the exchange overlapped: :class:`HaloConvSave` (saves ``x``
-    and the weight, the whole backward) then :class:`HaloConvOverlap` (exchange + convolution)."""
-    token = HaloConvSave.apply(x, weight, bias, spec)
+    and the weight, the whole backward) then :class:`HaloConvOverlap` (exchange + convolution).
+    ``reduce=False``: parameter gradients returned as partial sums (as :func:`halo_conv`)."""
+    token = HaloConvSave.apply(x, weight, bias, spec, reduce)
     return HaloConvOverlap.apply(token, x.detach(), weight.detach(), None if bias is None else bias.detach(), spec)
 
 
@@ -123,9 +125,9 @@ class HaloConvSave(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, spec: ConvSpec):
+    def forward(ctx, x, weight, bias, spec: ConvSpec, reduce: bool = True):
         ctx.save_for_backward(x, weight)
-        ctx.spec, ctx.has_bias = spec, bias is not None
+        ctx.spec, ctx.has_bias, ctx.reduce = spec, bias is not None, reduce
         return x.new_zeros(()).expand(spec.out_shape)  # x and weight share a dtype (checked by the layer)
 
     @staticmethod
@@ -143,14 +145,14 @@ class HaloConvSave(torch.autograd.Function):
         if need_b:
             params.append(grad.sum([d for d in range(grad.dim()) if d != 1]))
         flat = torch.cat([g.reshape(-1) for g in params]) if params else None
-        groups = [g for g in spec.reduce_groups if dist.get_world_size(g) > 1] if params else []
+        groups = [g for g in spec.reduce_groups if dist.get_world_size(g) > 1] if params and ctx.reduce else []
         if torch.compiler.is_compiling():
             _, flat = _compiled_backward(None, flat, state, groups)
         elif groups:
             _reduce_backward(None, flat, state, groups)
         gw = flat[: weight.numel()].view_as(weight) if need_w else None
         gb = flat[weight.numel() if need_w else 0:][: weight.shape[0]] if need_b else None
-        return grad_x, gw, gb, None
+        return grad_x, gw, gb, None, None
 
 
 def _backward(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, spec: ConvSpec, order, state: HaloState,

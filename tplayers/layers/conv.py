@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tplayers.domain.buckets import region_params
 from tplayers.domain.window import edge_pad, gather_rows, pad_arg, pad_dim
 from tplayers.layers._common import autocast_inputs
 from tplayers.layers._conv_fn import ConvSpec, conv_order, halo_conv
@@ -78,6 +79,7 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
     """Shared body of ``DistributedConv1d/2d/3d`` (see the module doc)."""
 
     _nn: type = nn.Conv2d
+    bucketed_params = True  # inside a region call, the region's gradient buckets sum weight and bias
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
@@ -207,14 +209,15 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
     # ----------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # under torch.autocast: compute (and exchange halos) in the autocast dtype, as nn.ConvNd does
-        x, weight, bias = autocast_inputs(x, self.weight, self.bias)
+        (weight, bias), reduce = region_params(self.weight, self.bias)  # a region's buckets may sum the grads
+        x, weight, bias = autocast_inputs(x, weight, bias)
         first, _, specs = self._layout(x, weight)  # validated on every rank before any halo traffic
         out_format = serial_format(x, weight, self.spatial, self.padding_mode)  # the output's layout is nn.ConvNd's
         spec = specs[(out_format if self.memory_format is None else self.memory_format, out_format)]
         for d, plan in first.items():  # a 2-D mesh: the first dim's exchange, corners ride on the next
             x = gather_rows(x, d, self._group_of(d), plan, self.padding_mode, memory_format=spec.memory_format)
         # (N, C_in, *local rows) -> (N, C_out, *owned output rows)
-        return (overlapped_conv if spec.overlap else halo_conv)(x, weight, bias, spec)
+        return (overlapped_conv if spec.overlap else halo_conv)(x, weight, bias, spec, reduce)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_many_to_parallel_region
+from tplayers.domain.buckets import region_params
 from tplayers.domain.window import scatter_add_windows
 from tplayers.layers._common import autocast_inputs
 from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
@@ -33,6 +34,7 @@ _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 class _DistributedConvTransposeNd(ConvParameters, DomainLayer):
     _nn: type = nn.ConvTranspose2d
+    bucketed_params = True  # inside a region call, the region's gradient buckets sum weight and bias
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, output_padding=0,
                  groups: int = 1, bias: bool = True, dilation=1, padding_mode: str = "zeros", device=None,
@@ -115,10 +117,11 @@ class _DistributedConvTransposeNd(ConvParameters, DomainLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # under torch.autocast: compute and communicate in the autocast dtype, as nn.ConvTransposeNd does
-        x, weight, bias = autocast_inputs(x, self.weight, self.bias)
+        (weight, bias), reduce = region_params(self.weight, self.bias)  # a region's buckets may sum the grads
+        x, weight, bias = autocast_inputs(x, weight, bias)
         plans, own, part_shape, empty, pads, out_pads = self._layout(x, weight)  # checked on every rank first
         params = [p for p in (weight, bias) if p is not None]
-        for group in self._groups:  # identity forward; backward: one all-reduce of their gradients
+        for group in self._groups if reduce else ():  # identity forward; backward: one all-reduce of their gradients
             params = copy_many_to_parallel_region(params, group)
         weight, bias = params[0], (params[1] if self.bias is not None else None)
         if empty:  # no input rows here: nothing to spread, but the same collectives as every rank
