@@ -151,3 +151,17 @@ def _small_buckets(rank, world):
 
 def test_several_buckets():
     run_ranks(_small_buckets, 2)
+
+
+def _explain(rank, world):
+    torch.manual_seed(0)
+    net = nn.Sequential(Net())
+    exp = tplayers.explain(net, {"0": tplayers.DomainParallel(shard_dims=(2,))}, print_table=False)
+    text = str(exp)
+    assert "all_reduce (parameter-gradient bucket, conv weights+biases)" in text, text
+    assert "weight+bias grads" not in text and "(parameter grads)" not in text, text  # no per-layer sums
+    return text
+
+
+def test_explain_counts_the_bucket_not_per_layer_sums():
+    run_ranks(_explain, 2)

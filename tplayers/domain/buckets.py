@@ -68,15 +68,12 @@ class GradBuckets:
         self.params = list(params)
         self.buckets: List[_Bucket] = []
         self.slots: Dict[int, Tuple[_Bucket, int]] = {}  # id(param) -> (bucket, offset)
-        open_: Dict[Tuple[torch.dtype, torch.device], _Bucket] = {}
-        for p in self.params:
-            key = (p.dtype, p.device)
-            b = open_.get(key)
-            if b is None or (b.numel + p.numel()) * p.element_size() > BUCKET_BYTES and b.numel:
-                b = open_[key] = _Bucket(p.dtype, p.device)
-                self.buckets.append(b)
-            self.slots[id(p)] = (b, b.numel)
-            b.numel += p.numel()
+        for members in plan_buckets(self.params):
+            b = _Bucket(members[0].dtype, members[0].device)
+            for p in members:
+                self.slots[id(p)] = (b, b.numel)
+                b.numel += p.numel()
+            self.buckets.append(b)
         self.filled: set = set()  # ids of the parameters some call deposited a gradient for
         self.gated: Dict[int, torch.Tensor] = {}
         if self.params:
@@ -91,16 +88,7 @@ class GradBuckets:
             return None
         if all(dist.get_world_size(g) == 1 for g in groups):
             return None
-        params, seen = [], set()
-        for m in reversed(list(root.modules())):
-            if not getattr(m, "bucketed_params", False):
-                continue
-            for name in ("bias", "weight"):
-                p = m._parameters.get(name)
-                if (isinstance(p, nn.Parameter) and not isinstance(p, DTensor) and p.requires_grad
-                        and id(p) not in seen):
-                    seen.add(id(p))
-                    params.append(p)
+        params = bucketed_params(root)
         return cls(params, groups) if params else None
 
     # ---------------------------------------------------------------- forward
@@ -157,6 +145,38 @@ class GradBuckets:
             b, offset = self.slots[id(p)]
             out.append(b.flat[offset:offset + p.numel()].view_as(p) if id(p) in self.filled else None)
         return out
+
+
+def bucketed_params(root: nn.Module) -> List[nn.Parameter]:
+    """The trainable parameters the buckets of a region rooted at ``root`` hold: its convolution
+    twins' ``bias`` and ``weight``, in reverse module order (about the order backward produces them)."""
+    params, seen = [], set()
+    for m in reversed(list(root.modules())):
+        if not getattr(m, "bucketed_params", False):
+            continue
+        for name in ("bias", "weight"):
+            p = m._parameters.get(name)
+            if (isinstance(p, nn.Parameter) and not isinstance(p, DTensor) and p.requires_grad
+                    and id(p) not in seen):
+                seen.add(id(p))
+                params.append(p)
+    return params
+
+
+def plan_buckets(params: Sequence[torch.Tensor]) -> List[List[torch.Tensor]]:
+    """``params`` grouped into buckets, in order: per (dtype, device), a new bucket when the open one
+    would exceed :data:`BUCKET_BYTES` (a parameter larger than that has a bucket of its own)."""
+    out: List[List[torch.Tensor]] = []
+    open_: Dict[Tuple[torch.dtype, torch.device], Tuple[List[torch.Tensor], List[int]]] = {}
+    for p in params:
+        key, nbytes = (p.dtype, p.device), p.numel() * p.element_size()
+        hit = open_.get(key)
+        if hit is None or (hit[1][0] and hit[1][0] + nbytes > BUCKET_BYTES):
+            hit = open_[key] = ([], [0])
+            out.append(hit[0])
+        hit[0].append(p)
+        hit[1][0] += nbytes
+    return out
 
 
 class _Gate(torch.autograd.Function):

@@ -26,22 +26,43 @@ def _collectives(module: nn.Module) -> str:
     fwd: Dict[str, int] = {}
     bwd: Dict[str, int] = {}
     described = False
+    bucketed = set()  # twins inside a domain region: its gradient buckets sum their parameter grads
+    for sub in module.modules():
+        if any(hasattr(getattr(h, "__self__", None), "agree") for h in sub._forward_pre_hooks.values()):
+            bucketed |= {id(m) for m in sub.modules() if getattr(m, "bucketed_params", False)}
     for sub in module.modules():
         describe = getattr(sub, "collectives", None)
+        region = None
         for hook in sub._forward_pre_hooks.values():  # a domain region's per-call agreement and guard
-            region = getattr(hook, "__self__", None)
-            if hasattr(region, "collectives") and hasattr(region, "agree"):
-                describe = region.collectives
+            owner = getattr(hook, "__self__", None)
+            if hasattr(owner, "collectives") and hasattr(owner, "agree"):
+                describe, region = owner.collectives, owner
         if describe is None:
             continue
         described = True
-        for names, counts in zip(describe(), (fwd, bwd)):
+        lists = describe()
+        if region is not None:  # one async all-reduce per bucket replaces the twins' own
+            lists = (lists[0], list(lists[1]) + ["all_reduce (parameter-gradient bucket, conv weights+biases)"] *
+                     _buckets(region, sub))
+        elif id(sub) in bucketed:
+            lists = (lists[0], [n for n in lists[1] if "grads)" not in n])
+        for names, counts in zip(lists, (fwd, bwd)):
             for name in names:
                 counts[name] = counts.get(name, 0) + 1
     if not described:
         return "?"
     text = lambda c: ", ".join(n if k == 1 else f"{n} x{k}" for n, k in c.items()) or "-"  # noqa: E731
     return f"fwd: {text(fwd)}; bwd: {text(bwd)}"
+
+
+def _buckets(region, root: nn.Module) -> int:
+    """All-reduces of the gradient buckets of one call of ``root``'s domain region
+    (:mod:`tplayers.domain.buckets`): one per bucket and mesh dim of more than one rank."""
+    from tplayers.domain.buckets import bucketed_params, plan_buckets
+
+    mesh = region.mesh
+    dims = sum(1 for i in range(mesh.ndim) if mesh.size(i) > 1)
+    return dims * len(plan_buckets(bucketed_params(root)))
 
 
 @dataclass
