@@ -246,3 +246,52 @@ def _checkpoint_inside(rank, world):
 
 def test_activation_checkpoint_inside_a_region_raises_and_of_the_region_is_exact():
     run_ranks(_checkpoint_inside, 2, timeout=60)
+
+
+# ------------------------------------------------------------------ size-1 dims through views
+class TokenResidual(nn.Module):
+    """diffusers' attention processor without diffusers: (N, C, H, W) -> (N, H*W, C) -> per-token Linear
+    -> heads view and back -> (N, C, H, W), added to the residual."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.inp, self.out = nn.Conv2d(2, c, 3, padding=1), nn.Conv2d(c, 2, 1)
+        self.lin = nn.Linear(c, c)
+        self.heads = 2 if c % 2 == 0 else 1
+
+    def forward(self, x):
+        h = self.inp(x)
+        n, c, hh, ww = h.shape
+        t = self.lin(h.view(n, c, hh * ww).transpose(1, 2))                   # (N, H*W, C)
+        t = t.view(n, -1, self.heads, c // self.heads).transpose(1, 2)        # (N, heads, H*W, C/heads)
+        t = t.transpose(1, 2).reshape(n, -1, c)
+        return self.out(h + t.transpose(-1, -2).reshape(n, c, hh, ww))
+
+
+def _size_one_views(rank, world, batch, channels):
+    torch.manual_seed(4)
+    mesh = tplayers.default_mesh()
+    serial = TokenResidual(channels).double()
+    parallel = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.05, momentum=0.9)
+    opt_p = torch.optim.SGD(parallel.parameters(), lr=0.05, momentum=0.9)
+    local = lambda t: _local(t, (2,), [[5, 3]], [rank])  # noqa: E731
+    for _ in range(2):
+        x = torch.randn(batch, 2, 8, 4, dtype=torch.float64)
+        xs, xl = x.clone().requires_grad_(True), local(x).clone().requires_grad_(True)
+        ys, yl = serial(xs), parallel(xl)
+        torch.testing.assert_close(yl, local(ys), **TIGHT)
+        target = torch.randn_like(ys)
+        backward_step_match(F.mse_loss(ys, target),
+                            tplayers.domain_mean(F.mse_loss(yl, local(target), reduction="none"), mesh),
+                            xs, xl, local, serial, parallel, opt_s, opt_p, **TIGHT)
+    # one row per rank: view(n, c, h * w) and view(n, c * h, w) make the same local call, so the guard
+    # cannot tell which dim of the serial result is sharded: a clear error on every rank, not a guess
+    with pytest.raises(ValueError, match="ambiguous: this rank holds a single row"):
+        parallel(tplayers.shard(torch.randn(batch, 2, 2, 4, dtype=torch.float64), 2))
+    return True
+
+
+@pytest.mark.parametrize("batch,channels", [(1, 4), (1, 1), (2, 1)])
+def test_views_with_size_one_batch_or_channels_are_exact(batch, channels):
+    run_ranks(_size_one_views, 2, args=(batch, channels), timeout=60)

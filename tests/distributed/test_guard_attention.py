@@ -47,7 +47,7 @@ def _mesh(world, mesh_shape):
     return mesh, [mesh.get_local_rank(i) for i in range(mesh.ndim)], tuple(range(2, 2 + mesh.ndim))
 
 
-def _diffusers_unet(rank, world, mesh_shape, layouts, conditioned):
+def _diffusers_unet(rank, world, mesh_shape, layouts, conditioned, batch=2):
     import diffusers
 
     mesh, coords, dims = _mesh(world, mesh_shape)
@@ -66,21 +66,24 @@ def _diffusers_unet(rank, world, mesh_shape, layouts, conditioned):
                                        up_block_types=("AttnUpBlock2D", "UpBlock2D")).double()
     parallel = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)},
                                            mesh=mesh)
-    text = torch.randn(2, 5, 12, dtype=torch.float64)
+    text = torch.randn(batch, 5, 12, dtype=torch.float64)
 
     def inputs(step):
-        x = torch.randn(2, 2, h, w, dtype=torch.float64)
-        t = torch.tensor([3 + step, 17])
+        x = torch.randn(batch, 2, h, w, dtype=torch.float64)
+        t = torch.tensor([3 + step, 17][:batch])
         return x, ((t, text) if conditioned else (t,))
 
     _train(serial, parallel, inputs, dims, layouts, coords, mesh, out_of=lambda y: y.sample)
     return True
 
 
-@pytest.mark.parametrize("world,mesh_shape,layouts", [(2, (2,), [[8, 8]]), (4, (2, 2), [[8, 8], [4, 4]])])
-def test_diffusers_unet2d_default_config_is_exact(world, mesh_shape, layouts):
+@pytest.mark.parametrize("world,mesh_shape,layouts,batch", [(2, (2,), [[8, 8]], 2), (4, (2, 2), [[8, 8], [4, 4]], 2),
+                                                            (2, (2,), [[8, 8]], 1)])
+def test_diffusers_unet2d_default_config_is_exact(world, mesh_shape, layouts, batch):
+    # batch 1: the attention's (1, C, H*W) views once made the batch dim a factor of the token dim,
+    # and the residual add was refused as "sharded differently"
     pytest.importorskip("diffusers")
-    run_ranks(_diffusers_unet, world, args=(mesh_shape, layouts, False), timeout=240)
+    run_ranks(_diffusers_unet, world, args=(mesh_shape, layouts, False, batch), timeout=240)
 
 
 def test_diffusers_unet2d_condition_cross_attention_on_replicated_text():

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tplayers.domain.layout import Layout, is_sharded, mesh_dims_of, region_layout, sharded_dims
+from tplayers.domain.layout import Layout, canonical_layout, is_sharded, mesh_dims_of, region_layout, sharded_dims
 
 __all__ = ["RegionGuard", "active_guard", "GuardError"]
 
@@ -81,8 +81,10 @@ class RegionGuard(TorchFunctionMode):
         return tag[1] if tag is not None and tag[0] is self.token else None
 
     def mark(self, t: Any, layout: Optional[Layout]) -> Any:
-        """Tag ``t`` as sharded with ``layout`` in this call (a replicated layout clears the tag)."""
+        """Tag ``t`` as sharded with ``layout`` in this call (a replicated layout clears the tag). Tags are
+        kept canonical (:func:`~tplayers.domain.layout.canonical_layout`), so equal shardings compare equal."""
         if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            layout = canonical_layout(layout)
             if layout is not None and is_sharded(layout):
                 setattr(t, _TAG, (self.token, layout))
             elif getattr(t, _TAG, None) is not None:

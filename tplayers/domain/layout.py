@@ -6,7 +6,10 @@ sharded dim of the region, possibly merged with whole ones by a reshape (``mesh_
 mesh dim a factor is sharded over, or ``None``). ``x.flatten(2)`` of an ``(N, C, H, W)`` tensor
 sharded along H gives ``(None, None, ((H_local, 0), (W, None)))``: the token dim of an attention over
 pixels, whose local tokens are a contiguous block of the global row-major order; along W they are
-strided. Everything here is arithmetic on Python ints: no communication, no torch calls.
+strided. Layouts are canonical (:func:`canonical_layout`): whole factors of size 1 (a batch or
+channel dim of size 1) are dropped and adjacent whole factors merged, so two layouts describing the
+same sharding compare equal. Everything here is arithmetic on Python ints: no communication, no
+torch calls.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ Factor = Tuple[int, Optional[int]]  # (local size, mesh dim or None)
 Layout = Tuple[Optional[Tuple[Factor, ...]], ...]
 
 __all__ = ["Factor", "Layout", "LayoutError", "region_layout", "sharded_dims", "mesh_dims_of", "is_sharded",
-           "reshape_layout", "permute_layout", "broadcast_layouts", "drop_dims", "insert_dim"]
+           "reshape_layout", "flatten_layout", "unflatten_layout", "canonical_layout", "permute_layout",
+           "broadcast_layouts", "drop_dims", "insert_dim"]
 
 
 class LayoutError(ValueError):
@@ -51,59 +55,129 @@ def _factors(shape: Sequence[int], layout: Layout) -> List[Factor]:
     return out
 
 
-def _entry(factors: List[Factor]) -> Optional[Tuple[Factor, ...]]:
+def _canonical(factors: Sequence[Factor]) -> List[Factor]:
+    """The one spelling of a factor list: whole factors of size 1 dropped (they hold nothing: a batch
+    or channel dim of size 1) and adjacent whole factors merged (whole dims split and merge freely).
+    Sharded factors are kept as they are, size 1 included (a rank holding a single row)."""
+    out: List[Factor] = []
+    for size, axis in factors:
+        size = int(size)
+        if axis is None:
+            if size == 1:
+                continue
+            if out and out[-1][1] is None:
+                out[-1] = (out[-1][0] * size, None)
+                continue
+        out.append((size, axis))
+    return out
+
+
+def _entry(factors: Sequence[Factor]) -> Optional[Tuple[Factor, ...]]:
+    factors = _canonical(factors)
     return tuple(factors) if any(a is not None for _, a in factors) else None
+
+
+def canonical_layout(layout: Optional[Layout]) -> Optional[Layout]:
+    """``layout`` with every entry in its one spelling (see :func:`_canonical`), so that layouts
+    describing the same sharding compare equal: ``((1, None), (4, 0), (4, None))`` and
+    ``((4, 0), (2, None), (2, None))`` are both ``((4, 0), (4, None))``."""
+    if layout is None:
+        return None
+    return tuple(None if not e else _entry(e) for e in layout)
+
+
+def _prod(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= int(s)
+    return n
 
 
 def reshape_layout(shape: Sequence[int], layout: Layout, new_shape: Sequence[int]) -> Layout:
     """Layout of ``x.reshape(new_shape)``: whole dims may be split and merged freely, a sharded factor
-    only moved as a whole (merged with whole dims, as ``flatten`` does); else :class:`LayoutError`."""
+    only moved as a whole (merged with whole dims, as ``flatten`` does); else :class:`LayoutError`.
+
+    Each factor is placed by its row-major position: a factor of local size ``s`` starting at
+    position ``p`` (the product of the local sizes before it) lands in the new dim whose span
+    ``[C_k, C_k * new_shape[k])`` holds ``[p, p * s)``. Whole factors of size 1 (a batch or channel
+    dim of size 1) carry nothing and are dropped. A *sharded* factor of local size 1 (a rank holding
+    a single row) sitting exactly on the boundary between new dims could belong to either: with
+    ``h == 1`` on this rank, ``x.view(n, c, h * w)`` and ``x.view(n, c * h, w)`` make the same local
+    call but shard different dims of the serial result. That is refused (:class:`LayoutError`), not
+    guessed; ``flatten`` / ``unflatten`` name their dims and are never ambiguous
+    (:func:`flatten_layout`, :func:`unflatten_layout`).
+    """
     new_shape = [int(s) for s in new_shape]
     if -1 in new_shape:
         known = 1
         for s in new_shape:
             known *= s if s != -1 else 1
-        total = 1
-        for s in shape:
-            total *= int(s)
-        new_shape[new_shape.index(-1)] = total // known if known else 0
-    todo = _factors(shape, layout)
-    if any(s == 0 for s, _ in todo):
+        new_shape[new_shape.index(-1)] = _prod(shape) // known if known else 0
+    raw = _factors(shape, layout)
+    if any(s == 0 for s, _ in raw):
         raise LayoutError(f"a reshape of an empty shard {tuple(shape)} -> {tuple(new_shape)} cannot be matched to the "
                           "sharded dims (give every rank at least one row)")
-    out: List[Optional[Tuple[Factor, ...]]] = []
-    i = 0
+    todo = _canonical(raw)
+    if _prod(new_shape) != _prod(s for s, _ in todo):
+        raise LayoutError(f"reshape {tuple(shape)} -> {tuple(new_shape)} does not match the factors")
+    bounds = [1]
     for t in new_shape:
-        cur: List[Factor] = []
-        prod = 1
-        while prod != t:
-            if i == len(todo):
-                raise LayoutError(f"reshape {tuple(shape)} -> {tuple(new_shape)} does not match the factors")
-            size, axis = todo[i]
-            if size == 1:
-                cur.append(todo[i])
-                i += 1
-            elif t % (prod * size) == 0:
-                cur.append(todo[i])
-                prod *= size
-                i += 1
-            elif axis is None and size % (t // prod) == 0 and t % prod == 0:
-                part = t // prod
-                cur.append((part, None))
-                todo[i] = (size // part, None)
-                prod = t
-            else:
+        bounds.append(bounds[-1] * t)
+    n = len(new_shape)
+    out: List[List[Factor]] = [[] for _ in range(n)]
+    pos = 1
+    for size, axis in todo:
+        end = pos * size
+        if axis is None:  # a run of whole dims: cut it at the new dims' boundaries
+            for k in range(n):
+                lo, hi = max(pos, bounds[k]), min(end, bounds[k + 1])
+                if hi <= lo:
+                    continue
+                if hi % lo:
+                    raise LayoutError(f"reshape {tuple(shape)} -> {tuple(new_shape)} groups a sharded dim's rows "
+                                      "with a fraction of a whole dim, which does not follow the serial layout")
+                out[k].append((hi // lo, None))
+        else:
+            cands = [k for k in range(n) if bounds[k] <= pos and end <= bounds[k + 1]
+                     and pos % bounds[k] == 0 and bounds[k + 1] % end == 0]
+            if not cands:
                 raise LayoutError(
                     f"reshape {tuple(shape)} -> {tuple(new_shape)} splits a sharded dim (local size {size}) across "
                     "several dims, which would interleave rows that live on different ranks")
-        while i < len(todo) and todo[i][0] == 1 and todo[i][1] is not None:  # keep a 1-row shard's factor
-            cur.append(todo[i])
-            i += 1
-        out.append(_entry(cur))
-    rest = todo[i:]
-    if any(a is not None for _, a in rest) or any(s != 1 for s, _ in rest):
-        raise LayoutError(f"reshape {tuple(shape)} -> {tuple(new_shape)} drops a sharded dim")
-    return tuple(out)
+            if len(cands) > 1:  # only a 1-row shard on a boundary (a factor of size > 1 spans a unique dim)
+                raise LayoutError(
+                    f"reshape {tuple(shape)} -> {tuple(new_shape)} is ambiguous: this rank holds a single row of a "
+                    f"sharded dim (local size 1), and that row could belong to new dim {cands[0]} or "
+                    f"{' or '.join(str(k) for k in cands[1:])}, which shard different dims of the serial result "
+                    "(with h == 1, x.view(n, c, h * w) and x.view(n, c * h, w) make the same local call). Give every "
+                    "rank at least 2 rows along the sharded dims (fewer ranks or a larger input), or use "
+                    "flatten / unflatten, which name the dims they merge")
+            out[cands[0]].append((size, axis))
+        pos = end
+    return tuple(_entry(e) for e in out)
+
+
+def flatten_layout(shape: Sequence[int], layout: Layout, start: int, end: int) -> Layout:
+    """Layout of ``x.flatten(start, end)``: the entries of dims ``start..end`` merged (never ambiguous:
+    the call names the dims it merges, a 1-row shard included)."""
+    n = len(shape)
+    if n == 0:
+        return tuple(layout)
+    start, end = start % n, end % n
+    if start > end:
+        raise LayoutError(f"flatten: start_dim {start} after end_dim {end}")
+    merged: List[Factor] = []
+    for d in range(start, end + 1):
+        merged.extend(layout[d] if layout[d] else ((int(shape[d]), None),))
+    return tuple(layout[:start]) + (_entry(merged),) + tuple(layout[end + 1:])
+
+
+def unflatten_layout(shape: Sequence[int], layout: Layout, dim: int, sizes: Sequence[int]) -> Layout:
+    """Layout of ``x.unflatten(dim, sizes)``: ``dim``'s entry reshaped to ``sizes`` (see
+    :func:`reshape_layout`; the other dims are untouched)."""
+    dim = dim % len(shape)
+    part = reshape_layout((int(shape[dim]),), (layout[dim],), sizes)
+    return tuple(layout[:dim]) + part + tuple(layout[dim + 1:])
 
 
 def permute_layout(layout: Layout, order: Sequence[int]) -> Layout:

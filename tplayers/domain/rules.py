@@ -15,8 +15,8 @@ from typing import Any, Dict, Tuple
 
 import torch
 
-from tplayers.domain.layout import (LayoutError, broadcast_layouts, drop_dims, insert_dim, is_sharded, mesh_dims_of,
-                                    permute_layout, reshape_layout, sharded_dims)
+from tplayers.domain.layout import (LayoutError, broadcast_layouts, drop_dims, flatten_layout, insert_dim, is_sharded,
+                                    mesh_dims_of, permute_layout, reshape_layout, sharded_dims, unflatten_layout)
 
 __all__ = ["handle", "op_name", "dims_arg", "run_pointwise", "first_sharded"]
 
@@ -132,12 +132,23 @@ def _reshape(g, func, args, kwargs):
 def _flatten(g, func, args, kwargs):
     x, lay = args[0], g.layout(args[0])
     out = func(*args, **kwargs)
-    return g.mark(out, reshape_layout(x.shape, lay, out.shape)) if x.dim() else out
+    if not x.dim():
+        return out
+    start = kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
+    end = kwargs.get("end_dim", args[2] if len(args) > 2 else -1)
+    if isinstance(start, int) and isinstance(end, int):  # the dims it merges are named: never ambiguous
+        return g.mark(out, flatten_layout(x.shape, lay, start, end))
+    return g.mark(out, reshape_layout(x.shape, lay, out.shape))
 
 
 def _unflatten(g, func, args, kwargs):
     x, lay = args[0], g.layout(args[0])
     out = func(*args, **kwargs)
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if isinstance(dim, int):
+        d = dim % x.dim()
+        k = out.dim() - x.dim() + 1
+        return g.mark(out, unflatten_layout(x.shape, lay, d, out.shape[d:d + k]))
     return g.mark(out, reshape_layout(x.shape, lay, out.shape))
 
 
