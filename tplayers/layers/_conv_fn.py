@@ -136,74 +136,47 @@ class HaloConvFunction(torch.autograd.Function):
         spec = ctx.spec
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias
-        groups = spec.live_groups if (need_w or need_b) and ctx.reduce else ()
-        local = _LocalGrads(ctx, grad, xp, weight, need_x)
+        if spec.empty:
+            gxp = torch.zeros_like(xp) if need_x else None
+            gw = torch.zeros_like(weight) if need_w else None
+            gb = weight.new_zeros(weight.shape[0]) if need_b else None
+        else:
+            compiling = torch.compiler.is_compiling()
+            if spec.plain:  # nothing to replay: the convolution read xp itself
+                xc = xp
+            elif compiling:  # traceable: the padding / trim's vjp through torch.func
+                xc, prepare_vjp = torch.func.vjp(spec.prepare, xp)
+            else:
+                with torch.enable_grad():  # replay only the cheap padding / trim, to differentiate it
+                    xp_ = xp.detach().requires_grad_(need_x)
+                    xc = spec.prepare(xp_)
+            p = spec.order
+            gi, gw, gb = torch.ops.aten.convolution_backward(
+                p.fwd(grad), p.fwd(xc.detach()), p.fwd(weight), [weight.shape[0]] if ctx.has_bias else None,
+                p.stride, p.padding, p.dilation, False, [0] * len(spec.stride), spec.groups, [need_x, need_w, need_b])
+            gi, gw = (p.back(gi) if gi is not None else None), (p.back(gw) if gw is not None else None)
+            gxp = None
+            if need_x and spec.plain:
+                gxp = gi
+            elif need_x and compiling:
+                gxp = prepare_vjp(gi)[0]
+            elif need_x:
+                gxp = gi if xc is xp_ else torch.autograd.grad(xc, xp_, gi)[0]
+        params = [g for g, need in ((gw, need_w), (gb, need_b)) if need]
+        flat = torch.cat([g.reshape(-1) for g in params]) if params else None
+        groups = spec.live_groups if params and ctx.reduce else ()
+        state = ctx.state
         if torch.compiler.is_compiling():  # one registered op: adjoint halo + parameter-gradient sum
-            gxp = local.input_grad() if need_x else None
-            grad_x, flat = _compiled_backward(gxp, local.param_grads(need_w, need_b), ctx.state, groups)
-        else:  # the input gradient first; the weight and bias gradients while its halo rows travel
-            gxp = local.input_grad() if need_x else None  # a fresh tensor, read by nothing else
-            grad_x, flat = _reduce_backward(gxp, lambda: local.param_grads(need_w, need_b), ctx.state, groups,
-                                            owned=True)
+            grad_x, flat = _compiled_backward(gxp, flat, state, groups)
+        else:  # gxp: convolution_backward's fresh input gradient (or views of it), read by nothing else
+            grad_x = _reduce_backward(gxp, flat, state, groups, owned=True)
         offset = 0
-        gw = gb = None
         if need_w:
             gw = flat[: weight.numel()].view_as(weight)
             offset = weight.numel()
         if need_b:
             gb = flat[offset : offset + weight.shape[0]]
-        return grad_x, gw, gb, None, None
-
-
-class _LocalGrads:
-    """This rank's convolution gradients from the saved halo-padded input: the input gradient
-    (through the boundary padding / trim, replayed) and the weight / bias gradients, computed by two
-    ``convolution_backward`` calls so that the second can run while the first's halo rows travel."""
-
-    def __init__(self, ctx, grad, xp, weight, need_x: bool) -> None:
-        spec = ctx.spec
-        self.spec, self.weight, self.has_bias = spec, weight, ctx.has_bias
-        self.xp, self.need_x = xp, need_x
-        self.grad = spec.order.fwd(grad)
-        self.vjp = self.xp_ = None
-        if spec.empty:
-            return
-        if spec.plain:  # nothing to replay: the convolution read xp itself
-            self.xc = xp
-        elif torch.compiler.is_compiling():  # traceable: the padding / trim's vjp through torch.func
-            self.xc, self.vjp = torch.func.vjp(spec.prepare, xp)
-        else:
-            with torch.enable_grad():  # replay only the cheap padding / trim, to differentiate it
-                self.xp_ = xp.detach().requires_grad_(need_x)
-                self.xc = spec.prepare(self.xp_)
-
-    def _backward(self, mask):
-        spec, p, w = self.spec, self.spec.order, self.weight
-        return torch.ops.aten.convolution_backward(
-            self.grad, p.fwd(self.xc.detach()), p.fwd(w), [w.shape[0]] if self.has_bias else None, p.stride,
-            p.padding, p.dilation, False, [0] * len(spec.stride), spec.groups, mask)
-
-    def input_grad(self) -> torch.Tensor:
-        """The gradient of the halo-padded input."""
-        if self.spec.empty:
-            return torch.zeros_like(self.xp)
-        gi = self.spec.order.back(self._backward([True, False, False])[0])
-        if self.spec.plain:
-            return gi
-        if self.vjp is not None:
-            return self.vjp(gi)[0]
-        return gi if self.xc is self.xp_ else torch.autograd.grad(self.xc, self.xp_, gi)[0]
-
-    def param_grads(self, need_w: bool, need_b: bool) -> Optional[torch.Tensor]:
-        """The weight and bias gradients flattened into one tensor (``None`` when neither is needed)."""
-        if not (need_w or need_b):
-            return None
-        w = self.weight
-        if self.spec.empty:
-            return w.new_zeros((w.numel() if need_w else 0) + (w.shape[0] if need_b else 0))
-        _, gw, gb = self._backward([False, need_w, need_b])
-        parts = ([self.spec.order.back(gw).reshape(-1)] if need_w else []) + ([gb] if need_b else [])
-        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+        return grad_x, gw if need_w else None, gb if need_b else None, None, None
 
 
 #: The number of references to a tensor's storage (``None`` where this PyTorch lacks it: no reuse).
@@ -282,22 +255,18 @@ def conv_order(local_shape: Tuple[int, ...], like: torch.Tensor) -> Optional[Tup
     return order
 
 
-def _reduce_backward(grad_xp: Optional[torch.Tensor], flat, state, groups,
-                     owned: bool = False) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups,
+                     owned: bool = False) -> Optional[torch.Tensor]:
     """The adjoint halo exchange of ``grad_xp`` (``owned``: see :func:`~tplayers.domain.halo.halo_adjoint`)
     with an async all-reduce of ``flat`` over the first group, posted after the halo messages and
-    waited after them; one blocking all-reduce per further mesh dim. ``flat``: a tensor, ``None``, or a
-    callable computing it, called while the halo messages fly. Returns ``(grad_x, summed flat)``."""
+    waited after them; one blocking all-reduce per further mesh dim."""
     pending = []
-    box = [flat]
 
     def start_reduce():
-        if callable(box[0]):
-            box[0] = box[0]()
-        if groups and box[0] is not None:
-            record_collective("all_reduce", box[0].numel() * box[0].element_size(), dist.get_world_size(groups[0]),
+        if groups:
+            record_collective("all_reduce", flat.numel() * flat.element_size(), dist.get_world_size(groups[0]),
                               "conv.param_grads")
-            pending.append(dist.all_reduce(box[0], group=groups[0], async_op=True))
+            pending.append(dist.all_reduce(flat, group=groups[0], async_op=True))
 
     grad_x = None
     if grad_xp is not None:
@@ -306,10 +275,9 @@ def _reduce_backward(grad_xp: Optional[torch.Tensor], flat, state, groups,
         start_reduce()
     for work in pending:
         work.wait()
-    flat = box[0]
     for g in groups[1:]:
         flat = all_reduce_sum(flat, g, "conv.param_grads")
-    return grad_x, flat
+    return grad_x
 
 
 def _compiled_backward(gxp, flat, state, groups):
@@ -338,7 +306,7 @@ def _halo_conv_backward_op(gxp: torch.Tensor, flat: torch.Tensor, has_x: bool, d
     groups = [_group(name) for name in (reduce0, reduce1) if name]  # a mesh has at most 2 dims
     flat = flat.clone()  # reduced in place below; the op's input stays untouched
     gxp = gxp if has_x else None
-    grad_x, flat = _reduce_backward(gxp, flat, state, groups)
+    grad_x = _reduce_backward(gxp, flat, state, groups)
     return (grad_x if has_x else flat.new_empty(0)), flat
 
 

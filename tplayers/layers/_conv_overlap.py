@@ -149,7 +149,7 @@ class HaloConvSave(torch.autograd.Function):
         if torch.compiler.is_compiling():
             _, flat = _compiled_backward(None, flat, state, groups)
         elif groups:
-            _, flat = _reduce_backward(None, flat, state, groups)
+            _reduce_backward(None, flat, state, groups)
         gw = flat[: weight.numel()].view_as(weight) if need_w else None
         gb = flat[weight.numel() if need_w else 0:][: weight.shape[0]] if need_b else None
         return grad_x, gw, gb, None, None
