@@ -1,6 +1,7 @@
 """GroupNorm and a U-Net training step on 2 ranks vs one process; collectives per step vs the minimum.
 
-    torchrun --nproc-per-node 2 benchmarks/norm_unet.py [--repeats 5]
+    torchrun --nproc-per-node 2 benchmarks/norm_unet.py [--repeats 5] [--size 128 --width 16] [--skip-norm]
+    torchrun --nproc-per-node 2 benchmarks/norm_unet.py --size 256 --width 32 --skip-norm --repeats 3
 
 1. DistributedGroupNorm forward+backward on an H-sharded (N, C, H, W) input vs nn.GroupNorm on
    the whole input in one process (one thread per process in both cases);
@@ -11,7 +12,12 @@
    input gradient every rank's statistic sums);
 4. the region guard's steady-state cost: the same 2-rank U-Net step with the guard's hooks removed and
    the replicated parameters' gradient sums done per module as before the guard (DomainReplicated),
-   alternating with the guarded step in the same run.
+   alternating with the guarded step in the same run (the guarded step also has the region's
+   gradient buckets: one all-reduce for every convolution's parameter gradients, where the bare
+   step sums per layer, so this ratio is the guard's cost net of the buckets' gain).
+
+Issue-21 targets: the U-Net step on 2 ranks >= 1.2x one process at (4, 1, 128, 128), width 16, and
+>= 1.5x at (4, 1, 256, 256), width 32.
 
 Timings alternate (2-rank, then 1-process on rank 0 while rank 1 waits) and are medians.
 """
@@ -81,6 +87,9 @@ def _isa() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--size", type=int, default=128, help="U-Net input H = W (issue 21: 128 and 256)")
+    parser.add_argument("--width", type=int, default=16, help="U-Net width (issue 21: 16 at 128, 32 at 256)")
+    parser.add_argument("--skip-norm", action="store_true", help="time the U-Net step only (no GroupNorm part)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     mesh = tplayers.init_mesh(device_type="cpu")
@@ -102,10 +111,10 @@ def main() -> None:
         gn(xs).sum().backward()
 
     # 2) U-Net step
-    serial = UNet(width=16)
+    serial = UNet(width=args.width)
     model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
     opt_p, opt_s = torch.optim.Adam(model.parameters()), torch.optim.Adam(serial.parameters())
-    u, tgt, t = torch.randn(4, 1, 128, 128), torch.randn(4, 1, 128, 128), torch.rand(4)
+    u, tgt, t = torch.randn(4, 1, args.size, args.size), torch.randn(4, 1, args.size, args.size), torch.rand(4)
     ul, tl = tplayers.shard(u, 2, mesh), tplayers.shard(tgt, 2, mesh)
 
     def par_unet():
@@ -126,8 +135,9 @@ def main() -> None:
         opt_s.zero_grad(), loss.backward(), opt_s.step()
 
     results = {}
-    for name, par, ser in (("GroupNorm fwd+bwd (4, 64, 256, 256)", par_gn, ser_gn),
-                           ("U-Net train step (4, 1, 128, 128), width 16", par_unet, ser_unet)):
+    cases = [] if args.skip_norm else [("GroupNorm fwd+bwd (4, 64, 256, 256)", par_gn, ser_gn)]
+    cases.append((f"U-Net train step (4, 1, {args.size}, {args.size}), width {args.width}", par_unet, ser_unet))
+    for name, par, ser in cases:
         pt, st = [], []
         for _ in range(args.repeats):
             pt.append(_time(par))
@@ -149,7 +159,7 @@ def main() -> None:
     norm_fwd = sum(1 for r in log.records if r.tag == "norm_stats.fwd")
     norm_bwd = sum(1 for r in log.records if r.tag == "norm_stats.bwd")
     if rank == 0:
-        print(f"{world} ranks (gloo, CPU, 1 thread each) vs 1 process")
+        print(f"{world} ranks (gloo, CPU, 1 thread each) vs 1 process (1 thread); CPU {_isa()}, torch {torch.__version__}")
         for name, (p, s) in results.items():
             print(f"{name}: 2-rank {p * 1e3:.1f} ms, 1-process {s * 1e3:.1f} ms, speed-up {s / p:.2f}x")
         print(f"region guard: U-Net step {statistics.median(guarded) * 1e3:.1f} ms guarded vs "
