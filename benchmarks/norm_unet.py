@@ -100,7 +100,7 @@ def main() -> None:
     x = torch.randn(4, 64, 256, 256)
     gn = nn.GroupNorm(8, 64)
     dgn = tplayers.DistributedGroupNorm.from_module(gn, mesh=mesh)
-    xl = tplayers.shard(x, 2, mesh).requires_grad_(True)
+    xl = tplayers.shard(x, 2, mesh).contiguous().requires_grad_(True)  # this rank's own slab, as when loaded
     xs = x.clone().requires_grad_(True)
 
     def par_gn():
@@ -115,7 +115,7 @@ def main() -> None:
     model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
     opt_p, opt_s = torch.optim.Adam(model.parameters()), torch.optim.Adam(serial.parameters())
     u, tgt, t = torch.randn(4, 1, args.size, args.size), torch.randn(4, 1, args.size, args.size), torch.rand(4)
-    ul, tl = tplayers.shard(u, 2, mesh), tplayers.shard(tgt, 2, mesh)
+    ul, tl = tplayers.shard(u, 2, mesh).contiguous(), tplayers.shard(tgt, 2, mesh).contiguous()
 
     def par_unet():
         loss = tplayers.domain_mean(F.mse_loss(model(ul, t), tl, reduction="none"), mesh)

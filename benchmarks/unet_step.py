@@ -145,7 +145,8 @@ def main() -> None:
     # (a) tplayers
     model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
                                         mesh=mesh)
-    xl, tl = tplayers.shard(x, 2, mesh), tplayers.shard(tgt, 2, mesh)
+    # each rank's own contiguous slab (as when it loads its part), as ShardTensor gets below
+    xl, tl = tplayers.shard(x, 2, mesh).contiguous(), tplayers.shard(tgt, 2, mesh).contiguous()
 
     def loss_tpl():
         return tplayers.domain_mean(F.mse_loss(model(xl), tl, reduction="none"), mesh)
