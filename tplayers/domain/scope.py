@@ -124,6 +124,7 @@ class DomainRegion:
             return None
         if any(g is active_guard() for g in self._stack):
             return None  # re-entered inside its own call
+        self.root = module  # the hooked module (a deep copy or an unpickled region starts without it)
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is None:
             x = next((a for a in kwargs.values() if isinstance(a, torch.Tensor)), None)

@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import List, Tuple
 
 import torch
-import torch.nn.functional as F
 import torch.distributed as dist
 
 from tplayers.comm.collectives import all_gather_along_dim, all_reduce_sum
@@ -86,15 +85,20 @@ def global_moments(x4: torch.Tensor, per_channel: bool, groups: List[dist.Proces
     return triple[0], triple[1], triple[2]
 
 
-def affine_rows(x4: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``x4 * scale + shift`` as a new contiguous tensor; ``x4`` is ``(N, G, Cg, L)``, ``scale`` and ``shift``
-    broadcast to ``(N, G, Cg, 1)``. One vectorised pass: an inference-mode batch norm of the ``(1, N*G*Cg, L)``
-    view with mean 0, variance 1 and eps 0 (~2.5x a broadcasting ``addcmul`` here)."""
+def affine_rows(x4: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, shape=None) -> torch.Tensor:
+    """``x4 * scale + shift`` as a new base tensor (of ``shape``, default ``x4``'s; never a view, so a caller
+    may modify it in place); ``x4`` is ``(N, G, Cg, L)``, ``scale`` and ``shift`` broadcast to ``(N, G, Cg, 1)``.
+    One vectorised pass: an inference-mode batch norm of the ``(1, N*G*Cg, L)`` view with mean 0,
+    variance 1 and eps 0 (~2.5x a broadcasting ``addcmul`` here)."""
     per = x4.shape[:3] + (1,)
-    zeros = x4.new_zeros(x4.shape[0] * x4.shape[1] * x4.shape[2])
-    y = F.batch_norm(x4.reshape(1, zeros.numel(), -1), zeros, torch.ones_like(zeros),
-                     scale.expand(per).reshape(-1), shift.expand(per).reshape(-1), False, 0.0, 0.0)
-    return y.view(x4.shape)
+    rows = x4.shape[0] * x4.shape[1] * x4.shape[2]
+    zeros = x4.new_zeros(rows)
+    y = torch.empty(x4.shape if shape is None else shape, dtype=x4.dtype, device=x4.device)
+    torch.ops.aten.native_batch_norm.out(
+        x4.reshape(1, rows, -1), scale.expand(per).reshape(-1), shift.expand(per).reshape(-1), zeros,
+        torch.ones_like(zeros), False, 0.0, 0.0, out=y.view(1, rows, -1), save_mean=x4.new_empty(0),
+        save_invstd=x4.new_empty(0))
+    return y
 
 
 def dy_sums(d4: torch.Tensor, x4: torch.Tensor, mean_a: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +138,7 @@ class DomainNormFn(torch.autograd.Function):
         if bias is not None:
             shift = shift + bias.to(acc).reshape(1, num_groups, cg, 1)
         if acc == x.dtype:  # one pass into a base tensor (never a view, so callers may modify it in place)
-            y = affine_rows(x4, scale, shift).view(x.shape)
+            y = affine_rows(x4, scale, shift, x.shape)
         else:
             y = torch.addcmul(shift, x4, scale)
         count_a = count.to(acc).clamp(min=1).reshape(shape)
@@ -178,7 +182,8 @@ class DomainNormFn(torch.autograd.Function):
         a = rstd_a if weight is None else rstd_a * weight.to(acc).reshape(1, num_groups, cg, 1)
         k = -rstd_a.square() * mgx
         if fused:  # k * x + (-rstd * mg - k * mean) in one pass into a new tensor, then + a * dy in place
-            dx = affine_rows(x4, k, -rstd_a * mg - k * mean_a).addcmul_(d4, a)
+            dx = affine_rows(x4, k, -rstd_a * mg - k * mean_a)
+            dx.addcmul_(d4, a)
         else:  # two fused passes written over xc (a fresh tensor of this backward's own)
             dx = torch.addcmul(-rstd_a * mg, xc, k, out=xc).addcmul_(d4, a)
         dx = dx.reshape(x.shape).to(x.dtype)
