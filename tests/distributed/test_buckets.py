@@ -165,3 +165,22 @@ def _explain(rank, world):
 
 def test_explain_counts_the_bucket_not_per_layer_sums():
     run_ranks(_explain, 2)
+
+
+def _retain_graph(rank, world):
+    torch.manual_seed(0)
+    serial = Net().double()
+    mesh = tplayers.init_mesh(device_type="cpu")
+    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
+                                        mesh=mesh)
+    x = torch.randn(2, 2, 12, 12, dtype=torch.float64)
+    loss_p = tplayers.domain_sum(model(tplayers.shard(x, 2, mesh)) ** 2, mesh)
+    loss_s = (serial(x) ** 2).sum()
+    for _ in range(2):  # the same graph twice: the gradients accumulate twice, as in the serial model
+        loss_p.backward(retain_graph=True)
+        loss_s.backward(retain_graph=True)
+        assert_params_match(model, serial, grads=True, **TIGHT)
+
+
+def test_second_backward_of_the_same_graph():
+    run_ranks(_retain_graph, 2)

@@ -144,6 +144,9 @@ class GradBuckets:
         for p in self.params:
             b, offset = self.slots[id(p)]
             out.append(b.flat[offset:offset + p.numel()].view_as(p) if id(p) in self.filled else None)
+        for b in self.buckets:  # empty again: a second backward of the same graph (retain_graph) starts afresh
+            b.flat, b.arrived, b.posted = None, 0, False
+        self.filled = set()
         return out
 
 
