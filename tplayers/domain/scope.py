@@ -20,6 +20,7 @@ before compiling it.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -48,15 +49,27 @@ class DomainRegion:
         self.routes: Dict = {}
         self._table: Optional[List] = None
         self._stack: List[RegionGuard] = []
-        self.root: Optional[nn.Module] = None
+        self._root: Optional[weakref.ref] = None  # the hooked module, weakly: its hooks hold this region
         self.needs_guard = False  # an eager call routed an op or summed a replicated gradient
+
+    @property
+    def root(self) -> Optional[nn.Module]:
+        """The module whose calls this region guards (``None`` before its first call or once it is gone).
+        Held weakly: the module's hooks hold this region, and a strong reference back would keep every
+        model alive until the cyclic garbage collector runs (with it its process groups, whose gloo
+        threads may then be torn down during interpreter exit)."""
+        return None if self._root is None else self._root()
+
+    @root.setter
+    def root(self, module: Optional[nn.Module]) -> None:
+        self._root = None if module is None else weakref.ref(module)
 
     # copy / pickle: the mesh by reference, caches empty
     def __deepcopy__(self, memo):
         new = DomainRegion.__new__(DomainRegion)
         memo[id(self)] = new
         new.__dict__.update(self.__dict__)
-        new.routes, new._table, new._stack, new.root = {}, None, [], None
+        new.routes, new._table, new._stack, new._root = {}, None, [], None
         new.needs_guard = self.needs_guard
         return new
 
@@ -124,7 +137,8 @@ class DomainRegion:
             return None
         if any(g is active_guard() for g in self._stack):
             return None  # re-entered inside its own call
-        self.root = module  # the hooked module (a deep copy or an unpickled region starts without it)
+        if self._root is None or self._root() is not module:  # a deep copy or an unpickled region starts without it
+            self.root = module
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is None:
             x = next((a for a in kwargs.values() if isinstance(a, torch.Tensor)), None)
