@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tplayers
+from tplayers.ops.na_cpu import host_isa  # the CPU's vector ISA: avx512 / avx2 / base
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 from unet import UNet  # noqa: E402
@@ -74,14 +75,6 @@ def _wrap_replicated(module: nn.Module, mesh) -> nn.Module:
     if next(module.parameters(recurse=False), None) is not None:
         return tplayers.DomainReplicated(module, mesh)
     return module
-
-
-def _isa() -> str:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return "unknown"
-    return "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "x86-64/other"
 
 
 def main() -> None:
@@ -159,12 +152,12 @@ def main() -> None:
     norm_fwd = sum(1 for r in log.records if r.tag == "norm_stats.fwd")
     norm_bwd = sum(1 for r in log.records if r.tag == "norm_stats.bwd")
     if rank == 0:
-        print(f"{world} ranks (gloo, CPU, 1 thread each) vs 1 process (1 thread); CPU {_isa()}, torch {torch.__version__}")
+        print(f"{world} ranks (gloo, CPU, 1 thread each) vs 1 process (1 thread); CPU {host_isa()}, torch {torch.__version__}")
         for name, (p, s) in results.items():
             print(f"{name}: 2-rank {p * 1e3:.1f} ms, 1-process {s * 1e3:.1f} ms, speed-up {s / p:.2f}x")
         print(f"region guard: U-Net step {statistics.median(guarded) * 1e3:.1f} ms guarded vs "
               f"{statistics.median(unguarded) * 1e3:.1f} ms without it: {100 * (guard_ratio - 1):+.1f}% "
-              f"(target <= +2%; CPU {_isa()})")
+              f"(target <= +2%; CPU {host_isa()})")
         print(f"U-Net step collectives by kind: {log.summary()}")
         print(f"norm collectives: forward {norm_fwd}, backward {norm_bwd} for {norms} GroupNorms "
               f"(minimum {norms} + {norms})")

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tplayers
+from tplayers.ops.na_cpu import host_isa  # the CPU's vector ISA: avx512 / avx2 / base
 
 
 def load_shardtensor():
@@ -94,14 +95,6 @@ class UNet(nn.Module):
         d2 = self.dec2(torch.cat([self.up(m), e2], 1))
         d1 = self.dec1(torch.cat([self.red1(self.up(d2)), e1], 1))
         return self.head(d1)
-
-
-def _isa() -> str:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return "unknown"
-    return "AVX-512" if " avx512f" in flags else "AVX2" if " avx2" in flags else "x86-64/other"
 
 
 def _time(fn, iters: int) -> float:
@@ -226,7 +219,7 @@ def main() -> None:
 
     if rank == 0:
         med = {k: statistics.median(v) * 1e3 if v else float("nan") for k, v in times.items()}
-        print(f"torch {torch.__version__}, physicsnemo {st[2] if st else 'unavailable'}, CPU {_isa()}, "
+        print(f"torch {torch.__version__}, physicsnemo {st[2] if st else 'unavailable'}, CPU {host_isa()}, "
               f"{world} ranks (gloo, 1 thread each) vs 1 process (1 thread)")
         if st is None:
             print(f"ShardTensor unavailable: {why}")

@@ -46,7 +46,7 @@ class Net(nn.Module):
         return y
 
 
-def _sizes(n, world, rank):
+def _sizes(n, world):
     base = [n // world + (1 if i < n % world else 0) for i in range(world)]
     base[0] += 1  # uneven
     base[-1] -= 1
@@ -68,7 +68,7 @@ def _check(rank, world, extra=False, skip=False, twice=False, mesh_shape=None):
     H = W = 12
     x = torch.randn(2, 2, H, W, dtype=torch.float64)
     if mesh_shape is None:
-        sizes = _sizes(H, world, rank)
+        sizes = _sizes(H, world)
         h0 = offsets_from_sizes(sizes)[rank]
         xl = x[:, :, h0:h0 + sizes[rank]]
     else:
@@ -114,12 +114,18 @@ def test_2d_mesh():
     run_ranks(_check, 4, kwargs=dict(mesh_shape=(2, 2)))
 
 
-def _input_only(rank, world):
+def _pair():
+    """The fp64 serial Net and its H-sharded parallel twin on the default 1-D mesh."""
     torch.manual_seed(0)
     serial = Net().double()
     mesh = tplayers.init_mesh(device_type="cpu")
     model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
                                         mesh=mesh)
+    return serial, mesh, model
+
+
+def _input_only(rank, world):
+    serial, mesh, model = _pair()
     x = torch.randn(2, 2, 12, 12, dtype=torch.float64, requires_grad=True)
     xl = tplayers.shard(x.detach(), 2, mesh).requires_grad_(True)
     with tplayers.count_collectives() as log:
@@ -136,11 +142,7 @@ def test_input_gradient_only_posts_no_bucket():
 
 def _small_buckets(rank, world):
     buckets_mod.BUCKET_BYTES = 8 * 40  # a few parameters per bucket: several buckets in flight
-    torch.manual_seed(0)
-    serial = Net().double()
-    mesh = tplayers.init_mesh(device_type="cpu")
-    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
-                                        mesh=mesh)
+    serial, mesh, model = _pair()
     x = torch.randn(2, 2, 12, 12, dtype=torch.float64)
     with tplayers.count_collectives() as log:
         tplayers.domain_sum(model(tplayers.shard(x, 2, mesh)) ** 2, mesh).backward()
@@ -168,11 +170,7 @@ def test_explain_counts_the_bucket_not_per_layer_sums():
 
 
 def _retain_graph(rank, world):
-    torch.manual_seed(0)
-    serial = Net().double()
-    mesh = tplayers.init_mesh(device_type="cpu")
-    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
-                                        mesh=mesh)
+    serial, mesh, model = _pair()
     x = torch.randn(2, 2, 12, 12, dtype=torch.float64)
     loss_p = tplayers.domain_sum(model(tplayers.shard(x, 2, mesh)) ** 2, mesh)
     loss_s = (serial(x) ** 2).sum()

@@ -137,7 +137,7 @@ class DomainRegion:
             return None
         if any(g is active_guard() for g in self._stack):
             return None  # re-entered inside its own call
-        if self._root is None or self._root() is not module:  # a deep copy or an unpickled region starts without it
+        if self.root is not module:  # a deep copy or an unpickled region starts without it
             self.root = module
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is None:

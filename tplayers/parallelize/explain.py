@@ -28,15 +28,11 @@ def _collectives(module: nn.Module) -> str:
     described = False
     bucketed = set()  # twins inside a domain region: its gradient buckets sum their parameter grads
     for sub in module.modules():
-        if any(hasattr(getattr(h, "__self__", None), "agree") for h in sub._forward_pre_hooks.values()):
+        if _region_of(sub) is not None:
             bucketed |= {id(m) for m in sub.modules() if getattr(m, "bucketed_params", False)}
     for sub in module.modules():
-        describe = getattr(sub, "collectives", None)
-        region = None
-        for hook in sub._forward_pre_hooks.values():  # a domain region's per-call agreement and guard
-            owner = getattr(hook, "__self__", None)
-            if hasattr(owner, "collectives") and hasattr(owner, "agree"):
-                describe, region = owner.collectives, owner
+        region = _region_of(sub)  # a domain region's per-call agreement and guard
+        describe = region.collectives if region is not None else getattr(sub, "collectives", None)
         if describe is None:
             continue
         described = True
@@ -53,6 +49,15 @@ def _collectives(module: nn.Module) -> str:
         return "?"
     text = lambda c: ", ".join(n if k == 1 else f"{n} x{k}" for n, k in c.items()) or "-"  # noqa: E731
     return f"fwd: {text(fwd)}; bwd: {text(bwd)}"
+
+
+def _region_of(module: nn.Module):
+    """The domain region bound to ``module`` by its forward pre-hook, or ``None``."""
+    for hook in module._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        if hasattr(owner, "collectives") and hasattr(owner, "agree"):
+            return owner
+    return None
 
 
 def _buckets(region, root: nn.Module) -> int:
