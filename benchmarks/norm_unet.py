@@ -14,7 +14,16 @@
    the replicated parameters' gradient sums done per module as before the guard (DomainReplicated),
    alternating with the guarded step in the same run (the guarded step also has the region's
    gradient buckets: one all-reduce for every convolution's parameter gradients, where the bare
-   step sums per layer, so this ratio is the guard's cost net of the buckets' gain).
+   step sums per layer, so this ratio is the guard's cost net of the buckets' gain);
+5. the step against two same-run floors (``--floors``, the default): *perfect scaling*, every
+   rank running the serial step on a slab of its own shard's size at the same time with no
+   communication at all (the best any domain decomposition of this step can do here), and
+   *perfect scaling + syncs*, the same step with one bare 4-byte all-reduce wherever a layer of
+   the 2-rank step must wait for its peers (forward and backward of each 3x3 convolution, norm,
+   upsample and time-embedding boundary: the step's synchronisation points, counted beside the
+   step's own). The second floor is what any implementation with that many synchronisation
+   points pays on this machine's transport; the step's distance to it is the library's own
+   overhead (main-thread CPU per step is printed for all three).
 
 Issue-21 targets: the U-Net step on 2 ranks >= 1.2x one process at (4, 1, 128, 128), width 16, and
 >= 1.5x at (4, 1, 256, 256), width 32.
@@ -77,12 +86,82 @@ def _wrap_replicated(module: nn.Module, mesh) -> nn.Module:
     return module
 
 
+def _sync_hooks(model: nn.Module) -> int:
+    """Put one bare 4-byte all-reduce in the forward and the backward of every module whose twin must
+    wait for its peers (halo exchanges, norm statistics, the time embedding meeting the shards).
+    Returns the number of synchronisation points per step (2 more: the region's entry agreement and
+    the loss)."""
+    token = torch.zeros(1)
+
+    def sync(*_):
+        dist.all_reduce(token)
+
+    points = 0
+    for name, m in model.named_modules():
+        halo = isinstance(m, (nn.Conv2d, nn.Conv3d)) and any(k > 1 for k in m.kernel_size)
+        norm, up = isinstance(m, nn.GroupNorm), isinstance(m, nn.Upsample)
+        emb = isinstance(m, nn.Linear) and name.endswith(".emb")  # its output is broadcast onto the shards
+        if halo or norm or up:
+            m.register_forward_hook(sync)
+            points += 1
+        if halo or norm or up or emb:
+            m.register_full_backward_hook(sync)
+            points += 1
+    return points
+
+
+def _sync_points(log) -> int:
+    """Points where a rank of the logged step waits for its peers: every receive (on 2 ranks one per halo
+    exchange), all-gather and all-reduce."""
+    return sum(log.count(kind) for kind in ("recv", "all_gather", "all_reduce"))
+
+
+def floors(serial: nn.Module, u_local: torch.Tensor, tgt_local: torch.Tensor, t: torch.Tensor, par_step, repeats: int):
+    """Median wall and main-thread CPU ms per step of: the 2-rank step, every rank's serial step on its own
+    slab at once (perfect scaling), and the same with bare all-reduces at the step's sync points."""
+    plain, synced = copy.deepcopy(serial), copy.deepcopy(serial)
+    points = _sync_hooks(synced) + 2
+    token = torch.zeros(1)
+    u_local = u_local.clone().requires_grad_(True)  # as in the 2-rank step: every layer's input gradient
+
+    def stepper(model, with_syncs):
+        opt = torch.optim.Adam(model.parameters())
+
+        def step():
+            if with_syncs:
+                dist.all_reduce(token)  # the region's entry agreement
+            loss = F.mse_loss(model(u_local, t), tgt_local)
+            if with_syncs:
+                dist.all_reduce(token)  # the global loss
+            opt.zero_grad(), loss.backward(), opt.step()
+            dist.barrier()
+        return step
+
+    steps = {"2-rank step": par_step, "perfect scaling": stepper(plain, False),
+             f"perfect scaling + {points} syncs": stepper(synced, True)}
+    wall = {k: [] for k in steps}
+    cpu = {k: [] for k in steps}
+    for _ in range(repeats):
+        for key, fn in steps.items():
+            fn()
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(3):
+                fn()
+            wall[key].append((time.perf_counter() - t0) / 3)
+            cpu[key].append((time.thread_time() - c0) / 3)
+    both = torch.tensor([[statistics.median(wall[k]), statistics.median(cpu[k])] for k in steps], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)  # the slowest rank's figures
+    return {k: (float(w) * 1e3, float(c) * 1e3) for k, (w, c) in zip(steps, both)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--size", type=int, default=128, help="U-Net input H = W (issue 21: 128 and 256)")
     parser.add_argument("--width", type=int, default=16, help="U-Net width (issue 21: 16 at 128, 32 at 256)")
     parser.add_argument("--skip-norm", action="store_true", help="time the U-Net step only (no GroupNorm part)")
+    parser.add_argument("--no-floors", action="store_true", help="skip the perfect-scaling floors (item 5)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     mesh = tplayers.init_mesh(device_type="cpu")
@@ -145,6 +224,8 @@ def main() -> None:
         unguarded.append(_time(bare_unet))
     guard_ratio = statistics.median(guarded) / statistics.median(unguarded)
 
+    floor = None if args.no_floors else floors(serial, ul, tl, t, par_unet, args.repeats)
+
     with tplayers.count_collectives() as log:
         loss = tplayers.domain_mean(F.mse_loss(model(ul, t), tl, reduction="none"), mesh)
         loss.backward()
@@ -161,6 +242,14 @@ def main() -> None:
         print(f"U-Net step collectives by kind: {log.summary()}")
         print(f"norm collectives: forward {norm_fwd}, backward {norm_bwd} for {norms} GroupNorms "
               f"(minimum {norms} + {norms})")
+        if floor is not None:
+            print(f"sync points of the 2-rank step: {_sync_points(log)} (halo exchanges, all-gathers, all-reduces)")
+            ser = results[cases[-1][0]][1] * 1e3
+            base = floor["perfect scaling"][0]
+            print("U-Net step against same-run floors (wall ms / main-thread CPU ms per step, slowest rank; "
+                  "speed-up = 1 process / this):")
+            for key, (w, c) in floor.items():
+                print(f"  {key:32s} {w:7.1f} / {c:6.1f}   speed-up {ser / w:4.2f}x   x floor {w / base:4.2f}")
     dist.destroy_process_group()
 
 

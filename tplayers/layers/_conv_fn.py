@@ -25,7 +25,8 @@ from tplayers.domain.route import HaloRoute, halo_route
 from tplayers.domain.window_plan import AxisPlan
 from tplayers.ops.registry import OpSpec, register
 
-__all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "halo_conv", "in_format"]
+__all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "finish_param_sum", "halo_conv", "in_format",
+           "post_param_sum"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,6 +51,7 @@ class ConvSpec:
     overlap: bool = False  # exchange overlapped with compute (layers._conv_overlap); the same on every rank
     plain: bool = False  # prepare is the identity (no boundary rows, no trim, no padding of other dims)
     out_format: torch.memory_format = torch.contiguous_format  # the output's layout (nn.ConvNd's for the input)
+    edges: Optional[tuple] = None  # this rank's _conv_edges.EdgeGeometry where every rank's plan allows that path
     # derived once here, so that no step repeats them (per-call cost is the overhead-bound regime's whole budget)
     order: "_Order" = field(init=False, repr=False)  # the convolution on spatially permuted views
     route: HaloRoute = field(init=False, repr=False)  # the fused dim's neighbours
@@ -255,6 +257,25 @@ def conv_order(local_shape: Tuple[int, ...], like: torch.Tensor) -> Optional[Tup
     return order
 
 
+def post_param_sum(flat: torch.Tensor, groups) -> list:
+    """Post the sum of ``flat`` (weight and bias gradients) over ``groups[0]`` as an async all-reduce
+    (in place); returns the pending works for :func:`finish_param_sum` (none without groups)."""
+    if not groups:
+        return []
+    record_collective("all_reduce", flat.numel() * flat.element_size(), dist.get_world_size(groups[0]),
+                      "conv.param_grads")
+    return [dist.all_reduce(flat, group=groups[0], async_op=True)]
+
+
+def finish_param_sum(flat: torch.Tensor, pending: list, groups) -> torch.Tensor:
+    """Wait for :func:`post_param_sum`'s works, then sum over each further mesh dim's group (blocking)."""
+    for work in pending:
+        work.wait()
+    for g in groups[1:]:
+        flat = all_reduce_sum(flat, g, "conv.param_grads")
+    return flat
+
+
 def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups,
                      owned: bool = False) -> Optional[torch.Tensor]:
     """The adjoint halo exchange of ``grad_xp`` (``owned``: see :func:`~tplayers.domain.halo.halo_adjoint`)
@@ -263,20 +284,15 @@ def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tenso
     pending = []
 
     def start_reduce():
-        if groups:
-            record_collective("all_reduce", flat.numel() * flat.element_size(), dist.get_world_size(groups[0]),
-                              "conv.param_grads")
-            pending.append(dist.all_reduce(flat, group=groups[0], async_op=True))
+        pending.extend(post_param_sum(flat, groups))
 
     grad_x = None
     if grad_xp is not None:
         grad_x = halo_adjoint(grad_xp, state, during=start_reduce, owned=owned)
     else:
         start_reduce()
-    for work in pending:
-        work.wait()
-    for g in groups[1:]:
-        flat = all_reduce_sum(flat, g, "conv.param_grads")
+    if groups:
+        finish_param_sum(flat, pending, groups)
     return grad_x
 
 

@@ -19,13 +19,18 @@ in backward) with ``overlap_halo=True``; by default
 :func:`~tplayers.layers._conv_fn.halo_conv` (exchange, then one convolution; its backward
 overlaps the parameter-gradient sum with the adjoint halo messages), faster on the CPU with
 gloo, where a halo message is short next to the extra passes over memory the split costs
-(``benchmarks/conv_halo.py`` times both).
+(``benchmarks/conv_halo.py`` times both). Where every shard's plan is a zero-padded "same"-like one
+and the slab is large (:data:`~tplayers.layers._conv_edges.EDGE_MIN_ELEMENTS`), the default is
+:func:`~tplayers.layers._conv_edges.edge_conv` instead: the convolution of the local input itself
+(padded by the halo width) while the halo flies, plus thin strips for the halo rows; no
+halo-padded copy, the same messages.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.domain.buckets import region_params
 from tplayers.domain.window import edge_pad, gather_rows, pad_arg, pad_dim
 from tplayers.layers._common import autocast_inputs
+from tplayers.layers._conv_edges import EDGE_MIN_ELEMENTS, edge_conv, uniform_geometry
 from tplayers.layers._conv_fn import ConvSpec, conv_order, halo_conv
 from tplayers.layers._conv_overlap import overlapped_conv
 from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
@@ -164,7 +170,7 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
         name = type(self).__name__
         if shape[1] != self.in_channels:
             raise ValueError(f"{name}: input must have {self.in_channels} channels, got {shape[1]}")
-        plans, out_shape = {}, [shape[0], self.out_channels]
+        plans, every, out_shape = {}, {}, [shape[0], self.out_channels]
         for i in range(self.spatial):
             d = 2 + i
             k, s, dil, pad = self.kernel_size[i], self.stride[i], self.dilation[i], self._pads[i]
@@ -178,8 +184,9 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
                 raise ValueError(f"{name}: input {what} of {length} rows is smaller than the (dilated) kernel "
                                  f"extent {dil * (k - 1) + 1} with padding {pad}")
             if d in sizes:
-                plans[d] = plan_windows(sizes[d], out_len, conv_window(k, s, dil, pad[0]), mode=self.padding_mode,
-                                        what=what)[self._coord(d)]
+                every[d] = plan_windows(sizes[d], out_len, conv_window(k, s, dil, pad[0]), mode=self.padding_mode,
+                                        what=what)
+                plans[d] = every[d][self._coord(d)]
                 out_shape.append(plans[d].out_rows)
             else:
                 out_shape.append(out_len)
@@ -192,6 +199,12 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
             else:
                 conv_pad.append(0)
                 extra.append((2 + i, lo, hi))
+        i = last - 2  # the main-plus-strips rule where every shard's plan allows it and the slab is large
+        slab = math.prod(shape[:2]) * math.prod(sum(sizes[d]) if d in sizes else shape[d] for d in range(2, len(shape)))
+        edges = uniform_geometry(every[last], sizes[last], self._coord(last), self._pads[i][0],
+                                 self.dilation[i] * (self.kernel_size[i] - 1) + 1, self.stride[i],
+                                 self.padding_mode == "zeros" and not extra and self._pads[i][0] == self._pads[i][1]
+                                 and slab // math.prod(len(sizes[d]) for d in sizes) >= EDGE_MIN_ELEMENTS)
         prepare = functools.partial(_prepare, dim=last, plan=plans[last], mode=self.padding_mode, extra=tuple(extra))
         spec = ConvSpec(last, self._group_of(last), plans[last], self.padding_mode == "circular",
                         torch.contiguous_format, prepare, _CONV[self.spatial], self.stride, tuple(conv_pad),
@@ -200,7 +213,7 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
                         functools.partial(_pad_rest, mode=self.padding_mode, extra=tuple(extra)) if extra else None,
                         overlap=self.overlap_halo,
                         plain=not extra and plans[last].boundary == (0, 0) and plans[last].trim == (0, 0),
-                        out_format=torch.contiguous_format)
+                        out_format=torch.contiguous_format, edges=edges)
         # one spec per (convolution layout, output layout): the layout is chosen per call from the input
         formats = (torch.contiguous_format,) + ((_CL[self.spatial],) if self.spatial > 1 else ())
         specs = {(f, o): dataclasses.replace(spec, memory_format=f, out_format=o) for f in formats for o in formats}
@@ -217,7 +230,11 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
         for d, plan in first.items():  # a 2-D mesh: the first dim's exchange, corners ride on the next
             x = gather_rows(x, d, self._group_of(d), plan, self.padding_mode, memory_format=spec.memory_format)
         # (N, C_in, *local rows) -> (N, C_out, *owned output rows)
-        return (overlapped_conv if spec.overlap else halo_conv)(x, weight, bias, spec, reduce)
+        if spec.overlap:
+            return overlapped_conv(x, weight, bias, spec, reduce)
+        if spec.edges is not None and not torch.compiler.is_compiling():  # the exchange hidden behind compute
+            return edge_conv(x, weight, bias, spec, reduce)
+        return halo_conv(x, weight, bias, spec, reduce)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
