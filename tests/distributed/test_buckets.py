@@ -2,8 +2,8 @@
 gradients are summed in one async all-reduce per bucket instead of one per layer, and every .grad
 still equals the serial model's (fp64, uneven partitions, an optimizer step): a conv + transposed
 conv net, a conv applied twice in one call, a weight also used outside the twin (a replicated
-penalty), a branch whose backward never runs, two forwards before one backward, a 2-D mesh, and
-input-only gradients (no bucket posted, no hang)."""
+penalty), a branch whose backward never runs, two forwards before one backward, a 2-D mesh, the
+convolutions' main-plus-strips path, and input-only gradients (no bucket posted, no hang)."""
 
 import copy
 
@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
 import tplayers.domain.buckets as buckets_mod
+import tplayers.layers.conv as conv_module
 from harness import run_ranks
 from oracle import assert_params_match
 from tplayers.sharding import offsets_from_sizes
@@ -53,7 +54,9 @@ def _sizes(n, world):
     return base
 
 
-def _check(rank, world, extra=False, skip=False, twice=False, mesh_shape=None):
+def _check(rank, world, extra=False, skip=False, twice=False, mesh_shape=None, edges=False):
+    if edges:  # every slab takes the convolutions' main-plus-strips path (tplayers.layers._conv_edges)
+        conv_module.EDGE_MIN_ELEMENTS = 0
     torch.manual_seed(0)
     serial = Net(extra, skip).double()
     if mesh_shape is None:
@@ -86,6 +89,10 @@ def _check(rank, world, extra=False, skip=False, twice=False, mesh_shape=None):
     assert_params_match(model, serial, grads=True, **TIGHT)
     opt_s.step(), opt_p.step()
     assert_params_match(model, serial, grads=False, **TIGHT)
+    if edges:
+        taken = [m for m in model.modules() if isinstance(m, tplayers.DistributedConv2d)
+                 and any(sp.edges is not None for entry in m._layouts.values() for sp in entry[2].values())]
+        assert len(taken) >= 2, taken  # a and b at least
     tags = [r.tag for r in log.records if r.kind == "all_reduce"]
     assert "conv.param_grads" not in tags and "replicated_grads" not in " ".join(tags), tags
     calls = 2 if twice else 1
@@ -112,6 +119,12 @@ def test_two_forwards_one_backward():
 
 def test_2d_mesh():
     run_ranks(_check, 4, kwargs=dict(mesh_shape=(2, 2)))
+
+
+@pytest.mark.parametrize("world,mesh_shape", [(2, None), (4, (2, 2))])
+def test_edge_path_partial_sums(world, mesh_shape):
+    """The main-plus-strips convolutions hand the region their partial sums (``reduce=False``) too."""
+    run_ranks(_check, world, kwargs=dict(mesh_shape=mesh_shape, edges=True))
 
 
 def _pair():
