@@ -7,7 +7,8 @@ Run 1 (2 ranks): a tensor-parallel MLP stack of about ``--mb`` MB (fp32) is
 saved and loaded with tplayers, and each rank saves / loads the very same local
 tensors with ``safetensors.torch.save_file`` / ``load_file`` (+ ``load_state_dict``
 so the bytes are really read; ``load_file`` alone only maps the file). Repeats
-are interleaved; medians are printed with the ratio tplayers / safetensors
+are interleaved, the loads' order rotated each repeat (the first load after the saves meets their
+writeback); medians are printed with the ratio tplayers / safetensors
 (ratio of the medians, and the median and range of the per-repeat ratios).
 "hot" loads read from the page cache; "cold" loads evict the files first. A verified
 load checks every digest before it changes any parameter (DESIGN 2.7), so it reads its bytes
@@ -204,7 +205,8 @@ def throughput(args, mesh) -> None:
                 runs.append(("load ours hot sha256", lambda: load_checkpoint(model, ours_sha)))
                 runs.append(("floor hot verified", floor_verified))
                 runs.append(("floor hot verified+agreed", lambda: floor_verified(True)))
-            for name, fn in runs:
+            shift = rep % len(runs)  # rotated each repeat: no contender always runs first after the saves
+            for name, fn in runs[shift:] + runs[:shift]:
                 if cache == "cold":
                     if rank == 0:
                         _evict(ours)
