@@ -179,3 +179,12 @@ def _threshold(rank, world):
 
 def test_threshold():
     run_ranks(_threshold, 2, timeout=60)
+
+
+def test_module_doctests():
+    import doctest
+
+    import tplayers.layers._conv_edges as edges
+
+    result = doctest.testmod(edges)
+    assert result.attempted >= 3 and result.failed == 0, result

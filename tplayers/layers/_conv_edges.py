@@ -1,9 +1,10 @@
 """The ``DistributedConvNd`` twins' eager convolution with the halo exchange hidden behind compute.
 
-A convolution is linear in its input. Where the plan along the exchanged dim is *plain* (no
-boundary rows or trims: the halo rows ``r`` on each side are exactly the convolution's zero padding
-there, as for every "same"-padded convolution; any stride, dilation, groups), the padded input is
-the own rows zero-padded by ``r`` plus the halo rows alone, so::
+A convolution is linear in its input. Where every shard's plan along the exchanged dim reads
+exactly its own rows plus ``r`` rows each side (the neighbour's rows inside the domain, zeros at its
+ends: zero padding ``r`` on both sides, nothing trimmed, as for a "same"-padded convolution; any
+stride, dilation, groups; :func:`uniform_geometry`), the padded input is the own rows zero-padded
+by ``r`` plus the halo rows alone, so::
 
     conv(padded) = conv(own rows, padding r)              # the main convolution, on x itself
                  + conv([halo_lo | 0 ...])  on the first output rows   # thin edge strips,
@@ -14,8 +15,8 @@ Forward: the halo messages are posted and the main convolution runs on the local
 Backward: the strips' input gradients first (every halo row's gradient: they need only the weight
 and the output gradient); then those gradients travel to their owners while the main
 convolution's backward runs (input, weight and bias gradients in one call, the input gradient in
-the input's own shape), the strips' weight gradients (from the halo rows the forward received) and
-the parameter-gradient sum is posted; the received gradients are added into the own edge rows.
+the input's own shape), then the strips' weight gradients (from the halo rows the forward received),
+and the parameter-gradient sum is posted; the received gradients are added into the own edge rows.
 The same messages as :func:`~tplayers.layers._conv_fn.halo_conv`: one exchange each way.
 
 Two Functions, as :func:`~tplayers.layers._conv_fn.halo_conv`: :class:`EdgeConvSave` saves
@@ -24,12 +25,13 @@ activation checkpointing stops its recomputation before the convolution; :class:
 exchanges and computes, and hands the received halo rows (``2r`` rows, the weight gradient's
 strips) to :class:`EdgeConvSave`'s context. Eager only (``torch.compile`` traces ``halo_conv``).
 
-Example (2 ranks; ``DistributedConv2d`` takes this path by itself where it applies)::
+Example (2 ranks; ``DistributedConv2d`` takes this path by itself for a slab of at least
+:data:`EDGE_MIN_ELEMENTS` elements per rank where the plans allow it)::
 
     import torch, tplayers
     mesh = tplayers.init_mesh()
     conv = tplayers.DistributedConv2d(4, 8, 3, padding=1, mesh=mesh)
-    y = conv(tplayers.shard(torch.randn(2, 4, 16, 16), 2, mesh))   # (2, 8, 8, 16) per rank
+    y = conv(tplayers.shard(torch.randn(2, 4, 1024, 1024), 2, mesh))   # (2, 8, 512, 1024) per rank
 """
 
 from __future__ import annotations
