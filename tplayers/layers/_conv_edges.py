@@ -42,7 +42,8 @@ import torch
 
 from tplayers.domain.halo import _swap
 from tplayers.domain.window_plan import AxisPlan
-from tplayers.layers._conv_fn import ConvSpec, finish_param_sum, in_format, post_param_sum
+from tplayers.layers._conv_fn import (ConvSpec, finish_param_sum, flat_param_grads, in_format, post_param_sum,
+                                      split_param_grads)
 from tplayers.ops import unpack_faces
 
 __all__ = ["EDGE_MIN_ELEMENTS", "EdgeGeometry", "edge_conv", "edge_geometry", "uniform_geometry"]
@@ -216,8 +217,7 @@ class EdgeConvSave(torch.autograd.Function):
         halos = ctx.halos  # kept with the graph (a retained graph's second backward reads them again)
         grad_x, flat = _backward(grad, x, weight, ctx.spec, (halos["buf"], halos["n_lo"]), need_x, need_w, need_b,
                                  ctx.reduce)
-        gw = flat[: weight.numel()].view_as(weight) if need_w else None
-        gb = flat[weight.numel() if need_w else 0:][: weight.shape[0]] if need_b else None
+        gw, gb = split_param_grads(flat, weight, need_w, need_b)
         return grad_x, gw, gb, None, None, None
 
 
@@ -252,8 +252,7 @@ def _backward(grad, x, weight, spec: ConvSpec, received, need_x: bool, need_w: b
         if need_w:
             for first, strip in _strips(x, *received, spec):
                 gw = gw + conv_backward(strip_grad(first, strip.size(dim)), strip, False, [False, True, False])[1]
-        params = [t.reshape(-1) for t, need in ((gw, need_w), (gb, need_b)) if need]
-        box["gi"], box["flat"] = gi, (torch.cat(params) if params else None)
+        box["gi"], box["flat"] = gi, flat_param_grads(gw, gb, need_w, need_b)
         if box["flat"] is not None and reduce:
             box["pending"] = post_param_sum(box["flat"], spec.live_groups)
 

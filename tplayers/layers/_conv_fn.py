@@ -25,8 +25,8 @@ from tplayers.domain.route import HaloRoute, halo_route
 from tplayers.domain.window_plan import AxisPlan
 from tplayers.ops.registry import OpSpec, register
 
-__all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "finish_param_sum", "halo_conv", "in_format",
-           "post_param_sum"]
+__all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "finish_param_sum", "flat_param_grads", "halo_conv",
+           "in_format", "post_param_sum", "split_param_grads"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,21 +164,15 @@ class HaloConvFunction(torch.autograd.Function):
                 gxp = prepare_vjp(gi)[0]
             elif need_x:
                 gxp = gi if xc is xp_ else torch.autograd.grad(xc, xp_, gi)[0]
-        params = [g for g, need in ((gw, need_w), (gb, need_b)) if need]
-        flat = torch.cat([g.reshape(-1) for g in params]) if params else None
-        groups = spec.live_groups if params and ctx.reduce else ()
+        flat = flat_param_grads(gw, gb, need_w, need_b)
+        groups = spec.live_groups if flat is not None and ctx.reduce else ()
         state = ctx.state
         if torch.compiler.is_compiling():  # one registered op: adjoint halo + parameter-gradient sum
             grad_x, flat = _compiled_backward(gxp, flat, state, groups)
         else:  # gxp: convolution_backward's fresh input gradient (or views of it), read by nothing else
             grad_x = _reduce_backward(gxp, flat, state, groups, owned=True)
-        offset = 0
-        if need_w:
-            gw = flat[: weight.numel()].view_as(weight)
-            offset = weight.numel()
-        if need_b:
-            gb = flat[offset : offset + weight.shape[0]]
-        return grad_x, gw if need_w else None, gb if need_b else None, None, None
+        gw, gb = split_param_grads(flat, weight, need_w, need_b)
+        return grad_x, gw, gb, None, None
 
 
 #: The number of references to a tensor's storage (``None`` where this PyTorch lacks it: no reuse).
@@ -255,6 +249,20 @@ def conv_order(local_shape: Tuple[int, ...], like: torch.Tensor) -> Optional[Tup
     if n * c * sp[0] * sp[1] > 20480 or n * c * sp[order[0]] * sp[order[1]] <= 20480:
         return None
     return order
+
+
+def flat_param_grads(gw: Optional[torch.Tensor], gb: Optional[torch.Tensor], need_w: bool,
+                     need_b: bool) -> Optional[torch.Tensor]:
+    """``[weight grad | bias grad]`` (the needed ones) as one new flat tensor, summed in one message;
+    ``None`` when neither is needed."""
+    params = [g.reshape(-1) for g, need in ((gw, need_w), (gb, need_b)) if need]
+    return torch.cat(params) if params else None
+
+
+def split_param_grads(flat: Optional[torch.Tensor], weight: torch.Tensor, need_w: bool, need_b: bool):
+    """``(weight grad, bias grad)`` as views of :func:`flat_param_grads`'s ``flat`` (``None`` where not needed)."""
+    n = weight.numel() if need_w else 0
+    return (flat[:n].view_as(weight) if need_w else None), (flat[n : n + weight.shape[0]] if need_b else None)
 
 
 def post_param_sum(flat: torch.Tensor, groups) -> list:

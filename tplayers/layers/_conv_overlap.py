@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from tplayers.domain.halo import HaloState, halo_adjoint, halo_pad, halo_state
-from tplayers.layers._conv_fn import ConvSpec, _compiled_backward, _Order, _reduce_backward, in_format
+from tplayers.layers._conv_fn import (ConvSpec, _compiled_backward, _Order, _reduce_backward, flat_param_grads,
+                                      in_format, split_param_grads)
 from tplayers.domain.window_plan import RowSplit, split_rows
 
 __all__ = ["HaloConvOverlap", "HaloConvSave", "conv_split", "overlapped_conv", "overlapped_forward"]
@@ -139,19 +140,15 @@ class HaloConvSave(torch.autograd.Function):
         p = spec.plan
         state = halo_state(x, spec.dim, spec.group, p.recv, p.send, spec.periodic)
         grad_x, gws = _backward(grad, x, weight, spec, _Order(spec), state, need_x, need_w)
-        params = []
-        if need_w:
-            params.append(_sum(gws) if gws else torch.zeros_like(weight))
-        if need_b:
-            params.append(grad.sum([d for d in range(grad.dim()) if d != 1]))
-        flat = torch.cat([g.reshape(-1) for g in params]) if params else None
-        groups = [g for g in spec.reduce_groups if dist.get_world_size(g) > 1] if params and ctx.reduce else []
+        gw = (_sum(gws) if gws else torch.zeros_like(weight)) if need_w else None
+        gb = grad.sum([d for d in range(grad.dim()) if d != 1]) if need_b else None
+        flat = flat_param_grads(gw, gb, need_w, need_b)
+        groups = [g for g in spec.reduce_groups if dist.get_world_size(g) > 1] if flat is not None and ctx.reduce else []
         if torch.compiler.is_compiling():
             _, flat = _compiled_backward(None, flat, state, groups)
         elif groups:
             _reduce_backward(None, flat, state, groups)
-        gw = flat[: weight.numel()].view_as(weight) if need_w else None
-        gb = flat[weight.numel() if need_w else 0:][: weight.shape[0]] if need_b else None
+        gw, gb = split_param_grads(flat, weight, need_w, need_b)
         return grad_x, gw, gb, None, None
 
 

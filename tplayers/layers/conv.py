@@ -201,10 +201,11 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
                 extra.append((2 + i, lo, hi))
         i = last - 2  # the main-plus-strips rule where every shard's plan allows it and the slab is large
         slab = math.prod(shape[:2]) * math.prod(sum(sizes[d]) if d in sizes else shape[d] for d in range(2, len(shape)))
-        edges = uniform_geometry(every[last], sizes[last], self._coord(last), self._pads[i][0],
-                                 self.dilation[i] * (self.kernel_size[i] - 1) + 1, self.stride[i],
-                                 self.padding_mode == "zeros" and not extra and self._pads[i][0] == self._pads[i][1]
-                                 and slab // math.prod(len(sizes[d]) for d in sizes) >= EDGE_MIN_ELEMENTS)
+        edges = None
+        if slab // math.prod(len(sizes[d]) for d in sizes) >= EDGE_MIN_ELEMENTS:  # elements per rank, on average
+            edges = uniform_geometry(every[last], sizes[last], self._coord(last), self._pads[i][0],
+                                     self.dilation[i] * (self.kernel_size[i] - 1) + 1, self.stride[i],
+                                     self.padding_mode == "zeros" and not extra and self._pads[i][0] == self._pads[i][1])
         prepare = functools.partial(_prepare, dim=last, plan=plans[last], mode=self.padding_mode, extra=tuple(extra))
         spec = ConvSpec(last, self._group_of(last), plans[last], self.padding_mode == "circular",
                         torch.contiguous_format, prepare, _CONV[self.spatial], self.stride, tuple(conv_pad),
