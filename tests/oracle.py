@@ -115,3 +115,12 @@ def backward_step_match(loss_s, loss_p, xs, xl, local, serial, parallel, opt_s, 
     if buffers:
         for (n, b), r in zip(parallel.named_buffers(), serial.buffers()):
             torch.testing.assert_close(b, r, msg=lambda m: f"buffer {n}: {m}", **tol)
+
+
+def edge_convs(model: torch.nn.Module) -> int:
+    """The convolution twins in ``model`` whose cached layouts take the main-plus-strips path
+    (``tplayers.layers._conv_edges``)."""
+    from tplayers.layers.conv import _DistributedConvNd
+
+    return sum(any(s.edges is not None for entry in m._layouts.values() for s in entry[2].values())
+               for m in model.modules() if isinstance(m, _DistributedConvNd))

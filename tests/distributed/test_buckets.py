@@ -17,7 +17,7 @@ import tplayers
 import tplayers.domain.buckets as buckets_mod
 import tplayers.layers.conv as conv_module
 from harness import run_ranks
-from oracle import assert_params_match
+from oracle import assert_params_match, edge_convs
 from tplayers.sharding import offsets_from_sizes
 
 TIGHT = dict(rtol=1e-9, atol=1e-10)
@@ -90,9 +90,7 @@ def _check(rank, world, extra=False, skip=False, twice=False, mesh_shape=None, e
     opt_s.step(), opt_p.step()
     assert_params_match(model, serial, grads=False, **TIGHT)
     if edges:
-        taken = [m for m in model.modules() if isinstance(m, tplayers.DistributedConv2d)
-                 and any(sp.edges is not None for entry in m._layouts.values() for sp in entry[2].values())]
-        assert len(taken) >= 2, taken  # a and b at least
+        assert edge_convs(model) >= 2, edge_convs(model)  # a and b at least
     tags = [r.tag for r in log.records if r.kind == "all_reduce"]
     assert "conv.param_grads" not in tags and "replicated_grads" not in " ".join(tags), tags
     calls = 2 if twice else 1

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 import tplayers
 import tplayers.layers.conv as conv_module
 from harness import run_ranks
+from oracle import edge_convs
 from tplayers.domain.window_plan import conv_out_len, conv_window, plan_windows
 from tplayers.layers._conv_edges import EDGE_MIN_ELEMENTS, EdgeGeometry, edge_geometry, uniform_geometry
 from tplayers.sharding import offsets_from_sizes
@@ -27,11 +28,6 @@ from tplayers.sharding import offsets_from_sizes
 TIGHT = dict(rtol=1e-10, atol=1e-10)
 _NN = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 _TWIN = {1: tplayers.DistributedConv1d, 2: tplayers.DistributedConv2d, 3: tplayers.DistributedConv3d}
-
-
-def _takes_edges(layer) -> bool:
-    specs = [entry[2] for entry in layer._layouts.values()]
-    return any(s.edges is not None for spec in specs for s in spec.values())
 
 
 def _case(rng):
@@ -99,7 +95,7 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count):
             torch.testing.assert_close(layer.weight, serial.weight, **TIGHT)
         else:
             done += 1
-            taken += _takes_edges(layer)
+            taken += bool(edge_convs(layer))
     assert taken >= count // 3, (taken, count)  # the random cases really exercise the path
     return taken
 
@@ -152,7 +148,7 @@ def _messages_and_checkpoint(rank, world):
         with tplayers.count_collectives() as log:
             y = checkpoint(layer, inp, use_reentrant=False) if ckpt else layer(inp)
             y.square().sum().backward()
-        assert _takes_edges(layer) == (threshold == 0)
+        assert bool(edge_convs(layer)) == (threshold == 0)
         logs.append(sorted((r.kind, r.nbytes, r.tag) for r in log.records))
         grads.append((inp.grad, layer.weight.grad, layer.bias.grad))
     assert logs[0] == logs[1], (logs[0], logs[1])  # one exchange each way, the same bytes
@@ -170,10 +166,10 @@ def _threshold(rank, world):
     mesh = tplayers.default_mesh()
     layer = tplayers.DistributedConv2d(2, 2, 3, padding=1, mesh=mesh)
     layer(torch.randn(1, 2, 8, 8))
-    assert not _takes_edges(layer)
+    assert not bool(edge_convs(layer))
     rows = EDGE_MIN_ELEMENTS // (2 * 256) + 1  # per rank (balanced), 2 channels x 256 columns
     layer(torch.randn(1, 2, rows, 256))
-    assert _takes_edges(layer)
+    assert bool(edge_convs(layer))
     return True
 
 

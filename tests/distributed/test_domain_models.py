@@ -10,8 +10,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
+import tplayers.layers.conv as conv_module
 from harness import run_ranks
-from oracle import assert_params_match
+from oracle import assert_params_match, edge_convs
 
 TIGHT = dict(rtol=1e-9, atol=1e-10)
 
@@ -73,7 +74,9 @@ class UNet(nn.Module):
 MODELS = {"conv1d": Conv1dStack, "cnn3d": CNN3d, "unet": UNet}
 
 
-def _model(rank, world, name, shape, mesh_shape, shard_dims):
+def _model(rank, world, name, shape, mesh_shape, shard_dims, edges=False):
+    if edges:  # every slab takes the convolutions' main-plus-strips path (tplayers.layers._conv_edges)
+        conv_module.EDGE_MIN_ELEMENTS = 0
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
     torch.manual_seed(0)
     serial = MODELS[name]().double()
@@ -100,6 +103,7 @@ def _model(rank, world, name, shape, mesh_shape, shard_dims):
         assert_params_match(parallel, serial, grads=True, **TIGHT)
         opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
         assert_params_match(parallel, serial, grads=False, **TIGHT)
+    assert (edge_convs(parallel) > 0) == edges, edge_convs(parallel)
     return True
 
 
@@ -117,3 +121,13 @@ def _model(rank, world, name, shape, mesh_shape, shard_dims):
 ])
 def test_whole_model_equals_serial(name, shape, world, mesh_shape, shard_dims):
     run_ranks(_model, world, args=(name, shape, mesh_shape, shard_dims), timeout=120)
+
+
+@pytest.mark.parametrize("name,shape,world,mesh_shape,shard_dims", [  # conv1d: none of its convolutions applies
+    ("cnn3d", (1, 1, 10, 12, 6), 4, (2, 2), (2, 3)),
+    ("unet", (1, 2, 44, 8), 3, (3,), (2,)),
+    ("unet", (1, 2, 36, 12), 4, (2, 2), (2, 3)),
+])
+def test_whole_model_on_the_edge_path(name, shape, world, mesh_shape, shard_dims):
+    """Every convolution slab on the main-plus-strips path (where the plans allow it), still exact."""
+    run_ranks(_model, world, args=(name, shape, mesh_shape, shard_dims), kwargs=dict(edges=True), timeout=120)

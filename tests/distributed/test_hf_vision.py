@@ -2,7 +2,8 @@
 diffusers' ``UNet2DModel`` without attention (GroupNorm, SiLU, strided-conv downsampling, nearest
 upsampling, skips, a timestep embedding) and MONAI's 3-D ``UNet`` (residual units, InstanceNorm3d,
 PReLU, ConvTranspose3d) sharded along D. Outputs, input gradients, every parameter gradient, after an
-SGD step with momentum and on a second input. Small and self-contained (re-run after a region-guard change).
+SGD step with momentum and on a second input; both again with every convolution on the main-plus-strips
+path. Small and self-contained (re-run after a region-guard change).
 """
 
 import copy
@@ -14,9 +15,10 @@ import torch
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 import tplayers  # noqa: E402
+import tplayers.layers.conv as conv_module  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from hf_util import require  # noqa: E402 - sets HF_HUB_OFFLINE
-from oracle import assert_params_match  # noqa: E402
+from oracle import assert_params_match, edge_convs  # noqa: E402
 
 TIGHT = dict(rtol=1e-9, atol=1e-10)
 PLAN = {"": tplayers.DomainParallel(shard_dims=(2,))}
@@ -42,7 +44,9 @@ BUILD = {"diffusers": (_diffusers_unet, lambda m, x, t: m(x, t).sample),
          "monai": (_monai_unet, lambda m, x, t: m(x))}
 
 
-def _compare(rank, world, kind, shape):
+def _compare(rank, world, kind, shape, edges=False):
+    if edges:  # every slab takes the convolutions' main-plus-strips path (tplayers.layers._conv_edges)
+        conv_module.EDGE_MIN_ELEMENTS = 0
     mesh = tplayers.default_mesh()
     build, call = BUILD[kind]
     serial = build()
@@ -66,6 +70,7 @@ def _compare(rank, world, kind, shape):
         assert_params_match(model, serial, grads=True, **TIGHT)
         opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
         assert_params_match(model, serial, grads=False, **TIGHT)
+    assert (edge_convs(model) > 0) == edges, edge_convs(model)
     return True
 
 
@@ -79,3 +84,11 @@ def test_diffusers_unet2d_without_attention(world, shape):
 def test_monai_unet_3d(world, shape):
     require("monai")
     run_ranks(_compare, world, args=("monai", shape), timeout=180)
+
+
+@pytest.mark.parametrize("kind,world,shape", [("diffusers", 2, (2, 2, 16, 8)), ("diffusers", 3, (1, 2, 12, 8)),
+                                              ("monai", 2, (1, 1, 8, 6, 6))])
+def test_whole_models_on_the_edge_path(kind, world, shape):
+    """The same models with every convolution slab on the main-plus-strips path."""
+    require(kind)
+    run_ranks(_compare, world, args=(kind, shape), kwargs=dict(edges=True), timeout=180)
