@@ -61,7 +61,7 @@ def load_shardtensor():
 
 def min_halo_rows(sizes, k, s, d, pad, periodic):
     """Distinct foreign input rows each rank's owned outputs read (brute force), summed over ranks."""
-    from tplayers.domain.window_plan import conv_out_len, conv_window, plan_windows
+    from tplayers.window_plan import conv_out_len, conv_window, plan_windows
 
     length = sum(sizes)
     plans = plan_windows(sizes, conv_out_len(length, k, s, d, pad), conv_window(k, s, d, pad[0]),

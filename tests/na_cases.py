@@ -6,18 +6,18 @@ and their offsets in the global image.
 
 from __future__ import annotations
 
-from tplayers.ops.na import neighborhood_attention_2d
+from tplayers.ops.na_engine import neighborhood_attention
 from tplayers.ops.na_layout import key_span
 
 
 def na_on_subwindow(ins, size, kernel, dilation, causal, box, **kw):
-    """``neighborhood_attention_2d`` of the queries ``box = (q0, q1, c0, c1)`` of an image of
+    """``neighborhood_attention`` of the queries ``box = (q0, q1, c0, c1)`` of an image of
     ``size = (h, w)``, with ``ins = (q, k, v, rel_pos_bias)`` the whole image's tensors: keys and
     values cut to the span those queries read. ``kw`` goes to the op (scale, tile, ...)."""
     (h, w), (q0, q1, c0, c1) = size, box
     kr = key_span(q0, q1, length=h, kernel=kernel[0], dilation=dilation[0], causal=causal[0])
     kc = key_span(c0, c1, length=w, kernel=kernel[1], dilation=dilation[1], causal=causal[1])
-    return neighborhood_attention_2d(
+    return neighborhood_attention(
         ins[0][:, q0:q1, c0:c1], ins[1][:, kr[0]:kr[1], kc[0]:kc[1]], ins[2][:, kr[0]:kr[1], kc[0]:kc[1]],
         kernel, dilation, causal, global_size=(h, w), q_offset=(q0, c0), k_offset=(kr[0], kc[0]),
         rel_pos_bias=ins[3], **kw)

@@ -24,7 +24,7 @@ and ``gather`` move between global and local tensors, and
 from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
 from tplayers.comm import CommLog, count_collectives
 from tplayers.domain.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated
-from tplayers.domain.scope import domain_region
+from tplayers.region.scope import domain_region
 from tplayers.domain.shard import gather, reset_layouts, scatter, shard
 from tplayers import functional
 from tplayers.layers import (

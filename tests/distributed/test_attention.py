@@ -156,7 +156,7 @@ def test_replicated_kv_moves_nothing_and_grads_sum_to_serial():
 
 
 def _chunked(rank, world, seed):
-    from tplayers.functional import attention_blocks
+    from tplayers.attention import blocks as attention_blocks
     attention_blocks.FUSED_CPU = False                   # the torch-ops kernel for every block
     attention_blocks.SCORE_CHUNK_BYTES = 2 * 3 * 8 * 3   # a few keys per chunk: every block is split
     _random_cases(rank, world, seed, "ring")

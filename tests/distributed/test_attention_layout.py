@@ -90,7 +90,7 @@ def test_ring_moves_the_minimum_bytes(world):
 
 
 def _memory(rank, world, fused):
-    from tplayers.functional import attention_blocks
+    from tplayers.attention import blocks as attention_blocks
     attention_blocks.FUSED_CPU = fused
     mesh = tplayers.default_mesh()
     length, e = 1024, 16

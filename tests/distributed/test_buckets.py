@@ -1,4 +1,4 @@
-"""Gradient buckets of a region call (tplayers.domain.buckets): the convolution twins' parameter
+"""Gradient buckets of a region call (tplayers.comm.buckets): the convolution twins' parameter
 gradients are summed in one async all-reduce per bucket instead of one per layer, and every .grad
 still equals the serial model's (fp64, uneven partitions, an optimizer step): a conv + transposed
 conv net, a conv applied twice in one call, a weight also used outside the twin (a replicated
@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
-import tplayers.domain.buckets as buckets_mod
+import tplayers.comm.buckets as buckets_mod
 import tplayers.layers.conv as conv_module
 from harness import run_ranks
 from oracle import assert_params_match, edge_convs

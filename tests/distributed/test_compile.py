@@ -1,6 +1,6 @@
 """torch.compile(fullgraph=True) of parallel models: zero graph breaks, results equal eager.
 
-Communication is traced as the registered custom ops of ``tplayers.comm.ops``;
+Communication is traced as the registered custom ops of ``tplayers.comm.collectives``;
 ``fullgraph=True`` raises on any graph break, and ``torch._dynamo.explain`` counts them.
 """
 

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import tplayers
 from harness import run_ranks
 from oracle import memory_layout as layout, same_layout, same_on_all_ranks
-from tplayers.domain.window_plan import conv_out_len, conv_window, plan_windows
+from tplayers.window_plan import conv_out_len, conv_window, plan_windows
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)

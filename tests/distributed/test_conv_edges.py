@@ -21,7 +21,7 @@ import tplayers
 import tplayers.layers.conv as conv_module
 from harness import run_ranks
 from oracle import edge_convs
-from tplayers.domain.window_plan import conv_out_len, conv_window, plan_windows
+from tplayers.window_plan import conv_out_len, conv_window, plan_windows
 from tplayers.layers._conv_edges import EDGE_MIN_ELEMENTS, EdgeGeometry, edge_geometry, uniform_geometry
 from tplayers.sharding import offsets_from_sizes
 

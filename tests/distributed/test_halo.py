@@ -121,8 +121,8 @@ def _p2p_paths(rank, world):
     """exchange_p2p: the direct (gloo group) and the batched path move the same bytes, peers named
     by their rank in a subgroup; halo_route resolves the neighbours the exchange uses."""
     from tplayers.comm.collectives import exchange_p2p, posts_direct
-    from tplayers.domain.halo import halo_pad, halo_state
-    from tplayers.domain.route import halo_route
+    from tplayers.comm.halo import halo_pad, halo_state
+    from tplayers.comm.halo_route import halo_route
 
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(2, world // 2))
     group = mesh.get_group(1)  # ranks {0, 1} and {2, 3}: group ranks differ from global ranks

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import tplayers
 from harness import run_ranks
 from tplayers.domain.window import gather_windows, scatter_add_windows
-from tplayers.domain.window_plan import (conv_out_len, conv_window, out_partition, plan_ranges, plan_windows,
+from tplayers.window_plan import (conv_out_len, conv_window, out_partition, plan_ranges, plan_windows,
                                      transposed_needs, transposed_out_len)
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 

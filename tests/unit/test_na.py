@@ -10,7 +10,7 @@ import torch
 import tplayers
 from na_cases import na_on_subwindow
 from na_oracle import assert_out_and_grads, brute_na2d, window_1d
-from tplayers.ops.na import neighborhood_attention_2d
+from tplayers.ops.na_engine import neighborhood_attention
 from tplayers.ops.na_layout import axis_tiles, key_span
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -105,7 +105,7 @@ def test_chunked_kernel_batches_padding_and_bias(seed):
         ref = brute_na2d(*ref_in[:3], kernel, dilation, causal, rpb=ref_in[3])
         ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
         tile = (rng.randint(1, 5), rng.randint(1, 5))
-        out = neighborhood_attention_2d(*ins[:3], kernel, dilation, causal, global_size=(h, w), rel_pos_bias=ins[3],
+        out = neighborhood_attention(*ins[:3], kernel, dilation, causal, global_size=(h, w), rel_pos_bias=ins[3],
                                         tile=tile, chunk_scores=rng.choice([1, 40, 300, 1 << 20]))
         torch.testing.assert_close(out, ref, **TIGHT)
         cot = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
@@ -122,7 +122,7 @@ def test_gradcheck_tiny(na_kernel):
                                            ((3, 2), (1, 2), (False, True), (4, 19)), ((3, 3), (2, 1), (True, False), (7, 5))]:
         q, k, v = (torch.randn(1, *size, 2, 2, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
         rpb = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64, requires_grad=True)
-        fn = lambda q, k, v, b: neighborhood_attention_2d(  # noqa: E731
+        fn = lambda q, k, v, b: neighborhood_attention(  # noqa: E731
             q, k, v, kernel, dilation, causal, global_size=size, rel_pos_bias=b)
         assert torch.autograd.gradcheck(fn, (q, k, v, rpb))
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch._dynamo as dynamo
 
-from tplayers.ops.na import neighborhood_attention_2d
+from tplayers.ops.na_engine import neighborhood_attention
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -26,7 +26,7 @@ def test_compiled_na2d_is_bitwise_eager(seed, na_kernel):
     chunk = rng.choice([None, 7])
 
     def f(q, k, v, rpb):
-        return neighborhood_attention_2d(q, k, v, kernel, dilation, causal, global_size=size, rel_pos_bias=rpb,
+        return neighborhood_attention(q, k, v, kernel, dilation, causal, global_size=size, rel_pos_bias=rpb,
                                          chunk_scores=chunk)
 
     explained = dynamo.explain(f)(*ins)

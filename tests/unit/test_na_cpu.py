@@ -17,7 +17,7 @@ import tplayers
 from na_cases import na_on_subwindow
 from na_oracle import assert_out_and_grads, brute_na2d
 from tplayers.ops import na_cpu
-from tplayers.ops.na import neighborhood_attention_2d
+from tplayers.ops.na_engine import neighborhood_attention
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -77,7 +77,7 @@ def test_fp32_matches_tile_kernel_and_fp64_oracle(monkeypatch):
     for choice in ("c", "torch"):
         monkeypatch.setenv("TPLAYERS_NA_KERNEL", choice)
         ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
-        out = neighborhood_attention_2d(*ins[:3], (7, 7), (1, 1), (False, False), global_size=(21, 37),
+        out = neighborhood_attention(*ins[:3], (7, 7), (1, 1), (False, False), global_size=(21, 37),
                                         rel_pos_bias=ins[3])
         (out * cot).sum().backward()
         results[choice] = [out] + [t.grad for t in ins]
@@ -104,7 +104,7 @@ def test_threads_split_planes_identically(monkeypatch):
         for n in (1, 3):
             torch.set_num_threads(n)
             ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
-            out = neighborhood_attention_2d(*ins[:3], (3, 3), (1, 1), (False, False), global_size=(9, 18),
+            out = neighborhood_attention(*ins[:3], (3, 3), (1, 1), (False, False), global_size=(9, 18),
                                             rel_pos_bias=ins[3])
             out.square().sum().backward()
             results.append([out] + [t.grad for t in ins])
@@ -199,7 +199,7 @@ def test_head_dims_of_whole_vectors_fp64(monkeypatch):
     rpb = torch.randn(2, 5, 9, generator=gen, dtype=torch.float64)
     ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
     ref_in = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
-    out = neighborhood_attention_2d(*ins[:3], (3, 5), (1, 1), (False, False), global_size=(6, 35),
+    out = neighborhood_attention(*ins[:3], (3, 5), (1, 1), (False, False), global_size=(6, 35),
                                     rel_pos_bias=ins[3])
     ref = brute_na2d(*ref_in[:3], (3, 5), rpb=ref_in[3])
     assert_out_and_grads(out, ref, ins, ref_in, gen, "d16/dv8", **TIGHT)

@@ -11,7 +11,7 @@ import tplayers
 from memory_probe import peak_bytes
 from na_oracle import assert_out_and_grads, brute_na2d
 from tplayers.ops import na_kernel
-from tplayers.ops.na import neighborhood_attention_2d
+from tplayers.ops.na_engine import neighborhood_attention
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
@@ -23,7 +23,7 @@ def _check_against_oracle(q, k, v, kernel, dilation, causal, scale=None, rpb=Non
     ref_ins = [t.detach().clone().requires_grad_() for t in ins]
     size = (q.shape[1], q.shape[2])
     if engine or rpb is not None:
-        out = neighborhood_attention_2d(*ins[:3], kernel, dilation, causal, scale=scale, global_size=size,
+        out = neighborhood_attention(*ins[:3], kernel, dilation, causal, scale=scale, global_size=size,
                                         rel_pos_bias=ins[3] if rpb is not None else None, **engine)
     else:
         out = tplayers.na2d(*ins, kernel, dilation, causal, scale)

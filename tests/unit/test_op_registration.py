@@ -56,12 +56,13 @@ def test_import_registers_nothing_and_the_first_compile_registers_once():
 
 def test_explicit_registration_is_idempotent():
     out = _run("""
-        from tplayers.comm.ops import ensure_comm_ops
+        from tplayers.comm.collectives import ensure_collective_ops
+        from tplayers.comm.halo import ensure_halo_ops
         from tplayers.layers._conv_fn import _ensure_conv_ops
         from tplayers.ops.na_compile import ensure_na_ops
 
         for _ in range(3):
-            assert ensure_comm_ops() and _ensure_conv_ops() and ensure_na_ops()
+            assert ensure_collective_ops() and ensure_halo_ops() and _ensure_conv_ops() and ensure_na_ops()
         want = sorted(["tplayers::all_reduce", "tplayers::all_gather", "tplayers::halo_pad",
                        "tplayers::halo_adjoint", "tplayers::halo_conv_backward", "tplayers::na2d_tiles",
                        "tplayers::na2d_tiles_backward"])

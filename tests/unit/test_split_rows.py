@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from tplayers.domain.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows, split_rows
+from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows, split_rows
 
 
 def _own_rows_read(plan, o, kernel, stride, dilation, own):

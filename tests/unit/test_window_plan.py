@@ -6,7 +6,7 @@ import random
 import pytest
 
 from tplayers.sharding import offsets_from_sizes
-from tplayers.domain.window_plan import conv_out_len, conv_window, out_partition, plan_windows
+from tplayers.window_plan import conv_out_len, conv_window, out_partition, plan_windows
 
 
 def _source(r, length, mode):

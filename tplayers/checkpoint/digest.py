@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 from typing import Callable
 
+import xxhash
+
 __all__ = ["ALGORITHMS", "DEFAULT", "block_digest", "file_hasher", "hex_length", "check_algorithm", "label"]
 
 #: Digest algorithms a checkpoint may use, and the one new checkpoints use.
@@ -47,20 +49,11 @@ def label(algorithm: str) -> str:
     return _LABEL[algorithm]
 
 
-def _xxhash():
-    try:
-        import xxhash
-    except ImportError:  # a declared dependency; reachable only in a broken install
-        raise ImportError("tplayers checkpoints need the 'xxhash' package for XXH3-128 digests: "
-                          "pip install xxhash (or save with digest='sha256')") from None
-    return xxhash
-
-
 def block_digest(algorithm: str) -> Callable[[object], bytes]:
     """A function from a bytes-like block to its raw digest."""
     if algorithm == "sha256":
         return lambda data: hashlib.sha256(data).digest()
-    return _xxhash().xxh3_128_digest
+    return xxhash.xxh3_128_digest
 
 
 def file_hasher(algorithm: str, header: bytes):
@@ -68,7 +61,6 @@ def file_hasher(algorithm: str, header: bytes):
     fed every block digest in file order (``.update(raw)``, ``.hexdigest()``)."""
     if algorithm == "sha256":
         return hashlib.sha256(hashlib.sha256(header).digest())
-    xxhash = _xxhash()
     h = xxhash.xxh3_128()
     h.update(xxhash.xxh3_128_digest(header))
     return h

@@ -29,14 +29,15 @@ from typing import Callable, List, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["unwrap", "is_dtensor", "full_local", "Staging"]
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The module inside ``DistributedDataParallel`` / ``torch.compile`` wrappers (any nesting)."""
-    from torch.nn.parallel import DistributedDataParallel
-
     while True:
         if isinstance(model, DistributedDataParallel):
             model = model.module
@@ -48,10 +49,6 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def is_dtensor(t) -> bool:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter or its state)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
     return isinstance(t, DTensor)
 
 
@@ -87,8 +84,6 @@ class Staging:
         self._actions.append(action)
 
     def finish(self) -> None:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         with torch.no_grad():
             for dt, buf in self._copies:
                 shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)

@@ -1,12 +1,13 @@
-"""Communication: autograd-paired collectives and comm accounting.
+"""Communication: autograd-paired collectives, the N-d halo exchange, gradient buckets, accounting.
 
-The domain-parallel halo exchange and boundary operations live in :mod:`tplayers.domain`
-(re-exported here for existing imports).
+The bottom of the distributed stack: every module here imports only torch, :mod:`tplayers.mesh`,
+:mod:`tplayers.sharding` and :mod:`tplayers.ops`. Where domain-sharded data meets replicated data
+(``replicated_to_sharded`` and friends) lives one floor up, in :mod:`tplayers.domain.boundary`.
+See ``docs/design.md``.
 """
 
 from tplayers.comm.accounting import CollectiveRecord, CommLog, count_collectives, record_collective
-from tplayers.domain.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated
-from tplayers.domain.halo import HaloExchange1d, halo_exchange, halo_exchange_along
+from tplayers.comm.halo import halo_exchange
 from tplayers.comm.sequence import (
     GatherFromSequenceRegion,
     ReduceScatterToSequenceRegion,
@@ -32,10 +33,6 @@ from tplayers.comm.collectives import (
 )
 
 __all__ = [
-    "ShardedToReplicated",
-    "ReplicatedToSharded",
-    "sharded_to_replicated",
-    "replicated_to_sharded",
     "CollectiveRecord",
     "CommLog",
     "count_collectives",
@@ -59,7 +56,5 @@ __all__ = [
     "gather_from_sequence_region",
     "reduce_scatter_to_sequence_region",
     "reduce_scatter_along_dim",
-    "HaloExchange1d",
     "halo_exchange",
-    "halo_exchange_along",
 ]

@@ -17,8 +17,10 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from tplayers.comm.ops import ensure_comm_ops
+from torch.distributed.distributed_c10d import _resolve_process_group
+
 from tplayers.comm.accounting import record_collective
+from tplayers.ops.registry import OpSpec, register
 from tplayers.sharding import offsets_from_sizes, shard_range, shard_sizes
 
 __all__ = [
@@ -39,6 +41,8 @@ __all__ = [
     "reduce_from_parallel_region",
     "split_along_dim",
     "gather_along_dim",
+    "group_by_name",
+    "ensure_collective_ops",
 ]
 
 
@@ -63,7 +67,7 @@ def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, tag: str = "") -> 
     if torch.compiler.is_compiling():
         if dist.get_world_size(group) == 1:
             return x
-        ensure_comm_ops()
+        ensure_collective_ops()
         return torch.ops.tplayers.all_reduce(x, group.group_name, tag)
     return _eager_all_reduce_sum(x, group, tag)
 
@@ -87,7 +91,7 @@ def all_gather_along_dim(
     the custom op ``tplayers::all_gather``.
     """
     if torch.compiler.is_compiling() and dist.get_world_size(group) > 1:
-        ensure_comm_ops()
+        ensure_collective_ops()
         return torch.ops.tplayers.all_gather(x, dim % x.dim(), [int(s) for s in sizes], group.group_name, tag)
     return _eager_all_gather_along_dim(x, dim, sizes, group, tag)
 
@@ -340,3 +344,46 @@ def gather_along_dim(
     if sizes is None:
         sizes = exchange_sizes(x.size(dim), group)
     return GatherAlongDim.apply(x, dim, list(sizes), group)
+
+
+# ------------------------------------------------------------- custom ops (torch.compile)
+# torch.compile cannot trace torch.distributed calls; while compiling, the raw collectives above
+# call these registered ops instead: an opaque graph node whose implementation is the eager
+# collective (comm accounting still counts it) and whose fake only states the output's shape.
+# A process group travels as its name. Registered on first use (tplayers.ops.registry).
+
+
+def group_by_name(name: str) -> dist.ProcessGroup:
+    """The process group a custom op's ``group_name`` argument names."""
+    return _resolve_process_group(name)
+
+
+def _all_reduce_op(x: torch.Tensor, group_name: str, tag: str) -> torch.Tensor:
+    return _eager_all_reduce_sum(x.clone(memory_format=torch.contiguous_format), group_by_name(group_name), tag)
+
+
+def _all_reduce_fake(x, group_name, tag):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _all_gather_op(x: torch.Tensor, dim: int, sizes: List[int], group_name: str, tag: str) -> torch.Tensor:
+    return _eager_all_gather_along_dim(x, dim, sizes, group_by_name(group_name), tag).contiguous()
+
+
+def _all_gather_fake(x, dim, sizes, group_name, tag):
+    shape = list(x.shape)
+    shape[dim] = sum(sizes)
+    return x.new_empty(shape)
+
+
+_OPS = (
+    OpSpec("tplayers::all_reduce", _all_reduce_op, _all_reduce_fake),
+    OpSpec("tplayers::all_gather", _all_gather_op, _all_gather_fake),
+)
+
+
+@torch.compiler.assume_constant_result
+def ensure_collective_ops() -> bool:
+    """Register ``tplayers::all_reduce`` and ``tplayers::all_gather`` unless they are registered
+    already (idempotent); called right before one of them is used while compiling."""
+    return register(_OPS)

@@ -15,8 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tplayers.comm.accounting import record_collective
-from tplayers.comm.collectives import all_gather_along_dim
-from tplayers.comm.ops import ensure_comm_ops
+from tplayers.comm.collectives import all_gather_along_dim, ensure_collective_ops
 from tplayers.comm.sequence import reduce_scatter_along_dim
 from tplayers.sharding import shard_sizes
 
@@ -40,8 +39,8 @@ def _all_reduce_as(t: torch.Tensor, group, reduce_dtype, tag: str, async_op: boo
     size = dist.get_world_size(group)
     if size == 1:
         return t, None
-    if torch.compiler.is_compiling():  # the registered op (see tplayers.comm.ops), out of place
-        ensure_comm_ops()
+    if torch.compiler.is_compiling():  # the registered op (see tplayers.comm.collectives), out of place
+        ensure_collective_ops()
         wide = t if reduce_dtype is None else t.to(reduce_dtype)
         return torch.ops.tplayers.all_reduce(wide, group.group_name, tag).to(t.dtype), None
     if reduce_dtype is not None and reduce_dtype != t.dtype:

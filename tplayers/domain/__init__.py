@@ -1,17 +1,18 @@
-"""The domain-parallel core: everything spatial twins and domain regions share.
+"""Domain-sharded data: its layout, where it meets replicated data, its global reductions.
+
+The floor above :mod:`tplayers.comm` and below the layers:
 
 * :mod:`~tplayers.domain.shard` - take / scatter / gather a rank's slice of a global tensor;
-* :mod:`~tplayers.domain.window_plan` - the partition rule and the window-op axis plans (which
-  global input rows each owned output row reads: conv, pooling, interpolation);
-* :mod:`~tplayers.domain.route`, :mod:`~tplayers.domain.halo`, :mod:`~tplayers.domain.window` -
-  the N-d halo exchange and window gathers built on those plans;
+* :mod:`~tplayers.domain.window` - window gathers over the halo exchange, by the axis plans of
+  :mod:`tplayers.window_plan`;
 * :mod:`~tplayers.domain.boundary`, :mod:`~tplayers.domain.reductions` - where sharded data meets
-  replicated data, and the global sums / means of losses and metrics;
-* :mod:`~tplayers.domain.layout`, :mod:`~tplayers.domain.guard`, :mod:`~tplayers.domain.rules` and
-  :mod:`~tplayers.domain.scope` - the region guard: which tensors are sharded, what each op on them
-  does (local, routed to :mod:`tplayers.functional`, or refused), where it is on.
+  replicated data, and the one set of global reductions (``domain_sum``, ``domain_mean`` and the
+  ``tplayers.functional`` reductions);
+* :mod:`~tplayers.domain.layout` - the tag saying which dims of a tensor are sharded, and the
+  layout algebra of views; :mod:`~tplayers.domain.active` - the hook by which code below the
+  region guard (:mod:`tplayers.region`) finds it.
 
-The spatial twins in :mod:`tplayers.layers` are thin modules over these pieces.
+See ``docs/design.md``.
 """
 
 from tplayers.domain.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.collectives import all_reduce_sum
+from tplayers.domain.active import active_guard
 from tplayers.mesh import resolve_mesh
 
 __all__ = ["ShardedToReplicated", "ReplicatedToSharded", "sharded_to_replicated", "replicated_to_sharded",
@@ -120,6 +121,4 @@ def replicated_to_sharded(x: torch.Tensor, mesh: Optional[DeviceMesh] = None) ->
 
 
 def _guard():
-    from tplayers.domain.guard import active_guard
-
     return active_guard()

@@ -1,36 +1,200 @@
-"""Global reductions over a domain-sharded tensor, for losses and metrics.
+"""Global reductions of domain-sharded tensors: one set, for model code, losses and metrics.
 
-``domain_sum`` / ``domain_mean`` return the value over the *whole* domain (every rank's
-elements) as the same scalar on every rank; the gradient each rank receives for its own
-elements is exactly the serial one, on any partition (uneven, empty shards), 1-D or 2-D mesh.
-They cross the sharded -> replicated boundary with one fused all-reduce per mesh dim
+* ``sum``, ``mean``, ``amax``, ``amin``, ``var``, ``std``, ``norm`` over chosen dims (exported as
+  :mod:`tplayers.functional`): each equals the serial reduction of the gathered tensor, values and
+  gradients, replicated along the reduced sharded dims. ``shard_dims[i]`` is the tensor dim sharded
+  over mesh dim ``i``; reducing dims that hold no sharded dim is a local reduction. Inside a domain
+  region the guard routes ``x.sum(...)``, ``x.mean(...)``, ... here by itself.
+* :func:`domain_sum` / :func:`domain_mean` (exported as ``tplayers.domain_sum`` / ``domain_mean``):
+  the value over the *whole* domain (every rank's elements) as the same scalar on every rank, for
+  losses and metrics, with an optional mask. The gradient each rank receives for its own elements
+  is exactly the serial one on any partition (uneven, empty shards), 1-D or 2-D mesh.
+
+Every one crosses the sharded -> replicated boundary with one fused all-reduce per mesh dim
 (:class:`tplayers.domain.boundary.ShardedToReplicated`: all-reduce forward, identity backward).
+See ``docs/design.md`` (domain parallelism).
 
-Per-pixel losses::
+Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
-    loss = tplayers.domain_mean(F.mse_loss(y, t, reduction="none"), mesh)
-    ce = F.cross_entropy(logits, labels, reduction="none", ignore_index=-1)
-    loss = tplayers.domain_mean(ce, mesh, mask=labels != -1)   # == serial ignore_index mean
+    import torch, tplayers
+    import tplayers.functional as TF
+    mesh = tplayers.init_mesh()
+    full = torch.randn(2, 3, 10, 6, dtype=torch.float64)
+    x = tplayers.shard(full, 2, mesh)
+    m = TF.mean(x, dim=(2, 3), keepdim=True, mesh=mesh, shard_dims=(2,))
+    torch.testing.assert_close(m, full.mean(dim=(2, 3), keepdim=True))
+    torch.testing.assert_close(tplayers.domain_mean(x, mesh), full.mean())
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.domain.boundary import sharded_to_replicated
+from tplayers.comm.collectives import all_reduce_sum
+from tplayers.domain.active import active_guard, stepped_aside
+from tplayers.domain.boundary import ReplicatedToSharded, ShardedToReplicated, sharded_to_replicated
+from tplayers.mesh import resolve_mesh
 
-__all__ = ["domain_sum", "domain_mean"]
+__all__ = ["sum", "mean", "amax", "amin", "var", "std", "norm", "domain_sum", "domain_mean", "reduce_groups",
+           "sum_over", "mean_over", "extreme_over", "var_over", "norm_over"]
+
+_sum = sum  # the builtin, shadowed below
+
+
+def reduce_groups(mesh, shard_dims: Sequence[int], dims: Sequence[int]) -> List[dist.ProcessGroup]:
+    """The process groups of the mesh dims whose sharded tensor dim is among ``dims``."""
+    mesh = resolve_mesh(mesh, (1, 2))
+    groups = [mesh.get_group(i) for i, d in enumerate(shard_dims) if d in dims]
+    return [g for g in groups if dist.get_world_size(g) > 1]
+
+
+def _dims(dim, ndim: int) -> tuple:
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return tuple(range(ndim))
+    return tuple(sorted({int(d) % ndim for d in ((dim,) if isinstance(dim, int) else dim)}))
+
+
+def _squeeze(t: torch.Tensor, dims, keepdim: bool) -> torch.Tensor:
+    return t if keepdim else t.squeeze(dims) if dims else t
+
+
+def sum_over(x: torch.Tensor, dims, keepdim: bool, groups, dtype=None) -> torch.Tensor:
+    """Global sum over ``dims`` (sharded over ``groups``), replicated along them."""
+    part = x.sum(dims, keepdim=True, dtype=dtype)
+    if groups:
+        part = ShardedToReplicated.apply(part, groups)
+    return _squeeze(part, dims, keepdim)
+
+
+def _count(x: torch.Tensor, dims, groups) -> float:
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    if not groups:
+        return float(n)
+    t = torch.tensor([float(n)], dtype=torch.float64, device=x.device)
+    for g in groups:
+        t = all_reduce_sum(t, g, "domain.count")
+    return float(t.item())
+
+
+def mean_over(x: torch.Tensor, dims, keepdim: bool, groups, dtype=None) -> torch.Tensor:
+    total = sum_over(x, dims, True, groups, dtype)
+    return _squeeze(total / _count(x, dims, groups), dims, keepdim)
+
+
+class _GlobalExtreme(torch.autograd.Function):
+    """forward: local max (or min) over ``dims``, then an all-reduce MAX (MIN) over the groups /
+    backward: the gradient split evenly over every element equal to the extreme, on all ranks (as
+    ``torch.amax``: one all-reduce of the tie counts)."""
+
+    @staticmethod
+    def forward(ctx, x, dims, groups, largest: bool):
+        fill = float("-inf") if largest else float("inf")
+        if x.numel() == 0:
+            shape = [1 if d in dims else s for d, s in enumerate(x.shape)]
+            m = torch.full(shape, fill, dtype=x.dtype, device=x.device)
+        else:
+            m = x.amax(dims, keepdim=True) if largest else x.amin(dims, keepdim=True)
+        m = m.contiguous()
+        for g in groups:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX if largest else dist.ReduceOp.MIN, group=g)
+        ctx.save_for_backward(x, m)
+        ctx.dims, ctx.groups = dims, groups
+        return m
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, m = ctx.saved_tensors
+        hit = (x == m).to(grad.dtype)
+        count = hit.sum(ctx.dims, keepdim=True).contiguous()
+        for g in ctx.groups:
+            count = all_reduce_sum(count, g, "domain.extreme.bwd")
+        return hit * (grad / count), None, None, None
+
+
+def extreme_over(x: torch.Tensor, dims, keepdim: bool, groups, largest: bool) -> torch.Tensor:
+    return _squeeze(_GlobalExtreme.apply(x, tuple(dims), groups, largest), dims, keepdim)
+
+
+def var_over(x: torch.Tensor, dims, keepdim: bool, groups, correction: float = 1.0) -> torch.Tensor:
+    """Two-pass global variance: the global mean, then the global sum of centred squares."""
+    mu = mean_over(x, dims, True, groups)
+    if groups:
+        mu = ReplicatedToSharded.apply(mu, groups)  # used by every rank's rows: its gradient is their sum
+    ss = sum_over((x - mu).square(), dims, True, groups)
+    n = _count(x, dims, groups)
+    return _squeeze(ss / max(n - correction, 0.0), dims, keepdim)
+
+
+def norm_over(x: torch.Tensor, p, dims, keepdim: bool, groups, dtype=None) -> torch.Tensor:
+    """Global vector p-norm over ``dims`` (p = 2 for ``"fro"``; inf / -inf: max / min of ``|x|``)."""
+    p = 2.0 if p in (None, "fro") else float(p)
+    if dtype is not None:
+        x = x.to(dtype)
+    a = x.abs()
+    if p == float("inf") or p == float("-inf"):
+        return extreme_over(a, dims, keepdim, groups, p > 0)
+    if p == 0:
+        return sum_over((a != 0).to(x.dtype), dims, keepdim, groups)
+    if p == 1:
+        return sum_over(a, dims, keepdim, groups)
+    if p == 2:
+        return sum_over(x * x, dims, keepdim, groups).sqrt()
+    return sum_over(a.pow(p), dims, keepdim, groups).pow(1.0 / p)
+
+
+# ------------------------------------------------------------ public API
+def sum(x, dim=None, keepdim=False, *, mesh=None, shard_dims=(2,), dtype=None):  # noqa: A001
+    """Serial ``torch.sum(x, dim, keepdim)`` of the gathered tensor (see the module docstring)."""
+    dims = _dims(dim, x.dim())
+    return sum_over(x, dims, keepdim, reduce_groups(mesh, shard_dims, dims), dtype)
+
+
+def mean(x, dim=None, keepdim=False, *, mesh=None, shard_dims=(2,), dtype=None):
+    """Serial ``torch.mean``: the global sum over an exact global count (uneven, empty shards too)."""
+    dims = _dims(dim, x.dim())
+    return mean_over(x, dims, keepdim, reduce_groups(mesh, shard_dims, dims), dtype)
+
+
+def amax(x, dim=None, keepdim=False, *, mesh=None, shard_dims=(2,)):
+    """Serial ``torch.amax`` (gradient shared evenly by ties, across ranks too)."""
+    dims = _dims(dim, x.dim())
+    return extreme_over(x, dims, keepdim, reduce_groups(mesh, shard_dims, dims), True)
+
+
+def amin(x, dim=None, keepdim=False, *, mesh=None, shard_dims=(2,)):
+    """Serial ``torch.amin``."""
+    dims = _dims(dim, x.dim())
+    return extreme_over(x, dims, keepdim, reduce_groups(mesh, shard_dims, dims), False)
+
+
+def var(x, dim=None, *, correction=1, keepdim=False, mesh=None, shard_dims=(2,)):
+    """Serial ``torch.var`` (two passes: global mean, then global centred squares)."""
+    dims = _dims(dim, x.dim())
+    return var_over(x, dims, keepdim, reduce_groups(mesh, shard_dims, dims), correction)
+
+
+def std(x, dim=None, *, correction=1, keepdim=False, mesh=None, shard_dims=(2,)):
+    """Serial ``torch.std``."""
+    return var(x, dim, correction=correction, keepdim=keepdim, mesh=mesh, shard_dims=shard_dims).sqrt()
+
+
+def norm(x, p=2, dim=None, keepdim=False, *, mesh=None, shard_dims=(2,), dtype=None):
+    """Serial ``torch.linalg.vector_norm(x, p, dim, keepdim)``."""
+    dims = _dims(dim, x.dim())
+    return norm_over(x, p, dims, keepdim, reduce_groups(mesh, shard_dims, dims), dtype)
+
 
 
 def _unguarded():
     """Inside a domain region these functions read local slices and reduce them themselves: the
     region guard steps aside for them (their result is replicated)."""
-    from tplayers.domain.guard import active_guard, stepped_aside
-
     guard = active_guard()
     return stepped_aside(guard) if guard is not None else contextlib.nullcontext()
 

@@ -2,7 +2,7 @@
 
 :func:`gather_windows` turns this rank's slab into exactly the (extended) input
 rows its output rows read, along each sharded dim in mesh order: halo rows from
-the neighbours (:class:`~tplayers.comm.HaloExchange1d`), boundary rows padded
+the neighbours (:class:`~tplayers.comm.halo.HaloExchange1d`), boundary rows padded
 locally (zeros, a constant such as ``-inf``, reflect, replicate; a periodic
 domain wraps through the exchange), unneeded own rows trimmed. Dims are done
 one after the other on the already padded tensor, so corner blocks travel with
@@ -14,12 +14,12 @@ added into the ranks that own those rows (boundary rows are dropped), dims in
 reverse order. :class:`HaloScatterAdd1d` is one dim of it, an autograd
 Function whose backward is the gather.
 
-Plans come from :mod:`tplayers.domain.window_plan` (one :class:`AxisPlan` per dim).
+Plans come from :mod:`tplayers.window_plan` (one :class:`AxisPlan` per dim).
 
 Example (2 ranks): each rank holds 4 rows; a 3-row window needs one row from
 the neighbour and one zero row at the global edge::
 
-    from tplayers.domain.window_plan import plan_windows, conv_window
+    from tplayers.window_plan import plan_windows, conv_window
     plan = plan_windows([4, 4], 8, conv_window(3, 1, 1, 1), mode="zeros", what="H")[rank]
     xp = gather_windows(x, {2: plan}, {2: mesh.get_group(0)}, "zeros")   # 6 rows
 """
@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tplayers.domain.halo import HaloExchange1d, HaloState, halo_adjoint, halo_pad
-from tplayers.domain.route import _peers
-from tplayers.domain.window_plan import AxisPlan
+from tplayers.comm.halo import HaloExchange1d, HaloState, halo_adjoint, halo_pad
+from tplayers.comm.halo_route import _peers
+from tplayers.window_plan import AxisPlan
 
 __all__ = ["gather_windows", "scatter_add_windows", "gather_rows", "HaloScatterAdd1d", "pad_arg", "edge_pad", "pad_dim"]
 

@@ -22,9 +22,9 @@ Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
     m = TF.mean(y, dim=(2, 3), mesh=mesh)         # (2, 3), the same on every rank
 """
 
-from tplayers.functional.attention import scaled_dot_product_attention, token_positions
-from tplayers.functional.attention_mha import multi_head_attention_forward
-from tplayers.functional.reduce import amax, amin, mean, norm, std, sum, var  # noqa: A004
+from tplayers.attention.mha import multi_head_attention_forward
+from tplayers.attention.sdpa import scaled_dot_product_attention, token_positions
+from tplayers.domain.reductions import amax, amin, mean, norm, std, sum, var  # noqa: A004
 from tplayers.functional.window import (adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_avg_pool3d,
                                         adaptive_max_pool1d, adaptive_max_pool2d, adaptive_max_pool3d, avg_pool1d,
                                         avg_pool2d, avg_pool3d, interpolate, max_pool1d, max_pool2d, max_pool3d,

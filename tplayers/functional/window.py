@@ -1,6 +1,6 @@
 """Window ops on domain-sharded data: ``interpolate``, max / avg / adaptive pools, ``pad``.
 
-Each runs the same window-op core as the twins (:mod:`tplayers.domain.window_plan`, halo exchange)
+Each runs the same window-op core as the twins (:mod:`tplayers.window_plan`, halo exchange)
 and returns exactly this rank's slice of the serial ``torch.nn.functional`` result, values and
 gradients. ``shard_dims[i]`` is the tensor dim sharded over mesh dim ``i``; sizes (``size``,
 ``output_size``) are global. ``cache``: a dict kept by the caller (the region guard keeps one per
@@ -22,6 +22,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import tplayers.layers as L
+from tplayers.mesh import resolve_mesh
 
 __all__ = ["interpolate", "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
            "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
@@ -42,14 +44,12 @@ def twin_for(cls, args: tuple, mesh, shard_dims: Sequence[int], cache: Optional[
 def interpolate(x, size=None, scale_factor=None, mode="nearest", align_corners=None, recompute_scale_factor=None,
                 antialias=False, *, mesh=None, shard_dims=(2,), cache=None):
     """Serial ``F.interpolate`` (every mode of :class:`~tplayers.DistributedUpsample`; ``size`` global)."""
-    from tplayers.layers import DistributedUpsample
-
     if antialias:
         raise ValueError("tplayers.functional.interpolate: antialias=True is not supported on sharded dims, "
                          "got antialias=True")
     size = tuple(size) if isinstance(size, (list, tuple, torch.Size)) else size
     scale = tuple(scale_factor) if isinstance(scale_factor, (list, tuple)) else scale_factor
-    twin = twin_for(DistributedUpsample, (size, scale, mode, align_corners, recompute_scale_factor), mesh,
+    twin = twin_for(L.DistributedUpsample, (size, scale, mode, align_corners, recompute_scale_factor), mesh,
                     shard_dims, cache)
     return twin(x)
 
@@ -57,8 +57,6 @@ def interpolate(x, size=None, scale_factor=None, mode="nearest", align_corners=N
 def _pool(kind: str, n: int):
     def max_pool(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False, *,
                  mesh=None, shard_dims=(2,), cache=None):
-        import tplayers.layers as L
-
         if return_indices:
             raise ValueError(f"tplayers.functional.max_pool{n}d: return_indices=True is not supported on sharded "
                              "dims (indices would be positions in the local slab), got return_indices=True")
@@ -68,16 +66,12 @@ def _pool(kind: str, n: int):
 
     def avg_pool(x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
                  divisor_override=None, *, mesh=None, shard_dims=(2,), cache=None):
-        import tplayers.layers as L
-
         twin = twin_for(getattr(L, f"DistributedAvgPool{n}d"), (kernel_size, stride, padding, ceil_mode,
                                                                   count_include_pad, divisor_override),
                         mesh, shard_dims, cache)
         return twin(x)
 
     def adaptive(x, output_size, *, mesh=None, shard_dims=(2,), cache=None, return_indices=False):
-        import tplayers.layers as L
-
         if return_indices:
             raise ValueError(f"tplayers.functional.adaptive_max_pool{n}d: return_indices=True is not supported")
         cls = getattr(L, f"DistributedAdaptive{'Avg' if kind == 'adaptive_avg' else 'Max'}Pool{n}d")
@@ -100,8 +94,6 @@ def pad(x, pad, mode="constant", value=None, *, mesh=None, shard_dims=(2,)):
     """Serial ``F.pad`` in ``constant`` mode: the rows before a sharded dim go to its first rank, the rows
     after it to its last; other dims pad locally. No communication. Other modes along a sharded dim
     raise ``ValueError`` (pad inside a convolution twin with ``padding_mode`` instead)."""
-    from tplayers.mesh import resolve_mesh
-
     mesh = resolve_mesh(mesh, (1, 2))
     pad = [int(p) for p in pad]
     n = x.dim()

@@ -1,7 +1,7 @@
 """Modules: tensor-parallel linears, domain-parallel spatial twins, neighborhood attention."""
 
 from tplayers.layers._common import ShardedModule
-from tplayers.layers.attention import NeighborhoodAttention, NeighborhoodAttention1d, NeighborhoodAttention3d
+from tplayers.layers.neighborhood_attention import NeighborhoodAttention, NeighborhoodAttention1d, NeighborhoodAttention3d
 from tplayers.layers.context_attention import ContextParallelAttention, DistributedMultiheadAttention
 from tplayers.layers.branch import ReplicatedBranch
 from tplayers.layers.adaptive_max import (

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tplayers.domain.active import active_guard
 from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh
 from tplayers.sharding import ShardSpec
@@ -18,14 +19,12 @@ from tplayers.sharding import ShardSpec
 class RegionAware:
     """Mixin for modules that run their own collectives on domain-sharded data (twins, context-parallel
     attention): inside a domain region the guard steps aside while they run and tags their output
-    (:mod:`tplayers.domain.guard`); everywhere else this is ``nn.Module.__call__``."""
+    (:mod:`tplayers.region.guard`); everywhere else this is ``nn.Module.__call__``."""
 
     def __call__(self, *args, **kwargs):
         # Inside a domain region the guard steps aside while a twin runs, and tags its output
-        # (tplayers.domain.guard); everywhere else this is nn.Module.__call__.
+        # (tplayers.region.guard); everywhere else this is nn.Module.__call__.
         if not torch.compiler.is_compiling():
-            from tplayers.domain.guard import active_guard
-
             guard = active_guard()
             if guard is not None:
                 return guard.call_twin(self, super().__call__, args, kwargs)

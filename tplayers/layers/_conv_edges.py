@@ -40,8 +40,8 @@ from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from tplayers.domain.halo import _swap
-from tplayers.domain.window_plan import AxisPlan
+from tplayers.comm.halo import _swap
+from tplayers.window_plan import AxisPlan
 from tplayers.layers._conv_fn import (ConvSpec, finish_param_sum, flat_param_grads, in_format, post_param_sum,
                                       split_param_grads)
 from tplayers.ops import unpack_faces
@@ -105,7 +105,7 @@ def uniform_geometry(plans: Sequence[AxisPlan], sizes: Sequence[int], coord: int
     trimmed, output rows everywhere; else ``None``. Decided from every shard's plan, so that every
     rank takes the same path (the same messages).
 
-    >>> from tplayers.domain.window_plan import conv_window, plan_windows
+    >>> from tplayers.window_plan import conv_window, plan_windows
     >>> plans = plan_windows([5, 3], 8, conv_window(3, 1, 1, 1), mode="zeros", what="dim 2")
     >>> uniform_geometry(plans, [5, 3], 1, 1, 3, 1, True)
     EdgeGeometry(pad=1, lo=(3,), hi=None)

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 from tplayers.comm import all_reduce_sum, record_collective
-from tplayers.domain.halo import halo_adjoint, halo_pad
-from tplayers.domain.route import HaloRoute, halo_route
-from tplayers.domain.window_plan import AxisPlan
+from tplayers.comm.collectives import group_by_name
+from tplayers.comm.halo import format_code, format_of, halo_adjoint, halo_pad, peer_code, state_from_codes
+from tplayers.comm.halo_route import HaloRoute, halo_route
+from tplayers.window_plan import AxisPlan
 from tplayers.ops.registry import OpSpec, register
 
 __all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "finish_param_sum", "flat_param_grads", "halo_conv",
@@ -77,7 +78,7 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     Function registers its saved tensors only when its forward returns, so saving and computing in
     one Function would recompute the region's last convolution for nothing.
     ``reduce=False``: the weight and bias gradients are returned as this rank's partial sums (a
-    region's gradient buckets sum them, :mod:`tplayers.domain.buckets`).
+    region's gradient buckets sum them, :mod:`tplayers.comm.buckets`).
     """
     token, xp = HaloConvFunction.apply(x, weight, bias, spec, reduce)
     return _ConvCompute.apply(token, xp, weight, bias, spec)
@@ -286,7 +287,7 @@ def finish_param_sum(flat: torch.Tensor, pending: list, groups) -> torch.Tensor:
 
 def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups,
                      owned: bool = False) -> Optional[torch.Tensor]:
-    """The adjoint halo exchange of ``grad_xp`` (``owned``: see :func:`~tplayers.domain.halo.halo_adjoint`)
+    """The adjoint halo exchange of ``grad_xp`` (``owned``: see :func:`~tplayers.comm.halo.halo_adjoint`)
     with an async all-reduce of ``flat`` over the first group, posted after the halo messages and
     waited after them; one blocking all-reduce per further mesh dim."""
     pending = []
@@ -309,8 +310,6 @@ def _compiled_backward(gxp, flat, state, groups):
     ``torch.compile``): returns ``(grad_x or None, summed flat or None)``."""
     if flat is None:
         return (halo_adjoint(gxp, state) if gxp is not None else None), None
-    from tplayers.comm.ops import format_code, peer_code
-
     has_x = gxp is not None
     _ensure_conv_ops()
     grad_x, summed = torch.ops.tplayers.halo_conv_backward(
@@ -324,10 +323,8 @@ def _halo_conv_backward_op(gxp: torch.Tensor, flat: torch.Tensor, has_x: bool, d
                            recv: List[int], send: List[int], n: int, lo: int, hi: int, grad_format: int,
                            reduce0: str, reduce1: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """Eager body of :func:`_compiled_backward`: the same paths as :meth:`HaloConvFunction.backward`."""
-    from tplayers.comm.ops import _group, halo_state
-
-    state = halo_state(dim, group_name, recv, send, n, lo, hi, grad_format)
-    groups = [_group(name) for name in (reduce0, reduce1) if name]  # a mesh has at most 2 dims
+    state = state_from_codes(dim, group_name, recv, send, n, lo, hi, grad_format)
+    groups = [group_by_name(name) for name in (reduce0, reduce1) if name]  # a mesh has at most 2 dims
     flat = flat.clone()  # reduced in place below; the op's input stays untouched
     gxp = gxp if has_x else None
     grad_x = _reduce_backward(gxp, flat, state, groups)
@@ -335,12 +332,10 @@ def _halo_conv_backward_op(gxp: torch.Tensor, flat: torch.Tensor, has_x: bool, d
 
 
 def _halo_conv_backward_fake(gxp, flat, has_x, dim, group_name, recv, send, n, lo, hi, grad_format, reduce0, reduce1):
-    from tplayers.comm.ops import _FORMATS
-
     if has_x:
         shape = list(gxp.shape)
         shape[dim] = n
-        grad_x = torch.empty(shape, dtype=gxp.dtype, device=gxp.device, memory_format=_FORMATS[grad_format])
+        grad_x = torch.empty(shape, dtype=gxp.dtype, device=gxp.device, memory_format=format_of(grad_format))
     else:
         grad_x = flat.new_empty(0)
     return grad_x, torch.empty_like(flat)

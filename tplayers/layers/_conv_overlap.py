@@ -6,7 +6,7 @@ local input and the weight (exactly what ``nn.ConvNd`` holds) and runs no comput
 :class:`HaloConvOverlap` computes.
 
 Forward: the halo messages are posted; while they fly, the *interior* output rows (whose windows
-read only this rank's own rows, :func:`~tplayers.domain.window_plan.split_rows`) are convolved straight
+read only this rank's own rows, :func:`~tplayers.window_plan.split_rows`) are convolved straight
 from the local input; after the wait, the two edge strips (which read halo or boundary rows) are
 convolved from the padded input, and the pieces are concatenated.
 
@@ -25,10 +25,10 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from tplayers.domain.halo import HaloState, halo_adjoint, halo_pad, halo_state
+from tplayers.comm.halo import HaloState, halo_adjoint, halo_pad, halo_state
 from tplayers.layers._conv_fn import (ConvSpec, _compiled_backward, _Order, _reduce_backward, flat_param_grads,
                                       in_format, split_param_grads)
-from tplayers.domain.window_plan import RowSplit, split_rows
+from tplayers.window_plan import RowSplit, split_rows
 
 __all__ = ["HaloConvOverlap", "HaloConvSave", "conv_split", "overlapped_conv", "overlapped_forward"]
 

@@ -6,7 +6,7 @@ every rank's shape is exchanged (:func:`~tplayers.comm.agree.exchange_agreed`);
 the same exchange carries the layer's configuration (kernel, stride, padding,
 mode, shard_dims, dtype, ...), so ranks built differently fail with one
 ``ValueError`` naming the field and the ranks. Every rank then validates the
-same table and plans every shard (:mod:`tplayers.domain.window_plan`), so a bad
+same table and plans every shard (:mod:`tplayers.window_plan`), so a bad
 partition is a ``ValueError`` on every rank before any halo traffic. The twin's
 :meth:`DomainLayer._build` turns the per-dim shard sizes into its cached layout.
 """

@@ -30,7 +30,7 @@ from tplayers.comm import record_collective
 from tplayers.domain.window import gather_rows
 from tplayers.layers._domain import DomainLayer
 from tplayers.sharding import offsets_from_sizes
-from tplayers.domain.window_plan import out_partition, plan_ranges
+from tplayers.window_plan import out_partition, plan_ranges
 
 __all__ = ["DistributedAdaptiveMaxPool1d", "DistributedAdaptiveMaxPool2d", "DistributedAdaptiveMaxPool3d",
            "GlobalMax"]

@@ -16,8 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_many_to_parallel_region
 from tplayers.comm.collectives import all_reduce_sum
-from tplayers.functional.attention import scaled_dot_product_attention
-from tplayers.functional.attention_mha import multi_head_attention_forward
+from tplayers.attention.sdpa import scaled_dot_product_attention
+from tplayers.attention.mha import multi_head_attention_forward
 from tplayers.layers._common import RegionAware
 from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh

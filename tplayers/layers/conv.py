@@ -9,7 +9,7 @@ along the sharded dims; gathering the outputs gives ``nn.ConvNd`` on the
 gathered input, and every gradient matches.
 
 Each is a thin twin over the window-op core: the axis plan
-(:func:`tplayers.domain.window_plan.plan_windows`, output rows partitioned by the
+(:func:`tplayers.window_plan.plan_windows`, output rows partitioned by the
 DESIGN §2.4 rule: "same" convolutions keep the input's partition, others give the
 balanced one), the N-d halo exchange (:mod:`tplayers.domain.window`) for all but
 the last sharded dim, and :func:`~tplayers.layers._conv_overlap.overlapped_conv`
@@ -38,14 +38,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.domain.buckets import region_params
+from tplayers.comm.buckets import region_params
 from tplayers.domain.window import edge_pad, gather_rows, pad_arg, pad_dim
 from tplayers.layers._common import autocast_inputs
 from tplayers.layers._conv_edges import EDGE_MIN_ELEMENTS, edge_conv, uniform_geometry
 from tplayers.layers._conv_fn import ConvSpec, conv_order, halo_conv
 from tplayers.layers._conv_overlap import overlapped_conv
 from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
-from tplayers.domain.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows
+from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows
 
 __all__ = ["DistributedConv1d", "DistributedConv2d", "DistributedConv3d"]
 

@@ -21,11 +21,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_many_to_parallel_region
-from tplayers.domain.buckets import region_params
+from tplayers.comm.buckets import region_params
 from tplayers.domain.window import scatter_add_windows
 from tplayers.layers._common import autocast_inputs
 from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
-from tplayers.domain.window_plan import out_partition, plan_ranges, transposed_needs, transposed_out_len
+from tplayers.window_plan import out_partition, plan_ranges, transposed_needs, transposed_out_len
 
 __all__ = ["DistributedConvTranspose1d", "DistributedConvTranspose2d", "DistributedConvTranspose3d"]
 

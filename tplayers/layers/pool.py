@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.domain.window import gather_windows
 from tplayers.layers._domain import DomainLayer, ntuple
-from tplayers.domain.window_plan import conv_window, plan_windows, pool_out_len
+from tplayers.window_plan import conv_window, plan_windows, pool_out_len
 
 __all__ = ["DistributedMaxPool1d", "DistributedMaxPool2d", "DistributedMaxPool3d",
            "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d"]

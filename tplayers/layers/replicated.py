@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.func import functional_call
 
 from tplayers.comm import copy_many_to_parallel_region
+from tplayers.domain.active import active_guard
 from tplayers.layers._common import ShardedModule, adopt_tensors
 from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh
@@ -68,8 +69,6 @@ class DomainReplicated(MeshBound, nn.Module):
         return self._wrapped[0]
 
     def forward(self, *args, **kwargs):
-        from tplayers.domain.guard import active_guard
-
         named = list(self.named_parameters(recurse=False))
         if not named or active_guard() is not None:  # nothing to sum, or the region guard sums where used
             return self.module(*args, **kwargs)

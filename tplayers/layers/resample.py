@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.comm import reduce_from_parallel_region
 from tplayers.domain.window import gather_rows
 from tplayers.layers._domain import DomainLayer
-from tplayers.domain.window_plan import out_partition, plan_ranges
+from tplayers.window_plan import out_partition, plan_ranges
 from tplayers.sharding import offsets_from_sizes
 
 __all__ = ["DistributedUpsample", "DistributedAdaptiveAvgPool1d", "DistributedAdaptiveAvgPool2d",

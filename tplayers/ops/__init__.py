@@ -8,7 +8,7 @@ from tplayers.ops.halo import (
     unpack_faces,
     unpack_faces_reference,
 )
-from tplayers.ops.na import na1d, na2d, na3d, neighborhood_attention, neighborhood_attention_2d
+from tplayers.ops.na import na1d, na2d, na3d, neighborhood_attention
 
 __all__ = [
     "pack_faces",
@@ -21,5 +21,4 @@ __all__ = [
     "na2d",
     "na3d",
     "neighborhood_attention",
-    "neighborhood_attention_2d",
 ]

@@ -10,7 +10,8 @@ heads than the queries (GQA/MQA: ``kv_heads`` divides ``heads``). All ranks run 
 compiler is available (``TPLAYERS_NA_KERNEL`` chooses), the torch tile kernel elsewhere; the
 ``(L)^2`` matrix of dense attention never exists.
 
-:func:`neighborhood_attention_2d` (re-exported) is the 2-D engine the domain-parallel layer calls.
+:func:`neighborhood_attention` (re-exported) is the engine itself, which the domain-parallel layer calls
+with a shard's window offsets.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
-from tplayers.ops.na_engine import neighborhood_attention, neighborhood_attention_2d
+from tplayers.ops.na_engine import neighborhood_attention
 
-__all__ = ["na1d", "na2d", "na3d", "neighborhood_attention_2d", "neighborhood_attention", "normalize_na_args",
+__all__ = ["na1d", "na2d", "na3d", "neighborhood_attention", "normalize_na_args",
            "normalize_window_args", "check_window_fits", "check_qkv", "check_bias"]
 
 IntArg = Union[int, Sequence[int]]

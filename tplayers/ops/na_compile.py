@@ -2,7 +2,7 @@
 
 The tile kernel (:class:`~tplayers.ops.na_kernel.TileAttention`) builds its index tables
 from the geometry with torch ops and reads them on the host, which ``torch.compile`` cannot
-trace. While compiling, :func:`~tplayers.ops.na.neighborhood_attention_2d` calls these ops
+trace. While compiling, :func:`~tplayers.ops.na_engine.neighborhood_attention` calls these ops
 instead: each is one opaque node of the graph, its arguments the tensors and the geometry as
 ints; the eager body builds (and caches) the same tables and runs the same kernel as eager
 mode (the compiled C kernel of :mod:`~tplayers.ops.na_cpu` for fp32/fp64 CPU tensors, else the

@@ -1,6 +1,6 @@
 """The compiled CPU kernel of neighborhood attention (``na_cpu.c``), built on first use.
 
-:func:`use_c_kernel` decides per call whether :func:`~tplayers.ops.na.neighborhood_attention_2d`
+:func:`use_c_kernel` decides per call whether :func:`~tplayers.ops.na_engine.neighborhood_attention`
 runs the C kernel or the torch tile kernel (:mod:`tplayers.ops.na_kernel`); both compute NATTEN's
 exact window (fp rounding may differ). The C kernel is used for CPU tensors of fp32 / fp64 when
 the system C compiler can build it; ``TPLAYERS_NA_KERNEL=torch`` asks for the tile kernel,
@@ -50,6 +50,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from tplayers.ops.na_geometry import kernel_dims, kernel_tables, split_geometry
+from tplayers.ops.na_kernel import tile_backward, tile_plans
 
 __all__ = ["use_c_kernel", "kernel_choice", "load_library", "cache_dir", "c_forward", "c_backward", "CAttention",
            "host_isa", "target_isa", "lanes", "build_flags", "backward_is_fused", "attention_backward"]
@@ -324,7 +325,6 @@ def attention_backward(grad_out, q, k, v, table, out, geo: List[int], scale: flo
     rounding)."""
     if backward_is_fused(geo, q.dtype):
         return c_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=want_kv)
-    from tplayers.ops.na_kernel import tile_backward, tile_plans
 
     _, plan_bwd = tile_plans(geo, q.device, q.dtype)
     return tile_backward(grad_out, q, k, v, table, out, plan_bwd, scale, heads, want_kv, want_kv,

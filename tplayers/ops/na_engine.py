@@ -20,11 +20,12 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from tplayers.ops import na_cpu, na_kernel
+from tplayers.ops.na_compile import ensure_na_ops
 from tplayers.ops.na_geometry import Axis, geometry_args, merged_kernel
 from tplayers.ops.na_kernel import TileAttention
 from tplayers.ops.na_layout import DEFAULT_TILE
 
-__all__ = ["neighborhood_attention", "neighborhood_attention_2d", "default_tile", "expand_kv_heads"]
+__all__ = ["neighborhood_attention", "default_tile", "expand_kv_heads"]
 
 
 def default_tile(kernel: Sequence[int], head_dim: int = 0) -> Tuple[int, ...]:
@@ -113,8 +114,6 @@ def neighborhood_attention(
 
     out_shape = (*q.shape[:-1], -1)
     if torch.compiler.is_compiling():  # the tables are built inside one registered op (see na_compile)
-        from tplayers.ops.na_compile import ensure_na_ops
-
         ensure_na_ops()  # registers tplayers::na2d_tiles on first use (nothing at import)
 
         table = rel_pos_bias if rel_pos_bias is not None else q.new_empty(0)
@@ -127,29 +126,3 @@ def neighborhood_attention(
     out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, plan_bwd, scale, heads)
     return out.view(out_shape)
 
-
-def neighborhood_attention_2d(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kernel: Tuple[int, int],
-    dilation: Tuple[int, int],
-    causal: Tuple[bool, bool],
-    *,
-    scale: Optional[float] = None,
-    global_size: Tuple[int, int],
-    q_offset: Tuple[int, int] = (0, 0),
-    k_offset: Tuple[int, int] = (0, 0),
-    rel_pos_bias: Optional[torch.Tensor] = None,
-    tile: Optional[Tuple[int, int]] = None,
-    chunk_scores: Optional[int] = None,
-    stride: Tuple[int, int] = (1, 1),
-) -> torch.Tensor:
-    """:func:`neighborhood_attention` for ``(B, H, W, heads, D)`` tensors (the 2-D engine's
-    original signature; ``stride`` added)."""
-    from tplayers.ops.na import check_qkv
-
-    check_qkv(q, k, v, 2, "neighborhood_attention_2d")
-    return neighborhood_attention(q, k, v, kernel, dilation, causal, stride=stride, scale=scale,
-                                  global_size=global_size, q_offset=q_offset, k_offset=k_offset,
-                                  rel_pos_bias=rel_pos_bias, tile=tile, chunk_scores=chunk_scores)

@@ -41,6 +41,7 @@ from functools import lru_cache
 from typing import Tuple
 
 import torch
+from tplayers.window_plan import plan_ranges
 
 __all__ = ["window_starts", "key_span", "tile_span", "axis_halos", "axis_plans", "AxisTiles", "axis_tiles", "merge_axes",
            "DEFAULT_TILE"]
@@ -256,15 +257,13 @@ def merge_axes(a: AxisTiles, b: AxisTiles, b_queries: int, b_keys: int, b_rel: i
 
 def axis_plans(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "H", stride: int = 1,
                tile: bool = False):
-    """Window-core plans (:class:`tplayers.domain.window_plan.AxisPlan`) of one sharded axis: each
+    """Window-core plans (:class:`tplayers.window_plan.AxisPlan`) of one sharded axis: each
     shard's queries stay local; its keys are the range :func:`key_span` gives (asymmetric; an edge
     shard's shifted window reaches further than ``k // 2``), from the adjacent shards only.
     ``ValueError`` when a neighbour is too small, or when ``kernel * dilation`` exceeds the length.
     With ``tile``, a shard's rows are its :func:`tile_span` instead (a whole-image kernel's tile:
     queries, keys and values all extended to it).
     """
-    from tplayers.domain.window_plan import plan_ranges
-
     sizes = [int(s) for s in sizes]
     length = sum(sizes)
     if kernel * dilation > length:

@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers.layers as L
-from tplayers.layers.attention import NeighborhoodAttention
-from tplayers.domain.scope import bind_region, bind_watch
+from tplayers.layers.neighborhood_attention import NeighborhoodAttention
+from tplayers.region.scope import bind_region, bind_watch
 from tplayers.layers._common import ShardedModule
 from tplayers.parallelize.styles import ParallelStyle
 
@@ -74,7 +74,7 @@ class DomainParallel(ParallelStyle):
     (:data:`SPATIAL_MIXERS_WITHOUT_TWIN`: FractionalMaxPool, LPPool, MaxUnpool, batch / group /
     instance norms, LocalResponseNorm, padding layers, PixelShuffle, Fold, ...) is a ``ValueError``
     listing all of them, before anything is swapped. Every call of the region then runs under the
-    region guard (:mod:`tplayers.domain.guard`): ops a ``forward`` applies to sharded data outside the
+    region guard (:mod:`tplayers.region.guard`): ops a ``forward`` applies to sharded data outside the
     twins (``F.interpolate``, ``x.mean((2, 3))``, attention over pixels, a per-pixel ``Linear``) are
     run locally where that is exact, routed to their distributed form, or refused with a
     ``ValueError``; replicated parameters get their gradients summed where they meet sharded data.

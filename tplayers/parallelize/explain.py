@@ -13,6 +13,7 @@ from tplayers.mesh import resolve_mesh
 from tplayers.parallelize.attention_groups import check_attention_groups
 from tplayers.parallelize.engine import build_match, match_plan
 from tplayers.parallelize.styles import ParallelStyle, key_repr
+from tplayers.comm.buckets import bucketed_params, plan_buckets
 
 __all__ = ["explain", "Explanation"]
 
@@ -62,9 +63,7 @@ def _region_of(module: nn.Module):
 
 def _buckets(region, root: nn.Module) -> int:
     """All-reduces of the gradient buckets of one call of ``root``'s domain region
-    (:mod:`tplayers.domain.buckets`): one per bucket and mesh dim of more than one rank."""
-    from tplayers.domain.buckets import bucketed_params, plan_buckets
-
+    (:mod:`tplayers.comm.buckets`): one per bucket and mesh dim of more than one rank."""
     mesh = region.mesh
     dims = sum(1 for i in range(mesh.ndim) if mesh.size(i) > 1)
     return dims * len(plan_buckets(bucketed_params(root)))

@@ -1,8 +1,8 @@
 """Exact attention over key blocks held by other ranks: the ring, all-gather and local Functions.
 
 All three merge this rank's queries against one key block (one rank's keys) at a time with
-:class:`~tplayers.functional.attention_blocks.BlockForward` (online softmax) and recompute each
-block's gradients in backward with :class:`~tplayers.functional.attention_blocks.BlockBackward`
+:class:`~tplayers.attention.blocks.BlockForward` (online softmax) and recompute each
+block's gradients in backward with :class:`~tplayers.attention.blocks.BlockBackward`
 from the saved output and log-sum-exp, so no rank ever holds the full score matrix.
 """
 
@@ -16,8 +16,8 @@ import torch.distributed as dist
 from tplayers.comm.accounting import record_collective
 from tplayers.comm.collectives import exchange_p2p
 from tplayers.comm.sequence import reduce_scatter_along_dim
-from tplayers.functional.attention_blocks import BlockBackward, BlockForward
-from tplayers.functional.attention_plan import AttentionPlan, gather_padded
+from tplayers.attention.blocks import BlockBackward, BlockForward
+from tplayers.attention.plan import AttentionPlan, gather_padded
 
 __all__ = ["RingAttention", "AllGatherAttention", "LocalAttention"]
 

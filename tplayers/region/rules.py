@@ -1,9 +1,9 @@
-"""What the region guard does with each torch call on domain-sharded data (see :mod:`~tplayers.domain.guard`).
+"""What the region guard does with each torch call on domain-sharded data (see :mod:`~tplayers.region.guard`).
 
 :func:`handle` looks the call up by name in one table (:func:`_table`), lazily built: pointwise ops
 (aten's ``pointwise`` tag plus a few), layout-keeping moves, metadata queries, views and indexing
 (:mod:`tplayers.domain.layout` decides whether each sharded dim stays whole), reductions and
-scans along a dim, ``cat``/``stack``, and the ops of :mod:`tplayers.domain.rules_ops` (linear
+scans along a dim, ``cat``/``stack``, and the ops of :mod:`tplayers.region.rules_ops` (linear
 algebra, convolutions, norms, dropout, and the calls routed to :mod:`tplayers.functional`).
 A name not in the table is an error (deny by default).
 """
@@ -17,6 +17,7 @@ import torch
 
 from tplayers.domain.layout import (LayoutError, broadcast_layouts, drop_dims, flatten_layout, insert_dim, is_sharded,
                                     mesh_dims_of, permute_layout, reshape_layout, sharded_dims, unflatten_layout)
+from tplayers.region.rules_index import index_layout
 
 __all__ = ["handle", "op_name", "dims_arg", "run_pointwise", "first_sharded"]
 
@@ -241,8 +242,6 @@ def _along(position: int, default=None, kw: str = "dim"):
 
 
 def _getitem(g, func, args, kwargs):
-    from tplayers.domain.rules_index import index_layout
-
     x, lay = args[0], g.layout(args[0])
     if len(args) > 1 and g.layout(args[1]) is not None:
         raise g.error("indexing with a sharded index tensor", lay)
@@ -254,8 +253,6 @@ def _getitem(g, func, args, kwargs):
 
 
 def _setitem(g, func, args, kwargs):
-    from tplayers.domain.rules_index import index_layout
-
     x, idx, value = args[0], args[1], args[2]
     lay = g.layout(x)
     if lay is None:
@@ -333,36 +330,3 @@ _ALONG = {"select": _along(1), "narrow": _along(1), "chunk": _along(2, 0), "spli
           "index_select": _along(1), "diff": _along(2, -1), "roll": _along(2, None, "dims"),
           "flip": _along(1, None, "dims"), "rot90": _along(2, (0, 1), "dims"), "fliplr": _along(9, (1,)),
           "flipud": _along(9, (0,))}
-
-
-@functools.lru_cache(maxsize=None)
-def _table() -> Dict[str, Any]:
-    from tplayers.domain import rules_ops, rules_route
-
-    table: Dict[str, Any] = {n: _preserve for n in _PRESERVE}
-    table.update({n: _passthrough for n in _PASS})
-    table.update({n: _refuse_value for n in _VALUES})
-    table.update(_VIEWS)
-    table.update(_ALONG)
-    table.update(rules_ops.TABLE)
-    table.update(rules_route.TABLE)
-    return table
-
-
-def handle(g, func, args, kwargs):
-    """Apply the guard's rule for ``func`` to a call touching sharded data."""
-    name = getattr(func, "__name__", "")
-    if name == "__get__":
-        return _getter(g, func, args, kwargs)
-    handler = _table().get(name)
-    if handler is None and name in _pointwise_names():
-        handler = run_pointwise
-    if handler is None:
-        t, lay = first_sharded(g, args, kwargs)
-        raise g.error(f"{op_name(func)} is not known to be exact on sharded data", lay,
-                      "Use a tplayers twin or tplayers.functional for it, or move it outside the domain region.")
-    try:
-        return handler(g, func, args, kwargs)
-    except LayoutError as e:
-        t, lay = first_sharded(g, args, kwargs)
-        raise g.error(f"{op_name(func)}: {e}", lay) from None

@@ -16,9 +16,9 @@ from typing import List, Optional
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.functional.attention import _default_positions, _dropout_rows, _key_cols
-from tplayers.functional.attention_plan import Cols, gather_padded, gather_rows, topology
-from tplayers.functional.attention_ring import _reduce_scatter_blocks
+from tplayers.attention.sdpa import _default_positions, _dropout_rows, _key_cols
+from tplayers.attention.plan import Cols, gather_padded, gather_rows, topology
+from tplayers.attention.ring import _reduce_scatter_blocks
 from tplayers.mesh import resolve_mesh
 
 __all__ = ["GatherTokens", "attention_with_weights"]

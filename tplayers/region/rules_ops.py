@@ -2,7 +2,7 @@
 
 The routed calls (reductions over sharded dims, ``F.interpolate``, functional pools and pads,
 ``F.group_norm`` / ``F.batch_norm`` / ``F.instance_norm``, attention over sharded tokens) run the
-implementations of :mod:`tplayers.functional` on the guard's mesh; see :mod:`tplayers.domain.rules`.
+implementations of :mod:`tplayers.functional` on the guard's mesh; see :mod:`tplayers.region.rules`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from tplayers.domain.layout import LayoutError, broadcast_layouts, drop_dims, mesh_dims_of, sharded_dims
-from tplayers.domain.rules import _mark_all, dims_arg, first_sharded, op_name, run_pointwise
+from tplayers.region.rules import _mark_all, dims_arg, first_sharded, op_name, run_pointwise
+from tplayers.domain import reductions as R
+from tplayers.layers._norm_core import DomainNormFn
 
 __all__ = ["TABLE"]
 
@@ -46,8 +48,6 @@ _ROUTED = {"sum", "nansum", "mean", "nanmean", "amax", "amin", "max", "min", "va
 
 
 def _reduction(g, func, args, kwargs):
-    from tplayers.functional import reduce as R
-
     name = func.__name__
     x, lay = args[0], g.layout(args[0])
     if name in ("max", "min") and (len(args) > 1 and isinstance(args[1], torch.Tensor) or "other" in kwargs):
@@ -224,8 +224,6 @@ def _layer_norm(g, func, args, kwargs):
 
 
 def _domain_norm(g, func, args, kwargs):
-    from tplayers.layers._norm_core import DomainNormFn
-
     name = func.__name__
     x, lay = args[0], g.layout(args[0])
     if 0 in sharded_dims(lay) or 1 in sharded_dims(lay):

@@ -9,7 +9,7 @@ call of the root:
    (the only collective the guard adds, DESIGN §2.6); when any rank's partition changed, every
    rank forgets the region's cached layouts together, so a partition that changes on some ranks
    only is re-planned on all of them instead of hanging;
-2. a :class:`~tplayers.domain.guard.RegionGuard` is pushed, the first tensor argument is tagged as
+2. a :class:`~tplayers.region.guard.RegionGuard` is pushed, the first tensor argument is tagged as
    sharded along ``shard_dims``, the forward runs guarded, and the guard is popped.
 
 Under ``torch.compile`` tracing the guard does not run: a region whose eager calls needed it (routed
@@ -27,10 +27,11 @@ import torch
 from torch import nn
 
 from tplayers.comm.agree import exchange_agreed
-from tplayers.domain.buckets import GradBuckets
-from tplayers.domain.guard import RegionGuard, active_guard
+from tplayers.comm.buckets import GradBuckets
+from tplayers.region.guard import RegionGuard, active_guard
 from tplayers.layers._common import RegionAware
 from tplayers.mesh import resolve_mesh
+from tplayers.domain.shard import reset_layouts
 
 __all__ = ["DomainRegion", "Watch", "domain_region", "bind_region", "bind_watch"]
 
@@ -100,8 +101,6 @@ class DomainRegion:
             raise ValueError(f"domain region {self.name}: the first tensor argument must have more than "
                              f"{max(self.shard_dims)} dims on every rank; rank(s) {bad} passed something else")
         if self._table is not None and self._table != flat and self.root is not None:
-            from tplayers.domain.shard import reset_layouts
-
             reset_layouts(self.root)
             for twin in self.routes.values():
                 twin.reset_layout()

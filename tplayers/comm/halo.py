@@ -42,21 +42,22 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.accounting import record_collective
-from tplayers.comm.collectives import exchange_p2p
-from tplayers.domain.route import HaloRoute, _peers, halo_route
+from tplayers.comm.collectives import exchange_p2p, group_by_name
+from tplayers.comm.halo_route import HaloRoute, _peers, halo_route
 from tplayers.ops import pack_faces, unpack_faces
+from tplayers.ops.registry import OpSpec, register
 
 __all__ = [
     "HaloExchange1d",
     "HaloRoute",
     "HaloState",
     "halo_exchange",
-    "halo_exchange_along",
     "halo_pad",
     "halo_route",
     "halo_state",
     "halo_adjoint",
     "halo_widths_ok",
+    "ensure_halo_ops",
 ]
 
 Pair = Tuple[int, int]
@@ -173,9 +174,7 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
     """
     state = halo_state(x, dim, group, recv, send, periodic, route)
     if torch.compiler.is_compiling():
-        from tplayers.comm.ops import ensure_comm_ops, format_code
-
-        ensure_comm_ops()
+        ensure_halo_ops()
         out = torch.ops.tplayers.halo_pad(x, dim, group.group_name, list(recv), list(send), bool(periodic),
                                           format_code(memory_format))
         if during is not None:
@@ -235,11 +234,9 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
     """
     if torch.compiler.is_compiling():
         assert into_own is None, "into_own is eager only: add into the padded gradient before the op"
-        from tplayers.comm.ops import ensure_comm_ops, format_code, peer_code
-
         if during is not None:
             during()
-        ensure_comm_ops()
+        ensure_halo_ops()
         return torch.ops.tplayers.halo_adjoint(grad, state.dim, state.group.group_name, list(state.recv),
                                                list(state.send), state.n, peer_code(state.peers[0]),
                                                peer_code(state.peers[1]), format_code(state.grad_format))
@@ -326,19 +323,71 @@ def halo_exchange(x: torch.Tensor, mesh: DeviceMesh, shard_dims: Sequence[int], 
             raise ValueError(f"halo_exchange: rank {dist.get_rank()} holds {x.size(d)} rows along dim {d} "
                              f"but must send {send[i]} (lo, hi)")
     for i, d in enumerate(dims):
-        x = halo_exchange_along(x, mesh.get_group(i), d, recv[i], send[i], periodic[i], memory_format)
+        x = HaloExchange1d.apply(x, d, mesh.get_group(i), tuple(recv[i]), tuple(send[i]), bool(periodic[i]), memory_format)
     return x
-
-
-def halo_exchange_along(x: torch.Tensor, group: dist.ProcessGroup, dim: int, recv: Pair, send: Pair,
-                        periodic: bool, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
-    """One shard dim of :func:`halo_exchange` over one mesh dim's ``group`` (no argument checks)."""
-    if dist.get_world_size(group) == 1 and not periodic:
-        return torch.nn.functional.pad(x, _pad_arg(x.dim(), dim, recv))  # zero boundary on both sides
-    return HaloExchange1d.apply(x, dim, group, tuple(recv), tuple(send), bool(periodic), memory_format)
 
 
 def _pad_arg(ndim: int, dim: int, pair: Pair) -> List[int]:
     pad = [0] * (2 * (ndim - dim))
     pad[-2], pad[-1] = pair
     return pad
+
+
+# ------------------------------------------------------------- custom ops (torch.compile)
+_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+def format_code(memory_format: torch.memory_format) -> int:
+    """A memory format as an int (custom-op schemas have no memory_format type)."""
+    return _FORMATS.index(memory_format)
+
+
+def format_of(code: int) -> torch.memory_format:
+    """The memory format :func:`format_code` gave ``code``."""
+    return _FORMATS[code]
+
+
+def peer_code(peer) -> int:
+    """A neighbour's global rank, -1 for none."""
+    return -1 if peer is None else int(peer)
+
+
+def state_from_codes(dim: int, group_name: str, recv, send, n: int, lo: int, hi: int, grad_format: int) -> HaloState:
+    """The :class:`HaloState` a custom op's integer arguments describe."""
+    peers = (None if lo < 0 else lo, None if hi < 0 else hi)
+    return HaloState(dim, group_by_name(group_name), tuple(recv), tuple(send), n, peers, _FORMATS[grad_format])
+
+
+def _halo_pad_op(x: torch.Tensor, dim: int, group_name: str, recv: List[int], send: List[int], periodic: bool,
+                 memory_format: int) -> torch.Tensor:
+    return halo_pad(x, dim, group_by_name(group_name), tuple(recv), tuple(send), periodic, _FORMATS[memory_format])[0]
+
+
+def _halo_pad_fake(x, dim, group_name, recv, send, periodic, memory_format):
+    shape = list(x.shape)
+    shape[dim] += recv[0] + recv[1]
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_FORMATS[memory_format])
+
+
+def _halo_adjoint_op(grad: torch.Tensor, dim: int, group_name: str, recv: List[int], send: List[int], n: int,
+                     lo: int, hi: int, grad_format: int) -> torch.Tensor:
+    return halo_adjoint(grad, state_from_codes(dim, group_name, recv, send, n, lo, hi, grad_format))
+
+
+def _halo_adjoint_fake(grad, dim, group_name, recv, send, n, lo, hi, grad_format):
+    shape = list(grad.shape)
+    shape[dim] = n
+    return torch.empty(shape, dtype=grad.dtype, device=grad.device, memory_format=_FORMATS[grad_format])
+
+
+_OPS = (
+    OpSpec("tplayers::halo_pad", _halo_pad_op, _halo_pad_fake),
+    OpSpec("tplayers::halo_adjoint", _halo_adjoint_op, _halo_adjoint_fake),
+)
+
+
+@torch.compiler.assume_constant_result
+def ensure_halo_ops() -> bool:
+    """Register ``tplayers::halo_pad`` and ``tplayers::halo_adjoint`` unless they are registered
+    already (idempotent); called right before one of them is used while compiling."""
+    return register(_OPS)

@@ -13,8 +13,11 @@ from __future__ import annotations
 import torch
 
 from tplayers.domain.layout import mesh_dims_of, region_layout, sharded_dims
-from tplayers.domain.rules import op_name
-from tplayers.domain.rules_ops import _bind, _simple
+import tplayers.functional as TF
+from tplayers.comm.collectives import exchange_sizes
+from tplayers.region.rules import op_name
+from tplayers.region.rules_ops import _bind, _simple
+from tplayers.sharding import shard_sizes
 
 __all__ = ["TABLE"]
 
@@ -28,9 +31,6 @@ def _spatial(g, x, lay, what):
 
 def _global_size(g, x, lay, dims, size):
     """Global target sizes from this rank's shares along the sharded dims (see the module docstring)."""
-    from tplayers.comm.collectives import exchange_sizes
-    from tplayers.sharding import shard_sizes
-
     n_sp = x.dim() - 2
     size = list(size) if isinstance(size, (list, tuple, torch.Size)) else [size] * n_sp
     out = [int(s) for s in size]
@@ -51,8 +51,6 @@ def _global_size(g, x, lay, dims, size):
 
 def _interpolate(g, func, args, kwargs):
     g.acted = True
-    from tplayers.functional.window import interpolate
-
     a = _bind(args, kwargs, ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor",
                              "antialias"), {"size": None, "scale_factor": None, "mode": "nearest",
                                             "align_corners": None, "recompute_scale_factor": None,
@@ -62,18 +60,16 @@ def _interpolate(g, func, args, kwargs):
     dims = _spatial(g, x, lay, "F.interpolate")
     if a["size"] is not None:
         a["size"] = _global_size(g, x, lay, dims, a["size"])
-    out = interpolate(x, **a, mesh=g.mesh, shard_dims=dims, cache=g.routes)
+    out = TF.interpolate(x, **a, mesh=g.mesh, shard_dims=dims, cache=g.routes)
     return g.mark(out, region_layout(out.shape, dims))
 
 
 def _pool(g, func, args, kwargs):
     g.acted = True
-    import tplayers.functional.window as W
-
     name = func.__name__.replace("_with_indices", "")
     x, lay = args[0], g.layout(args[0])
     dims = _spatial(g, x, lay, op_name(func))
-    fn = getattr(W, name, None)
+    fn = getattr(TF, name, None)
     if fn is None:
         raise g.error(f"{op_name(func)} over sharded dims", lay)
     out = fn(*args, **kwargs, mesh=g.mesh, shard_dims=dims, cache=g.routes)
@@ -88,8 +84,6 @@ def _pool(g, func, args, kwargs):
 
 def _pad(g, func, args, kwargs):
     g.acted = True
-    from tplayers.functional.window import pad
-
     a = _bind(args, kwargs, ("input", "pad", "mode", "value"), {"mode": "constant", "value": None})
     x, lay = a["input"], g.layout(a["input"])
     n = x.dim()
@@ -105,21 +99,12 @@ def _pad(g, func, args, kwargs):
     for d in sharded_dims(lay):
         if len(lay[d]) == 1:
             shard_dims[lay[d][0][1]] = d
-    out = pad(x, pads, a["mode"], a["value"], mesh=g.mesh, shard_dims=shard_dims)
+    out = TF.pad(x, pads, a["mode"], a["value"], mesh=g.mesh, shard_dims=shard_dims)
     layout = tuple(((out.shape[d], e[0][1]),) if e is not None and len(e) == 1 else e for d, e in enumerate(lay))
     return g.mark(out, layout)
 
 
 # ------------------------------------------------------------------ attention
-def _attention_impl(g, what, lay):
-    import tplayers.functional as attention
-
-    if not hasattr(attention, "scaled_dot_product_attention"):
-        raise g.error(f"{what} over sharded tokens", lay,
-                      "Full attention over domain-sharded pixels is not available in this build.")
-    return attention
-
-
 def _token_info(g, t, dim, what):
     """(factors, positions-maker) of the token dim ``dim`` of ``t``; ``None`` when replicated."""
     lay = g.layout(t)
@@ -135,8 +120,8 @@ def _token_info(g, t, dim, what):
     return factors
 
 
-def _positions(attention, g, factors):
-    return attention.token_positions([s for s, _ in factors], [a for _, a in factors], g.mesh)
+def _positions(g, factors):
+    return TF.token_positions([s for s, _ in factors], [a for _, a in factors], g.mesh)
 
 
 def _sdpa(g, func, args, kwargs):
@@ -150,20 +135,19 @@ def _sdpa(g, func, args, kwargs):
     if qf is None or (kf is None) != (vf is None) or (kf is not None and kf != vf):
         raise g.error("F.scaled_dot_product_attention with replicated queries or differently sharded keys / values",
                       lay)
-    attention = _attention_impl(g, "F.scaled_dot_product_attention", lay)
     axes = mesh_dims_of(g.layout(q))
     mask = a["attn_mask"]
     q_pos = kv_pos = None
     if a["is_causal"] or mask is not None:
-        q_pos, q_len = _positions(attention, g, qf)
-        kv_pos = _positions(attention, g, kf)[0] if kf is not None else None
+        q_pos, q_len = _positions(g, qf)
+        kv_pos = _positions(g, kf)[0] if kf is not None else None
         if mask is not None and g.layout(mask) is None and mask.dim() >= 2 and mask.shape[-2] != 1:
             if mask.shape[-2] != q_len:
                 raise g.error(f"an attn_mask with {mask.shape[-2]} query rows for {q_len} global queries", lay)
             mask = mask.index_select(-2, q_pos)
     k2, v2 = (k, v) if kf is not None else (g.bound(k, axes), g.bound(v, axes))
     mask = g.bound(mask, axes) if isinstance(mask, torch.Tensor) and mask.is_floating_point() else mask
-    out = attention.scaled_dot_product_attention(q, k2, v2, mask, a["dropout_p"], a["is_causal"], a["scale"],
+    out = TF.scaled_dot_product_attention(q, k2, v2, mask, a["dropout_p"], a["is_causal"], a["scale"],
                                                  a["enable_gqa"], mesh=g.mesh, kv_sharded=kf is not None,
                                                  q_positions=q_pos, kv_positions=kv_pos)
     return g.mark(out, g.layout(q)[:-1] + (None,))
@@ -184,7 +168,6 @@ def _mha(g, func, args, kwargs):
     lay = g.layout(q)
     if qf is None:
         raise g.error("nn.MultiheadAttention with replicated queries and sharded keys", g.layout(k))
-    attention = _attention_impl(g, "nn.MultiheadAttention (F.multi_head_attention_forward)", lay)
     axes = mesh_dims_of(lay)
     for key in ("in_proj_weight", "in_proj_bias", "bias_k", "bias_v", "out_proj_weight", "out_proj_bias",
                 "q_proj_weight", "k_proj_weight", "v_proj_weight"):
@@ -194,9 +177,9 @@ def _mha(g, func, args, kwargs):
         a["key"], a["value"] = g.bound(a["key"], axes), g.bound(a["value"], axes)
     q_pos = kv_pos = None
     if a.get("is_causal") or a.get("attn_mask") is not None or a.get("key_padding_mask") is not None:
-        q_pos = _positions(attention, g, qf)[0]
-        kv_pos = _positions(attention, g, kf)[0] if kf is not None else None
-    out = attention.multi_head_attention_forward(**a, mesh=g.mesh, kv_sharded=kf is not None, q_positions=q_pos,
+        q_pos = _positions(g, qf)[0]
+        kv_pos = _positions(g, kf)[0] if kf is not None else None
+    out = TF.multi_head_attention_forward(**a, mesh=g.mesh, kv_sharded=kf is not None, q_positions=q_pos,
                                                  kv_positions=kv_pos)
     attn, weights = out
     g.mark(attn, lay[:1] + (None,) * (attn.dim() - 1))

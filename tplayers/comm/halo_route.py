@@ -52,7 +52,7 @@ def halo_route(group: dist.ProcessGroup, periodic: bool = False,
     Example (2 ranks, non-periodic: rank 0 has only a high neighbour)::
 
         import tplayers
-        from tplayers.domain.route import halo_route
+        from tplayers.comm.halo_route import halo_route
         mesh = tplayers.init_mesh()
         route = halo_route(mesh.get_group(0))
         # rank 0: route.peers == (None, 1); rank 1: route.peers == (0, None)

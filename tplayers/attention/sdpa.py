@@ -23,8 +23,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.functional.attention_plan import AttentionPlan, Cols, contiguous_cols, gather_padded, gather_rows, topology
-from tplayers.functional.attention_ring import AllGatherAttention, LocalAttention, RingAttention
+from tplayers.attention.plan import AttentionPlan, Cols, contiguous_cols, gather_padded, gather_rows, topology
+from tplayers.attention.ring import AllGatherAttention, LocalAttention, RingAttention
 from tplayers.mesh import resolve_mesh
 from tplayers.ops.dropout import dropout_slice
 from tplayers.sharding import offsets_from_sizes

@@ -3,7 +3,7 @@
 A :class:`RegionGuard` is a ``TorchFunctionMode`` active while a domain region runs. It follows
 which tensors carry domain-sharded dims (the region's spatial input, twin outputs, and everything
 derived from them: a tag on the tensor, :mod:`tplayers.domain.layout`) and classifies each torch
-call that touches one (:mod:`tplayers.domain.rules`):
+call that touches one (:mod:`tplayers.region.rules`):
 
 * inside a twin (a :class:`~tplayers.layers._common.ShardedModule`): the twin's own business, the
   guard steps aside and tags the twin's output;
@@ -31,7 +31,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tplayers.domain.active import active_guard, stepped_aside
+from tplayers.region.dispatch import handle
 from tplayers.domain.layout import Layout, canonical_layout, is_sharded, mesh_dims_of, region_layout, sharded_dims
+from tplayers.domain.boundary import ReplicatedToSharded
+from tplayers.comm.buckets import using_buckets
+from tplayers.layers.norm import _DomainNorm
 
 __all__ = ["RegionGuard", "active_guard", "GuardError"]
 
@@ -42,25 +47,14 @@ class GuardError(ValueError):
     """An op on domain-sharded data that the guard cannot prove exact and does not route."""
 
 
-def active_guard() -> Optional["RegionGuard"]:
-    """The innermost active :class:`RegionGuard` (``None`` outside regions, inside twins, and
-    inside the guard's own handlers, where it is popped)."""
-    if torch.compiler.is_compiling():
-        return None
-    n = torch._C._len_torch_function_stack()
-    for i in range(n - 1, -1, -1):
-        mode = torch._C._get_function_stack_at(i)
-        if isinstance(mode, RegionGuard):
-            return mode
-    return None
-
-
 class RegionGuard(TorchFunctionMode):
     """The torch-function mode of one call of a domain region (see the module docstring).
 
     ``mesh``: the region's 1-D or 2-D mesh (mesh dim ``i`` shards tensor dim ``shard_dims[i]`` of
     its input); ``where``: a name for messages (the region's module path).
     """
+
+    is_region_guard = True  # how :mod:`tplayers.domain.active` finds it on the mode stack
 
     def __init__(self, mesh, shard_dims: Sequence[int], where: str = "<region>", token: Any = None) -> None:
         super().__init__()
@@ -72,7 +66,7 @@ class RegionGuard(TorchFunctionMode):
         self._bounded: Dict[Tuple[int, Tuple[int, ...]], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.routes: Dict[Any, Any] = {}  # per call-site routed twins (kept across calls by the region)
         self.acted = False  # whether this call routed an op or summed a replicated gradient
-        self.buckets = None  # this call's parameter-gradient buckets (tplayers.domain.buckets), set by the region
+        self.buckets = None  # this call's parameter-gradient buckets (tplayers.comm.buckets), set by the region
 
     # ----------------------------------------------------------------- tags
     def layout(self, t: Any) -> Optional[Layout]:
@@ -102,8 +96,6 @@ class RegionGuard(TorchFunctionMode):
     def bound(self, t: torch.Tensor, axes: Sequence[int]) -> torch.Tensor:
         """``t`` (replicated, requires grad) as used by data sharded over mesh dims ``axes``: identity
         forward, gradient summed over those dims in backward; once per tensor and call."""
-        from tplayers.domain.boundary import ReplicatedToSharded
-
         groups = [self.groups[a] for a in axes if self.groups[a].size() > 1]
         if not groups or not torch.is_grad_enabled() or not t.requires_grad:
             return t
@@ -128,9 +120,7 @@ class RegionGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if not _touches(self, args, kwargs):
             return func(*args, **kwargs)
-        from tplayers.domain.rules import handle
-
-        with _stepped_aside(self):  # an outer guard (a model watch) must not see the handler's own ops
+        with stepped_aside(self):  # an outer guard (a model watch) must not see the handler's own ops
             return handle(self, func, args, kwargs)
 
     def _norm_any_layout(self, module, call, x, layout, args, kwargs):
@@ -142,7 +132,7 @@ class RegionGuard(TorchFunctionMode):
                 or dims != tuple(range(2, 2 + len(dims))) or len(args) != 1 or kwargs):
             raise self.error(f"{type(module).__name__} on a tensor sharded as {layout}", layout)
         flat = x.reshape(x.shape[0], x.shape[1], -1, *([1] * (nd - 3)))
-        with _stepped_aside(self):
+        with stepped_aside(self):
             out = call(flat)
         return self.mark(out.reshape(x.shape), layout)
 
@@ -166,9 +156,8 @@ class RegionGuard(TorchFunctionMode):
             if layout != region_layout(x.shape, tuple(dims)):
                 raise self.error(f"{name} shards dims {tuple(dims)} but its input is sharded as {layout}", layout,
                                  "Keep the spatial layout (N, C, *spatial) that the region's input had.")
-        from tplayers.domain.buckets import using_buckets
 
-        with _stepped_aside(self), using_buckets(self.buckets):
+        with stepped_aside(self), using_buckets(self.buckets):
             out = call(*args, **kwargs)
         first = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else out
         if isinstance(first, torch.Tensor) and layout is not None:
@@ -182,8 +171,6 @@ class RegionGuard(TorchFunctionMode):
 
 
 def _statistics_twin(module) -> bool:
-    from tplayers.layers.norm import _DomainNorm
-
     return isinstance(module, _DomainNorm)
 
 
@@ -196,26 +183,6 @@ def _twin_out_layout(module, out: torch.Tensor, dims: Tuple[int, ...]) -> Layout
     per = list(size) if isinstance(size, (tuple, list)) else [size] * (out.dim() - 2)
     return tuple(((int(out.shape[d]), dims.index(d)),) if d in dims and per[d - 2] != 1 else None
                  for d in range(out.dim()))
-
-
-class _stepped_aside:
-    """Pop the region guards (and any mode above them) from the torch-function mode stack for a block;
-    push them back after it."""
-
-    def __init__(self, guard: RegionGuard) -> None:
-        self.guard = guard
-        self.popped: List[Any] = []
-
-    def __enter__(self):
-        while any(isinstance(torch._C._get_function_stack_at(i), RegionGuard)
-                  for i in range(torch._C._len_torch_function_stack())):
-            self.popped.append(torch._C._pop_torch_function_stack())
-        return self
-
-    def __exit__(self, *exc):
-        while self.popped:
-            torch._C._push_on_torch_function_stack(self.popped.pop())
-        return False
 
 
 def _touches(guard: RegionGuard, args, kwargs) -> bool:
@@ -239,7 +206,3 @@ def _touches(guard: RegionGuard, args, kwargs) -> bool:
                 return True
     return False
 
-
-def stepped_aside(guard: RegionGuard) -> _stepped_aside:
-    """Context: run a block with ``guard`` popped (twins, routed implementations)."""
-    return _stepped_aside(guard)

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.functional.attention import scaled_dot_product_attention
-from tplayers.functional.attention_weights import attention_with_weights
+from tplayers.attention.sdpa import scaled_dot_product_attention
+from tplayers.attention.weights import attention_with_weights
 
 __all__ = ["multi_head_attention_forward"]
 

@@ -1,0 +1,56 @@
+"""The active region guard, as seen from below it.
+
+A domain region's guard (:class:`tplayers.region.guard.RegionGuard`) is a ``TorchFunctionMode``
+pushed while the region runs. Code below the region package (the twins' ``__call__``, the
+boundary ops, the reductions) asks this module whether one is active and steps it aside; it
+never imports the guard. A mode counts as a region guard when its class sets
+``is_region_guard = True``. See ``docs/design.md`` (the region guard).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+
+__all__ = ["active_guard", "stepped_aside"]
+
+
+def _is_guard(mode: Any) -> bool:
+    return getattr(type(mode), "is_region_guard", False) is True
+
+
+def active_guard() -> Optional[Any]:
+    """The innermost active region guard (``None`` outside regions, while compiling, inside twins,
+    and inside the guard's own handlers, where it is popped).
+
+    >>> from tplayers.domain.active import active_guard
+    >>> active_guard() is None
+    True
+    """
+    if torch.compiler.is_compiling():
+        return None
+    for i in range(torch._C._len_torch_function_stack() - 1, -1, -1):
+        mode = torch._C._get_function_stack_at(i)
+        if _is_guard(mode):
+            return mode
+    return None
+
+
+class stepped_aside:
+    """Context: pop the region guards (and any mode above them) from the torch-function mode stack
+    for a block; push them back after it (twins and routed implementations run unguarded)."""
+
+    def __init__(self, guard: Any = None) -> None:
+        self.guard = guard
+        self.popped: List[Any] = []
+
+    def __enter__(self) -> "stepped_aside":
+        while any(_is_guard(torch._C._get_function_stack_at(i)) for i in range(torch._C._len_torch_function_stack())):
+            self.popped.append(torch._C._pop_torch_function_stack())
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        while self.popped:
+            torch._C._push_on_torch_function_stack(self.popped.pop())
+        return False

@@ -1,0 +1,12 @@
+"""Domain regions: the guard that sees every op on domain-sharded data inside a region call.
+
+* :mod:`~tplayers.region.scope` - a region's hooks on its root module (agreement, guard, buckets);
+* :mod:`~tplayers.region.guard` - the ``TorchFunctionMode`` of one region call;
+* :mod:`~tplayers.region.dispatch` - which rule handles an op; the rules themselves in
+  :mod:`~tplayers.region.rules` (pointwise, views, values), :mod:`~tplayers.region.rules_ops`
+  (reductions, norms, cat, ...), :mod:`~tplayers.region.rules_index` (indexing) and
+  :mod:`~tplayers.region.rules_route` (routes to :mod:`tplayers.functional`).
+
+Above the layers and :mod:`tplayers.functional`, below :mod:`tplayers.parallelize`. Users reach it
+through ``DomainParallel`` and ``tplayers.domain_region``. See ``docs/design.md`` (the region guard).
+"""

@@ -1,0 +1,50 @@
+"""Which rule handles an op on domain-sharded data: the guard's dispatch table.
+
+The table joins the generic rules (:mod:`tplayers.region.rules`: pointwise, views, reductions
+along dims, values), the op rules (:mod:`tplayers.region.rules_ops`: reductions, norms, cat, ...)
+and the routes (:mod:`tplayers.region.rules_route`: interpolate, pools, pads, attention). An op with
+no rule is refused (deny by default). See ``docs/design.md`` (the region guard).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Dict
+
+from tplayers.domain.layout import LayoutError
+from tplayers.region import rules_ops, rules_route
+from tplayers.region.rules import (_ALONG, _PASS, _PRESERVE, _VALUES, _VIEWS, _getter, _passthrough, _pointwise_names,
+                                   _preserve, _refuse_value, first_sharded, op_name, run_pointwise)
+
+__all__ = ["handle"]
+
+
+@functools.lru_cache(maxsize=None)
+def _table() -> Dict[str, Any]:
+    table: Dict[str, Any] = {n: _preserve for n in _PRESERVE}
+    table.update({n: _passthrough for n in _PASS})
+    table.update({n: _refuse_value for n in _VALUES})
+    table.update(_VIEWS)
+    table.update(_ALONG)
+    table.update(rules_ops.TABLE)
+    table.update(rules_route.TABLE)
+    return table
+
+
+def handle(g, func, args, kwargs):
+    """Apply the guard's rule for ``func`` to a call touching sharded data."""
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return _getter(g, func, args, kwargs)
+    handler = _table().get(name)
+    if handler is None and name in _pointwise_names():
+        handler = run_pointwise
+    if handler is None:
+        t, lay = first_sharded(g, args, kwargs)
+        raise g.error(f"{op_name(func)} is not known to be exact on sharded data", lay,
+                      "Use a tplayers twin or tplayers.functional for it, or move it outside the domain region.")
+    try:
+        return handler(g, func, args, kwargs)
+    except LayoutError as e:
+        t, lay = first_sharded(g, args, kwargs)
+        raise g.error(f"{op_name(func)}: {e}", lay) from None
