@@ -167,7 +167,7 @@ def speed_table(mesh, rank, world, repeats, st):
             slab = torch.randn(n, c, local.shape[2] + 2 * (k // 2), w).contiguous(memory_format=layout)
             weight_f = serial.weight.detach().clone().requires_grad_(True)
 
-            def step_floor(slab=slab.requires_grad_(True), weight_f=weight_f):
+            def step_floor(slab=slab.requires_grad_(True), weight_f=weight_f):  # noqa: B008 - bound once per case
                 F.conv2d(slab, weight_f, serial.bias, padding=(0, k // 2)).sum().backward()
 
             floors[key] = step_floor

@@ -140,7 +140,7 @@ def _failures(rank, world):
     # ranks disagree on the model (rank 1's hidden size): ValueError on every rank, nothing moved
     odd = Net(hidden=8 if rank == 1 else 7)
     with pytest.raises(ValueError, match="model tensors differs across ranks"):
-        log = unchanged(odd, lambda: tplayers.parallelize_module(odd, PLAN, mesh=mesh))
+        unchanged(odd, lambda: tplayers.parallelize_module(odd, PLAN, mesh=mesh))
     # ranks disagree on src_rank
     with pytest.raises(ValueError, match="src_rank differs across ranks"):
         unchanged(model, lambda: tplayers.parallelize_module(model, PLAN, mesh=mesh, src_rank=rank))

@@ -206,7 +206,7 @@ def _build_failure_on(dtype: torch.dtype, isa: str) -> Optional[str]:
         _load(dtype, isa)
     except RuntimeError as exc:
         if kernel_choice() == "auto":
-            warnings.warn(f"tplayers.na2d: using the torch tile kernel on the CPU: {exc}", RuntimeWarning)
+            warnings.warn(f"tplayers.na2d: using the torch tile kernel on the CPU: {exc}", RuntimeWarning, stacklevel=2)
         return str(exc)
     return None
 

@@ -19,7 +19,7 @@ from tplayers.domain.layout import (LayoutError, broadcast_layouts, drop_dims, f
                                     mesh_dims_of, permute_layout, reshape_layout, sharded_dims, unflatten_layout)
 from tplayers.region.rules_index import index_layout
 
-__all__ = ["handle", "op_name", "dims_arg", "run_pointwise", "first_sharded"]
+__all__ = ["op_name", "dims_arg", "run_pointwise", "first_sharded"]
 
 
 def op_name(func) -> str:
