@@ -2,8 +2,8 @@
 
 The parity grids draw random partitions; if they asked the library's own planner which ones are
 valid, a planner that started refusing valid partitions would just run fewer cases. These rules are
-written from the documented contract instead (``tplayers.domain.window_plan``'s docstring and its
-error messages, DESIGN §2.4), with no tplayers import:
+written from the documented contract instead (the partition rule of docs/domain-parallel.md, the
+module docstring of ``tplayers.domain.window_plan`` and its error messages), with no tplayers import:
 
 * output rows: a window op whose output length equals its input length keeps the input's partition,
   any other gives the balanced one (the first ``n % parts`` shards one row longer);
