@@ -5,9 +5,10 @@
 Prints, in one run:
 1. halo bytes sent per layer vs the minimum (the distinct input rows a rank's
    owned outputs read from other ranks, counted by brute force);
-2. 2-rank forward+backward time of DistributedConv2d (default, and ``overlap_halo=True``:
-   the interior rows convolved while the halo flies) vs one process running
-   nn.Conv2d on the same global input;
+2. 2-rank forward+backward time of DistributedConv2d (default, and ``overlap_halo=True``: the
+   main-plus-strips strategy at every slab size, where the default takes it from
+   ``EDGE_MIN_ELEMENTS`` elements per rank, i.e. for the compute-bound shapes, where both columns
+   run the same strategy) vs one process running nn.Conv2d on the same global input;
 3. the same 2-rank step with PhysicsNeMo's ShardTensor conv (``nvidia-physicsnemo``
    installed with ``--no-deps`` plus what it imports; its conv handler registered
    by importing ``shard_utils.conv_patches``; ``sharding_shapes="chunk"``), as a ratio;
@@ -126,10 +127,12 @@ TARGETS = {"compute-bound": {"floor": 1.05}, "compute-bound CL": {"floor": 1.05}
 def speed_table(mesh, rank, world, repeats, st):
     if rank == 0:
         print("\n## 2-rank forward+backward (ms, median of interleaved repeats)")
-        print("tplayers: DistributedConv2d (default: the halo exchange, then one convolution in the input's layout;")
+        print("tplayers: DistributedConv2d (default: main-plus-strips from EDGE_MIN_ELEMENTS elements per rank, the")
+        print("  compute-bound shapes; else the halo exchange, then one convolution; in the input's layout;")
         print("  the output in the layout nn.Conv2d gives: contiguous in -> contiguous out, channels_last -> channels_last)")
         print("tpl CL: memory_format=torch.channels_last (channels_last convolution, output converted back; contiguous")
-        print("  input only); overlap: overlap_halo=True (interior rows convolved while the halo flies, then the edges)")
+        print("  input only); overlap: overlap_halo=True (main-plus-strips at any size: the local input convolved")
+        print("  while the halo flies, then thin strips for the halo rows)")
         print("floor: each rank's local convolution alone (halo-padded slab, no communication), fwd+bwd, in the layout")
         print("  the twin convolves in (the input's); floor NCHW / floor CL: the same slab contiguous / channels_last")
         print("ShardTensor and nn.Conv2d 1 proc get the same input layout")

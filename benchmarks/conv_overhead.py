@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 benchmarks/conv_overhead.py [--repeats 9] [--iters 100]
 
-The default (non-overlapped) twin's forward+backward is: one halo exchange, the local
+The default twin's forward+backward (halo-padded at this size) is: one halo exchange, the local
 convolution, its backward, one exchange carrying the adjoint halo and the weight+bias
 gradients. This script times, interleaved in one run (medians; wall and this thread's CPU
 time per step, mean of the ranks):

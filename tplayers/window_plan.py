@@ -30,12 +30,13 @@ owners).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 
-__all__ = ["AxisPlan", "PADDING_MODES", "RowSplit", "split_rows", "plan_ranges", "plan_windows", "out_partition", "conv_window",
-           "conv_out_len", "pool_out_len", "transposed_out_len", "transposed_needs"]
+__all__ = ["AxisPlan", "EdgeGeometry", "PADDING_MODES", "edge_geometry", "uniform_geometry", "plan_ranges",
+           "plan_windows", "out_partition", "conv_window", "conv_out_len", "pool_out_len", "transposed_out_len",
+           "transposed_needs"]
 
 PADDING_MODES = ("zeros", "circular", "reflect", "replicate")
 # Boundary modes of the plan: the conv padding modes plus "fill" (a constant, e.g. -inf for max pooling).
@@ -177,52 +178,71 @@ def plan_ranges(sizes: Sequence[int], needs: Sequence[Optional[Range]], outs: Se
     return plans
 
 
-@dataclass(frozen=True)
-class RowSplit:
-    """A shard's output rows along one dim, split by what they read (for overlapping the halo
-    exchange with compute): ``[lo, hi)`` are the *interior* rows, whose windows read only this
-    shard's own input rows; ``[0, lo)`` and ``[hi, out_rows)`` are the edge strips, which read a
-    halo or boundary row. ``lo == hi == out_rows`` when no row is interior.
+class EdgeGeometry(NamedTuple):
+    """Where the halo rows meet the output along the exchanged dim of a main-plus-strips convolution
+    (:func:`tplayers.layers._conv_fn.halo_conv`; Python ints).
 
-    Row ``j`` of the plan's extended input (after exchange, boundary padding and trim) is own row
-    ``j + offset``; output row ``o`` reads extended rows ``[o*stride, o*stride + span]``.
-
-    >>> p = plan_windows([5, 5], 10, conv_window(3, 1, 1, 1), mode="zeros", what="H")[0]
-    >>> r = split_rows(p, 5, 3, 1, 1)
-    >>> (r.lo, r.hi), r.extended(0, r.lo), r.own(r.lo, r.hi)
-    ((1, 4), (0, 3), (0, 5))
+    ``pad``: the halo width ``r`` on each side (the main convolution's padding there);
+    ``lo``: ``(strip rows,)`` of the low strip, whose outputs are rows ``[0, m)``, or ``None``;
+    ``hi``: ``(first output row, strip rows, first halo row in the strip)`` of the high one, or ``None``.
     """
 
-    out_rows: int
-    lo: int
-    hi: int
-    stride: int
-    span: int
-    offset: int
-
-    def extended(self, o0: int, o1: int) -> Range:
-        """Extended input rows ``[a, b)`` read by output rows ``[o0, o1)`` (non-empty)."""
-        return o0 * self.stride, (o1 - 1) * self.stride + self.span + 1
-
-    def own(self, o0: int, o1: int) -> Range:
-        """The same rows as this shard's own input rows (meaningful for interior outputs)."""
-        a, b = self.extended(o0, o1)
-        return a + self.offset, b + self.offset
-
-    @property
-    def has_interior(self) -> bool:
-        return self.hi > self.lo
+    pad: int
+    lo: Optional[Tuple[int]]
+    hi: Optional[Tuple[int, int, int]]
 
 
-def split_rows(plan: AxisPlan, own_rows: int, kernel: int, stride: int, dilation: int) -> RowSplit:
-    """The :class:`RowSplit` of a convolution / pooling window along one dim of ``plan``
-    (``own_rows``: this shard's input rows; the exchange prepends ``plan.recv[0]`` rows)."""
-    span = dilation * (kernel - 1)
-    offset = plan.trim[0] - plan.boundary[0] - plan.recv[0]
-    out = plan.out_rows
-    lo = max(0, -(offset // stride))
-    last = own_rows - 1 - span - offset  # the interior's last output starts at or before this row
-    hi = min(out, last // stride + 1) if last >= 0 else 0
-    if hi <= lo:
-        lo = hi = out
-    return RowSplit(out, lo, hi, stride, span, offset)
+def edge_geometry(n: int, r: int, extent: int, stride: int, n_out: int, has_lo: bool,
+                  has_hi: bool) -> Optional[EdgeGeometry]:
+    """The strips of a window of ``extent`` rows (dilation included) and ``stride`` over ``n`` own rows
+    padded by ``r`` on each side; ``None`` where that does not give ``n_out`` outputs, or a strip
+    would not hold its whole halo (a padding wider than the window, a stride longer than it).
+
+    >>> edge_geometry(8, 1, 3, 1, 8, True, True)      # 3x3 "same": one edge row each side
+    EdgeGeometry(pad=1, lo=(3,), hi=(7, 3, 2))
+    """
+    total = n + 2 * r
+    if n_out <= 0 or n_out != (total - extent) // stride + 1:
+        return None
+    lo = hi = None
+    if has_lo and r:
+        m = min(-(-r // stride), n_out)  # outputs whose window starts inside the low halo
+        lo = ((m - 1) * stride + extent,)
+        if lo[0] < r:
+            return None
+    if has_hi and r:
+        first = max(0, (r + n - extent) // stride + 1)  # outputs whose window ends inside the high halo
+        start = r + n - first * stride
+        if start < 0:
+            return None
+        hi = (first, total - first * stride, start)
+    return EdgeGeometry(r, lo, hi)
+
+
+def uniform_geometry(plans: Sequence[AxisPlan], sizes: Sequence[int], coord: int, r: int, extent: int,
+                     stride: int, zero_padded: bool) -> Optional[EdgeGeometry]:
+    """Shard ``coord``'s :class:`EdgeGeometry` where every shard's plan (``plans`` of the dim's shards of
+    ``sizes`` rows) follows the main-plus-strips rule: zero padding ``r`` on both sides
+    (``zero_padded``), each side filled by exactly ``r`` halo rows or ``r`` boundary zeros, nothing
+    trimmed, output rows everywhere; else ``None``. Decided from every shard's plan, so that every
+    rank takes the same path (the same messages).
+
+    >>> plans = plan_windows([5, 3], 8, conv_window(3, 1, 1, 1), mode="zeros", what="dim 2")
+    >>> uniform_geometry(plans, [5, 3], 1, 1, 3, 1, True)
+    EdgeGeometry(pad=1, lo=(3,), hi=None)
+    """
+    if not zero_padded or r <= 0:
+        return None
+    out, last = [], len(plans) - 1
+    for c, (p, n) in enumerate(zip(plans, sizes)):
+        # each side: r rows, zeros at the domain's ends (a plan may count those as received), the
+        # neighbour's face inside; nothing trimmed
+        if p.trim != (0, 0) or any(p.recv[i] + p.boundary[i] != r for i in (0, 1)):
+            return None
+        if (c > 0 and plans[c - 1].send[1] != r) or (c < last and plans[c + 1].send[0] != r):
+            return None
+        g = edge_geometry(n, r, extent, stride, p.out_rows, c > 0, c < last)
+        if g is None:
+            return None
+        out.append(g)
+    return out[coord]

@@ -33,8 +33,8 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.ops.aten.convolution.default:
-            # output elements convolved: a layer that overlaps its halo exchange computes its output
-            # in pieces (interior rows, then edge strips), so calls alone would overcount it
+            # output elements convolved: a layer taking the main-plus-strips strategy adds thin strip
+            # convolutions to its main one, so calls alone would overcount it
             self.convs += out.numel()
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:

@@ -55,7 +55,7 @@ def _sizes(n, world):
 
 
 def _check(rank, world, extra=False, skip=False, twice=False, mesh_shape=None, edges=False):
-    if edges:  # every slab takes the convolutions' main-plus-strips path (tplayers.layers._conv_edges)
+    if edges:  # every slab takes the convolutions' main-plus-strips strategy (tplayers.layers._conv_fn)
         conv_module.EDGE_MIN_ELEMENTS = 0
     torch.manual_seed(0)
     serial = Net(extra, skip).double()

@@ -136,7 +136,7 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count, overlap=False):
     (2, (2,), (3,), 10, False),
     (3, (3,), (2,), 24, False),
     (4, (2, 2), (2, 3), 16, False),
-    (2, (2,), (2,), 16, True),  # overlap_halo=True: interior rows while the halo flies
+    (2, (2,), (2,), 16, True),  # overlap_halo=True: main-plus-strips wherever the plan allows, at any size
     (4, (2, 2), (2, 3), 10, True),
 ])
 def test_conv_parity_grid(world, mesh_shape, shard_dims, count, overlap):

@@ -1,4 +1,4 @@
-"""The DistributedConvNd twins' main-plus-strips path (``tplayers.layers._conv_edges``).
+"""The DistributedConvNd twins' main-plus-strips strategy (``tplayers.layers._conv_fn``, ``ConvSpec.strips``).
 
 1. exact in fp64 against the serial nn.Conv1d/2d/3d (outputs, input gradients, weight and bias
    gradients, two SGD steps, both layouts) over random "same"-like configurations (kernel, stride,
@@ -22,8 +22,8 @@ import tplayers.layers.conv as conv_module
 from harness import run_ranks
 from oracle import edge_convs
 from partition_rule import window_partition_ok
-from tplayers.window_plan import conv_out_len, conv_window, plan_windows
-from tplayers.layers._conv_edges import EDGE_MIN_ELEMENTS, EdgeGeometry, edge_geometry, uniform_geometry
+from tplayers.layers.conv import EDGE_MIN_ELEMENTS
+from tplayers.window_plan import EdgeGeometry, conv_out_len, conv_window, edge_geometry, plan_windows, uniform_geometry
 from tplayers.sharding import offsets_from_sizes
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
@@ -186,7 +186,7 @@ def test_threshold():
 def test_module_doctests():
     import doctest
 
-    import tplayers.layers._conv_edges as edges
+    import tplayers.window_plan as window_plan  # the plan module's examples and the strips' geometry
 
-    result = doctest.testmod(edges)
-    assert result.attempted >= 3 and result.failed == 0, result
+    result = doctest.testmod(window_plan)
+    assert result.attempted >= 5 and result.failed == 0, result

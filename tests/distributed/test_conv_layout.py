@@ -4,7 +4,7 @@ Serial ``nn.Conv2d`` returns a channels_last output for a channels_last input (o
 contiguous one otherwise; its input gradient keeps the input's layout. The twin must do the same
 (code after it may ``view`` the output), for ``memory_format=None`` (convolve in that layout, no
 conversion) and for an explicit layout (convolve in it, convert the output back): contiguous and
-channels_last inputs, fp64 and fp32, 2-D and 3-D, the default and the overlapped path, an uneven
+channels_last inputs, fp64 and fp32, 2-D and 3-D, both strategies (overlap_halo=True: main-plus-strips), an uneven
 partition. Values and every gradient equal the serial module's.
 """
 

@@ -75,7 +75,7 @@ MODELS = {"conv1d": Conv1dStack, "cnn3d": CNN3d, "unet": UNet}
 
 
 def _model(rank, world, name, shape, mesh_shape, shard_dims, edges=False):
-    if edges:  # every slab takes the convolutions' main-plus-strips path (tplayers.layers._conv_edges)
+    if edges:  # every slab takes the convolutions' main-plus-strips strategy (tplayers.layers._conv_fn)
         conv_module.EDGE_MIN_ELEMENTS = 0
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
     torch.manual_seed(0)

@@ -45,7 +45,7 @@ BUILD = {"diffusers": (_diffusers_unet, lambda m, x, t: m(x, t).sample),
 
 
 def _compare(rank, world, kind, shape, edges=False):
-    if edges:  # every slab takes the convolutions' main-plus-strips path (tplayers.layers._conv_edges)
+    if edges:  # every slab takes the convolutions' main-plus-strips strategy (tplayers.layers._conv_fn)
         conv_module.EDGE_MIN_ELEMENTS = 0
     mesh = tplayers.default_mesh()
     build, call = BUILD[kind]

@@ -146,7 +146,7 @@ def _conv3d_reordered(rank, world):
     xp = tplayers.shard(x, 2, mesh).clone().requires_grad_(True)
     xs = x.clone().requires_grad_(True)
     yg = tplayers.gather(conv(xp), 2, mesh)
-    assert conv._layout(xp)[1].perm == (1, 2, 0)
+    assert conv._layout(xp)[1].spatial_order == (1, 2, 0)
     torch.testing.assert_close(yg, serial(xs), rtol=1e-4, atol=1e-4)
     yg.square().sum().backward()
     serial(xs).square().sum().backward()

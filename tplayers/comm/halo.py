@@ -67,13 +67,10 @@ _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 # Tags keep the two directions apart when both neighbours are the same rank (2 ranks, periodic).
 _TAG_DOWN, _TAG_UP = 17, 18
-# A second exchange in flight together with a first one (see ``halo_pad``'s ``second``)
-_TAG_DOWN2, _TAG_UP2 = 20, 21
 
 
 def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, from_lo: int,
-          route: "HaloRoute", tag: str, during: Optional[Callable[[], None]] = None,
-          tags: Tuple[int, int] = (_TAG_DOWN, _TAG_UP)) -> Tuple[torch.Tensor, int]:
+          route: "HaloRoute", tag: str, during: Optional[Callable[[], None]] = None) -> Tuple[torch.Tensor, int]:
     """Send face ``to_lo`` of ``src`` to the low neighbour and ``to_hi`` to the high one (``route``);
     receive ``from_hi`` rows from the high neighbour and ``from_lo`` rows from the low one.
 
@@ -81,11 +78,8 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     of the first part. Faces are ``(start, length)`` along ``dim``. All ops are posted in
     one batch (:func:`~tplayers.comm.collectives.exchange_p2p`, the same order on every rank)
     and all are waited before returning, so the send buffer is never reused early.
-
-    ``tags``: the message tags of the two directions (another pair lets a second exchange be in
-    flight with the same neighbours at once, e.g. nested in this one's ``during``).
+    ``during`` (optional) runs once the messages are posted and before they are waited.
     """
-    tag_down, tag_up = tags  # distinct pairs keep two batches in flight together apart
     (lo, hi), (lo_g, hi_g), group_size = route.peers, route.local, route.size
     row = _row_numel(src, dim)
     faces = []
@@ -98,7 +92,7 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     n_hi_recv = row * from_hi if hi is not None else 0
     recvbuf = src.new_empty(n_lo_recv + n_hi_recv)  # [from lo | from hi]
     sends, recvs, offset = [], [], 0  # (tensor, the peer's rank in the group, tag)
-    for peer, face, ptag in ((lo_g, to_lo, tag_down), (hi_g, to_hi, tag_up)):
+    for peer, face, ptag in ((lo_g, to_lo, _TAG_DOWN), (hi_g, to_hi, _TAG_UP)):
         if peer is not None and face[1] and row:  # empty messages are skipped on both sides
             size = row * face[1]
             part = sendbuf if size == sendbuf.numel() else sendbuf[offset : offset + size]  # one message: no slice
@@ -108,10 +102,10 @@ def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, f
     # Receive from hi what it sent down, and from lo what it sent up: same order everywhere.
     if n_hi_recv:
         record_collective("recv", n_hi_recv * recvbuf.element_size(), group_size, tag)
-        recvs.append((recvbuf if not n_lo_recv else recvbuf[n_lo_recv:], hi_g, tag_down))
+        recvs.append((recvbuf if not n_lo_recv else recvbuf[n_lo_recv:], hi_g, _TAG_DOWN))
     if n_lo_recv:
         record_collective("recv", n_lo_recv * recvbuf.element_size(), group_size, tag)
-        recvs.append((recvbuf if not n_hi_recv else recvbuf[:n_lo_recv], lo_g, tag_up))
+        recvs.append((recvbuf if not n_hi_recv else recvbuf[:n_lo_recv], lo_g, _TAG_UP))
     exchange_p2p(route.group, sends, recvs, route.direct, during)
     del sendbuf  # complete: safe to release
     return recvbuf, n_lo_recv
@@ -158,33 +152,24 @@ def halo_state(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, 
 
 def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, send: Pair, periodic: bool,
              memory_format: torch.memory_format = torch.contiguous_format,
-             during: Optional[Callable[[], None]] = None, second: bool = False,
              out: Optional[torch.Tensor] = None, route: Optional[HaloRoute] = None) -> Tuple[torch.Tensor, HaloState]:
     """Forward of :class:`HaloExchange1d` without autograd: the padded tensor and the adjoint's state.
 
-    ``during`` (optional) runs once the messages are posted and before they are waited (the
-    window for work that needs no halo row, e.g. a convolution's interior rows); it runs in
-    any case, right away when nothing is exchanged. While compiling (``torch.compile``) the
-    exchange is the custom op ``tplayers::halo_pad`` (``during`` then runs after it).
+    While compiling (``torch.compile``) the exchange is the custom op ``tplayers::halo_pad``.
     ``out`` (optional, eager): the padded buffer to fill (``x``'s shape padded along ``dim``, any
-    layout); its own rows hold ``x`` before the messages are posted, so ``during`` may read them.
-    ``second=True`` tags the messages apart, so this exchange may be posted while another one
-    (e.g. an adjoint) is in flight with the same neighbours. ``route``: :func:`halo_route` of
-    ``group`` and ``periodic``, when the caller keeps it (a layer, once per layout).
+    layout). ``route``: :func:`halo_route` of ``group`` and ``periodic``, when the caller keeps it
+    (a layer, once per layout).
     """
     state = halo_state(x, dim, group, recv, send, periodic, route)
     if torch.compiler.is_compiling():
         ensure_halo_ops()
         out = torch.ops.tplayers.halo_pad(x, dim, group.group_name, list(recv), list(send), bool(periodic),
                                           format_code(memory_format))
-        if during is not None:
-            during()
         return out, state
-    return _eager_halo_pad(x, state, periodic, memory_format, during, second, out), state
+    return _eager_halo_pad(x, state, periodic, memory_format, out), state
 
 
 def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_format: torch.memory_format,
-                    during: Optional[Callable[[], None]] = None, second: bool = False,
                     out: Optional[torch.Tensor] = None):
     route = state.resolved()
     dim, n, (lo, hi), size = state.dim, state.n, route.peers, route.size
@@ -196,13 +181,10 @@ def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_fo
     assert list(out.shape) == shape, (list(out.shape), shape)
     out.narrow(dim, r_lo, n).copy_(x)
     if size == 1 and periodic:  # wraps onto itself: local copies, no communication
-        if during is not None:
-            during()
         out.narrow(dim, 0, r_lo).copy_(x.narrow(dim, n - r_lo, r_lo))
         out.narrow(dim, r_lo + n, r_hi).copy_(x.narrow(dim, 0, r_hi))
         return out
-    buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, route, "halo.fwd", during,
-                   tags=(_TAG_DOWN2, _TAG_UP2) if second else (_TAG_DOWN, _TAG_UP))
+    buf, _ = _swap(x, dim, (0, s_lo), (n - s_hi, s_hi), r_hi, r_lo, route, "halo.fwd")
     faces = []
     if lo is None:
         out.narrow(dim, 0, r_lo).zero_()
@@ -217,14 +199,11 @@ def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_fo
 
 
 def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable[[], None]] = None,
-                 into_own: Optional[Callable[[torch.Tensor], None]] = None, owned: bool = False) -> torch.Tensor:
+                 owned: bool = False) -> torch.Tensor:
     """Backward of :class:`HaloExchange1d`: the gradient of ``x`` from the padded tensor's ``grad``.
 
     ``during`` (optional) runs after the messages are posted and before they are
     waited, so a caller can overlap other work (e.g. an async all-reduce) with them.
-    ``into_own(grad_x)`` (optional, eager only) runs in the same window with the own rows'
-    gradient (``grad``'s own rows, before the neighbours' halo gradients are added) to add more
-    into it in place (e.g. a convolution's interior rows, computed while the halo gradients fly).
     ``owned=True`` (eager only): ``grad`` is a fresh buffer of the caller's, which nothing else
     reads (a convolution's input gradient); when it is laid out in the input's layout, the result
     is the view of its own rows with the halo gradients added in place, instead of a copy of them
@@ -233,7 +212,6 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
     (``during`` then runs before it).
     """
     if torch.compiler.is_compiling():
-        assert into_own is None, "into_own is eager only: add into the padded gradient before the op"
         if during is not None:
             during()
         ensure_halo_ops()
@@ -246,13 +224,6 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
     grad_x = grad.narrow(dim, r_lo, n)
     if not (owned and grad.is_contiguous(memory_format=state.grad_format)):
         grad_x = grad_x.clone(memory_format=state.grad_format)
-    if into_own is not None:
-        def window(outer=during):
-            if outer is not None:
-                outer()
-            into_own(grad_x)
-
-        during = window
     if size == 1 and lo is not None:  # periodic onto itself
         if during is not None:
             during()

@@ -1,14 +1,44 @@
-"""The fused halo-exchange + convolution autograd Function of the ``DistributedConvNd`` twins.
+"""The ``DistributedConvNd`` twins' convolution: the last sharded dim's halo exchange fused with the
+local convolution, one entry (:func:`halo_conv`) and two strategies (``ConvSpec.strips``).
 
-The last sharded dim's halo exchange and the local convolution form one
-Function so that the backward can overlap the parameter-gradient sum with the
-adjoint halo messages (an async all-reduce posted with the halo messages,
-:func:`_reduce_backward`, on any number of ranks).
+**Halo-padded** (``strips=None``: any plan; always while compiling): the exchange fills a halo-padded
+copy of the input, then one convolution. The backward overlaps the parameter-gradient sum with the
+adjoint halo messages (an async all-reduce posted with them, :func:`_reduce_backward`, on any number
+of ranks). It saves the halo-padded input and the weight with ``save_for_backward`` and calls
+``aten.convolution_backward`` directly (only the cheap boundary padding and trim are replayed under
+autograd in backward).
 
-Activation checkpointing / ``torch.compile`` friendly: the Function keeps no
-autograd graph on ``ctx``; it saves the halo-padded input and the weight with
-``save_for_backward`` and calls ``aten.convolution_backward`` directly (only the
-cheap boundary padding and trim are replayed under autograd in backward).
+**Main-plus-strips** (``strips`` an :class:`~tplayers.window_plan.EdgeGeometry`; eager). A convolution
+is linear in its input. Where every shard's plan along the exchanged dim reads exactly its own rows
+plus ``r`` rows each side (the neighbour's rows inside the domain, zeros at its ends: zero padding
+``r`` on both sides, nothing trimmed, as for a "same"-padded convolution; any stride, dilation,
+groups; :func:`~tplayers.window_plan.uniform_geometry`), the padded input is the own rows
+zero-padded by ``r`` plus the halo rows alone, so::
+
+    conv(padded) = conv(own rows, padding r)              # the main convolution, on x itself
+                 + conv([halo_lo | 0 ...])  on the first output rows   # thin edge strips,
+                 + conv([... 0 | halo_hi])  on the last output rows    # no bias
+
+Forward: the halo messages are posted and the main convolution runs on the local input itself
+(no halo-padded copy) while they fly; then each strip's contribution is added into its edge rows.
+Backward: the strips' input gradients first (every halo row's gradient: they need only the weight
+and the output gradient); then those gradients travel to their owners while the main
+convolution's backward runs (input, weight and bias gradients in one call, the input gradient in
+the input's own shape), then the strips' weight gradients (from the halo rows the forward received),
+and the parameter-gradient sum is posted; the received gradients are added into the own edge rows.
+The same messages as the halo-padded strategy: one exchange each way.
+
+Both strategies are two autograd Functions, one saving (exactly what it needs, before anything is
+computed) and one computing, so that activation checkpointing (``use_reentrant=False``) stops its
+recomputation before the convolution; neither keeps an autograd graph on ``ctx``.
+
+Example (2 ranks; ``DistributedConv2d`` takes the main-plus-strips strategy by itself where the plans
+allow it, for a slab of at least ``EDGE_MIN_ELEMENTS`` elements per rank or with ``overlap_halo=True``)::
+
+    import torch, tplayers
+    mesh = tplayers.init_mesh()
+    conv = tplayers.DistributedConv2d(4, 8, 3, padding=1, mesh=mesh)
+    y = conv(tplayers.shard(torch.randn(2, 4, 1024, 1024), 2, mesh))   # (2, 8, 512, 1024) per rank
 """
 
 from __future__ import annotations
@@ -21,38 +51,40 @@ import torch.distributed as dist
 
 from tplayers.comm import all_reduce_sum, record_collective
 from tplayers.comm.collectives import group_by_name
-from tplayers.comm.halo import format_code, format_of, halo_adjoint, halo_pad, peer_code, state_from_codes
+from tplayers.comm.halo import _swap, format_code, format_of, halo_adjoint, halo_pad, peer_code, state_from_codes
 from tplayers.comm.halo_route import HaloRoute, halo_route
-from tplayers.window_plan import AxisPlan
+from tplayers.ops import unpack_faces
 from tplayers.ops.registry import OpSpec, register
+from tplayers.window_plan import AxisPlan, EdgeGeometry
 
-__all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "finish_param_sum", "flat_param_grads", "halo_conv",
-           "in_format", "post_param_sum", "split_param_grads"]
+__all__ = ["ConvSpec", "EdgeConvCompute", "EdgeConvSave", "HaloConvFunction", "conv_order", "finish_param_sum",
+           "flat_param_grads", "halo_conv", "in_format", "post_param_sum", "split_param_grads"]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, kw_only=True)
 class ConvSpec:
-    """Everything the Function needs, computed once per layout (Python ints only, plus groups)."""
+    """Everything :func:`halo_conv` needs, computed once per layout (Python ints only, plus groups)."""
 
-    dim: int  # the last sharded dim (its exchange is fused)
-    group: dist.ProcessGroup
-    plan: AxisPlan
-    periodic: bool
-    memory_format: torch.memory_format
-    prepare: Callable[[torch.Tensor], torch.Tensor]  # boundary padding, trim, unsharded padding
-    conv: Callable  # F.conv1d / conv2d / conv3d
+    halo_dim: int  # the last sharded dim: its halo exchange is fused with the convolution
+    halo_group: dist.ProcessGroup  # halo_dim's mesh group
+    plan: AxisPlan  # this rank's plan along halo_dim
+    periodic: bool  # halo_dim wraps (circular padding)
+    memory_format: torch.memory_format  # the local convolution's layout
+    out_format: torch.memory_format  # the output's layout (nn.ConvNd's for the input)
+    # halo_dim's boundary padding and trim, then the unsharded dims' padding conv_fn cannot do itself
+    pad_and_trim: Callable[[torch.Tensor], torch.Tensor]
+    skip_pad_and_trim: bool  # pad_and_trim is the identity (no boundary rows, no trim, no other padding)
+    conv_fn: Callable  # F.conv1d / conv2d / conv3d
     stride: Tuple[int, ...]
-    padding: Tuple[int, ...]  # convolution padding (0 along sharded dims)
+    padding: Tuple[int, ...]  # conv_fn's padding (0 along sharded dims)
     dilation: Tuple[int, ...]
     groups: int
     out_shape: Tuple[int, ...]
     reduce_groups: tuple  # every mesh dim's group: the parameter gradients are summed over all
-    perm: Optional[Tuple[int, ...]] = None  # spatial dims reordered for the convolution (see _conv_order)
-    rest: Optional[Callable[[torch.Tensor], torch.Tensor]] = None  # prepare's padding of other dims (None: none)
-    overlap: bool = False  # exchange overlapped with compute (layers._conv_overlap); the same on every rank
-    plain: bool = False  # prepare is the identity (no boundary rows, no trim, no padding of other dims)
-    out_format: torch.memory_format = torch.contiguous_format  # the output's layout (nn.ConvNd's for the input)
-    edges: Optional[tuple] = None  # this rank's _conv_edges.EdgeGeometry where every rank's plan allows that path
+    spatial_order: Optional[Tuple[int, ...]] = None  # spatial dims reordered for the convolution (conv_order)
+    # the strategy: main-plus-strips at this rank's geometry (every rank's plan allows it, so every rank
+    # takes it; eager only), or None: halo-padded
+    strips: Optional[EdgeGeometry] = None
     # derived once here, so that no step repeats them (per-call cost is the overhead-bound regime's whole budget)
     order: "_Order" = field(init=False, repr=False)  # the convolution on spatially permuted views
     route: HaloRoute = field(init=False, repr=False)  # the fused dim's neighbours
@@ -61,7 +93,7 @@ class ConvSpec:
     padded: "PadBuffer" = field(init=False, repr=False)  # the halo-padded input's buffer, reused when free
 
     def __post_init__(self):
-        derived = {"order": _Order(self), "route": halo_route(self.group, self.periodic),
+        derived = {"order": _Order(self), "route": halo_route(self.halo_group, self.periodic),
                    "live_groups": tuple(g for g in self.reduce_groups if dist.get_world_size(g) > 1),
                    "empty": 0 in self.out_shape, "padded": PadBuffer()}
         for name, value in derived.items():
@@ -70,9 +102,13 @@ class ConvSpec:
 
 def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: ConvSpec,
               reduce: bool = True) -> torch.Tensor:
-    """The distributed convolution: :class:`HaloConvFunction` (exchange, save, the whole backward)
-    then :class:`_ConvCompute` (the local convolution, nothing saved).
+    """The distributed convolution of ``x`` (this rank's rows) by ``spec``'s strategy (module doc).
 
+    Halo-padded (``spec.strips`` None, or while compiling): :class:`HaloConvFunction` (exchange, save,
+    the whole backward) then :class:`_ConvCompute` (the local convolution, nothing saved).
+    Main-plus-strips: :class:`EdgeConvSave` (saves the input and the weight, the whole backward) then
+    :class:`EdgeConvCompute` (the exchange in flight behind the main convolution, then the strips; it
+    hands the received halo rows, the weight gradient's strips, to :class:`EdgeConvSave`'s context).
     Two Functions so that activation checkpointing (``use_reentrant=False``) can stop its
     recomputation before the convolution: it stops once every saved tensor is back, and a custom
     Function registers its saved tensors only when its forward returns, so saving and computing in
@@ -80,6 +116,12 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
     ``reduce=False``: the weight and bias gradients are returned as this rank's partial sums (a
     region's gradient buckets sum them, :mod:`tplayers.comm.buckets`).
     """
+    if spec.strips is not None and not torch.compiler.is_compiling():
+        x = x.contiguous(memory_format=spec.memory_format)  # the layout the plan convolves in
+        halos: dict = {}  # filled by EdgeConvCompute: the received halo rows, for the weight gradient
+        token = EdgeConvSave.apply(x, weight, bias, spec, halos, reduce)
+        return EdgeConvCompute.apply(token, x.detach(), weight.detach(), None if bias is None else bias.detach(),
+                                     spec, halos)
     token, xp = HaloConvFunction.apply(x, weight, bias, spec, reduce)
     return _ConvCompute.apply(token, xp, weight, bias, spec)
 
@@ -93,8 +135,8 @@ class _ConvCompute(torch.autograd.Function):
         if spec.empty:
             return xp.new_zeros(spec.out_shape)
         p = spec.order
-        y = p.back(spec.conv(p.fwd(xp if spec.plain else spec.prepare(xp)), p.fwd(weight), bias, p.stride,
-                             p.padding, p.dilation, spec.groups))
+        xc = xp if spec.skip_pad_and_trim else spec.pad_and_trim(xp)
+        y = p.back(spec.conv_fn(p.fwd(xc), p.fwd(weight), bias, p.stride, p.padding, p.dilation, spec.groups))
         return in_format(y, spec.out_format)
 
     @staticmethod
@@ -109,7 +151,7 @@ def in_format(y: torch.Tensor, memory_format: torch.memory_format) -> torch.Tens
 
 
 class HaloConvFunction(torch.autograd.Function):
-    """forward: halo exchange of ``x`` along ``spec.dim``; saves the padded input and the weight;
+    """forward: halo exchange of ``x`` along ``spec.halo_dim``; saves the padded input and the weight;
     returns ``(token, xp)``: ``xp`` the padded input (no gradient flows through it) and ``token``
     a zero-strided zeros tensor of the output's shape, whose gradient is the convolution's output
     gradient (:class:`_ConvCompute` passes it back) /
@@ -123,8 +165,8 @@ class HaloConvFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, spec: ConvSpec, reduce: bool = True):
         p = spec.plan
         eager = not torch.compiler.is_compiling()
-        out = spec.padded.take(x, spec.dim, p.recv, spec.memory_format) if eager else None
-        xp, ctx.state = halo_pad(x, spec.dim, spec.group, p.recv, p.send, spec.periodic, spec.memory_format,
+        out = spec.padded.take(x, spec.halo_dim, p.recv, spec.memory_format) if eager else None
+        xp, ctx.state = halo_pad(x, spec.halo_dim, spec.halo_group, p.recv, p.send, spec.periodic, spec.memory_format,
                                  out=out, route=spec.route)
         if eager:
             spec.padded.keep(xp)
@@ -145,21 +187,21 @@ class HaloConvFunction(torch.autograd.Function):
             gb = weight.new_zeros(weight.shape[0]) if need_b else None
         else:
             compiling = torch.compiler.is_compiling()
-            if spec.plain:  # nothing to replay: the convolution read xp itself
+            if spec.skip_pad_and_trim:  # nothing to replay: the convolution read xp itself
                 xc = xp
             elif compiling:  # traceable: the padding / trim's vjp through torch.func
-                xc, prepare_vjp = torch.func.vjp(spec.prepare, xp)
+                xc, prepare_vjp = torch.func.vjp(spec.pad_and_trim, xp)
             else:
                 with torch.enable_grad():  # replay only the cheap padding / trim, to differentiate it
                     xp_ = xp.detach().requires_grad_(need_x)
-                    xc = spec.prepare(xp_)
+                    xc = spec.pad_and_trim(xp_)
             p = spec.order
             gi, gw, gb = torch.ops.aten.convolution_backward(
                 p.fwd(grad), p.fwd(xc.detach()), p.fwd(weight), [weight.shape[0]] if ctx.has_bias else None,
                 p.stride, p.padding, p.dilation, False, [0] * len(spec.stride), spec.groups, [need_x, need_w, need_b])
             gi, gw = (p.back(gi) if gi is not None else None), (p.back(gw) if gw is not None else None)
             gxp = None
-            if need_x and spec.plain:
+            if need_x and spec.skip_pad_and_trim:
                 gxp = gi
             elif need_x and compiling:
                 gxp = prepare_vjp(gi)[0]
@@ -215,7 +257,7 @@ class PadBuffer:
 
 
 class _Order:
-    """The convolution on spatially permuted views (``spec.perm``; identity when ``None``).
+    """The convolution on spatially permuted views (``spec.spatial_order``; identity when ``None``).
 
     A convolution is the same on permuted spatial dims with the weight permuted alike; PyTorch's
     CPU backend choice looks at the first spatial dims only (N*C*D*H > 20480 for oneDNN), so a 3-D
@@ -225,10 +267,10 @@ class _Order:
 
     def __init__(self, spec: ConvSpec):
         n = len(spec.stride)
-        order = spec.perm or tuple(range(n))
+        order = spec.spatial_order or tuple(range(n))
         self.full = (0, 1) + tuple(2 + i for i in order)
         self.inv = tuple(self.full.index(i) for i in range(n + 2))
-        self.identity = spec.perm is None
+        self.identity = spec.spatial_order is None
         self.stride = [spec.stride[i] for i in order]
         self.padding = [spec.padding[i] for i in order]
         self.dilation = [spec.dilation[i] for i in order]
@@ -345,3 +387,149 @@ def _halo_conv_backward_fake(gxp, flat, has_x, dim, group_name, recv, send, n, l
 def _ensure_conv_ops() -> bool:
     """Register ``tplayers::halo_conv_backward`` on first use (idempotent; see :mod:`tplayers.ops.registry`)."""
     return register([OpSpec("tplayers::halo_conv_backward", _halo_conv_backward_op, _halo_conv_backward_fake)])
+
+
+# ------------------------------------------------------------- main-plus-strips
+def _convolve(spec: ConvSpec, x, weight, bias, pad_main: bool, r: int) -> torch.Tensor:
+    """``spec``'s convolution of ``x`` (padding ``r`` along the exchanged dim when ``pad_main``, else 0)."""
+    o = spec.order
+    return o.back(spec.conv_fn(o.fwd(x), o.fwd(weight), bias, o.stride, _padding(spec, r if pad_main else 0),
+                               o.dilation, spec.groups))
+
+
+def _padding(spec: ConvSpec, r: int) -> List[int]:
+    """The convolution's padding in the permuted order of ``spec.order``, ``r`` along the exchanged dim."""
+    pad = list(spec.padding)
+    pad[spec.halo_dim - 2] = r
+    order = spec.spatial_order or range(len(pad))
+    return [pad[i] for i in order]
+
+
+def _strips(like: torch.Tensor, buf: torch.Tensor, n_lo: int, spec: ConvSpec):
+    """``[(first output row, strip)]``: zero strips holding the received halo rows (``buf``: ``[from lo | from hi]``)."""
+    dim, g, out = spec.halo_dim, spec.strips, []
+    for part, side in ((buf[:n_lo], g.lo), (buf[n_lo:], g.hi)):
+        if side is None:
+            continue
+        rows, first, at = _side(g, side)
+        strip = like.new_zeros(_with(like.shape, dim, rows)).contiguous(memory_format=spec.memory_format)
+        unpack_faces(part, strip, dim, [(at, g.pad)])
+        out.append((first, strip))
+    return out
+
+
+def _side(g: EdgeGeometry, side) -> Tuple[int, int, int]:
+    """``(strip rows, first output row, first halo row in the strip)`` of ``side`` (``g.lo`` or ``g.hi``)."""
+    return (side[0], 0, 0) if side is g.lo else (side[1], side[0], side[2])
+
+
+class EdgeConvCompute(torch.autograd.Function):
+    """forward: the halo exchange in flight while the main convolution runs on the local input, then the
+    edge strips added (module doc); the received rows go to ``halos`` / backward: the output gradient
+    handed unchanged to :class:`EdgeConvSave` through ``token``."""
+
+    @staticmethod
+    def forward(ctx, token, x, weight, bias, spec: ConvSpec, halos: dict):
+        box, g, (s_lo, s_hi), n = {}, spec.strips, spec.plan.send, x.size(spec.halo_dim)
+
+        def main():
+            box["y"] = _convolve(spec, x, weight, bias, True, g.pad)
+
+        buf, n_lo = _swap(x, spec.halo_dim, (0, s_lo), (n - s_hi, s_hi), g.pad, g.pad, spec.route, "halo.fwd",
+                          main)
+        halos["buf"], halos["n_lo"] = buf, n_lo
+        y = box["y"]
+        for first, strip in _strips(x, buf, n_lo, spec):
+            piece = _convolve(spec, strip, weight, None, False, 0)
+            y.narrow(spec.halo_dim, first, piece.size(spec.halo_dim)).add_(piece)
+        return in_format(y, spec.out_format)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None, None, None
+
+
+class EdgeConvSave(torch.autograd.Function):
+    """forward: saves the local input and the weight; returns ``token``, zero-strided zeros of the
+    output's shape whose gradient is the convolution's output gradient /
+    backward: strips' input gradients, then their adjoint exchange in flight while the main
+    convolution's backward, the strips' weight gradients and the parameter-gradient sum run (module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec: ConvSpec, halos: dict, reduce: bool = True):
+        ctx.save_for_backward(x, weight)
+        ctx.spec, ctx.halos, ctx.has_bias, ctx.reduce = spec, halos, bias is not None, reduce
+        return x.new_zeros(()).expand(spec.out_shape)  # x and weight share a dtype (checked by the layer)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and ctx.has_bias
+        halos = ctx.halos  # kept with the graph (a retained graph's second backward reads them again)
+        grad_x, flat = _strips_backward(grad, x, weight, ctx.spec, (halos["buf"], halos["n_lo"]), need_x, need_w,
+                                        need_b, ctx.reduce)
+        gw, gb = split_param_grads(flat, weight, need_w, need_b)
+        return grad_x, gw, gb, None, None, None
+
+
+def _strips_backward(grad, x, weight, spec: ConvSpec, received, need_x: bool, need_w: bool, need_b: bool,
+                     reduce: bool):
+    """``(grad_x or None, flat [weight grad | bias grad], summed over the domain unless ``reduce`` is off)``."""
+    dim, o, g = spec.halo_dim, spec.order, spec.strips
+    nsp = len(spec.stride)
+    extent, stride = spec.dilation[dim - 2] * (weight.shape[dim] - 1) + 1, spec.stride[dim - 2]
+
+    def conv_backward(gout, inp, pad_main, mask):
+        gi, gw, gb = torch.ops.aten.convolution_backward(
+            o.fwd(gout), o.fwd(inp), o.fwd(weight), [weight.shape[0]] if mask[2] else None, o.stride,
+            _padding(spec, g.pad if pad_main else 0), o.dilation, False, [0] * nsp, spec.groups, mask)
+        return (o.back(gi) if gi is not None else None), (o.back(gw) if gw is not None else None), gb
+
+    def strip_grad(first, rows):
+        return grad.narrow(dim, first, (rows - extent) // stride + 1)
+
+    # 1) every halo row's gradient, from the strips (only their shapes are read: zeros stand in)
+    halo_grads = []
+    if need_x:
+        for side in filter(None, (g.lo, g.hi)):
+            rows, first, at = _side(g, side)
+            zeros = x.new_zeros(()).expand(_with(x.shape, dim, rows))
+            halo_grads.append(conv_backward(strip_grad(first, rows), zeros, False, [True, False, False])[0]
+                              .narrow(dim, at, g.pad))
+
+    box: dict = {"pending": []}
+
+    def main():  # the main convolution's backward, the strips' weight gradients, the sum posted
+        gi, gw, gb = conv_backward(grad, x, True, [need_x, need_w, need_b])
+        if need_w:
+            for first, strip in _strips(x, *received, spec):
+                gw = gw + conv_backward(strip_grad(first, strip.size(dim)), strip, False, [False, True, False])[1]
+        box["gi"], box["flat"] = gi, flat_param_grads(gw, gb, need_w, need_b)
+        if box["flat"] is not None and reduce:
+            box["pending"] = post_param_sum(box["flat"], spec.live_groups)
+
+    grad_x = None
+    if need_x:
+        lo, hi = spec.route.peers
+        (s_lo, s_hi), n = spec.plan.send, x.size(dim)
+        to_lo = (0, g.pad if g.lo else 0)  # faces of [lo halo's gradient | hi halo's gradient]
+        to_hi = (g.pad if g.lo else 0, g.pad if g.hi else 0)
+        src = torch.cat(halo_grads, dim) if len(halo_grads) > 1 else \
+            halo_grads[0] if halo_grads else grad.new_zeros(_with(x.shape, dim, 0))
+        buf, _ = _swap(src, dim, to_lo, to_hi, s_hi, s_lo, spec.route, "halo.bwd", main)
+        grad_x = box["gi"]
+        faces = ([(0, s_lo)] if lo is not None and s_lo else []) + ([(n - s_hi, s_hi)] if hi is not None and s_hi else [])
+        unpack_faces(buf, grad_x, dim, faces, accumulate=True)  # overlapping faces add up
+    else:
+        main()
+    flat = box["flat"]
+    if flat is not None and reduce:
+        flat = finish_param_sum(flat, box["pending"], spec.live_groups)
+    return grad_x, flat
+
+
+def _with(shape, dim: int, rows: int) -> List[int]:
+    out = list(shape)
+    out[dim] = rows
+    return out

@@ -12,18 +12,15 @@ Each is a thin twin over the window-op core: the axis plan
 (:func:`tplayers.window_plan.plan_windows`, output rows partitioned by the
 DESIGN §2.4 rule: "same" convolutions keep the input's partition, others give the
 balanced one), the N-d halo exchange (:mod:`tplayers.domain.window`) for all but
-the last sharded dim, and :func:`~tplayers.layers._conv_overlap.overlapped_conv`
-fusing the last dim's exchange with the convolution: the interior output rows are
-convolved while the halo messages fly, then the edge strips (and the adjoint likewise
-in backward) with ``overlap_halo=True``; by default
-:func:`~tplayers.layers._conv_fn.halo_conv` (exchange, then one convolution; its backward
-overlaps the parameter-gradient sum with the adjoint halo messages), faster on the CPU with
-gloo, where a halo message is short next to the extra passes over memory the split costs
-(``benchmarks/conv_halo.py`` times both). Where every shard's plan is a zero-padded "same"-like one
-and the slab is large (:data:`~tplayers.layers._conv_edges.EDGE_MIN_ELEMENTS`), the default is
-:func:`~tplayers.layers._conv_edges.edge_conv` instead: the convolution of the local input itself
-(padded by the halo width) while the halo flies, plus thin strips for the halo rows; no
-halo-padded copy, the same messages.
+the last sharded dim, and :func:`~tplayers.layers._conv_fn.halo_conv` fusing the last dim's
+exchange with the convolution by one of two strategies, chosen per layout here. Main-plus-strips
+(the convolution of the local input itself, padded by the halo width, while the halo flies, plus
+thin strips for the halo rows; no halo-padded copy, the same messages) where every shard's plan is
+a zero-padded "same"-like one (:func:`~tplayers.window_plan.uniform_geometry`, so every rank agrees)
+and either the slab is large (:data:`EDGE_MIN_ELEMENTS`) or ``overlap_halo=True``; else
+halo-padded (exchange, then one convolution; its backward overlaps the parameter-gradient sum with
+the adjoint halo messages), which is faster on small slabs on the CPU with gloo, where the strips'
+extra calls cost more than the copy saves (``benchmarks/conv_halo.py`` times both).
 """
 
 from __future__ import annotations
@@ -41,15 +38,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.comm.buckets import region_params
 from tplayers.domain.window import edge_pad, gather_rows, pad_arg, pad_dim
 from tplayers.layers._common import autocast_inputs
-from tplayers.layers._conv_edges import EDGE_MIN_ELEMENTS, edge_conv, uniform_geometry
 from tplayers.layers._conv_fn import ConvSpec, conv_order, halo_conv
-from tplayers.layers._conv_overlap import overlapped_conv
 from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
-from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows
+from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows, uniform_geometry
 
 __all__ = ["DistributedConv1d", "DistributedConv2d", "DistributedConv3d"]
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+# The main-plus-strips strategy's fixed cost is four to six thin convolution calls per step (the strips);
+# its gain, the halo-padded copy of the slab not made and the exchange hidden, grows with the slab.
+# Measured fwd+bwd on 2 ranks (fp32, 1 thread each, 3x3 "same", 32 -> 64 channels, a (4, 32, 128, 256)
+# slab): 0.95-0.98x the halo-padded strategy on AVX-512 and AVX2 (oneDNN capped) alike, both layouts;
+# on slabs of (4, 16, 64, 128) and less, a U-Net's at 128x128, no gain or a loss. Slabs (elements per
+# rank, on average) at least this large take it by default (``overlap_halo=True``: at any size).
+EDGE_MIN_ELEMENTS = 1 << 21
 _CL = {2: torch.channels_last, 3: torch.channels_last_3d}
 
 
@@ -199,22 +202,22 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
             else:
                 conv_pad.append(0)
                 extra.append((2 + i, lo, hi))
-        i = last - 2  # the main-plus-strips rule where every shard's plan allows it and the slab is large
+        # the main-plus-strips strategy where every shard's plan allows it and the slab is large (or overlap_halo)
+        i = last - 2
         slab = math.prod(shape[:2]) * math.prod(sum(sizes[d]) if d in sizes else shape[d] for d in range(2, len(shape)))
-        edges = None
-        if slab // math.prod(len(sizes[d]) for d in sizes) >= EDGE_MIN_ELEMENTS:  # elements per rank, on average
-            edges = uniform_geometry(every[last], sizes[last], self._coord(last), self._pads[i][0],
-                                     self.dilation[i] * (self.kernel_size[i] - 1) + 1, self.stride[i],
-                                     self.padding_mode == "zeros" and not extra and self._pads[i][0] == self._pads[i][1])
-        prepare = functools.partial(_prepare, dim=last, plan=plans[last], mode=self.padding_mode, extra=tuple(extra))
-        spec = ConvSpec(last, self._group_of(last), plans[last], self.padding_mode == "circular",
-                        torch.contiguous_format, prepare, _CONV[self.spatial], self.stride, tuple(conv_pad),
-                        self.dilation, self.groups, tuple(out_shape), tuple(self._groups),
-                        conv_order(tuple(shape), like),
-                        functools.partial(_pad_rest, mode=self.padding_mode, extra=tuple(extra)) if extra else None,
-                        overlap=self.overlap_halo,
-                        plain=not extra and plans[last].boundary == (0, 0) and plans[last].trim == (0, 0),
-                        out_format=torch.contiguous_format, edges=edges)
+        strips, zero_padded = None, self.padding_mode == "zeros" and not extra and self._pads[i][0] == self._pads[i][1]
+        if self.overlap_halo or slab // math.prod(len(sizes[d]) for d in sizes) >= EDGE_MIN_ELEMENTS:  # per rank
+            strips = uniform_geometry(every[last], sizes[last], self._coord(last), self._pads[i][0],
+                                      self.dilation[i] * (self.kernel_size[i] - 1) + 1, self.stride[i], zero_padded)
+        spec = ConvSpec(
+            halo_dim=last, halo_group=self._group_of(last), plan=plans[last], periodic=self.padding_mode == "circular",
+            memory_format=torch.contiguous_format, out_format=torch.contiguous_format,
+            pad_and_trim=functools.partial(_prepare, dim=last, plan=plans[last], mode=self.padding_mode,
+                                           extra=tuple(extra)),
+            skip_pad_and_trim=not extra and plans[last].boundary == (0, 0) and plans[last].trim == (0, 0),
+            conv_fn=_CONV[self.spatial], stride=self.stride, padding=tuple(conv_pad), dilation=self.dilation,
+            groups=self.groups, out_shape=tuple(out_shape), reduce_groups=tuple(self._groups),
+            spatial_order=conv_order(tuple(shape), like), strips=strips)
         # one spec per (convolution layout, output layout): the layout is chosen per call from the input
         formats = (torch.contiguous_format,) + ((_CL[self.spatial],) if self.spatial > 1 else ())
         specs = {(f, o): dataclasses.replace(spec, memory_format=f, out_format=o) for f in formats for o in formats}
@@ -230,23 +233,13 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
         spec = specs[(out_format if self.memory_format is None else self.memory_format, out_format)]
         for d, plan in first.items():  # a 2-D mesh: the first dim's exchange, corners ride on the next
             x = gather_rows(x, d, self._group_of(d), plan, self.padding_mode, memory_format=spec.memory_format)
-        # (N, C_in, *local rows) -> (N, C_out, *owned output rows)
-        if spec.overlap:
-            return overlapped_conv(x, weight, bias, spec, reduce)
-        if spec.edges is not None and not torch.compiler.is_compiling():  # the exchange hidden behind compute
-            return edge_conv(x, weight, bias, spec, reduce)
+        # (N, C_in, *local rows) -> (N, C_out, *owned output rows), by the spec's strategy
         return halo_conv(x, weight, bias, spec, reduce)
 
     def collectives(self):
-        """Collectives per step: ``(forward list, backward list)``."""
+        """Collectives per step: ``(forward list, backward list)`` (the same for both strategies)."""
         halo = [f"halo send/recv (dim {d})" for d in self.shard_dims]
-        if not self.overlap_halo:
-            return halo, halo + ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
-        last = self.shard_dims[-1]
-        backward = [f"halo send/recv (dim {last}): halo grads and the input's faces again, in flight together"]
-        backward += halo[:-1]
-        backward += ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
-        return halo, backward
+        return halo, halo + ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
@@ -256,12 +249,8 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
 
 def _prepare(xp: torch.Tensor, *, dim: int, plan, mode: str, extra) -> torch.Tensor:
     """The fused dim's boundary padding and trim, then padding of unsharded dims the convolution
-    cannot do itself (asymmetric "same" zeros, circular / reflect / replicate)."""
-    return _pad_rest(edge_pad(xp, dim, plan, mode), mode=mode, extra=extra)
-
-
-def _pad_rest(x: torch.Tensor, *, mode: str, extra) -> torch.Tensor:
-    """The padding of unsharded dims the convolution cannot do itself (``extra``: (dim, lo, hi))."""
+    cannot do itself (``extra``: (dim, lo, hi); asymmetric "same" zeros, circular / reflect / replicate)."""
+    x = edge_pad(xp, dim, plan, mode)
     for d, lo, hi in extra:
         x = F.pad(x, pad_arg(x.dim(), d, lo, hi)) if mode == "zeros" else pad_dim(x, d, lo, hi, mode)
     return x
@@ -306,10 +295,15 @@ class DistributedConv2d(_DistributedConvNd):
     sums carry that dtype. A partition whose
     shards cannot supply their neighbours' halos raises ``ValueError`` on every rank before any
     halo traffic.
-    ``overlap_halo`` (keyword, default ``False``): convolve the interior output rows while the
-    halo messages fly, then the edge strips (and the adjoint likewise in backward; between forward
-    and backward only the input and the weight are kept, as ``nn.Conv2d`` keeps, at the cost of
-    sending the input's edge rows again in backward). Same values; the same on every rank.
+    ``overlap_halo`` (keyword, default ``False``): overlap the halo exchange with compute wherever
+    possible: the main-plus-strips strategy (the halo messages in flight while the local input itself
+    is convolved, padded by the halo width, then thin strips holding the halo rows added into the edge
+    rows; backward likewise) for every slab whose plan allows it, i.e. zero-padded "same"-like
+    convolutions (any stride, dilation, groups, uneven partitions; decided from every shard's plan,
+    so every rank agrees), and the halo-padded one (exchange, then one convolution) elsewhere and
+    while compiling. By default only slabs of at least ``EDGE_MIN_ELEMENTS`` elements per rank take
+    main-plus-strips, where it pays on the CPU. Same values and messages either way; the same on
+    every rank.
 
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
