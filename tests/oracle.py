@@ -119,7 +119,7 @@ def backward_step_match(loss_s, loss_p, xs, xl, local, serial, parallel, opt_s, 
 
 def edge_convs(model: torch.nn.Module) -> int:
     """The convolution twins in ``model`` whose cached layouts take the main-plus-strips strategy
-    (``ConvSpec.strips``, :func:`tplayers.layers._conv_fn.halo_conv`)."""
+    (``ConvSpec.strips``, :func:`tplayers.layers.conv.halo_conv`)."""
     from tplayers.layers.conv import _DistributedConvNd
 
     return sum(any(s.strips is not None for entry in m._layouts.values() for s in entry[2].values())

@@ -12,7 +12,7 @@ Each is a thin twin over the window-op core: the axis plan
 (:func:`tplayers.window_plan.plan_windows`, output rows partitioned by the
 DESIGN §2.4 rule: "same" convolutions keep the input's partition, others give the
 balanced one), the N-d halo exchange (:mod:`tplayers.domain.window`) for all but
-the last sharded dim, and :func:`~tplayers.layers._conv_fn.halo_conv` fusing the last dim's
+the last sharded dim, and :func:`~tplayers.layers.conv.halo_conv` fusing the last dim's
 exchange with the convolution by one of two strategies, chosen per layout here. Main-plus-strips
 (the convolution of the local input itself, padded by the halo width, while the halo flies, plus
 thin strips for the halo rows; no halo-padded copy, the same messages) where every shard's plan is
@@ -38,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.comm.buckets import region_params
 from tplayers.domain.window import edge_pad, gather_rows, pad_arg, pad_dim
 from tplayers.layers._common import autocast_inputs
-from tplayers.layers._conv_fn import ConvSpec, conv_order, halo_conv
+from tplayers.layers._conv_fn import ConvSpec, HaloConvFunction, _ConvCompute, conv_order
+from tplayers.layers._conv_strips import EdgeConvCompute, EdgeConvSave
 from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
 from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows, uniform_geometry
 
@@ -82,6 +83,32 @@ def serial_format(x: torch.Tensor, weight: torch.Tensor, spatial: int, padding_m
     if spatial == 3 and x.device.type == "cpu" and x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return torch.contiguous_format
     return _CL[spatial]
+
+
+def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: ConvSpec,
+              reduce: bool = True) -> torch.Tensor:
+    """The distributed convolution of ``x`` (this rank's rows) by ``spec``'s strategy (:mod:`tplayers.layers._conv_fn`).
+
+    Halo-padded (``spec.strips`` None, or while compiling): :class:`HaloConvFunction` (exchange, save,
+    the whole backward) then :class:`_ConvCompute` (the local convolution, nothing saved).
+    Main-plus-strips: :class:`EdgeConvSave` (saves the input and the weight, the whole backward) then
+    :class:`EdgeConvCompute` (the exchange in flight behind the main convolution, then the strips; it
+    hands the received halo rows, the weight gradient's strips, to :class:`EdgeConvSave`'s context).
+    Two Functions so that activation checkpointing (``use_reentrant=False``) can stop its
+    recomputation before the convolution: it stops once every saved tensor is back, and a custom
+    Function registers its saved tensors only when its forward returns, so saving and computing in
+    one Function would recompute the region's last convolution for nothing.
+    ``reduce=False``: the weight and bias gradients are returned as this rank's partial sums (a
+    region's gradient buckets sum them, :mod:`tplayers.comm.buckets`).
+    """
+    if spec.strips is not None and not torch.compiler.is_compiling():
+        x = x.contiguous(memory_format=spec.memory_format)  # the layout the plan convolves in
+        halos: dict = {}  # filled by EdgeConvCompute: the received halo rows, for the weight gradient
+        token = EdgeConvSave.apply(x, weight, bias, spec, halos, reduce)
+        return EdgeConvCompute.apply(token, x.detach(), weight.detach(), None if bias is None else bias.detach(),
+                                     spec, halos)
+    token, xp = HaloConvFunction.apply(x, weight, bias, spec, reduce)
+    return _ConvCompute.apply(token, xp, weight, bias, spec)
 
 
 class _DistributedConvNd(ConvParameters, DomainLayer):
