@@ -13,7 +13,9 @@ from typing import Any, List, Optional
 
 import torch
 
-__all__ = ["active_guard", "stepped_aside"]
+__all__ = ["active_guard", "stepped_aside", "partition_agreed"]
+
+_ASIDE: List[Any] = []  # the guards stepped aside for the code now running, innermost last
 
 
 def _is_guard(mode: Any) -> bool:
@@ -37,20 +39,43 @@ def active_guard() -> Optional[Any]:
     return None
 
 
+def partition_agreed() -> bool:
+    """Whether the code now running is inside a call of a ``DomainParallel`` region, whose entry
+    agreement already compared every rank's partition this call (its guard is active, or stepped
+    aside for the twin now running). Twins called anywhere else agree on their partition per call."""
+    guard = active_guard()
+    if guard is None:
+        guard = next((g for g in reversed(_ASIDE) if g is not None), None)
+    return bool(getattr(guard, "agreed", False))
+
+
 class stepped_aside:
     """Context: pop the region guards (and any mode above them) from the torch-function mode stack
-    for a block; push them back after it (twins and routed implementations run unguarded)."""
+    for a block; push them back after it (twins and routed implementations run unguarded).
 
-    def __init__(self, guard: Any = None) -> None:
+    ``settle`` (default): the block may communicate, so first the guard settles the decisions it
+    made from local shapes since its last collective (``guard.settle()``, see
+    :mod:`tplayers.region.guard`); the guard's own local handlers pass ``settle=False``."""
+
+    def __init__(self, guard: Any = None, settle: bool = True) -> None:
         self.guard = guard
+        self.settle = settle
         self.popped: List[Any] = []
 
     def __enter__(self) -> "stepped_aside":
         while any(_is_guard(torch._C._get_function_stack_at(i)) for i in range(torch._C._len_torch_function_stack())):
             self.popped.append(torch._C._pop_torch_function_stack())
+        _ASIDE.append(self.guard)
+        if self.settle and self.guard is not None and hasattr(self.guard, "settle"):
+            try:
+                self.guard.settle()
+            except BaseException:
+                self.__exit__()
+                raise
         return self
 
     def __exit__(self, *exc) -> bool:
+        _ASIDE.pop()
         while self.popped:
             torch._C._push_on_torch_function_stack(self.popped.pop())
         return False

@@ -231,14 +231,12 @@ def _device(mesh: DeviceMesh) -> torch.device:
 
 def reset_layouts(module: torch.nn.Module) -> int:
     """Forget every cached domain layout in ``module`` (itself and all submodules); returns how many
-    layers were reset. Call it on **every** rank, before the forward, when the input partition
-    may change on some ranks while others keep their local shape.
-
-    Layers exchange their layout once per local shape and cache it (DESIGN §2.4). A rank whose
-    local shape is unchanged reuses its cache while a rank whose shape changed exchanges again,
-    and the two then wait on different collectives until the process-group timeout. That happens
-    with balanced partitions of a changing global size: H 9 -> 10 on 2 ranks is 5+4 -> 5+5 rows,
-    rank 0 keeps 5.
+    layers were reset. Call it on **every** rank. Rarely needed now: a partition that changes on
+    some ranks only (H 9 -> 10 on 2 ranks is 5+4 -> 5+5 rows, rank 0 keeps 5) is noticed by the
+    per-call agreement of a ``DomainParallel`` region, which resets its layers on every rank, and
+    by layers called outside one, which agree on their partition every call
+    (:mod:`tplayers.layers._domain`). Still needed for layers compiled with ``torch.compile``,
+    which read the layouts primed while tracing and agree on nothing per call.
 
     Example (``torchrun --nproc-per-node 2``)::
 

@@ -84,6 +84,23 @@ def adopt_tensors(wrapper: nn.Module, module: nn.Module) -> None:
         wrapper.register_buffer(name, b, persistent=name not in module._non_persistent_buffers_set)
 
 
+def replicated_tensors(root: nn.Module) -> Dict[str, torch.Tensor]:
+    """``{dotted name: tensor}`` of every parameter and buffer of ``root`` that every rank of a domain
+    mesh holds whole: all of them except the sharded tensors of :class:`ShardedModule` s (by their
+    :meth:`~ShardedModule.shard_specs`). Each tensor once, under its first name."""
+    sharded = set()
+    for mod in root.modules():
+        if isinstance(mod, ShardedModule):
+            for name, spec in mod.shard_specs().items():
+                if not spec.is_replicated:
+                    sharded.add(id(get_tensor(mod, name)))
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in list(root.named_parameters()) + list(root.named_buffers()):
+        if id(t) not in sharded:
+            out[name] = t
+    return out
+
+
 def get_tensor(module: nn.Module, name: str) -> torch.Tensor:
     """The parameter or buffer called ``name`` (dotted) of ``module``."""
     try:

@@ -111,7 +111,7 @@ class MeshBound:
 
     #: per-layout caches (plans, specs holding groups and callables): pickled empty, rebuilt on
     #: the first call after unpickling (one small exchange, as for a new layer)
-    _pickle_empty = ("_layouts",)
+    _pickle_empty = ("_layouts", "_tables")
 
     def __getstate__(self):
         state = super().__getstate__()  # nn.Module's: a copy of __dict__

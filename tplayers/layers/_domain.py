@@ -1,14 +1,23 @@
 """Base of the domain-parallel spatial twins: mesh binding, the layout exchange, agreement, caching.
 
 A twin's input is this rank's slice of ``(N, C, *spatial)`` along ``shard_dims``
-(one tensor dim per mesh dim). Once per local input shape (and dtype/device)
-every rank's shape is exchanged (:func:`~tplayers.comm.agree.exchange_agreed`);
-the same exchange carries the layer's configuration (kernel, stride, padding,
-mode, shard_dims, dtype, ...), so ranks built differently fail with one
-``ValueError`` naming the field and the ranks. Every rank then validates the
+(one tensor dim per mesh dim). Every rank's shape is exchanged
+(:func:`~tplayers.comm.agree.exchange_agreed`); the same exchange carries the
+layer's configuration (kernel, stride, padding, mode, shard_dims, dtype, ...),
+so ranks built differently fail with one ``ValueError`` naming the field and
+the ranks, and its first time a fingerprint of the replicated parameters (ranks
+built from different seeds fail the same way). Every rank then validates the
 same table and plans every shard (:mod:`tplayers.window_plan`), so a bad
 partition is a ``ValueError`` on every rank before any halo traffic. The twin's
 :meth:`DomainLayer._build` turns the per-dim shard sizes into its cached layout.
+
+When the exchange runs: inside a ``DomainParallel`` region call (whose entry
+agreement compared every rank's partition) and while ``torch.compile`` primes,
+once per local input shape, cached. Anywhere else (hand-written code, a
+``domain_region`` block) on **every call**, one small all-gather: the cache is
+keyed by the whole table, so a partition that changes on some ranks only is
+re-planned on every rank, exactly, instead of leaving the changed ranks in the
+exchange while the others wait in their halo messages.
 """
 
 from __future__ import annotations
@@ -23,7 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.comm.agree import exchange_agreed
+from tplayers.comm.agree import exchange_agreed, value_fingerprints
+from tplayers.domain.active import partition_agreed
 from tplayers.layers._common import ShardedModule
 from tplayers.sharding import ShardSpec
 
@@ -87,6 +97,7 @@ class DomainLayer(ShardedModule):
         mesh = self._bind_mesh(mesh, len(dims))
         self._groups = [mesh.get_group(i) for i in range(mesh.ndim)]
         self._layouts: Dict[Any, Any] = {}
+        self._tables: Dict[Any, Any] = {}  # the exchanged table each cached layout was planned from
 
     # --------------------------------------------------------------- for twins
     def _config(self) -> Dict[str, object]:
@@ -103,8 +114,10 @@ class DomainLayer(ShardedModule):
         raise NotImplementedError
 
     def reset_layout(self) -> None:
-        """Forget cached partitions (call on every rank when the partition changes)."""
+        """Forget cached partitions (on every rank). Rarely needed: a ``DomainParallel`` region resets
+        its twins when its partition changes, and twins called elsewhere agree on it every call."""
         self._layouts.clear()
+        self._tables.clear()
 
     def _group_of(self, d: int) -> dist.ProcessGroup:
         return self._groups[self.shard_dims.index(d)]
@@ -129,7 +142,8 @@ class DomainLayer(ShardedModule):
             self._prime_layout(tuple(int(s) for s in x.shape), x.dtype, x.device,  # int(): never symbolic
                                None if ref is None else ref.dtype)
         key = (tuple(x.shape), x.dtype, x.device) if is_tensor else None  # a bad input still joins the exchange
-        if key in self._layouts:
+        cached = torch.compiler.is_compiling() or partition_agreed()  # else: exchanged every call (module docstring)
+        if cached and key in self._layouts:
             return self._layouts[key]
         ref = self._param_dtype() if ref is None else ref
         rank_ok = is_tensor and self._ndim_ok(x)
@@ -139,7 +153,14 @@ class DomainLayer(ShardedModule):
         if ref is None:
             config["input dtype"] = str(x.dtype) if is_tensor else None
         row = [int(rank_ok), int(kind_ok), len(shape)] + shape + [-1] * (5 - len(shape))
-        table = exchange_agreed(row, config, self._groups, name, tag="domain.layout")
+        values = None
+        if not self.__dict__.get("_values_checked", False) and not partition_agreed():  # a region checks its own
+            values = value_fingerprints(dict(self.named_parameters()))
+        table = exchange_agreed(row, config, self._groups, name, tag="domain.layout", values=values,
+                                ranks=self.mesh.mesh.reshape(-1).tolist())
+        self._values_checked = True
+        if key in self._layouts and self._tables.get(key) == table:
+            return self._layouts[key]  # the same partition on every rank as when it was planned
         coords = [(c0, c1) for c0 in range(len(table)) for c1 in range(len(table[0]))]
         where = lambda c: c[: self.mesh.ndim]  # noqa: E731 - mesh position in messages
         ndims = {table[c[0]][c[1]][2] for c in coords}
@@ -169,6 +190,7 @@ class DomainLayer(ShardedModule):
             elif mesh_dim == 1:
                 sizes[d] = [row[3 + d] for row in table[0]]
         self._layouts[key] = self._build(tuple(shape), sizes, x)
+        self._tables[key] = table
         return self._layouts[key]
 
     @torch._dynamo.assume_constant_result

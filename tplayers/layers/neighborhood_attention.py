@@ -21,9 +21,10 @@ over a 2-D mesh; 3-D: e.g. D ``(1,)`` or D and H ``(1, 2)``):
   fused all-reduce of their gradients per mesh dim in backward), so every rank
   holds the serial model's parameter gradients.
 
-Local shapes are exchanged once per local input shape (a small all-gather,
-cached); call :meth:`NeighborhoodAttention.reset_layout` on every rank if the
-partition changes while this rank's local shape does not.
+Local shapes are exchanged (a small all-gather) as :mod:`tplayers.layers._domain`
+says: cached per local shape inside a ``DomainParallel`` region call and under
+``torch.compile``, on every call elsewhere (a partition that changes on some
+ranks only is re-planned on every rank); the first also compares the parameters.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_many_to_parallel_region
 from tplayers.domain.window import gather_windows
-from tplayers.comm.agree import exchange_agreed
+from tplayers.comm.agree import exchange_agreed, value_fingerprints
+from tplayers.domain.active import partition_agreed
 from tplayers.layers._common import ShardedModule, autocast_dtype_ok
 from tplayers.layers._domain import layout_priming, priming
 from tplayers.ops.na import AXIS_NAMES, check_window_fits, neighborhood_attention, normalize_window_args
@@ -134,6 +136,7 @@ class NeighborhoodAttention(ShardedModule):
             self._groups = [mesh.get_group(i) for i in range(mesh.ndim)]
             self._broadcast_parameters()
         self._layouts: Dict[Tuple[int, ...], _Layout] = {}
+        self._tables: Dict[Tuple[int, ...], list] = {}  # the exchanged table each layout was planned from
 
     def _broadcast_parameters(self) -> None:
         """Make the freshly initialised replicated parameters identical on every domain rank."""
@@ -167,8 +170,10 @@ class NeighborhoodAttention(ShardedModule):
         return layer
 
     def reset_layout(self) -> None:
-        """Forget cached partitions (call on every rank when the partition changes)."""
+        """Forget cached partitions (on every rank). Rarely needed: a ``DomainParallel`` region resets
+        its layers when its partition changes, and a layer called elsewhere agrees on it every call."""
         self._layouts.clear()
+        self._tables.clear()
 
     # ------------------------------------------------------------------ layout
     def _check_local(self, x: torch.Tensor) -> bool:
@@ -186,7 +191,8 @@ class NeighborhoodAttention(ShardedModule):
         if isinstance(x, torch.Tensor) and torch.compiler.is_compiling() and not layout_priming():
             self._prime_layout(tuple(int(s) for s in x.shape), x.dtype, x.device)  # the exchange stays out of the graph (int(): shapes specialised, never symbolic)
         key = tuple(x.shape) if isinstance(x, torch.Tensor) else None  # a bad input still joins the exchange
-        if key in self._layouts:
+        cached = torch.compiler.is_compiling() or partition_agreed()  # else exchanged every call (as DomainLayer's)
+        if cached and key in self._layouts:
             # Cached layout: every rank skips the exchange alike; the per-call checks stay local
             # (a dtype or device change must not reach the halo traffic with mismatched buffers).
             if not self._check_local(x):
@@ -202,7 +208,14 @@ class NeighborhoodAttention(ShardedModule):
                   "natten installed": self._natten_installed if self.local_backend == "natten" else None,
                   "shard_dims": self.shard_dims, "embed_dim": self.embed_dim, "num_heads": self.num_heads,
                   "dtype": str(self.qkv.weight.dtype)}
-        table = exchange_agreed(row, config, self._groups, type(self).__name__, "na.layout")
+        values = None
+        if not self.__dict__.get("_values_checked", False) and not partition_agreed():  # a region checks its own
+            values = value_fingerprints(dict(self.named_parameters()))
+        table = exchange_agreed(row, config, self._groups, type(self).__name__, "na.layout", values=values,
+                                ranks=self.mesh.mesh.reshape(-1).tolist())
+        self._values_checked = True
+        if key in self._layouts and self._tables.get(key) == table:
+            return self._layouts[key]  # the same partition on every rank as when it was planned
         rows = [r for line in table for r in line]
         if not ok:
             self._raise_bad_input(x)
@@ -227,6 +240,7 @@ class NeighborhoodAttention(ShardedModule):
                 plans[tensor_dim] = per[index]
             sizes[axis], offsets[axis] = sum(line), sum(line[:index])
         self._layouts[key] = (tuple(sizes), tuple(offsets), plans)
+        self._tables[key] = table
         return self._layouts[key]
 
     @torch._dynamo.assume_constant_result

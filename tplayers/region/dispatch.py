@@ -31,6 +31,14 @@ def _table() -> Dict[str, Any]:
     return table
 
 
+@functools.lru_cache(maxsize=None)
+def _local() -> frozenset:
+    """The rules that never communicate: a guard settles its armed decisions before any other
+    (see :meth:`~tplayers.region.guard.RegionGuard.settle`; an unlisted rule counts as communicating)."""
+    return frozenset([_preserve, _passthrough, _refuse_value, _getter, run_pointwise, *_VIEWS.values(),
+                      *_ALONG.values(), *rules_ops.LOCAL])
+
+
 def handle(g, func, args, kwargs):
     """Apply the guard's rule for ``func`` to a call touching sharded data."""
     name = getattr(func, "__name__", "")
@@ -41,10 +49,17 @@ def handle(g, func, args, kwargs):
         handler = run_pointwise
     if handler is None:
         t, lay = first_sharded(g, args, kwargs)
-        raise g.error(f"{op_name(func)} is not known to be exact on sharded data", lay,
-                      "Use a tplayers twin or tplayers.functional for it, or move it outside the domain region.")
+        raise g.refuse(g.error(f"{op_name(func)} is not known to be exact on sharded data", lay,
+                               "Use a tplayers twin or tplayers.functional for it, or move it outside the domain "
+                               "region."))
+    if g.pending and handler not in _local():
+        g.settle()  # before the rule's collectives
     try:
         return handler(g, func, args, kwargs)
     except LayoutError as e:
         t, lay = first_sharded(g, args, kwargs)
-        raise g.error(f"{op_name(func)}: {e}", lay) from None
+        raise g.refuse(g.error(f"{op_name(func)}: {e}", lay)) from None
+    except Exception as e:
+        if not g.pending:
+            raise
+        raise g.refuse(e) from e

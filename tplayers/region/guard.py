@@ -14,6 +14,16 @@ call that touches one (:mod:`tplayers.region.rules`):
 * anything else touching a sharded dim: ``ValueError`` naming the op, the module and the dim, the
   same on every rank (deny by default).
 
+Some decisions read local sizes, which differ across ranks: a reshape of a 1-row or empty shard, an
+``expand``, a ``cat`` of differently partitioned tensors may be refused on some ranks only. On the
+first call of a region with a new partition (``check``), such decisions are *armed* (:meth:`arm`)
+and *settled* before the next collective (:meth:`settle`: before a twin, a routed op, a nested
+region, the region's exit): one small all-gather of a flag per rank, so a rank that refused
+(:meth:`refuse`, which settles at once) and the ranks that did not meet in the same collective and
+all raise the same ``ValueError``, naming the op, the module and the ranks. Settling costs one
+small all-gather per run of armed decisions before a collective, on first calls only; later calls
+with the same partition make the same decisions and settle nothing.
+
 It also makes the region convention (DESIGN §2.4) follow the data: where a replicated tensor that
 requires grad (a parameter, a time embedding, a squeeze-excitation gate) meets sharded data, it is
 passed through :class:`~tplayers.domain.boundary.ReplicatedToSharded` (identity forward, gradient
@@ -31,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tplayers.comm.agree import raise_together
 from tplayers.domain.active import active_guard, stepped_aside
 from tplayers.region.dispatch import handle
 from tplayers.domain.layout import Layout, canonical_layout, is_sharded, mesh_dims_of, region_layout, sharded_dims
@@ -67,6 +78,9 @@ class RegionGuard(TorchFunctionMode):
         self.routes: Dict[Any, Any] = {}  # per call-site routed twins (kept across calls by the region)
         self.acted = False  # whether this call routed an op or summed a replicated gradient
         self.buckets = None  # this call's parameter-gradient buckets (tplayers.comm.buckets), set by the region
+        self.agreed = False  # a DomainParallel region call: every rank's partition was compared at entry
+        self.check = False  # decisions read from local sizes are agreed (a region's first call of a partition)
+        self.pending = 0  # such decisions made since the last collective (settled before the next one)
 
     # ----------------------------------------------------------------- tags
     def layout(self, t: Any) -> Optional[Layout]:
@@ -115,12 +129,44 @@ class RegionGuard(TorchFunctionMode):
             f"domain region guard: {what}{dims}, in module {self.where[-1]!r}. On a domain-sharded tensor this "
             f"would run on each rank's slice alone and differ from the serial model. {advice}".rstrip())
 
+    # ------------------------------------------------------------ agreement
+    def arm(self) -> None:
+        """A rule is about to decide from local sizes (which differ across ranks): settle before the
+        next collective (nothing to do outside ``check`` calls)."""
+        if self.check:
+            self.pending += 1
+
+    def settle(self, error: Optional[BaseException] = None) -> None:
+        """Before a collective: agree on the decisions armed since the last one. Every rank settles at
+        the same point (the same ops were armed on every rank); ``error``: this rank's refusal. If any
+        rank refused, every rank raises the same :class:`GuardError`."""
+        if not self.pending:
+            return
+        self.pending = 0
+        ranks = self.mesh.mesh.reshape(-1).tolist()
+        with stepped_aside(self, settle=False):
+            raise_together(error, self.groups, f"domain region {self.where[0]}", "domain.guard", ranks=ranks,
+                           cls=GuardError)
+
+    def refuse(self, err: BaseException) -> BaseException:
+        """The error to raise for this rank's refusal ``err``: after an armed decision it is settled
+        first (the other ranks meet it before their next collective) and every rank raises the same
+        :class:`GuardError`; else ``err`` as it is (a decision read from no local size is the same
+        on every rank)."""
+        if not self.pending:
+            return err
+        try:
+            self.settle(err)
+        except GuardError as agreed:
+            return agreed
+        return err  # pragma: no cover - settle(err) always raises
+
     # -------------------------------------------------------- torch function
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not _touches(self, args, kwargs):
             return func(*args, **kwargs)
-        with stepped_aside(self):  # an outer guard (a model watch) must not see the handler's own ops
+        with stepped_aside(self, settle=False):  # an outer guard (a model watch) must not see the handler's own ops
             return handle(self, func, args, kwargs)
 
     def _norm_any_layout(self, module, call, x, layout, args, kwargs):
@@ -130,7 +176,7 @@ class RegionGuard(TorchFunctionMode):
         nd = 2 + (module.spatial or len(dims))
         if (set(sharded_dims(layout)) & {0, 1} or mesh_dims_of(layout) != tuple(range(len(self.groups)))
                 or dims != tuple(range(2, 2 + len(dims))) or len(args) != 1 or kwargs):
-            raise self.error(f"{type(module).__name__} on a tensor sharded as {layout}", layout)
+            raise self.refuse(self.error(f"{type(module).__name__} on a tensor sharded as {layout}", layout))
         flat = x.reshape(x.shape[0], x.shape[1], -1, *([1] * (nd - 3)))
         with stepped_aside(self):
             out = call(flat)
@@ -149,13 +195,15 @@ class RegionGuard(TorchFunctionMode):
                 serial.train(module.training)
                 return serial(*args, **kwargs)
             if layout is None:
-                raise self.error(f"{name} (a domain twin) applied to a replicated tensor of shape {tuple(x.shape)}",
-                                 advice="Twins take this rank's slice of a sharded tensor.")
+                raise self.refuse(self.error(f"{name} (a domain twin) applied to a replicated tensor of shape "
+                                             f"{tuple(x.shape)}", advice="Twins take this rank's slice of a sharded "
+                                             "tensor."))
             if layout != region_layout(x.shape, tuple(dims)) and _statistics_twin(module):
                 return self._norm_any_layout(module, call, x, layout, args, kwargs)
             if layout != region_layout(x.shape, tuple(dims)):
-                raise self.error(f"{name} shards dims {tuple(dims)} but its input is sharded as {layout}", layout,
-                                 "Keep the spatial layout (N, C, *spatial) that the region's input had.")
+                raise self.refuse(self.error(f"{name} shards dims {tuple(dims)} but its input is sharded as {layout}",
+                                             layout, "Keep the spatial layout (N, C, *spatial) that the region's "
+                                             "input had."))
 
         with stepped_aside(self), using_buckets(self.buckets):
             out = call(*args, **kwargs)

@@ -126,24 +126,29 @@ def _reshape(g, func, args, kwargs):
         return _preserve(g, func, args, kwargs)
     else:
         shape = _shape_args(args) if len(args) > 1 else tuple(kwargs.get("shape", kwargs.get("size", ())))
+    g.arm()  # decided from local sizes (a 1-row or empty shard): agreed on a region's first call
     new = reshape_layout(x.shape, lay, shape)
     return g.mark(func(*args, **kwargs), new)
 
 
 def _flatten(g, func, args, kwargs):
     x, lay = args[0], g.layout(args[0])
+    start = kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
+    end = kwargs.get("end_dim", args[2] if len(args) > 2 else -1)
+    named = isinstance(start, int) and isinstance(end, int)  # the dims it merges are named: never ambiguous
+    if not named:
+        g.arm()
     out = func(*args, **kwargs)
     if not x.dim():
         return out
-    start = kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
-    end = kwargs.get("end_dim", args[2] if len(args) > 2 else -1)
-    if isinstance(start, int) and isinstance(end, int):  # the dims it merges are named: never ambiguous
+    if named:
         return g.mark(out, flatten_layout(x.shape, lay, start, end))
     return g.mark(out, reshape_layout(x.shape, lay, out.shape))
 
 
 def _unflatten(g, func, args, kwargs):
     x, lay = args[0], g.layout(args[0])
+    g.arm()  # a 1-row shard split into two dims is ambiguous on that rank only
     out = func(*args, **kwargs)
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     if isinstance(dim, int):
@@ -205,6 +210,7 @@ def _unsqueeze(g, func, args, kwargs):
 
 def _expand(g, func, args, kwargs):
     x, lay = args[0], g.layout(args[0])
+    g.arm()  # a 1-row shard expands where the others cannot
     out = func(*args, **kwargs)
     new = out.dim() - x.dim()
     for d in sharded_dims(lay):
@@ -267,6 +273,7 @@ def _setitem(g, func, args, kwargs):
 
 
 def _cat(g, func, args, kwargs):
+    g.arm()  # operands partitioned differently may have equal local sizes on some ranks only
     tensors = list(args[0]) if args else list(kwargs.get("tensors"))
     dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
     lays = [g.layout(t) for t in tensors]

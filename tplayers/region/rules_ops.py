@@ -16,7 +16,7 @@ from tplayers.region.rules import _mark_all, dims_arg, first_sharded, op_name, r
 from tplayers.domain import reductions as R
 from tplayers.layers._norm_core import DomainNormFn
 
-__all__ = ["TABLE"]
+__all__ = ["TABLE", "LOCAL"]
 
 
 def _bind(args, kwargs, names: Sequence[str], defaults: Dict[str, object]) -> Dict[str, object]:
@@ -288,6 +288,9 @@ def _prelu(g, func, args, kwargs):
     lay = g.layout(x)
     return g.mark(func(x, g.bound(w, mesh_dims_of(lay))), lay)
 
+
+#: rules that never communicate (a guard settles before the others; see tplayers.region.dispatch)
+LOCAL = (_linear, _matmul, _einsum, _conv, _layer_norm, _dropout, _where, _prelu)
 
 TABLE = {n: _reduction for n in ("sum", "nansum", "mean", "nanmean", "amax", "amin", "max", "min", "var", "std",
                                  "var_mean", "std_mean", "norm", "vector_norm", "prod", "logsumexp", "argmax",

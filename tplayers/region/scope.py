@@ -6,11 +6,16 @@ and a pair of small hooks on every submodule that keep the module path for error
 call of the root:
 
 1. one small agreement: every rank's local input shape, compared with the previous call's table
-   (the only collective the guard adds, DESIGN §2.6); when any rank's partition changed, every
-   rank forgets the region's cached layouts together, so a partition that changes on some ranks
-   only is re-planned on all of them instead of hanging;
+   (the only collective the guard adds on every call, DESIGN §2.6); when any rank's partition
+   changed, every rank forgets the region's cached layouts together, so a partition that changes
+   on some ranks only is re-planned on all of them instead of hanging. The first call also
+   compares a fingerprint of every replicated parameter and buffer of the region (ranks built
+   from different seeds raise ``ValueError`` naming the tensor and the ranks);
 2. a :class:`~tplayers.region.guard.RegionGuard` is pushed, the first tensor argument is tagged as
-   sharded along ``shard_dims``, the forward runs guarded, and the guard is popped.
+   sharded along ``shard_dims``, the forward runs guarded, and the guard is popped. On the first
+   call of a partition (a table not yet run through without a refusal) the guard agrees on the
+   decisions it reads from local sizes before each collective that follows them (``check``, see
+   :mod:`tplayers.region.guard`), so a refusal on some ranks is a ``ValueError`` on every rank.
 
 Under ``torch.compile`` tracing the guard does not run: a region whose eager calls needed it (routed
 ops, summed replicated gradients) raises ``ValueError`` when traced; validate a model eagerly
@@ -20,16 +25,17 @@ before compiling it.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from tplayers.comm.agree import exchange_agreed
+from tplayers.comm.agree import exchange_agreed, value_fingerprints
 from tplayers.comm.buckets import GradBuckets
 from tplayers.region.guard import RegionGuard, active_guard
-from tplayers.layers._common import RegionAware
+from tplayers.layers._common import RegionAware, replicated_tensors
 from tplayers.mesh import resolve_mesh
 from tplayers.domain.shard import reset_layouts
 
@@ -49,7 +55,10 @@ class DomainRegion:
         self.name = name or "<root>"
         self.routes: Dict = {}
         self._table: Optional[List] = None
+        self._checked: Optional[List] = None  # the last table a call ran through without a refusal
+        self._values_checked = False  # replicated tensors compared across ranks (first call)
         self._stack: List[RegionGuard] = []
+        self._raised: List = []  # the exception being handled when each call began (sys.exc_info)
         self._root: Optional[weakref.ref] = None  # the hooked module, weakly: its hooks hold this region
         self.needs_guard = False  # an eager call routed an op or summed a replicated gradient
 
@@ -71,6 +80,7 @@ class DomainRegion:
         memo[id(self)] = new
         new.__dict__.update(self.__dict__)
         new.routes, new._table, new._stack, new._root = {}, None, [], None
+        new._checked, new._values_checked, new._raised = None, False, []
         new.needs_guard = self.needs_guard
         return new
 
@@ -93,8 +103,12 @@ class DomainRegion:
         ok = isinstance(x, torch.Tensor) and x.dim() > max(self.shard_dims)
         shape = list(x.shape) if ok else []
         row = [int(ok), len(shape)] + shape + [-1] * (6 - len(shape))
+        values = None
+        if not self._values_checked and self.root is not None:  # first call: the replicated tensors too
+            values = value_fingerprints(replicated_tensors(self.root))
         table = exchange_agreed(row, {"region": self.name, "shard_dims": self.shard_dims}, groups,
-                                f"domain region {self.name}", tag="domain.region")
+                                f"domain region {self.name}", tag="domain.region", values=values)
+        self._values_checked = True
         flat = [r for line in table for r in line]
         bad = [i for i, r in enumerate(flat) if not r[0]]
         if bad:
@@ -106,10 +120,15 @@ class DomainRegion:
                 twin.reset_layout()
         self._table = flat
 
-    def enter(self, x) -> RegionGuard:
+    def enter(self, x, agreed: bool = False) -> RegionGuard:
+        """Push this call's guard. ``agreed``: :meth:`agree` ran for this call (a ``DomainParallel``
+        region); its table decides whether the guard checks (a partition not yet run through).
+        Without it (``domain_region`` by hand) the guard always checks."""
         outer = active_guard()  # a model-level watch: region outputs stay visible to it
         guard = RegionGuard(self.mesh, self.shard_dims, self.name, token=None if outer is None else outer.token)
         guard.routes = self.routes
+        guard.agreed = agreed
+        guard.check = not agreed or self._table != self._checked
         if self.root is not None:  # before any twin runs: the gate's backward must come last
             guard.buckets = GradBuckets.for_region(self.root, guard.groups)
         guard.__enter__()
@@ -118,11 +137,22 @@ class DomainRegion:
             guard.mark_input(x)
         return guard
 
-    def exit(self) -> None:
+    def exit(self, error: Optional[BaseException] = None) -> None:
+        """Pop this call's guard, then settle its armed decisions (``error``: the exception this
+        rank's forward raised, which the other ranks then raise too). A call that ran through
+        without a refusal marks its partition checked."""
         if self._stack:
             guard = self._stack.pop()
             guard.__exit__(None, None, None)
             self.needs_guard |= guard.acted
+            try:
+                guard.settle(error)
+            except ValueError:
+                if error is None:
+                    raise
+                return  # this rank's own exception propagates; the others raise the agreed one
+            if error is None and guard.agreed:
+                self._checked = self._table
 
     # ------------------------------------------------------------------ hooks
     def pre_hook(self, module, args, kwargs):
@@ -141,13 +171,19 @@ class DomainRegion:
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if x is None:
             x = next((a for a in kwargs.values() if isinstance(a, torch.Tensor)), None)
+        outer = active_guard()
+        if outer is not None and hasattr(outer, "settle"):
+            outer.settle()  # a region nested in another: the outer one's decisions before this agreement
         self.agree(x)
-        self.enter(x)
+        self._raised.append(sys.exc_info()[1])
+        self.enter(x, agreed=True)
         return None
 
     def post_hook(self, module, args, kwargs, output):
         if self._stack and active_guard() is self._stack[-1]:
-            self.exit()
+            before = self._raised.pop() if self._raised else None
+            now = sys.exc_info()[1]  # always_call: the forward's exception is being handled here
+            self.exit(now if now is not None and now is not before else None)
         return None
 
 
@@ -254,9 +290,13 @@ def domain_region(mesh=None, shard_dims: Sequence[int] = (2,), *, inputs: Sequen
     """
     region = DomainRegion(mesh, shard_dims, "<domain_region>")
     guard = region.enter(None)
+    error = None
     try:
         for t in inputs:
             guard.mark_input(t)
         yield guard
+    except BaseException as e:
+        error = e
+        raise
     finally:
-        region.exit()
+        region.exit(error)
