@@ -12,10 +12,10 @@ import time
 
 import pytest
 import torch
+from harness import run_ranks
 from torch import nn
 
 import tplayers
-from harness import run_ranks
 
 SECONDS = 5  # a refusal reaches every rank at once; a hang would take the harness timeout
 
@@ -139,9 +139,17 @@ def _segformer(rank, world):
     from transformers import SegformerConfig, SegformerModel
 
     torch.manual_seed(0)
-    config = SegformerConfig(num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
-                             hidden_sizes=[8, 16], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
-                             mlp_ratios=[2, 2])
+    config = SegformerConfig(
+        num_channels=3,
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[8, 16],
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2],
+    )
     model = tplayers.parallelize_module(SegformerModel(config).eval(), {"": tplayers.DomainParallel(shard_dims=(2,))})
     x = torch.randn(1, 3, 44, 32)  # 11 rows after the stride-4 patch embedding: 4 + 4 + 3, then 2 + 2 + 1
     start = time.monotonic()

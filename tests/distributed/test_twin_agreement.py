@@ -14,10 +14,10 @@ import time
 
 import pytest
 import torch
+from harness import run_ranks
 from torch import nn
 
 import tplayers
-from harness import run_ranks
 
 SECONDS = 5
 
@@ -39,10 +39,13 @@ def _conv_partitions(rank, world, partitions):
     return True
 
 
-@pytest.mark.parametrize("world,partitions", [
-    (2, [[5, 4], [5, 5], [5, 4], [5, 4]]),            # rank 0 keeps 5 rows throughout
-    (3, [[4, 3, 3], [4, 3, 4], [4, 3, 3], [4, 4, 3]]),  # one rank changes at a time; rank 0 never
-])
+@pytest.mark.parametrize(
+    "world,partitions",
+    [
+        (2, [[5, 4], [5, 5], [5, 4], [5, 4]]),  # rank 0 keeps 5 rows throughout
+        (3, [[4, 3, 3], [4, 3, 4], [4, 3, 3], [4, 4, 3]]),  # one rank changes at a time; rank 0 never
+    ],
+)
 def test_standalone_twin_whose_partition_changes_on_one_rank_is_replanned_on_every_rank(world, partitions):
     assert all(run_ranks(_conv_partitions, world, args=(partitions,), timeout=60))
 
@@ -108,8 +111,9 @@ def test_from_module_of_differently_seeded_modules_raises_on_every_rank(kind, na
 def _region_from(rank, world, seeded, src_rank):
     torch.manual_seed(0 if seeded else rank)
     serial = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.Conv2d(4, 2, 1))
-    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
-                                        src_rank=src_rank)
+    model = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, src_rank=src_rank
+    )
     x = torch.randn(1, 2, 9, 5, generator=torch.Generator().manual_seed(1))
     if seeded or src_rank is not None:  # one seed, or rank src_rank's values everywhere: exact
         serial = serial if seeded or rank == src_rank else None

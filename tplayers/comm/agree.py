@@ -49,8 +49,9 @@ def config_code(value: object) -> int:
     return -(1 << 40) - zlib.crc32(repr(value).encode())
 
 
-def check_agreement(rows: Sequence[Sequence[int]], names: Sequence[str], values: Mapping[str, object],
-                    what: str) -> None:
+def check_agreement(
+    rows: Sequence[Sequence[int]], names: Sequence[str], values: Mapping[str, object], what: str
+) -> None:
     """``ValueError`` unless every rank's trailing ``len(names)`` codes match.
 
     ``rows`` are the exchanged rows in mesh order (every rank sees the same rows,
@@ -71,13 +72,21 @@ def check_agreement(rows: Sequence[Sequence[int]], names: Sequence[str], values:
         shown = []
         for code, ranks in groups.items():
             mine = config_code(values[name]) == code
-            label = repr(values[name]) if mine else (str(code) if isinstance(values[name], int)
-                                                      and not isinstance(values[name], bool) else "another value")
+            label = (
+                repr(values[name])
+                if mine
+                else (
+                    str(code)
+                    if isinstance(values[name], int) and not isinstance(values[name], bool)
+                    else "another value"
+                )
+            )
             shown.append(f"ranks {ranks}: {label}")
         problems.append(f"{name} differs across ranks ({'; '.join(shown)})")
     if problems:
-        raise ValueError(f"{what}: every rank must be built and called with the same arguments, but "
-                         + "; ".join(problems))
+        raise ValueError(
+            f"{what}: every rank must be built and called with the same arguments, but " + "; ".join(problems)
+        )
 
 
 def value_fingerprints(named: Mapping[str, torch.Tensor]) -> Dict[str, int]:
@@ -106,9 +115,10 @@ def value_fingerprints(named: Mapping[str, torch.Tensor]) -> Dict[str, int]:
     got = [s for s in sums if s is not None]
     host = torch.stack([s.to(got[0].device) for s in got]).cpu().tolist() if got else []  # one copy
     it = iter(host)
-    return {name: config_code((tuple(named[name].shape), str(named[name].dtype),
-                               None if s is None else tuple(next(it))))
-            for name, s in zip(names, sums)}
+    return {
+        name: config_code((tuple(named[name].shape), str(named[name].dtype), None if s is None else tuple(next(it))))
+        for name, s in zip(names, sums)
+    }
 
 
 def _check_values(rows: Sequence[Sequence[int]], names: Sequence[str], what: str, ranks) -> None:
@@ -124,16 +134,25 @@ def _check_values(rows: Sequence[Sequence[int]], names: Sequence[str], what: str
             groups.setdefault(code, []).append(int(ranks[i]) if ranks is not None else i)
         problems.append(f"{name!r} (" + " / ".join(f"ranks {g}" for g in groups.values()) + ")")
     if problems:
-        raise ValueError(f"{what}: replicated tensors hold different values across ranks: {', '.join(problems)}. "
-                         "A replicated parameter or buffer must be the same on every rank: build every rank's "
-                         "model under one seed (torch.manual_seed before constructing it), or let "
-                         "parallelize_module copy one rank's values (src_rank=0, the default)")
+        raise ValueError(
+            f"{what}: replicated tensors hold different values across ranks: {', '.join(problems)}. "
+            "A replicated parameter or buffer must be the same on every rank: build every rank's "
+            "model under one seed (torch.manual_seed before constructing it), or let "
+            "parallelize_module copy one rank's values (src_rank=0, the default)"
+        )
 
 
-def exchange_agreed(row: Sequence[int], config: Mapping[str, object], groups: Sequence[dist.ProcessGroup],
-                    what: str, tag: str = "agree", *, error: Optional[BaseException] = None,
-                    values: Optional[Mapping[str, int]] = None,
-                    ranks: Optional[Sequence[int]] = None) -> List[List[List[int]]]:
+def exchange_agreed(
+    row: Sequence[int],
+    config: Mapping[str, object],
+    groups: Sequence[dist.ProcessGroup],
+    what: str,
+    tag: str = "agree",
+    *,
+    error: Optional[BaseException] = None,
+    values: Optional[Mapping[str, int]] = None,
+    ranks: Optional[Sequence[int]] = None,
+) -> List[List[List[int]]]:
     """:func:`exchange_grid_table` of ``row`` with ``config`` appended and checked.
 
     ``error``: an exception this rank found in its own arguments before the
@@ -150,23 +169,31 @@ def exchange_agreed(row: Sequence[int], config: Mapping[str, object], groups: Se
     codes = [config_code(config[n]) for n in names]
     tensors = list(values or {})
     n = len(row)
-    table = exchange_grid_table([int(error is not None)] + list(row) + codes + [values[t] for t in tensors],
-                                groups, tag)
+    table = exchange_grid_table(
+        [int(error is not None)] + list(row) + codes + [values[t] for t in tensors], groups, tag
+    )
     flat = [r for line in table for r in line]
     failed = [rank for rank, r in enumerate(flat) if r[0]]
     if error is not None:
         raise error
     if failed:
-        raise ValueError(f"{what}: rank(s) {failed} rejected their arguments (their error says why); "
-                         "no data was exchanged")
+        raise ValueError(
+            f"{what}: rank(s) {failed} rejected their arguments (their error says why); no data was exchanged"
+        )
     check_agreement([r[: len(r) - len(tensors)] for r in flat], names, config, what)
     _check_values(flat, tensors, what, ranks)
     return [[r[1 : n + 1] for r in line] for line in table]
 
 
-def raise_together(error: Optional[BaseException], groups: Sequence[dist.ProcessGroup], what: str,
-                   tag: str = "agree.error", *, ranks: Optional[Sequence[int]] = None,
-                   cls: type = ValueError) -> None:
+def raise_together(
+    error: Optional[BaseException],
+    groups: Sequence[dist.ProcessGroup],
+    what: str,
+    tag: str = "agree.error",
+    *,
+    ranks: Optional[Sequence[int]] = None,
+    cls: type = ValueError,
+) -> None:
     """Every rank calls this at the same point with its own ``error`` (``None``: none here).
 
     If any rank passed one, every rank raises the same ``cls`` (a ``ValueError``) naming the
@@ -185,5 +212,7 @@ def raise_together(error: Optional[BaseException], groups: Sequence[dist.Process
     texts = exchange_grid_table(list(text) + [0] * (width - len(text)), groups, tag)
     first = bytes(texts[failed[0] // len(table[0])][failed[0] % len(table[0])][: flat[failed[0]][1]])
     names = [int(ranks[i]) for i in failed] if ranks is not None else failed
-    raise cls(f"{what}: rank(s) {names} raised, so every rank raises this error. "
-              f"Rank {names[0]}: {first.decode(errors='replace')}")
+    raise cls(
+        f"{what}: rank(s) {names} raised, so every rank raises this error. "
+        f"Rank {names[0]}: {first.decode(errors='replace')}"
+    )

@@ -13,8 +13,21 @@ from typing import Any, Dict
 
 from tplayers.domain.layout import LayoutError
 from tplayers.region import rules_ops, rules_route
-from tplayers.region.rules import (_ALONG, _PASS, _PRESERVE, _VALUES, _VIEWS, _getter, _passthrough, _pointwise_names,
-                                   _preserve, _refuse_value, first_sharded, op_name, run_pointwise)
+from tplayers.region.rules import (
+    _ALONG,
+    _PASS,
+    _PRESERVE,
+    _VALUES,
+    _VIEWS,
+    _getter,
+    _passthrough,
+    _pointwise_names,
+    _preserve,
+    _refuse_value,
+    first_sharded,
+    op_name,
+    run_pointwise,
+)
 
 __all__ = ["handle"]
 
@@ -35,8 +48,18 @@ def _table() -> Dict[str, Any]:
 def _local() -> frozenset:
     """The rules that never communicate: a guard settles its armed decisions before any other
     (see :meth:`~tplayers.region.guard.RegionGuard.settle`; an unlisted rule counts as communicating)."""
-    return frozenset([_preserve, _passthrough, _refuse_value, _getter, run_pointwise, *_VIEWS.values(),
-                      *_ALONG.values(), *rules_ops.LOCAL])
+    return frozenset(
+        [
+            _preserve,
+            _passthrough,
+            _refuse_value,
+            _getter,
+            run_pointwise,
+            *_VIEWS.values(),
+            *_ALONG.values(),
+            *rules_ops.LOCAL,
+        ]
+    )
 
 
 def handle(g, func, args, kwargs):
@@ -49,9 +72,13 @@ def handle(g, func, args, kwargs):
         handler = run_pointwise
     if handler is None:
         t, lay = first_sharded(g, args, kwargs)
-        raise g.refuse(g.error(f"{op_name(func)} is not known to be exact on sharded data", lay,
-                               "Use a tplayers twin or tplayers.functional for it, or move it outside the domain "
-                               "region."))
+        raise g.refuse(
+            g.error(
+                f"{op_name(func)} is not known to be exact on sharded data",
+                lay,
+                "Use a tplayers twin or tplayers.functional for it, or move it outside the domain region.",
+            )
+        )
     if g.pending and handler not in _local():
         g.settle()  # before the rule's collectives
     try:
