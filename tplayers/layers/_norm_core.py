@@ -85,6 +85,14 @@ def global_moments(x4: torch.Tensor, per_channel: bool, groups: List[dist.Proces
     return triple[0], triple[1], triple[2]
 
 
+def _rows(t: torch.Tensor, per) -> torch.Tensor:
+    """``t`` broadcast to ``per`` as a dense flat vector. Never a view of the broadcast: with one row per
+    statistic (one channel, batch norm) ``expand(...).reshape(-1)`` is a stride-0 view, and the fused
+    kernels below read their per-row arguments as dense (a 1-channel batch norm's backward summed
+    against the first row's mean only: issue 33)."""
+    return t.expand(per).contiguous().reshape(-1)
+
+
 def affine_rows(x4: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, shape=None) -> torch.Tensor:
     """``x4 * scale + shift`` as a new base tensor (of ``shape``, default ``x4``'s; never a view, so a caller
     may modify it in place); ``x4`` is ``(N, G, Cg, L)``, ``scale`` and ``shift`` broadcast to ``(N, G, Cg, 1)``.
@@ -95,7 +103,7 @@ def affine_rows(x4: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, shap
     zeros = x4.new_zeros(rows)
     y = torch.empty(x4.shape if shape is None else shape, dtype=x4.dtype, device=x4.device)
     torch.ops.aten.native_batch_norm.out(
-        x4.reshape(1, rows, -1), scale.expand(per).reshape(-1), shift.expand(per).reshape(-1), zeros,
+        x4.reshape(1, rows, -1), _rows(scale, per), _rows(shift, per), zeros,
         torch.ones_like(zeros), False, 0.0, 0.0, out=y.view(1, rows, -1), save_mean=x4.new_empty(0),
         save_invstd=x4.new_empty(0))
     return y
@@ -107,7 +115,7 @@ def dy_sums(d4: torch.Tensor, x4: torch.Tensor, mean_a: torch.Tensor) -> Tuple[t
     view (one channel per group, rstd 1), one pass and no temporary (vs. ~3x for a product and a sum)."""
     n, g, cg, length = x4.shape
     rows = n * g * cg
-    mean = mean_a.expand(n, g, cg, 1).reshape(1, rows)
+    mean = _rows(mean_a, (n, g, cg, 1)).view(1, rows)
     one = x4.new_ones(rows)
     _, sdyx, sdy = torch.ops.aten.native_group_norm_backward(
         d4.reshape(1, rows, length), x4.reshape(1, rows, length), mean, one.view(1, rows), one, 1, rows, length,
