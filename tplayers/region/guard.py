@@ -67,6 +67,7 @@ class RegionGuard(TorchFunctionMode):
         self.routes: Dict[Any, Any] = {}  # per call-site routed twins (kept across calls by the region)
         self.acted = False  # whether this call routed an op or summed a replicated gradient
         self.buckets = None  # this call's parameter-gradient buckets (tplayers.comm.buckets), set by the region
+        self.reads: Dict[int, set] = {}  # mesh dim -> local lengths of sharded dims the code read (note_read)
 
     # ----------------------------------------------------------------- tags
     def layout(self, t: Any) -> Optional[Layout]:
@@ -90,7 +91,18 @@ class RegionGuard(TorchFunctionMode):
         if max(self.shard_dims) >= x.dim():
             raise ValueError(f"domain region {self.where[0]}: its input has {x.dim()} dims, fewer than the sharded "
                              f"dims {self.shard_dims} need")
-        return self.mark(x, region_layout(x.shape, self.shard_dims))
+        with stepped_aside(self):  # the guard's own reads are not the code's (note_read)
+            shape = x.shape
+        return self.mark(x, region_layout(shape, self.shard_dims))
+
+    def note_read(self, t: Any, dim: Optional[int] = None) -> None:
+        """Remember the local lengths of ``t``'s sharded dims (or of dim ``dim``) read by the region's code
+        (``x.shape``, ``x.size()``): a size equal to one of them may be a local share (:mod:`tplayers.region.sizes`)."""
+        lay = self.layout(t)
+        for d, entry in enumerate(lay or ()):
+            for _, axis in entry or ():
+                if axis is not None and (dim is None or d == dim % len(lay)):
+                    self.reads.setdefault(axis, set()).add(int(t.shape[d]))
 
     # ------------------------------------------------------------ boundary
     def bound(self, t: torch.Tensor, axes: Sequence[int]) -> torch.Tensor:
@@ -131,10 +143,10 @@ class RegionGuard(TorchFunctionMode):
         if (set(sharded_dims(layout)) & {0, 1} or mesh_dims_of(layout) != tuple(range(len(self.groups)))
                 or dims != tuple(range(2, 2 + len(dims))) or len(args) != 1 or kwargs):
             raise self.error(f"{type(module).__name__} on a tensor sharded as {layout}", layout)
-        flat = x.reshape(x.shape[0], x.shape[1], -1, *([1] * (nd - 3)))
         with stepped_aside(self):
-            out = call(flat)
-        return self.mark(out.reshape(x.shape), layout)
+            flat = x.reshape(x.shape[0], x.shape[1], -1, *([1] * (nd - 3)))
+            out = call(flat).reshape(x.shape)
+        return self.mark(out, layout)
 
     # ---------------------------------------------------------------- twins
     def call_twin(self, module, call: Callable, args, kwargs):
@@ -143,17 +155,19 @@ class RegionGuard(TorchFunctionMode):
         layout = self.layout(x)
         dims = getattr(module, "shard_dims", None)
         name = type(module).__name__
+        with stepped_aside(self):  # the guard's own reads are not the code's (note_read)
+            shape = None if x is None else x.shape
         if dims is not None and x is not None:
             if layout is None and getattr(module, "_serial", None) is not None:
                 serial = module._serial[0]  # replicated data: the serial module, same tensors
                 serial.train(module.training)
                 return serial(*args, **kwargs)
             if layout is None:
-                raise self.error(f"{name} (a domain twin) applied to a replicated tensor of shape {tuple(x.shape)}",
+                raise self.error(f"{name} (a domain twin) applied to a replicated tensor of shape {tuple(shape)}",
                                  advice="Twins take this rank's slice of a sharded tensor.")
-            if layout != region_layout(x.shape, tuple(dims)) and _statistics_twin(module):
+            if layout != region_layout(shape, tuple(dims)) and _statistics_twin(module):
                 return self._norm_any_layout(module, call, x, layout, args, kwargs)
-            if layout != region_layout(x.shape, tuple(dims)):
+            if layout != region_layout(shape, tuple(dims)):
                 raise self.error(f"{name} shards dims {tuple(dims)} but its input is sharded as {layout}", layout,
                                  "Keep the spatial layout (N, C, *spatial) that the region's input had.")
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from tplayers.comm.agree import exchange_agreed
 from tplayers.comm.buckets import GradBuckets
+from tplayers.domain.active import stepped_aside
 from tplayers.region.guard import RegionGuard, active_guard
 from tplayers.layers._common import RegionAware
 from tplayers.mesh import resolve_mesh
@@ -91,7 +92,8 @@ class DomainRegion:
         """The per-call agreement (see the module docstring)."""
         groups = [self.mesh.get_group(i) for i in range(self.mesh.ndim)]
         ok = isinstance(x, torch.Tensor) and x.dim() > max(self.shard_dims)
-        shape = list(x.shape) if ok else []
+        with stepped_aside():  # an outer guard's: this read is not the model code's (RegionGuard.note_read)
+            shape = list(x.shape) if ok else []
         row = [int(ok), len(shape)] + shape + [-1] * (6 - len(shape))
         table = exchange_agreed(row, {"region": self.name, "shard_dims": self.shard_dims}, groups,
                                 f"domain region {self.name}", tag="domain.region")
@@ -110,6 +112,8 @@ class DomainRegion:
         outer = active_guard()  # a model-level watch: region outputs stay visible to it
         guard = RegionGuard(self.mesh, self.shard_dims, self.name, token=None if outer is None else outer.token)
         guard.routes = self.routes
+        if outer is not None:  # the same call: the shapes its code read count here too
+            guard.reads = outer.reads
         if self.root is not None:  # before any twin runs: the gate's backward must come last
             guard.buckets = GradBuckets.for_region(self.root, guard.groups)
         guard.__enter__()
