@@ -118,8 +118,9 @@ def _gate(rank, world, mesh_shape, kind, shape):
             torch.manual_seed(0)
             serial = Gate(kind, src).double()
             _randomize(serial)
-            parallel = tplayers.parallelize_module(copy.deepcopy(serial),
-                                                   {"": tplayers.DomainParallel(shard_dims=dims)}, mesh=mesh)
+            parallel = tplayers.parallelize_module(
+                copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)}, mesh=mesh
+            )
             opt_s = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
             opt_p = torch.optim.SGD(parallel.parameters(), lr=0.1, momentum=0.9)
             gen = torch.Generator().manual_seed(1)
@@ -135,8 +136,9 @@ def _gate(rank, world, mesh_shape, kind, shape):
                 cot = torch.randn(ys.shape, dtype=ys.dtype, generator=gen)
                 (ys * cot).sum().backward()
                 (yg * cot).sum().backward()
-                torch.testing.assert_close(tplayers.gather(xp.grad, dims, mesh), xs.grad, **TIGHT,
-                                           msg=lambda m: f"{where}, input grad: {m}")
+                torch.testing.assert_close(
+                    tplayers.gather(xp.grad, dims, mesh), xs.grad, **TIGHT, msg=lambda m: f"{where}, input grad: {m}"
+                )
                 assert_params_match(parallel, serial, grads=True, **TIGHT)
                 opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
                 assert_params_match(parallel, serial, grads=False, **TIGHT)
@@ -145,11 +147,14 @@ def _gate(rank, world, mesh_shape, kind, shape):
     return True
 
 
-@pytest.mark.parametrize("world,mesh_shape,shape", [
-    (2, (2,), (3, 11, 5)),      # H 6 + 5
-    (3, (3,), (3, 11, 5)),      # H 4 + 4 + 3
-    (4, (2, 2), (3, 11, 9)),    # H 6 + 5, W 5 + 4
-])
+@pytest.mark.parametrize(
+    "world,mesh_shape,shape",
+    [
+        (2, (2,), (3, 11, 5)),  # H 6 + 5
+        (3, (3,), (3, 11, 5)),  # H 4 + 4 + 3
+        (4, (2, 2), (3, 11, 9)),  # H 6 + 5, W 5 + 4
+    ],
+)
 @pytest.mark.parametrize("kind", list(NORMS))
 def test_norms_in_a_gate_are_exact_whatever_the_channels_and_source(kind, world, mesh_shape, shape):
     run_ranks(_gate, world, args=(mesh_shape, kind, shape), timeout=240)
@@ -158,8 +163,12 @@ def test_norms_in_a_gate_are_exact_whatever_the_channels_and_source(kind, world,
 def _twins(rank, world):
     """The twins alone (no region): one statistic row per sample, forward and backward."""
     mesh = tplayers.default_mesh()
-    for make, shape in ((lambda: nn.BatchNorm2d(1), (3, 1, 11, 5)), (lambda: nn.GroupNorm(1, 4), (1, 4, 11, 5)),
-                        (lambda: nn.BatchNorm3d(1), (2, 1, 11, 4, 3)), (lambda: nn.GroupNorm(1, 3), (1, 3, 11))):
+    for make, shape in (
+        (lambda: nn.BatchNorm2d(1), (3, 1, 11, 5)),
+        (lambda: nn.GroupNorm(1, 4), (1, 4, 11, 5)),
+        (lambda: nn.BatchNorm3d(1), (2, 1, 11, 4, 3)),
+        (lambda: nn.GroupNorm(1, 3), (1, 3, 11)),
+    ):
         torch.manual_seed(0)
         serial = make().double()
         _randomize(nn.ModuleDict({"norm": serial}))
@@ -189,12 +198,14 @@ def _attention_unet(rank, world, spatial_dims, shape):
     mesh = tplayers.default_mesh()
     torch.manual_seed(0)
     channels, strides = ((4, 8, 8), (2, 2)) if spatial_dims == 2 else ((4, 8), (2,))
-    serial = AttentionUnet(spatial_dims=spatial_dims, in_channels=1, out_channels=2, channels=channels,
-                           strides=strides).double()
+    serial = AttentionUnet(
+        spatial_dims=spatial_dims, in_channels=1, out_channels=2, channels=channels, strides=strides
+    ).double()
     gates = [m for m in serial.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.num_features == 1]
     assert gates, "AttentionUnet's gates normalise one channel"
-    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
-                                        mesh=mesh)
+    model = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh
+    )
     opt_s = torch.optim.SGD(serial.parameters(), lr=0.05, momentum=0.9)
     opt_p = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
@@ -209,8 +220,9 @@ def _attention_unet(rank, world, spatial_dims, shape):
         cot = torch.randn(ys.shape, dtype=ys.dtype, generator=gen)
         (ys * cot).sum().backward()
         (yg * cot).sum().backward()
-        torch.testing.assert_close(tplayers.gather(xp.grad, 2, mesh), xs.grad, **TIGHT,
-                                   msg=lambda m: f"step {step} ({mode}), input grad: {m}")
+        torch.testing.assert_close(
+            tplayers.gather(xp.grad, 2, mesh), xs.grad, **TIGHT, msg=lambda m: f"step {step} ({mode}), input grad: {m}"
+        )
         assert_params_match(model, serial, grads=True, **TIGHT)
         opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
         assert_params_match(model, serial, grads=False, **TIGHT)
@@ -219,11 +231,14 @@ def _attention_unet(rank, world, spatial_dims, shape):
     return True
 
 
-@pytest.mark.parametrize("world,spatial_dims,shape", [
-    (2, 2, (2, 1, 16, 12)),
-    (2, 3, (2, 1, 8, 8, 8)),
-    (3, 2, (2, 1, 24, 8)),
-])
+@pytest.mark.parametrize(
+    "world,spatial_dims,shape",
+    [
+        (2, 2, (2, 1, 16, 12)),
+        (2, 3, (2, 1, 8, 8, 8)),
+        (3, 2, (2, 1, 24, 8)),
+    ],
+)
 def test_monai_attention_unet_is_exact(world, spatial_dims, shape):
     import monai  # noqa: F401 - the test extra installs it: a missing one fails, never skips
 

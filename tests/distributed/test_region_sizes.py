@@ -97,8 +97,9 @@ def _setup(world, mesh_shape, kind, arg, form, reads, shape):
     dims = tuple(range(2, 2 + mesh.ndim))
     torch.manual_seed(0)
     serial = _make(kind, arg, form, reads).double()
-    parallel = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)},
-                                           mesh=mesh)
+    parallel = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)}, mesh=mesh
+    )
     if form == "tf":
         parallel.mesh, parallel.dims = mesh, dims
     x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
@@ -142,12 +143,15 @@ def _refused(rank, world, mesh_shape, kind, arg, form, reads, shape, match):
 FORMS = ("functional", "module", "inline", "tf")
 
 
-@pytest.mark.parametrize("world,mesh_shape,shape,size", [
-    (2, (2,), (2, 2, 11, 5), (17, 5)),      # H 6 + 5, resized to 17 rows
-    (3, (3,), (1, 2, 11, 5), (17, 4)),      # H 4 + 4 + 3; W (unsharded) resized too
-    (2, (2,), (2, 2, 11, 5), (7, 5)),       # downsampling
-    (4, (2, 2), (1, 2, 11, 9), (17, 13)),   # H and W both sharded
-])
+@pytest.mark.parametrize(
+    "world,mesh_shape,shape,size",
+    [
+        (2, (2,), (2, 2, 11, 5), (17, 5)),  # H 6 + 5, resized to 17 rows
+        (3, (3,), (1, 2, 11, 5), (17, 4)),  # H 4 + 4 + 3; W (unsharded) resized too
+        (2, (2,), (2, 2, 11, 5), (7, 5)),  # downsampling
+        (4, (2, 2), (1, 2, 11, 9), (17, 13)),  # H and W both sharded
+    ],
+)
 @pytest.mark.parametrize("reads", [False, True])
 def test_a_constant_size_is_the_global_size_in_every_form(world, mesh_shape, shape, size, reads):
     """F.interpolate(size=C) gives the serial model's C rows (it used to give ranks x C), as
@@ -155,10 +159,13 @@ def test_a_constant_size_is_the_global_size_in_every_form(world, mesh_shape, sha
     run_ranks(_exact, world, args=(mesh_shape, "resize", size, FORMS, reads, shape), timeout=120)
 
 
-@pytest.mark.parametrize("world,shape,size", [
-    (2, (2, 2, 11, 5), (6, 5)),   # 6 is rank 0's local length (6 + 5), not rank 1's
-    (3, (1, 2, 11, 5), (4, 5)),   # 4 is ranks 0 and 1's (4 + 4 + 3), not rank 2's
-])
+@pytest.mark.parametrize(
+    "world,shape,size",
+    [
+        (2, (2, 2, 11, 5), (6, 5)),  # 6 is rank 0's local length (6 + 5), not rank 1's
+        (3, (1, 2, 11, 5), (4, 5)),  # 4 is ranks 0 and 1's (4 + 4 + 3), not rank 2's
+    ],
+)
 def test_a_constant_equal_to_the_local_length_on_some_ranks_only_is_global(world, shape, size):
     """The forward read the local shapes, and the constant equals one on some ranks: every rank still
     reads it as global (the ranks decide together from the same table)."""
@@ -171,26 +178,33 @@ def test_a_constant_equal_to_every_local_length_is_global_when_no_shape_was_read
     run_ranks(_exact, world, args=((world,), "resize", size, FORMS, False, shape), timeout=120)
 
 
-@pytest.mark.parametrize("world,mesh_shape,shape", [
-    (2, (2,), (2, 2, 13, 6)),     # skip rows 7 + 6, coarse rows 4 + 3
-    (3, (3,), (1, 2, 13, 6)),     # skip rows 5 + 4 + 4, coarse rows 3 + 2 + 2
-    (4, (2, 2), (1, 2, 13, 13)),  # skip 7 + 6 rows and columns; coarse 4 + 3 rows and columns
-])
+@pytest.mark.parametrize(
+    "world,mesh_shape,shape",
+    [
+        (2, (2,), (2, 2, 13, 6)),  # skip rows 7 + 6, coarse rows 4 + 3
+        (3, (3,), (1, 2, 13, 6)),  # skip rows 5 + 4 + 4, coarse rows 3 + 2 + 2
+        (4, (2, 2), (1, 2, 13, 13)),  # skip 7 + 6 rows and columns; coarse 4 + 3 rows and columns
+    ],
+)
 @pytest.mark.parametrize("how", ["size", "nearest", "pool"])
 def test_sizes_derived_from_a_sharded_skip_are_local_shares(world, mesh_shape, shape, how):
     run_ranks(_exact, world, args=(mesh_shape, "skip", None, (how,), False, shape), timeout=120)
 
 
-@pytest.mark.parametrize("world,mesh_shape,shape,size", [
-    (2, (2,), (2, 2, 11, 5), (4, 5)),
-    (3, (3,), (1, 2, 11, 5), (5, 3)),
-    (2, (2,), (2, 2, 11, 5), (1, 5)),      # size 1 along the sharded dim: a global mean, replicated
-    (4, (2, 2), (1, 2, 11, 9), (4, 3)),
-])
+@pytest.mark.parametrize(
+    "world,mesh_shape,shape,size",
+    [
+        (2, (2,), (2, 2, 11, 5), (4, 5)),
+        (3, (3,), (1, 2, 11, 5), (5, 3)),
+        (2, (2,), (2, 2, 11, 5), (1, 5)),  # size 1 along the sharded dim: a global mean, replicated
+        (4, (2, 2), (1, 2, 11, 9), (4, 3)),
+    ],
+)
 @pytest.mark.parametrize("reads", [False, True])
 def test_adaptive_pools_read_output_size_as_global_in_both_forms(world, mesh_shape, shape, size, reads):
-    run_ranks(_exact, world, args=(mesh_shape, "resize", size, ("pool_functional", "pool_module"), reads, shape),
-              timeout=120)
+    run_ranks(
+        _exact, world, args=(mesh_shape, "resize", size, ("pool_functional", "pool_module"), reads, shape), timeout=120
+    )
 
 
 def test_adaptive_max_pool_functional_form():
@@ -223,6 +237,7 @@ def test_a_skip_size_on_an_even_partition_is_refused_and_scale_factor_is_exact(w
 
 
 def test_sizes_that_are_neither_global_nor_shares_are_refused_on_every_rank():
-    msgs = run_ranks(_refused, 2, args=((2,), "resize", None, "squared", False, (1, 2, 11, 5),
-                                        "neither a global size"), timeout=60)
+    msgs = run_ranks(
+        _refused, 2, args=((2,), "resize", None, "squared", False, (1, 2, 11, 5), "neither a global size"), timeout=60
+    )
     assert all("[36, 25]" in m for m in msgs), msgs

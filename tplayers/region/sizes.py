@@ -90,23 +90,31 @@ def global_sizes(g, x: torch.Tensor, dims: Sequence[int], size, what: str) -> Tu
         if len(wants) > 1:
             if local is None:
                 ranks = [r[i] for r in cells]
-                raise g.error(f"{shown}: along sharded dim {d} the ranks ask for {ranks}, which is neither a "
-                              "global size (the same on every rank) nor the ranks' shares of the partition "
-                              "the window core produces", advice=_ADVICE)
+                raise g.error(
+                    f"{shown}: along sharded dim {d} the ranks ask for {ranks}, which is neither a "
+                    "global size (the same on every rank) nor the ranks' shares of the partition "
+                    "the window core produces",
+                    advice=_ADVICE,
+                )
             out[d - 2] = local
             continue
         s = wants[0]
         if local is not None and all(r[i + 2] for r in cells):
-            raise g.error(f"{shown} is {s} along sharded dim {d} on every rank, and {s} is a local length "
-                          f"along that dim that this region's code read (x.shape, x.size()) on every rank: "
-                          f"read as this rank's share it means {local} rows in all, read as the global size "
-                          f"(as nn.Upsample / nn.AdaptiveAvgPool modules read it) {s} rows. The two cannot be "
-                          "told apart", advice=_ADVICE)
+            raise g.error(
+                f"{shown} is {s} along sharded dim {d} on every rank, and {s} is a local length "
+                f"along that dim that this region's code read (x.shape, x.size()) on every rank: "
+                f"read as this rank's share it means {local} rows in all, read as the global size "
+                f"(as nn.Upsample / nn.AdaptiveAvgPool modules read it) {s} rows. The two cannot be "
+                "told apart",
+                advice=_ADVICE,
+            )
         out[d - 2] = s
     return tuple(out)
 
 
-_ADVICE = ("For a global size: build the module (nn.Upsample(size=...), nn.AdaptiveAvgPool2d(...)) in __init__, "
-           "whose size is always global, or call tplayers.functional's form with mesh= and shard_dims=. For a "
-           "size derived from a sharded tensor (skip.shape[2:]): use scale_factor= (with recompute_scale_factor="
-           "True when the ratio is not an integer); shares that differ between ranks are always read as local.")
+_ADVICE = (
+    "For a global size: build the module (nn.Upsample(size=...), nn.AdaptiveAvgPool2d(...)) in __init__, "
+    "whose size is always global, or call tplayers.functional's form with mesh= and shard_dims=. For a "
+    "size derived from a sharded tensor (skip.shape[2:]): use scale_factor= (with recompute_scale_factor="
+    "True when the ratio is not an integer); shares that differ between ranks are always read as local."
+)
