@@ -156,6 +156,21 @@ def _doc(n: int) -> str:
     Any output size whose windows the adjacent shards can supply; size 1 along a sharded dim is a
     global maximum (:class:`GlobalMax`), that dim of the output then replicated on every rank.
 
+    Args:
+        output_size: as ``nn.AdaptiveMaxPool{n}d`` (global sizes; ``None`` keeps a dim).
+        return_indices: must be ``False`` (indices would be positions in the local slab).
+        mesh: a 1-D mesh, or a 2-D one to shard two dims (``None``: :func:`tplayers.default_mesh`).
+        shard_dims: the dims of the ``(N, C, *spatial)`` input sharded over the mesh dims.
+
+    Returns:
+        ``forward(x)``: this rank's rows of the serial output (balanced), replicated along the
+        sharded dims pooled to size 1.
+
+    Raises:
+        ValueError: ``return_indices=True`` or a bad ``output_size``; in ``forward``, on every rank
+            before any halo traffic: a partition whose shards cannot supply the windows.
+        TypeError: ``from_module`` of another module type.
+
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
         import torch, tplayers

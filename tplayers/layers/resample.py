@@ -106,8 +106,22 @@ class DistributedUpsample(_BandResample):
 
     Every mode (nearest, nearest-exact, linear, bilinear, bicubic, trilinear, area), ``size`` or
     ``scale_factor``, ``align_corners`` both ways, ``recompute_scale_factor``. Output rows are
-    balanced (``tplayers.shard_sizes``) unless the length is kept; a partition whose shards cannot
-    supply the taps raises ``ValueError`` on every rank before any halo traffic.
+    balanced (``tplayers.shard_sizes``) unless the length is kept.
+
+    Args:
+        size, scale_factor, mode, align_corners, recompute_scale_factor: as ``nn.Upsample``
+            (exactly one of ``size`` / ``scale_factor``; sizes global).
+        mesh: a 1-D mesh, or a 2-D one to shard two dims (``None``: :func:`tplayers.default_mesh`).
+        shard_dims: the dims of the ``(N, C, *spatial)`` input sharded over the mesh dims.
+
+    Returns:
+        ``forward(x)``: this rank's rows of the serial output, from this rank's rows of the input.
+
+    Raises:
+        ValueError: a bad mode, both or neither of ``size`` / ``scale_factor``, ``align_corners``
+            with a mode without corners; in ``forward``, on every rank before any halo traffic: a
+            partition whose shards cannot supply the taps, mismatched shapes, ranks built differently.
+        TypeError: ``from_module`` of a module that is not an ``nn.Upsample``.
 
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
@@ -235,6 +249,20 @@ def _adaptive_doc(n: int) -> str:
     Any output size whose windows the adjacent shards can supply; size 1 along a sharded dim is a
     global mean (one all-reduce forward, identity backward): that dim of the output is then
     replicated (size 1 on every rank), not sharded.
+
+    Args:
+        output_size: as ``nn.AdaptiveAvgPool{n}d`` (global sizes; ``None`` keeps a dim).
+        mesh: a 1-D mesh, or a 2-D one to shard two dims (``None``: :func:`tplayers.default_mesh`).
+        shard_dims: the dims of the ``(N, C, *spatial)`` input sharded over the mesh dims.
+
+    Returns:
+        ``forward(x)``: this rank's rows of the serial output (balanced), replicated along the
+        sharded dims pooled to size 1.
+
+    Raises:
+        ValueError: a bad ``output_size``; in ``forward``, on every rank before any halo traffic:
+            a partition whose shards cannot supply the windows, mismatched shapes.
+        TypeError: ``from_module`` of another module type.
 
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
