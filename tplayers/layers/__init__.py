@@ -4,7 +4,10 @@ from tplayers.layers._common import ShardedModule
 from tplayers.layers.neighborhood_attention import NeighborhoodAttention, NeighborhoodAttention1d, NeighborhoodAttention3d
 from tplayers.layers.context_attention import ContextParallelAttention, DistributedMultiheadAttention
 from tplayers.layers.branch import ReplicatedBranch
-from tplayers.layers.adaptive_max import (
+from tplayers.layers.adaptive_pool import (
+    DistributedAdaptiveAvgPool1d,
+    DistributedAdaptiveAvgPool2d,
+    DistributedAdaptiveAvgPool3d,
     DistributedAdaptiveMaxPool1d,
     DistributedAdaptiveMaxPool2d,
     DistributedAdaptiveMaxPool3d,
@@ -23,12 +26,7 @@ from tplayers.layers.pool import (
     DistributedMaxPool2d,
     DistributedMaxPool3d,
 )
-from tplayers.layers.resample import (
-    DistributedAdaptiveAvgPool1d,
-    DistributedAdaptiveAvgPool2d,
-    DistributedAdaptiveAvgPool3d,
-    DistributedUpsample,
-)
+from tplayers.layers.upsample import DistributedUpsample
 from tplayers.layers.norm import (
     DistributedBatchNorm1d,
     DistributedBatchNorm2d,
