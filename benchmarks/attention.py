@@ -41,9 +41,9 @@ class MidBlockAttention(nn.Module):
 
     def forward(self, x, attend):
         n, c, h, w = x.shape
-        tokens = x.flatten(2).transpose(1, 2)                                  # (N, H*W, C)
+        tokens = x.flatten(2).transpose(1, 2)  # (N, H*W, C)
         q, k, v = self.qkv(tokens).view(n, h * w, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        y = attend(q, k, v)                                                    # (N, heads, H*W, hd)
+        y = attend(q, k, v)  # (N, heads, H*W, hd)
         y = self.out(y.transpose(1, 2).reshape(n, h * w, c))
         return x + y.transpose(1, 2).reshape(n, c, h, w)
 
@@ -68,10 +68,14 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = mesh.get_group(0)
     if rank == 0:
-        print(f"CPU ISA (torch.backends.cpu.get_cpu_capability): {torch.backends.cpu.get_cpu_capability()}; "
-              f"torch {torch.__version__}; {world} ranks, 1 thread each")
-        print("| N | C | tokens | 1 proc (s) | gather (s) | ring (s) | all_gather (s) | 1 proc / ring | "
-              "ring / all_gather | ring recv / min | all_gather recv / min |")
+        print(
+            f"CPU ISA (torch.backends.cpu.get_cpu_capability): {torch.backends.cpu.get_cpu_capability()}; "
+            f"torch {torch.__version__}; {world} ranks, 1 thread each"
+        )
+        print(
+            "| N | C | tokens | 1 proc (s) | gather (s) | ring (s) | all_gather (s) | 1 proc / ring | "
+            "ring / all_gather | ring recv / min | all_gather recv / min |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|")
     configs = [(1, 64), (2, 128)]
     for side in args.sizes:
@@ -96,32 +100,38 @@ def main() -> None:
             variants = {
                 "gather": gather_then_serial,
                 "ring": lambda q, k, v: scaled_dot_product_attention(q, k, v, mesh=mesh, algorithm="ring"),
-                "all_gather": lambda q, k, v: scaled_dot_product_attention(q, k, v, mesh=mesh,
-                                                                           algorithm="all_gather"),
+                "all_gather": lambda q, k, v: scaled_dot_product_attention(q, k, v, mesh=mesh, algorithm="all_gather"),
             }
             times = {name: _median_time(lambda f=f: step(f), args.repeats) for name, f in variants.items()}
             # the serial block, in one process (rank 0; the other rank waits at the barrier)
             serial = float("nan")
             if rank == 0:
-                serial = _median_time(lambda: step(F.scaled_dot_product_attention, x, torch.randn_like(x)),
-                                      args.repeats)
+                serial = _median_time(
+                    lambda: step(F.scaled_dot_product_attention, x, torch.randn_like(x)), args.repeats
+                )
             dist.barrier()
             recv = {}
             for name in ("ring", "all_gather"):
                 with tplayers.count_collectives() as log:
                     block(xl, variants[name])
-                recv[name] = sum(r.nbytes for r in log.records if r.kind == "recv" or
-                                 (r.kind == "all_gather" and r.tag.startswith("attention.all_gather")))
+                recv[name] = sum(
+                    r.nbytes
+                    for r in log.records
+                    if r.kind == "recv" or (r.kind == "all_gather" and r.tag.startswith("attention.all_gather"))
+                )
             heads, hd = block.heads, c // block.heads
             local_tokens = xl.size(2) * side
-            minimum = (world - 1) * 2 * n * heads * local_tokens * hd * 4          # other ranks' K and V, once
+            minimum = (world - 1) * 2 * n * heads * local_tokens * hd * 4  # other ranks' K and V, once
             # an all-gather's record is the gathered buffer (own block included)
             recv["all_gather"] -= 2 * n * heads * local_tokens * hd * 4
             if rank == 0:
-                print(f"| {n} | {c} | {side}^2 | {serial:.3f} | {times['gather']:.3f} | {times['ring']:.3f} | "
-                      f"{times['all_gather']:.3f} | {serial / times['ring']:.2f} | "
-                      f"{times['ring'] / times['all_gather']:.2f} | {recv['ring'] / minimum:.2f} | "
-                      f"{recv['all_gather'] / minimum:.2f} |", flush=True)
+                print(
+                    f"| {n} | {c} | {side}^2 | {serial:.3f} | {times['gather']:.3f} | {times['ring']:.3f} | "
+                    f"{times['all_gather']:.3f} | {serial / times['ring']:.2f} | "
+                    f"{times['ring'] / times['all_gather']:.2f} | {recv['ring'] / minimum:.2f} | "
+                    f"{recv['all_gather'] / minimum:.2f} |",
+                    flush=True,
+                )
     dist.barrier()
     dist.destroy_process_group()
 

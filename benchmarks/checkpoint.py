@@ -50,9 +50,9 @@ import tplayers
 from tplayers.checkpoint import load_checkpoint, save_checkpoint
 from tplayers.checkpoint.digest import block_digest
 from tplayers.checkpoint.format import byte_view, itemsize
+from tplayers.checkpoint.layout import describe, local_tensors
 from tplayers.checkpoint.load import apply_copies, stage_load
 from tplayers.checkpoint.progress import Progress
-from tplayers.checkpoint.layout import describe, local_tensors
 
 
 class BenchNet(nn.Module):
@@ -61,11 +61,15 @@ class BenchNet(nn.Module):
         self.emb = nn.Embedding(1000, d)
         self.blocks = nn.ModuleList()
         for _ in range(n_blocks):
-            self.blocks.append(nn.ModuleDict({
-                "ln": nn.LayerNorm(d),
-                "fc1": tplayers.ColumnParallelLinear(d, hidden, mesh=mesh),
-                "fc2": tplayers.RowParallelLinear(hidden, d, mesh=mesh),
-            }))
+            self.blocks.append(
+                nn.ModuleDict(
+                    {
+                        "ln": nn.LayerNorm(d),
+                        "fc1": tplayers.ColumnParallelLinear(d, hidden, mesh=mesh),
+                        "fc2": tplayers.RowParallelLinear(hidden, d, mesh=mesh),
+                    }
+                )
+            )
 
 
 def _model(mb: int, mesh) -> BenchNet:
@@ -139,9 +143,14 @@ def hash_rates(mb: int = 256) -> dict:
 #: Issue targets (throughput ratio tplayers / safetensors, same run).
 # ("load ours hot", "floor hot verified"): issue 21's target for a verified hot load, against its same-run
 # floor (issue 13's 0.8x of load_file was floor-bound: the floor itself allows ~0.7-0.85x)
-TARGETS = {("load ours hot", "floor hot verified"): 0.95, ("load ours hot", "floor hot verified+agreed"): 0.95,
-           ("load ours hot verify=False", "load st hot"): 0.9,
-           ("load ours cold", "load st cold"): 0.95, ("save ours", "save st+fsync"): 1.0, ("save ours", "save st"): 0.9}
+TARGETS = {
+    ("load ours hot", "floor hot verified"): 0.95,
+    ("load ours hot", "floor hot verified+agreed"): 0.95,
+    ("load ours hot verify=False", "load st hot"): 0.9,
+    ("load ours cold", "load st cold"): 0.95,
+    ("save ours", "save st+fsync"): 1.0,
+    ("save ours", "save st"): 0.9,
+}
 
 
 def throughput(args, mesh) -> None:
@@ -158,10 +167,23 @@ def throughput(args, mesh) -> None:
     os.makedirs(st, exist_ok=True)
     mine = os.path.join(st, f"rank{rank}.safetensors")
     local = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    times = {k: [] for k in ("save ours", "save st", "save st+fsync", "load ours hot", "load ours hot verify=False",
-                             "load ours hot sha256", "load st hot", "load ours cold", "load ours cold verify=False",
-                             "load st cold", "floor hot verified",
-                             "floor hot verified+agreed")}
+    times = {
+        k: []
+        for k in (
+            "save ours",
+            "save st",
+            "save st+fsync",
+            "load ours hot",
+            "load ours hot verify=False",
+            "load ours hot sha256",
+            "load st hot",
+            "load ours cold",
+            "load ours cold verify=False",
+            "load st cold",
+            "floor hot verified",
+            "floor hot verified+agreed",
+        )
+    }
     save_checkpoint(model, ours_sha, progress=False, digest="sha256")  # the previous default, for comparison
 
     def st_save(fsync):
@@ -198,9 +220,11 @@ def throughput(args, mesh) -> None:
         times["save st"].append(_timed(lambda: st_save(False)))
         times["save st+fsync"].append(_timed(lambda: st_save(True)))
         for cache in ("hot", "cold"):
-            runs = [(f"load ours {cache}", lambda: load_checkpoint(model, ours)),
-                    (f"load ours {cache} verify=False", lambda: load_checkpoint(model, ours, verify=False)),
-                    (f"load st {cache}", st_load)]
+            runs = [
+                (f"load ours {cache}", lambda: load_checkpoint(model, ours)),
+                (f"load ours {cache} verify=False", lambda: load_checkpoint(model, ours, verify=False)),
+                (f"load st {cache}", st_load),
+            ]
             if cache == "hot":
                 runs.append(("load ours hot sha256", lambda: load_checkpoint(model, ours_sha)))
                 runs.append(("floor hot verified", floor_verified))
@@ -218,25 +242,42 @@ def throughput(args, mesh) -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         for k, v in med.items():
             print(f"  {k:32s} {v:7.3f} s  {mb / v:8.0f} MB/s   (all: {', '.join(f'{x:.3f}' for x in times[k])})")
-        pairs = [("save ours", "save st"), ("save ours", "save st+fsync"), ("load ours hot", "load st hot"),
-                 ("load ours hot", "floor hot verified"), ("load ours hot", "floor hot verified+agreed"),
-                 ("load ours hot verify=False", "load st hot"), ("load ours hot sha256", "load st hot"),
-                 ("load ours cold", "load st cold"), ("load ours cold verify=False", "load st cold")]
+        pairs = [
+            ("save ours", "save st"),
+            ("save ours", "save st+fsync"),
+            ("load ours hot", "load st hot"),
+            ("load ours hot", "floor hot verified"),
+            ("load ours hot", "floor hot verified+agreed"),
+            ("load ours hot verify=False", "load st hot"),
+            ("load ours hot sha256", "load st hot"),
+            ("load ours cold", "load st cold"),
+            ("load ours cold verify=False", "load st cold"),
+        ]
         for a, b in pairs:
             # Repeats are interleaved, so repeat i of both ran under about the same machine load:
             # the per-repeat ratios show the spread that other jobs on the machine cause.
             per = sorted(y / x for x, y in zip(times[a], times[b]))
             target = TARGETS.get((a, b))
-            goal = f"  target >= {target:.2f}x  {'PASS' if med[b] / med[a] >= target else 'MISS'}" if target else "  (no target)"
-            print(f"  ratio {a} / {b}: {med[b] / med[a]:.2f}x{goal}   "
-                  f"(per repeat: median {statistics.median(per):.2f}x, range {per[0]:.2f}-{per[-1]:.2f}x)")
+            goal = (
+                f"  target >= {target:.2f}x  {'PASS' if med[b] / med[a] >= target else 'MISS'}"
+                if target
+                else "  (no target)"
+            )
+            print(
+                f"  ratio {a} / {b}: {med[b] / med[a]:.2f}x{goal}   "
+                f"(per repeat: median {statistics.median(per):.2f}x, range {per[0]:.2f}-{per[-1]:.2f}x)"
+            )
         reach = med["load st hot"] / med["floor hot verified"]
-        print(f"  floor of a verified hot load (load st hot + one XXH3-128 pass over the same bytes first, as docs/design.md (checkpoints) "
-              f"orders): {med['floor hot verified']:.3f} s, so 'load ours hot' can reach at most {reach:.2f}x load st hot; "
-              f"ours reaches {med['floor hot verified'] / med['load ours hot']:.2f} of that floor (target >= 0.95)")
+        print(
+            f"  floor of a verified hot load (load st hot + one XXH3-128 pass over the same bytes first, as docs/design.md (checkpoints) "
+            f"orders): {med['floor hot verified']:.3f} s, so 'load ours hot' can reach at most {reach:.2f}x load st hot; "
+            f"ours reaches {med['floor hot verified'] / med['load ours hot']:.2f} of that floor (target >= 0.95)"
+        )
         how = "stored in their natural layout: a load copies them without a transpose"
-        print(f"  {transposed / 1e6:.0f} MB of each rank's ~{mb / dist.get_world_size():.0f} MB are pieces sharded on dim 1, "
-              f"{how} (a transpose of them at the rate above: {transposed / rates['transpose'] / 1e9 * 1e3:.0f} ms)")
+        print(
+            f"  {transposed / 1e6:.0f} MB of each rank's ~{mb / dist.get_world_size():.0f} MB are pieces sharded on dim 1, "
+            f"{how} (a transpose of them at the rate above: {transposed / rates['transpose'] / 1e9 * 1e3:.0f} ms)"
+        )
         print(f"  load average {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
 
 
@@ -269,9 +310,11 @@ def reshard(args, mesh) -> None:
         for r, s in enumerate(everyone):
             for i, verify in enumerate((False, True)):
                 disk, logical, want = s[i].tolist()
-                print(f"  rank {r} verify={verify!s:5s}: disk {disk / 1e6:7.1f} MB ({disk / want:.3f}x ideal), "
-                      f"mapped {logical / 1e6:7.1f} MB ({logical / want:.3f}x), ideal (held) {want / 1e6:.1f} MB, "
-                      f"1/N of the file bytes {total / world / 1e6:.1f} MB")
+                print(
+                    f"  rank {r} verify={verify!s:5s}: disk {disk / 1e6:7.1f} MB ({disk / want:.3f}x ideal), "
+                    f"mapped {logical / 1e6:7.1f} MB ({logical / want:.3f}x), ideal (held) {want / 1e6:.1f} MB, "
+                    f"1/N of the file bytes {total / world / 1e6:.1f} MB"
+                )
 
 
 def main() -> None:

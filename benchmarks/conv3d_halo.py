@@ -38,9 +38,9 @@ CONV_SHAPES = {  # name: (N, C_in, D, H, W, C_out, k)
 def load_shardtensor():
     """ShardTensor and Shard, or the reason they cannot run here."""
     try:
-        from torch.distributed.tensor.placement_types import Shard
         from physicsnemo.domain_parallel import ShardTensor
         from physicsnemo.domain_parallel.shard_utils import conv_patches  # noqa: F401  registers F.conv3d
+        from torch.distributed.tensor.placement_types import Shard
     except Exception as err:  # noqa: BLE001 - report any import failure as the blocker
         return None, f"{type(err).__name__}: {err}"
     return (ShardTensor, Shard), None
@@ -68,12 +68,21 @@ def min_rows(serial: nn.Module, length: int, sizes) -> int:
 def halo_table(mesh, rank, world):
     d, h, w, c, n = 32, 16, 16, 8, 1
     cases = [
-        ("Conv3d 3 same", nn.Conv3d(1, 1, 3, padding=1, bias=False), tplayers.DistributedConv3d, nn.Conv3d(c, c, 3, padding=1)),
+        (
+            "Conv3d 3 same",
+            nn.Conv3d(1, 1, 3, padding=1, bias=False),
+            tplayers.DistributedConv3d,
+            nn.Conv3d(c, c, 3, padding=1),
+        ),
         ("Conv3d 4 s2", nn.Conv3d(1, 1, 4, 2, 1, bias=False), tplayers.DistributedConv3d, nn.Conv3d(c, c, 4, 2, 1)),
         ("MaxPool3d 3 s2", nn.MaxPool3d(3, 2, 1), tplayers.DistributedMaxPool3d, nn.MaxPool3d(3, 2, 1)),
         ("AvgPool3d 2", nn.AvgPool3d(2), tplayers.DistributedAvgPool3d, nn.AvgPool3d(2)),
-        ("Upsample x2 tri", nn.Upsample(scale_factor=2, mode="trilinear"), tplayers.DistributedUpsample,
-         nn.Upsample(scale_factor=2, mode="trilinear")),
+        (
+            "Upsample x2 tri",
+            nn.Upsample(scale_factor=2, mode="trilinear"),
+            tplayers.DistributedUpsample,
+            nn.Upsample(scale_factor=2, mode="trilinear"),
+        ),
     ]
     if rank == 0:
         print("\n## Halo bytes per layer (forward, all ranks) vs the minimum, D sharded")
@@ -117,8 +126,10 @@ def race(steps, repeats, iters):
 def conv_table(mesh, rank, world, repeats, st, memory_format=None):
     if rank == 0:
         print(f"\n## Conv3d: 2-rank forward+backward (ms, median) and ratios; memory_format={memory_format}")
-        print(f"{'shape':16s} {'tplayers':>9s} {'ShardTensor':>12s} {'nn.Conv3d 1 proc':>17s} {'tpl/ST':>7s} "
-              f"{'tpl/serial':>10s}")
+        print(
+            f"{'shape':16s} {'tplayers':>9s} {'ShardTensor':>12s} {'nn.Conv3d 1 proc':>17s} {'tpl/ST':>7s} "
+            f"{'tpl/serial':>10s}"
+        )
     for name, (n, c, d, h, w, co, k) in CONV_SHAPES.items():
         torch.manual_seed(0)
         serial = nn.Conv3d(c, co, k, padding=k // 2)
@@ -142,13 +153,16 @@ def conv_table(mesh, rank, world, repeats, st, memory_format=None):
             torch.testing.assert_close(conv(local), ref, rtol=1e-4, atol=1e-4)
             if st is not None:
                 t = ShardTensor.from_local(local, mesh, [Shard(2)], sharding_shapes="chunk", global_shape=x.shape)
-                torch.testing.assert_close(F.conv3d(t, serial.weight, serial.bias, padding=k // 2).to_local(), ref,
-                                           rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(
+                    F.conv3d(t, serial.weight, serial.bias, padding=k // 2).to_local(), ref, rtol=1e-4, atol=1e-4
+                )
         med = race(steps, repeats, iters)
         st_ms = med.get("st", float("nan"))
         if rank == 0:
-            print(f"{name:16s} {med['tpl']:9.2f} {st_ms:12.2f} {med['serial']:17.2f} {med['tpl'] / st_ms:7.2f} "
-                  f"{med['tpl'] / med['serial']:10.2f}   (input {n}x{c}x{d}x{h}x{w}, {co} out, k={k})")
+            print(
+                f"{name:16s} {med['tpl']:9.2f} {st_ms:12.2f} {med['serial']:17.2f} {med['tpl'] / st_ms:7.2f} "
+                f"{med['tpl'] / med['serial']:10.2f}   (input {n}x{c}x{d}x{h}x{w}, {co} out, k={k})"
+            )
 
 
 def window_table(mesh, rank, world, repeats):
@@ -166,8 +180,14 @@ def window_table(mesh, rank, world, repeats):
         xs = x.clone().requires_grad_(True)
         with torch.no_grad():
             torch.testing.assert_close(tplayers.gather(twin(local), 2, mesh), serial(x), rtol=1e-5, atol=1e-5)
-        med = race({"tpl": lambda: twin(local).sum().backward(),
-                    "serial": lambda: serial(xs).sum().backward() if rank == 0 else None}, repeats, 4)
+        med = race(
+            {
+                "tpl": lambda: twin(local).sum().backward(),
+                "serial": lambda: serial(xs).sum().backward() if rank == 0 else None,
+            },
+            repeats,
+            4,
+        )
         if rank == 0:
             print(f"{label:22s} {med['tpl']:9.2f} {med['serial']:10.2f} {med['tpl'] / med['serial']:10.2f}")
 

@@ -52,9 +52,9 @@ SHAPES = {  # name: (N, C_in, H, W, C_out, k, input layout)
 def load_shardtensor():
     """ShardTensor and Shard, or the reason they cannot run here."""
     try:
-        from torch.distributed.tensor.placement_types import Shard
         from physicsnemo.domain_parallel import ShardTensor
         from physicsnemo.domain_parallel.shard_utils import conv_patches  # noqa: F401  registers F.conv2d
+        from torch.distributed.tensor.placement_types import Shard
     except Exception as err:  # noqa: BLE001 - report any import failure as the blocker
         return None, f"{type(err).__name__}: {err}"
     return (ShardTensor, Shard), None
@@ -65,8 +65,13 @@ def min_halo_rows(sizes, k, s, d, pad, periodic):
     from tplayers.window_plan import conv_out_len, conv_window, plan_windows
 
     length = sum(sizes)
-    plans = plan_windows(sizes, conv_out_len(length, k, s, d, pad), conv_window(k, s, d, pad[0]),
-                         mode="circular" if periodic else "zeros", what="H")
+    plans = plan_windows(
+        sizes,
+        conv_out_len(length, k, s, d, pad),
+        conv_window(k, s, d, pad[0]),
+        mode="circular" if periodic else "zeros",
+        what="H",
+    )
     starts, total = offsets_from_sizes(sizes), 0
     for c, plan in enumerate(plans):
         rows = set()
@@ -129,15 +134,19 @@ def speed_table(mesh, rank, world, repeats, st):
         print("\n## 2-rank forward+backward (ms, median of interleaved repeats)")
         print("tplayers: DistributedConv2d (default: main-plus-strips from EDGE_MIN_ELEMENTS elements per rank, the")
         print("  compute-bound shapes; else the halo exchange, then one convolution; in the input's layout;")
-        print("  the output in the layout nn.Conv2d gives: contiguous in -> contiguous out, channels_last -> channels_last)")
+        print(
+            "  the output in the layout nn.Conv2d gives: contiguous in -> contiguous out, channels_last -> channels_last)"
+        )
         print("tpl CL: memory_format=torch.channels_last (channels_last convolution, output converted back; contiguous")
         print("  input only); overlap: overlap_halo=True (main-plus-strips at any size: the local input convolved")
         print("  while the halo flies, then thin strips for the halo rows)")
         print("floor: each rank's local convolution alone (halo-padded slab, no communication), fwd+bwd, in the layout")
         print("  the twin convolves in (the input's); floor NCHW / floor CL: the same slab contiguous / channels_last")
         print("ShardTensor and nn.Conv2d 1 proc get the same input layout")
-        print(f"{'shape':17s} {'tplayers':>9s} {'tpl CL':>8s} {'overlap':>9s} {'ShardTensor':>12s} {'nn.Conv2d 1 proc':>17s} "
-              f"{'floor':>7s} {'fl NCHW':>8s} {'fl CL':>7s}")
+        print(
+            f"{'shape':17s} {'tplayers':>9s} {'tpl CL':>8s} {'overlap':>9s} {'ShardTensor':>12s} {'nn.Conv2d 1 proc':>17s} "
+            f"{'floor':>7s} {'fl NCHW':>8s} {'fl CL':>7s}"
+        )
     rows = []
     for name, (n, c, h, w, co, k, fmt) in SHAPES.items():
         torch.manual_seed(0)
@@ -192,10 +201,17 @@ def speed_table(mesh, rank, world, repeats, st):
                 assert y.is_contiguous(memory_format=fmt), "the output keeps nn.Conv2d's layout"
             if st is not None:
                 t = ShardTensor.from_local(local, mesh, [Shard(2)], sharding_shapes="chunk", global_shape=x.shape)
-                torch.testing.assert_close(F.conv2d(t, weight, bias, padding=k // 2).to_local(), ref,
-                                           rtol=1e-4, atol=1e-4)
-        steps = {"tpl": step_tpl, "tpl_cl": step_tpl_cl if fmt == torch.contiguous_format else None,
-                 "overlap": step_overlap, "st": step_st, "serial": step_serial, **floors}
+                torch.testing.assert_close(
+                    F.conv2d(t, weight, bias, padding=k // 2).to_local(), ref, rtol=1e-4, atol=1e-4
+                )
+        steps = {
+            "tpl": step_tpl,
+            "tpl_cl": step_tpl_cl if fmt == torch.contiguous_format else None,
+            "overlap": step_overlap,
+            "st": step_st,
+            "serial": step_serial,
+            **floors,
+        }
         for fn in filter(None, steps.values()):
             fn()  # warm-up (and the layout exchange)
         times = {key: [] for key in steps}
@@ -211,25 +227,29 @@ def speed_table(mesh, rank, world, repeats, st):
         med["cpu"] = float(cpu[0] / cpu[1])
         rows.append((name, med, per))
         if rank == 0:
-            print(f"{name:17s} {med['tpl']:9.2f} {med['tpl_cl']:8.2f} {med['overlap']:9.2f} {med['st']:12.2f} "
-                  f"{med['serial']:17.2f} {med['floor']:7.2f} {med['floor_nchw']:8.2f} {med['floor_cl']:7.2f}   "
-                  f"(input {n}x{c}x{h}x{w} {'channels_last' if fmt == torch.channels_last else 'contiguous'}, "
-                  f"{co} out, {k}x{k})")
+            print(
+                f"{name:17s} {med['tpl']:9.2f} {med['tpl_cl']:8.2f} {med['overlap']:9.2f} {med['st']:12.2f} "
+                f"{med['serial']:17.2f} {med['floor']:7.2f} {med['floor_nchw']:8.2f} {med['floor_cl']:7.2f}   "
+                f"(input {n}x{c}x{h}x{w} {'channels_last' if fmt == torch.channels_last else 'contiguous'}, "
+                f"{co} out, {k}x{k})"
+            )
     if rank == 0:
         print("\n## Ratios vs the issue-21 targets (same run; floor: the local convolution alone, same layout)")
         print(f"{'shape':17s} {'ratio':28s} {'value':>6s} {'target':>8s}  met")
         for name, med, per in rows:
             target = TARGETS[name]
-            checks = [("tplayers / floor", med["tpl"] / med["floor"], "floor"),
-                      ("tplayers / floor, CPU time", med["cpu"], None),
-                      ("tpl CL / floor CL", med["tpl_cl"] / med["floor_cl"], None),
-                      ("tplayers / ShardTensor", med["tpl"] / med["st"], None),
-                      ("tplayers / (1 proc / 2)", med["tpl"] / (med["serial"] / world), None),
-                      ("tpl CL / tplayers", med["tpl_cl"] / med["tpl"], None),
-                      ("overlap / ShardTensor", med["overlap"] / med["st"], None),
-                      ("overlap / tplayers", med["overlap"] / med["tpl"], None),
-                      ("floor / ShardTensor", med["floor"] / med["st"], None),
-                      ("floor CL / ShardTensor", med["floor_cl"] / med["st"], None)]
+            checks = [
+                ("tplayers / floor", med["tpl"] / med["floor"], "floor"),
+                ("tplayers / floor, CPU time", med["cpu"], None),
+                ("tpl CL / floor CL", med["tpl_cl"] / med["floor_cl"], None),
+                ("tplayers / ShardTensor", med["tpl"] / med["st"], None),
+                ("tplayers / (1 proc / 2)", med["tpl"] / (med["serial"] / world), None),
+                ("tpl CL / tplayers", med["tpl_cl"] / med["tpl"], None),
+                ("overlap / ShardTensor", med["overlap"] / med["st"], None),
+                ("overlap / tplayers", med["overlap"] / med["tpl"], None),
+                ("floor / ShardTensor", med["floor"] / med["st"], None),
+                ("floor CL / ShardTensor", med["floor_cl"] / med["st"], None),
+            ]
             for label, value, key in checks:
                 if value != value:
                     continue  # not measured for this shape
@@ -257,8 +277,11 @@ def triton_table(rank):
     buf = pack_faces(x, 2, faces)
     nbytes = 2 * buf.numel() * buf.element_size()  # read + write
     dst = torch.empty_like(buf)
-    for label, fn in (("pack", lambda: pack_faces(x, 2, faces)), ("unpack", lambda: unpack_faces(buf, x, 2, faces)),
-                      ("d2d copy", lambda: dst.copy_(buf))):
+    for label, fn in (
+        ("pack", lambda: pack_faces(x, 2, faces)),
+        ("unpack", lambda: unpack_faces(buf, x, 2, faces)),
+        ("d2d copy", lambda: dst.copy_(buf)),
+    ):
         fn()
         torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -86,7 +86,7 @@ def main():
     wall = {key: [] for key in steps}
     cpu = {key: [] for key in steps}
     for r in range(args.repeats):
-        for key, fn in (steps.items() if r % 2 == 0 else reversed(steps.items())):
+        for key, fn in steps.items() if r % 2 == 0 else reversed(steps.items()):
             dist.barrier()
             t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(args.iters):
@@ -95,13 +95,16 @@ def main():
             dist.barrier()
             wall[key].append((time.perf_counter() - t0) / args.iters * 1e3)
             cpu[key].append((c1 - c0) / args.iters * 1e3)
-    med = torch.tensor([[statistics.median(wall[key]), statistics.median(cpu[key])] for key in steps],
-                       dtype=torch.float64)
+    med = torch.tensor(
+        [[statistics.median(wall[key]), statistics.median(cpu[key])] for key in steps], dtype=torch.float64
+    )
     dist.all_reduce(med)
     med /= world
     if rank == 0:
-        print(f"# overhead-bound DistributedConv2d fwd+bwd, {world} ranks (gloo, 1 thread each), "
-              f"torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}")
+        print(
+            f"# overhead-bound DistributedConv2d fwd+bwd, {world} ranks (gloo, 1 thread each), "
+            f"torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}"
+        )
         print(f"{'step':10s} {'wall ms':>8s} {'CPU ms':>8s}")
         for i, key in enumerate(steps):
             print(f"{key:10s} {med[i, 0]:8.3f} {med[i, 1]:8.3f}")

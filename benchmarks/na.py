@@ -36,8 +36,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-import tplayers  # noqa: E402
 from memory_probe import peak_bytes  # noqa: E402
+
+import tplayers  # noqa: E402
 
 
 def _natten():
@@ -70,7 +71,7 @@ def matmul_rate(repeats: int = 7, n: int = 1024) -> Tuple[float, float]:
     """Single-core fp32 ``n x n`` matmul rate in FLOP/s: (from thread CPU time, from wall time)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     cpu, wall = _cpu_times({"mm": lambda: a @ b}, repeats)["mm"]
-    return 2 * n ** 3 / cpu, 2 * n ** 3 / wall
+    return 2 * n**3 / cpu, 2 * n**3 / wall
 
 
 def useful_flops(batch, size, heads, head_dim, kernel) -> float:
@@ -79,7 +80,7 @@ def useful_flops(batch, size, heads, head_dim, kernel) -> float:
     Backward counts twice that: dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q (the
     recomputed scores of the flash-style backward are not counted as useful).
     """
-    return batch * heads * size * size * kernel ** 2 * (2 * head_dim + 2 * head_dim)
+    return batch * heads * size * size * kernel**2 * (2 * head_dim + 2 * head_dim)
 
 
 def tile_ceiling(size, heads, head_dim, kernel, mm_rate, tile=4, chunk=80):
@@ -92,13 +93,17 @@ def tile_ceiling(size, heads, head_dim, kernel, mm_rate, tile=4, chunk=80):
     inside_1d = (r[None, :] >= torch.arange(tile)[:, None]) & (r[None, :] < torch.arange(tile)[:, None] + kernel)
     inside = (inside_1d[:, None, :, None] & inside_1d[None, :, None, :]).reshape(tq, region)
     mask = torch.zeros(tq, region).masked_fill_(~inside, float("-inf"))
-    q, k, v = torch.randn(chunk, tq, head_dim), torch.randn(chunk, region, head_dim), torch.randn(chunk, region, head_dim)
+    q, k, v = (
+        torch.randn(chunk, tq, head_dim),
+        torch.randn(chunk, region, head_dim),
+        torch.randn(chunk, region, head_dim),
+    )
     rounds = max(1, heads * size * size // tq // chunk)
 
     def compute():
         for _ in range(rounds):
             scores = torch.empty(chunk, tq, region)
-            scores.copy_(mask.expand(chunk, tq, region)).baddbmm_(q, k.transpose(1, 2), alpha=head_dim ** -0.5)
+            scores.copy_(mask.expand(chunk, tq, region)).baddbmm_(q, k.transpose(1, 2), alpha=head_dim**-0.5)
             torch.bmm(torch.softmax(scores, -1), v)
 
     cpu = _cpu_times({"ceiling": compute}, 5)["ceiling"][0]
@@ -114,9 +119,10 @@ def use_kernel(choice: str) -> None:
 
 
 #: what caps torch (its own kernels, MKL, oneDNN) at an ISA, per --isa value
-TORCH_CAPS = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-              "base": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
-                       "ONEDNN_MAX_CPU_ISA": "SSE41"}}
+TORCH_CAPS = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "base": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+}
 
 
 def restart_capped(isa: str) -> None:
@@ -135,12 +141,20 @@ def isa_label() -> str:
     """``[host avx512 (model); C: avx2 build, 8 fp32 lanes, -march=haswell; torch AVX2]``."""
     from tplayers.ops import na_cpu
 
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 "unknown CPU") if os.path.exists("/proc/cpuinfo") else "unknown CPU"
+    model = (
+        next(
+            (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+            "unknown CPU",
+        )
+        if os.path.exists("/proc/cpuinfo")
+        else "unknown CPU"
+    )
     isa = na_cpu.target_isa()
     march = next((f for f in na_cpu.build_flags(torch.float32, isa) if f.startswith("-march")), "no -march")
-    return (f"[host {na_cpu.host_isa()} ({model}); C: {isa} build, {na_cpu.lanes(torch.float32, isa)} fp32 lanes, "
-            f"{march}; torch {torch.backends.cpu.get_cpu_capability()}]")
+    return (
+        f"[host {na_cpu.host_isa()} ({model}); C: {isa} build, {na_cpu.lanes(torch.float32, isa)} fp32 lanes, "
+        f"{march}; torch {torch.backends.cpu.get_cpu_capability()}]"
+    )
 
 
 def build_time() -> None:
@@ -164,8 +178,10 @@ def build_time() -> None:
     else:
         os.environ["TPLAYERS_CACHE"] = old
     flags = " ".join(na_cpu.build_flags(torch.float32))
-    print(f"C kernel build (cc {flags}, into an empty cache): fp32 {times[0]:.2f} s, fp64 {times[1]:.2f} s "
-          f"(once per machine; later processes load the cached library) {isa_label()}")
+    print(
+        f"C kernel build (cc {flags}, into an empty cache): fp32 {times[0]:.2f} s, fp64 {times[1]:.2f} s "
+        f"(once per machine; later processes load the cached library) {isa_label()}"
+    )
 
 
 def bench_single(size, heads, head_dim, kernel, repeats):
@@ -198,6 +214,7 @@ def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None)
             for g in grads:
                 g.grad = None
             (fn(*grads, kernel) * cot).sum().backward()
+
         return run
 
     t = _cpu_times({f"{c} {w}": on(c, w) for c in ("", "torch") for w in ("fwd", "both")}, repeats)
@@ -205,17 +222,22 @@ def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None)
     bwd = (t["torch both"][0] - t["torch fwd"][0]) / (t[" both"][0] - t[" fwd"][0])
     both = t["torch both"][0] / t[" both"][0]
     label = "" if fn is tplayers.na2d and len(shape) == 5 else f"{fn.__name__} {'x'.join(map(str, shape))} k{kernel}: "
-    print(f"  {label}default kernel here: {default}; speed over the torch tile kernel (same run, interleaved, thread "
-          f"CPU time): forward {fwd:.2f}x, backward {bwd:.2f}x, forward+backward {both:.2f}x (target >= 1.0) "
-          f"[{na_cpu_isa()}]")
+    print(
+        f"  {label}default kernel here: {default}; speed over the torch tile kernel (same run, interleaved, thread "
+        f"CPU time): forward {fwd:.2f}x, backward {bwd:.2f}x, forward+backward {both:.2f}x (target >= 1.0) "
+        f"[{na_cpu_isa()}]"
+    )
     use_kernel("")
 
 
 def bench_ranks(repeats):
     """1-D and 3-D: the default against the tile kernel (short and long 1-D windows, a 3-D volume)."""
     print(f"na1d / na3d, fp32, 1 thread {isa_label()}")
-    for shape, fn, kernel in (((1, 4096, 4, 32), tplayers.na1d, 7), ((1, 4096, 4, 32), tplayers.na1d, 33),
-                              ((1, 16, 16, 16, 4, 32), tplayers.na3d, 5)):
+    for shape, fn, kernel in (
+        ((1, 4096, 4, 32), tplayers.na1d, 7),
+        ((1, 4096, 4, 32), tplayers.na1d, 33),
+        ((1, 16, 16, 16, 4, 32), tplayers.na3d, 5),
+    ):
         default_vs_tile(0, 0, 0, kernel, repeats, shape, fn)
 
 
@@ -223,9 +245,11 @@ def _bench_single(size, heads, head_dim, kernel, repeats, choice):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, size, size, heads, head_dim) for _ in range(3))
-    print(f"na2d [{choice} kernel] 1x{size}x{size}, {heads} heads, head_dim {head_dim}, kernel {kernel}, fp32, 1 thread, "
-          f"{repeats} interleaved repeats; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
-          f"{isa_label()}")
+    print(
+        f"na2d [{choice} kernel] 1x{size}x{size}, {heads} heads, head_dim {head_dim}, kernel {kernel}, fp32, 1 thread, "
+        f"{repeats} interleaved repeats; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
+        f"{isa_label()}"
+    )
     grads = [x.clone().requires_grad_() for x in (q, k, v)]
     cot = torch.randn_like(q)
 
@@ -241,13 +265,17 @@ def _bench_single(size, heads, head_dim, kernel, repeats, choice):
     flops = useful_flops(1, size, heads, head_dim, kernel)
     fwd_cpu, fwd_wall = t["fwd"]
     bwd_cpu, bwd_wall = t["both"][0] - fwd_cpu, t["both"][1] - fwd_wall
-    print(f"  single-core fp32 matmul 1024^3 (same run, best of before/after, {torch.get_num_threads()} thread): "
-          f"{mm_cpu / 1e9:6.1f} GFLOP/s (CPU time), {mm_wall / 1e9:6.1f} GFLOP/s (wall)")
+    print(
+        f"  single-core fp32 matmul 1024^3 (same run, best of before/after, {torch.get_num_threads()} thread): "
+        f"{mm_cpu / 1e9:6.1f} GFLOP/s (CPU time), {mm_wall / 1e9:6.1f} GFLOP/s (wall)"
+    )
     print(f"  useful FLOPs: forward {flops / 1e6:.1f} M (B*heads*H*W*k^2*(2D+2Dv)), backward {2 * flops / 1e6:.1f} M")
     for name, c, w, f in (("forward", fwd_cpu, fwd_wall, flops), ("backward", bwd_cpu, bwd_wall, 2 * flops)):
-        print(f"  {name:8s} {c * 1e3:7.2f} ms CPU = {f / c / 1e9:5.1f} GFLOP/s = {f / c / mm_cpu:.3f} x matmul "
-              f"(target 0.25) | wall median {w * 1e3:7.2f} ms = {f / w / mm_wall:.3f} x matmul (wall) "
-              f"[{na_cpu_isa()}]")
+        print(
+            f"  {name:8s} {c * 1e3:7.2f} ms CPU = {f / c / 1e9:5.1f} GFLOP/s = {f / c / mm_cpu:.3f} x matmul "
+            f"(target 0.25) | wall median {w * 1e3:7.2f} ms = {f / w / mm_wall:.3f} x matmul (wall) "
+            f"[{na_cpu_isa()}]"
+        )
     if choice == "torch":
         compare_peers(size, heads, head_dim, kernel, mm_cpu, fwd_cpu, q, k, v)
 
@@ -264,13 +292,17 @@ def compare_peers(size, heads, head_dim, kernel, mm_cpu, fwd_cpu, q, k, v):
     """The tile formulation's ceiling and natten's CPU forward (after the torch kernel's figures)."""
     natten = _natten()
     ceil_cpu, ceil_ratio = tile_ceiling(size, heads, head_dim, kernel, mm_cpu)
-    print(f"  (ceiling of the 4x4-tile formulation: its forward tile compute alone, in cache, no gathers or "
-          f"scatter: {ceil_cpu * 1e3:.2f} ms CPU = {ceil_ratio:.3f} x matmul)")
+    print(
+        f"  (ceiling of the 4x4-tile formulation: its forward tile compute alone, in cache, no gathers or "
+        f"scatter: {ceil_cpu * 1e3:.2f} ms CPU = {ceil_ratio:.3f} x matmul)"
+    )
     if natten is not None:
+
         def natten_fwd():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 return natten.na2d(q, k, v, kernel_size=kernel)
+
         torch.testing.assert_close(tplayers.na2d(q, k, v, kernel), natten_fwd(), rtol=1e-4, atol=1e-4)
         tn = _cpu_times({"natten": natten_fwd}, 3)["natten"][0]
         print(f"  forward   natten.na2d (CPU) {tn * 1e3:9.2f} ms CPU   ratio tplayers/natten = {fwd_cpu / tn:.4f}")
@@ -287,7 +319,7 @@ def bench_memory(size, heads, head_dim, kernel):
 
 def _bench_memory(size, heads, head_dim, kernel, choice):
     q, k, v = (torch.randn(1, size, size, heads, head_dim) for _ in range(3))
-    bound = heads * size * size * kernel ** 2 * 4
+    bound = heads * size * size * kernel**2 * 4
     dense = heads * (size * size) ** 2 * 4
     cold = peak_bytes(lambda: tplayers.na2d(q, k, v, kernel))
     warm = peak_bytes(lambda: tplayers.na2d(q, k, v, kernel))
@@ -298,15 +330,25 @@ def _bench_memory(size, heads, head_dim, kernel, choice):
     qkv = [x.clone().requires_grad_() for x in (q, k, v)]
     cot = torch.randn_like(q)
     train_dense = peak_bytes(lambda: (tplayers.na2d(*qkv, kernel) * cot).sum().backward())
-    print(f"peak memory na2d [{choice} kernel] 1x{size}x{size}, {heads} heads, head_dim {head_dim}, kernel {kernel} (fp32); "
-          f"limit: 4 x bound [{na_cpu_isa()}]")
-    print(f"  bound B*heads*H*W*k^2*4 = {bound / 2**20:.2f} MiB; one dense attention matrix = {dense / 2**20:.1f} MiB; "
-          f"q (= k = v) = {q.numel() * 4 / 2**20:.2f} MiB")
-    for name, val in (("forward (first call)", cold), ("forward (cached plan)", warm),
-                      ("forward+backward, dq", train), ("forward+backward, dq dk dv", train_all),
-                      ("fwd+bwd, dq dk dv, dense dO", train_dense)):
-        print(f"  {name:28s} {val / 2**20:8.2f} MiB = {val / bound:5.2f} x bound (target <= 4) "
-              f"= 1/{dense / val:.0f} of dense")
+    print(
+        f"peak memory na2d [{choice} kernel] 1x{size}x{size}, {heads} heads, head_dim {head_dim}, kernel {kernel} (fp32); "
+        f"limit: 4 x bound [{na_cpu_isa()}]"
+    )
+    print(
+        f"  bound B*heads*H*W*k^2*4 = {bound / 2**20:.2f} MiB; one dense attention matrix = {dense / 2**20:.1f} MiB; "
+        f"q (= k = v) = {q.numel() * 4 / 2**20:.2f} MiB"
+    )
+    for name, val in (
+        ("forward (first call)", cold),
+        ("forward (cached plan)", warm),
+        ("forward+backward, dq", train),
+        ("forward+backward, dq dk dv", train_all),
+        ("fwd+bwd, dq dk dv, dense dO", train_dense),
+    ):
+        print(
+            f"  {name:28s} {val / 2**20:8.2f} MiB = {val / bound:5.2f} x bound (target <= 4) "
+            f"= 1/{dense / val:.0f} of dense"
+        )
 
 
 def _domain_rank(rank, world, size, heads, head_dim, kernel, repeats):
@@ -322,10 +364,14 @@ def _domain_rank(rank, world, size, heads, head_dim, kernel, repeats):
         def run():
             inp_ = inp.clone().requires_grad_()
             module(inp_).sum().backward()
+
         return run
 
-    fns = {"domain": step(layer, local), "single": step(serial, x) if rank == 0 else None,
-           "shard_alone": step(serial, local) if rank == 0 else None}  # same compute, no communication
+    fns = {
+        "domain": step(layer, local),
+        "single": step(serial, x) if rank == 0 else None,
+        "shard_alone": step(serial, local) if rank == 0 else None,
+    }  # same compute, no communication
     times = {name: [] for name in fns}
     for _ in range(repeats + 1):  # the first round warms up
         for name, fn in fns.items():
@@ -345,12 +391,15 @@ def bench_domain(size, heads, head_dim, kernel, repeats):
     res = run_ranks(_domain_rank, 2, args=(size, heads, head_dim, kernel, repeats), timeout=600)
     dom = max(r["domain"] for r in res)
     single = res[0]["single"]
-    print(f"NeighborhoodAttention fwd+bwd 1x{size}x{size}x{heads * head_dim}, kernel {kernel}, rel_pos_bias, "
-          f"1 thread per rank (parity checked)")
-    print(f"  single device {single * 1e3:8.2f} ms; 2-rank H-sharded {dom * 1e3:8.2f} ms; "
-          f"speed-up {single / dom:.2f}x")
-    print(f"  (one shard's compute alone, no communication, other rank idle: {res[0]['shard_alone'] * 1e3:8.2f} ms; "
-          f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    print(
+        f"NeighborhoodAttention fwd+bwd 1x{size}x{size}x{heads * head_dim}, kernel {kernel}, rel_pos_bias, "
+        f"1 thread per rank (parity checked)"
+    )
+    print(f"  single device {single * 1e3:8.2f} ms; 2-rank H-sharded {dom * 1e3:8.2f} ms; speed-up {single / dom:.2f}x")
+    print(
+        f"  (one shard's compute alone, no communication, other rank idle: {res[0]['shard_alone'] * 1e3:8.2f} ms; "
+        f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+    )
 
 
 def main():
@@ -361,8 +410,12 @@ def main():
     parser.add_argument("--kernel", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-domain", action="store_true", help="skip the 2-rank NeighborhoodAttention run")
-    parser.add_argument("--isa", choices=("avx512", "avx2", "base"), default=None,
-                        help="run as a CPU of this ISA would (narrower than the host's: see the module docstring)")
+    parser.add_argument(
+        "--isa",
+        choices=("avx512", "avx2", "base"),
+        default=None,
+        help="run as a CPU of this ISA would (narrower than the host's: see the module docstring)",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory figures")
     args = parser.parse_args()
     if args.isa:

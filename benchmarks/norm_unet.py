@@ -135,10 +135,14 @@ def floors(serial: nn.Module, u_local: torch.Tensor, tgt_local: torch.Tensor, t:
                 dist.all_reduce(token)  # the global loss
             opt.zero_grad(), loss.backward(), opt.step()
             dist.barrier()
+
         return step
 
-    steps = {"2-rank step": par_step, "perfect scaling": stepper(plain, False),
-             f"perfect scaling + {points} syncs": stepper(synced, True)}
+    steps = {
+        "2-rank step": par_step,
+        "perfect scaling": stepper(plain, False),
+        f"perfect scaling + {points} syncs": stepper(synced, True),
+    }
     wall = {k: [] for k in steps}
     cpu = {k: [] for k in steps}
     for _ in range(repeats):
@@ -184,7 +188,9 @@ def main() -> None:
 
     # 2) U-Net step
     serial = UNet(width=args.width)
-    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
+    model = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh
+    )
     opt_p, opt_s = torch.optim.Adam(model.parameters()), torch.optim.Adam(serial.parameters())
     u, tgt, t = torch.randn(4, 1, args.size, args.size), torch.randn(4, 1, args.size, args.size), torch.rand(4)
     ul, tl = tplayers.shard(u, 2, mesh).contiguous(), tplayers.shard(tgt, 2, mesh).contiguous()
@@ -233,21 +239,29 @@ def main() -> None:
     norm_fwd = sum(1 for r in log.records if r.tag == "norm_stats.fwd")
     norm_bwd = sum(1 for r in log.records if r.tag == "norm_stats.bwd")
     if rank == 0:
-        print(f"{world} ranks (gloo, CPU, 1 thread each) vs 1 process (1 thread); CPU {host_isa()}, torch {torch.__version__}")
+        print(
+            f"{world} ranks (gloo, CPU, 1 thread each) vs 1 process (1 thread); CPU {host_isa()}, torch {torch.__version__}"
+        )
         for name, (p, s) in results.items():
             print(f"{name}: 2-rank {p * 1e3:.1f} ms, 1-process {s * 1e3:.1f} ms, speed-up {s / p:.2f}x")
-        print(f"region guard: U-Net step {statistics.median(guarded) * 1e3:.1f} ms guarded vs "
-              f"{statistics.median(unguarded) * 1e3:.1f} ms without it: {100 * (guard_ratio - 1):+.1f}% "
-              f"(target <= +2%; CPU {host_isa()})")
+        print(
+            f"region guard: U-Net step {statistics.median(guarded) * 1e3:.1f} ms guarded vs "
+            f"{statistics.median(unguarded) * 1e3:.1f} ms without it: {100 * (guard_ratio - 1):+.1f}% "
+            f"(target <= +2%; CPU {host_isa()})"
+        )
         print(f"U-Net step collectives by kind: {log.summary()}")
-        print(f"norm collectives: forward {norm_fwd}, backward {norm_bwd} for {norms} GroupNorms "
-              f"(minimum {norms} + {norms})")
+        print(
+            f"norm collectives: forward {norm_fwd}, backward {norm_bwd} for {norms} GroupNorms "
+            f"(minimum {norms} + {norms})"
+        )
         if floor is not None:
             print(f"sync points of the 2-rank step: {_sync_points(log)} (halo exchanges, all-gathers, all-reduces)")
             ser = results[cases[-1][0]][1] * 1e3
             base = floor["perfect scaling"][0]
-            print("U-Net step against same-run floors (wall ms / main-thread CPU ms per step, slowest rank; "
-                  "speed-up = 1 process / this):")
+            print(
+                "U-Net step against same-run floors (wall ms / main-thread CPU ms per step, slowest rank; "
+                "speed-up = 1 process / this):"
+            )
             for key, (w, c) in floor.items():
                 print(f"  {key:32s} {w:7.1f} / {c:6.1f}   speed-up {ser / w:4.2f}x   x floor {w / base:4.2f}")
     dist.destroy_process_group()

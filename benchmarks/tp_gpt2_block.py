@@ -40,20 +40,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 from torch.distributed.tensor.parallel import parallelize_module as dtensor_parallelize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the block under test: tests/gpt_block.py
 
-import tplayers  # noqa: E402
 from gpt_block import Block, sp_plan  # noqa: E402
 from tp_mlp import CollectiveBytes  # noqa: E402
+
+import tplayers  # noqa: E402
 from tplayers.ops.dropout import dropout_slice  # noqa: E402
 
 D, HEADS = 768, 12
@@ -97,8 +93,9 @@ def fmt(log: dict) -> str:
 
 def bench(rank: int, world: int, init_file: str, batch: int, seq: int, repeats: int) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     mesh = tplayers.init_mesh(device_type="cpu")
     torch.manual_seed(0)
     serial = Block(D, HEADS)
@@ -128,20 +125,28 @@ def bench(rank: int, world: int, init_file: str, batch: int, seq: int, repeats: 
         med = {k: statistics.median(v) for k, v in times.items()}
         act = batch * seq * D * 4 / 2**20
         ln_grads = 2 * 2 * D * 4 / 2**20
-        print(f"\n== GPT-2-small block (d={D}, {HEADS} heads, MLP {4 * D}), B={batch}, S={seq}, fp32, "
-              f"{world} ranks x 1 thread, {repeats} interleaved repeats, fwd+bwd")
+        print(
+            f"\n== GPT-2-small block (d={D}, {HEADS} heads, MLP {4 * D}), B={batch}, S={seq}, fp32, "
+            f"{world} ranks x 1 thread, {repeats} interleaved repeats, fwd+bwd"
+        )
         print(f"  tplayers median {med['tplayers'] * 1e3:8.1f} ms   {fmt(log.summary())}")
         dt = {k: (c, b * world if k.startswith("all_gather") else b) for k, (c, b) in dt_log.log.items()}
         print(f"  DTensor  median {med['dtensor'] * 1e3:8.1f} ms   {fmt(dt)}  (norm grads summed, as a step needs)")
         print(f"  DTensor  median {med['dtensor_unsummed'] * 1e3:8.1f} ms   (norm grads left Partial after backward)")
-        print("  (bytes: the buffer reduced or gathered, all ranks' pieces; tplayers' extra all_gathers are the "
-              "per-call sequence lengths, one int64 per rank)")
-        print(f"  Megatron minimum: all_gather x4 ({4 * act:.2f} MiB), reduce_scatter x4 ({4 * act:.2f} MiB), "
-              f"norm-grad all_reduce ({ln_grads:.3f} MiB)  [one (B,S,d) activation = {act:.2f} MiB]")
+        print(
+            "  (bytes: the buffer reduced or gathered, all ranks' pieces; tplayers' extra all_gathers are the "
+            "per-call sequence lengths, one int64 per rank)"
+        )
+        print(
+            f"  Megatron minimum: all_gather x4 ({4 * act:.2f} MiB), reduce_scatter x4 ({4 * act:.2f} MiB), "
+            f"norm-grad all_reduce ({ln_grads:.3f} MiB)  [one (B,S,d) activation = {act:.2f} MiB]"
+        )
         for other in ("dtensor", "dtensor_unsummed"):
             paired = sorted(a / b for a, b in zip(times["tplayers"], times[other]))
-            print(f"  ratio tplayers / {other} = {med['tplayers'] / med[other]:.3f}   (per-repeat pairs: median "
-                  f"{statistics.median(paired):.3f}, range {paired[0]:.3f}-{paired[-1]:.3f})")
+            print(
+                f"  ratio tplayers / {other} = {med['tplayers'] / med[other]:.3f}   (per-repeat pairs: median "
+                f"{statistics.median(paired):.3f}, range {paired[0]:.3f}-{paired[-1]:.3f})"
+            )
     dist.destroy_process_group()
 
 
@@ -149,8 +154,10 @@ def dropout_cost(batch: int, seq: int, world: int, repeats: int) -> None:
     """ParallelDropout's exact slice vs nn.Dropout on the full tensor and on the local shard."""
     torch.set_num_threads(1)
     print(f"\n== dropout p=0.1, fp32, one process, medians of {repeats} (rank 0 of {world}'s slice)")
-    for label, shape, dim in (("MLP hidden (B,S,3072), features sharded", (batch, seq, 4 * D), 2),
-                              ("residual (B,S,768), sequence sharded", (batch, seq, D), 1)):
+    for label, shape, dim in (
+        ("MLP hidden (B,S,3072), features sharded", (batch, seq, 4 * D), 2),
+        ("residual (B,S,768), sequence sharded", (batch, seq, D), 1),
+    ):
         start, stop = tplayers.shard_range(shape[dim], world, 0)
         local = torch.randn(*[s if i != dim else stop - start for i, s in enumerate(shape)])
         full = torch.randn(*shape)
@@ -180,8 +187,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(bench, args=(args.world, os.path.join(tmp, "rdzv"), args.batch, args.seq, args.repeats),
-                 nprocs=args.world)
+        mp.spawn(
+            bench, args=(args.world, os.path.join(tmp, "rdzv"), args.batch, args.seq, args.repeats), nprocs=args.world
+        )
     dropout_cost(args.batch, args.seq, args.world, max(5, args.repeats))
 
 

@@ -81,8 +81,9 @@ def timed(model: nn.Module, x: torch.Tensor) -> float:
 
 def bench(rank: int, world: int, init_file: str, threads: int, quick: bool) -> None:
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     mesh = tplayers.init_mesh(device_type="cpu")
     for label, (hidden, ffn, tokens, repeats) in SIZES.items():
         if quick:
@@ -111,13 +112,19 @@ def bench(rank: int, world: int, init_file: str, threads: int, quick: bool) -> N
         if rank == 0:
             med = {k: statistics.median(v) for k, v in times.items()}
             print(f"\n== {label} (fp32, {world} ranks, {threads} thread(s) per rank, {repeats} interleaved repeats)")
-            print(f"  tplayers fwd+bwd median {med['tplayers'] * 1e3:9.3f} ms   collectives/step: "
-                  + ", ".join(f"{k} x{c} ({b / 2**20:.3f} MiB)" for k, (c, b) in log.summary().items()))
-            print(f"  DTensor  fwd+bwd median {med['dtensor'] * 1e3:9.3f} ms   collectives/step: "
-                  + ", ".join(f"{k} x{c} ({b / 2**20:.3f} MiB)" for k, (c, b) in dt_log.log.items()))
+            print(
+                f"  tplayers fwd+bwd median {med['tplayers'] * 1e3:9.3f} ms   collectives/step: "
+                + ", ".join(f"{k} x{c} ({b / 2**20:.3f} MiB)" for k, (c, b) in log.summary().items())
+            )
+            print(
+                f"  DTensor  fwd+bwd median {med['dtensor'] * 1e3:9.3f} ms   collectives/step: "
+                + ", ".join(f"{k} x{c} ({b / 2**20:.3f} MiB)" for k, (c, b) in dt_log.log.items())
+            )
             paired = sorted(a / b for a, b in zip(times["tplayers"], times["dtensor"]))
-            print(f"  ratio tplayers / DTensor = {med['tplayers'] / med['dtensor']:.3f}   (per-repeat pairs: "
-                  f"median {statistics.median(paired):.3f}, range {paired[0]:.3f}-{paired[-1]:.3f})")
+            print(
+                f"  ratio tplayers / DTensor = {med['tplayers'] / med['dtensor']:.3f}   (per-repeat pairs: "
+                f"median {statistics.median(paired):.3f}, range {paired[0]:.3f}-{paired[-1]:.3f})"
+            )
     dist.destroy_process_group()
 
 

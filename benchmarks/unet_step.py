@@ -47,8 +47,8 @@ def load_shardtensor():
     """(ShardTensor, Shard, version), or (None, reason) when it cannot run here."""
     try:
         import physicsnemo
-        from torch.distributed.tensor.placement_types import Shard
         from physicsnemo.domain_parallel import ShardTensor
+
         # physicsnemo registers its handlers only when CUDA is available: import the ones this
         # U-Net needs (each module registers its handlers at import time)
         from physicsnemo.domain_parallel.custom_ops import _reductions  # noqa: F401  mean / sum
@@ -58,6 +58,7 @@ def load_shardtensor():
             pooling_patches,  # F.max_pool2d (stride == kernel)
             unpooling_patches,  # F.interpolate
         )
+        from torch.distributed.tensor.placement_types import Shard
     except Exception as err:  # noqa: BLE001 - report any import failure as the blocker
         return None, f"{type(err).__name__}: {err}"
     return (ShardTensor, Shard, physicsnemo.__version__), None
@@ -68,8 +69,14 @@ class Block(nn.Module):
 
     def __init__(self, cin: int, cout: int):
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU(),
-                                  nn.Conv2d(cout, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU())
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, padding=1),
+            nn.GroupNorm(4, cout),
+            nn.SiLU(),
+            nn.Conv2d(cout, cout, 3, padding=1),
+            nn.GroupNorm(4, cout),
+            nn.SiLU(),
+        )
 
     def forward(self, x):
         return self.body(x)
@@ -136,8 +143,9 @@ def main() -> None:
     x, tgt = torch.randn(args.batch, 1, args.size, args.size), torch.randn(args.batch, 1, args.size, args.size)
 
     # (a) tplayers
-    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
-                                        mesh=mesh)
+    model = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh
+    )
     # each rank's own contiguous slab (as when it loads its part), as ShardTensor gets below
     xl, tl = tplayers.shard(x, 2, mesh).contiguous(), tplayers.shard(tgt, 2, mesh).contiguous()
 
@@ -148,10 +156,12 @@ def main() -> None:
     if st is not None:
         ShardTensor, Shard, st_version = st
         st_model = copy.deepcopy(serial)
-        xs = ShardTensor.from_local(x.chunk(world, 2)[rank].contiguous(), mesh, [Shard(2)],
-                                    sharding_shapes="chunk", global_shape=x.shape)
-        ts = ShardTensor.from_local(tgt.chunk(world, 2)[rank].contiguous(), mesh, [Shard(2)],
-                                    sharding_shapes="chunk", global_shape=tgt.shape)
+        xs = ShardTensor.from_local(
+            x.chunk(world, 2)[rank].contiguous(), mesh, [Shard(2)], sharding_shapes="chunk", global_shape=x.shape
+        )
+        ts = ShardTensor.from_local(
+            tgt.chunk(world, 2)[rank].contiguous(), mesh, [Shard(2)], sharding_shapes="chunk", global_shape=tgt.shape
+        )
 
         def loss_st():
             return (st_model(xs) - ts).pow(2).mean()
@@ -175,8 +185,14 @@ def main() -> None:
         sl.backward()
         grad_kind = type(next(st_model.parameters()).grad).__name__
         sl_val = sl.full_tensor() if hasattr(sl, "full_tensor") else sl
-        checks.append(("ShardTensor", (full - ref).abs().max().item(), (sl_val - ref_loss).abs().item(),
-                       _grad_err(st_model, serial)))
+        checks.append(
+            (
+                "ShardTensor",
+                (full - ref).abs().max().item(),
+                (sl_val - ref_loss).abs().item(),
+                _grad_err(st_model, serial),
+            )
+        )
     for name, _, _, gerr in checks:
         if gerr > 1e-4:
             raise SystemExit(f"{name}: parameter gradients differ from the serial model's by {gerr:.2e}")
@@ -219,19 +235,25 @@ def main() -> None:
 
     if rank == 0:
         med = {k: statistics.median(v) * 1e3 if v else float("nan") for k, v in times.items()}
-        print(f"torch {torch.__version__}, physicsnemo {st[2] if st else 'unavailable'}, CPU {host_isa()}, "
-              f"{world} ranks (gloo, 1 thread each) vs 1 process (1 thread)")
+        print(
+            f"torch {torch.__version__}, physicsnemo {st[2] if st else 'unavailable'}, CPU {host_isa()}, "
+            f"{world} ranks (gloo, 1 thread each) vs 1 process (1 thread)"
+        )
         if st is None:
             print(f"ShardTensor unavailable: {why}")
-        print(f"U-Net train step: batch {args.batch}, 1x{args.size}x{args.size}, width {args.width} "
-              f"(channels {args.width}/{2 * args.width}), {sum(p.numel() for p in serial.parameters())} "
-              f"parameters; medians of {args.repeats} interleaved repeats of {args.iters} steps")
+        print(
+            f"U-Net train step: batch {args.batch}, 1x{args.size}x{args.size}, width {args.width} "
+            f"(channels {args.width}/{2 * args.width}), {sum(p.numel() for p in serial.parameters())} "
+            f"parameters; medians of {args.repeats} interleaved repeats of {args.iters} steps"
+        )
         print("correctness vs serial: max |output err|, |loss err|, max |param grad err|")
         for name, o, lo, g in checks:
             print(f"  {name:12s} {o:.2e}  {lo:.2e}  {g:.2e}")
         if st is not None:
-            print(f"  ShardTensor parameter gradients come back as {grad_kind}, already summed over ranks "
-                  "(its conv/GroupNorm backward all-reduces them; no extra all-reduce in its step)")
+            print(
+                f"  ShardTensor parameter gradients come back as {grad_kind}, already summed over ranks "
+                "(its conv/GroupNorm backward all-reduces them; no extra all-reduce in its step)"
+            )
         print(f"{'contender':28s} {'ms/step':>9s} {'speed-up vs 1 proc':>19s}")
         rows = [("tplayers, 2 ranks", med["tpl"])]
         if st is not None:
@@ -240,8 +262,10 @@ def main() -> None:
         for name, ms in rows:
             print(f"{name:28s} {ms:9.2f} {med['serial'] / ms:18.2f}x")
         if st is not None:
-            print(f"tplayers / ShardTensor time: {med['tpl'] / med['st']:.2f} "
-                  f"(ShardTensor / tplayers: {med['st'] / med['tpl']:.2f}x)")
+            print(
+                f"tplayers / ShardTensor time: {med['tpl'] / med['st']:.2f} "
+                f"(ShardTensor / tplayers: {med['st'] / med['tpl']:.2f}x)"
+            )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -30,9 +30,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel
+from tp_mlp import CollectiveBytes  # counts DTensor's functional collectives
 
 import tplayers
-from tp_mlp import CollectiveBytes  # counts DTensor's functional collectives
 from tplayers.comm import gather_along_dim
 
 SIZES = {
@@ -78,8 +78,9 @@ def timed(fn, *args) -> float:
 
 def bench(rank: int, world: int, init_file: str, threads: int, quick: bool) -> None:
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     mesh = tplayers.init_mesh(device_type="cpu")
     for label, (tokens, vocab, repeats) in SIZES.items():
         if quick:
@@ -98,21 +99,29 @@ def bench(rank: int, world: int, init_file: str, threads: int, quick: bool) -> N
         times = {name: [] for name in RUNNERS}
         names = list(RUNNERS)
         for i in range(repeats):
-            for name in names[i % 3:] + names[: i % 3]:  # rotate the order so load hits all alike
+            for name in names[i % 3 :] + names[: i % 3]:  # rotate the order so load hits all alike
                 times[name].append(timed(RUNNERS[name], local, target, mesh))
         if rank == 0:
             med = {k: statistics.median(v) for k, v in times.items()}
             print(f"\n== {label} (fp32, {world} ranks, {threads} thread(s) per rank, {repeats} repeats)")
-            print(f"  tplayers vocab_parallel_cross_entropy  {med['tplayers'] * 1e3:9.2f} ms  collectives: "
-                  + ", ".join(f"{k} x{c} ({b / 2**10:.1f} KiB)" for k, (c, b) in log.summary().items()))
-            print(f"  DTensor loss_parallel                  {med['dtensor'] * 1e3:9.2f} ms  collectives: "
-                  + ", ".join(f"{k} x{c} ({b / 2**10:.1f} KiB)" for k, (c, b) in dt_log.log.items()))
-            print(f"  all-gather + F.cross_entropy           {med['gather'] * 1e3:9.2f} ms  "
-                  f"(gathers {tokens * vocab * 4 / 2**20:.0f} MiB of logits per rank)")
+            print(
+                f"  tplayers vocab_parallel_cross_entropy  {med['tplayers'] * 1e3:9.2f} ms  collectives: "
+                + ", ".join(f"{k} x{c} ({b / 2**10:.1f} KiB)" for k, (c, b) in log.summary().items())
+            )
+            print(
+                f"  DTensor loss_parallel                  {med['dtensor'] * 1e3:9.2f} ms  collectives: "
+                + ", ".join(f"{k} x{c} ({b / 2**10:.1f} KiB)" for k, (c, b) in dt_log.log.items())
+            )
+            print(
+                f"  all-gather + F.cross_entropy           {med['gather'] * 1e3:9.2f} ms  "
+                f"(gathers {tokens * vocab * 4 / 2**20:.0f} MiB of logits per rank)"
+            )
             for name in ("dtensor", "gather"):
                 pairs = sorted(a / b for a, b in zip(times["tplayers"], times[name]))
-                print(f"  ratio tplayers / {name:8s} = {med['tplayers'] / med[name]:.3f}  "
-                      f"(per-repeat pairs {pairs[0]:.3f}-{pairs[-1]:.3f})")
+                print(
+                    f"  ratio tplayers / {name:8s} = {med['tplayers'] / med[name]:.3f}  "
+                    f"(per-repeat pairs {pairs[0]:.3f}-{pairs[-1]:.3f})"
+                )
     dist.destroy_process_group()
 
 

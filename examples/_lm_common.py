@@ -52,9 +52,11 @@ def parity_step(serial, plan, mesh, inp, target, smoothing, say, lr=1e-3):
     param_diff = max((full[k] - ref[k]).abs().max().item() for k in ref)
     loss_diff = abs(loss_s.item() - loss_p.item())
     n_serial, n_par = len(list(serial.parameters())), len(list(model.parameters()))
-    say(f"parity (fp64, one AdamW step): loss serial {loss_s.item():.10f} parallel {loss_p.item():.10f} "
+    say(
+        f"parity (fp64, one AdamW step): loss serial {loss_s.item():.10f} parallel {loss_p.item():.10f} "
         f"| |loss diff| {loss_diff:.1e} | max |param diff| (gather_state_dict vs serial) {param_diff:.1e} "
-        f"| parameters {n_par} (serial {n_serial})")
+        f"| parameters {n_par} (serial {n_serial})"
+    )
     if loss_diff > 1e-10 or param_diff > 1e-10 or n_par != n_serial:
         raise SystemExit("parity check FAILED")
     return model

@@ -17,8 +17,8 @@ import sys
 from datetime import timedelta
 
 import torch
-from torch import nn
 from safetensors.torch import load_file
+from torch import nn
 
 import tplayers
 from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
@@ -54,7 +54,9 @@ class TinyLM(nn.Module):
 
 
 def train(root):
-    mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))  # a stalled peer fails in minutes, not 30
+    mesh = tplayers.init_mesh(
+        device_type="cpu", timeout=timedelta(minutes=2)
+    )  # a stalled peer fails in minutes, not 30
     torch.manual_seed(0)  # same serial weights on every rank, then each keeps its shard
     model = tplayers.parallelize_module(TinyLM(), PLAN, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # after parallelize_module
@@ -73,7 +75,9 @@ def train(root):
 
 
 def reload(root):
-    mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))  # a stalled peer fails in minutes, not 30
+    mesh = tplayers.init_mesh(
+        device_type="cpu", timeout=timedelta(minutes=2)
+    )  # a stalled peer fails in minutes, not 30
     reference = load_file(os.path.join(root, "model.safetensors"))
     model = tplayers.parallelize_module(TinyLM(), PLAN, mesh=mesh)
     load_checkpoint(model, os.path.join(root, "sharded"))

@@ -50,8 +50,11 @@ class MLP(nn.Module):
 class CNN(nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1, padding_mode="circular"), nn.Tanh(),
-                                 nn.Conv2d(8, 2, 3, padding=1, padding_mode="circular"))
+        self.net = nn.Sequential(
+            nn.Conv2d(2, 8, 3, padding=1, padding_mode="circular"),
+            nn.Tanh(),
+            nn.Conv2d(8, 2, 3, padding=1, padding_mode="circular"),
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -68,7 +71,7 @@ def batch(step, dp_rank, dp, n=8, d=16):
     g = torch.Generator().manual_seed(step)
     x, t = torch.randn(n, d, dtype=torch.float64, generator=g), torch.randn(n, d, dtype=torch.float64, generator=g)
     k = n // dp
-    return (x, t), (x[dp_rank * k:(dp_rank + 1) * k], t[dp_rank * k:(dp_rank + 1) * k])
+    return (x, t), (x[dp_rank * k : (dp_rank + 1) * k], t[dp_rank * k : (dp_rank + 1) * k])
 
 
 def train(model, opt, steps, dp_rank, dp):
@@ -110,7 +113,9 @@ def main():
 
     # 2. checkpoint with optimizer state, resumed in a fresh wrapped model
     # Every rank of one torchrun run names the same folder without communicating (no pickle).
-    root = args.dir or os.path.join(tempfile.gettempdir(), "tplayers-dp-" + os.environ.get("TORCHELASTIC_RUN_ID", "local"))
+    root = args.dir or os.path.join(
+        tempfile.gettempdir(), "tplayers-dp-" + os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    )
     path = os.path.join(root, "ckpt")
     save_checkpoint(model, path, optimizer=opt)
     torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
@@ -119,8 +124,12 @@ def main():
     load_checkpoint(fresh, path, optimizer=fresh_opt)
     a = train(model, opt, [1, 2], dp_rank, dp)
     b = train(fresh, fresh_opt, [1, 2], dp_rank, dp)
-    same = all(torch.equal(u, v) for u, v in zip(gather_state_dict(model, all_ranks=True).values(),
-                                                 gather_state_dict(fresh, all_ranks=True).values()))
+    same = all(
+        torch.equal(u, v)
+        for u, v in zip(
+            gather_state_dict(model, all_ranks=True).values(), gather_state_dict(fresh, all_ranks=True).values()
+        )
+    )
     if rank == 0:
         print(f"resumed from {path}: loss {b:.6f} vs uninterrupted {a:.6f}, weights bitwise equal: {same}")
         assert same and a == b
@@ -131,19 +140,23 @@ def main():
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
     res = load_checkpoint(plain, path, optimizer=plain_opt)
     if rank == 0:
-        print(f"serial model + AdamW loaded the {world}-rank checkpoint ({res.bytes_read} bytes read); "
-              f"AdamW step {plain_opt.state[plain.up.weight]['step'].item():.0f}")
+        print(
+            f"serial model + AdamW loaded the {world}-rank checkpoint ({res.bytes_read} bytes read); "
+            f"AdamW step {plain_opt.state[plain.up.weight]['step'].item():.0f}"
+        )
 
     # 4. dp x domain: a CNN split over the domain axis, DDP over dp
     torch.manual_seed(0)
-    cnn = tplayers.parallelize_module(CNN().double(), {"": tplayers.DomainParallel(shard_dims=(2,))},
-                                      mesh=mesh["tp"])
+    cnn = tplayers.parallelize_module(CNN().double(), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh["tp"])
     cnn = DDP(cnn, process_group=mesh["dp"].get_group())
     cnn_opt = torch.optim.SGD(cnn.parameters(), lr=0.1, momentum=0.9)
     field = torch.randn(2 * dp, 2, 16, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
-    mine = tplayers.shard(field[dp_rank * 2:(dp_rank + 1) * 2], 2, mesh["tp"])  # my samples, my rows
-    loss = tplayers.domain_mean((cnn(mine) - mine) ** 2, mesh["tp"]) if hasattr(tplayers, "domain_mean") \
+    mine = tplayers.shard(field[dp_rank * 2 : (dp_rank + 1) * 2], 2, mesh["tp"])  # my samples, my rows
+    loss = (
+        tplayers.domain_mean((cnn(mine) - mine) ** 2, mesh["tp"])
+        if hasattr(tplayers, "domain_mean")
         else ((cnn(mine) - mine) ** 2).mean()
+    )
     loss.backward()
     cnn_opt.step()
     save_checkpoint(cnn, os.path.join(root, "cnn"), optimizer=cnn_opt)

@@ -55,7 +55,10 @@ def smooth_fields(n: int, size: int, generator: torch.Generator) -> torch.Tensor
     out = torch.zeros(n, 1, size, size)
     for _ in range(6):
         kx, ky = torch.randint(1, 5, (2,), generator=generator).tolist()
-        amp, phase = torch.rand(n, 1, 1, 1, generator=generator), 2 * math.pi * torch.rand(n, 1, 1, 1, generator=generator)
+        amp, phase = (
+            torch.rand(n, 1, 1, 1, generator=generator),
+            2 * math.pi * torch.rand(n, 1, 1, 1, generator=generator),
+        )
         out += amp * torch.sin(2 * math.pi * (kx * x + ky * y) / size + phase)
     return out
 
@@ -66,11 +69,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))  # a stalled peer fails in minutes, not 30
+    mesh = tplayers.init_mesh(
+        device_type="cpu", timeout=timedelta(minutes=2)
+    )  # a stalled peer fails in minutes, not 30
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)  # same serial model on every rank
     serial = EncoderDecoder()
-    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
+    model = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh
+    )
     if rank == 0:
         print(f"{world} rank(s); each holds a band of rows of a {args.size}x{args.size} field")
         tplayers.explain(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)

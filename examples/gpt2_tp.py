@@ -22,10 +22,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _lm_common import parity_step, synthetic_batch, train
 from torch import nn
 
 import tplayers
-from _lm_common import parity_step, synthetic_batch, train
 
 
 class CausalSelfAttention(nn.Module):
@@ -114,7 +114,9 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))  # a stalled peer fails in minutes, not 30
+    mesh = tplayers.init_mesh(
+        device_type="cpu", timeout=timedelta(minutes=2)
+    )  # a stalled peer fails in minutes, not 30
     say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
     torch.manual_seed(0)  # same seed everywhere: identical serial model and data on every rank
     serial = GPT2(args.vocab, args.dim, args.heads, args.layers, args.seq).double()

@@ -43,9 +43,16 @@ transformers.utils.logging.disable_progress_bar()
 
 def build(args) -> transformers.LlamaForCausalLM:
     torch.manual_seed(0)  # every rank builds the same serial model
-    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=32, intermediate_size=56,
-                                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=128, attn_implementation="sdpa")
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=32,
+        intermediate_size=56,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation="sdpa",
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -71,14 +78,17 @@ def main():
             print(*msg, flush=True)
 
     serial = build(args).double()
-    plan = tplayers.plan_from_transformers(serial, mesh=mesh, vocab_parallel=True,
-                                           sequence_parallel=args.sequence_parallel)
+    plan = tplayers.plan_from_transformers(
+        serial, mesh=mesh, vocab_parallel=True, sequence_parallel=args.sequence_parallel
+    )
     say(f"model.tp_plan: {serial.tp_plan}")
     tplayers.explain(serial, plan, mesh=mesh, print_table=rank == 0)
     model = tplayers.parallelize_module(copy.deepcopy(serial), plan, mesh=mesh)
     attn = model.model.layers[0].self_attn
-    say(f"rank 0 holds kv heads {[(a // 8, b // 8) for a, b in attn.k_proj.weight_ranges]} of 2 "
-        f"(query heads per kv head here: {getattr(attn, 'module', attn).num_key_value_groups})")
+    say(
+        f"rank 0 holds kv heads {[(a // 8, b // 8) for a, b in attn.k_proj.weight_ranges]} of 2 "
+        f"(query heads per kv head here: {getattr(attn, 'module', attn).num_key_value_groups})"
+    )
 
     # parity: one SGD step on both, in fp64
     gen = torch.Generator().manual_seed(1)
@@ -92,7 +102,9 @@ def main():
     full, ref = tplayers.gather_state_dict(model, all_ranks=True), serial.state_dict()
     param_diff = max((full[k] - ref[k]).abs().max().item() for k in ref)
     loss_diff = abs(loss_s.item() - loss_p.item())
-    say(f"parity (fp64, one SGD step) on {world} ranks: |loss diff| {loss_diff:.1e} | max |param diff| {param_diff:.1e}")
+    say(
+        f"parity (fp64, one SGD step) on {world} ranks: |loss diff| {loss_diff:.1e} | max |param diff| {param_diff:.1e}"
+    )
     if loss_diff > 1e-10 or param_diff > 1e-10:
         raise SystemExit("parity check FAILED")
 

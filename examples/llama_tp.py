@@ -30,10 +30,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _lm_common import parity_step, synthetic_batch, train
 from torch import nn
 
 import tplayers
-from _lm_common import parity_step, synthetic_batch, train
 
 
 def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -125,7 +125,8 @@ def llama_plan(d: int, n_heads: int, n_kv: int, ffn: int, fused: bool) -> dict:
     }
     if fused:
         plan[r"layers\.\d+\.attn\.qkv_proj"] = tplayers.ColumnParallel(
-            sections=(n_heads * hd, n_kv * hd, n_kv * hd), head_dim=hd)
+            sections=(n_heads * hd, n_kv * hd, n_kv * hd), head_dim=hd
+        )
     else:  # kv heads fewer than ranks: replicated in groups, gradients summed over the replicas
         plan[r"layers\.\d+\.attn\.(q|k|v)_proj"] = tplayers.ColumnParallel(head_dim=hd)
     return plan
@@ -148,7 +149,9 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))  # a stalled peer fails in minutes, not 30
+    mesh = tplayers.init_mesh(
+        device_type="cpu", timeout=timedelta(minutes=2)
+    )  # a stalled peer fails in minutes, not 30
     say = print if dist.get_rank() == 0 else (lambda *a, **k: None)
     torch.manual_seed(0)  # same seed everywhere: identical serial model and data on every rank
     serial = Llama(args.vocab, args.dim, args.heads, args.kv_heads, args.ffn, args.layers, args.fused_qkv).double()
@@ -156,9 +159,11 @@ def main() -> None:
     try:  # the plan is checked before anything is built: query heads must sit with their kv heads
         tplayers.explain(serial, plan, mesh, print_table=dist.get_rank() == 0)
     except ValueError as err:  # e.g. 8 query / 2 kv heads on 3 ranks: no split keeps every group whole
-        say(f"attention heads cannot be split over {mesh.size()} ranks:\n  {err}\n"
+        say(
+            f"attention heads cannot be split over {mesh.size()} ranks:\n  {err}\n"
             "keeping the attention projections replicated (every rank computes all heads); the embedding, "
-            "MLP and lm_head stay tensor-parallel")
+            "MLP and lm_head stay tensor-parallel"
+        )
         plan = {k: v for k, v in plan.items() if r"\.attn\." not in k}
         tplayers.explain(serial, plan, mesh, print_table=dist.get_rank() == 0)
     gen = torch.Generator().manual_seed(1)

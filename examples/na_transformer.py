@@ -29,8 +29,9 @@ class Block(nn.Module):
     def __init__(self, dim, heads, kernel, dilation, mesh=None, shard_dims=None):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = tplayers.NeighborhoodAttention(dim, heads, kernel, dilation, rel_pos_bias=True,
-                                                   mesh=mesh, shard_dims=shard_dims)
+        self.attn = tplayers.NeighborhoodAttention(
+            dim, heads, kernel, dilation, rel_pos_bias=True, mesh=mesh, shard_dims=shard_dims
+        )
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
 
     def forward(self, x):
@@ -62,11 +63,15 @@ def synthetic_batch(gen, batch=2, height=24, width=20):
 
 
 def main():
-    mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))  # a stalled peer fails in minutes, not 30
+    mesh = tplayers.init_mesh(
+        device_type="cpu", timeout=timedelta(minutes=2)
+    )  # a stalled peer fails in minutes, not 30
     rank = dist.get_rank()
     torch.manual_seed(0)  # same serial model on every rank
     serial = NATransformer().double()
-    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
+    model = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh
+    )
 
     # Parity: outputs and every gradient against the single-device model on the full image.
     gen = torch.Generator().manual_seed(1)

@@ -124,7 +124,9 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)
-    mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))  # a stalled peer fails in minutes, not 30
+    mesh = tplayers.init_mesh(
+        device_type="cpu", timeout=timedelta(minutes=2)
+    )  # a stalled peer fails in minutes, not 30
     rank, world = dist.get_rank(), dist.get_world_size()
     say = print if rank == 0 else (lambda *a, **k: None)
     if args.heads % world:
@@ -157,10 +159,12 @@ def main() -> None:
     opt_serial.zero_grad(), opt.zero_grad()
     params = gathered_params(model)
     param_diff = max((p.detach() - params[k]).abs().max().item() for k, p in serial.named_parameters())
-    say(f"parity step 1: loss serial {results[0][0]:.6f} parallel {results[1][0]:.6f} | "
+    say(
+        f"parity step 1: loss serial {results[0][0]:.6f} parallel {results[1][0]:.6f} | "
         f"max |logit diff| {logit_diff:.1e} | max relative grad diff {grad_diff:.1e} | "
         f"max |param diff| after AdamW {param_diff:.1e} (AdamW's first step is ~lr*sign(grad): fp32 "
-        f"rounding in near-zero gradients can move a parameter by up to lr={opt.defaults['lr']:g})")
+        f"rounding in near-zero gradients can move a parameter by up to lr={opt.defaults['lr']:g})"
+    )
     if logit_diff > 1e-4 or grad_diff > 1e-3:
         raise SystemExit("parity check FAILED")
     del serial, opt_serial

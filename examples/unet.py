@@ -87,7 +87,8 @@ def fields(n: int, size: int, nd: int, gen: torch.Generator) -> torch.Tensor:
         k = torch.randint(1, 4, (nd,), generator=gen).tolist()
         phase = 2 * math.pi * torch.rand((n, 1) + (1,) * nd, generator=gen)
         out += torch.rand((n, 1) + (1,) * nd, generator=gen) * torch.sin(
-            2 * math.pi * sum(ki * a for ki, a in zip(k, axes)) / size + phase)
+            2 * math.pi * sum(ki * a for ki, a in zip(k, axes)) / size + phase
+        )
     return out
 
 
@@ -121,8 +122,10 @@ def main() -> None:
     err_out = (tplayers.gather(out.detach(), 2, mesh) - ref.detach()).abs().max().item()
     err_grad = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), serial.parameters()))
     if rank == 0:
-        print(f"parity vs serial: max |dy| = {err_out:.2e}, |dloss| = {abs(loss.item() - ref_loss.item()):.2e}, "
-              f"max |dgrad| = {err_grad:.2e}")
+        print(
+            f"parity vs serial: max |dy| = {err_out:.2e}, |dloss| = {abs(loss.item() - ref_loss.item()):.2e}, "
+            f"max |dgrad| = {err_grad:.2e}"
+        )
     assert err_out < 1e-4 and err_grad < 1e-4, (err_out, err_grad)
     model.zero_grad()
 

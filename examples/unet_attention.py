@@ -52,11 +52,11 @@ class MidAttention(nn.Module):
         self.attend = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, c, h, w = x.shape                                              # h: this rank's rows
+        n, c, h, w = x.shape  # h: this rank's rows
         qkv = self.qkv(self.norm(x)).reshape(n, 3, self.heads, c // self.heads, h * w)
-        q, k, v = qkv.transpose(-1, -2).unbind(1)                         # (N, heads, H*W, hd) each
+        q, k, v = qkv.transpose(-1, -2).unbind(1)  # (N, heads, H*W, hd) each
         attend = self.attend if self.attend is not None else F.scaled_dot_product_attention
-        y = attend(q, k, v)                                               # (N, heads, H*W, hd)
+        y = attend(q, k, v)  # (N, heads, H*W, hd)
         return x + self.out(y.transpose(-1, -2).reshape(n, c, h, w))
 
 
@@ -86,15 +86,18 @@ def main() -> None:
     torch.set_num_threads(1)
     mesh = tplayers.init_mesh(device_type="cpu", timeout=timedelta(minutes=2))
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)                                                  # the same serial model everywhere
+    torch.manual_seed(0)  # the same serial model everywhere
     serial = AttentionUNet().double()
-    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
-                                        mesh=mesh)
+    model = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh
+    )
     if args.attention == "hand":
         model.mid_attn.attend = tplayers.ContextParallelAttention(mesh=mesh)
     if rank == 0:
-        print(f"{world} rank(s); U-Net with mid-block attention over all {(args.size // 4) ** 2} mid pixels, "
-              f"H of a {args.size}^2 image split over the ranks; attention: {args.attention}")
+        print(
+            f"{world} rank(s); U-Net with mid-block attention over all {(args.size // 4) ** 2} mid pixels, "
+            f"H of a {args.size}^2 image split over the ranks; attention: {args.attention}"
+        )
 
     # 1) parity with the serial model (fp64): output, loss and every parameter gradient.
     gen = torch.Generator().manual_seed(1)
@@ -109,13 +112,15 @@ def main() -> None:
     err_out = (tplayers.gather(out.detach(), 2, mesh) - ref.detach()).abs().max().item()
     err_grad = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), serial.parameters()))
     if rank == 0:
-        print(f"parity vs serial (fp64): max |dy| = {err_out:.2e}, |dloss| = {abs(loss.item() - ref_loss.item()):.2e}, "
-              f"max |dgrad| = {err_grad:.2e}")
+        print(
+            f"parity vs serial (fp64): max |dy| = {err_out:.2e}, |dloss| = {abs(loss.item() - ref_loss.item()):.2e}, "
+            f"max |dgrad| = {err_grad:.2e}"
+        )
     assert err_out < 1e-10 and err_grad < 1e-10, (err_out, err_grad)
     model.zero_grad()
 
     # 2) training: the exact global mean-squared error, the same scalar on every rank.
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)                  # built AFTER parallelize_module
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)  # built AFTER parallelize_module
     for step in range(args.steps):
         clean = fields(4, args.size, 2, gen).double()
         t = torch.rand(4, generator=gen, dtype=torch.float64)

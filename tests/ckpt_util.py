@@ -57,7 +57,11 @@ class Net(nn.Module):
         return self.head(x)
 
 
-PLAN = {r"blocks\.\d+\.fc1": tplayers.ColumnParallel(), r"blocks\.\d+\.fc2": tplayers.RowParallel(), "head": tplayers.ColumnParallel()}
+PLAN = {
+    r"blocks\.\d+\.fc1": tplayers.ColumnParallel(),
+    r"blocks\.\d+\.fc2": tplayers.RowParallel(),
+    "head": tplayers.ColumnParallel(),
+}
 
 
 def serial_net(seed: int, offset: float = 0.0, **kw) -> Net:

@@ -12,12 +12,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import importlib  # noqa: E402
 
-import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from oracle import assert_local_slices  # noqa: E402
 
 import tplayers  # noqa: E402
-from oracle import assert_local_slices  # noqa: E402
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
@@ -26,6 +25,8 @@ def require(package: str):
     """The tested peer ``package``, imported plainly: the ``test`` extra installs it, so a missing one is
     an import error (locally and in CI alike), never a skip."""
     return importlib.import_module(package)
+
+
 VOCAB = 37  # uneven at 2 and 4 ranks
 
 
@@ -33,9 +34,17 @@ def llama(seed=0, heads=4, kv=2, layers=2, tie=False):
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=22, num_hidden_layers=layers,
-                                      num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=64,
-                                      tie_word_embeddings=tie, attn_implementation="sdpa")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=22,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        attn_implementation="sdpa",
+    )
     return transformers.LlamaForCausalLM(config).double()
 
 
@@ -43,9 +52,16 @@ def qwen2(seed=0):
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=22, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      attn_implementation="sdpa")
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=22,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+    )
     model = transformers.Qwen2ForCausalLM(config).double()
     assert model.model.layers[0].self_attn.q_proj.bias is not None  # Qwen2: biases on q, k, v
     with torch.no_grad():
@@ -59,9 +75,19 @@ def gpt2(seed=0, heads=3):
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=4 * heads, n_layer=2, n_head=heads, n_positions=64,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
-                                     eos_token_id=0, attn_implementation="sdpa")
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=4 * heads,
+        n_layer=2,
+        n_head=heads,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
     model = transformers.GPT2LMHeadModel(config).double()
     with torch.no_grad():
         for block in model.transformer.h:

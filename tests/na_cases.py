@@ -18,6 +18,15 @@ def na_on_subwindow(ins, size, kernel, dilation, causal, box, **kw):
     kr = key_span(q0, q1, length=h, kernel=kernel[0], dilation=dilation[0], causal=causal[0])
     kc = key_span(c0, c1, length=w, kernel=kernel[1], dilation=dilation[1], causal=causal[1])
     return neighborhood_attention(
-        ins[0][:, q0:q1, c0:c1], ins[1][:, kr[0]:kr[1], kc[0]:kc[1]], ins[2][:, kr[0]:kr[1], kc[0]:kc[1]],
-        kernel, dilation, causal, global_size=(h, w), q_offset=(q0, c0), k_offset=(kr[0], kc[0]),
-        rel_pos_bias=ins[3], **kw)
+        ins[0][:, q0:q1, c0:c1],
+        ins[1][:, kr[0] : kr[1], kc[0] : kc[1]],
+        ins[2][:, kr[0] : kr[1], kc[0] : kc[1]],
+        kernel,
+        dilation,
+        causal,
+        global_size=(h, w),
+        q_offset=(q0, c0),
+        k_offset=(kr[0], kc[0]),
+        rel_pos_bias=ins[3],
+        **kw,
+    )

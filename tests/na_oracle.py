@@ -19,13 +19,13 @@ def window_1d(i: int, length: int, kernel: int, dilation: int, causal: bool) -> 
     members = [p for p in range(length) if p % dilation == i % dilation]
     n = members.index(i)
     if causal:
-        return members[max(0, n - kernel + 1): n + 1]
+        return members[max(0, n - kernel + 1) : n + 1]
     start = n - kernel // 2
     if start < 0:
         start = 0
     if start + kernel > len(members):
         start = len(members) - kernel
-    window = members[start: start + kernel]
+    window = members[start : start + kernel]
     assert len(window) == kernel
     return window
 
@@ -33,7 +33,7 @@ def window_1d(i: int, length: int, kernel: int, dilation: int, causal: bool) -> 
 def brute_na2d(q, k, v, kernel, dilation=(1, 1), causal=(False, False), scale=None, rpb=None):
     """``(B, H, W, heads, D)`` -> same; differentiable (stacks per-query results)."""
     batch, height, width, heads, dim = q.shape
-    scale = dim ** -0.5 if scale is None else scale
+    scale = dim**-0.5 if scale is None else scale
     rows = []
     for i in range(height):
         wi = window_1d(i, height, kernel[0], dilation[0], causal[0])
@@ -80,7 +80,7 @@ def brute_na(q, k, v, kernel, stride=None, dilation=None, causal=None, scale=Non
     Per-dim tuples; ``rpb`` ``(heads, 2k_1 - 1, ..., 2k_n - 1)`` at ``(key - query) / dilation +
     kernel - 1`` (stride 1). Differentiable."""
     rank = q.dim() - 3
-    size = q.shape[1:1 + rank]
+    size = q.shape[1 : 1 + rank]
     stride = stride or (1,) * rank
     dilation = dilation or (1,) * rank
     causal = causal or (False,) * rank
@@ -91,17 +91,22 @@ def brute_na(q, k, v, kernel, stride=None, dilation=None, causal=None, scale=Non
     for m in axes[1:]:  # product window: (N, N) over flattened positions, row-major
         mask = (mask[:, None, :, None] & m[None, :, None, :]).reshape(mask.shape[0] * m.shape[0], -1)
     n = mask.shape[0]
-    qf, kf, vf = q.reshape(q.shape[0], n, heads, -1), k.reshape(k.shape[0], n, kv_heads, -1), v.reshape(
-        v.shape[0], n, kv_heads, -1)
+    qf, kf, vf = (
+        q.reshape(q.shape[0], n, heads, -1),
+        k.reshape(k.shape[0], n, kv_heads, -1),
+        v.reshape(v.shape[0], n, kv_heads, -1),
+    )
     outs = []
     for h in range(heads):
         g = h // (heads // kv_heads)
         s = torch.einsum("bqd,bkd->bqk", qf[:, :, h], kf[:, :, g]) * scale
         if rpb is not None:
             coords = torch.stack(torch.meshgrid(*[torch.arange(x) for x in size], indexing="ij"), -1).reshape(n, rank)
-            rel = (coords[None, :, :] - coords[:, None, :])  # (q, k, rank) key - query
-            idx = [(rel[..., i].div(dilation[i], rounding_mode="floor") + kernel[i] - 1).clamp(0, 2 * kernel[i] - 2)
-                   for i in range(rank)]
+            rel = coords[None, :, :] - coords[:, None, :]  # (q, k, rank) key - query
+            idx = [
+                (rel[..., i].div(dilation[i], rounding_mode="floor") + kernel[i] - 1).clamp(0, 2 * kernel[i] - 2)
+                for i in range(rank)
+            ]
             s = s + rpb[h][tuple(idx)][None]
         s = s.masked_fill(~mask, float("-inf"))
         outs.append(torch.einsum("bqk,bkd->bqd", torch.softmax(s, -1), vf[:, :, g]))

@@ -41,10 +41,14 @@ def assert_params_match(parallel: torch.nn.Module, serial: torch.nn.Module, *, g
     for name, p in parallel.named_parameters():
         if name not in seen:
             ref = serial_params[name]
-            torch.testing.assert_close(p.grad if grads else p.detach(), ref.grad if grads else ref.detach(),
-                                       msg=lambda m: f"{name}: {m}", **tol)
+            torch.testing.assert_close(
+                p.grad if grads else p.detach(),
+                ref.grad if grads else ref.detach(),
+                msg=lambda m: f"{name}: {m}",
+                **tol,
+            )
             seen.add(name)
-    assert seen == set(serial_params), (seen ^ set(serial_params))
+    assert seen == set(serial_params), seen ^ set(serial_params)
 
 
 def same_on_all_ranks(value: torch.Tensor) -> None:
@@ -122,5 +126,8 @@ def edge_convs(model: torch.nn.Module) -> int:
     (``ConvSpec.strips``, :func:`tplayers.layers.conv.halo_conv`)."""
     from tplayers.layers.conv import _DistributedConvNd
 
-    return sum(any(s.strips is not None for entry in m._layouts.values() for s in entry[2].values())
-               for m in model.modules() if isinstance(m, _DistributedConvNd))
+    return sum(
+        any(s.strips is not None for entry in m._layouts.values() for s in entry[2].values())
+        for m in model.modules()
+        if isinstance(m, _DistributedConvNd)
+    )

@@ -63,8 +63,9 @@ def _halos_fit(sizes: Sequence[int], c: int, first: int, stop: int, periodic: bo
     return True
 
 
-def window_partition_ok(sizes: Sequence[int], out_len: int, kernel: int, stride: int, dilation: int, pad_lo: int,
-                        mode: str) -> bool:
+def window_partition_ok(
+    sizes: Sequence[int], out_len: int, kernel: int, stride: int, dilation: int, pad_lo: int, mode: str
+) -> bool:
     """Whether a convolution / pooling window (``mode``: zeros, fill, circular, reflect, replicate)
     can run with its input sharded as ``sizes`` along the dim, by the rules of the module docstring.
     ``out_len`` is the serial output length (the caller checks that the serial op accepts the case)."""
@@ -104,8 +105,9 @@ def _mask(length: int, kernel: int, stride: int, dilation: int, causal: bool):
     return natten_mask_1d(length, kernel, stride, dilation, causal)
 
 
-def na_partition_ok(sizes: Sequence[int], kernel: int, stride: int, dilation: int, causal: bool,
-                    tile: bool = False) -> bool:
+def na_partition_ok(
+    sizes: Sequence[int], kernel: int, stride: int, dilation: int, causal: bool, tile: bool = False
+) -> bool:
     """Whether neighborhood attention along a dim sharded as ``sizes`` can run: every shard's keys
     (NATTEN's windows of its queries) within reach of its adjacent neighbours; with ``tile``, some
     tile within that reach reproduces every one of its queries' windows as a whole image."""
@@ -129,8 +131,11 @@ def na_partition_ok(sizes: Sequence[int], kernel: int, stride: int, dilation: in
         reach_hi = starts[c + 1] + sizes[c + 1] if c < n - 1 else length
         # any tile within reach (tplayers.ops.na_layout.tile_span searches from the key span outwards,
         # one dilation step at a time, and misses some of these: see the module docstring)
-        if not any(_tile_ok(mask, s, e, a, b, kernel, stride, dilation, causal)
-                   for a in range(reach_lo, lo + 1) for b in range(hi, reach_hi + 1)):
+        if not any(
+            _tile_ok(mask, s, e, a, b, kernel, stride, dilation, causal)
+            for a in range(reach_lo, lo + 1)
+            for b in range(hi, reach_hi + 1)
+        ):
             return False
     return True
 
@@ -140,4 +145,4 @@ def _tile_ok(mask, s: int, e: int, a: int, b: int, kernel: int, stride: int, dil
     if (b - a) < kernel * dilation:
         return False
     local = _mask(b - a, kernel, stride, dilation, causal)
-    return bool((local[s - a:e - a] == mask[s:e, a:b]).all())
+    return bool((local[s - a : e - a] == mask[s:e, a:b]).all())

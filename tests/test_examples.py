@@ -4,13 +4,20 @@ import os
 import subprocess
 import sys
 
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _torchrun(script, *args, timeout=240, ranks=2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-           os.path.join(ROOT, "examples", script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(ranks),
+        os.path.join(ROOT, "examples", script),
+        *args,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
@@ -46,8 +53,13 @@ def test_hf_llama_example_at_4_ranks_sequence_parallel():
 
 def test_hf_llama_example_without_transformers_prints_one_line():
     # python -S: no site-packages, so no transformers (the script exits before importing torch)
-    out = subprocess.run([sys.executable, "-S", os.path.join(ROOT, "examples", "hf_llama.py")],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-S", os.path.join(ROOT, "examples", "hf_llama.py")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["hf_llama.py: transformers is not installed (pip install transformers); skipped"]
 
@@ -76,8 +88,17 @@ def test_checkpoint_reshard_example(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     out = _torchrun("checkpoint_reshard.py", "train", ckpt)
     assert "saved" in out
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           os.path.join(ROOT, "examples", "checkpoint_reshard.py"), "reload", ckpt]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "3",
+        os.path.join(ROOT, "examples", "checkpoint_reshard.py"),
+        "reload",
+        ckpt,
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "reloaded at 3 rank(s)" in res.stdout and "bitwise equal" in res.stdout

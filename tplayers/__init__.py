@@ -21,56 +21,60 @@ and ``gather`` move between global and local tensors, and
 ``parallelize_module(model, {"": DomainParallel(shard_dims=(2,))})`` swaps a CNN.
 """
 
+from tplayers import functional
 from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
 from tplayers.comm import CommLog, count_collectives
-from tplayers.domain.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated
-from tplayers.region.scope import domain_region
+from tplayers.domain.boundary import (
+    ReplicatedToSharded,
+    ShardedToReplicated,
+    replicated_to_sharded,
+    sharded_to_replicated,
+)
+from tplayers.domain.reductions import domain_mean, domain_sum
 from tplayers.domain.shard import gather, reset_layouts, scatter, shard
-from tplayers import functional
 from tplayers.layers import (
     ColumnParallelEmbedding,
     ColumnParallelLinear,
     ContextParallelAttention,
-    DistributedMultiheadAttention,
-    DistributedConv1d,
-    DistributedConv2d,
-    DistributedConv3d,
-    DistributedConvTranspose1d,
-    DistributedConvTranspose2d,
-    DistributedConvTranspose3d,
-    DistributedMaxPool1d,
-    DistributedMaxPool2d,
-    DistributedMaxPool3d,
-    DistributedAvgPool1d,
-    DistributedAvgPool2d,
-    DistributedAvgPool3d,
     DistributedAdaptiveAvgPool1d,
     DistributedAdaptiveAvgPool2d,
     DistributedAdaptiveAvgPool3d,
     DistributedAdaptiveMaxPool1d,
     DistributedAdaptiveMaxPool2d,
     DistributedAdaptiveMaxPool3d,
-    DistributedUpsample,
+    DistributedAvgPool1d,
+    DistributedAvgPool2d,
+    DistributedAvgPool3d,
     DistributedBatchNorm1d,
     DistributedBatchNorm2d,
     DistributedBatchNorm3d,
+    DistributedConv1d,
+    DistributedConv2d,
+    DistributedConv3d,
+    DistributedConvTranspose1d,
+    DistributedConvTranspose2d,
+    DistributedConvTranspose3d,
     DistributedGroupNorm,
     DistributedInstanceNorm1d,
     DistributedInstanceNorm2d,
     DistributedInstanceNorm3d,
+    DistributedMaxPool1d,
+    DistributedMaxPool2d,
+    DistributedMaxPool3d,
+    DistributedMultiheadAttention,
+    DistributedUpsample,
     DomainReplicated,
-    ReplicatedBranch,
     NeighborhoodAttention,
     NeighborhoodAttention1d,
     NeighborhoodAttention3d,
     ParallelDropout,
+    ReplicatedBranch,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
 from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import default_mesh, init_mesh
 from tplayers.ops.na import na1d, na2d, na3d
-from tplayers.domain.reductions import domain_mean, domain_sum
 from tplayers.parallelize import (
     ColumnParallel,
     DomainParallel,
@@ -82,6 +86,7 @@ from tplayers.parallelize import (
     parallelize_module,
 )
 from tplayers.parallelize.hf import ReplicatedGradSum, causal_lm_loss, plan_from_transformers
+from tplayers.region.scope import domain_region
 from tplayers.sharding import ShardSpec, shard_range, shard_sizes
 
 __version__ = "0.1.0"

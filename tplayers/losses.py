@@ -149,24 +149,38 @@ def vocab_parallel_cross_entropy(
     """
     name = "vocab_parallel_cross_entropy"
     if not isinstance(local_logits, torch.Tensor) or not local_logits.is_floating_point():
-        raise TypeError(f"{name}: local_logits must be a floating-point tensor, got {type(local_logits).__name__}"
-                        + (f" of {local_logits.dtype}" if isinstance(local_logits, torch.Tensor) else ""))
+        raise TypeError(
+            f"{name}: local_logits must be a floating-point tensor, got {type(local_logits).__name__}"
+            + (f" of {local_logits.dtype}" if isinstance(local_logits, torch.Tensor) else "")
+        )
     if not isinstance(target, torch.Tensor) or target.dtype != torch.int64:
-        raise TypeError(f"{name}: target must be an int64 tensor of class ids, got "
-                        + (str(target.dtype) if isinstance(target, torch.Tensor) else type(target).__name__))
+        raise TypeError(
+            f"{name}: target must be an int64 tensor of class ids, got "
+            + (str(target.dtype) if isinstance(target, torch.Tensor) else type(target).__name__)
+        )
     if local_logits.dim() < 1 or tuple(target.shape) != tuple(local_logits.shape[:-1]):
-        raise ValueError(f"{name}: target shape must be local_logits.shape[:-1] = {tuple(local_logits.shape[:-1])}, "
-                         f"got {tuple(target.shape)}")
+        raise ValueError(
+            f"{name}: target shape must be local_logits.shape[:-1] = {tuple(local_logits.shape[:-1])}, "
+            f"got {tuple(target.shape)}"
+        )
     if target.device != local_logits.device:
         raise ValueError(f"{name}: target device {target.device} differs from local_logits' {local_logits.device}")
     if reduction not in _REDUCTIONS:
         raise ValueError(f"{name}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+    if (
+        isinstance(label_smoothing, bool)
+        or not isinstance(label_smoothing, (int, float))
+        or not 0.0 <= label_smoothing <= 1.0
+    ):
         raise ValueError(f"{name}: label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
     group = resolve_mesh(mesh, 1).get_group(0)
     tokens = target.numel()  # explicit: the local vocab may be empty (more ranks than classes)
     losses, count = VocabParallelCrossEntropy.apply(
-        local_logits.reshape(tokens, local_logits.shape[-1]), target.reshape(tokens), group, int(ignore_index), float(label_smoothing)
+        local_logits.reshape(tokens, local_logits.shape[-1]),
+        target.reshape(tokens),
+        group,
+        int(ignore_index),
+        float(label_smoothing),
     )
     if reduction == "none":
         return losses.view(target.shape)

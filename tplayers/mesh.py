@@ -101,8 +101,9 @@ def init_mesh(
         shape = (world,)
     if math.prod(shape) != world:
         raise ValueError(f"mesh shape {shape} must multiply to the world size {world}")
-    return init_device_mesh(device_type, shape, mesh_dim_names=names,
-                            backend_override=_timeout_override(len(shape), timeout))
+    return init_device_mesh(
+        device_type, shape, mesh_dim_names=names, backend_override=_timeout_override(len(shape), timeout)
+    )
 
 
 def _timeout_override(ndim: int, timeout: Optional[timedelta]):

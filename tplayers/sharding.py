@@ -239,9 +239,7 @@ class ShardSpec:
     def take(self, full):
         """This rank's slice of the full (serial-layout) tensor ``full`` (a copy when multi-range)."""
         if tuple(full.shape) != self.global_shape:
-            raise ValueError(
-                f"expected a tensor of global shape {self.global_shape}, got {tuple(full.shape)}"
-            )
+            raise ValueError(f"expected a tensor of global shape {self.global_shape}, got {tuple(full.shape)}")
         if self.dim is None:
             return full
         if not self.ranges:
@@ -258,9 +256,7 @@ def head_shard_sizes(heads: int, parts: int, head_dim: int) -> list[int]:
     return [n * head_dim for n in shard_sizes(heads, parts)]
 
 
-def section_layout(
-    sections: Sequence[int], parts: int, head_dim: Optional[int] = None
-) -> list[list[Tuple[int, int]]]:
+def section_layout(sections: Sequence[int], parts: int, head_dim: Optional[int] = None) -> list[list[Tuple[int, int]]]:
     """Global ``(start, stop)`` of each fused block held by each rank: ``table[rank][block]``.
 
     The feature dim is the concatenation of blocks of sizes ``sections`` (e.g.

@@ -34,9 +34,21 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 
-__all__ = ["AxisPlan", "EdgeGeometry", "PADDING_MODES", "edge_geometry", "uniform_geometry", "plan_ranges",
-           "plan_windows", "out_partition", "conv_window", "conv_out_len", "pool_out_len", "transposed_out_len",
-           "transposed_needs"]
+__all__ = [
+    "AxisPlan",
+    "EdgeGeometry",
+    "PADDING_MODES",
+    "edge_geometry",
+    "uniform_geometry",
+    "plan_ranges",
+    "plan_windows",
+    "out_partition",
+    "conv_window",
+    "conv_out_len",
+    "pool_out_len",
+    "transposed_out_len",
+    "transposed_needs",
+]
 
 PADDING_MODES = ("zeros", "circular", "reflect", "replicate")
 # Boundary modes of the plan: the conv padding modes plus "fill" (a constant, e.g. -inf for max pooling).
@@ -110,8 +122,7 @@ def transposed_needs(sizes: Sequence[int], kernel: int, stride: int, dilation: i
     """Output rows ``[a, b)`` each shard's input rows reach in a transposed convolution (``None``: none)."""
     starts = offsets_from_sizes(sizes)
     span = dilation * (kernel - 1)
-    return [(i0 * stride - pad, (i0 + n - 1) * stride - pad + span + 1) if n else None
-            for i0, n in zip(starts, sizes)]
+    return [(i0 * stride - pad, (i0 + n - 1) * stride - pad + span + 1) if n else None for i0, n in zip(starts, sizes)]
 
 
 def plan_windows(sizes: Sequence[int], out_len: int, window: Window, *, mode: str, what: str) -> List[AxisPlan]:
@@ -123,8 +134,9 @@ def plan_windows(sizes: Sequence[int], out_len: int, window: Window, *, mode: st
     return plan_ranges(sizes, needs, outs, mode=mode, what=what)
 
 
-def plan_ranges(sizes: Sequence[int], needs: Sequence[Optional[Range]], outs: Sequence[int], *, mode: str,
-                what: str) -> List[AxisPlan]:
+def plan_ranges(
+    sizes: Sequence[int], needs: Sequence[Optional[Range]], outs: Sequence[int], *, mode: str, what: str
+) -> List[AxisPlan]:
     """Plans for shards of lengths ``sizes`` that need the extended rows ``needs[c] = [a, b)``.
 
     ``outs`` are the output rows each shard owns (recorded in the plans). ``ValueError`` when an
@@ -165,16 +177,27 @@ def plan_ranges(sizes: Sequence[int], needs: Sequence[Optional[Range]], outs: Se
         if mode in ("reflect", "replicate") and max(bl, bh):
             need = max(bl, bh) + 1 if mode == "reflect" else 1
             if held < need:
-                raise ValueError(f"shard {c} along {what} holds {held} rows (with halos), too few to pad "
-                                 f"{(bl, bh)} boundary rows with {mode!r} locally (needs {need})")
+                raise ValueError(
+                    f"shard {c} along {what} holds {held} rows (with halos), too few to pad "
+                    f"{(bl, bh)} boundary rows with {mode!r} locally (needs {need})"
+                )
         send_lo = raw[(c - 1) % parts][1] if has_lo else 0
         send_hi = raw[(c + 1) % parts][0] if has_hi else 0
         # Zeros beyond the global edge of an edge shard: the exchange zero-fills them in its buffer
         # (no separate padding copy; the buffer keeps its memory format).
         zl = bl if mode == "zeros" and not has_lo else 0
         zh = bh if mode == "zeros" and not has_hi else 0
-        plans.append(AxisPlan((r_lo + zl, r_hi + zh), (send_lo, send_hi), (bl - zl, bh - zh), (t_lo, t_hi), in_start,
-                              out_starts[c], int(outs[c])))
+        plans.append(
+            AxisPlan(
+                (r_lo + zl, r_hi + zh),
+                (send_lo, send_hi),
+                (bl - zl, bh - zh),
+                (t_lo, t_hi),
+                in_start,
+                out_starts[c],
+                int(outs[c]),
+            )
+        )
     return plans
 
 
@@ -192,8 +215,9 @@ class EdgeGeometry(NamedTuple):
     hi: Optional[Tuple[int, int, int]]
 
 
-def edge_geometry(n: int, r: int, extent: int, stride: int, n_out: int, has_lo: bool,
-                  has_hi: bool) -> Optional[EdgeGeometry]:
+def edge_geometry(
+    n: int, r: int, extent: int, stride: int, n_out: int, has_lo: bool, has_hi: bool
+) -> Optional[EdgeGeometry]:
     """The strips of a window of ``extent`` rows (dilation included) and ``stride`` over ``n`` own rows
     padded by ``r`` on each side; ``None`` where that does not give ``n_out`` outputs, or a strip
     would not hold its whole halo (a padding wider than the window, a stride longer than it).
@@ -219,8 +243,9 @@ def edge_geometry(n: int, r: int, extent: int, stride: int, n_out: int, has_lo: 
     return EdgeGeometry(r, lo, hi)
 
 
-def uniform_geometry(plans: Sequence[AxisPlan], sizes: Sequence[int], coord: int, r: int, extent: int,
-                     stride: int, zero_padded: bool) -> Optional[EdgeGeometry]:
+def uniform_geometry(
+    plans: Sequence[AxisPlan], sizes: Sequence[int], coord: int, r: int, extent: int, stride: int, zero_padded: bool
+) -> Optional[EdgeGeometry]:
     """Shard ``coord``'s :class:`EdgeGeometry` where every shard's plan (``plans`` of the dim's shards of
     ``sizes`` rows) follows the main-plus-strips rule: zero padding ``r`` on both sides
     (``zero_padded``), each side filled by exactly ``r`` halo rows or ``r`` boundary zeros, nothing

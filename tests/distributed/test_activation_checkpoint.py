@@ -12,6 +12,7 @@ import copy
 import time
 
 import torch
+from harness import run_ranks
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,7 +20,6 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 import tplayers
-from harness import run_ranks
 
 
 class _Tracker(TorchDispatchMode):
@@ -58,8 +58,13 @@ class _Tracker(TorchDispatchMode):
 
 
 def _block(in_c=3):
-    return nn.Sequential(nn.Conv2d(in_c, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, padding_mode="circular"),
-                         nn.Tanh(), nn.Conv2d(8, 4, 3, stride=1, padding=2, dilation=2))
+    return nn.Sequential(
+        nn.Conv2d(in_c, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, padding_mode="circular"),
+        nn.Tanh(),
+        nn.Conv2d(8, 4, 3, stride=1, padding=2, dilation=2),
+    )
 
 
 def _measure(model, x, ckpt):
@@ -108,9 +113,9 @@ def _case(rank, world):
     # stops once every saved tensor is back, and ours are saved before the conv runs too)
     assert n_par[0] <= 2 * report[("par", False)][0] and n_par[0] <= n_nn[0], summary
     assert report[("par", False)][0] == report[("nn", False)][0], summary  # one pass: the same outputs
-    assert n_par[1][0] <= n_nn[1][0], summary    # storages held from forward to backward
-    assert n_par[1][1] <= n_nn[1][1], summary    # and their bytes
-    assert n_par[2] <= n_nn[2], summary          # tensors packed by saved-tensor hooks
+    assert n_par[1][0] <= n_nn[1][0], summary  # storages held from forward to backward
+    assert n_par[1][1] <= n_nn[1][1], summary  # and their bytes
+    assert n_par[2] <= n_nn[2], summary  # tensors packed by saved-tensor hooks
     # without checkpointing: no more saved tensors than nn.Conv2d (the halo-padded input is saved
     # instead of the input, a few rows larger)
     assert report[("par", False)][2] <= report[("nn", False)][2], summary
@@ -130,9 +135,16 @@ def _window_ops(rank, world):
     """Every other window op and a norm in one checkpointed region: convolutions run no more often,
     and nothing more is held, than in the nn model's region."""
     torch.manual_seed(0)
-    serial = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.MaxPool2d(3, 2, 1), nn.GroupNorm(2, 4),
-                           nn.Upsample(scale_factor=2, mode="bilinear"), nn.AvgPool2d(2),
-                           nn.ConvTranspose2d(4, 3, 2, stride=2), nn.BatchNorm2d(3), nn.Conv2d(3, 2, 3, padding=1)).double()
+    serial = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.MaxPool2d(3, 2, 1),
+        nn.GroupNorm(2, 4),
+        nn.Upsample(scale_factor=2, mode="bilinear"),
+        nn.AvgPool2d(2),
+        nn.ConvTranspose2d(4, 3, 2, stride=2),
+        nn.BatchNorm2d(3),
+        nn.Conv2d(3, 2, 3, padding=1),
+    ).double()
     mesh = tplayers.default_mesh()
     par = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
     local = tplayers.shard(torch.randn(2, 2, 8 * world, 6, dtype=torch.float64), 2, mesh)

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
-
-import tplayers
 from attention_cases import check_against_serial, token_order, uneven_sizes
 from harness import run_ranks
+
+import tplayers
 
 
 def _random_cases(rank, world, seed, algorithm):
@@ -26,8 +26,9 @@ def _random_cases(rank, world, seed, algorithm):
         k = torch.randn(b, h, lk, e, dtype=torch.float64, generator=g)
         v = torch.randn(b, h, lk, ev, dtype=torch.float64, generator=g)
         scale = rng.choice([None, 0.3])
-        check_against_serial(rank, q, k, v, qpos, kpos, scale=scale, mesh=mesh, algorithm=algorithm,
-                             pass_positions=strided, seed=case)
+        check_against_serial(
+            rank, q, k, v, qpos, kpos, scale=scale, mesh=mesh, algorithm=algorithm, pass_positions=strided, seed=case
+        )
     return True
 
 
@@ -48,8 +49,9 @@ def _causal_cases(rank, world, seed, algorithm):
         q = torch.randn(2, 2, lq, 4, dtype=torch.float64, generator=g)
         k = torch.randn(2, 2, lk, 4, dtype=torch.float64, generator=g)
         v = torch.randn(2, 2, lk, 4 if case < 2 else 3, dtype=torch.float64, generator=g)  # fused kernel, torch ops
-        check_against_serial(rank, q, k, v, qpos, kpos, is_causal=True, mesh=mesh, algorithm=algorithm,
-                             pass_positions=strided, seed=case)
+        check_against_serial(
+            rank, q, k, v, qpos, kpos, is_causal=True, mesh=mesh, algorithm=algorithm, pass_positions=strided, seed=case
+        )
     return True
 
 
@@ -97,8 +99,20 @@ def _gqa_cases(rank, world, seed):
         q = torch.randn(2, hq, lq, 4, dtype=torch.float64, generator=g)
         k = torch.randn(2, hk, lk, 4, dtype=torch.float64, generator=g)
         v = torch.randn(2, hk, lk, 3, dtype=torch.float64, generator=g)
-        check_against_serial(rank, q, k, v, qpos, kpos, enable_gqa=True, is_causal=case == 1, mesh=mesh,
-                             pass_positions=False, seed=case, algorithm=("ring", "all_gather")[case % 2])
+        check_against_serial(
+            rank,
+            q,
+            k,
+            v,
+            qpos,
+            kpos,
+            enable_gqa=True,
+            is_causal=case == 1,
+            mesh=mesh,
+            pass_positions=False,
+            seed=case,
+            algorithm=("ring", "all_gather")[case % 2],
+        )
     return True
 
 
@@ -118,8 +132,9 @@ def _dropout_cases(rank, world, seed):
         q = torch.randn(2, 2, lq, 4, dtype=torch.float64, generator=g)
         k = torch.randn(2, 2, lk, 4, dtype=torch.float64, generator=g)
         v = torch.randn(2, 2, lk, 3, dtype=torch.float64, generator=g)
-        check_against_serial(rank, q, k, v, qpos, kpos, dropout_p=0.3, is_causal=case == 2, mesh=mesh,
-                             pass_positions=strided, seed=case)
+        check_against_serial(
+            rank, q, k, v, qpos, kpos, dropout_p=0.3, is_causal=case == 2, mesh=mesh, pass_positions=strided, seed=case
+        )
     return True
 
 
@@ -140,8 +155,19 @@ def _replicated_kv(rank, world, seed):
         v = torch.randn(2, 2, lk, 3, dtype=torch.float64, generator=g)
         mask = (torch.rand(lq, lk, generator=g) < 0.8) if case == 2 else None
         with tplayers.count_collectives() as log:
-            partial = check_against_serial(rank, q, k, v, qpos, [None] * world, kv_sharded=False, mesh=mesh,
-                                           attn_mask=mask, pass_positions=True, seed=case)
+            partial = check_against_serial(
+                rank,
+                q,
+                k,
+                v,
+                qpos,
+                [None] * world,
+                kv_sharded=False,
+                mesh=mesh,
+                attn_mask=mask,
+                pass_positions=True,
+                seed=case,
+            )
         assert log.count() == 0 and log.bytes() == 0, log.summary()
         dk, dv, dk_ref, dv_ref = partial
         for mine, ref in ((dk, dk_ref), (dv, dv_ref)):  # partial sums: their sum over ranks is the serial grad
@@ -157,8 +183,9 @@ def test_replicated_kv_moves_nothing_and_grads_sum_to_serial():
 
 def _chunked(rank, world, seed):
     from tplayers.attention import blocks as attention_blocks
-    attention_blocks.FUSED_CPU = False                   # the torch-ops kernel for every block
-    attention_blocks.SCORE_CHUNK_BYTES = 2 * 3 * 8 * 3   # a few keys per chunk: every block is split
+
+    attention_blocks.FUSED_CPU = False  # the torch-ops kernel for every block
+    attention_blocks.SCORE_CHUNK_BYTES = 2 * 3 * 8 * 3  # a few keys per chunk: every block is split
     _random_cases(rank, world, seed, "ring")
     _mask_cases(rank, world, seed)
     _causal_cases(rank, world, seed, "ring")

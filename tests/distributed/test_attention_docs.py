@@ -1,10 +1,10 @@
 """The runnable examples in the docstrings of the attention pieces run on gloo ranks as written."""
 
 import pytest
-
-import tplayers
 from harness import run_ranks
 from test_docstring_examples_tp import examples
+
+import tplayers
 from tplayers import functional
 
 OBJECTS = {
@@ -18,6 +18,7 @@ OBJECTS = {
 
 def _run(rank, world, name):
     import torch
+
     scope = {"torch": torch, "tplayers": tplayers}
     for code in examples(OBJECTS[name][0]):
         exec(compile(code, f"<{name} example>", "exec"), scope)

@@ -14,13 +14,15 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import run_ranks
+from oracle import assert_local_slices
 from torch import nn
 
 import tplayers
-from harness import run_ranks
-from oracle import assert_local_slices
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+)
 from llama_tp import Llama, llama_plan, rotary  # noqa: E402
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -42,16 +44,19 @@ class RoleAttention(nn.Module):
         b, s, _ = x.shape
         q, k, v = (t.view(b, s, -1, self.hd).transpose(1, 2) for t in (self.qp(x), self.kp(x), self.vp(x)))
         rep = q.shape[1] // k.shape[1]  # query heads per kv head held here
-        y = F.scaled_dot_product_attention(rotary(q), rotary(k).repeat_interleave(rep, 1),
-                                           v.repeat_interleave(rep, 1), is_causal=True)
+        y = F.scaled_dot_product_attention(
+            rotary(q), rotary(k).repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True
+        )
         return self.op(y.transpose(1, 2).reshape(b, s, -1))
 
 
 def role_plan(hd):
-    return {"qp": tplayers.ColumnParallel(head_dim=hd, head_role="q"),
-            "kp": tplayers.ColumnParallel(head_dim=hd, head_role="k"),
-            "vp": tplayers.ColumnParallel(head_dim=hd, head_role="v"),
-            "op": tplayers.RowParallel(head_dim=hd, head_role="o")}
+    return {
+        "qp": tplayers.ColumnParallel(head_dim=hd, head_role="q"),
+        "kp": tplayers.ColumnParallel(head_dim=hd, head_role="k"),
+        "vp": tplayers.ColumnParallel(head_dim=hd, head_role="v"),
+        "op": tplayers.RowParallel(head_dim=hd, head_role="o"),
+    }
 
 
 def _step_compare(serial, model, loss_fn):
@@ -70,12 +75,16 @@ def _step_compare(serial, model, loss_fn):
 def _llama_loss(mesh):
     def loss(m, gen, parallel):
         if not parallel:
-            loss.batch = (torch.randint(0, VOCAB, (2, 7), generator=gen), torch.randint(0, VOCAB, (2, 7), generator=gen))
+            loss.batch = (
+                torch.randint(0, VOCAB, (2, 7), generator=gen),
+                torch.randint(0, VOCAB, (2, 7), generator=gen),
+            )
         inp, target = loss.batch
         logits = m(inp)
         if parallel:
             return tplayers.vocab_parallel_cross_entropy(logits, target, mesh)
         return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
     return loss
 
 
@@ -90,10 +99,13 @@ def _exact(rank, world, kind):
             if not parallel:
                 loss.x = torch.randn(2, 5, D, dtype=torch.float64, generator=gen)
             return m(loss.x).square().mean()
+
         _step_compare(serial, model, loss)
         return model.kp.weight_ranges
     serial = Llama(VOCAB, D, HEADS, KV, FFN, 1, kind == "fused").double()
-    model = tplayers.parallelize_module(copy.deepcopy(serial), llama_plan(D, HEADS, KV, FFN, kind == "fused"), mesh=mesh)
+    model = tplayers.parallelize_module(
+        copy.deepcopy(serial), llama_plan(D, HEADS, KV, FFN, kind == "fused"), mesh=mesh
+    )
     _step_compare(serial, model, _llama_loss(mesh))
     return model.layers[0].attn.k_proj.weight_ranges if kind == "separate" else None
 
@@ -150,7 +162,11 @@ def _refusals(rank, world):
     llama8 = Llama(VOCAB, D, 8, KV, FFN, 1, False).double()  # head_dim 2: 2 kv heads = 4 features on 4 ranks
     plan = llama_plan(D, 8, KV, FFN, False)
     plan[r"layers\.\d+\.attn\.(q|k|v)_proj"] = tplayers.ColumnParallel()
-    refused(llama8, plan, r"layers.0.attn.k_proj: on 4 ranks, rank 0 would hold output features \[0, 1\), not whole heads of 2")
+    refused(
+        llama8,
+        plan,
+        r"layers.0.attn.k_proj: on 4 ranks, rank 0 would hold output features \[0, 1\), not whole heads of 2",
+    )
     # Hugging Face style: nothing in the plan says head_dim, the attention's head_dim attribute does
     hf = HFLikeAttention().double()
     plain = {"(q|k|v)_proj": tplayers.ColumnParallel(), "o_proj": tplayers.RowParallel()}
@@ -168,7 +184,9 @@ def _refusals(rank, world):
 def test_heads_that_cannot_follow_their_kv_group_or_would_split_raise_on_every_rank(world):
     out = run_ranks(_refusals, world, timeout=120)
     assert all(len(m) == 3 for m in out)
-    same = (0, 2) if world == 3 else (0, 1, 2)  # at 3 the fused refusal is the layer's own on some ranks, carried on others
+    same = (
+        (0, 2) if world == 3 else (0, 1, 2)
+    )  # at 3 the fused refusal is the layer's own on some ranks, carried on others
     for i in same:
         assert all(m[i] == out[0][i] for m in out), [m[i] for m in out]
     if world == 3:
@@ -179,8 +197,9 @@ def _docstring_example(rank, world):
     import textwrap
 
     import tplayers.parallelize.attention_groups as mod
+
     doc = mod.__doc__
-    code = textwrap.dedent(doc[doc.index("::\n") + 3:])
+    code = textwrap.dedent(doc[doc.index("::\n") + 3 :])
     if world == 3:
         with pytest.raises(ValueError, match=r"rank 1 holds query heads \[2, 3\) of wq_"):
             exec(code, {})

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from attention_cases import check_against_serial
+from harness import run_ranks
+from memory_probe import peak_bytes
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tplayers
-from attention_cases import check_against_serial
-from harness import run_ranks
-from memory_probe import peak_bytes
 from tplayers.functional import scaled_dot_product_attention, token_positions
 
 
@@ -44,15 +44,16 @@ def _strided_causal(rank, world, seed):
         allpos = [torch.empty(0)] * world
         dist.all_gather_object(allpos, pos)
         order = [int(r) for r in mesh.mesh.flatten().tolist()]
-        flat_pos = [allpos[r] for r in order]                      # flattened mesh order
+        flat_pos = [allpos[r] for r in order]  # flattened mesh order
         me = order.index(rank)
         g = torch.Generator().manual_seed(seed + case)
         q = torch.randn(2, 2, h * w, 4, dtype=torch.float64, generator=g)
         k = torch.randn(2, 2, h * w, 4, dtype=torch.float64, generator=g)
         v = torch.randn(2, 2, h * w, 4 if case % 2 else 3, dtype=torch.float64, generator=g)
         for algorithm in ("ring", "all_gather"):
-            check_against_serial(me, q, k, v, flat_pos, flat_pos, is_causal=True, mesh=mesh, algorithm=algorithm,
-                                 seed=case)
+            check_against_serial(
+                me, q, k, v, flat_pos, flat_pos, is_causal=True, mesh=mesh, algorithm=algorithm, seed=case
+            )
     return True
 
 
@@ -66,8 +67,8 @@ def _bytes(rank, world):
     q = torch.randn(2, 2, sizes[rank], 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 1, sizes[rank], 4, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 1, sizes[rank], 3, dtype=torch.float64, requires_grad=True)
-    kv_bytes = [2 * 1 * s * (4 + 3) * 8 for s in sizes]             # one rank's K and V (fp64)
-    minimum = sum(kv_bytes) - kv_bytes[rank]                         # every other rank's K and V, once
+    kv_bytes = [2 * 1 * s * (4 + 3) * 8 for s in sizes]  # one rank's K and V (fp64)
+    minimum = sum(kv_bytes) - kv_bytes[rank]  # every other rank's K and V, once
     with tplayers.count_collectives() as fwd:
         out = scaled_dot_product_attention(q, k, v, enable_gqa=True, mesh=mesh, algorithm="ring")
     recv = [r for r in fwd.records if r.kind == "recv"]
@@ -78,8 +79,8 @@ def _bytes(rank, world):
         out.square().sum().backward()
     kv_again = sum(r.nbytes for r in bwd.records if r.kind == "recv" and r.tag == "attention.ring.bwd")
     grads_sent = sum(r.nbytes for r in bwd.records if r.kind == "send" and r.tag == "attention.ring.bwd.grads")
-    assert kv_again == minimum                                       # the ring again, K/V once each
-    assert grads_sent == sum(kv_bytes) - kv_bytes[rank]              # partial dK/dV of every other block, once
+    assert kv_again == minimum  # the ring again, K/V once each
+    assert grads_sent == sum(kv_bytes) - kv_bytes[rank]  # partial dK/dV of every other block, once
     assert {r.kind for r in bwd.records} == {"send", "recv"}
     return True
 
@@ -91,6 +92,7 @@ def test_ring_moves_the_minimum_bytes(world):
 
 def _memory(rank, world, fused):
     from tplayers.attention import blocks as attention_blocks
+
     attention_blocks.FUSED_CPU = fused
     mesh = tplayers.default_mesh()
     length, e = 1024, 16
@@ -109,7 +111,7 @@ def _memory(rank, world, fused):
         scaled_dot_product_attention(ql, kl, vl, mesh=mesh).backward(cot[..., start:stop, :])
 
     serial_peak, dist_peak = peak_bytes(serial), peak_bytes(distributed)
-    block = 2 * (stop - start) * e * 8                                # one rank's K and V block
+    block = 2 * (stop - start) * e * 8  # one rank's K and V block
     assert dist_peak <= serial_peak / 2 + block, (dist_peak, serial_peak, block)
     return dist_peak, serial_peak
 
@@ -134,33 +136,53 @@ def _raises(rank, world):
     bad_e = torch.randn(1, 2, 3, 5 if rank == 1 else 4, dtype=torch.float64)
     _expect_raise(lambda: sdpa(bad_e, bad_e, bad_e, mesh=mesh), "disagree on query")
     bad_v = torch.randn(1, 2, 2 if rank == 0 else 3, 4, dtype=torch.float64)
-    _expect_raise(lambda: sdpa(q, k, bad_v, mesh=mesh),
-                  "key and value must hold the same tokens" if rank == 0 else r"invalid arguments on ranks \[0\]")
+    _expect_raise(
+        lambda: sdpa(q, k, bad_v, mesh=mesh),
+        "key and value must hold the same tokens" if rank == 0 else r"invalid arguments on ranks \[0\]",
+    )
     mask = torch.ones(3, 6 if rank else 7, dtype=torch.bool)
     _expect_raise(lambda: sdpa(q, k, k, attn_mask=mask, mesh=mesh), "last dim must span the global keys")
     mask_rows = torch.ones(2 if rank == 1 else 3, 3 * world, dtype=torch.bool)
-    _expect_raise(lambda: sdpa(q, k, k, attn_mask=mask_rows, mesh=mesh),
-                  "attn_mask must be broadcastable" if rank == 1 else r"invalid arguments on ranks \[1\]")
+    _expect_raise(
+        lambda: sdpa(q, k, k, attn_mask=mask_rows, mesh=mesh),
+        "attn_mask must be broadcastable" if rank == 1 else r"invalid arguments on ranks \[1\]",
+    )
     qpos = torch.arange(3) + (100 if rank == 0 else 3 * rank)
-    _expect_raise(lambda: sdpa(q, k, k, is_causal=True, q_positions=qpos, kv_positions=torch.arange(3) + 3 * rank,
-                               mesh=mesh), "q_positions must lie in")
-    _expect_raise(lambda: sdpa(q, k, k, is_causal=True, kv_positions=torch.arange(3), mesh=mesh),
-                  "kv_positions over all ranks must be a permutation")
-    _expect_raise(lambda: sdpa(q, k, k, is_causal=True, kv_positions=torch.tensor([0, 0, 1]) + 3 * rank, mesh=mesh),
-                  "kv_positions repeats")
-    _expect_raise(lambda: sdpa(q, k, k, is_causal=True, kv_positions=torch.arange(3.0), mesh=mesh),
-                  "kv_positions must be a 1-D int64")  # (every rank: each names its own error)
-    _expect_raise(lambda: sdpa(q, k, k, mesh=mesh, kv_positions=torch.arange(3), kv_sharded=False),
-                  "kv_positions is for sharded keys")
-    _expect_raise(lambda: sdpa(q, k, k, is_causal=True, q_positions=torch.arange(3) if rank else None, mesh=mesh),
-                  "disagree on q_positions")
+    _expect_raise(
+        lambda: sdpa(q, k, k, is_causal=True, q_positions=qpos, kv_positions=torch.arange(3) + 3 * rank, mesh=mesh),
+        "q_positions must lie in",
+    )
+    _expect_raise(
+        lambda: sdpa(q, k, k, is_causal=True, kv_positions=torch.arange(3), mesh=mesh),
+        "kv_positions over all ranks must be a permutation",
+    )
+    _expect_raise(
+        lambda: sdpa(q, k, k, is_causal=True, kv_positions=torch.tensor([0, 0, 1]) + 3 * rank, mesh=mesh),
+        "kv_positions repeats",
+    )
+    _expect_raise(
+        lambda: sdpa(q, k, k, is_causal=True, kv_positions=torch.arange(3.0), mesh=mesh),
+        "kv_positions must be a 1-D int64",
+    )  # (every rank: each names its own error)
+    _expect_raise(
+        lambda: sdpa(q, k, k, mesh=mesh, kv_positions=torch.arange(3), kv_sharded=False),
+        "kv_positions is for sharded keys",
+    )
+    _expect_raise(
+        lambda: sdpa(q, k, k, is_causal=True, q_positions=torch.arange(3) if rank else None, mesh=mesh),
+        "disagree on q_positions",
+    )
     # the same outcome on every rank without any exchange
-    _expect_raise(lambda: sdpa(q, k, k, attn_mask=torch.ones(3, 3 * world, dtype=torch.bool), is_causal=True,
-                               mesh=mesh), "attn_mask must be None when is_causal")
+    _expect_raise(
+        lambda: sdpa(q, k, k, attn_mask=torch.ones(3, 3 * world, dtype=torch.bool), is_causal=True, mesh=mesh),
+        "attn_mask must be None when is_causal",
+    )
     _expect_raise(lambda: sdpa(q, k, k, dropout_p=1.5, mesh=mesh), "dropout_p must be a probability")
     _expect_raise(lambda: sdpa(q, k, k, algorithm="tree", mesh=mesh), "algorithm must be one of")
-    _expect_raise(lambda: sdpa(q, k, k, attn_mask=torch.zeros(3, 3 * world, requires_grad=True, dtype=torch.float64),
-                               mesh=mesh), "requires_grad is unsupported")
+    _expect_raise(
+        lambda: sdpa(q, k, k, attn_mask=torch.zeros(3, 3 * world, requires_grad=True, dtype=torch.float64), mesh=mesh),
+        "requires_grad is unsupported",
+    )
     _expect_raise(lambda: sdpa(q, [1], k, mesh=mesh), "key must be a torch.Tensor", TypeError)
     _expect_raise(lambda: sdpa(q, k, k, mesh="mesh"), "DeviceMesh", TypeError)
     _expect_raise(lambda: token_positions((3, 4), (0,), mesh), "one entry per factor")

@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from attention_cases import uneven_sizes
+from harness import run_ranks
 from torch import nn
 
 import tplayers
-from attention_cases import uneven_sizes
-from harness import run_ranks
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
 
@@ -35,7 +35,7 @@ class PixelAttentionBlock(nn.Module):
 
     def forward(self, x, **kw):
         n, c, h, w = x.shape
-        tokens = x.flatten(2).transpose(1, 2)                     # (N, H*W, C)
+        tokens = x.flatten(2).transpose(1, 2)  # (N, H*W, C)
         out, _ = self.attn(tokens, tokens, tokens, need_weights=False, **kw)
         return x + out.transpose(1, 2).reshape(n, c, h, w)
 
@@ -51,16 +51,16 @@ def _pixel_block(rank, world, seed):
         twin = copy.deepcopy(serial)
         twin.attn = tplayers.DistributedMultiheadAttention.from_module(serial.attn, mesh=mesh)
         assert list(twin.state_dict()) == list(serial.state_dict())
-        twin = copy.deepcopy(twin)                                    # shares the mesh, copies parameters
+        twin = copy.deepcopy(twin)  # shares the mesh, copies parameters
         assert twin.attn.mesh is mesh
         opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
         opt_t = torch.optim.SGD(twin.parameters(), lr=0.1)
-        hs = uneven_sizes(rng, h, world)                              # uneven H, zeros allowed
+        hs = uneven_sizes(rng, h, world)  # uneven H, zeros allowed
         for step in range(2):
             x = torch.randn(n, c, h, w, dtype=torch.float64)
             kpm = torch.rand(n, h * w) < 0.3 if step else None
             if kpm is not None:
-                kpm[:, 0] = False                                     # every query keeps a key
+                kpm[:, 0] = False  # every query keeps a key
             xs, xt = x.clone().requires_grad_(), _mine(x, hs, rank, 2).clone().requires_grad_()
             ys = serial(xs, key_padding_mask=kpm)
             yt = twin(xt, key_padding_mask=kpm)
@@ -90,12 +90,16 @@ def _sequence_first_cross(rank, world, seed):
     sizes = [4, 1, 2][:world] if world == 3 else [4, 3]
     lq = sum(sizes)
     x = torch.randn(lq, 2, 6, dtype=torch.float64)
-    text = torch.randn(5, 2, 5, dtype=torch.float64)                   # replicated keys
+    text = torch.randn(5, 2, 5, dtype=torch.float64)  # replicated keys
     tv = torch.randn(5, 2, 3, dtype=torch.float64)
     for training in (False, True):
         serial.train(training), twin.train(training)
         xs, ts, vs = (t.clone().requires_grad_() for t in (x, text, tv))
-        xt, tt, vt = _mine(x, sizes, rank, 0).clone().requires_grad_(), text.clone().requires_grad_(), tv.clone().requires_grad_()
+        xt, tt, vt = (
+            _mine(x, sizes, rank, 0).clone().requires_grad_(),
+            text.clone().requires_grad_(),
+            tv.clone().requires_grad_(),
+        )
         torch.manual_seed(7)
         ys, _ = serial(xs, ts, vs, need_weights=False)
         torch.manual_seed(7)
@@ -105,7 +109,7 @@ def _sequence_first_cross(rank, world, seed):
         torch.testing.assert_close(yt, _mine(ys, sizes, rank, 0), **TIGHT)
         ys.square().sum().backward(), yt.square().sum().backward()
         torch.testing.assert_close(xt.grad, _mine(xs.grad, sizes, rank, 0), **TIGHT)
-        torch.testing.assert_close(tt.grad, ts.grad, **TIGHT)            # summed over ranks by the twin
+        torch.testing.assert_close(tt.grad, ts.grad, **TIGHT)  # summed over ranks by the twin
         torch.testing.assert_close(vt.grad, vs.grad, **TIGHT)
         _assert_param_grads(twin, serial)
         serial.zero_grad(), twin.zero_grad()
@@ -126,7 +130,7 @@ class CausalAudio(nn.Module):
         self.attn = nn.MultiheadAttention(c, 2)
 
     def forward(self, x, mask):
-        h = self.conv(x).permute(2, 0, 1)                               # (L, N, C)
+        h = self.conv(x).permute(2, 0, 1)  # (L, N, C)
         out, _ = self.attn(h, h, h, attn_mask=mask, is_causal=True, need_weights=False)
         return out
 
@@ -144,7 +148,7 @@ def _causal_audio(rank, world):
     full_mask = nn.Transformer.generate_square_subsequent_mask(length, dtype=torch.float64)
     xs, xt = x.clone().requires_grad_(), _mine(x, sizes, rank, 2).clone().requires_grad_()
     ys = serial(xs, full_mask)
-    yt = twin(xt, _mine(full_mask, sizes, rank, 0))                    # the hint's rows; causality is global
+    yt = twin(xt, _mine(full_mask, sizes, rank, 0))  # the hint's rows; causality is global
     torch.testing.assert_close(yt, _mine(ys, sizes, rank, 0), **TIGHT)
     ys.square().sum().backward(), yt.square().sum().backward()
     torch.testing.assert_close(xt.grad, _mine(xs.grad, sizes, rank, 2), **TIGHT)
@@ -165,10 +169,10 @@ def _context_module(rank, world):
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, k)
     ref.sum().backward()
     kl = k.detach().clone().requires_grad_()
-    out = attn(q[..., 3 * rank:3 * rank + 3, :], kl, kl)
-    torch.testing.assert_close(out, ref[..., 3 * rank:3 * rank + 3, :], **TIGHT)
+    out = attn(q[..., 3 * rank : 3 * rank + 3, :], kl, kl)
+    torch.testing.assert_close(out, ref[..., 3 * rank : 3 * rank + 3, :], **TIGHT)
     out.sum().backward()
-    torch.testing.assert_close(kl.grad, k.grad, **TIGHT)                 # summed over ranks
+    torch.testing.assert_close(kl.grad, k.grad, **TIGHT)  # summed over ranks
     return True
 
 
@@ -180,7 +184,7 @@ def _module_raises(rank, world):
     mesh = tplayers.default_mesh()
     twin = tplayers.DistributedMultiheadAttention(4, 2, mesh=mesh).double()
     x = torch.randn(3, 1, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match="must span the global keys"):       # one rank's mask is wrong
+    with pytest.raises(ValueError, match="must span the global keys"):  # one rank's mask is wrong
         twin(x, x, x, key_padding_mask=torch.zeros(1, 3 * world + rank, dtype=torch.bool))
     with pytest.raises(ValueError, match="add_bias_kv=True is unsupported"):
         tplayers.DistributedMultiheadAttention(4, 2, add_bias_kv=True, mesh=mesh)
@@ -191,6 +195,7 @@ def _module_raises(rank, world):
     with pytest.raises(ValueError, match="is_causal is a hint and needs attn_mask"):
         twin(x, x, x, need_weights=False, is_causal=True)
     from tplayers.functional import multi_head_attention_forward as mha
+
     w, b = twin.in_proj_weight, twin.in_proj_bias
     ow, ob = twin.out_proj.weight, twin.out_proj.bias
     with pytest.raises(ValueError, match="static_k/static_v is unsupported"):
@@ -198,8 +203,24 @@ def _module_raises(rank, world):
     with pytest.raises(ValueError, match="expected embed dim 8"):
         mha(x, x, x, 8, 2, w, b, None, None, False, 0.0, ow, ob, need_weights=False, mesh=mesh)
     with pytest.raises(ValueError, match="key_padding_mask must be"):
-        mha(x, x, x, 4, 2, w, b, None, None, False, 0.0, ow, ob, need_weights=False, mesh=mesh,
-            key_padding_mask=torch.zeros(3, 3 * world, dtype=torch.bool))
+        mha(
+            x,
+            x,
+            x,
+            4,
+            2,
+            w,
+            b,
+            None,
+            None,
+            False,
+            0.0,
+            ow,
+            ob,
+            need_weights=False,
+            mesh=mesh,
+            key_padding_mask=torch.zeros(3, 3 * world, dtype=torch.bool),
+        )
     dist.barrier()
     return True
 

@@ -21,15 +21,15 @@ import copy
 
 import pytest
 import torch
+from harness import run_ranks
+from oracle import gather_tensor
 from torch import nn
 
 import tplayers
-from harness import run_ranks
-from oracle import gather_tensor
 from tplayers.comm import count_collectives
 from tplayers.layers import ShardedModule
 
-U = 2.0 ** -8
+U = 2.0**-8
 
 
 def _full_grads(parallel):
@@ -109,9 +109,15 @@ def _tp_mlp(rank, world, reduce_dtype):
     parallel.up = tplayers.ColumnParallelLinear.from_module(serial.up, **opts)
     parallel.down = tplayers.RowParallelLinear.from_module(serial.down, **opts)
     with count_collectives() as log:
-        worst = _compare(rank, world, serial, parallel,
-                         lambda s: torch.randn(5, 12, generator=torch.Generator().manual_seed(10 + s)),
-                         lambda x: x, lambda y: y)
+        worst = _compare(
+            rank,
+            world,
+            serial,
+            parallel,
+            lambda s: torch.randn(5, 12, generator=torch.Generator().manual_seed(10 + s)),
+            lambda x: x,
+            lambda y: y,
+        )
     per_elem = 4 if reduce_dtype == torch.float32 else 2  # the reductions carry this many bytes per value
     fwd = [r for r in log.records if r.tag == "linear.fwd"]
     assert fwd and all(r.nbytes == 5 * 10 * per_elem for r in fwd), [r.nbytes for r in fwd]
@@ -126,19 +132,31 @@ def test_autocast_tp_mlp(reduce_dtype):
 
 def _conv_stack(rank, world):
     torch.manual_seed(0)
-    serial = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1),
-                           nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1, padding_mode="circular"))
+    serial = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 4, 3, padding=1, padding_mode="circular"),
+    )
     mesh = tplayers.default_mesh()
-    parallel = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
-                                           mesh=mesh)
+    parallel = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh
+    )
     h = 23  # uneven rows over 2-4 ranks
 
     def out_local(y):  # this rank's rows of a serial output (balanced partition of its height)
         return tplayers.shard(y, 2, mesh)
 
-    return _compare(rank, world, serial, parallel,
-                    lambda s: torch.randn(2, 3, h, 9, generator=torch.Generator().manual_seed(20 + s)),
-                    lambda x: tplayers.shard(x, 2, mesh), out_local)
+    return _compare(
+        rank,
+        world,
+        serial,
+        parallel,
+        lambda s: torch.randn(2, 3, h, 9, generator=torch.Generator().manual_seed(20 + s)),
+        lambda x: tplayers.shard(x, 2, mesh),
+        out_local,
+    )
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -193,10 +211,19 @@ def _twins(rank, world):
     convolution) and its values: fp32 round-off, or bf16 rounding where the serial one rounds."""
     torch.manual_seed(0)
     mesh = tplayers.default_mesh()
-    mods = [nn.GroupNorm(2, 4), nn.BatchNorm2d(4), nn.InstanceNorm2d(4, affine=True), nn.MaxPool2d(2),
-            nn.AvgPool2d(3, 1, 1), nn.Upsample(scale_factor=2, mode="bilinear"), nn.Upsample(size=(11, 5)),
-            nn.AdaptiveAvgPool2d(1), nn.AdaptiveAvgPool2d((3, 3)), nn.AdaptiveMaxPool2d((3, 3)),
-            nn.ConvTranspose2d(4, 4, 2, 2)]
+    mods = [
+        nn.GroupNorm(2, 4),
+        nn.BatchNorm2d(4),
+        nn.InstanceNorm2d(4, affine=True),
+        nn.MaxPool2d(2),
+        nn.AvgPool2d(3, 1, 1),
+        nn.Upsample(scale_factor=2, mode="bilinear"),
+        nn.Upsample(size=(11, 5)),
+        nn.AdaptiveAvgPool2d(1),
+        nn.AdaptiveAvgPool2d((3, 3)),
+        nn.AdaptiveMaxPool2d((3, 3)),
+        nn.ConvTranspose2d(4, 4, 2, 2),
+    ]
     seen = []
     for m in mods:
         par = tplayers.parallelize_module(copy.deepcopy(m), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)

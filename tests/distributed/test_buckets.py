@@ -9,15 +9,14 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
+from harness import run_ranks
+from oracle import assert_params_match, edge_convs
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
 import tplayers.comm.buckets as buckets_mod
 import tplayers.layers.conv as conv_module
-from harness import run_ranks
-from oracle import assert_params_match, edge_convs
 from tplayers.sharding import offsets_from_sizes
 
 TIGHT = dict(rtol=1e-9, atol=1e-10)
@@ -65,15 +64,16 @@ def _check(rank, world, extra=False, skip=False, twice=False, mesh_shape=None, e
     else:
         mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
         dims = (2, 3)
-    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)},
-                                        mesh=mesh)
+    model = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)}, mesh=mesh
+    )
     opt_s, opt_p = torch.optim.SGD(serial.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
     H = W = 12
     x = torch.randn(2, 2, H, W, dtype=torch.float64)
     if mesh_shape is None:
         sizes = _sizes(H, world)
         h0 = offsets_from_sizes(sizes)[rank]
-        xl = x[:, :, h0:h0 + sizes[rank]]
+        xl = x[:, :, h0 : h0 + sizes[rank]]
     else:
         xl = tplayers.shard(x, (2, 3), mesh)
     with tplayers.count_collectives() as log:
@@ -130,8 +130,9 @@ def _pair():
     torch.manual_seed(0)
     serial = Net().double()
     mesh = tplayers.init_mesh(device_type="cpu")
-    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
-                                        mesh=mesh)
+    model = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh
+    )
     return serial, mesh, model
 
 

@@ -9,15 +9,15 @@ import struct
 
 import pytest
 import torch
-from safetensors.torch import load_model, save_file
-
-import tplayers.checkpoint.read as read_mod
 from ckpt_util import PLAN, Net, assert_local_equals, parallel_net, serial_net, snapshot
 from harness import RankFailure, run_ranks
+from safetensors.torch import load_model, save_file
+
+import tplayers
+import tplayers.checkpoint.read as read_mod
 from tplayers.checkpoint import CheckpointError, gather_state_dict, load_checkpoint, save_checkpoint
 from tplayers.checkpoint.format import read_header
 from tplayers.checkpoint.layout import local_tensors
-import tplayers
 
 SAVE_WORLDS = (1, 2, 3, 4)
 
@@ -105,8 +105,10 @@ def test_load_into_plain_model_and_consolidated_is_standard(ckpts):
 # Exact byte ranges: forbid any read outside what this rank holds
 # ---------------------------------------------------------------------------
 
+
 def _guarded_mapped(allowed, counter):
     """A MappedFile whose every box must lie inside this rank's rows (and counts the bytes it maps)."""
+
     class Guarded(read_mod.MappedFile):
         def box(self, key, box):
             name = os.path.basename(self.path)
@@ -118,9 +120,11 @@ def _guarded_mapped(allowed, counter):
             dim, lo, hi = allowed[(name, key)]
             a, b = box[dim]
             assert lo <= a and b <= hi, f"read [{a}, {b}) of dim {dim} outside [{lo}, {hi})"
-            assert all((x, y) == (0, n) for g, ((x, y), n) in enumerate(zip(box, self.shape(key))) if g != dim), \
+            assert all((x, y) == (0, n) for g, ((x, y), n) in enumerate(zip(box, self.shape(key))) if g != dim), (
                 "read part of a dim it needs whole"
+            )
             return t
+
     return Guarded
 
 
@@ -167,6 +171,7 @@ def test_reads_only_owned_rows(ckpts):
 # ---------------------------------------------------------------------------
 # Corruption corpus and model mismatches: every rank raises, nothing changes
 # ---------------------------------------------------------------------------
+
 
 def _flip(path, offset):
     with open(path, "r+b") as f:
@@ -224,6 +229,7 @@ def _corpus(base, consolidated, root):
             for p in t["pieces"]:
                 if p["file"] == f1:
                     p["file"] = "../" + f1
+
     _edit_index(d, traverse)
     cases.append((d, ["../" + f1, "path traversal"]))
     d = clone("gap")
@@ -280,6 +286,7 @@ def test_corruption_corpus(ckpts, tmp_path):
 # Crash during save
 # ---------------------------------------------------------------------------
 
+
 def _crashing_save(rank, world, path, victim, stage):
     net = tplayers.parallelize_module(serial_net(99, 9.0), PLAN)
     if rank == victim:
@@ -295,6 +302,7 @@ def _crashing_save(rank, world, path, victim, stage):
                     real(fd, memoryview(data)[: len(data) // 2])
                     os._exit(17)
                 real(fd, data)
+
             fmt._write_all = dying
         else:  # die just before moving the finished checkpoint into place
             save_mod.commit = lambda tmp, target, **kw: os._exit(17)
@@ -318,6 +326,7 @@ def test_crash_mid_save_keeps_previous(ckpts, tmp_path, victim, stage):
 # ---------------------------------------------------------------------------
 # 2-D mesh: tensor parallel inside data-parallel replicas (each range written once)
 # ---------------------------------------------------------------------------
+
 
 def _save_2d(rank, world, path):
     mesh = tplayers.init_mesh((2, 2), ("dp", "tp"), device_type="cpu")
@@ -348,6 +357,7 @@ def test_dp_replicas_write_each_range_once(tmp_path):
 # Saving over a previous checkpoint: the ranks share deleting it, nothing stray remains
 # ---------------------------------------------------------------------------
 
+
 def _overwrite(rank, world, root):
     net = tplayers.parallelize_module(serial_net(5, 1.5), PLAN)
     save_checkpoint(net, os.path.join(root, "ck"))  # replaces a 4-rank checkpoint: 5 old files, 2 deleters
@@ -361,8 +371,11 @@ def test_overwrite_removes_previous_everywhere(ckpts, tmp_path):
     shutil.copy(str(root / "w2.consolidated.safetensors"), str(tmp_path / "file"))
     run_ranks(_overwrite, 2, args=(str(tmp_path),), timeout=60)
     assert sorted(os.listdir(tmp_path)) == ["ck", "file"], os.listdir(tmp_path)
-    assert sorted(os.listdir(tmp_path / "ck")) == ["index.json", "rank-00000-of-00002.safetensors",
-                                                  "rank-00001-of-00002.safetensors"]
+    assert sorted(os.listdir(tmp_path / "ck")) == [
+        "index.json",
+        "rank-00000-of-00002.safetensors",
+        "rank-00001-of-00002.safetensors",
+    ]
     ref = serial_net(5, 1.5).state_dict()
     for name in ("ck", "file"):
         net = Net()

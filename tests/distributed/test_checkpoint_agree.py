@@ -4,14 +4,18 @@ are short and two when any rank's are long (a long error message, a save's layou
 from __future__ import annotations
 
 import pytest
-
 from harness import run_ranks
+
 from tplayers.checkpoint.layout import _INLINE_BYTES, allgather_bytes
 
 
 def _payload(rank: int, case: str) -> bytes:
-    sizes = {"empty": [0, 0, 0], "short": [0, 7, _INLINE_BYTES], "long": [_INLINE_BYTES + 1, 3, 0],
-             "mixed": [5000, 0, 17]}[case]
+    sizes = {
+        "empty": [0, 0, 0],
+        "short": [0, 7, _INLINE_BYTES],
+        "long": [_INLINE_BYTES + 1, 3, 0],
+        "mixed": [5000, 0, 17],
+    }[case]
     return bytes((rank * 31 + i) % 251 for i in range(sizes[rank]))
 
 

@@ -18,9 +18,9 @@ import shutil
 
 import pytest
 import torch
-
 from ckpt_util import parallel_net, serial_net, snapshot
 from harness import run_ranks
+
 from tplayers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tplayers.checkpoint.__main__ import main
 from tplayers.checkpoint.index import index_digest, older_format
@@ -98,7 +98,11 @@ def test_fixture_is_a_real_version_2_checkpoint():
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_older_formats_are_refused_on_every_rank_with_the_model_unchanged(old_checkpoints, world):
-    outs = [_refused(0, 1, old_checkpoints)] if world == 1 else run_ranks(_refused, world, args=(old_checkpoints,), timeout=60)
+    outs = (
+        [_refused(0, 1, old_checkpoints)]
+        if world == 1
+        else run_ranks(_refused, world, args=(old_checkpoints,), timeout=60)
+    )
     assert len(outs) == world and all(len(o) == 2 * len(old_checkpoints) for o in outs)
     if world > 1:  # every rank names the same failure (each found it locally; the agreement lists them all)
         assert all(f"checkpoint failed on {world} of {world} rank(s)" in m for o in outs for m in o)
@@ -108,8 +112,11 @@ def test_older_formats_are_refused_on_every_rank_with_the_model_unchanged(old_ch
 def test_cli_says_written_by_an_older_tplayers(old_checkpoints, tmp_path, capsys, cmd):
     for i, (path, what) in enumerate(old_checkpoints):
         out = str(tmp_path / f"out{i}")
-        argv = {"inspect": [path, "--verify"], "merge": [path, out + ".safetensors"],
-                "reshard": [path, out, "--world-size", "3"]}[cmd]
+        argv = {
+            "inspect": [path, "--verify"],
+            "merge": [path, out + ".safetensors"],
+            "reshard": [path, out, "--world-size", "3"],
+        }[cmd]
         assert main([cmd] + argv) == 1
         err = capsys.readouterr().err
         assert err.startswith("error: ") and f"written by an older tplayers ({what})" in err and WAY_OUT in err, err

@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 import torch
-
 from ckpt_util import PLAN, assert_local_equals, parallel_net, serial_net
 from harness import run_ranks
-from tplayers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
 import tplayers
+from tplayers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 
 def _tree(path: str) -> dict:
@@ -64,9 +64,9 @@ def _refused_saves(rank, world, cases, ckpt_plus):
 
 def _allowed_saves(rank, world, empty_dir, empty_dir2, old_file):
     net = tplayers.parallelize_module(serial_net(2), PLAN)
-    save_checkpoint(net, empty_dir)                       # an empty folder the user made first
-    save_checkpoint(net, empty_dir2, consolidated=True)   # ... or a consolidated file into its place
-    save_checkpoint(net, old_file)                        # a previous consolidated checkpoint
+    save_checkpoint(net, empty_dir)  # an empty folder the user made first
+    save_checkpoint(net, empty_dir2, consolidated=True)  # ... or a consolidated file into its place
+    save_checkpoint(net, old_file)  # a previous consolidated checkpoint
     for path in (empty_dir, empty_dir2, old_file):
         fresh = parallel_net()
         load_checkpoint(fresh, path)
@@ -77,7 +77,9 @@ def _allowed_saves(rank, world, empty_dir, empty_dir2, old_file):
 def test_save_refuses_to_replace_user_data(tmp_path):
     cases = _foreign(str(tmp_path))
     ckpt_plus = str(tmp_path / "ckpt_plus")
-    run_ranks(lambda r, w: save_checkpoint(tplayers.parallelize_module(serial_net(0), PLAN), ckpt_plus) or True, 2, timeout=60)
+    run_ranks(
+        lambda r, w: save_checkpoint(tplayers.parallelize_module(serial_net(0), PLAN), ckpt_plus) or True, 2, timeout=60
+    )
     open(os.path.join(ckpt_plus, "README.md"), "w").write("the user's own notes beside a checkpoint")
     before = {name: _tree(p) for name, p in list(cases.items()) + [("ckpt_plus", ckpt_plus)]}
     outs = run_ranks(_refused_saves, 2, args=(cases, ckpt_plus), timeout=60)
@@ -91,8 +93,9 @@ def test_save_refuses_to_replace_user_data(tmp_path):
         assert "README.md" in messages[("checkpoint plus user file", False)]
     after = {name: _tree(p) for name, p in list(cases.items()) + [("ckpt_plus", ckpt_plus)]}
     assert after == before, "a refused save changed user data"
-    assert sorted(os.listdir(tmp_path)) == sorted(["runs_with_file", "runs_with_subfolder", "runs.txt", "latest", "ckpt_plus"]), \
-        "a refused save left temporary files behind"
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["runs_with_file", "runs_with_subfolder", "runs.txt", "latest", "ckpt_plus"]
+    ), "a refused save left temporary files behind"
 
 
 def test_save_onto_empty_dir_and_old_consolidated_file(tmp_path):
@@ -109,6 +112,7 @@ def test_save_onto_empty_dir_and_old_consolidated_file(tmp_path):
 # The index digest: an edited index is a CheckpointError naming index.json
 # ---------------------------------------------------------------------------
 
+
 def _edit(src: str, dst: str, fn, redigest: bool = False) -> str:
     shutil.copytree(src, dst)
     p = os.path.join(dst, "index.json")
@@ -116,6 +120,7 @@ def _edit(src: str, dst: str, fn, redigest: bool = False) -> str:
     fn(idx)
     if redigest:  # a forger who recomputes the digest: only structure checks can catch it
         from tplayers.checkpoint.index import index_digest
+
         idx["index_sha256"] = index_digest(idx)
     json.dump(idx, open(p, "w"))
     return dst

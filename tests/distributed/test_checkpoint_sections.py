@@ -6,12 +6,12 @@ import os
 
 import pytest
 import torch
+from ckpt_util import assert_local_equals
+from harness import run_ranks
 from safetensors.torch import load_file
 from torch import nn
 
 import tplayers
-from ckpt_util import assert_local_equals
-from harness import run_ranks
 from tplayers.checkpoint import __main__ as cli
 from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
 

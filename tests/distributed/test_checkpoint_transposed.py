@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 import torch
+from harness import run_ranks
 from torch import nn
 
 import tplayers
-from harness import run_ranks
 from tplayers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tplayers.checkpoint.format import read_header
 from tplayers.checkpoint.layout import local_tensors
@@ -99,8 +99,11 @@ def test_resharded_reads_check_only_the_bands_they_touch(tmp_path):
     from tplayers.sharding import ShardSpec
 
     path = str(tmp_path / "ck")
-    run_ranks(lambda r, w: save_checkpoint(tplayers.parallelize_module(_serial(1), PLAN), path, block_bytes=2048)
-              or True, 2, timeout=60)
+    run_ranks(
+        lambda r, w: save_checkpoint(tplayers.parallelize_module(_serial(1), PLAN), path, block_bytes=2048) or True,
+        2,
+        timeout=60,
+    )
     want = _serial(1).state_dict()["1.weight"]
     src = open_source(path)
     assert [(p.start, p.stop, p.band) for p in src.tensors["1.weight"].pieces] == [(0, 301, 8), (301, 601, 8)]
@@ -117,7 +120,11 @@ def test_resharded_reads_check_only_the_bands_they_touch(tmp_path):
                 cols = part.mapped.shape[1]
                 lo = max(a, part.piece.start) - part.piece.start
                 hi = min(b, part.piece.stop) - part.piece.start
-                assert cols == part.piece.stop - part.piece.start if whole else cols == min(-(-hi // 8) * 8, part.piece.stop - part.piece.start) - lo // 8 * 8
+                assert (
+                    cols == part.piece.stop - part.piece.start
+                    if whole
+                    else cols == min(-(-hi // 8) * 8, part.piece.stop - part.piece.start) - lo // 8 * 8
+                )
         assert torch.equal(_bits(got), _bits(want[:, a:b]))
     # flip a bit in column 10 of rank 1's piece (global column 311): a reader of columns [201, 401) reads
     # that band and fails; a reader of columns [401, 601) reads bands from column 96 of the piece on: passes

@@ -4,18 +4,16 @@ Oracle: the serial model trained on the full batch in fp64 (DDP and FSDP2 averag
 gradients of equal dp halves, so one parallel step equals one serial full-batch step).
 """
 
-import copy
 import json
 import os
 
 import pytest
 import torch
-import torch.distributed as dist
+from harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import tplayers
-from harness import run_ranks
 from tplayers.checkpoint import CheckpointError, gather_state_dict, load_checkpoint, save_checkpoint
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)
@@ -46,8 +44,11 @@ class Net(nn.Module):
         return self.head(h + self.down(torch.tanh(self.up(h))))
 
 
-PLAN = {"up": tplayers.ColumnParallel(), "down": tplayers.RowParallel(),
-        "head": tplayers.ColumnParallel(gather_output=True)}
+PLAN = {
+    "up": tplayers.ColumnParallel(),
+    "down": tplayers.RowParallel(),
+    "head": tplayers.ColumnParallel(gather_output=True),
+}
 
 
 def serial_net(seed=0):
@@ -83,7 +84,7 @@ def train_dp(model, opt, steps, dp_rank, dp):
         x, t = batch(s)
         n = x.shape[0] // dp  # equal halves: the dp average of the means is the full-batch mean
         opt.zero_grad()
-        loss_fn(model(x[dp_rank * n:(dp_rank + 1) * n]), t[dp_rank * n:(dp_rank + 1) * n]).backward()
+        loss_fn(model(x[dp_rank * n : (dp_rank + 1) * n]), t[dp_rank * n : (dp_rank + 1) * n]).backward()
         opt.step()
 
 
@@ -222,8 +223,9 @@ def test_optimizer_errors(tmp_path):
 class CNN(nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Conv2d(2, 5, 3, padding=1, padding_mode="circular"), nn.Tanh(),
-                                 nn.Conv2d(5, 3, 3, stride=2, padding=1))
+        self.net = nn.Sequential(
+            nn.Conv2d(2, 5, 3, padding=1, padding_mode="circular"), nn.Tanh(), nn.Conv2d(5, 3, 3, stride=2, padding=1)
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -231,14 +233,17 @@ class CNN(nn.Module):
 
 def _cnn_data(step):
     g = torch.Generator().manual_seed(200 + step)
-    return torch.randn(4, 2, 11, 6, dtype=torch.float64, generator=g), torch.randn(4, 3, 6, 3, dtype=torch.float64, generator=g)
+    return torch.randn(4, 2, 11, 6, dtype=torch.float64, generator=g), torch.randn(
+        4, 3, 6, 3, dtype=torch.float64, generator=g
+    )
 
 
 def _dp_domain(rank, world, kind, path):
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "domain"))
     torch.manual_seed(0)
-    model = tplayers.parallelize_module(CNN().double(), {"": tplayers.DomainParallel(shard_dims=(2,))},
-                                        mesh=mesh["domain"])
+    model = tplayers.parallelize_module(
+        CNN().double(), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh["domain"]
+    )
     if kind == "ddp":
         model = nn.parallel.DistributedDataParallel(model, process_group=mesh["dp"].get_group())
     else:
@@ -249,7 +254,7 @@ def _dp_domain(rank, world, kind, path):
     d = mesh.get_local_rank(0)
     for step in range(2):
         x, w = _cnn_data(step)
-        x, w = x[2 * d:2 * d + 2], w[2 * d:2 * d + 2]  # my half of the batch
+        x, w = x[2 * d : 2 * d + 2], w[2 * d : 2 * d + 2]  # my half of the batch
         y = model(tplayers.shard(x, 2, mesh["domain"]))
         # the domain's local sums add up to this half's sum; x 2 undoes dp's average of the halves
         loss = (y * tplayers.shard(w, 2, mesh["domain"])).sum() * 2

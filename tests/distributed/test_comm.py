@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from harness import run_ranks
 
 import tplayers
-from harness import run_ranks
 from tplayers.comm import (
     all_gather_along_dim,
     copy_many_to_parallel_region,
@@ -72,7 +72,7 @@ def _collectives(rank, world, seed):
         x = _randn(local_shape, seed + rank)
         full = gather_along_dim(x, dim, group)  # sizes exchanged
         # the WHOLE result, every rank's slot: the serial concatenation of every rank's piece
-        pieces = [_randn(shape[:dim] + [sizes[r]] + shape[dim + 1:], seed + r) for r in range(world)]
+        pieces = [_randn(shape[:dim] + [sizes[r]] + shape[dim + 1 :], seed + r) for r in range(world)]
         assert torch.equal(full, torch.cat(pieces, dim)), (sizes, dim)
         with tplayers.count_collectives() as log:
             again = gather_along_dim(x, dim, group, sizes)
@@ -121,37 +121,68 @@ def _adjoints(rank, world, seed):
         shape = [rng.randint(1, 4) for _ in range(3)]
         dim = rng.randrange(3)
         sizes = [rng.randint(0, 3) for _ in range(world)]  # uneven, some shards empty
-        local_shape = shape[:dim] + [sizes[rank]] + shape[dim + 1:]
-        full_shape = shape[:dim] + [sum(sizes)] + shape[dim + 1:]
+        local_shape = shape[:dim] + [sizes[rank]] + shape[dim + 1 :]
+        full_shape = shape[:dim] + [sum(sizes)] + shape[dim + 1 :]
         base = 1000 * seed + 100 * case
         mine = lambda s, k: _randn(s, base + 10 * k + rank)  # noqa: E731 - this rank's own values
         same = lambda s, k: _randn(s, base + 10 * k + 9)  # noqa: E731 - the same on every rank
         seq_sizes = tplayers.shard_sizes(shape[dim], world)
-        seq_local = shape[:dim] + [seq_sizes[rank]] + shape[dim + 1:]
+        seq_local = shape[:dim] + [seq_sizes[rank]] + shape[dim + 1 :]
         parts = [(2, 3), (4,), ()]
-        many = lambda x: torch.cat([t.reshape(-1) for t in copy_many_to_parallel_region(  # noqa: E731
-            [p.reshape(s) for p, s in zip(x.split([6, 4, 1]), parts)], group)])
+        many = lambda x: torch.cat(
+            [
+                t.reshape(-1)
+                for t in copy_many_to_parallel_region(  # noqa: E731
+                    [p.reshape(s) for p, s in zip(x.split([6, 4, 1]), parts)], group
+                )
+            ]
+        )
         cases = {
             # name: (fn, x, y, (input kind, output kind))
-            "gather_along_dim": (lambda x: gather_along_dim(x, dim, group, sizes), mine(local_shape, 0),
-                                 same(full_shape, 1), (PER_RANK, REPLICATED)),
-            "split_along_dim": (lambda x: split_along_dim(x, dim, group), same(shape, 2), mine(seq_local, 3),
-                                (REPLICATED, PER_RANK)),
-            "copy_to_parallel_region": (lambda x: copy_to_parallel_region(x, group), same(shape, 4),
-                                        mine(shape, 5), (REPLICATED, PER_RANK)),
-            "reduce_from_parallel_region": (lambda x: reduce_from_parallel_region(x, group), mine(shape, 6),
-                                            same(shape, 7), (PER_RANK, REPLICATED)),
+            "gather_along_dim": (
+                lambda x: gather_along_dim(x, dim, group, sizes),
+                mine(local_shape, 0),
+                same(full_shape, 1),
+                (PER_RANK, REPLICATED),
+            ),
+            "split_along_dim": (
+                lambda x: split_along_dim(x, dim, group),
+                same(shape, 2),
+                mine(seq_local, 3),
+                (REPLICATED, PER_RANK),
+            ),
+            "copy_to_parallel_region": (
+                lambda x: copy_to_parallel_region(x, group),
+                same(shape, 4),
+                mine(shape, 5),
+                (REPLICATED, PER_RANK),
+            ),
+            "reduce_from_parallel_region": (
+                lambda x: reduce_from_parallel_region(x, group),
+                mine(shape, 6),
+                same(shape, 7),
+                (PER_RANK, REPLICATED),
+            ),
             "copy_many_to_parallel_region": (many, same((11,), 8), mine((11,), 9), (REPLICATED, PER_RANK)),
             # sequence parallelism: the gathered sequence feeds a per-rank (partial) region
-            "gather_from_sequence_region": (lambda x: gather_from_sequence_region(x, dim, group),
-                                            mine(seq_local, 10), mine(shape, 11), (PER_RANK, PER_RANK)),
-            "reduce_scatter_to_sequence_region": (lambda x: reduce_scatter_to_sequence_region(x, dim, group),
-                                                  mine(shape, 12), mine(seq_local, 13), (PER_RANK, PER_RANK)),
+            "gather_from_sequence_region": (
+                lambda x: gather_from_sequence_region(x, dim, group),
+                mine(seq_local, 10),
+                mine(shape, 11),
+                (PER_RANK, PER_RANK),
+            ),
+            "reduce_scatter_to_sequence_region": (
+                lambda x: reduce_scatter_to_sequence_region(x, dim, group),
+                mine(shape, 12),
+                mine(seq_local, 13),
+                (PER_RANK, PER_RANK),
+            ),
         }
         for name, (fn, x, y, kinds) in cases.items():
             lhs, rhs = _adjoint(fn, x, y, kinds, group)
-            torch.testing.assert_close(rhs, lhs, rtol=1e-12, atol=1e-12,
-                                       msg=lambda m: f"{name} (world {world}, dim {dim}, sizes {sizes}): {m}")
+            torch.testing.assert_close(
+                rhs, lhs, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name} (world {world}, dim {dim}, sizes {sizes}): {m}"
+            )
             checked += 1
     return checked
 

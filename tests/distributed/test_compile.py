@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 import torch._dynamo as dynamo
+from harness import run_ranks
 from torch import nn
 
 import tplayers
-from harness import run_ranks
 from tplayers.comm import count_collectives
 
 
@@ -34,8 +34,12 @@ class Block(nn.Module):
         return self.tail(self.head(h))
 
 
-PLAN = {"up": tplayers.ColumnParallel(), "down": tplayers.RowParallel(),
-        "head": tplayers.ColumnParallel(gather_output=True), "tail": tplayers.RowParallel(input_is_parallel=False)}
+PLAN = {
+    "up": tplayers.ColumnParallel(),
+    "down": tplayers.RowParallel(),
+    "head": tplayers.ColumnParallel(gather_output=True),
+    "tail": tplayers.RowParallel(input_is_parallel=False),
+}
 
 
 def _step(model, x, g):
@@ -89,8 +93,10 @@ def test_compile_tp_block_aot_eager(world):
     print(f"TP block, aot_eager, {world} ranks: first step (compile) {max(t):.1f} s")
 
 
-@pytest.mark.skipif(not os.environ.get("TPLAYERS_INDUCTOR"),
-                    reason="inductor compiles C++ for ~90 s on this CPU; TPLAYERS_INDUCTOR=1 runs it")
+@pytest.mark.skipif(
+    not os.environ.get("TPLAYERS_INDUCTOR"),
+    reason="inductor compiles C++ for ~90 s on this CPU; TPLAYERS_INDUCTOR=1 runs it",
+)
 def test_compile_tp_block_inductor():
     t = run_ranks(_tp_block, 2, args=("inductor",), timeout=400)
     print(f"TP block, inductor, 2 ranks: first step (compile) {max(t):.1f} s")
@@ -103,11 +109,15 @@ class CNN(nn.Module):
     def __init__(self):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(8, 8, 3, stride=2, padding=1, padding_mode="circular"), nn.ReLU(),
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, stride=2, padding=1, padding_mode="circular"),
+            nn.ReLU(),
             nn.MaxPool2d(2),
-            nn.Conv2d(8, 6, 3, padding=1, padding_mode="reflect"), nn.Tanh(),
-            nn.AdaptiveAvgPool2d(1))
+            nn.Conv2d(8, 6, 3, padding=1, padding_mode="reflect"),
+            nn.Tanh(),
+            nn.AdaptiveAvgPool2d(1),
+        )
         self.head = nn.Linear(6, 4)
 
     def forward(self, x):
@@ -173,12 +183,16 @@ def _domain_cnn(rank, world, backend, warm):
 @pytest.mark.parametrize("world,warm", [(2, False), (3, True)])
 def test_compile_domain_cnn_aot_eager(world, warm):
     t = run_ranks(_domain_cnn, world, args=("aot_eager", warm), timeout=240)
-    print(f"DomainParallel CNN, aot_eager, {world} ranks ({'warm' if warm else 'cold'} layout): "
-          f"first step (compile) {max(t):.1f} s")
+    print(
+        f"DomainParallel CNN, aot_eager, {world} ranks ({'warm' if warm else 'cold'} layout): "
+        f"first step (compile) {max(t):.1f} s"
+    )
 
 
-@pytest.mark.skipif(not os.environ.get("TPLAYERS_INDUCTOR"),
-                    reason="inductor compiles C++ for minutes on this CPU; TPLAYERS_INDUCTOR=1 runs it")
+@pytest.mark.skipif(
+    not os.environ.get("TPLAYERS_INDUCTOR"),
+    reason="inductor compiles C++ for minutes on this CPU; TPLAYERS_INDUCTOR=1 runs it",
+)
 def test_compile_domain_cnn_inductor():
     t = run_ranks(_domain_cnn, 2, args=("inductor", False), timeout=500)
     print(f"DomainParallel CNN, inductor, 2 ranks: first step (compile) {max(t):.1f} s")
@@ -188,8 +202,9 @@ def _domain_2d(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
-    serial = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(),
-                           nn.Conv2d(4, 3, 3, padding=1, padding_mode="circular")).double()
+    serial = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 3, 3, padding=1, padding_mode="circular")
+    ).double()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("h", "w"))
     plan = {"": tplayers.DomainParallel(shard_dims=(2, 3))}
     eager = tplayers.parallelize_module(copy.deepcopy(serial), plan, mesh=mesh)

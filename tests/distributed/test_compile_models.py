@@ -11,20 +11,21 @@ buffers) up to fp64 round-off.
 """
 
 import copy
+import os
+import sys
 
 import pytest
 import torch
 import torch._dynamo as dynamo
-from torch import nn
-
-import os
-import sys
-
-import tplayers
 from gpt_block import Block, sp_plan
 from harness import run_ranks
+from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
+import tplayers
+
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+)
 from llama_tp import Llama, llama_plan  # noqa: E402
 
 TOL = dict(rtol=1e-12, atol=1e-12)
@@ -101,8 +102,9 @@ def _unet(rank, world):
     xs = [tplayers.shard(torch.randn(2, 2, 8 * world, 6, dtype=torch.float64), 2, mesh) for _ in range(2)]
     for with_loss in (False, True):
         torch.manual_seed(0)
-        eager = tplayers.parallelize_module(TinyUNet().double(), {"": tplayers.DomainParallel(shard_dims=(2,))},
-                                            mesh=mesh)
+        eager = tplayers.parallelize_module(
+            TinyUNet().double(), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh
+        )
         _check(WithLoss(eager, mesh) if with_loss else eager, xs)
     return 0
 
@@ -111,9 +113,14 @@ def _pools(rank, world):
     """Max pooling, InstanceNorm with running stats, a global adaptive max pool and a head."""
     torch.manual_seed(0)
     mesh = tplayers.default_mesh()
-    serial = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.MaxPool2d(3, 2, 1),
-                           nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
-                           nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(4, 3)).double()
+    serial = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.MaxPool2d(3, 2, 1),
+        nn.InstanceNorm2d(4, affine=True, track_running_stats=True),
+        nn.AdaptiveMaxPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    ).double()
     eager = tplayers.parallelize_module(serial, {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
     xs = [tplayers.shard(torch.randn(2, 2, 6 * world + 1, 5, dtype=torch.float64), 2, mesh) for _ in range(2)]
     return _check(eager, xs)
@@ -143,8 +150,9 @@ def _llama_gqa(rank, world):
     torch.manual_seed(4)
     mesh = tplayers.default_mesh()
     vocab, d, heads, kv, ffn = 29, 16, 8, 2, 11
-    eager = tplayers.parallelize_module(Llama(vocab, d, heads, kv, ffn, 1, False).double(),
-                                        llama_plan(d, heads, kv, ffn, False), mesh=mesh)
+    eager = tplayers.parallelize_module(
+        Llama(vocab, d, heads, kv, ffn, 1, False).double(), llama_plan(d, heads, kv, ffn, False), mesh=mesh
+    )
     compiled = torch.compile(copy.deepcopy(eager), fullgraph=True, backend="aot_eager")
     loss_c = torch.compile(tplayers.vocab_parallel_cross_entropy, backend="aot_eager")
     gen = torch.Generator().manual_seed(5)
@@ -157,7 +165,9 @@ def _llama_gqa(rank, world):
             model.zero_grad(set_to_none=True)
             loss = loss_fn(model(inp), target, mesh, label_smoothing=0.1)
             loss.backward()
-            out.append((loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()}))
+            out.append(
+                (loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()})
+            )
         torch.testing.assert_close(out[1][0], out[0][0], **TOL)
         assert out[0][1].keys() == out[1][1].keys()
         for name in out[0][1]:
@@ -167,9 +177,11 @@ def _llama_gqa(rank, world):
     return 0  # the model: fullgraph
 
 
-@pytest.mark.parametrize("case,world", [(_unet, 2), (_pools, 3), (_na, 2), (_sp_block, 2), (_llama_gqa, 4)],
-                         ids=["unet", "pools_instance_norm_head", "neighborhood_attention", "sequence_parallel",
-                              "llama_gqa_vocab_ce"])
+@pytest.mark.parametrize(
+    "case,world",
+    [(_unet, 2), (_pools, 3), (_na, 2), (_sp_block, 2), (_llama_gqa, 4)],
+    ids=["unet", "pools_instance_norm_head", "neighborhood_attention", "sequence_parallel", "llama_gqa_vocab_ce"],
+)
 def test_compile_equals_eager(case, world):
     out = run_ranks(case, world, timeout=240)
     print(f"{case.__name__}: graph breaks {out[0]}")

@@ -4,14 +4,14 @@ import random
 
 import pytest
 import torch
+from harness import run_ranks
+from oracle import memory_layout as layout
+from oracle import same_layout, same_on_all_ranks
+from partition_rule import window_partition_ok
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
-from harness import run_ranks
-from oracle import memory_layout as layout, same_layout, same_on_all_ranks
-from partition_rule import window_partition_ok
-from tplayers.window_plan import conv_out_len, conv_window, plan_windows
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
@@ -24,12 +24,25 @@ def _random_conv(rng):
     groups = rng.choice([1, 2])
     forms = ["int", "tuple", "valid"] + (["same"] if stride == (1, 1) else [])
     form = rng.choice(forms)
-    padding = {"int": rng.randint(0, 3), "tuple": (rng.randint(0, 3), rng.randint(0, 3)), "valid": "valid",
-               "same": "same"}[form]
+    padding = {
+        "int": rng.randint(0, 3),
+        "tuple": (rng.randint(0, 3), rng.randint(0, 3)),
+        "valid": "valid",
+        "same": "same",
+    }[form]
     mode = rng.choice(["zeros", "zeros", "circular", "circular", "reflect", "replicate"])
     c_in, c_out = groups * rng.randint(1, 2), groups * rng.randint(1, 3)
-    return dict(in_channels=c_in, out_channels=c_out, kernel_size=k, stride=stride, padding=padding,
-                dilation=dilation, groups=groups, bias=rng.random() < 0.8, padding_mode=mode)
+    return dict(
+        in_channels=c_in,
+        out_channels=c_out,
+        kernel_size=k,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=groups,
+        bias=rng.random() < 0.8,
+        padding_mode=mode,
+    )
 
 
 def _pads(conv, i):
@@ -82,8 +95,9 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count, overlap=False):
         except RuntimeError:
             continue  # the serial layer rejects it too (e.g. reflect padding >= size)
         fmt = rng.choice([torch.channels_last, torch.contiguous_format])
-        conv = tplayers.DistributedConv2d.from_module(serial, mesh=mesh, shard_dims=shard_dims, memory_format=fmt,
-                                                      overlap_halo=overlap)
+        conv = tplayers.DistributedConv2d.from_module(
+            serial, mesh=mesh, shard_dims=shard_dims, memory_format=fmt, overlap_halo=overlap
+        )
         opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
         opt_p = torch.optim.SGD(conv.parameters(), lr=0.1)
         for step in range(2):
@@ -121,7 +135,9 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count, overlap=False):
             assert same_layout(xp.grad, xs.grad), (args, fmt, xp.shape, xp.stride(), xp.grad.stride(), xs.grad.stride())
             gx = tplayers.gather(xp.grad, shard_dims, mesh)
             torch.testing.assert_close(gx, xs.grad, **TIGHT, msg=lambda m: f"{args} {layouts}: {m}")
-            torch.testing.assert_close(conv.weight.grad, serial.weight.grad, **TIGHT, msg=lambda m: f"{args} {layouts} step {step}: {m}")
+            torch.testing.assert_close(
+                conv.weight.grad, serial.weight.grad, **TIGHT, msg=lambda m: f"{args} {layouts} step {step}: {m}"
+            )
             if args["bias"]:
                 torch.testing.assert_close(conv.bias.grad, serial.bias.grad, **TIGHT)
             opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
@@ -131,17 +147,24 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count, overlap=False):
     return done, refused
 
 
-@pytest.mark.parametrize("world,mesh_shape,shard_dims,count,overlap", [
-    (2, (2,), (2,), 24, False),
-    (2, (2,), (3,), 10, False),
-    (3, (3,), (2,), 24, False),
-    (4, (2, 2), (2, 3), 16, False),
-    (2, (2,), (2,), 16, True),  # overlap_halo=True: main-plus-strips wherever the plan allows, at any size
-    (4, (2, 2), (2, 3), 10, True),
-])
+@pytest.mark.parametrize(
+    "world,mesh_shape,shard_dims,count,overlap",
+    [
+        (2, (2,), (2,), 24, False),
+        (2, (2,), (3,), 10, False),
+        (3, (3,), (2,), 24, False),
+        (4, (2, 2), (2, 3), 16, False),
+        (2, (2,), (2,), 16, True),  # overlap_halo=True: main-plus-strips wherever the plan allows, at any size
+        (4, (2, 2), (2, 3), 10, True),
+    ],
+)
 def test_conv_parity_grid(world, mesh_shape, shard_dims, count, overlap):
-    results = run_ranks(_parity, world, args=(mesh_shape, shard_dims, 1000 + world + shard_dims[0] + overlap, count,
-                                              overlap), timeout=180)
+    results = run_ranks(
+        _parity,
+        world,
+        args=(mesh_shape, shard_dims, 1000 + world + shard_dims[0] + overlap, count, overlap),
+        timeout=180,
+    )
     assert len(set(results)) == 1 and results[0][0] == count, results
 
 
@@ -212,8 +235,11 @@ def _pair_grads(rank, world):
             same_on_all_ranks(p_dist.grad)
             torch.testing.assert_close(p_dist.grad, p_serial.grad, **TIGHT)
         if input_grad:
-            torch.testing.assert_close(tplayers.gather(xp.grad, 2, mesh), torch.autograd.grad(
-                (serial(x.requires_grad_(True)) * cot).sum(), x)[0], **TIGHT)
+            torch.testing.assert_close(
+                tplayers.gather(xp.grad, 2, mesh),
+                torch.autograd.grad((serial(x.requires_grad_(True)) * cot).sum(), x)[0],
+                **TIGHT,
+            )
     return True
 
 

@@ -8,10 +8,10 @@ equals the serial one.
 """
 
 import torch
+from harness import run_ranks
 from torch import nn
 
 import tplayers
-from harness import run_ranks
 from tplayers.sharding import offsets_from_sizes
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)

@@ -13,18 +13,18 @@ import random
 
 import pytest
 import torch
+from harness import run_ranks
+from oracle import edge_convs
+from partition_rule import window_partition_ok
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 import tplayers
 import tplayers.layers.conv as conv_module
-from harness import run_ranks
-from oracle import edge_convs
-from partition_rule import window_partition_ok
 from tplayers.layers.conv import EDGE_MIN_ELEMENTS
-from tplayers.window_plan import EdgeGeometry, conv_out_len, conv_window, edge_geometry, plan_windows, uniform_geometry
 from tplayers.sharding import offsets_from_sizes
+from tplayers.window_plan import EdgeGeometry, conv_out_len, conv_window, edge_geometry, plan_windows, uniform_geometry
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
 _NN = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
@@ -37,8 +37,16 @@ def _case(rng):
     stride = rng.choice([1, 1, 1, 2])
     pad = rng.choice([dil * (k - 1) // 2] * 3 + [1, 2])
     groups = rng.choice([1, 2])
-    return nd, dict(in_channels=2 * groups, out_channels=groups * rng.randint(1, 3), kernel_size=k, stride=stride,
-                    padding=pad, dilation=dil, groups=groups, bias=rng.random() < 0.8)
+    return nd, dict(
+        in_channels=2 * groups,
+        out_channels=groups * rng.randint(1, 3),
+        kernel_size=k,
+        stride=stride,
+        padding=pad,
+        dilation=dil,
+        groups=groups,
+        bias=rng.random() < 0.8,
+    )
 
 
 def _slices(x, shard_dims, layouts, coords):
@@ -71,8 +79,10 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count):
             continue
         k, s, dil, pad = args["kernel_size"], args["stride"], args["dilation"], args["padding"]
         # valid by the test's own rule (tests/partition_rule.py), not by the library's planner
-        valid = all(window_partition_ok(layouts[d], (shape[d] + 2 * pad - dil * (k - 1) - 1) // s + 1, k, s, dil,
-                                        pad, "zeros") for d in shard_dims)
+        valid = all(
+            window_partition_ok(layouts[d], (shape[d] + 2 * pad - dil * (k - 1) - 1) // s + 1, k, s, dil, pad, "zeros")
+            for d in shard_dims
+        )
         layer = _TWIN[nd].from_module(serial, mesh=mesh, shard_dims=shard_dims)
         opt_s, opt_p = torch.optim.SGD(serial.parameters(), lr=0.1), torch.optim.SGD(layer.parameters(), lr=0.1)
         for step in range(2):
@@ -92,8 +102,9 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count):
             cot = torch.randn_like(ys)
             (ys * cot).sum().backward()
             (yg * cot).sum().backward()
-            torch.testing.assert_close(tplayers.gather(xp.grad, shard_dims, mesh), xs.grad, **TIGHT,
-                                       msg=lambda m: f"{args} {layouts}: {m}")
+            torch.testing.assert_close(
+                tplayers.gather(xp.grad, shard_dims, mesh), xs.grad, **TIGHT, msg=lambda m: f"{args} {layouts}: {m}"
+            )
             torch.testing.assert_close(layer.weight.grad, serial.weight.grad, **TIGHT)
             if args["bias"]:
                 torch.testing.assert_close(layer.bias.grad, serial.bias.grad, **TIGHT)
@@ -106,11 +117,9 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count):
     return taken
 
 
-@pytest.mark.parametrize("world,mesh_shape,shard_dims,count", [
-    (2, (2,), (2,), 24),
-    (3, (3,), (2,), 16),
-    (4, (2, 2), (2, 3), 8),
-])
+@pytest.mark.parametrize(
+    "world,mesh_shape,shard_dims,count", [(2, (2,), (2,), 24), (3, (3,), (2,), 16), (4, (2, 2), (2, 3), 8)]
+)
 def test_edges_parity(world, mesh_shape, shard_dims, count):
     run_ranks(_parity, world, args=(mesh_shape, shard_dims, 7000 + world, count), timeout=180)
 

@@ -10,11 +10,12 @@ partition. Values and every gradient equal the serial module's.
 
 import pytest
 import torch
+from harness import run_ranks
+from oracle import memory_layout as layout
+from oracle import same_layout
 from torch import nn
 
 import tplayers
-from harness import run_ranks
-from oracle import memory_layout as layout, same_layout
 from tplayers.sharding import offsets_from_sizes
 
 _CL = {4: torch.channels_last, 5: torch.channels_last_3d}
@@ -62,10 +63,12 @@ def _check(rank, world, nd, w_cl):
         (ys * cot).sum().backward()
         (y * cot.narrow(2, sum(sizes[:rank]), y.shape[2])).sum().backward()
         assert same_layout(local.grad, xs.grad), f"{what}: grad {layout(local.grad)}, serial {layout(xs.grad)}"
-        torch.testing.assert_close(tplayers.gather(local.grad, 2, mesh), xs.grad, **TOL[dtype],
-                                   msg=lambda m: f"{what} grad x: {m}")
-        torch.testing.assert_close(twin.weight.grad, serial.weight.grad, **TOL[dtype],
-                                   msg=lambda m: f"{what} grad w: {m}")
+        torch.testing.assert_close(
+            tplayers.gather(local.grad, 2, mesh), xs.grad, **TOL[dtype], msg=lambda m: f"{what} grad x: {m}"
+        )
+        torch.testing.assert_close(
+            twin.weight.grad, serial.weight.grad, **TOL[dtype], msg=lambda m: f"{what} grad w: {m}"
+        )
         torch.testing.assert_close(twin.bias.grad, serial.bias.grad, **TOL[dtype], msg=lambda m: f"{what} grad b: {m}")
     return sorted(seen)
 
@@ -80,8 +83,9 @@ def test_output_and_grad_keep_the_serial_layout(nd, w_cl):
 def test_memory_format_argument_checked():
     # checked in the constructor, before any process group is needed
     for bad in (torch.preserve_format, "channels_last"):
-        with pytest.raises(ValueError, match="memory_format must be None, torch.channels_last or "
-                                             "torch.contiguous_format, got"):
+        with pytest.raises(
+            ValueError, match="memory_format must be None, torch.channels_last or torch.contiguous_format, got"
+        ):
             tplayers.DistributedConv2d(4, 4, 3, memory_format=bad)
 
 
@@ -89,8 +93,12 @@ def _compiled(rank, world):
     import torch._dynamo as dynamo
 
     mesh = tplayers.default_mesh()
-    cases = [(True, None, False), (False, torch.channels_last, False), (False, torch.channels_last, True),
-             (True, torch.contiguous_format, False)]  # (channels_last input, memory_format, overlap)
+    cases = [
+        (True, None, False),
+        (False, torch.channels_last, False),
+        (False, torch.channels_last, True),
+        (True, torch.contiguous_format, False),
+    ]  # (channels_last input, memory_format, overlap)
     for x_cl, fmt, overlap in cases:
         torch.manual_seed(3)
         serial = nn.Conv2d(4, 6, 3, padding=1).double()

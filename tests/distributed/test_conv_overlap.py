@@ -18,12 +18,12 @@ import random
 
 import torch
 import torch.distributed as dist
+from harness import run_ranks
+from oracle import edge_convs
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import tplayers
-from harness import run_ranks
-from oracle import edge_convs
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
@@ -47,9 +47,17 @@ def _random_case(rng, world):
     sizes = [b - a for a, b in zip([0] + cuts, cuts + [length])]
     if min(sizes) < dilation * (k - 1) + 1:
         sizes = shard_sizes(length, world)
-    conv = dict(in_channels=groups * rng.randint(1, 2), out_channels=groups * rng.randint(1, 2), kernel_size=k,
-                stride=stride, padding=padding, dilation=dilation, groups=groups, bias=rng.random() < 0.8,
-                padding_mode=mode)
+    conv = dict(
+        in_channels=groups * rng.randint(1, 2),
+        out_channels=groups * rng.randint(1, 2),
+        kernel_size=k,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=groups,
+        bias=rng.random() < 0.8,
+        padding_mode=mode,
+    )
     return nd, conv, sizes
 
 
@@ -79,8 +87,9 @@ def _exact(rank, world, seed, count):
         cot = torch.randn_like(ys)
         (ys * cot).sum().backward()
         (yg * cot).sum().backward()
-        torch.testing.assert_close(tplayers.gather(local.grad, 2, mesh), xs.grad, **TIGHT,
-                                   msg=lambda m: f"{nd}d {args} {sizes}: {m}")
+        torch.testing.assert_close(
+            tplayers.gather(local.grad, 2, mesh), xs.grad, **TIGHT, msg=lambda m: f"{nd}d {args} {sizes}: {m}"
+        )
         torch.testing.assert_close(twin.weight.grad, serial.weight.grad, **TIGHT)
         if args["bias"]:
             torch.testing.assert_close(twin.bias.grad, serial.bias.grad, **TIGHT)
@@ -165,10 +174,14 @@ def _compiled(rank, world):
 
     torch.manual_seed(0)
     mesh = tplayers.default_mesh()
-    layers = [nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, stride=2, padding=1, padding_mode="circular"),
-              nn.Conv2d(4, 2, 3, padding=1, padding_mode="reflect")]
-    eager = nn.Sequential(*[tplayers.DistributedConv2d.from_module(m.double(), mesh=mesh, overlap_halo=True)
-                            for m in layers])
+    layers = [
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.Conv2d(4, 4, 3, stride=2, padding=1, padding_mode="circular"),
+        nn.Conv2d(4, 2, 3, padding=1, padding_mode="reflect"),
+    ]
+    eager = nn.Sequential(
+        *[tplayers.DistributedConv2d.from_module(m.double(), mesh=mesh, overlap_halo=True) for m in layers]
+    )
     model = copy.deepcopy(eager)
     x = tplayers.shard(torch.randn(2, 3, 8 * world + 2, 6, dtype=torch.float64), 2, mesh)
     model(x), eager(x)  # layouts cached

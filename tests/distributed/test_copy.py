@@ -5,11 +5,11 @@ import copy
 import pickle
 
 import torch
+from harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
-from harness import run_ranks
 
 
 class Mixed(nn.Module):
@@ -20,8 +20,9 @@ class Mixed(nn.Module):
         self.col = tplayers.ColumnParallelLinear(6, 7, mesh=tp_mesh)
         self.row = tplayers.RowParallelLinear(7, 6, mesh=tp_mesh)
         self.conv = tplayers.DistributedConv2d(2, 3, 3, padding=1, mesh=dom_mesh, shard_dims=(2,))
-        self.conv2d = tplayers.DistributedConv2d(3, 2, 3, padding=1, padding_mode="circular",
-                                                 mesh=dom2d, shard_dims=(2, 3))
+        self.conv2d = tplayers.DistributedConv2d(
+            3, 2, 3, padding=1, padding_mode="circular", mesh=dom2d, shard_dims=(2, 3)
+        )
         self.mix = tplayers.DomainReplicated(nn.Linear(2, 2), dom_mesh)
         self.na = tplayers.NeighborhoodAttention(4, 2, 3, mesh=dom_mesh, shard_dims=(1,))
 
@@ -34,8 +35,11 @@ class Mixed(nn.Module):
 
 def _meshes(world):
     tp = DeviceMesh("cpu", torch.arange(world))
-    dom2d = DeviceMesh("cpu", torch.arange(world).reshape(world // 2, 2)) if world % 2 == 0 else \
-        DeviceMesh("cpu", torch.arange(world).reshape(world, 1))
+    dom2d = (
+        DeviceMesh("cpu", torch.arange(world).reshape(world // 2, 2))
+        if world % 2 == 0
+        else DeviceMesh("cpu", torch.arange(world).reshape(world, 1))
+    )
     return tp, tp, dom2d
 
 
@@ -86,8 +90,9 @@ def _copies(rank, world):
     # a whole parallelized model (plan swap) deep-copies too
     torch.manual_seed(1)
     serial = nn.Sequential(nn.Linear(5, 9), nn.ReLU(), nn.Linear(9, 4)).double()
-    par = tplayers.parallelize_module(copy.deepcopy(serial), {"0": tplayers.ColumnParallel(),
-                                                              "2": tplayers.RowParallel()}, mesh=tp)
+    par = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()}, mesh=tp
+    )
     par2 = copy.deepcopy(par)
     x = torch.randn(3, 5, dtype=torch.float64)
     torch.testing.assert_close(par2(x), serial(x), rtol=1e-12, atol=1e-12)
@@ -107,15 +112,25 @@ def _twins(rank, world):
     """Every spatial twin kind, swapped by DomainParallel, deep-copies and pickles."""
     torch.manual_seed(0)
     serial = nn.Sequential(
-        nn.Conv2d(2, 4, 3, padding=1), nn.MaxPool2d(2), nn.ConvTranspose2d(4, 3, 2, stride=2),
-        nn.Upsample(scale_factor=2, mode="bilinear"), nn.AvgPool2d(3, stride=2, padding=1),
-        nn.Conv2d(3, 3, 3, padding=1, padding_mode="reflect"), nn.AdaptiveAvgPool2d((3, 2))).double()
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.MaxPool2d(2),
+        nn.ConvTranspose2d(4, 3, 2, stride=2),
+        nn.Upsample(scale_factor=2, mode="bilinear"),
+        nn.AvgPool2d(3, stride=2, padding=1),
+        nn.Conv2d(3, 3, 3, padding=1, padding_mode="reflect"),
+        nn.AdaptiveAvgPool2d((3, 2)),
+    ).double()
     mesh = tplayers.default_mesh()
-    par = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
-                                      mesh=mesh)
+    par = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
     kinds = {type(m).__name__ for m in par.modules()}
-    assert {"DistributedConv2d", "DistributedMaxPool2d", "DistributedConvTranspose2d", "DistributedUpsample",
-            "DistributedAvgPool2d", "DistributedAdaptiveAvgPool2d"} <= kinds, kinds
+    assert {
+        "DistributedConv2d",
+        "DistributedMaxPool2d",
+        "DistributedConvTranspose2d",
+        "DistributedUpsample",
+        "DistributedAvgPool2d",
+        "DistributedAdaptiveAvgPool2d",
+    } <= kinds, kinds
     x = torch.randn(2, 2, 8 * world, 6, dtype=torch.float64)
     local = tplayers.shard(x, 2, mesh)
     ref = par(local)  # warm caches: the copies carry (deepcopy) or rebuild (pickle) them

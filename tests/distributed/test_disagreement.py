@@ -5,9 +5,9 @@ import time
 
 import pytest
 import torch
+from harness import run_ranks
 
 import tplayers
-from harness import run_ranks
 
 
 def _conv(rank, world, **kw):

@@ -3,9 +3,9 @@
 import textwrap
 
 import pytest
+from harness import run_ranks
 
 import tplayers
-from harness import run_ranks
 
 OBJECTS = {
     "parallelize_module": tplayers.parallelize_module,
@@ -40,6 +40,7 @@ def examples(obj):
 
 def _run(rank, world, name):
     import torch
+
     for code in examples(OBJECTS[name]):
         exec(compile(code, f"<{name} example>", "exec"), {"torch": torch, "tplayers": tplayers})
     return len(examples(OBJECTS[name]))

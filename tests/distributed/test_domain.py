@@ -1,10 +1,10 @@
 """tplayers.shard / scatter / gather: values, uneven sizes, gradients, 1-D and 2-D meshes."""
 
 import torch
+from harness import run_ranks
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
-from harness import run_ranks
 from tplayers.sharding import offsets_from_sizes, shard_range
 
 
@@ -37,7 +37,7 @@ def _helpers(rank, world):
     g = tplayers.gather(x, 2, m1)
     assert torch.equal(g, full.detach())
     (g * torch.arange(7.0, dtype=torch.float64).view(1, 1, 7, 1)).sum().backward()
-    rows = torch.arange(7.0, dtype=torch.float64)[offsets_from_sizes(sizes)[rank]:][: sizes[rank]]
+    rows = torch.arange(7.0, dtype=torch.float64)[offsets_from_sizes(sizes)[rank] :][: sizes[rank]]
     assert torch.equal(x.grad, rows.view(1, 1, -1, 1).expand_as(x))
     # scatter from another source rank
     got = tplayers.scatter(full.detach() if rank == 3 else None, 2, m1, src=3)

@@ -6,13 +6,13 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import run_ranks
+from oracle import assert_params_match, edge_convs
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
 import tplayers.layers.conv as conv_module
-from harness import run_ranks
-from oracle import assert_params_match, edge_convs
 
 TIGHT = dict(rtol=1e-9, atol=1e-10)
 
@@ -63,9 +63,9 @@ class UNet(nn.Module):
         self.head = nn.Conv2d(4, 1, 1)
 
     def forward(self, x):
-        e1 = self.enc1(x)                       # (N, 4, H, W)
-        e2 = self.enc2(self.pool1(e1))          # (N, 6, H/2, W/2)
-        m = self.mid(self.pool2(e2))            # (N, 6, H/4, W/4)
+        e1 = self.enc1(x)  # (N, 4, H, W)
+        e2 = self.enc2(self.pool1(e1))  # (N, 6, H/2, W/2)
+        m = self.mid(self.pool2(e2))  # (N, 6, H/4, W/4)
         d2 = self.dec2(torch.cat([self.up2(m), e2], 1))
         d1 = self.dec1(torch.cat([self.red1(self.up1(d2)), e1], 1))
         return self.head(d1)
@@ -80,11 +80,16 @@ def _model(rank, world, name, shape, mesh_shape, shard_dims, edges=False):
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
     torch.manual_seed(0)
     serial = MODELS[name]().double()
-    parallel = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=shard_dims)},
-                                           mesh=mesh)
+    parallel = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=shard_dims)}, mesh=mesh
+    )
     swapped = [type(m).__name__ for m in parallel.modules() if type(m).__name__.startswith("Distributed")]
-    assert len(swapped) == sum(isinstance(m, (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd,
-                                              nn.modules.pooling._AvgPoolNd, nn.Upsample)) for m in serial.modules())
+    assert len(swapped) == sum(
+        isinstance(
+            m, (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd, nn.Upsample)
+        )
+        for m in serial.modules()
+    )
     opt_s = torch.optim.SGD(serial.parameters(), lr=0.05, momentum=0.9)
     opt_p = torch.optim.SGD(parallel.parameters(), lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
@@ -107,27 +112,33 @@ def _model(rank, world, name, shape, mesh_shape, shard_dims, edges=False):
     return True
 
 
-@pytest.mark.parametrize("name,shape,world,mesh_shape,shard_dims", [
-    ("conv1d", (2, 2, 37), 3, (3,), (2,)),
-    ("conv1d", (2, 2, 20), 2, (2,), (2,)),
-    ("cnn3d", (1, 1, 14, 10, 6), 2, (2,), (2,)),     # sharded along D
-    ("cnn3d", (1, 1, 6, 13, 8), 2, (2,), (3,)),      # sharded along H
-    ("cnn3d", (1, 1, 10, 12, 6), 4, (2, 2), (2, 3)),  # D and H on a 2-D mesh
-    ("unet", (1, 2, 32, 8), 2, (2,), (2,)),
-    ("unet", (1, 2, 36, 8), 3, (3,), (2,)),
-    ("unet", (1, 2, 44, 8), 3, (3,), (2,)),
-    ("unet", (1, 2, 44, 8), 2, (2,), (2,)),
-    ("unet", (1, 2, 36, 12), 4, (2, 2), (2, 3)),
-])
+@pytest.mark.parametrize(
+    "name,shape,world,mesh_shape,shard_dims",
+    [
+        ("conv1d", (2, 2, 37), 3, (3,), (2,)),
+        ("conv1d", (2, 2, 20), 2, (2,), (2,)),
+        ("cnn3d", (1, 1, 14, 10, 6), 2, (2,), (2,)),  # sharded along D
+        ("cnn3d", (1, 1, 6, 13, 8), 2, (2,), (3,)),  # sharded along H
+        ("cnn3d", (1, 1, 10, 12, 6), 4, (2, 2), (2, 3)),  # D and H on a 2-D mesh
+        ("unet", (1, 2, 32, 8), 2, (2,), (2,)),
+        ("unet", (1, 2, 36, 8), 3, (3,), (2,)),
+        ("unet", (1, 2, 44, 8), 3, (3,), (2,)),
+        ("unet", (1, 2, 44, 8), 2, (2,), (2,)),
+        ("unet", (1, 2, 36, 12), 4, (2, 2), (2, 3)),
+    ],
+)
 def test_whole_model_equals_serial(name, shape, world, mesh_shape, shard_dims):
     run_ranks(_model, world, args=(name, shape, mesh_shape, shard_dims), timeout=120)
 
 
-@pytest.mark.parametrize("name,shape,world,mesh_shape,shard_dims", [  # conv1d: none of its convolutions applies
-    ("cnn3d", (1, 1, 10, 12, 6), 4, (2, 2), (2, 3)),
-    ("unet", (1, 2, 44, 8), 3, (3,), (2,)),
-    ("unet", (1, 2, 36, 12), 4, (2, 2), (2, 3)),
-])
+@pytest.mark.parametrize(
+    "name,shape,world,mesh_shape,shard_dims",
+    [  # conv1d: none of its convolutions applies
+        ("cnn3d", (1, 1, 10, 12, 6), 4, (2, 2), (2, 3)),
+        ("unet", (1, 2, 44, 8), 3, (3,), (2,)),
+        ("unet", (1, 2, 36, 12), 4, (2, 2), (2, 3)),
+    ],
+)
 def test_whole_model_on_the_edge_path(name, shape, world, mesh_shape, shard_dims):
     """Every convolution slab on the main-plus-strips path (where the plans allow it), still exact."""
     run_ranks(_model, world, args=(name, shape, mesh_shape, shard_dims), kwargs=dict(edges=True), timeout=120)

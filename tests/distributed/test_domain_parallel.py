@@ -3,12 +3,12 @@
 import copy
 
 import torch
+from harness import run_ranks
+from oracle import assert_params_match
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
-from harness import run_ranks
-from oracle import assert_params_match
 from tplayers.sharding import offsets_from_sizes
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
@@ -109,13 +109,22 @@ def test_replicated_wrapper_edge_cases():
 def _raises_on_spatial_mixers_without_twin(rank, world):
     import pytest
 
-    pools = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.MaxPool2d(2), nn.Upsample(scale_factor=2),
-                          nn.Conv2d(2, 2, 1))
+    pools = nn.Sequential(
+        nn.Conv2d(2, 2, 3, padding=1), nn.MaxPool2d(2), nn.Upsample(scale_factor=2), nn.Conv2d(2, 2, 1)
+    )
     swapped = tplayers.parallelize_module(copy.deepcopy(pools), {"": tplayers.DomainParallel(shard_dims=(2,))})
-    assert [type(m).__name__ for m in swapped] == ["DistributedConv2d", "DistributedMaxPool2d",
-                                                   "DistributedUpsample", "DistributedConv2d"]
-    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.FractionalMaxPool2d(2, output_ratio=0.5),
-                          nn.Sequential(nn.LPPool2d(2, 2), nn.LocalResponseNorm(2)), nn.Conv2d(2, 2, 1))
+    assert [type(m).__name__ for m in swapped] == [
+        "DistributedConv2d",
+        "DistributedMaxPool2d",
+        "DistributedUpsample",
+        "DistributedConv2d",
+    ]
+    model = nn.Sequential(
+        nn.Conv2d(2, 2, 3, padding=1),
+        nn.FractionalMaxPool2d(2, output_ratio=0.5),
+        nn.Sequential(nn.LPPool2d(2, 2), nn.LocalResponseNorm(2)),
+        nn.Conv2d(2, 2, 1),
+    )
     before = [type(m) for m in model.modules()]
     with pytest.raises(ValueError, match=r"1 \(FractionalMaxPool2d\), 2\.0 \(LPPool2d\), 2\.1 \(LocalResponseNorm\)"):
         tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2,))})

@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from harness import run_ranks
+from oracle import assert_params_match, same_on_all_ranks
 from torch import nn
 
 import tplayers
-from harness import run_ranks
-from oracle import assert_params_match, same_on_all_ranks
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)
 
@@ -23,9 +23,14 @@ def _mlp_parity(rank, world, seed):
         d, hidden = rng.randint(1, 6), rng.randint(1, 11)  # uneven, sometimes < world
         p = rng.choice([0.1, 0.5, 0.9])
         torch.manual_seed(rng.randrange(1 << 30))
-        serial = nn.Sequential(nn.Linear(d, hidden), nn.Tanh(), nn.Dropout(p), nn.Linear(hidden, d), nn.Dropout(p)).double()
-        plan = {"0": tplayers.ColumnParallel(), "2": tplayers.ShardedDropout(dim=-1, full_size=hidden),
-                "3": tplayers.RowParallel()}
+        serial = nn.Sequential(
+            nn.Linear(d, hidden), nn.Tanh(), nn.Dropout(p), nn.Linear(hidden, d), nn.Dropout(p)
+        ).double()
+        plan = {
+            "0": tplayers.ColumnParallel(),
+            "2": tplayers.ShardedDropout(dim=-1, full_size=hidden),
+            "3": tplayers.RowParallel(),
+        }
         par = tplayers.parallelize_module(copy.deepcopy(serial), plan, mesh=mesh)
         assert isinstance(par[4], nn.Dropout)  # replicated: plain dropout, same mask on every rank
         opt_s, opt_p = torch.optim.SGD(serial.parameters(), lr=0.1), torch.optim.SGD(par.parameters(), lr=0.1)
@@ -78,8 +83,10 @@ def _hand_written(rank, world):
             exchanged = full_size is None and 0 < p and world > 1
             assert log.count() == (1 if exchanged else 0)
             out.sum().backward()
-            torch.testing.assert_close(local.grad, (ref.narrow(dim, start, stop - start) != 0).float() / (1 - p)
-                                       if p < 1 else torch.zeros_like(local))
+            torch.testing.assert_close(
+                local.grad,
+                (ref.narrow(dim, start, stop - start) != 0).float() / (1 - p) if p < 1 else torch.zeros_like(local),
+            )
     # replicated: the same mask on every rank (generators seeded alike), no communication
     torch.manual_seed(3)
     with tplayers.count_collectives() as log:
@@ -97,7 +104,9 @@ def _hand_written(rank, world):
     with pytest.raises(ValueError, match=r"rank \d must hold \d of full_size=7"):
         tplayers.ParallelDropout(0.5, dim=1, full_size=7, mesh=mesh)(torch.ones(2, 7))
     bad = torch.ones(2, 1 if rank == 0 else 3)  # lengths [1, 3]: not shard_sizes(4, 2)
-    with pytest.raises(ValueError, match=r"must be sharded as shard_sizes\(4, 2\) = \[2, 2\], got local lengths \[1, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"must be sharded as shard_sizes\(4, 2\) = \[2, 2\], got local lengths \[1, 3\]"
+    ):
         tplayers.ParallelDropout(0.5, dim=1, mesh=mesh)(bad)
     t = torch.ones(1)
     dist.all_reduce(t)

@@ -4,11 +4,11 @@ values and gradients (fp64, uneven partitions, 1-D and 2-D meshes)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import run_ranks
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
 import tplayers.functional as TF
-from harness import run_ranks
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
@@ -27,8 +27,11 @@ CASES = [
     ("var", lambda f, x, **k: f.var(x, (2, 3), correction=0, **k), lambda x: x.var((2, 3), correction=0)),
     ("std", lambda f, x, **k: f.std(x, (1, 2, 3), **k), lambda x: x.std((1, 2, 3))),
     ("norm", lambda f, x, **k: f.norm(x, 2, (2, 3), **k), lambda x: torch.linalg.vector_norm(x, 2, (2, 3))),
-    ("bilinear", lambda f, x, **k: f.interpolate(x, scale_factor=2, mode="bilinear", **k),
-     lambda x: F.interpolate(x, scale_factor=2, mode="bilinear")),
+    (
+        "bilinear",
+        lambda f, x, **k: f.interpolate(x, scale_factor=2, mode="bilinear", **k),
+        lambda x: F.interpolate(x, scale_factor=2, mode="bilinear"),
+    ),
     ("max_pool", lambda f, x, **k: f.max_pool2d(x, 3, 2, 1, **k), lambda x: F.max_pool2d(x, 3, 2, 1)),
     ("avg_pool", lambda f, x, **k: f.avg_pool2d(x, 2, **k), lambda x: F.avg_pool2d(x, 2)),
     ("adaptive", lambda f, x, **k: f.adaptive_avg_pool2d(x, 1, **k), lambda x: F.adaptive_avg_pool2d(x, 1)),
@@ -49,15 +52,26 @@ def _cases(rank, world, mesh_shape, layouts):
         xl = _local(x, dims, layouts, coords).clone().requires_grad_(True)
         ys, yl = ref(xs), ours(TF, xl, mesh=mesh, shard_dims=dims)
         replicated = ys.dim() < 4 or ys.shape[2] == 1
-        want = ys if replicated else _local(ys, dims, [_out(layouts[i], ys.shape[d], x.shape[d], name, i, mesh)
-                                                      for i, d in enumerate(dims)], coords)
+        want = (
+            ys
+            if replicated
+            else _local(
+                ys, dims, [_out(layouts[i], ys.shape[d], x.shape[d], name, i, mesh) for i, d in enumerate(dims)], coords
+            )
+        )
         torch.testing.assert_close(yl, want, **TIGHT, msg=lambda m: f"{name}: {m}")
         g = torch.randn(ys.shape, dtype=torch.float64)
         ys.backward(g)
-        yl.backward(g if replicated else _local(g, dims, [_out(layouts[i], ys.shape[d], x.shape[d], name, i, mesh)
-                                                          for i, d in enumerate(dims)], coords))
-        torch.testing.assert_close(xl.grad, _local(xs.grad, dims, layouts, coords), **TIGHT,
-                                   msg=lambda m: f"{name} grad: {m}")
+        yl.backward(
+            g
+            if replicated
+            else _local(
+                g, dims, [_out(layouts[i], ys.shape[d], x.shape[d], name, i, mesh) for i, d in enumerate(dims)], coords
+            )
+        )
+        torch.testing.assert_close(
+            xl.grad, _local(xs.grad, dims, layouts, coords), **TIGHT, msg=lambda m: f"{name} grad: {m}"
+        )
     return True
 
 
@@ -69,8 +83,9 @@ def _out(sizes, out_len, in_len, name, axis, mesh):
     return list(sizes) if out_len == in_len else tplayers.shard_sizes(out_len, len(sizes))
 
 
-@pytest.mark.parametrize("world,mesh_shape,layouts", [(2, (2,), [[5, 4]]), (3, (3,), [[4, 4, 3]]),
-                                                      (4, (2, 2), [[5, 4], [4, 3]])])
+@pytest.mark.parametrize(
+    "world,mesh_shape,layouts", [(2, (2,), [[5, 4]]), (3, (3,), [[4, 4, 3]]), (4, (2, 2), [[5, 4], [4, 3]])]
+)
 def test_functional_twins_match_serial(world, mesh_shape, layouts):
     run_ranks(_cases, world, args=(mesh_shape, layouts), timeout=120)
 

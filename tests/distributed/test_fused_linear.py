@@ -5,11 +5,11 @@ import random
 
 import pytest
 import torch
+from harness import run_ranks
+from oracle import assert_local_slices
 from torch import nn
 
 import tplayers
-from harness import run_ranks
-from oracle import assert_local_slices
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)
 
@@ -40,8 +40,9 @@ def _fused_cases(rank, world, seed):
         gather = rng.random() < 0.4
         torch.manual_seed(rng.randrange(1 << 30))
         dense = nn.Linear(d_in, sum(sections), bias=bias).double()
-        col = tplayers.ColumnParallelLinear.from_module(copy.deepcopy(dense), mesh=mesh, sections=sections,
-                                                        head_dim=hd, gather_output=gather)
+        col = tplayers.ColumnParallelLinear.from_module(
+            copy.deepcopy(dense), mesh=mesh, sections=sections, head_dim=hd, gather_output=gather
+        )
         ranges = col.weight_ranges
         assert col.local_sections == tuple(b - a for a, b in ranges)
         opt_s = torch.optim.SGD(dense.parameters(), lr=0.1, momentum=0.9)
@@ -174,8 +175,9 @@ def _sequence_parallel_gqa(rank, world):
     mesh = tplayers.default_mesh()
     torch.manual_seed(0)
     dense = nn.Linear(5, 12).double()
-    col = tplayers.ColumnParallelLinear.from_module(copy.deepcopy(dense), mesh=mesh, sections=(8, 2, 2), head_dim=1,
-                                                    sequence_parallel=True)
+    col = tplayers.ColumnParallelLinear.from_module(
+        copy.deepcopy(dense), mesh=mesh, sections=(8, 2, 2), head_dim=1, sequence_parallel=True
+    )
     x = torch.randn(2, 7, 5, dtype=torch.float64)  # 7 tokens on 4 ranks: uneven
     spec = tplayers.ShardSpec.balanced(x.shape, 1, world, rank)
     xl = spec.take(x).clone().requires_grad_(True)

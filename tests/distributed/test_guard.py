@@ -10,12 +10,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import run_ranks
+from oracle import backward_step_match, local_slice
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
-from harness import run_ranks
-from oracle import backward_step_match, local_slice
 
 TIGHT = dict(rtol=1e-9, atol=1e-11)
 
@@ -35,15 +35,15 @@ class Functional(nn.Module):
     def forward(self, x):
         h = torch.tanh(self.conv1(x))
         h = F.interpolate(h, scale_factor=2, mode="bilinear", align_corners=False)
-        h = h - h.mean(dim=(2, 3), keepdim=True)                     # spatial mean
-        h = h / (h.var(dim=(2, 3), keepdim=True) + 1.0).sqrt()        # spatial variance
+        h = h - h.mean(dim=(2, 3), keepdim=True)  # spatial mean
+        h = h / (h.var(dim=(2, 3), keepdim=True) + 1.0).sqrt()  # spatial variance
         h = F.max_pool2d(h, 2)
-        h = F.pad(h, (1, 0, 2, 1), value=0.25)                        # constant pad along H and W
+        h = F.pad(h, (1, 0, 2, 1), value=0.25)  # constant pad along H and W
         h = self.conv2(h) * self.scale[:, None, None]
         h = F.interpolate(h, scale_factor=2, mode="nearest")
         h = F.avg_pool2d(h, 2)
-        peak = h.amax(dim=(2, 3))                                     # spatial max
-        pooled = F.adaptive_avg_pool2d(h, 1).flatten(1)               # global pool, then the head
+        peak = h.amax(dim=(2, 3))  # spatial max
+        pooled = F.adaptive_avg_pool2d(h, 1).flatten(1)  # global pool, then the head
         return self.head(torch.cat([pooled, peak], dim=1))
 
 
@@ -55,14 +55,17 @@ class BasicBlock(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.down = None if stride == 1 and cin == cout else nn.Sequential(
-            nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        self.down = (
+            None
+            if stride == 1 and cin == cout
+            else nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+        )
 
     def forward(self, x):
         identity = x if self.down is None else self.down(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        out += identity                                               # in place, on a twin's output
+        out += identity  # in place, on a twin's output
         return self.relu(out)
 
 
@@ -80,8 +83,9 @@ class ResNetish(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(2, 4, 3, 1, 1, bias=False), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
-                                  nn.MaxPool2d(3, 2, 1))
+        self.stem = nn.Sequential(
+            nn.Conv2d(2, 4, 3, 1, 1, bias=False), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)
+        )
         self.layer1 = BasicBlock(4, 4, 1)
         self.layer2 = BasicBlock(4, 6, 2)
         self.gn, self.bn = MyGroupNorm(2, 6), MyBatchNorm(6)
@@ -99,8 +103,9 @@ def _parity(rank, world, kind, mesh_shape, layouts, other):
     dims = tuple(range(2, 2 + mesh.ndim))
     torch.manual_seed(3)
     serial = {"functional": Functional, "resnet": ResNetish}[kind]().double()
-    parallel = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)},
-                                           mesh=mesh)
+    parallel = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)}, mesh=mesh
+    )
     assert list(parallel.state_dict()) == list(serial.state_dict())
     opt_s = torch.optim.SGD(serial.parameters(), lr=0.05, momentum=0.9)
     opt_p = torch.optim.SGD(parallel.parameters(), lr=0.05, momentum=0.9)
@@ -113,8 +118,18 @@ def _parity(rank, world, kind, mesh_shape, layouts, other):
         ys, yl = serial(xs), parallel(xl)
         torch.testing.assert_close(yl, ys, **TIGHT)  # replicated output
         labels = torch.randint(0, 3, (3,))
-        backward_step_match(F.cross_entropy(ys, labels), F.cross_entropy(yl, labels), xs, xl,
-                            lambda t: _local(t, dims, layouts, coords), serial, parallel, opt_s, opt_p, **TIGHT)
+        backward_step_match(
+            F.cross_entropy(ys, labels),
+            F.cross_entropy(yl, labels),
+            xs,
+            xl,
+            lambda t: _local(t, dims, layouts, coords),
+            serial,
+            parallel,
+            opt_s,
+            opt_p,
+            **TIGHT,
+        )
     return True
 
 
@@ -140,8 +155,8 @@ class Op(nn.Module):
 
 
 def _flat_matmul(h):
-    t = h.flatten(2)                     # (N, C, H*W): tokens
-    return t.transpose(1, 2) @ t          # (N, HW, HW): scores over sharded tokens
+    t = h.flatten(2)  # (N, C, H*W): tokens
+    return t.transpose(1, 2) @ t  # (N, HW, HW): scores over sharded tokens
 
 
 REFUSED = {
@@ -188,8 +203,14 @@ def test_partition_change_on_one_rank_is_replanned_on_every_rank():
 
 def _no_extra_collectives(rank, world):
     torch.manual_seed(0)
-    serial = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.MaxPool2d(2),
-                           nn.Upsample(scale_factor=2, mode="bilinear"), nn.Conv2d(4, 2, 3, padding=1)).double()
+    serial = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Upsample(scale_factor=2, mode="bilinear"),
+        nn.Conv2d(4, 2, 3, padding=1),
+    ).double()
     guarded = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))})
     bare = copy.deepcopy(guarded)
     for m in bare.modules():  # the same twins without the region's hooks
@@ -262,8 +283,8 @@ class TokenResidual(nn.Module):
     def forward(self, x):
         h = self.inp(x)
         n, c, hh, ww = h.shape
-        t = self.lin(h.view(n, c, hh * ww).transpose(1, 2))                   # (N, H*W, C)
-        t = t.view(n, -1, self.heads, c // self.heads).transpose(1, 2)        # (N, heads, H*W, C/heads)
+        t = self.lin(h.view(n, c, hh * ww).transpose(1, 2))  # (N, H*W, C)
+        t = t.view(n, -1, self.heads, c // self.heads).transpose(1, 2)  # (N, heads, H*W, C/heads)
         t = t.transpose(1, 2).reshape(n, -1, c)
         return self.out(h + t.transpose(-1, -2).reshape(n, c, hh, ww))
 
@@ -282,9 +303,18 @@ def _size_one_views(rank, world, batch, channels):
         ys, yl = serial(xs), parallel(xl)
         torch.testing.assert_close(yl, local(ys), **TIGHT)
         target = torch.randn_like(ys)
-        backward_step_match(F.mse_loss(ys, target),
-                            tplayers.domain_mean(F.mse_loss(yl, local(target), reduction="none"), mesh),
-                            xs, xl, local, serial, parallel, opt_s, opt_p, **TIGHT)
+        backward_step_match(
+            F.mse_loss(ys, target),
+            tplayers.domain_mean(F.mse_loss(yl, local(target), reduction="none"), mesh),
+            xs,
+            xl,
+            local,
+            serial,
+            parallel,
+            opt_s,
+            opt_p,
+            **TIGHT,
+        )
     # one row per rank: view(n, c, h * w) and view(n, c * h, w) make the same local call, so the guard
     # cannot tell which dim of the serial result is sharded: a clear error on every rank, not a guess
     with pytest.raises(ValueError, match="ambiguous: this rank holds a single row"):

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from harness import run_ranks
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
-from harness import run_ranks
 from tplayers.comm import halo_exchange
 from tplayers.sharding import offsets_from_sizes
 
@@ -26,8 +26,10 @@ def _random_widths(rng, sizes, periodic):
         lo_n = sizes[(c - 1) % p] if (periodic or c > 0) else 3
         hi_n = sizes[(c + 1) % p] if (periodic or c < p - 1) else 3
         recv.append((rng.randint(0, lo_n), rng.randint(0, hi_n)))
-    send = [(recv[(c - 1) % p][1] if (periodic or c > 0) else 0, recv[(c + 1) % p][0] if (periodic or c < p - 1) else 0)
-            for c in range(p)]
+    send = [
+        (recv[(c - 1) % p][1] if (periodic or c > 0) else 0, recv[(c + 1) % p][0] if (periodic or c < p - 1) else 0)
+        for c in range(p)
+    ]
     return recv, send
 
 
@@ -46,6 +48,7 @@ def _reference(full, dim, start, stop, lo, hi, periodic):
 def _adjoint_cases(rank, world, mesh_shape, seed, count, backend="auto"):
     if backend == "triton":  # the Triton pack kernels inside a real exchange (interpreted on CPU)
         import triton  # noqa: F401 - the test extra installs it: a missing one fails, never skips
+
         os.environ.setdefault("TRITON_INTERPRET", "1")
         os.environ["TPLAYERS_HALO_BACKEND"] = "triton"
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
@@ -132,8 +135,9 @@ def _p2p_paths(rank, world):
         ran = []
         mine = torch.full((5,), float(10 * rank + direct), dtype=torch.float64)
         got = torch.empty(5, dtype=torch.float64)
-        exchange_p2p(group, [(mine, (me + 1) % size, 7)], [(got, (me - 1) % size, 7)], direct,
-                     during=lambda: ran.append(True))
+        exchange_p2p(
+            group, [(mine, (me + 1) % size, 7)], [(got, (me - 1) % size, 7)], direct, during=lambda: ran.append(True)
+        )
         src = dist.get_global_rank(group, (me - 1) % size)
         assert ran == [True] and torch.equal(got, torch.full((5,), float(10 * src + direct), dtype=torch.float64))
     for periodic in (False, True):

@@ -7,19 +7,18 @@ import os
 import shutil
 
 import pytest
-
 from hf_util import require  # noqa: E402
 
 require("transformers")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-import tplayers  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from hf_util import TIGHT, VOCAB, gpt2, llama  # noqa: E402
 from oracle import assert_local_slices  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+import tplayers  # noqa: E402
 
 BUILD = {"gpt2": gpt2, "llama": llama}
 
@@ -40,8 +39,9 @@ def _train_save(rank, world, kind, tmp):
     mesh = tplayers.default_mesh()
     serial = BUILD[kind](seed=1)
     model = copy.deepcopy(serial)
-    model = tplayers.parallelize_module(model, tplayers.plan_from_transformers(model, mesh=mesh, vocab_parallel=True),
-                                        mesh=mesh)
+    model = tplayers.parallelize_module(
+        model, tplayers.plan_from_transformers(model, mesh=mesh, vocab_parallel=True), mesh=mesh
+    )
     assert _step(model, tplayers.causal_lm_loss, mesh) == pytest.approx(_step(serial), rel=1e-12)
     tplayers.save_checkpoint(model, os.path.join(tmp, "sharded"))
     full = tplayers.gather_state_dict(model, all_ranks=True)  # what was saved, bit for bit

@@ -8,16 +8,15 @@ import copy
 
 import pytest
 import torch
+from hf_util import require  # noqa: E402 - sets the offline environment first
 from torch import nn
 
-from hf_util import require  # noqa: E402 - sets the offline environment first
-
 require("transformers")
+from harness import run_ranks  # noqa: E402
+from oracle import assert_local_slices  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 import tplayers  # noqa: E402
-from harness import run_ranks  # noqa: E402
-from oracle import assert_local_slices  # noqa: E402
 from tplayers.layers._linear_base import transposed_linear_dims  # noqa: E402
 
 TIGHT = dict(rtol=1e-12, atol=1e-13)
@@ -38,9 +37,12 @@ class Block(nn.Module):
 
 
 def _plan(d, hd, sp):
-    return {"c_attn": tplayers.ColumnParallel(sections=(d, d, d), head_dim=hd, sequence_parallel=sp),
-            "c_proj": tplayers.RowParallel(head_dim=hd),
-            "c_fc": tplayers.ColumnParallel(), "c_out": tplayers.RowParallel(sequence_parallel=sp)}
+    return {
+        "c_attn": tplayers.ColumnParallel(sections=(d, d, d), head_dim=hd, sequence_parallel=sp),
+        "c_proj": tplayers.RowParallel(head_dim=hd),
+        "c_fc": tplayers.ColumnParallel(),
+        "c_out": tplayers.RowParallel(sequence_parallel=sp),
+    }
 
 
 def _block(rank, world, sp):

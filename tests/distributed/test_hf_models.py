@@ -8,14 +8,14 @@ steps, gather_state_dict in the serial layout."""
 import copy
 
 import pytest
-
 from hf_util import require  # noqa: E402
 
 require("transformers")
 
-import tplayers  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from hf_util import compare_lm, gpt2, gpt2_hand_plan, llama, localize_gpt2_split, qwen2  # noqa: E402
+
+import tplayers  # noqa: E402
 
 
 def _llama_derived(rank, world, vocab_parallel, tie):
@@ -74,7 +74,9 @@ def test_llama_gqa_hand_plan(world):
 def _llama_sp(rank, world):
     mesh = tplayers.default_mesh()
     serial = llama()
-    plan = tplayers.plan_from_transformers(copy.deepcopy(serial), mesh=mesh, sequence_parallel=True, vocab_parallel=True)
+    plan = tplayers.plan_from_transformers(
+        copy.deepcopy(serial), mesh=mesh, sequence_parallel=True, vocab_parallel=True
+    )
     model = tplayers.parallelize_module(copy.deepcopy(serial), plan, mesh=mesh)
     assert isinstance(model.model.norm, tplayers.DomainReplicated)
     assert model.model.embed_tokens.sequence_parallel and model.lm_head.sequence_parallel
@@ -93,7 +95,9 @@ def test_llama_sequence_parallel(world):
 def _qwen2(rank, world):
     mesh = tplayers.default_mesh()
     serial = qwen2()
-    model = tplayers.parallelize_module(copy.deepcopy(serial), tplayers.plan_from_transformers(serial, mesh=mesh), mesh=mesh)
+    model = tplayers.parallelize_module(
+        copy.deepcopy(serial), tplayers.plan_from_transformers(serial, mesh=mesh), mesh=mesh
+    )
     return compare_lm(serial, model, mesh)
 
 
@@ -107,8 +111,9 @@ def _gpt2(rank, world, derived):
     serial = gpt2()
     model = copy.deepcopy(serial)
     if derived:
-        model = tplayers.parallelize_module(model, tplayers.plan_from_transformers(model, mesh=mesh, vocab_parallel=True),
-                                            mesh=mesh)
+        model = tplayers.parallelize_module(
+            model, tplayers.plan_from_transformers(model, mesh=mesh, vocab_parallel=True), mesh=mesh
+        )
     else:
         model = tplayers.parallelize_module(model, gpt2_hand_plan(model), mesh=mesh)
         localize_gpt2_split(model)

@@ -7,16 +7,15 @@ import re
 import textwrap
 
 import pytest
-
 from hf_util import require  # noqa: E402
 
 require("transformers")
 
 import torch  # noqa: E402
-
-import tplayers  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from hf_util import gpt2, llama  # noqa: E402
+
+import tplayers  # noqa: E402
 from tplayers.parallelize.hf import _UNSUPPORTED, TRANSFORMERS_STYLES  # noqa: E402
 from tplayers.parallelize.hf_sequence import SequenceGatheredAttention  # noqa: E402
 
@@ -46,10 +45,17 @@ def _mapping(rank, world):
     assert plan[r"model\.layers\.\d+\.mlp\.down_proj"] == tplayers.RowParallel()
     assert plan[r"model\.embed_tokens"] == tplayers.RowParallel()
     assert plan["lm_head"] == tplayers.ColumnParallel(gather_output=True)  # colwise_gather_output
-    assert tplayers.plan_from_transformers(model, mesh=mesh, vocab_parallel=True)["lm_head"] == tplayers.ColumnParallel()
+    assert (
+        tplayers.plan_from_transformers(model, mesh=mesh, vocab_parallel=True)["lm_head"] == tplayers.ColumnParallel()
+    )
     sp = tplayers.plan_from_transformers(model, mesh=mesh, sequence_parallel=True)
     attn = sp[r"model\.layers\.\d+\.self_attn"]
-    assert isinstance(attn, SequenceGatheredAttention) and set(attn.children) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert isinstance(attn, SequenceGatheredAttention) and set(attn.children) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    }
     assert attn.children["o_proj"].sequence_parallel and not attn.children["q_proj"].sequence_parallel
     assert isinstance(sp[r"model\.layers\.0\.input_layernorm"], tplayers.ReplicatedGradSum)
     assert isinstance(sp[r"model\.norm"], tplayers.ReplicatedGradSum)
@@ -63,16 +69,22 @@ def _mapping(rank, world):
         "sequence_parallel": tplayers.ReplicatedGradSum(),
         "replicated_with_grad_allreduce": tplayers.ReplicatedGradSum(),
     }
-    targets = {"colwise_rep": "lm_head", "rowwise_rep": "model.layers.*.mlp.down_proj", "embedding_colwise":
-               "model.embed_tokens", "rowwise_split_input": "model.layers.*.mlp.down_proj", "packed_colwise":
-               "model.layers.*.mlp.up_proj", "sequence_parallel": "model.norm",
-               "replicated_with_grad_allreduce": "model.layers.*.input_layernorm"}
+    targets = {
+        "colwise_rep": "lm_head",
+        "rowwise_rep": "model.layers.*.mlp.down_proj",
+        "embedding_colwise": "model.embed_tokens",
+        "rowwise_split_input": "model.layers.*.mlp.down_proj",
+        "packed_colwise": "model.layers.*.mlp.up_proj",
+        "sequence_parallel": "model.norm",
+        "replicated_with_grad_allreduce": "model.layers.*.input_layernorm",
+    }
     for style, want in other.items():
         key = targets[style]
         got = tplayers.plan_from_transformers(model, mesh=mesh, tp_plan={key: style})
         assert list(got.values()) == [want], (style, got)
-    assert tplayers.plan_from_transformers(model, mesh=mesh, tp_plan={"lm_head": "replicate", "model.norm": "sequence_parallel"}) \
-        == {r"model\.norm": tplayers.ReplicatedGradSum()}  # replicate: left as it is
+    assert tplayers.plan_from_transformers(
+        model, mesh=mesh, tp_plan={"lm_head": "replicate", "model.norm": "sequence_parallel"}
+    ) == {r"model\.norm": tplayers.ReplicatedGradSum()}  # replicate: left as it is
     text = str(tplayers.explain(model, plan, mesh=mesh))
     return text
 
@@ -88,9 +100,15 @@ def _errors(rank, world):
     before = copy.deepcopy(model.state_dict())
     messages = []
     cases = [
-        ({"model.layers.*.mlp.up_proj": "colwise_typo"}, r"style 'colwise_typo' of tp_plan key 'model\.layers\.\*\.mlp\.up_proj' is unknown"),
+        (
+            {"model.layers.*.mlp.up_proj": "colwise_typo"},
+            r"style 'colwise_typo' of tp_plan key 'model\.layers\.\*\.mlp\.up_proj' is unknown",
+        ),
         ({"model.layers.*.mlp.up_proj": "moe_tp_experts"}, r"style 'moe_tp_experts' .* has no tplayers equivalent"),
-        ({"model.layers.*.mlp.up_proj.weight": "colwise"}, r"tp_plan key 'model\.layers\.\*\.mlp\.up_proj\.weight' \('colwise'\) names a parameter"),
+        (
+            {"model.layers.*.mlp.up_proj.weight": "colwise"},
+            r"tp_plan key 'model\.layers\.\*\.mlp\.up_proj\.weight' \('colwise'\) names a parameter",
+        ),
         ({"model.layers.*.mlp.up_proj": "packed_colwise", "model.layers.*.mlp.gate_proj": "packed_colwise"}, None),
         ({}, r"LlamaForCausalLM has no tensor-parallel plan"),
     ]
@@ -123,7 +141,9 @@ def test_errors_name_the_style_key_and_argument():
 def _gqa_at_three(rank, world):
     mesh = tplayers.default_mesh()
     model = llama()
-    with pytest.raises(ValueError, match=r"on 3 ranks, rank \d holds query heads .* grouped-query attention needs a rank"):
+    with pytest.raises(
+        ValueError, match=r"on 3 ranks, rank \d holds query heads .* grouped-query attention needs a rank"
+    ):
         tplayers.plan_from_transformers(model, mesh=mesh)
     return True
 

@@ -14,11 +14,12 @@ import torch
 
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
-import tplayers  # noqa: E402
-import tplayers.layers.conv as conv_module  # noqa: E402
 from harness import run_ranks  # noqa: E402
 from hf_util import require  # noqa: E402 - sets HF_HUB_OFFLINE
 from oracle import assert_params_match, edge_convs  # noqa: E402
+
+import tplayers  # noqa: E402
+import tplayers.layers.conv as conv_module  # noqa: E402
 
 TIGHT = dict(rtol=1e-9, atol=1e-10)
 PLAN = {"": tplayers.DomainParallel(shard_dims=(2,))}
@@ -28,9 +29,17 @@ def _diffusers_unet():
     from diffusers import UNet2DModel
 
     torch.manual_seed(0)
-    return UNet2DModel(sample_size=16, in_channels=2, out_channels=2, layers_per_block=1, block_out_channels=(8, 16),
-                       down_block_types=("DownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "UpBlock2D"),
-                       add_attention=False, norm_num_groups=4).double()
+    return UNet2DModel(
+        sample_size=16,
+        in_channels=2,
+        out_channels=2,
+        layers_per_block=1,
+        block_out_channels=(8, 16),
+        down_block_types=("DownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "UpBlock2D"),
+        add_attention=False,
+        norm_num_groups=4,
+    ).double()
 
 
 def _monai_unet():
@@ -40,8 +49,7 @@ def _monai_unet():
     return UNet(spatial_dims=3, in_channels=1, out_channels=2, channels=(4, 8), strides=(2,), num_res_units=1).double()
 
 
-BUILD = {"diffusers": (_diffusers_unet, lambda m, x, t: m(x, t).sample),
-         "monai": (_monai_unet, lambda m, x, t: m(x))}
+BUILD = {"diffusers": (_diffusers_unet, lambda m, x, t: m(x, t).sample), "monai": (_monai_unet, lambda m, x, t: m(x))}
 
 
 def _compare(rank, world, kind, shape, edges=False):
@@ -86,8 +94,10 @@ def test_monai_unet_3d(world, shape):
     run_ranks(_compare, world, args=("monai", shape), timeout=180)
 
 
-@pytest.mark.parametrize("kind,world,shape", [("diffusers", 2, (2, 2, 16, 8)), ("diffusers", 3, (1, 2, 12, 8)),
-                                              ("monai", 2, (1, 1, 8, 6, 6))])
+@pytest.mark.parametrize(
+    "kind,world,shape",
+    [("diffusers", 2, (2, 2, 16, 8)), ("diffusers", 3, (1, 2, 12, 8)), ("monai", 2, (1, 1, 8, 6, 6))],
+)
 def test_whole_models_on_the_edge_path(kind, world, shape):
     """The same models with every convolution slab on the main-plus-strips path."""
     require(kind)

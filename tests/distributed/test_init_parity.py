@@ -4,11 +4,11 @@ import random
 
 import pytest
 import torch
+from harness import run_ranks
+from oracle import gather_tensor
 from torch import nn
 
 import tplayers
-from harness import run_ranks
-from oracle import gather_tensor
 
 
 class SerialMLP(nn.Module):

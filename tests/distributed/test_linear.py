@@ -5,11 +5,11 @@ import random
 
 import pytest
 import torch
+from harness import run_ranks
+from oracle import assert_params_match, gather_tensor
 from torch import nn
 
 import tplayers
-from harness import run_ranks
-from oracle import assert_params_match, gather_tensor
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)
 
@@ -42,7 +42,9 @@ def _random_mlp_cases(rank, world, seed, count):
         bias1, bias2 = rng.random() < 0.7, rng.random() < 0.7
         lead = tuple(rng.randint(1, 3) for _ in range(rng.randint(1, 3)))
         torch.manual_seed(rng.randrange(1 << 30))  # same seed on every rank: identical data
-        serial = nn.Sequential(nn.Linear(d_in, hidden, bias=bias1), nn.Tanh(), nn.Linear(hidden, d_out, bias=bias2)).double()
+        serial = nn.Sequential(
+            nn.Linear(d_in, hidden, bias=bias1), nn.Tanh(), nn.Linear(hidden, d_out, bias=bias2)
+        ).double()
         parallel = tplayers.parallelize_module(
             copy.deepcopy(serial), {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()}, mesh=mesh
         )
@@ -109,7 +111,9 @@ def _count(rank, world, b, s, h, ffn):
     mesh = tplayers.default_mesh()
     torch.manual_seed(0)
     serial = nn.Sequential(nn.Linear(h, ffn), nn.GELU(), nn.Linear(ffn, h)).double()
-    model = tplayers.parallelize_module(serial, {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()}, mesh=mesh)
+    model = tplayers.parallelize_module(
+        serial, {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()}, mesh=mesh
+    )
     x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
     with tplayers.count_collectives() as fwd:
         y = model(x)

@@ -5,11 +5,11 @@ import random
 
 import pytest
 import torch
-
-import tplayers
 from harness import run_ranks
 from oracle import assert_params_match
 from partition_rule import na_partition_ok
+
+import tplayers
 from tplayers.ops.na_layout import axis_halos
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -52,8 +52,15 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, cases, want_infeasible):
         heads, head_dim = rng.randint(1, 2), rng.randint(1, 3)
         torch.manual_seed(rng.randrange(1 << 30))  # same on every rank
         serial = tplayers.NeighborhoodAttention(
-            heads * head_dim, heads, kernel, dilation, causal, qkv_bias=rng.random() < 0.7,
-            rel_pos_bias=rng.random() < 0.7, dtype=torch.float64)
+            heads * head_dim,
+            heads,
+            kernel,
+            dilation,
+            causal,
+            qkv_bias=rng.random() < 0.7,
+            rel_pos_bias=rng.random() < 0.7,
+            dtype=torch.float64,
+        )
         parallel = tplayers.NeighborhoodAttention.from_module(serial, mesh=mesh, shard_dims=shard_dims)
         make = lambda: torch.randn(2, *size, heads * head_dim, dtype=torch.float64)  # noqa: E731
         where = f"kernel {kernel} dilation {dilation} causal {causal} size {size} parts {sizes}"
@@ -171,10 +178,14 @@ def _plan_parity(rank, world, shard_dims, mesh_shape):
     mesh = tplayers.init_mesh(mesh_shape, ("h", "w")[: len(mesh_shape)], device_type="cpu")
     torch.manual_seed(3)
     serial = torch.nn.Sequential(_Block(8, 2), _Block(8, 2)).double()
-    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=shard_dims)},
-                                        mesh=mesh)
-    assert all(m.shard_dims == tuple(d - 1 for d in shard_dims)
-               for m in model.modules() if isinstance(m, tplayers.NeighborhoodAttention))
+    model = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=shard_dims)}, mesh=mesh
+    )
+    assert all(
+        m.shard_dims == tuple(d - 1 for d in shard_dims)
+        for m in model.modules()
+        if isinstance(m, tplayers.NeighborhoodAttention)
+    )
     x = torch.randn(2, 11, 9, 8, dtype=torch.float64)
     na_dims = tuple(d - 1 for d in shard_dims)  # NCHW names -> (B, H, W, C) dims
     local = tplayers.shard(x, na_dims if len(na_dims) > 1 else na_dims[0], mesh).clone().requires_grad_()
@@ -184,8 +195,9 @@ def _plan_parity(rank, world, shard_dims, mesh_shape):
     torch.testing.assert_close(yp, ref, **TIGHT)
     ys.pow(2).sum().backward()
     yp.pow(2).sum().backward()
-    torch.testing.assert_close(local.grad, tplayers.shard(xs.grad, na_dims if len(na_dims) > 1 else na_dims[0], mesh),
-                               **TIGHT)
+    torch.testing.assert_close(
+        local.grad, tplayers.shard(xs.grad, na_dims if len(na_dims) > 1 else na_dims[0], mesh), **TIGHT
+    )
     assert_params_match(model, serial, grads=True, **TIGHT)
     return True
 

@@ -9,11 +9,11 @@ import random
 
 import pytest
 import torch
-
-import tplayers
 from harness import run_ranks
 from oracle import assert_params_match
 from partition_rule import na_partition_ok
+
+import tplayers
 from tplayers.ops.na_layout import axis_halos, axis_plans
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -50,15 +50,27 @@ def _parity(rank, world, spatial, mesh_shape, shard_dims, seed, cases, want_infe
         tile = backend == "tile"  # the natten path with the tplayers kernel standing in: tiles, kernel >= 2
         kernel, stride, dilation, causal, size, sizes = _draw_case(rng, spatial, mesh_shape, shard_dims, 1 + tile)
         # feasible by the test's own rule (tests/partition_rule.py), not by asking the planner
-        ok = all(na_partition_ok(sizes[d], kernel[d - 1], stride[d - 1], dilation[d - 1], causal[d - 1], tile)
-                 for d in shard_dims)
+        ok = all(
+            na_partition_ok(sizes[d], kernel[d - 1], stride[d - 1], dilation[d - 1], causal[d - 1], tile)
+            for d in shard_dims
+        )
         if not ok and infeasible >= want_infeasible or ok and done >= cases:
             continue
         heads, head_dim = rng.randint(1, 2), rng.randint(1, 3)
         bias = all(s == 1 for s in stride) and rng.random() < 0.7 and not tile
         torch.manual_seed(rng.randrange(1 << 30))  # same on every rank
-        serial = LAYERS[spatial](heads * head_dim, heads, kernel, dilation, causal, qkv_bias=rng.random() < 0.7,
-                                 rel_pos_bias=bias, stride=stride, local_backend=backend, dtype=torch.float64)
+        serial = LAYERS[spatial](
+            heads * head_dim,
+            heads,
+            kernel,
+            dilation,
+            causal,
+            qkv_bias=rng.random() < 0.7,
+            rel_pos_bias=bias,
+            stride=stride,
+            local_backend=backend,
+            dtype=torch.float64,
+        )
         parallel = LAYERS[spatial].from_module(serial, mesh=mesh, shard_dims=shard_dims)
         make = lambda: torch.randn(2, *size, heads * head_dim, dtype=torch.float64)  # noqa: E731
         where = f"kernel {kernel} stride {stride} dilation {dilation} causal {causal} size {size} parts {sizes}"
@@ -81,13 +93,15 @@ def _parity(rank, world, spatial, mesh_shape, shard_dims, seed, cases, want_infe
                 yp = parallel(xp)
             except ValueError as err:
                 raise AssertionError(f"refused a partition the rule calls feasible ({where}): {err}") from err
-            torch.testing.assert_close(yp, _local(ys, sizes, coords, shard_dims), **TIGHT,
-                                       msg=lambda m: f"{where}: {m}")
+            torch.testing.assert_close(
+                yp, _local(ys, sizes, coords, shard_dims), **TIGHT, msg=lambda m: f"{where}: {m}"
+            )
             cot = torch.randn(ys.shape, dtype=torch.float64)
             (ys * cot).sum().backward()
             (yp * _local(cot, sizes, coords, shard_dims)).sum().backward()
-            torch.testing.assert_close(xp.grad, _local(xs.grad, sizes, coords, shard_dims), **TIGHT,
-                                       msg=lambda m: f"dx {where}: {m}")
+            torch.testing.assert_close(
+                xp.grad, _local(xs.grad, sizes, coords, shard_dims), **TIGHT, msg=lambda m: f"dx {where}: {m}"
+            )
             assert_params_match(parallel, serial, grads=True, **TIGHT)
             opt_s.step(), opt_p.step()
             opt_s.zero_grad(), opt_p.zero_grad()
@@ -117,8 +131,9 @@ def _strided_edges(rank, world):
     assert [p[1] for p in plans] == [(0, 4), (1, 4), (1, 0)], plans
     assert [p[1] for p in axis_halos(sizes, kernel=5, dilation=1, causal=False)] == [(0, 2), (2, 2), (2, 0)]
     torch.manual_seed(0)
-    serial = tplayers.NeighborhoodAttention3d(4, 2, (2, 3, 5), (1, 2, 1), (True, False, False), stride=(2, 2, 5),
-                                              dtype=torch.float64)
+    serial = tplayers.NeighborhoodAttention3d(
+        4, 2, (2, 3, 5), (1, 2, 1), (True, False, False), stride=(2, 2, 5), dtype=torch.float64
+    )
     parallel = tplayers.NeighborhoodAttention3d.from_module(serial, mesh=mesh, shard_dims=(3,))
     x = torch.randn(1, 3, 7, 16, 4, dtype=torch.float64)
     local = x.narrow(3, sum(sizes[:rank]), sizes[rank])
@@ -152,11 +167,13 @@ def _plan_parity(rank, world, spatial, shard_dims, mesh_shape):
     else:
         layer, size = tplayers.NeighborhoodAttention3d(8, 2, (3, 3, 2), (1, 2, 1), rel_pos_bias=True), (7, 9, 5)
     serial = torch.nn.Sequential(_Block(layer), _Block(copy.deepcopy(layer))).double()
-    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=shard_dims)},
-                                        mesh=mesh)
+    model = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=shard_dims)}, mesh=mesh
+    )
     swapped = [m for m in model.modules() if isinstance(m, tplayers.NeighborhoodAttention)]
-    assert len(swapped) == 2 and all(type(m) is type(layer) and m.shard_dims == tuple(d - 1 for d in shard_dims)
-                                     for m in swapped)
+    assert len(swapped) == 2 and all(
+        type(m) is type(layer) and m.shard_dims == tuple(d - 1 for d in shard_dims) for m in swapped
+    )
     x = torch.randn(2, *size, 8, dtype=torch.float64)
     na_dims = tuple(d - 1 for d in shard_dims)  # N C * names -> (B, *spatial, C) dims
     dims = na_dims if len(na_dims) > 1 else na_dims[0]
@@ -171,20 +188,35 @@ def _plan_parity(rank, world, spatial, shard_dims, mesh_shape):
     return True
 
 
-@pytest.mark.parametrize("world,spatial,shard_dims,mesh_shape", [(2, 1, (2,), (2,)), (2, 3, (2,), (2,)),
-                                                                 (4, 3, (2, 3), (2, 2))])
+@pytest.mark.parametrize(
+    "world,spatial,shard_dims,mesh_shape", [(2, 1, (2,), (2,)), (2, 3, (2,), (2,)), (4, 3, (2, 3), (2, 2))]
+)
 def test_domain_parallel_plan_swaps_1d_and_3d(world, spatial, shard_dims, mesh_shape):
     run_ranks(_plan_parity, world, args=(spatial, shard_dims, mesh_shape), timeout=180)
 
 
-@pytest.mark.parametrize("world,spatial,mesh_shape,shard_dims", [(4, 1, (4,), (1,)), (2, 3, (2,), (1,)),
-                                                                 (4, 3, (2, 2), (1, 2)), (4, 3, (2, 2), (2, 3))])
+@pytest.mark.parametrize(
+    "world,spatial,mesh_shape,shard_dims",
+    [(4, 1, (4,), (1,)), (2, 3, (2,), (1,)), (4, 3, (2, 2), (1, 2)), (4, 3, (2, 2), (2, 3))],
+)
 def test_tile_path_with_the_tplayers_stand_in(world, spatial, mesh_shape, shard_dims):
     """The natten code path (q, k, v gathered to each shard's tile, a whole-image kernel, the
     shard's rows cut out) with the tplayers kernel as the whole-image kernel, against the serial
     module: random uneven partitions, stride, dilation groups, causal; infeasible ones raise."""
-    run_ranks(_parity, world, args=(spatial, mesh_shape, shard_dims, 700 + world + 10 * shard_dims[-1], 3,
-                                    1 if world == 4 and spatial == 1 else 0, "tile"), timeout=240)
+    run_ranks(
+        _parity,
+        world,
+        args=(
+            spatial,
+            mesh_shape,
+            shard_dims,
+            700 + world + 10 * shard_dims[-1],
+            3,
+            1 if world == 4 and spatial == 1 else 0,
+            "tile",
+        ),
+        timeout=240,
+    )
 
 
 def _natten_missing(rank, world):
@@ -211,7 +243,10 @@ def _tile_wider_than_key_span(rank, world):
     sizes = [7, 9]
     # L = 16, kernel 4, stride 3: shard 1's key span starts at 5, but a tile starting there would
     # cut the stride runs [6, 9), [9, 12), ... differently (runs from 5): its tile starts at 3
-    assert [p.recv for p in axis_plans(sizes, kernel=4, dilation=1, causal=False, stride=3, tile=True)] == [(0, 2), (4, 0)]
+    assert [p.recv for p in axis_plans(sizes, kernel=4, dilation=1, causal=False, stride=3, tile=True)] == [
+        (0, 2),
+        (4, 0),
+    ]
     assert [p.recv for p in axis_plans(sizes, kernel=4, dilation=1, causal=False, stride=3)] == [(0, 2), (2, 0)]
     torch.manual_seed(0)
     serial = tplayers.NeighborhoodAttention1d(4, 2, 4, stride=3, local_backend="tile", dtype=torch.float64)

@@ -6,11 +6,11 @@ import copy
 import random
 
 import torch
+from harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
-from harness import run_ranks
 from tplayers.sharding import offsets_from_sizes
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
@@ -29,11 +29,23 @@ def _configs(seed):
         bn = getattr(nn, f"BatchNorm{nd}d")
         inn = getattr(nn, f"InstanceNorm{nd}d")
         c = rng.choice([2, 3, 4])
-        out.append((nd, lambda c=c, bn=bn: bn(c, momentum=rng.choice([0.1, 0.3, None]),
-                                                affine=rng.random() < 0.8, eps=rng.choice([1e-5, 1e-3]))))
+        out.append(
+            (
+                nd,
+                lambda c=c, bn=bn: bn(
+                    c, momentum=rng.choice([0.1, 0.3, None]), affine=rng.random() < 0.8, eps=rng.choice([1e-5, 1e-3])
+                ),
+            )
+        )
         out.append((nd, lambda c=c, bn=bn: bn(c, track_running_stats=False)))
-        out.append((nd, lambda c=c, inn=inn: inn(c, affine=rng.random() < 0.5, track_running_stats=True,
-                                                  momentum=rng.choice([0.2, None]))))
+        out.append(
+            (
+                nd,
+                lambda c=c, inn=inn: inn(
+                    c, affine=rng.random() < 0.5, track_running_stats=True, momentum=rng.choice([0.2, None])
+                ),
+            )
+        )
         out.append((nd, lambda c=c, inn=inn: inn(c, affine=True)))
         out.append((nd, lambda: nn.GroupNorm(rng.choice([1, 2, 3]) * 1, 6, affine=rng.random() < 0.8)))
     return out
@@ -56,7 +68,8 @@ def _norms(rank, world, mesh_shape, layouts):
         serial = make().double()
         _randomize(serial)
         twin = getattr(tplayers, "Distributed" + type(serial).__name__).from_module(
-            copy.deepcopy(serial), mesh=mesh, shard_dims=dims)
+            copy.deepcopy(serial), mesh=mesh, shard_dims=dims
+        )
         assert list(twin.state_dict()) == list(serial.state_dict())
         opt_s = torch.optim.SGD(serial.parameters(), lr=0.1) if list(serial.parameters()) else None
         opt_p = torch.optim.SGD(twin.parameters(), lr=0.1) if opt_s else None
@@ -78,8 +91,9 @@ def _norms(rank, world, mesh_shape, layouts):
             (ys * cot).sum().backward()
             where = f"{serial} step {step} ({mode})"
             torch.testing.assert_close(yl, _local(ys, dims, layouts, coords), msg=lambda m: f"{where}: {m}", **TIGHT)
-            torch.testing.assert_close(xl.grad, _local(xs.grad, dims, layouts, coords),
-                                       msg=lambda m: f"{where} x.grad: {m}", **TIGHT)
+            torch.testing.assert_close(
+                xl.grad, _local(xs.grad, dims, layouts, coords), msg=lambda m: f"{where} x.grad: {m}", **TIGHT
+            )
             for (n, p), q in zip(twin.named_parameters(), serial.parameters()):
                 torch.testing.assert_close(p.grad, q.grad, msg=lambda m: f"{where} {n}.grad: {m}", **TIGHT)
             for (n, b), r in zip(twin.named_buffers(), serial.buffers()):
@@ -114,8 +128,9 @@ def _bf16(rank, world):
     x = (torch.randn(2, 4, 64, 16, dtype=torch.float64) * 0.1 + 300).to(torch.bfloat16)
     ref = nn.GroupNorm(2, 4).double()(x.double())
     serial = nn.GroupNorm(2, 4).to(torch.bfloat16)(x).double()
-    ours = tplayers.gather(tplayers.DistributedGroupNorm(2, 4, mesh=mesh, dtype=torch.bfloat16)(
-        tplayers.shard(x, 2, mesh)), 2, mesh).double()
+    ours = tplayers.gather(
+        tplayers.DistributedGroupNorm(2, 4, mesh=mesh, dtype=torch.bfloat16)(tplayers.shard(x, 2, mesh)), 2, mesh
+    ).double()
     err_s, err_o = (serial - ref).abs().max().item(), (ours - ref).abs().max().item()
     assert err_o <= err_s + 1e-12, (err_o, err_s)
     bn_ref = nn.BatchNorm2d(4).double()

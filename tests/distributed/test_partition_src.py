@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from harness import run_ranks
+from oracle import assert_local_slices
 from torch import nn
 
 import tplayers
-from harness import run_ranks
-from oracle import assert_local_slices
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 

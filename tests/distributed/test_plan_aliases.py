@@ -9,11 +9,11 @@ import copy
 
 import pytest
 import torch
+from harness import run_ranks
+from oracle import assert_params_match
 from torch import nn
 
 import tplayers
-from harness import run_ranks
-from oracle import assert_params_match
 from tplayers.sharding import offsets_from_sizes
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
@@ -169,8 +169,12 @@ def _alias_errors(rank, world):
 
     # two keys, two different replacements for one module: both names in the error, before any collective
     lin = SharedLinear().double()
-    refused(lin, {"a": tplayers.ColumnParallel(gather_output=True), "b": tplayers.RowParallel(input_is_parallel=False)},
-            "a", "b")
+    refused(
+        lin,
+        {"a": tplayers.ColumnParallel(gather_output=True), "b": tplayers.RowParallel(input_is_parallel=False)},
+        "a",
+        "b",
+    )
     # two keys naming the two names, even alike: a module matched by two keys (docs/design.md, plans)
     refused(lin, {"a": tplayers.ColumnParallel(), "b": tplayers.ColumnParallel()}, "a", "b")
     # a conv inside the region and reused outside it (one Parameter, two uses on differently laid out data)
@@ -181,12 +185,19 @@ def _alias_errors(rank, world):
     two = nn.Module()
     two.r1 = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.ReLU())
     two.r2 = nn.Sequential(two.r1[0], nn.Tanh())
-    refused(two, {"r1": tplayers.DomainParallel(shard_dims=(2,)), "r2": tplayers.DomainParallel(shard_dims=(3,))},
-            "r1.0", "r2.0")
+    refused(
+        two,
+        {"r1": tplayers.DomainParallel(shard_dims=(2,)), "r2": tplayers.DomainParallel(shard_dims=(3,))},
+        "r1.0",
+        "r2.0",
+    )
     # a stateful module nested in one swapped subtree and matched itself: nested keys
     with pytest.raises(ValueError, match="nested modules"):
-        tplayers.parallelize_module(Trunk().double(), {"trunk": tplayers.DomainParallel(shard_dims=(2,)),
-                                                       "head_conv": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
+        tplayers.parallelize_module(
+            Trunk().double(),
+            {"trunk": tplayers.DomainParallel(shard_dims=(2,)), "head_conv": tplayers.DomainParallel(shard_dims=(2,))},
+            mesh=mesh,
+        )
     return msgs
 
 
@@ -205,7 +216,9 @@ def _per_pixel_alias(rank, world):
     torch.manual_seed(0)
     serial = PerPixelShared().double()
     try:
-        par = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
+        par = tplayers.parallelize_module(
+            copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh
+        )
     except ValueError as err:
         assert "'mix1'" in str(err) and "'mix2'" in str(err), str(err)
         return "raised"
@@ -232,10 +245,11 @@ def _tie_through_alias(rank, world):
     import sys
 
     import torch.nn.functional as F
-
     from oracle import assert_local_slices
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
+    sys.path.insert(
+        0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+    )
     from gpt2_tp import GPT2, gpt2_plan
 
     mesh = tplayers.default_mesh()

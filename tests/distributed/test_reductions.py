@@ -3,10 +3,10 @@ uneven and empty shards, 1-D and 2-D meshes, masks, one fused all-reduce per mes
 
 import torch
 import torch.nn.functional as F
+from harness import run_ranks
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
-from harness import run_ranks
 from tplayers.sharding import offsets_from_sizes
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)
@@ -102,8 +102,11 @@ def _boundary(rank, world, layout):
     ref_grads = [p.grad.clone() for p in fc.parameters()]
     fc.zero_grad()
     n = sum(layout) * 4
-    yl = se(xl, lambda h: tplayers.sharded_to_replicated(h.sum((2, 3)), mesh) / n,
-            lambda g: tplayers.replicated_to_sharded(g, mesh))
+    yl = se(
+        xl,
+        lambda h: tplayers.sharded_to_replicated(h.sum((2, 3)), mesh) / n,
+        lambda g: tplayers.replicated_to_sharded(g, mesh),
+    )
     with tplayers.count_collectives() as log:
         (yl * _local(w, (2,), [layout], [rank])).sum().backward()
     assert log.count("all_reduce") == 1

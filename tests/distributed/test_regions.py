@@ -12,12 +12,12 @@ from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
+from harness import run_ranks
+from oracle import backward_step_match
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
-from harness import run_ranks
-from oracle import backward_step_match
 from tplayers.sharding import offsets_from_sizes
 
 TIGHT = dict(rtol=1e-9, atol=1e-10)
@@ -25,10 +25,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples
 
 
 def classifier():
-    return nn.Sequential(OrderedDict(
-        features=nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
-                               nn.AdaptiveAvgPool2d(1)),
-        head=nn.Sequential(nn.Flatten(), nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))))
+    return nn.Sequential(
+        OrderedDict(
+            features=nn.Sequential(
+                nn.Conv2d(2, 4, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(4, 4, 3, padding=1),
+                nn.ReLU(),
+                nn.AdaptiveAvgPool2d(1),
+            ),
+            head=nn.Sequential(nn.Flatten(), nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)),
+        )
+    )
 
 
 class Conditioned(nn.Module):
@@ -41,8 +49,9 @@ class Conditioned(nn.Module):
         self.temb = nn.Sequential(nn.Linear(1, 8), nn.SiLU(), nn.Linear(8, 6))
         self.film = nn.Linear(4, 12)
         self.se_pool = nn.AdaptiveAvgPool2d(1)
-        self.se = tplayers.ReplicatedBranch(nn.Sequential(nn.Flatten(), nn.Linear(6, 3), nn.ReLU(),
-                                                          nn.Linear(3, 6), nn.Sigmoid()))
+        self.se = tplayers.ReplicatedBranch(
+            nn.Sequential(nn.Flatten(), nn.Linear(6, 3), nn.ReLU(), nn.Linear(3, 6), nn.Sigmoid())
+        )
         self.out = nn.Conv2d(6, 2, 3, padding=1)
 
     def forward(self, x, t, cond):
@@ -65,13 +74,27 @@ class CustomClassifier(nn.Module):
 
 
 def conv1d_bn():
-    return nn.Sequential(nn.Conv1d(3, 6, 5, padding=2), nn.BatchNorm1d(6, momentum=None), nn.ReLU(),
-                         nn.Conv1d(6, 4, 3, padding=1), nn.BatchNorm1d(4), nn.Tanh(), nn.Conv1d(4, 2, 1))
+    return nn.Sequential(
+        nn.Conv1d(3, 6, 5, padding=2),
+        nn.BatchNorm1d(6, momentum=None),
+        nn.ReLU(),
+        nn.Conv1d(6, 4, 3, padding=1),
+        nn.BatchNorm1d(4),
+        nn.Tanh(),
+        nn.Conv1d(4, 2, 1),
+    )
 
 
 def cnn3d():
-    return nn.Sequential(nn.Conv3d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(),
-                         nn.Conv3d(4, 4, 3, padding=1), nn.GroupNorm(4, 4), nn.ReLU(), nn.Conv3d(4, 2, 1))
+    return nn.Sequential(
+        nn.Conv3d(2, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Conv3d(4, 4, 3, padding=1),
+        nn.GroupNorm(4, 4),
+        nn.ReLU(),
+        nn.Conv3d(4, 2, 1),
+    )
 
 
 def _local(x, dims, layouts, coords):
@@ -99,8 +122,9 @@ def _parity(rank, world, kind, mesh_shape, layouts):
         "unet3d": (lambda: __import__("unet").UNet(cin=2, width=4, nd=3), "", 3, 2, False),
     }[kind]
     serial = make().double()
-    parallel = tplayers.parallelize_module(copy.deepcopy(serial), {key: tplayers.DomainParallel(shard_dims=dims)},
-                                           mesh=mesh)
+    parallel = tplayers.parallelize_module(
+        copy.deepcopy(serial), {key: tplayers.DomainParallel(shard_dims=dims)}, mesh=mesh
+    )
     assert list(parallel.state_dict()) == list(serial.state_dict())
     if kind == "trunk":
         assert type(parallel.head[1]) is nn.Linear and type(parallel.head[2]) is nn.BatchNorm1d  # left serial
@@ -132,10 +156,10 @@ def _parity(rank, world, kind, mesh_shape, layouts):
             target = torch.randn_like(ys)
             torch.testing.assert_close(yl, _local(ys, dims, layouts, coords), **TIGHT)
             loss_s = F.mse_loss(ys, target)
-            loss_p = tplayers.domain_mean(F.mse_loss(yl, _local(target, dims, layouts, coords), reduction="none"),
-                                          mesh)
-        backward_step_match(loss_s, loss_p, xs, xl, lambda t: _local(t, dims, layouts, coords), serial, parallel,
-                            opt_s, opt_p, **TIGHT)
+            loss_p = tplayers.domain_mean(F.mse_loss(yl, _local(target, dims, layouts, coords), reduction="none"), mesh)
+        backward_step_match(
+            loss_s, loss_p, xs, xl, lambda t: _local(t, dims, layouts, coords), serial, parallel, opt_s, opt_p, **TIGHT
+        )
     return True
 
 
@@ -183,7 +207,11 @@ class PartialPool(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.conv, self.pool, self.head = nn.Conv2d(2, 3, 3, padding=1), nn.AdaptiveAvgPool2d((1, None)), nn.Linear(3, 3)
+        self.conv, self.pool, self.head = (
+            nn.Conv2d(2, 3, 3, padding=1),
+            nn.AdaptiveAvgPool2d((1, None)),
+            nn.Linear(3, 3),
+        )
 
     def forward(self, x):
         h = self.pool(torch.tanh(self.conv(x)))  # (N, 3, 1, W)

@@ -5,16 +5,21 @@ rank before the forward keeps every layer exact against the serial model."""
 import copy
 
 import torch
+from harness import run_ranks
 from torch import nn
 
 import tplayers
-from harness import run_ranks
 
 
 def _case(rank, world):
     torch.manual_seed(0)
-    serial = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.ReLU(), nn.MaxPool2d(3, 1, 1),
-                           nn.Conv2d(4, 2, 3, padding=1, padding_mode="reflect")).double()
+    serial = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.MaxPool2d(3, 1, 1),
+        nn.Conv2d(4, 2, 3, padding=1, padding_mode="reflect"),
+    ).double()
     mesh = tplayers.default_mesh()
     par = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
     resets = []

@@ -5,12 +5,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
-import tplayers
 from gpt_block import Block, sp_plan
 from harness import run_ranks
 from oracle import assert_params_match
+from torch import nn
+
+import tplayers
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)
 
@@ -106,7 +106,9 @@ def _functions_and_errors(rank, world):
     with pytest.raises(ValueError, match="sequence_dim=2 must name a dim of the input other than the last"):
         tplayers.ColumnParallelLinear(4, 6, mesh=mesh, sequence_parallel=True, sequence_dim=2)(local.detach().float())
     bad = torch.randn(3, 2 if rank == 0 else 4, 4)  # not the balanced layout: [2, 4]
-    with pytest.raises(ValueError, match=r"sequence must be sharded as shard_sizes\(6, 2\) = \[3, 3\], got local lengths \[2, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"sequence must be sharded as shard_sizes\(6, 2\) = \[3, 3\], got local lengths \[2, 4\]"
+    ):
         col(bad)
     with pytest.raises(ValueError, match="needs input_is_parallel=True"):
         tplayers.RowParallelLinear(4, 6, mesh=mesh, sequence_parallel=True, input_is_parallel=False)

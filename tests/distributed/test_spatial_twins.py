@@ -6,12 +6,12 @@ import zlib
 
 import pytest
 import torch
+from harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from twin_check import check_twin, partition
 
 import tplayers
-from harness import run_ranks
-from twin_check import check_twin, partition
 
 
 def _conv(rng, n):
@@ -22,8 +22,9 @@ def _conv(rng, n):
     pad = "same" if s == [1] * n and rng.random() < 0.3 else [rng.randint(0, 2) for _ in range(n)]
     mode = rng.choice(["zeros", "circular", "reflect", "replicate"])
     cls = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[n]
-    return cls(g * rng.randint(1, 2), g * rng.randint(1, 2), k, s, pad, d, g, rng.random() < 0.8, mode), \
-        getattr(tplayers, f"DistributedConv{n}d")
+    return cls(g * rng.randint(1, 2), g * rng.randint(1, 2), k, s, pad, d, g, rng.random() < 0.8, mode), getattr(
+        tplayers, f"DistributedConv{n}d"
+    )
 
 
 def _convt(rng, n):
@@ -34,8 +35,9 @@ def _convt(rng, n):
     p = [rng.randint(0, (di * (ki - 1)) // 2) for ki, di in zip(k, d)]
     g = rng.choice([1, 2])
     cls = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}[n]
-    return cls(g * rng.randint(1, 2), g * rng.randint(1, 2), k, s, p, op, g, rng.random() < 0.8, d), \
-        getattr(tplayers, f"DistributedConvTranspose{n}d")
+    return cls(g * rng.randint(1, 2), g * rng.randint(1, 2), k, s, p, op, g, rng.random() < 0.8, d), getattr(
+        tplayers, f"DistributedConvTranspose{n}d"
+    )
 
 
 def _maxpool(rng, n):
@@ -57,8 +59,9 @@ def _avgpool(rng, n):
 
 
 def _upsample(rng, n):
-    mode = rng.choice(["nearest", "nearest-exact", {1: "linear", 2: "bilinear", 3: "trilinear"}[n]]
-                      + (["bicubic"] if n == 2 else []))
+    mode = rng.choice(
+        ["nearest", "nearest-exact", {1: "linear", 2: "bilinear", 3: "trilinear"}[n]] + (["bicubic"] if n == 2 else [])
+    )
     align = rng.choice([True, False]) if mode not in ("nearest", "nearest-exact") else None
     if rng.random() < 0.5:
         kw = {"scale_factor": rng.choice([2, 1.5, 3, 0.75])}
@@ -79,8 +82,15 @@ def _adaptive_max(rng, n):
     return cls(size), getattr(tplayers, f"DistributedAdaptiveMaxPool{n}d")
 
 
-FAMILIES = {"conv": _conv, "convt": _convt, "maxpool": _maxpool, "avgpool": _avgpool, "upsample": _upsample,
-            "adaptive": _adaptive, "adaptivemax": _adaptive_max}
+FAMILIES = {
+    "conv": _conv,
+    "convt": _convt,
+    "maxpool": _maxpool,
+    "avgpool": _avgpool,
+    "upsample": _upsample,
+    "adaptive": _adaptive,
+    "adaptivemax": _adaptive_max,
+}
 
 
 def _family(rank, world, mesh_shape, shard_dims, family, n, seed, count):
@@ -112,24 +122,40 @@ def _family(rank, world, mesh_shape, shard_dims, family, n, seed, count):
 
 
 CASES = [
-    ("conv", 1, 2, (2,), (2,), 5), ("conv", 1, 3, (3,), (2,), 5), ("conv", 3, 2, (2,), (2,), 3),
-    ("conv", 3, 2, (2,), (3,), 3), ("conv", 3, 4, (2, 2), (3, 4), 2),
-    ("convt", 1, 3, (3,), (2,), 5), ("convt", 2, 2, (2,), (2,), 5), ("convt", 2, 4, (2, 2), (2, 3), 3),
+    ("conv", 1, 2, (2,), (2,), 5),
+    ("conv", 1, 3, (3,), (2,), 5),
+    ("conv", 3, 2, (2,), (2,), 3),
+    ("conv", 3, 2, (2,), (3,), 3),
+    ("conv", 3, 4, (2, 2), (3, 4), 2),
+    ("convt", 1, 3, (3,), (2,), 5),
+    ("convt", 2, 2, (2,), (2,), 5),
+    ("convt", 2, 4, (2, 2), (2, 3), 3),
     ("convt", 3, 2, (2,), (3,), 3),
-    ("maxpool", 1, 3, (3,), (2,), 5), ("maxpool", 2, 2, (2,), (3,), 5), ("maxpool", 2, 4, (2, 2), (2, 3), 3),
+    ("maxpool", 1, 3, (3,), (2,), 5),
+    ("maxpool", 2, 2, (2,), (3,), 5),
+    ("maxpool", 2, 4, (2, 2), (2, 3), 3),
     ("maxpool", 3, 2, (2,), (2,), 3),
-    ("avgpool", 1, 2, (2,), (2,), 5), ("avgpool", 2, 3, (3,), (2,), 5), ("avgpool", 2, 4, (2, 2), (2, 3), 3),
+    ("avgpool", 1, 2, (2,), (2,), 5),
+    ("avgpool", 2, 3, (3,), (2,), 5),
+    ("avgpool", 2, 4, (2, 2), (2, 3), 3),
     ("avgpool", 3, 2, (2,), (4,), 3),
-    ("upsample", 1, 2, (2,), (2,), 5), ("upsample", 2, 3, (3,), (2,), 5), ("upsample", 2, 4, (2, 2), (2, 3), 3),
+    ("upsample", 1, 2, (2,), (2,), 5),
+    ("upsample", 2, 3, (3,), (2,), 5),
+    ("upsample", 2, 4, (2, 2), (2, 3), 3),
     ("upsample", 3, 2, (2,), (3,), 3),
-    ("adaptivemax", 1, 3, (3,), (2,), 4), ("adaptivemax", 2, 2, (2,), (3,), 4), ("adaptivemax", 3, 2, (2,), (2,), 3),
+    ("adaptivemax", 1, 3, (3,), (2,), 4),
+    ("adaptivemax", 2, 2, (2,), (3,), 4),
+    ("adaptivemax", 3, 2, (2,), (2,), 3),
     ("adaptivemax", 2, 4, (2, 2), (2, 3), 3),
-    ("adaptive", 1, 2, (2,), (2,), 3), ("adaptive", 2, 3, (3,), (3,), 3), ("adaptive", 3, 2, (2,), (2,), 3),
+    ("adaptive", 1, 2, (2,), (2,), 3),
+    ("adaptive", 2, 3, (3,), (3,), 3),
+    ("adaptive", 3, 2, (2,), (2,), 3),
 ]
 
 
-@pytest.mark.parametrize("family,n,world,mesh_shape,shard_dims,count", CASES,
-                         ids=[f"{c[0]}{c[1]}d-{c[2]}r-{c[4]}" for c in CASES])
+@pytest.mark.parametrize(
+    "family,n,world,mesh_shape,shard_dims,count", CASES, ids=[f"{c[0]}{c[1]}d-{c[2]}r-{c[4]}" for c in CASES]
+)
 def test_twin_parity(family, n, world, mesh_shape, shard_dims, count):
     seed = zlib.crc32(repr((family, n, world, shard_dims)).encode())
     run_ranks(_family, world, args=(mesh_shape, shard_dims, family, n, seed, count), timeout=240)

@@ -5,14 +5,18 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from harness import run_ranks
+from oracle import assert_params_match
 from torch import nn
 
 import tplayers
-from harness import run_ranks
-from oracle import assert_params_match
 
 TIGHT = dict(rtol=0, atol=0)
-PLAN = {"fc1": tplayers.ColumnParallel(), "fc2": tplayers.RowParallel(), r"head\.\d": tplayers.ColumnParallel(gather_output=True)}
+PLAN = {
+    "fc1": tplayers.ColumnParallel(),
+    "fc2": tplayers.RowParallel(),
+    r"head\.\d": tplayers.ColumnParallel(gather_output=True),
+}
 
 
 class Net(nn.Module):
@@ -157,7 +161,9 @@ def _failures(rank, world):
     # (a partition function's output is rank src's by construction and never re-cut, see
     # test_partition_src.py; a style's output is cut from the serial tensors, so these refuse:)
     # a shard that matches no serial tensor (a custom style changed its shape)
-    wider = _Built(lambda module, mesh: tplayers.ColumnParallelLinear(module.in_features, 9, mesh=mesh, dtype=torch.float64))
+    wider = _Built(
+        lambda module, mesh: tplayers.ColumnParallelLinear(module.in_features, 9, mesh=mesh, dtype=torch.float64)
+    )
     with pytest.raises(ValueError, match=r"shard fc1.weight of global shape \(9, 5\) has no serial tensor"):
         unchanged(model, lambda: tplayers.parallelize_module(model, {"fc1": wider}, mesh=mesh))
     # a shard laid out over another mesh than parallelize_module's
@@ -242,7 +248,9 @@ def _irregular(rank, world, src):
     for t in _everything(oracle).values():
         dist.broadcast(t.data, src)
     with tplayers.count_collectives() as log:
-        par = tplayers.parallelize_module(model, {"0": lambda name, m, mesh: _SwappedRows(m, mesh)}, mesh=mesh, src_rank=src)
+        par = tplayers.parallelize_module(
+            model, {"0": lambda name, m, mesh: _SwappedRows(m, mesh)}, mesh=mesh, src_rank=src
+        )
     assert torch.equal(par[0].weight, par[0].shard_specs()["weight"].take(oracle[0].weight))
     assert torch.equal(par[1].weight, oracle[1].weight)
     assert [r.tag for r in log.records if r.kind == "all_gather"] == ["src_rank.partition", "src_rank.check"]

@@ -15,12 +15,14 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
-import tplayers
 from harness import run_ranks
 from oracle import assert_local_slices
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
+import tplayers
+
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+)
 from gpt2_tp import GPT2, gpt2_plan  # noqa: E402
 from llama_tp import Llama, llama_plan  # noqa: E402
 

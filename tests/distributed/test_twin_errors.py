@@ -6,10 +6,10 @@ import time
 
 import pytest
 import torch
+from harness import run_ranks
 from torch import nn
 
 import tplayers
-from harness import run_ranks
 
 
 def _disagree(rank, world):
@@ -20,8 +20,9 @@ def _disagree(rank, world):
         "stride": lambda: tplayers.DistributedConvTranspose3d(2, 2, 2, stride=2 if rank else 1)(x3),
         "count_include_pad": lambda: tplayers.DistributedAvgPool2d(3, 1, 1, count_include_pad=bool(rank))(x2),
         "output_size": lambda: tplayers.DistributedAdaptiveAvgPool2d(2 if rank else 3)(x2),
-        "padding_mode": lambda: tplayers.DistributedConv1d(2, 2, 3, padding=1,
-                                                           padding_mode="reflect" if rank else "zeros")(x2[:, :, :, 0]),
+        "padding_mode": lambda: tplayers.DistributedConv1d(
+            2, 2, 3, padding=1, padding_mode="reflect" if rank else "zeros"
+        )(x2[:, :, :, 0]),
         "input dtype": lambda: tplayers.DistributedMaxPool2d(2)(x2.double() if rank else x2),
     }
     out = {}
@@ -45,10 +46,13 @@ def test_twins_built_differently_raise_on_every_rank():
 def _partitions(rank, world):
     mesh = tplayers.default_mesh()
     rows = [9, 1, 9][rank]  # the middle shard cannot supply a 2-row halo
-    layers = [tplayers.DistributedMaxPool2d(5, 1, 2, mesh=mesh), tplayers.DistributedAvgPool1d(5, 1, 2, mesh=mesh),
-              tplayers.DistributedConv3d(2, 2, 5, padding=2, mesh=mesh),
-              tplayers.DistributedConvTranspose2d(2, 2, 5, padding=2, mesh=mesh),
-              tplayers.DistributedAdaptiveMaxPool1d(4, mesh=mesh)]
+    layers = [
+        tplayers.DistributedMaxPool2d(5, 1, 2, mesh=mesh),
+        tplayers.DistributedAvgPool1d(5, 1, 2, mesh=mesh),
+        tplayers.DistributedConv3d(2, 2, 5, padding=2, mesh=mesh),
+        tplayers.DistributedConvTranspose2d(2, 2, 5, padding=2, mesh=mesh),
+        tplayers.DistributedAdaptiveMaxPool1d(4, mesh=mesh),
+    ]
     shapes = [(1, 2, rows, 4), (1, 2, rows), (1, 2, rows, 3, 3), (1, 2, rows, 4), (1, 2, [2, 1, 16][rank])]
     for layer, shape in zip(layers, shapes):
         try:

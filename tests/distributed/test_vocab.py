@@ -7,10 +7,10 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import run_ranks
 from torch import nn
 
 import tplayers
-from harness import run_ranks
 
 TIGHT = dict(rtol=1e-12, atol=1e-12)
 
@@ -72,9 +72,13 @@ def _embedding_errors(rank, world):
     with pytest.raises(TypeError, match="nn.Embedding"):
         tplayers.VocabParallelEmbedding.from_module(nn.Linear(5, 2), mesh=mesh)
     with pytest.raises(ValueError, match="applies to nn.Linear"):
-        tplayers.parallelize_module(nn.Sequential(nn.Embedding(5, 2)), {"0": tplayers.RowParallel(head_dim=1)}, mesh=mesh)
+        tplayers.parallelize_module(
+            nn.Sequential(nn.Embedding(5, 2)), {"0": tplayers.RowParallel(head_dim=1)}, mesh=mesh
+        )
     with pytest.raises(ValueError, match="applies to nn.Linear"):
-        tplayers.parallelize_module(nn.Sequential(nn.Embedding(5, 2)), {"0": tplayers.ColumnParallel(sections=(1, 1))}, mesh=mesh)
+        tplayers.parallelize_module(
+            nn.Sequential(nn.Embedding(5, 2)), {"0": tplayers.ColumnParallel(sections=(1, 1))}, mesh=mesh
+        )
     return msgs
 
 
@@ -99,13 +103,15 @@ def _cross_entropy(rank, world, seed):
         spec = tplayers.ShardSpec.balanced(full.shape, full.dim() - 1, world, rank)
         for reduction in ("mean", "sum", "none"):
             ref_in = full.clone().requires_grad_(True)
-            ref = F.cross_entropy(ref_in.reshape(-1, vocab), target.reshape(-1), label_smoothing=smoothing,
-                                  reduction=reduction)
+            ref = F.cross_entropy(
+                ref_in.reshape(-1, vocab), target.reshape(-1), label_smoothing=smoothing, reduction=reduction
+            )
             ref = ref.view(lead) if reduction == "none" else ref
             local = spec.take(full).clone().requires_grad_(True)
             with tplayers.count_collectives() as fwd:
-                got = tplayers.vocab_parallel_cross_entropy(local, target, mesh, label_smoothing=smoothing,
-                                                            reduction=reduction)
+                got = tplayers.vocab_parallel_cross_entropy(
+                    local, target, mesh, label_smoothing=smoothing, reduction=reduction
+                )
             torch.testing.assert_close(got, ref, equal_nan=True, **TIGHT)  # nan when every token is ignored
             cot = torch.rand_like(ref) + 0.5
             with tplayers.count_collectives() as bwd:
@@ -140,6 +146,7 @@ def test_vocab_parallel_cross_entropy_bytes():
         with tplayers.count_collectives() as log:
             tplayers.vocab_parallel_cross_entropy(local, torch.zeros(4, 5, dtype=torch.long), mesh)
         return log.bytes("all_reduce")
+
     tokens = 20
     assert run_ranks(fn, 2, timeout=30) == [((tokens + 2) + 3 * tokens) * 8] * 2
 
@@ -149,9 +156,12 @@ def _ce_errors(rank, world):
     local = torch.randn(3, 4)
     msgs = []
     with tplayers.count_collectives() as log:
-        for kw in (dict(target=torch.zeros(4, dtype=torch.long)), dict(target=torch.zeros(3)),
-                   dict(target=torch.zeros(3, dtype=torch.long), reduction="avg"),
-                   dict(target=torch.zeros(3, dtype=torch.long), label_smoothing=1.5)):
+        for kw in (
+            dict(target=torch.zeros(4, dtype=torch.long)),
+            dict(target=torch.zeros(3)),
+            dict(target=torch.zeros(3, dtype=torch.long), reduction="avg"),
+            dict(target=torch.zeros(3, dtype=torch.long), label_smoothing=1.5),
+        ):
             target = kw.pop("target")
             with pytest.raises((ValueError, TypeError)) as err:
                 tplayers.vocab_parallel_cross_entropy(local, target, mesh, **kw)

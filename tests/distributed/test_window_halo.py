@@ -7,15 +7,22 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from harness import run_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
-from harness import run_ranks
 from tplayers.domain.window import gather_windows, scatter_add_windows
-from tplayers.window_plan import (conv_out_len, conv_window, out_partition, plan_ranges, plan_windows,
-                                     transposed_needs, transposed_out_len)
 from tplayers.sharding import offsets_from_sizes, shard_sizes
+from tplayers.window_plan import (
+    conv_out_len,
+    conv_window,
+    out_partition,
+    plan_ranges,
+    plan_windows,
+    transposed_needs,
+    transposed_out_len,
+)
 
 
 def _dot(a, b):
@@ -108,15 +115,21 @@ def _bytes(rank, world, seed):
         sizes = shard_sizes(h, world)
         outs = out_partition(sizes, conv_out_len(h, k, s, dil, (p, p)))
         o_starts = offsets_from_sizes(outs)
-        reads = [[o * s - p + j for o in range(o_starts[r], o_starts[r] + outs[r]) for j in range(k)]
-                 for r in range(world)]
+        reads = [
+            [o * s - p + j for o in range(o_starts[r], o_starts[r] + outs[r]) for j in range(k)] for r in range(world)
+        ]
         pool_outs = out_partition(sizes, (h + 2 * p - k) // s + 1)
         p_starts = offsets_from_sizes(pool_outs)
-        pool_reads = [[o * s - p + j for o in range(p_starts[r], p_starts[r] + pool_outs[r]) for j in range(k)]
-                      for r in range(world)]
+        pool_reads = [
+            [o * s - p + j for o in range(p_starts[r], p_starts[r] + pool_outs[r]) for j in range(k)]
+            for r in range(world)
+        ]
         layers = [
-            (nn.Conv2d(c, c, k, s, p, padding_mode=mode), tplayers.DistributedConv2d,
-             _min_rows(reads, sizes, h, mode == "circular")),
+            (
+                nn.Conv2d(c, c, k, s, p, padding_mode=mode),
+                tplayers.DistributedConv2d,
+                _min_rows(reads, sizes, h, mode == "circular"),
+            ),
             (nn.MaxPool2d(k, s, p), tplayers.DistributedMaxPool2d, _min_rows(pool_reads, sizes, h, False)),
             (nn.AvgPool2d(k, s, p), tplayers.DistributedAvgPool2d, _min_rows(pool_reads, sizes, h, False)),
         ]
@@ -126,8 +139,10 @@ def _bytes(rank, world, seed):
         wmat = torch.nn.functional.interpolate(eye, scale_factor=(sf, 1.0), mode=umode).reshape(h, -1)
         u_outs = out_partition(sizes, wmat.shape[1])
         u_starts = offsets_from_sizes(u_outs)
-        u_reads = [[i for o in range(u_starts[r], u_starts[r] + u_outs[r]) for i in wmat[:, o].nonzero().flatten().tolist()]
-                   for r in range(world)]
+        u_reads = [
+            [i for o in range(u_starts[r], u_starts[r] + u_outs[r]) for i in wmat[:, o].nonzero().flatten().tolist()]
+            for r in range(world)
+        ]
         layers.append((up, tplayers.DistributedUpsample, _min_rows(u_reads, sizes, h, False)))
         for serial, cls, rows in layers:
             twin = cls.from_module(serial, mesh=mesh)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import torch
+from oracle import same_on_all_ranks
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
-from oracle import same_on_all_ranks
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 
 TIGHT = dict(rtol=1e-10, atol=1e-10)

@@ -68,8 +68,13 @@ def test_pack_unpack_bitwise(dtype):
             expect = unpack_faces_reference(buf, base.clone(), dim, faces, accumulate).contiguous()
             out = halo_pack.unpack(buf, base, dim, faces, accumulate)
             assert out.data_ptr() == base.data_ptr()  # in place
-            assert torch.equal(out.contiguous().view(torch.uint8), expect.view(torch.uint8)), \
-                (x.shape, layout, dim, faces, accumulate)
+            assert torch.equal(out.contiguous().view(torch.uint8), expect.view(torch.uint8)), (
+                x.shape,
+                layout,
+                dim,
+                faces,
+                accumulate,
+            )
 
 
 def test_front_door_routes_to_triton_when_forced(monkeypatch):
@@ -86,9 +91,16 @@ def test_front_door_routes_to_triton_when_forced(monkeypatch):
     assert torch.equal(front.unpack_faces(buf, out, 2, faces, accumulate=True), expect)
 
 
-@pytest.mark.parametrize("shape,layout", [((2, 3, 9), "contiguous"), ((2, 3, 9), "sliced"),
-                                          ((1, 3, 5, 4, 6), "contiguous"), ((2, 3, 5, 4, 6), "channels_last"),
-                                          ((1, 2, 4, 5, 3), "sliced")])
+@pytest.mark.parametrize(
+    "shape,layout",
+    [
+        ((2, 3, 9), "contiguous"),
+        ((2, 3, 9), "sliced"),
+        ((1, 3, 5, 4, 6), "contiguous"),
+        ((2, 3, 5, 4, 6), "channels_last"),
+        ((1, 2, 4, 5, 3), "sliced"),
+    ],
+)
 def test_3d_and_5d_every_dim_one_launch(shape, layout, monkeypatch):
     """(N, C, L) and (N, C, D, H, W) tensors: both faces of an exchange along each spatial dim in one
     launch, pack / unpack / unpack-add bitwise equal to the reference."""
@@ -111,7 +123,9 @@ def test_3d_and_5d_every_dim_one_launch(shape, layout, monkeypatch):
             launches.clear()
             got = halo_pack.pack(x, dim, faces)
             assert len(launches) == 1
-            assert torch.equal(got.view(torch.uint8), pack_faces_reference(x, dim, faces).contiguous().view(torch.uint8))
+            assert torch.equal(
+                got.view(torch.uint8), pack_faces_reference(x, dim, faces).contiguous().view(torch.uint8)
+            )
             buf = torch.randn(got.numel(), device=device).to(dtype)
             for accumulate in (False, True):
                 base, _, _ = _make(rng, dtype, device, list(shape), layout)

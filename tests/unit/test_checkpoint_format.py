@@ -10,11 +10,11 @@ import sys
 
 import pytest
 import torch
+from ckpt_util import Net, serial_net
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import tplayers.checkpoint.format as fmt
-from ckpt_util import Net, serial_net
 from tplayers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tplayers.checkpoint.__main__ import main
 from tplayers.checkpoint.progress import Progress
@@ -147,8 +147,12 @@ def test_cli_inspect_merge_reshard(tmp_path, capsys):
     open(f, "wb").write(bytes(data))
     assert main(["inspect", str(tmp_path / "c3"), "--verify"]) == 1
     assert "XXH3-128" in capsys.readouterr().err
-    proc = subprocess.run([sys.executable, "-m", "tplayers.checkpoint", "inspect", str(tmp_path / "m.safetensors")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tplayers.checkpoint", "inspect", str(tmp_path / "m.safetensors")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and "head.weight" in proc.stdout
 
 
@@ -156,8 +160,12 @@ def test_writer_stages_strided_tensors_in_chunks(tmp_path, monkeypatch):
     """Strided views (transposes, movedim views, narrowed blocks) cut into many chunks: same bytes, same digests."""
     monkeypatch.setattr(fmt, "CHUNK_BYTES", 96)
     g = torch.Generator().manual_seed(1)
-    views = [("t", torch.randn(5, 13, generator=g).t()), ("c", torch.randn(11, 3, generator=g)),
-             ("u", torch.randn(3, 4, 6, generator=g).movedim(2, 0)), ("t2", torch.randn(9, 7, generator=g).t())]
+    views = [
+        ("t", torch.randn(5, 13, generator=g).t()),
+        ("c", torch.randn(11, 3, generator=g)),
+        ("u", torch.randn(3, 4, 6, generator=g).movedim(2, 0)),
+        ("t2", torch.randn(9, 7, generator=g).t()),
+    ]
     dense = [(k, v.contiguous()) for k, v in views]
     got = fmt.write_file(str(tmp_path / "a.safetensors"), views, block_bytes=40)
     want = fmt.write_file(str(tmp_path / "b.safetensors"), dense, block_bytes=40)

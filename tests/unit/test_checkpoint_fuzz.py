@@ -13,17 +13,21 @@ import shutil
 import struct
 import tempfile
 
+from ckpt_util import serial_net
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckpt_util import serial_net
 from tplayers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tplayers.checkpoint.__main__ import inspect, main
 from tplayers.checkpoint.index import index_digest
 
 EXAMPLES = int(os.environ.get("TPLAYERS_FUZZ_EXAMPLES", "60"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("TPLAYERS_FUZZ_EXAMPLES"),
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=not os.environ.get("TPLAYERS_FUZZ_EXAMPLES"),
+    suppress_health_check=list(HealthCheck),
+)
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=6),
@@ -79,7 +83,9 @@ def _expect_only_checkpoint_errors(path):
         try:
             load_checkpoint(serial_net(1), path, strict=strict)
         except CheckpointError as e:
-            assert os.path.basename(path.rstrip("/")) in str(e) or "index.json" in str(e) or ".safetensors" in str(e), str(e)
+            assert os.path.basename(path.rstrip("/")) in str(e) or "index.json" in str(e) or ".safetensors" in str(e), (
+                str(e)
+            )
     try:
         inspect(path, verify=True, out=io.StringIO())
     except CheckpointError:
@@ -128,8 +134,10 @@ def test_reported_malformed_inputs(tmp_path, capsys):
         idx["index_sha256"] = index_digest(idx)
         index_path.write_text(json.dumps(idx))
 
-    for edit in (lambda i: i["tensors"][key]["pieces"][0].update(file=["a"]),      # non-string piece file
-                 lambda i: i.update(block_bytes="x")):                              # block_bytes: "x"
+    for edit in (
+        lambda i: i["tensors"][key]["pieces"][0].update(file=["a"]),  # non-string piece file
+        lambda i: i.update(block_bytes="x"),
+    ):  # block_bytes: "x"
         with_index(edit)
         try:
             load_checkpoint(serial_net(1), str(tmp_path / "ckpt"))
@@ -139,20 +147,25 @@ def test_reported_malformed_inputs(tmp_path, capsys):
         assert main(["inspect", str(tmp_path / "ckpt")]) == 1
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    index_path.write_text("[" * 100000 + "]" * 100000)                               # deeply nested JSON
+    index_path.write_text("[" * 100000 + "]" * 100000)  # deeply nested JSON
     assert main(["inspect", str(tmp_path / "ckpt")]) == 1
     assert "index.json" in capsys.readouterr().err
     raw = open(os.path.join(_root(), "one.safetensors"), "rb").read()
     (n,) = struct.unpack("<Q", raw[:8])
-    for edit in (lambda h: h[sorted(k for k in h if k != "__metadata__")[0]].update(data_offsets=["0", "4"]),  # strings
-                 lambda h: h.update(__metadata__=[1, 2])):                                                  # non-string metadata
+    for edit in (
+        lambda h: h[sorted(k for k in h if k != "__metadata__")[0]].update(data_offsets=["0", "4"]),  # strings
+        lambda h: h.update(__metadata__=[1, 2]),
+    ):  # non-string metadata
         header = json.loads(raw[8 : 8 + n])
         edit(header)
         text = json.dumps(header).encode()
         bad = tmp_path / "bad.safetensors"
         bad.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
-        for argv in (["inspect", str(bad)], ["merge", str(bad), str(tmp_path / "m.safetensors")],
-                     ["reshard", str(bad), str(tmp_path / "r"), "--world-size", "2"]):
+        for argv in (
+            ["inspect", str(bad)],
+            ["merge", str(bad), str(tmp_path / "m.safetensors")],
+            ["reshard", str(bad), str(tmp_path / "r"), "--world-size", "2"],
+        ):
             assert main(argv) == 1, argv
             err = capsys.readouterr().err
             assert "bad.safetensors" in err and err.count("\n") == 1 and "Traceback" not in err, err
@@ -162,8 +175,10 @@ def test_cli_refuses_to_overwrite_user_data(tmp_path, capsys):
     user = tmp_path / "mine"
     user.mkdir()
     (user / "thesis.tex").write_text("precious")
-    for argv in (["merge", os.path.join(_root(), "ckpt"), str(user)],
-                 ["reshard", os.path.join(_root(), "ckpt"), str(user), "--world-size", "2"]):
+    for argv in (
+        ["merge", os.path.join(_root(), "ckpt"), str(user)],
+        ["reshard", os.path.join(_root(), "ckpt"), str(user), "--world-size", "2"],
+    ):
         assert main(argv) == 1
         assert "refusing" in capsys.readouterr().err
     assert (user / "thesis.tex").read_text() == "precious" and sorted(os.listdir(user)) == ["thesis.tex"]

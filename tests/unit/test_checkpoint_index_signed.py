@@ -9,8 +9,8 @@ import re
 
 import pytest
 import torch
-
 from ckpt_util import serial_net
+
 from tplayers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tplayers.checkpoint.index import _signed_body, open_source
 
@@ -82,9 +82,16 @@ def test_digest_strings_are_checked_together_exactly():
     h = "0123456789abcdef" * 2
     assert ok([[h, h], [h]], 32) and ok([], 32) and ok([[]], 32)
     bad = [
-        [[h.upper()]], [[h[:31]]], [[h + "0"]], [[h[:16] + " " + h[17:]]], [[h[:31] + "g"]],
+        [[h.upper()]],
+        [[h[:31]]],
+        [[h + "0"]],
+        [[h[:16] + " " + h[17:]]],
+        [[h[:31] + "g"]],
         [[h[:20] + " " + h[20:], h[:31]]],  # a space inside one, another short: the same total length
-        [[h, 5]], [[h, None]], [[h[:30] + "\t0"]], [[h, h[:16] + "\u0660" * 16]],
+        [[h, 5]],
+        [[h, None]],
+        [[h[:30] + "\t0"]],
+        [[h, h[:16] + "\u0660" * 16]],
     ]
     for pool in bad:
         assert not ok(pool, 32), pool

@@ -50,8 +50,10 @@ def test_empty_file_maps(tmp_path):
 def test_unaligned_tensor_after_odd_bytes(tmp_path):
     """safetensors' writer aligns by sorting; another writer may not: an f32 at byte 3 still reads."""
     w = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
-    header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
-              "w": {"dtype": "F32", "shape": [4, 3], "data_offsets": [3, 51]}}
+    header = {
+        "a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+        "w": {"dtype": "F32", "shape": [4, 3], "data_offsets": [3, 51]},
+    }
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     path = str(tmp_path / "u.safetensors")

@@ -25,8 +25,11 @@ def _bare_calls(tree):
 
 def test_results_of_compile_out_of_place_collectives_are_used():
     root = pathlib.Path(tplayers.__file__).parent
-    bad = [f"{path.relative_to(root)}:{line} {name}(...) result dropped"
-           for path in sorted(root.rglob("*.py")) for name, line in _bare_calls(ast.parse(path.read_text()))]
+    bad = [
+        f"{path.relative_to(root)}:{line} {name}(...) result dropped"
+        for path in sorted(root.rglob("*.py"))
+        for name, line in _bare_calls(ast.parse(path.read_text()))
+    ]
     assert not bad, "\n".join(bad)
 
 

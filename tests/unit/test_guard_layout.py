@@ -15,8 +15,16 @@ import itertools
 import pytest
 import torch
 
-from tplayers.domain.layout import (LayoutError, broadcast_layouts, canonical_layout, flatten_layout, permute_layout,
-                                    region_layout, reshape_layout, unflatten_layout)
+from tplayers.domain.layout import (
+    LayoutError,
+    broadcast_layouts,
+    canonical_layout,
+    flatten_layout,
+    permute_layout,
+    region_layout,
+    reshape_layout,
+    unflatten_layout,
+)
 
 
 def _positions(entry, size, offset, global_size):
@@ -103,7 +111,7 @@ def test_a_size_one_batch_or_channel_dim_is_not_a_factor_of_the_sharded_dim():
         lay = region_layout((n, c, 4, 4), (2,))
         tok = reshape_layout((n, c, 4, 4), lay, (n, c, 16))
         assert tok == (None, None, ((4, 0), (4, None)))
-        seq = permute_layout(tok, (0, 2, 1))                            # (n, 16, c)
+        seq = permute_layout(tok, (0, 2, 1))  # (n, 16, c)
         heads = reshape_layout((n, 16, c), seq, (n, -1, 4 if c % 4 == 0 else 1, c // 4 or 1))
         assert heads[1] == ((4, 0), (4, None)) and heads[0] is None
         back = reshape_layout((n, 16, c), seq, (n, 16, c))
@@ -130,12 +138,18 @@ def test_a_one_row_shard_on_a_boundary_is_refused_not_guessed():
         reshape_layout((1, 16, 1, 4), lay, (1, 16, 1, 4))
     # inside a new dim it is not ambiguous; nor when everything is merged into one dim
     assert reshape_layout((2, 3, 1, 5), region_layout((2, 3, 1, 5), (2,)), (2, 15)) == (
-        None, ((3, None), (1, 0), (5, None)))
+        None,
+        ((3, None), (1, 0), (5, None)),
+    )
     assert reshape_layout((1, 16, 1, 4), lay, (-1,)) == (((16, None), (1, 0), (4, None)),)
     # flatten / unflatten name their dims
     assert flatten_layout((1, 16, 1, 4), lay, 2, -1) == (None, None, ((1, 0), (4, None)))
     assert unflatten_layout((1, 16, 4), (None, None, ((1, 0), (4, None))), 1, (4, 4)) == (
-        None, None, None, ((1, 0), (4, None)))
+        None,
+        None,
+        None,
+        ((1, 0), (4, None)),
+    )
 
 
 def test_sharded_factors_are_never_split():

@@ -5,9 +5,9 @@ import sys
 import textwrap
 
 import pytest
+from harness import run_ranks
 
 import tplayers
-from harness import run_ranks
 
 
 def test_plain_python_gets_a_world_of_one():

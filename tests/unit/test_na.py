@@ -1,15 +1,14 @@
 """tplayers.na2d against a brute-force NATTEN-rule oracle (and natten itself when installed)."""
 
-import importlib.util
 import random
 import warnings
 
 import pytest
 import torch
-
-import tplayers
 from na_cases import na_on_subwindow
 from na_oracle import assert_out_and_grads, brute_na2d, window_1d
+
+import tplayers
 from tplayers.ops.na_engine import neighborhood_attention
 from tplayers.ops.na_layout import axis_tiles, key_span
 
@@ -64,7 +63,9 @@ def test_forward_and_backward_match_brute_force_fp64(seed):
         (out * cot).sum().backward()
         (ref * cot).sum().backward()
         for name, a, b in zip("qkv", ins, ref_ins):
-            torch.testing.assert_close(a.grad, b.grad, **TIGHT, msg=lambda m: f"d{name} {kernel} {dilation} {causal}: {m}")
+            torch.testing.assert_close(
+                a.grad, b.grad, **TIGHT, msg=lambda m: f"d{name} {kernel} {dilation} {causal}: {m}"
+            )
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -83,8 +84,9 @@ def test_engine_tiles_offsets_and_rel_pos_bias(seed):
         q0, q1 = sorted(rng.sample(range(h + 1), 2))
         c0, c1 = sorted(rng.sample(range(w + 1), 2))
         ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
-        out = na_on_subwindow(ins, (h, w), kernel, dilation, causal, (q0, q1, c0, c1),
-                              tile=(rng.randint(1, 6), rng.randint(1, 6)))
+        out = na_on_subwindow(
+            ins, (h, w), kernel, dilation, causal, (q0, q1, c0, c1), tile=(rng.randint(1, 6), rng.randint(1, 6))
+        )
         assert_out_and_grads(out, ref[:, q0:q1, c0:c1], ins, ref_in, gen, **TIGHT)
 
 
@@ -105,8 +107,16 @@ def test_chunked_kernel_batches_padding_and_bias(seed):
         ref = brute_na2d(*ref_in[:3], kernel, dilation, causal, rpb=ref_in[3])
         ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
         tile = (rng.randint(1, 5), rng.randint(1, 5))
-        out = neighborhood_attention(*ins[:3], kernel, dilation, causal, global_size=(h, w), rel_pos_bias=ins[3],
-                                        tile=tile, chunk_scores=rng.choice([1, 40, 300, 1 << 20]))
+        out = neighborhood_attention(
+            *ins[:3],
+            kernel,
+            dilation,
+            causal,
+            global_size=(h, w),
+            rel_pos_bias=ins[3],
+            tile=tile,
+            chunk_scores=rng.choice([1, 40, 300, 1 << 20]),
+        )
         torch.testing.assert_close(out, ref, **TIGHT)
         cot = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
         (out * cot).sum().backward()
@@ -118,12 +128,21 @@ def test_chunked_kernel_batches_padding_and_bias(seed):
 def test_gradcheck_tiny(na_kernel):
     """Both kernels; the last two cases are wider than one 16-query block of the C kernel, and causal."""
     gen = torch.Generator().manual_seed(0)
-    for kernel, dilation, causal, size in [((3, 2), (1, 2), (False, False), (4, 5)), ((2, 3), (2, 1), (True, False), (5, 4)),
-                                           ((3, 2), (1, 2), (False, True), (4, 19)), ((3, 3), (2, 1), (True, False), (7, 5))]:
-        q, k, v = (torch.randn(1, *size, 2, 2, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
-        rpb = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64, requires_grad=True)
+    for kernel, dilation, causal, size in [
+        ((3, 2), (1, 2), (False, False), (4, 5)),
+        ((2, 3), (2, 1), (True, False), (5, 4)),
+        ((3, 2), (1, 2), (False, True), (4, 19)),
+        ((3, 3), (2, 1), (True, False), (7, 5)),
+    ]:
+        q, k, v = (
+            torch.randn(1, *size, 2, 2, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)
+        )
+        rpb = torch.randn(
+            2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64, requires_grad=True
+        )
         fn = lambda q, k, v, b: neighborhood_attention(  # noqa: E731
-            q, k, v, kernel, dilation, causal, global_size=size, rel_pos_bias=b)
+            q, k, v, kernel, dilation, causal, global_size=size, rel_pos_bias=b
+        )
         assert torch.autograd.gradcheck(fn, (q, k, v, rpb))
 
 
@@ -161,7 +180,7 @@ def test_memory_bounded_far_below_dense_96x96():
     b, heads, dim, kernel = 1, 2, 16, 7
     q, k, v = (torch.randn(b, 96, 96, heads, dim) for _ in range(3))
     dense = b * heads * (96 * 96) ** 2 * 4  # one fp32 attention matrix
-    bound = b * heads * 96 * 96 * kernel ** 2 * 4  # B*heads*H*W*k^2 fp32 scores
+    bound = b * heads * 96 * 96 * kernel**2 * 4  # B*heads*H*W*k^2 fp32 scores
     cold = peak_bytes(lambda: tplayers.na2d(q, k, v, kernel))  # builds the cached window mask too
     warm = peak_bytes(lambda: tplayers.na2d(q, k, v, kernel))
     qg = q.clone().requires_grad_()

@@ -26,8 +26,9 @@ def test_compiled_na2d_is_bitwise_eager(seed, na_kernel):
     chunk = rng.choice([None, 7])
 
     def f(q, k, v, rpb):
-        return neighborhood_attention(q, k, v, kernel, dilation, causal, global_size=size, rel_pos_bias=rpb,
-                                         chunk_scores=chunk)
+        return neighborhood_attention(
+            q, k, v, kernel, dilation, causal, global_size=size, rel_pos_bias=rpb, chunk_scores=chunk
+        )
 
     explained = dynamo.explain(f)(*ins)
     assert explained.graph_break_count == 0, explained.break_reasons

@@ -12,10 +12,10 @@ import textwrap
 
 import pytest
 import torch
-
-import tplayers
 from na_cases import na_on_subwindow
 from na_oracle import assert_out_and_grads, brute_na2d
+
+import tplayers
 from tplayers.ops import na_cpu
 from tplayers.ops.na_engine import neighborhood_attention
 
@@ -77,8 +77,9 @@ def test_fp32_matches_tile_kernel_and_fp64_oracle(monkeypatch):
     for choice in ("c", "torch"):
         monkeypatch.setenv("TPLAYERS_NA_KERNEL", choice)
         ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
-        out = neighborhood_attention(*ins[:3], (7, 7), (1, 1), (False, False), global_size=(21, 37),
-                                        rel_pos_bias=ins[3])
+        out = neighborhood_attention(
+            *ins[:3], (7, 7), (1, 1), (False, False), global_size=(21, 37), rel_pos_bias=ins[3]
+        )
         (out * cot).sum().backward()
         results[choice] = [out] + [t.grad for t in ins]
     ref_in = [t.double().requires_grad_() for t in (q, k, v, rpb)]
@@ -87,8 +88,9 @@ def test_fp32_matches_tile_kernel_and_fp64_oracle(monkeypatch):
     for i, name in enumerate(("out", "dq", "dk", "dv", "drpb")):
         expect = (ref if i == 0 else ref_in[i - 1].grad).float()
         for choice in ("c", "torch"):
-            torch.testing.assert_close(results[choice][i], expect, rtol=2e-4, atol=2e-5,
-                                       msg=lambda m: f"{name} ({choice}): {m}")
+            torch.testing.assert_close(
+                results[choice][i], expect, rtol=2e-4, atol=2e-5, msg=lambda m: f"{name} ({choice}): {m}"
+            )
 
 
 def test_threads_split_planes_identically(monkeypatch):
@@ -104,8 +106,9 @@ def test_threads_split_planes_identically(monkeypatch):
         for n in (1, 3):
             torch.set_num_threads(n)
             ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
-            out = neighborhood_attention(*ins[:3], (3, 3), (1, 1), (False, False), global_size=(9, 18),
-                                            rel_pos_bias=ins[3])
+            out = neighborhood_attention(
+                *ins[:3], (3, 3), (1, 1), (False, False), global_size=(9, 18), rel_pos_bias=ins[3]
+            )
             out.square().sum().backward()
             results.append([out] + [t.grad for t in ins])
     finally:
@@ -130,8 +133,9 @@ def test_switch_values_and_errors(monkeypatch):
 
 def _run_python(code: str, env: dict) -> subprocess.CompletedProcess:
     full = {**os.environ, **env, "PYTHONPATH": REPO + os.pathsep + os.path.join(REPO, "tests")}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=full, capture_output=True, text=True, timeout=300
+    )
 
 
 BUILD_AND_CHECK = """
@@ -150,8 +154,16 @@ def test_concurrent_first_builds_share_one_cached_file(tmp_path):
     dtype stays (named by the hash), no temporary files are left; a third process reuses it."""
     env = {"TPLAYERS_CACHE": str(tmp_path), "TPLAYERS_NA_KERNEL": "c"}
     full = {**os.environ, **env, "PYTHONPATH": REPO + os.pathsep + os.path.join(REPO, "tests")}
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(BUILD_AND_CHECK)], env=full,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(BUILD_AND_CHECK)],
+            env=full,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
@@ -199,8 +211,7 @@ def test_head_dims_of_whole_vectors_fp64(monkeypatch):
     rpb = torch.randn(2, 5, 9, generator=gen, dtype=torch.float64)
     ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
     ref_in = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
-    out = neighborhood_attention(*ins[:3], (3, 5), (1, 1), (False, False), global_size=(6, 35),
-                                    rel_pos_bias=ins[3])
+    out = neighborhood_attention(*ins[:3], (3, 5), (1, 1), (False, False), global_size=(6, 35), rel_pos_bias=ins[3])
     ref = brute_na2d(*ref_in[:3], (3, 5), rpb=ref_in[3])
     assert_out_and_grads(out, ref, ins, ref_in, gen, "d16/dv8", **TIGHT)
 

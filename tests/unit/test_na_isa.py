@@ -7,9 +7,9 @@ import random
 
 import pytest
 import torch
-
 from na_cases import na_on_subwindow
 from na_oracle import assert_out_and_grads, brute_na2d
+
 from tplayers.ops import na_cpu
 
 AVX512 = "flags\t\t: fpu sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni"
@@ -38,7 +38,7 @@ def test_lanes_and_flags_per_isa():
 
 def _isas_this_host_runs():
     order = list(na_cpu.ISAS)
-    return order[order.index(na_cpu.host_isa()):]
+    return order[order.index(na_cpu.host_isa()) :]
 
 
 def test_target_isa_override_and_errors(monkeypatch):

@@ -6,10 +6,10 @@ import random
 
 import pytest
 import torch
-
-import tplayers
 from memory_probe import peak_bytes
 from na_oracle import assert_out_and_grads, brute_na2d
+
+import tplayers
 from tplayers.ops import na_kernel
 from tplayers.ops.na_engine import neighborhood_attention
 
@@ -23,8 +23,16 @@ def _check_against_oracle(q, k, v, kernel, dilation, causal, scale=None, rpb=Non
     ref_ins = [t.detach().clone().requires_grad_() for t in ins]
     size = (q.shape[1], q.shape[2])
     if engine or rpb is not None:
-        out = neighborhood_attention(*ins[:3], kernel, dilation, causal, scale=scale, global_size=size,
-                                        rel_pos_bias=ins[3] if rpb is not None else None, **engine)
+        out = neighborhood_attention(
+            *ins[:3],
+            kernel,
+            dilation,
+            causal,
+            scale=scale,
+            global_size=size,
+            rel_pos_bias=ins[3] if rpb is not None else None,
+            **engine,
+        )
     else:
         out = tplayers.na2d(*ins, kernel, dilation, causal, scale)
     ref = brute_na2d(*ref_ins[:3], kernel, dilation, causal, scale, rpb=ref_ins[3] if rpb is not None else None)
@@ -55,9 +63,11 @@ def test_default_path_many_chunks_and_bias_fp64(monkeypatch):
     monkeypatch.setattr(na_kernel, "CHUNK_SCORES", 3000)
     monkeypatch.setattr(na_kernel, "BACKWARD_CHUNK_SCORES", 700)
     gen = torch.Generator().manual_seed(5)
-    for kernel, dilation, causal, size in [((7, 5), (1, 2), (False, False), (9, 12)),
-                                           ((3, 8), (2, 1), (True, False), (7, 10)),
-                                           ((13, 4), (1, 1), (False, True), (14, 5))]:
+    for kernel, dilation, causal, size in [
+        ((7, 5), (1, 2), (False, False), (9, 12)),
+        ((3, 8), (2, 1), (True, False), (7, 10)),
+        ((13, 4), (1, 1), (False, True), (14, 5)),
+    ]:
         q, k, v = (torch.randn(2, *size, 2, 3, generator=gen, dtype=torch.float64) for _ in range(3))
         rpb = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64)
         _check_against_oracle(q, k, v, kernel, dilation, causal, rpb=rpb)
@@ -97,7 +107,7 @@ def test_peak_memory_with_all_three_gradients_within_4x_bound(size, heads, dim, 
     expanded gradient from .sum() and a dense one), peak <= 4x B*heads*H*W*k^2 fp32 scores."""
     kernel = 7
     q, k, v = (torch.randn(1, size, size, heads, dim) for _ in range(3))
-    bound = heads * size * size * kernel ** 2 * 4
+    bound = heads * size * size * kernel**2 * 4
     cold = peak_bytes(lambda: tplayers.na2d(q, k, v, kernel))
     qkv = [x.clone().requires_grad_() for x in (q, k, v)]
     train_sum = peak_bytes(lambda: tplayers.na2d(*qkv, kernel).sum().backward())

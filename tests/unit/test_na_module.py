@@ -4,9 +4,9 @@ import random
 
 import pytest
 import torch
+from na_oracle import brute_na2d, window_1d
 
 import tplayers
-from na_oracle import brute_na2d, window_1d
 from tplayers.ops.na_layout import axis_halos
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -16,8 +16,16 @@ def _reference(layer, x):
     """The module's function spelled out with the brute-force oracle."""
     b, h, w, c = x.shape
     qkv = torch.nn.functional.linear(x, layer.qkv.weight, layer.qkv.bias).view(b, h, w, 3, layer.num_heads, -1)
-    out = brute_na2d(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2], layer.kernel_size, layer.dilation,
-                     layer.is_causal, layer.scale, rpb=layer.rpb)
+    out = brute_na2d(
+        qkv[:, :, :, 0],
+        qkv[:, :, :, 1],
+        qkv[:, :, :, 2],
+        layer.kernel_size,
+        layer.dilation,
+        layer.is_causal,
+        layer.scale,
+        rpb=layer.rpb,
+    )
     return layer.proj(out.reshape(b, h, w, c))
 
 
@@ -30,12 +38,25 @@ def test_module_matches_brute_force_with_rel_pos_bias(seed, na_kernel):
         causal = (rng.random() < 0.3, rng.random() < 0.3)
         heads = rng.randint(1, 3)
         torch.manual_seed(rng.randrange(1 << 30))
-        layer = tplayers.NeighborhoodAttention(2 * heads, heads, kernel, dilation, causal, qk_scale=rng.choice([None, 0.5]),
-                                               rel_pos_bias=True, dtype=torch.float64)
+        layer = tplayers.NeighborhoodAttention(
+            2 * heads,
+            heads,
+            kernel,
+            dilation,
+            causal,
+            qk_scale=rng.choice([None, 0.5]),
+            rel_pos_bias=True,
+            dtype=torch.float64,
+        )
         with torch.no_grad():
             layer.rpb.normal_()
-        x = torch.randn(2, kernel[0] * dilation[0] + rng.randint(0, 3), kernel[1] * dilation[1] + rng.randint(0, 3),
-                        2 * heads, dtype=torch.float64)
+        x = torch.randn(
+            2,
+            kernel[0] * dilation[0] + rng.randint(0, 3),
+            kernel[1] * dilation[1] + rng.randint(0, 3),
+            2 * heads,
+            dtype=torch.float64,
+        )
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
         out, ref = layer(xa), _reference(layer, xb)
         torch.testing.assert_close(out, ref, **TIGHT)
@@ -77,8 +98,10 @@ def test_axis_halos_from_global_positions():
             keys = [p for i in range(start, start + size) for p in window_1d(i, length, kernel, dil, causal)]
             need.append((max(0, start - min(keys)), max(0, max(keys) + 1 - start - size)) if size else (0, 0))
             start += size
-        feasible = all((lo == 0 or (c > 0 and lo <= sizes[c - 1])) and (hi == 0 or (c < parts - 1 and hi <= sizes[c + 1]))
-                       for c, (lo, hi) in enumerate(need))
+        feasible = all(
+            (lo == 0 or (c > 0 and lo <= sizes[c - 1])) and (hi == 0 or (c < parts - 1 and hi <= sizes[c + 1]))
+            for c, (lo, hi) in enumerate(need)
+        )
         if not feasible:
             with pytest.raises(ValueError, match="halo"):
                 axis_halos(sizes, kernel=kernel, dilation=dil, causal=causal)

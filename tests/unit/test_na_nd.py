@@ -8,9 +8,9 @@ import random
 
 import pytest
 import torch
+from na_oracle import assert_out_and_grads, brute_na, brute_na2d, natten_mask_1d
 
 import tplayers
-from na_oracle import assert_out_and_grads, brute_na, brute_na2d, natten_mask_1d
 from tplayers.ops.na_engine import neighborhood_attention
 from tplayers.ops.na_layout import key_span, window_starts
 
@@ -29,8 +29,11 @@ def test_mask_oracle_matches_the_group_list_oracle():
         gen = torch.Generator().manual_seed(rng.randrange(1 << 20))
         q, k, v = (torch.randn(2, *size, 2, 3, generator=gen, dtype=torch.float64) for _ in range(3))
         rpb = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64)
-        torch.testing.assert_close(brute_na(q, k, v, kernel, None, dil, causal, rpb=rpb),
-                                   brute_na2d(q, k, v, kernel, dil, causal, rpb=rpb), **TIGHT)
+        torch.testing.assert_close(
+            brute_na(q, k, v, kernel, None, dil, causal, rpb=rpb),
+            brute_na2d(q, k, v, kernel, dil, causal, rpb=rpb),
+            **TIGHT,
+        )
 
 
 def test_window_starts_equal_the_mask_per_axis():
@@ -49,8 +52,9 @@ def test_window_starts_equal_the_mask_per_axis():
                             got[x, members] = True
                         expect = natten_mask_1d(length, kernel, stride, dil, causal)
                         assert torch.equal(got, expect), (length, kernel, stride, dil, causal)
-                        lo, hi = key_span(0, length, length=length, kernel=kernel, dilation=dil, causal=causal,
-                                          stride=stride)
+                        lo, hi = key_span(
+                            0, length, length=length, kernel=kernel, dilation=dil, causal=causal, stride=stride
+                        )
                         cols = expect.any(0).nonzero()
                         assert (lo, hi) == (int(cols.min()), int(cols.max()) + 1)
 
@@ -86,11 +90,14 @@ def test_random_configurations_fp64(rank, seed, na_kernel):
         ins = [t.clone().requires_grad_() for t in tensors]
         ref_ins = [t.clone().requires_grad_() for t in tensors]
         scale = rng.choice([None, 0.37])
-        out = FUNCS[rank](*ins[:3], kernel, dil, causal, scale, stride=stride,
-                          rel_pos_bias=ins[3] if with_bias else None)
+        out = FUNCS[rank](
+            *ins[:3], kernel, dil, causal, scale, stride=stride, rel_pos_bias=ins[3] if with_bias else None
+        )
         ref = brute_na(*ref_ins[:3], kernel, stride, dil, causal, scale, rpb=ref_ins[3] if with_bias else None)
-        where = (f"rank {rank} kernel {kernel} stride {stride} dilation {dil} causal {causal} size {size} "
-                 f"heads {heads}/{kv_heads} bias {with_bias}")
+        where = (
+            f"rank {rank} kernel {kernel} stride {stride} dilation {dil} causal {causal} size {size} "
+            f"heads {heads}/{kv_heads} bias {with_bias}"
+        )
         assert_out_and_grads(out, ref, ins, ref_ins, gen, where, **TIGHT)
 
 
@@ -108,11 +115,13 @@ def test_tile_kernel_any_tiles_and_chunks_with_stride(rank, monkeypatch):
         k, v = (torch.randn(1, *size, kv_heads, 3, generator=gen, dtype=torch.float64) for _ in range(2))
         ins = [t.clone().requires_grad_() for t in (q, k, v)]
         ref_ins = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = neighborhood_attention(*ins, kernel, dil, causal, stride=stride, global_size=size, tile=tile,
-                                     chunk_scores=rng.choice([1, 50, 700]))
+        out = neighborhood_attention(
+            *ins, kernel, dil, causal, stride=stride, global_size=size, tile=tile, chunk_scores=rng.choice([1, 50, 700])
+        )
         ref = brute_na(*ref_ins, kernel, stride, dil, causal)
-        assert_out_and_grads(out, ref, ins, ref_ins, gen, f"{kernel} {stride} {dil} {causal} {size} tile {tile}",
-                             **TIGHT)
+        assert_out_and_grads(
+            out, ref, ins, ref_ins, gen, f"{kernel} {stride} {dil} {causal} {size} tile {tile}", **TIGHT
+        )
 
 
 def test_fp32_three_d_matches_fp64_oracle(na_kernel):
@@ -135,26 +144,36 @@ def test_front_door_errors():
         tplayers.na1d(q4, [1], q4, 3)
     with pytest.raises(ValueError, match="kernel_size must be a positive int or a sequence of 3 of them, got"):
         tplayers.na3d(q6, q6, q6, (3, 3))
-    with pytest.raises(ValueError, match="stride must be <= kernel_size along every dim: got stride 4 > kernel_size 3 "
-                                         "along H"):
+    with pytest.raises(
+        ValueError, match="stride must be <= kernel_size along every dim: got stride 4 > kernel_size 3 along H"
+    ):
         tplayers.na3d(q6, q6, q6, 3, stride=(1, 4, 1))
     with pytest.raises(ValueError, match="stride must be a positive int"):
         tplayers.na1d(q4, q4, q4, 3, stride=0)
     with pytest.raises(ValueError, match="is_causal must be a bool or a sequence of 3 of them"):
         tplayers.na3d(q6, q6, q6, 3, is_causal=(True, False))
-    with pytest.raises(ValueError, match="na3d: kernel_size \\* dilation must be <= the input size along D: got "
-                                         "kernel_size 3 \\* dilation 3 > D=6"):
+    with pytest.raises(
+        ValueError,
+        match="na3d: kernel_size \\* dilation must be <= the input size along D: got "
+        "kernel_size 3 \\* dilation 3 > D=6",
+    ):
         tplayers.na3d(q6, q6, q6, 3, dilation=(3, 1, 1))
     kv3 = torch.randn(1, 8, 3, 4)
-    with pytest.raises(ValueError, match="na1d: the key/value heads must divide the query heads \\(GQA/MQA\\), got 3 "
-                                         "key/value heads for 2 query heads"):
+    with pytest.raises(
+        ValueError,
+        match="na1d: the key/value heads must divide the query heads \\(GQA/MQA\\), got 3 "
+        "key/value heads for 2 query heads",
+    ):
         tplayers.na1d(q4, kv3, kv3, 3)
     with pytest.raises(ValueError, match="na1d: k and v must agree"):
         tplayers.na1d(q4, q4, torch.randn(1, 8, 1, 4), 3)
     with pytest.raises(ValueError, match="na2d: q and k must have the same spatial size"):
         tplayers.na2d(q5, q5[:, :7], q5[:, :7], 3)
-    with pytest.raises(ValueError, match=r"na2d: rel_pos_bias must have shape \(2, 5, 5\) \(heads, 2\*kernel_size - 1 "
-                                         r"per dim\), got \(2, 5, 3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"na2d: rel_pos_bias must have shape \(2, 5, 5\) \(heads, 2\*kernel_size - 1 "
+        r"per dim\), got \(2, 5, 3\)",
+    ):
         tplayers.na2d(q5, q5, q5, 3, rel_pos_bias=torch.randn(2, 5, 3))
     with pytest.raises(ValueError, match=r"na2d: rel_pos_bias needs stride 1 along every dim, got stride \(2, 1\)"):
         tplayers.na2d(q5, q5, q5, 3, stride=(2, 1), rel_pos_bias=torch.randn(2, 5, 5))
@@ -180,7 +199,7 @@ def test_tile_span_windows_equal_the_global_ones():
         a, b = tile_span(q0, q1, length=length, kernel=kernel, dilation=dil, causal=causal, stride=stride)
         assert 0 <= a <= q0 and q1 <= b <= length and b - a >= kernel * dil
         full = natten_mask_1d(length, kernel, stride, dil, causal)[q0:q1]
-        tile = natten_mask_1d(b - a, kernel, stride, dil, causal)[q0 - a:q1 - a]
+        tile = natten_mask_1d(b - a, kernel, stride, dil, causal)[q0 - a : q1 - a]
         assert not full[:, :a].any() and not full[:, b:].any()
         assert torch.equal(full[:, a:b], tile), (length, kernel, stride, dil, causal, q0, q1, a, b)
 
@@ -188,8 +207,9 @@ def test_tile_span_windows_equal_the_global_ones():
 @pytest.mark.parametrize("rank", [1, 2, 3])
 def test_single_device_tile_path_equals_the_key_path(rank):
     """local_backend="tile" (the natten code path, tplayers kernel standing in) on one device."""
-    cls = {1: tplayers.NeighborhoodAttention1d, 2: tplayers.NeighborhoodAttention,
-           3: tplayers.NeighborhoodAttention3d}[rank]
+    cls = {1: tplayers.NeighborhoodAttention1d, 2: tplayers.NeighborhoodAttention, 3: tplayers.NeighborhoodAttention3d}[
+        rank
+    ]
     torch.manual_seed(rank)
     a = cls(8, 2, 3, 2, True, stride=2, dtype=torch.float64)
     b = cls(8, 2, 3, 2, True, stride=2, local_backend="tile", dtype=torch.float64)
@@ -209,8 +229,10 @@ def test_module_argument_errors():
         tplayers.NeighborhoodAttention3d(4, 2, 3, rel_pos_bias=True, stride=(1, 2, 1))
     with pytest.raises(ValueError, match=r"shard_dims must be None or one of \[\(1,\)\] .*got \(2,\)"):
         tplayers.NeighborhoodAttention1d(4, 2, 3, shard_dims=(2,))
-    with pytest.raises(TypeError, match="NeighborhoodAttention3d.from_module expects a NeighborhoodAttention3d, got "
-                                        "NeighborhoodAttention"):
+    with pytest.raises(
+        TypeError,
+        match="NeighborhoodAttention3d.from_module expects a NeighborhoodAttention3d, got NeighborhoodAttention",
+    ):
         tplayers.NeighborhoodAttention3d.from_module(tplayers.NeighborhoodAttention(4, 2, 3))
     with pytest.raises(ValueError, match=r"input must be \(B, D, H, W, 4\)"):
         tplayers.NeighborhoodAttention3d(4, 2, 3)(torch.randn(1, 5, 5, 4))

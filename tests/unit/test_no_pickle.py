@@ -6,7 +6,8 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 OBJECT_COLLECTIVES = re.compile(
-    r"\b(broadcast_object_list|all_gather_object|gather_object|scatter_object_list|send_object_list|recv_object_list)\b")
+    r"\b(broadcast_object_list|all_gather_object|gather_object|scatter_object_list|send_object_list|recv_object_list)\b"
+)
 
 
 def test_no_object_collectives_in_library_or_examples():

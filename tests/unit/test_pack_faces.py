@@ -7,8 +7,13 @@ from tplayers.ops import pack_faces, unpack_faces
 
 def test_one_face_is_a_contiguous_copy_for_any_layout():
     base = torch.arange(2 * 3 * 4 * 10, dtype=torch.float64).reshape(2, 3, 4, 10)
-    cases = [base, base[:, :, :, ::2], base.to(memory_format=torch.channels_last), base[:1, :1, :, 3:4],
-             base.transpose(0, 3)]
+    cases = [
+        base,
+        base[:, :, :, ::2],
+        base.to(memory_format=torch.channels_last),
+        base[:1, :1, :, 3:4],
+        base.transpose(0, 3),
+    ]
     for x in cases:
         for dim in range(x.dim()):
             for face in [(0, 1), (x.size(dim) - 1, 1), (0, x.size(dim))]:

@@ -5,10 +5,10 @@ import re
 
 import pytest
 import torch
+from harness import run_ranks
 from torch import nn
 
 import tplayers
-from harness import run_ranks
 
 
 class Block(nn.Module):
@@ -40,16 +40,29 @@ PLAN = {r"blocks\.\d+\.fc1": tplayers.ColumnParallel(), r"blocks\.\d+\.fc2": tpl
 
 def _plan_errors(rank, world):
     net = Net()
-    with pytest.raises(ValueError, match=re.escape("plan key 'blocks\\.\\d+\\.fc3' matches no module; candidates: <root> (Net), blocks (ModuleList)") + ".*blocks.0.fc1 \\(Linear\\)"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "plan key 'blocks\\.\\d+\\.fc3' matches no module; candidates: <root> (Net), blocks (ModuleList)"
+        )
+        + ".*blocks.0.fc1 \\(Linear\\)",
+    ):
         tplayers.parallelize_module(net, {r"blocks\.\d+\.fc3": tplayers.ColumnParallel()})
     with pytest.raises(ValueError, match=r"module 'head' \(Linear\) is matched by two plan keys: 'head' and Linear"):
         tplayers.parallelize_module(net, {"head": tplayers.ColumnParallel(), nn.Linear: tplayers.RowParallel()})
-    with pytest.raises(ValueError, match=re.escape("plan key 'blocks\\.0\\.norm': ColumnParallel expects Linear or Embedding (or a Conv1D-like linear: weight (in, out) and nf), but module 'blocks.0.norm' is LayerNorm")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "plan key 'blocks\\.0\\.norm': ColumnParallel expects Linear or Embedding (or a Conv1D-like linear: weight (in, out) and nf), but module 'blocks.0.norm' is LayerNorm"
+        ),
+    ):
         tplayers.parallelize_module(net, {r"blocks\.0\.norm": tplayers.ColumnParallel()})
     with pytest.raises(ValueError, match="not a valid regex"):
         tplayers.parallelize_module(net, {"blocks[": tplayers.ColumnParallel()})
     with pytest.raises(ValueError, match="nested"):
-        tplayers.parallelize_module(net, {r"blocks\.0": lambda n, m, mesh: m, r"blocks\.0\.fc1": tplayers.ColumnParallel()})
+        tplayers.parallelize_module(
+            net, {r"blocks\.0": lambda n, m, mesh: m, r"blocks\.0\.fc1": tplayers.ColumnParallel()}
+        )
     with pytest.raises(TypeError, match="value must be a ParallelStyle"):
         tplayers.parallelize_module(net, {"head": 3})
     with pytest.raises(TypeError, match="plan key must be"):

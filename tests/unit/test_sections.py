@@ -44,8 +44,9 @@ def test_section_layout_random_properties():
             heads = n // (hd or 1)
             kv = hd is not None and heads < parts and (nblocks == 1 or n < most)
             if kv:  # replicated in groups: rank r holds head r * heads // parts
-                assert held == [(offs[j] + (r * heads // parts) * hd, offs[j] + (r * heads // parts + 1) * hd)
-                                for r in range(parts)]
+                assert held == [
+                    (offs[j] + (r * heads // parts) * hd, offs[j] + (r * heads // parts + 1) * hd) for r in range(parts)
+                ]
             else:  # balanced, disjoint
                 sizes = shard_sizes(heads, parts)
                 assert [(b - a) // (hd or 1) for a, b in held] == sizes

@@ -4,10 +4,10 @@
 import random
 
 import pytest
+from partition_rule import window_partition_ok
 
 from tplayers.sharding import offsets_from_sizes
 from tplayers.window_plan import conv_out_len, conv_window, out_partition, plan_windows
-from partition_rule import window_partition_ok
 
 
 def _source(r, length, mode):
@@ -32,7 +32,7 @@ def _simulate(sizes, plans, mode):
         lo_nb, hi_nb = (c - 1) % parts, (c + 1) % parts
         has_lo = mode == "circular" or c > 0
         has_hi = mode == "circular" or c < parts - 1
-        lo = (own[lo_nb][len(own[lo_nb]) - p.recv[0]:] if p.recv[0] else []) if has_lo else [None] * p.recv[0]
+        lo = (own[lo_nb][len(own[lo_nb]) - p.recv[0] :] if p.recv[0] else []) if has_lo else [None] * p.recv[0]
         hi = own[hi_nb][: p.recv[1]] if has_hi else [None] * p.recv[1]
         if has_lo:
             assert plans[lo_nb].send[1] == p.recv[0]
@@ -48,7 +48,7 @@ def _simulate(sizes, plans, mode):
         else:
             rows = [None] * bl + rows + [None] * bh
         t_lo, t_hi = p.trim
-        out.append(rows[t_lo: len(rows) - t_hi])
+        out.append(rows[t_lo : len(rows) - t_hi])
     return out
 
 
@@ -87,8 +87,10 @@ def test_plans_deliver_exactly_the_rows_read(seed):
                 assert held[c] == []
                 continue
             a = o0 * s - p
-            want = [_source(r, length, mode if mode != "fill" else "zeros")
-                    for r in range(a, (o0 + n - 1) * s - p + d * (k - 1) + 1)]
+            want = [
+                _source(r, length, mode if mode != "fill" else "zeros")
+                for r in range(a, (o0 + n - 1) * s - p + d * (k - 1) + 1)
+            ]
             assert held[c] == want, (sizes, k, s, d, p, mode, c, held[c], want)
             assert plans[c].in_start == a
         checked += 1

@@ -62,11 +62,20 @@ def fold_kv_grad(g: torch.Tensor, groups: int, shape) -> torch.Tensor:
 
 def _fused_ok(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the fused CPU kernel computes this call's blocks (see the module docstring)."""
-    return (FUSED_CPU and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64) and plan.keep is None
-            and q.dim() == 4 and len(plan.batch) == 2 and q.size(-1) == v.size(-1) and tuple(q.shape[:-2]) == plan.batch
-            and tuple(expand_kv(k[..., :0, :], plan.groups).shape[:-2]) == plan.batch
-            and tuple(expand_kv(v[..., :0, :], plan.groups).shape[:-2]) == plan.batch and q.size(-2) > 0
-            and all(t.stride(-1) == 1 for t in (q, k, v)))  # the kernel reads the last dim as contiguous
+    return (
+        FUSED_CPU
+        and q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and plan.keep is None
+        and q.dim() == 4
+        and len(plan.batch) == 2
+        and q.size(-1) == v.size(-1)
+        and tuple(q.shape[:-2]) == plan.batch
+        and tuple(expand_kv(k[..., :0, :], plan.groups).shape[:-2]) == plan.batch
+        and tuple(expand_kv(v[..., :0, :], plan.groups).shape[:-2]) == plan.batch
+        and q.size(-2) > 0
+        and all(t.stride(-1) == 1 for t in (q, k, v))
+    )  # the kernel reads the last dim as contiguous
 
 
 def _dead_rows(bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -98,8 +107,9 @@ class BlockForward:
         if self.fused:
             mask = None if bias is None else bias.expand(plan.batch + (q.size(-2), kb.size(-2)))
             out_b, lse_b = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, kb, vb, 0.0, False, attn_mask=mask, scale=plan.scale)
-            lse_b = lse_b.unsqueeze(-1)                                     # (*batch, Lq, 1)
+                q, kb, vb, 0.0, False, attn_mask=mask, scale=plan.scale
+            )
+            lse_b = lse_b.unsqueeze(-1)  # (*batch, Lq, 1)
             dead = _dead_rows(bias)
             if dead is not None:
                 lse_b = lse_b.masked_fill(dead, _NEG_INF)
@@ -109,24 +119,28 @@ class BlockForward:
             return
         rows = self.qs.numel() // max(1, self.qs.size(-1))
         for start, length in _key_chunks(kb.size(-2), rows, q.element_size()):
-            self._add_chunk(kb.narrow(-2, start, length), vb.narrow(-2, start, length), _cols(bias, start, length),
-                            _cols(keep, start, length))
+            self._add_chunk(
+                kb.narrow(-2, start, length),
+                vb.narrow(-2, start, length),
+                _cols(bias, start, length),
+                _cols(keep, start, length),
+            )
 
     def _merge(self, m_b, l_b, acc_b) -> None:
         m_new = torch.maximum(self.m, m_b)
-        m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)                  # all masked so far: no shift
+        m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # all masked so far: no shift
         alpha, beta = (self.m - m_safe).exp_(), (m_b - m_safe).exp_()
         self.l.mul_(alpha).add_(l_b * beta)
         self.acc.mul_(alpha).add_(acc_b * beta)
         self.m = m_new
 
     def _add_chunk(self, kb, vb, bias, keep) -> None:
-        s = torch.matmul(self.qs, kb.transpose(-1, -2))                     # (*batch, Lq, chunk)
+        s = torch.matmul(self.qs, kb.transpose(-1, -2))  # (*batch, Lq, chunk)
         if bias is not None:
             s.add_(bias)
         m_new = torch.maximum(self.m, s.amax(-1, keepdim=True))
         m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)
-        p = s.sub_(m_safe).exp_()                                           # in place: one score buffer
+        p = s.sub_(m_safe).exp_()  # in place: one score buffer
         alpha = (self.m - m_safe).exp_()
         self.l.mul_(alpha).add_(p.sum(-1, keepdim=True))
         if keep is not None:
@@ -149,14 +163,14 @@ class BlockBackward:
         self.plan, self.q = plan, q
         self.fused = _fused_ok(plan, q, k, v)
         self.dout = dout.expand(plan.batch + dout.shape[-2:])
-        self.lse_safe = lse.masked_fill(lse == _NEG_INF, float("inf"))      # no allowed key: P = 0
+        self.lse_safe = lse.masked_fill(lse == _NEG_INF, float("inf"))  # no allowed key: P = 0
         if self.fused:
             if self.dout.stride(-1) != 1:  # the fused kernel reads the last dim as contiguous
                 self.dout = self.dout.contiguous()
             self.out, self.lse_flat = out.contiguous(), self.lse_safe.squeeze(-1)
         else:
             self.qs = (q * plan.scale).expand(plan.batch + q.shape[-2:])
-            self.delta = (self.dout * out).sum(-1, keepdim=True)           # rowsum(dO * O)
+            self.delta = (self.dout * out).sum(-1, keepdim=True)  # rowsum(dO * O)
         self.dq = torch.zeros(plan.batch + q.shape[-2:], dtype=q.dtype, device=q.device)
 
     def block(self, b: int, kb: torch.Tensor, vb: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -169,14 +183,19 @@ class BlockBackward:
         if self.fused:
             mask = None if bias is None else bias.expand(plan.batch + (q.size(-2), ke.size(-2)))
             gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                self.dout, q, ke, ve, self.out, self.lse_flat, 0.0, False, attn_mask=mask, scale=plan.scale)
+                self.dout, q, ke, ve, self.out, self.lse_flat, 0.0, False, attn_mask=mask, scale=plan.scale
+            )
             self.dq.add_(gq)
         else:
             rows = self.qs.numel() // max(1, self.qs.size(-1))
             gks, gvs = [], []
             for start, length in _key_chunks(ke.size(-2), rows, q.element_size()):
-                k_part, v_part = self._chunk(ke.narrow(-2, start, length), ve.narrow(-2, start, length),
-                                             _cols(bias, start, length), _cols(keep, start, length))
+                k_part, v_part = self._chunk(
+                    ke.narrow(-2, start, length),
+                    ve.narrow(-2, start, length),
+                    _cols(bias, start, length),
+                    _cols(keep, start, length),
+                )
                 gks.append(k_part)
                 gvs.append(v_part)
             gk, gv = (gks[0], gvs[0]) if len(gks) == 1 else (torch.cat(gks, -2), torch.cat(gvs, -2))
@@ -186,15 +205,15 @@ class BlockBackward:
         p = torch.matmul(self.qs, kb.transpose(-1, -2))
         if bias is not None:
             p.add_(bias)
-        p.sub_(self.lse_safe).exp_()                                         # P = exp(S - lse)
-        dp = torch.matmul(self.dout, vb.transpose(-1, -2))                   # dP (of the dropped P)
+        p.sub_(self.lse_safe).exp_()  # P = exp(S - lse)
+        dp = torch.matmul(self.dout, vb.transpose(-1, -2))  # dP (of the dropped P)
         scale = self.plan.drop_scale
         if keep is not None:
             dv = torch.matmul((p * keep * scale).transpose(-1, -2), self.dout)
             dp.mul_(keep).mul_(scale)
         else:
             dv = torch.matmul(p.transpose(-1, -2), self.dout)
-        ds = dp.sub_(self.delta).mul_(p)                                     # dS = P * (dP - rowsum(dO*O))
+        ds = dp.sub_(self.delta).mul_(p)  # dS = P * (dP - rowsum(dO*O))
         self.dq.add_(torch.matmul(ds, kb).mul_(self.plan.scale))
         return torch.matmul(ds.transpose(-1, -2), self.qs), dv
 

@@ -61,7 +61,7 @@ def gather_rows(row: Sequence[int], topo: Topology, tag: str) -> List[List[int]]
     table = torch.tensor([int(v) for v in row], dtype=torch.int64)
     if dist.get_backend(topo.groups[0]) == "nccl":
         table = table.cuda()
-    table = table.unsqueeze(0)                                    # (1, R)
+    table = table.unsqueeze(0)  # (1, R)
     for group in reversed(topo.groups):
         size = dist.get_world_size(group)
         # (cur, R) -> (size * cur, R): the last mesh dim varies fastest, as in the flattened order
@@ -140,7 +140,7 @@ class AttentionPlan:
         bias = self.cols[b].take(self.bias_mask)
         if self.q_pos is not None:
             kpos = self.cols[b].indices(device)
-            allowed = kpos.unsqueeze(0) <= self.q_pos.to(device).unsqueeze(1)            # (Lq, L_b)
+            allowed = kpos.unsqueeze(0) <= self.q_pos.to(device).unsqueeze(1)  # (Lq, L_b)
             causal = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
             bias = causal if bias is None else bias + causal
         return bias

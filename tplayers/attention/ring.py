@@ -13,11 +13,11 @@ from typing import List
 import torch
 import torch.distributed as dist
 
+from tplayers.attention.blocks import BlockBackward, BlockForward
+from tplayers.attention.plan import AttentionPlan, gather_padded
 from tplayers.comm.accounting import record_collective
 from tplayers.comm.collectives import exchange_p2p
 from tplayers.comm.sequence import reduce_scatter_along_dim
-from tplayers.attention.blocks import BlockBackward, BlockForward
-from tplayers.attention.plan import AttentionPlan, gather_padded
 
 __all__ = ["RingAttention", "AllGatherAttention", "LocalAttention"]
 
@@ -57,14 +57,17 @@ class RingAttention(torch.autograd.Function):
         merge = BlockForward(plan, q, k, v)
         held = _pack(k, v)
         for t in range(n):
-            b = (me - t) % n                                          # the block held at step t
+            b = (me - t) % n  # the block held at step t
             recv = None
             if t < n - 1:
                 nb = (me - t - 1) % n
                 recv = held.new_empty(_numel(plan.k_shape_of(nb)) + _numel(plan.v_shape_of(nb)))
             kb, vb = _unpack(held, plan.k_shape_of(b), plan.v_shape_of(b))
-            _exchange_many(topo, [(held if t < n - 1 else None, recv, 0, "attention.ring.fwd")],
-                           lambda b=b, kb=kb, vb=vb: merge.add(b, kb, vb))
+            _exchange_many(
+                topo,
+                [(held if t < n - 1 else None, recv, 0, "attention.ring.fwd")],
+                lambda b=b, kb=kb, vb=vb: merge.add(b, kb, vb),
+            )
             held = recv
         out, lse = merge.finish()
         ctx.plan = plan
@@ -78,7 +81,7 @@ class RingAttention(torch.autograd.Function):
         topo = plan.topo
         n, me = topo.size, topo.index
         grads = BlockBackward(plan, q, k, v, out, lse, dout)
-        held, acc_out, own = _pack(k, v), None, None                  # acc_out: dK|dV of last step's block
+        held, acc_out, own = _pack(k, v), None, None  # acc_out: dK|dV of last step's block
         for t in range(n):
             b = (me - t) % n
             kshape, vshape = plan.k_shape_of(b), plan.v_shape_of(b)
@@ -87,20 +90,25 @@ class RingAttention(torch.autograd.Function):
             if t < n - 1:
                 nb = (me - t - 1) % n
                 recv = held.new_empty(_numel(plan.k_shape_of(nb)) + _numel(plan.v_shape_of(nb)))
-            if t >= 2:                                                # made by the previous rank
+            if t >= 2:  # made by the previous rank
                 acc_recv = held.new_empty(_numel(kshape) + _numel(vshape))
             result = []
             # K/V for the next step and the accumulator of the previous step's block go out while
             # this block is computed; this block's accumulator (from the previous rank) comes in.
-            _exchange_many(topo, [(held if t < n - 1 else None, recv, 0, "attention.ring.bwd"),
-                                  (acc_out, acc_recv, 1, "attention.ring.bwd.grads")],
-                           lambda b=b, kb=kb, vb=vb: result.append(_pack(*grads.block(b, kb, vb))))
+            _exchange_many(
+                topo,
+                [
+                    (held if t < n - 1 else None, recv, 0, "attention.ring.bwd"),
+                    (acc_out, acc_recv, 1, "attention.ring.bwd.grads"),
+                ],
+                lambda b=b, kb=kb, vb=vb: result.append(_pack(*grads.block(b, kb, vb))),
+            )
             g = result[0]
             if acc_recv is not None:
                 g.add_(acc_recv)
             own, acc_out = (g, None) if t == 0 else (own, g)
             held = recv
-        if n > 1:                                                     # the last accumulator goes home
+        if n > 1:  # the last accumulator goes home
             back = own.new_empty(own.numel())
             _exchange_many(topo, [(acc_out, back, 1, "attention.ring.bwd.grads")], None)
             own.add_(back)
@@ -118,7 +126,7 @@ def _unpack(buf: torch.Tensor, *shapes) -> List[torch.Tensor]:
         n = 1
         for s in shape:
             n *= s
-        out.append(buf[offset: offset + n].view(shape))
+        out.append(buf[offset : offset + n].view(shape))
         offset += n
     return out
 
@@ -175,14 +183,14 @@ class AllGatherAttention(torch.autograd.Function):
         topo = plan.topo
         kv = gather_padded(_kv_rows(k, v), plan.k_sizes, topo, "attention.all_gather.bwd")
         grads = BlockBackward(plan, q, k, v, out, lse, dout)
-        total = torch.zeros_like(kv)                                  # (n, rows of K|V, Lmax, max(E, Ev))
+        total = torch.zeros_like(kv)  # (n, rows of K|V, Lmax, max(E, Ev))
         for b in range(topo.size):
             lb = plan.k_sizes[b]
             if lb:
                 gk, gv = grads.block(b, *_split_kv_rows(kv[b], k, v, lb))
                 total[b].narrow(-2, 0, lb).copy_(_kv_rows(gk, gv))
         del kv
-        mine = _reduce_scatter_blocks(total, topo)                    # (rows, Lmax, max(E, Ev))
+        mine = _reduce_scatter_blocks(total, topo)  # (rows, Lmax, max(E, Ev))
         dk, dv = _split_kv_rows(mine, k, v, k.size(-2))
         return grads.grad_q(), dk.contiguous(), dv.contiguous(), None
 
@@ -216,4 +224,4 @@ def _reduce_scatter_blocks(grads: torch.Tensor, topo) -> torch.Tensor:
         size = dist.get_world_size(group)
         out = out.unflatten(0, (size, out.size(0) // size)).contiguous()
         out = reduce_scatter_along_dim(out, 0, [1] * size, group, "attention.all_gather.bwd").squeeze(0)
-    return out[0]                                                      # (1, ...) -> this rank's entry
+    return out[0]  # (1, ...) -> this rank's entry

@@ -43,7 +43,9 @@ def _check_positions(name: str, pos, length: int, problems: List[str]) -> Tuple[
     if pos is None:
         return 0, -1
     if not isinstance(pos, torch.Tensor) or pos.dtype != torch.int64 or pos.dim() != 1:
-        what = f"{pos.dtype} tensor of shape {tuple(pos.shape)}" if isinstance(pos, torch.Tensor) else type(pos).__name__
+        what = (
+            f"{pos.dtype} tensor of shape {tuple(pos.shape)}" if isinstance(pos, torch.Tensor) else type(pos).__name__
+        )
         problems.append(f"{name} must be a 1-D int64 tensor of the local tokens' global indices, got {what}")
         return 0, -1
     if pos.numel() != length:
@@ -62,7 +64,9 @@ def _check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"scaled_dot_product_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
     if attn_mask is not None and not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"scaled_dot_product_attention: attn_mask must be a tensor or None, got {type(attn_mask).__name__}")
+        raise TypeError(
+            f"scaled_dot_product_attention: attn_mask must be a tensor or None, got {type(attn_mask).__name__}"
+        )
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"scaled_dot_product_attention: dropout_p must be a probability in [0, 1], got {dropout_p!r}")
     if is_causal and attn_mask is not None:
@@ -72,32 +76,44 @@ def _check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
     if algorithm not in _ALGORITHMS:
         raise ValueError(f"scaled_dot_product_attention: algorithm must be one of {_ALGORITHMS}, got {algorithm!r}")
     if attn_mask is not None and attn_mask.requires_grad:
-        raise ValueError("scaled_dot_product_attention: attn_mask.requires_grad is unsupported (the mask is a "
-                         "constant here); detach it")
+        raise ValueError(
+            "scaled_dot_product_attention: attn_mask.requires_grad is unsupported (the mask is a "
+            "constant here); detach it"
+        )
 
 
 def _local_problems(query, key, value, attn_mask, enable_gqa) -> List[str]:
     """Shape checks of this rank's tensors (collected, raised on every rank after the exchange)."""
     problems = []
     if min(query.dim(), key.dim(), value.dim()) < 2:
-        problems.append(f"query, key and value need at least 2 dims (..., L, E), got shapes {tuple(query.shape)}, "
-                        f"{tuple(key.shape)}, {tuple(value.shape)}")
+        problems.append(
+            f"query, key and value need at least 2 dims (..., L, E), got shapes {tuple(query.shape)}, "
+            f"{tuple(key.shape)}, {tuple(value.shape)}"
+        )
         return problems
     if len({query.dtype, key.dtype, value.dtype}) != 1 or not query.is_floating_point():
-        problems.append(f"query, key and value must share one floating dtype, got {query.dtype}, {key.dtype}, "
-                        f"{value.dtype}")
+        problems.append(
+            f"query, key and value must share one floating dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
     if query.size(-1) != key.size(-1):
         problems.append(f"query and key must share the last dim (E), got {query.size(-1)} and {key.size(-1)}")
     if key.size(-2) != value.size(-2):
         problems.append(f"key and value must hold the same tokens, got {key.size(-2)} and {value.size(-2)} rows")
-    if enable_gqa and (min(query.dim(), key.dim(), value.dim()) < 3 or key.size(-3) != value.size(-3)
-                       or query.size(-3) % key.size(-3) != 0):
-        problems.append(f"enable_gqa needs heads at dim -3 with query heads a multiple of key/value heads, got "
-                        f"shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if enable_gqa and (
+        min(query.dim(), key.dim(), value.dim()) < 3
+        or key.size(-3) != value.size(-3)
+        or query.size(-3) % key.size(-3) != 0
+    ):
+        problems.append(
+            f"enable_gqa needs heads at dim -3 with query heads a multiple of key/value heads, got "
+            f"shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
     if attn_mask is not None:
         if attn_mask.dim() < 2 or attn_mask.size(-2) not in (1, query.size(-2)):
-            problems.append(f"attn_mask must be broadcastable to (..., Lq_local={query.size(-2)}, Lk_global), got "
-                            f"shape {tuple(attn_mask.shape)}")
+            problems.append(
+                f"attn_mask must be broadcastable to (..., Lq_local={query.size(-2)}, Lk_global), got "
+                f"shape {tuple(attn_mask.shape)}"
+            )
         elif attn_mask.dtype != torch.bool and attn_mask.dtype != query.dtype:
             problems.append(f"attn_mask must be bool or {query.dtype} (the query's dtype), got {attn_mask.dtype}")
     return problems
@@ -121,15 +137,28 @@ def _batch_shape(query, key, value, attn_mask, groups) -> Tuple[int, ...]:
     try:
         return tuple(torch.broadcast_shapes(*shapes))
     except RuntimeError as err:
-        raise ValueError(f"scaled_dot_product_attention: batch dims of query {shapes[0]}, key {shapes[1]}, value "
-                         f"{shapes[2]}" + (f", attn_mask {shapes[3]}" if len(shapes) > 3 else "")
-                         + f" do not broadcast: {err}") from None
+        raise ValueError(
+            f"scaled_dot_product_attention: batch dims of query {shapes[0]}, key {shapes[1]}, value "
+            f"{shapes[2]}" + (f", attn_mask {shapes[3]}" if len(shapes) > 3 else "") + f" do not broadcast: {err}"
+        ) from None
 
 
-def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, *, mesh: Optional[DeviceMesh] = None, kv_sharded: bool = True,
-                                 q_positions: Optional[torch.Tensor] = None,
-                                 kv_positions: Optional[torch.Tensor] = None, algorithm: str = "auto"):
+def scaled_dot_product_attention(
+    query,
+    key,
+    value,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    *,
+    mesh: Optional[DeviceMesh] = None,
+    kv_sharded: bool = True,
+    q_positions: Optional[torch.Tensor] = None,
+    kv_positions: Optional[torch.Tensor] = None,
+    algorithm: str = "auto",
+):
     """``F.scaled_dot_product_attention`` on tokens sharded over ALL ranks of ``mesh``.
 
     ``mesh``: a 1-D or N-D DeviceMesh (N-D: its ranks in flattened, row-major order), None = the
@@ -203,51 +232,90 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         q_sizes, k_sizes = None, [lk]
     else:
         mask_cols = -1 if attn_mask is None or attn_mask.dim() < 1 else attn_mask.size(-1)
-        row = [0 if problems else 1, lq, lk, _sig(query.shape[:-2] + query.shape[-1:]) if not problems else 0,
-               _sig(key.shape[:-2] + key.shape[-1:]) if not problems else 0,
-               _sig(value.shape[:-2] + value.shape[-1:]) if not problems else 0, mask_cols,
-               q_positions is not None, kv_positions is not None, qmin, qmax, kmin, kmax]
+        row = [
+            0 if problems else 1,
+            lq,
+            lk,
+            _sig(query.shape[:-2] + query.shape[-1:]) if not problems else 0,
+            _sig(key.shape[:-2] + key.shape[-1:]) if not problems else 0,
+            _sig(value.shape[:-2] + value.shape[-1:]) if not problems else 0,
+            mask_cols,
+            q_positions is not None,
+            kv_positions is not None,
+            qmin,
+            qmax,
+            kmin,
+            kmax,
+        ]
         rows = gather_rows(row, topo, "attention.meta")
         _raise_agreed(rows, problems, topo.index)
-        for field, what in ((3, "query (batch dims and E)"), (4, "key (batch dims and E)"),
-                            (5, "value (batch dims and Ev)"), (7, "q_positions given or not"),
-                            (8, "kv_positions given or not")):
+        for field, what in (
+            (3, "query (batch dims and E)"),
+            (4, "key (batch dims and E)"),
+            (5, "value (batch dims and Ev)"),
+            (7, "q_positions given or not"),
+            (8, "kv_positions given or not"),
+        ):
             if len({r[field] for r in rows}) != 1:
-                raise ValueError(f"scaled_dot_product_attention: ranks disagree on {what}; every rank must hold "
-                                 f"the same batch/channel shape and pass the same options")
+                raise ValueError(
+                    f"scaled_dot_product_attention: ranks disagree on {what}; every rank must hold "
+                    f"the same batch/channel shape and pass the same options"
+                )
         q_sizes = [r[1] for r in rows]
         k_sizes = [r[2] for r in rows] if kv_sharded else [lk]
         lk_global = sum(k_sizes)
         if attn_mask is not None and any(r[6] not in (1, lk_global) for r in rows):
-            raise ValueError(f"scaled_dot_product_attention: attn_mask's last dim must span the global keys "
-                             f"({lk_global}) or be 1, got {[r[6] for r in rows]} on the ranks")
+            raise ValueError(
+                f"scaled_dot_product_attention: attn_mask's last dim must span the global keys "
+                f"({lk_global}) or be 1, got {[r[6] for r in rows]} on the ranks"
+            )
         if q_positions is not None and any(r[1] and (r[9] < 0 or r[10] >= sum(q_sizes)) for r in rows):
-            raise ValueError(f"scaled_dot_product_attention: q_positions must lie in [0, {sum(q_sizes)}), got "
-                             f"ranges {[(r[9], r[10]) for r in rows if r[1]]}")
+            raise ValueError(
+                f"scaled_dot_product_attention: q_positions must lie in [0, {sum(q_sizes)}), got "
+                f"ranges {[(r[9], r[10]) for r in rows if r[1]]}"
+            )
         if kv_positions is not None and any(r[2] and (r[11] < 0 or r[12] >= lk_global) for r in rows):
-            raise ValueError(f"scaled_dot_product_attention: kv_positions must lie in [0, {lk_global}), got "
-                             f"ranges {[(r[11], r[12]) for r in rows if r[2]]}")
+            raise ValueError(
+                f"scaled_dot_product_attention: kv_positions must lie in [0, {lk_global}), got "
+                f"ranges {[(r[11], r[12]) for r in rows if r[2]]}"
+            )
     groups = query.size(-3) // key.size(-3) if enable_gqa else 1
     batch = _batch_shape(query, key, value, attn_mask, groups)
     lk_global = sum(k_sizes)
     if attn_mask is not None and attn_mask.size(-1) not in (1, lk_global):
-        raise ValueError(f"scaled_dot_product_attention: attn_mask's last dim must be the global key count "
-                         f"{lk_global} or 1, got shape {tuple(attn_mask.shape)}")
+        raise ValueError(
+            f"scaled_dot_product_attention: attn_mask's last dim must be the global key count "
+            f"{lk_global} or 1, got shape {tuple(attn_mask.shape)}"
+        )
     cols = _key_cols(k_sizes, kv_positions if need_order else None, topo, kv_sharded)
     q_pos = None
     if is_causal or dropout_p > 0:
-        q_pos = q_positions if q_positions is not None else _default_positions(q_sizes, topo.index if q_sizes else 0, lq)
+        q_pos = (
+            q_positions if q_positions is not None else _default_positions(q_sizes, topo.index if q_sizes else 0, lq)
+        )
     bias_mask = None
     if attn_mask is not None:
-        bias_mask = attn_mask if attn_mask.dtype != torch.bool else torch.zeros(
-            attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~attn_mask, float("-inf"))
+        bias_mask = (
+            attn_mask
+            if attn_mask.dtype != torch.bool
+            else torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                ~attn_mask, float("-inf")
+            )
+        )
     keep, drop_scale = None, 1.0
     if dropout_p > 0:
         keep, drop_scale = _dropout_rows(query, batch, q_pos, sum(q_sizes) if q_sizes else lq, lk_global, dropout_p)
     plan = AttentionPlan(
-        topo=topo, k_sizes=k_sizes, cols=cols, batch=batch,
+        topo=topo,
+        k_sizes=k_sizes,
+        cols=cols,
+        batch=batch,
         scale=float(scale) if scale is not None else query.size(-1) ** -0.5,
-        groups=groups, bias_mask=bias_mask, q_pos=q_pos if is_causal else None, keep=keep, drop_scale=drop_scale,
+        groups=groups,
+        bias_mask=bias_mask,
+        q_pos=q_pos if is_causal else None,
+        keep=keep,
+        drop_scale=drop_scale,
         k_shape_of=lambda b: key.shape[:-2] + (k_sizes[b], key.size(-1)),
         v_shape_of=lambda b: value.shape[:-2] + (k_sizes[b], value.size(-1)),
     )
@@ -273,8 +341,10 @@ def _key_cols(k_sizes, kv_positions, topo, kv_sharded) -> List[Cols]:
     per_rank = [table[b, 0, : k_sizes[b], 0] for b in range(topo.size)]
     flat = torch.cat(per_rank)
     if not torch.equal(torch.sort(flat).values, torch.arange(flat.numel())):
-        raise ValueError(f"scaled_dot_product_attention: kv_positions over all ranks must be a permutation of "
-                         f"0..{flat.numel() - 1} (each global key exactly once)")
+        raise ValueError(
+            f"scaled_dot_product_attention: kv_positions over all ranks must be a permutation of "
+            f"0..{flat.numel() - 1} (each global key exactly once)"
+        )
     return [Cols(0, k_sizes[b], per_rank[b]) for b in range(topo.size)]
 
 
@@ -283,14 +353,21 @@ def _dropout_rows(query, batch, q_pos, lq_global: int, lk_global: int, p: float)
     if p >= 1.0:
         keep = torch.zeros(batch + (query.size(-2), lk_global), dtype=torch.bool, device=query.device)
         return keep, 0.0
-    full = dropout_slice(torch.ones((), dtype=query.dtype, device=query.device).expand(batch + (lq_global, lk_global)),
-                         p, True, batch + (lq_global, lk_global), -1, 0)
+    full = dropout_slice(
+        torch.ones((), dtype=query.dtype, device=query.device).expand(batch + (lq_global, lk_global)),
+        p,
+        True,
+        batch + (lq_global, lk_global),
+        -1,
+        0,
+    )
     keep = full.index_select(-2, q_pos.to(query.device)) != 0
     return keep, 1.0 / (1.0 - p)
 
 
-def token_positions(local_sizes: Sequence[int], mesh_dims: Sequence[Optional[int]],
-                    mesh: Optional[DeviceMesh] = None) -> Tuple[torch.Tensor, int]:
+def token_positions(
+    local_sizes: Sequence[int], mesh_dims: Sequence[Optional[int]], mesh: Optional[DeviceMesh] = None
+) -> Tuple[torch.Tensor, int]:
     """Global row-major indices of this rank's tokens when the token dim flattens factors of local
     sizes ``local_sizes`` (e.g. ``(H_local, W_local)``), factor ``i`` sharded over mesh dim
     ``mesh_dims[i]`` (an int) or not sharded (None). Returns ``(positions int64 (prod(local_sizes),),
@@ -323,15 +400,18 @@ def token_positions(local_sizes: Sequence[int], mesh_dims: Sequence[Optional[int
     sizes = [int(s) for s in local_sizes]
     dims = list(mesh_dims)
     if len(sizes) != len(dims) or not sizes:
-        raise ValueError(f"token_positions: local_sizes and mesh_dims need one entry per factor, got {len(sizes)} "
-                         f"and {len(dims)}")
+        raise ValueError(
+            f"token_positions: local_sizes and mesh_dims need one entry per factor, got {len(sizes)} and {len(dims)}"
+        )
     if any(s < 0 for s in sizes):
         raise ValueError(f"token_positions: local_sizes must be non-negative, got {sizes}")
     used = [d for d in dims if d is not None]
-    if any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < mesh.ndim for d in used) \
-            or len(set(used)) != len(used):
-        raise ValueError(f"token_positions: mesh_dims entries must be distinct mesh dims in [0, {mesh.ndim}) or "
-                         f"None, got {dims}")
+    if any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < mesh.ndim for d in used) or len(
+        set(used)
+    ) != len(used):
+        raise ValueError(
+            f"token_positions: mesh_dims entries must be distinct mesh dims in [0, {mesh.ndim}) or None, got {dims}"
+        )
     topo = topology(mesh)
     table = torch.tensor(gather_rows(sizes, topo, "attention.token_positions")).view(topo.shape + (len(sizes),))
     coord = [int(c) for c in mesh.get_coordinate()]
@@ -339,16 +419,20 @@ def token_positions(local_sizes: Sequence[int], mesh_dims: Sequence[Optional[int
     for i, d in enumerate(dims):
         if d is None:
             if not bool((table[..., i] == sizes[i]).all()):
-                raise ValueError(f"token_positions: factor {i} is not sharded, so every rank must hold the same "
-                                 f"size, got {sorted(set(table[..., i].flatten().tolist()))}")
+                raise ValueError(
+                    f"token_positions: factor {i} is not sharded, so every rank must hold the same "
+                    f"size, got {sorted(set(table[..., i].flatten().tolist()))}"
+                )
             glob.append(sizes[i])
             offsets.append(0)
             continue
         # sizes of factor i along mesh dim d, for every setting of the other mesh dims
-        along = table[..., i].movedim(d, -1).reshape(-1, topo.shape[d])    # (other coordinates, shape[d])
+        along = table[..., i].movedim(d, -1).reshape(-1, topo.shape[d])  # (other coordinates, shape[d])
         if not bool((along == along[0]).all()):
-            raise ValueError(f"token_positions: factor {i}'s local sizes along mesh dim {d} differ between the "
-                             f"other mesh coordinates: {table[..., i].tolist()}")
+            raise ValueError(
+                f"token_positions: factor {i}'s local sizes along mesh dim {d} differ between the "
+                f"other mesh coordinates: {table[..., i].tolist()}"
+            )
         line = along[0].tolist()
         glob.append(sum(line))
         offsets.append(sum(line[: coord[d]]))

@@ -16,9 +16,9 @@ from typing import List, Optional
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.attention.sdpa import _default_positions, _dropout_rows, _key_cols
 from tplayers.attention.plan import Cols, gather_padded, gather_rows, topology
 from tplayers.attention.ring import _reduce_scatter_blocks
+from tplayers.attention.sdpa import _default_positions, _dropout_rows, _key_cols
 from tplayers.mesh import resolve_mesh
 
 __all__ = ["GatherTokens", "attention_with_weights"]
@@ -30,7 +30,7 @@ class GatherTokens(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cols: List[Cols], sizes: List[int], topo):
-        blocks = gather_padded(x, sizes, topo, "attention.weights.gather.fwd")     # (n, ..., Lmax, E)
+        blocks = gather_padded(x, sizes, topo, "attention.weights.gather.fwd")  # (n, ..., Lmax, E)
         total = sum(sizes)
         out = x.new_empty(x.shape[:-2] + (total, x.size(-1)))
         for b, c in enumerate(cols):
@@ -49,8 +49,19 @@ class GatherTokens(torch.autograd.Function):
         return mine.narrow(-2, 0, ctx.sizes[ctx.topo.index]).contiguous(), None, None, None
 
 
-def attention_with_weights(q, k, v, mask: Optional[torch.Tensor], dropout_p: float, average: bool, *,
-                           mesh: Optional[DeviceMesh], kv_sharded: bool, q_positions, kv_positions):
+def attention_with_weights(
+    q,
+    k,
+    v,
+    mask: Optional[torch.Tensor],
+    dropout_p: float,
+    average: bool,
+    *,
+    mesh: Optional[DeviceMesh],
+    kv_sharded: bool,
+    q_positions,
+    kv_positions,
+):
     """torch's ``need_weights`` path on this rank's rows. ``q`` ``(N, H, Lq_local, hd)``, ``k``/``v``
     ``(N, H, Lk_local | Lk, hd)``, ``mask`` additive ``(N*H | 1, Lq_local | 1, Lk_global)`` or None.
     Returns ``(out (N, H, Lq_local, hd), weights (N, [H,] Lq_local, Lk_global))``."""
@@ -60,29 +71,34 @@ def attention_with_weights(q, k, v, mask: Optional[torch.Tensor], dropout_p: flo
     need_q_sizes = dropout_p > 0 and q_positions is None
     if topo.size > 1 and (kv_sharded or dropout_p > 0):
         mask_cols = -1 if mask is None else mask.size(-1)
-        rows = gather_rows([q.size(-2), k.size(-2), kv_positions is not None, mask_cols], topo,
-                           "attention.weights.meta")
+        rows = gather_rows(
+            [q.size(-2), k.size(-2), kv_positions is not None, mask_cols], topo, "attention.weights.meta"
+        )
         if len({r[2] for r in rows}) != 1:
             raise ValueError("multi_head_attention_forward: ranks disagree on kv_positions given or not")
         q_sizes, k_sizes = [r[0] for r in rows], [r[1] for r in rows]
         lk_global = sum(k_sizes) if kv_sharded else k.size(-2)
-        if any(r[3] not in (-1, lk_global) for r in rows):                  # every rank sees every mask
-            raise ValueError(f"multi_head_attention_forward: attn_mask/key_padding_mask must span the global keys "
-                             f"({lk_global}), got last dims {[r[3] for r in rows]} on the ranks")
+        if any(r[3] not in (-1, lk_global) for r in rows):  # every rank sees every mask
+            raise ValueError(
+                f"multi_head_attention_forward: attn_mask/key_padding_mask must span the global keys "
+                f"({lk_global}), got last dims {[r[3] for r in rows]} on the ranks"
+            )
     else:
         q_sizes, k_sizes = [lq], [k.size(-2)]
     if kv_sharded and topo.size > 1:
         cols = _key_cols(k_sizes, kv_positions, topo, True)
-        k = GatherTokens.apply(k, cols, k_sizes, topo)                       # (N, H, Lk_global, hd)
+        k = GatherTokens.apply(k, cols, k_sizes, topo)  # (N, H, Lk_global, hd)
         v = GatherTokens.apply(v, cols, k_sizes, topo)
     lk = k.size(-2)
     if mask is not None and mask.size(-1) != lk:
-        raise ValueError(f"multi_head_attention_forward: attn_mask/key_padding_mask must span the global keys "
-                         f"({lk}), got {tuple(mask.shape)}")
+        raise ValueError(
+            f"multi_head_attention_forward: attn_mask/key_padding_mask must span the global keys "
+            f"({lk}), got {tuple(mask.shape)}"
+        )
     qf, kf, vf = (t.reshape(n * heads, t.size(-2), hd) for t in (q, k, v))
     q_scaled = qf * math.sqrt(1.0 / float(hd))
     if mask is not None:
-        w = torch.baddbmm(mask, q_scaled, kf.transpose(-2, -1))             # (N*H, Lq_local, Lk)
+        w = torch.baddbmm(mask, q_scaled, kf.transpose(-2, -1))  # (N*H, Lq_local, Lk)
     else:
         w = torch.bmm(q_scaled, kf.transpose(-2, -1))
     w = torch.softmax(w, dim=-1)

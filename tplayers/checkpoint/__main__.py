@@ -1,8 +1,8 @@
 """``python -m tplayers.checkpoint {inspect,merge,reshard}``: offline checkpoint work, one process.
 
-    python -m tplayers.checkpoint inspect ckpt/ [--verify]
-    python -m tplayers.checkpoint merge ckpt/ model.safetensors
-    python -m tplayers.checkpoint reshard ckpt/ ckpt-4/ --world-size 4
+python -m tplayers.checkpoint inspect ckpt/ [--verify]
+python -m tplayers.checkpoint merge ckpt/ model.safetensors
+python -m tplayers.checkpoint reshard ckpt/ ckpt-4/ --world-size 4
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ def inspect(path: str, verify: bool = False, out=None) -> None:
     if info["format"] == "safetensors":
         out.write(f"{path}: safetensors file, {len(src.tensors)} tensors, metadata {info['metadata']}\n")
     else:
-        out.write(f"{path}: tplayers checkpoint v{info['version']}, saved at world size {info['world_size']}, "
-                  f"convention {info['convention']}, {len(src.files)} files\n")
+        out.write(
+            f"{path}: tplayers checkpoint v{info['version']}, saved at world size {info['world_size']}, "
+            f"convention {info['convention']}, {len(src.files)} files\n"
+        )
         for f, fi in sorted(src.files.items()):
             out.write(f"  {os.path.basename(f)}  {fi['size']} bytes  {info['algorithm']} {fi['digest'][:16]}...\n")
     total = 0
@@ -57,7 +59,9 @@ def inspect(path: str, verify: bool = False, out=None) -> None:
             r.check_files_present()
             for key in sorted(src.tensors):
                 r.read_box(key)
-        hashed = f"every block's {label(info['algorithm'])}" if src.files else "structure only (a plain file has no hashes)"
+        hashed = (
+            f"every block's {label(info['algorithm'])}" if src.files else "structure only (a plain file has no hashes)"
+        )
         out.write(f"verified: {hashed}\n")
 
 
@@ -71,8 +75,13 @@ def merge(directory: str, out_path: str, progress: Optional[bool] = True) -> Non
         tmp = temp_sibling(out_path, secrets.token_hex(8))
         bar = Progress(sum(t.numel() * t.element_size() for _, t in items), f"merge {out_path}", progress)
         try:
-            write_file(tmp, items, {"format": "tplayers.consolidated", "convention": CONVENTION},
-                       on_bytes=bar.update, hashes=False)
+            write_file(
+                tmp,
+                items,
+                {"format": "tplayers.consolidated", "convention": CONVENTION},
+                on_bytes=bar.update,
+                hashes=False,
+            )
             commit(tmp, out_path)
         finally:
             if os.path.exists(tmp):
@@ -87,7 +96,10 @@ def reshard(directory: str, out_dir: str, world_size: int, progress: Optional[bo
     _refuse_unsafe(out_dir)
     src: Source = open_source(directory)
     per_rank = [
-        [[k, list(e.shape), e.dtype, e.dim, [list(_range(e.shape, e.dim, world_size, r))]] for k, e in sorted(src.tensors.items())]
+        [
+            [k, list(e.shape), e.dtype, e.dim, [list(_range(e.shape, e.dim, world_size, r))]]
+            for k, e in sorted(src.tensors.items())
+        ]
         for r in range(world_size)
     ]
     tensors, writes = plan_layout(per_rank)

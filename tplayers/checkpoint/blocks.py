@@ -76,8 +76,9 @@ def bands(t: torch.Tensor, dim: int, width: int) -> Iterator[torch.Tensor]:
         yield t.narrow(dim, i, min(width, t.shape[dim] - i))
 
 
-def band_digests(t: torch.Tensor, dim: int, width: int, digest: Callable[[object], bytes],
-                 scratch: Optional[list] = None) -> List[bytes]:
+def band_digests(
+    t: torch.Tensor, dim: int, width: int, digest: Callable[[object], bytes], scratch: Optional[list] = None
+) -> List[bytes]:
     """The digest of each band of ``t`` (any strides), over the band's elements in row-major order.
 
     ``scratch``: an optional one-item list holding a reusable uint8 buffer (grown as needed).

@@ -38,12 +38,25 @@ BLOCK_BYTES = 1 << 18
 MAX_HEADER_BYTES = 100 << 20
 
 _DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
-    "I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F32": torch.float32, "F64": torch.float64, "C64": torch.complex64,
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "C64": torch.complex64,
 }
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
-                     ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2")):
+for _name, _attr in (
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+    ("U64", "uint64"),
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+):
     if hasattr(torch, _attr):
         _DTYPES[_name] = getattr(torch, _attr)
 _NAMES = {v: k for k, v in _DTYPES.items()}
@@ -109,7 +122,11 @@ class _WriteBack:
     def __init__(self, fd: int) -> None:
         self.fd, self.done, self.written = fd, 0, 0
         if _WriteBack._fn is None:
-            fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None) if sys.platform.startswith("linux") else None
+            fn = (
+                getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+                if sys.platform.startswith("linux")
+                else None
+            )
             if fn is not None:
                 fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
             _WriteBack._fn = fn or False
@@ -208,8 +225,11 @@ def write_file(
     prefix = struct.pack("<Q", len(raw)) + raw
     band_dims = band_dims or {}
     plan = [(name, block_rows(t.shape, t.element_size(), block_bytes), t) for name, t in items]
-    widths = {name: band_width(t.shape, band_dims[name], t.element_size(), block_bytes)
-              for name, t in items if name in band_dims}
+    widths = {
+        name: band_width(t.shape, band_dims[name], t.element_size(), block_bytes)
+        for name, t in items
+        if name in band_dims
+    }
     digest_fn = block_digest(algorithm) if hashes else None
     hashed: List[List[Future]] = [[] for _ in plan]
     banded: Dict[str, Future] = {}
@@ -245,8 +265,12 @@ def write_file(
         bs = band_out.get(name)
         for d in ds + (bs or []):
             digest.update(d)
-        out[name] = Hashed(k, [d.hex() for d in ds], widths.get(name) if bs is not None else None,
-                           [d.hex() for d in bs] if bs is not None else None)
+        out[name] = Hashed(
+            k,
+            [d.hex() for d in ds],
+            widths.get(name) if bs is not None else None,
+            [d.hex() for d in bs] if bs is not None else None,
+        )
     return len(prefix) + offset, digest.hexdigest() if hashes else "", out
 
 
@@ -339,6 +363,7 @@ def _check_name(name, where: str) -> str:
 # ----------------------------------------------------------------------------
 # Durable renames
 # ----------------------------------------------------------------------------
+
 
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)

@@ -52,7 +52,11 @@ def gather_state_dict(model: nn.Module, *, all_ranks: bool = False) -> Dict[str,
         t = lt.tensor.detach()
         if g.dim is not None and (world > 1 or lt.spec.ranges):
             sizes = [sum(b - a for a, b in spans[r][key]) for r in range(world)]
-            got = all_gather_along_dim(t.contiguous(), g.dim, sizes, dist.group.WORLD, tag="checkpoint") if world > 1 else t
+            got = (
+                all_gather_along_dim(t.contiguous(), g.dim, sizes, dist.group.WORLD, tag="checkpoint")
+                if world > 1
+                else t
+            )
             t = torch.empty(g.shape, dtype=t.dtype, device=t.device)
             offset = 0  # each rank's ranges in its local order; replicas write the same values twice
             for r in range(world):

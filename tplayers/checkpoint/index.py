@@ -168,8 +168,9 @@ def older_format(raw: dict) -> Optional[str]:
         what = f"format v{version}, layout {layout!r}"
     else:
         return None
-    return (f"written by an older tplayers ({what}): re-save it with tplayers <= {LAST_OLD_READER} "
-            "(load it, save it again)")
+    return (
+        f"written by an older tplayers ({what}): re-save it with tplayers <= {LAST_OLD_READER} (load it, save it again)"
+    )
 
 
 def _digest_list(digests, count: int, hex_len: int) -> bool:
@@ -264,11 +265,22 @@ def _parse_raw(directory: str, where: str, raw, signed: bool = False) -> Source:
     older = older_format(raw)
     _need(older is None, where, older)
     version = raw.get("version")
-    _need(version == VERSION and not isinstance(version, bool), where,
-          f"unsupported version {version!r:.80} (this reader knows {VERSION})")
+    _need(
+        version == VERSION and not isinstance(version, bool),
+        where,
+        f"unsupported version {version!r:.80} (this reader knows {VERSION})",
+    )
     _need(isinstance(raw.get("convention"), str), where, "missing shard convention name")
-    _need(_int(raw.get("world_size")) and raw["world_size"] >= 1, where, f"world_size must be a positive int, got {raw.get('world_size')!r:.80}")
-    _need(_int(raw.get("block_bytes")) and raw["block_bytes"] >= 1, where, f"block_bytes must be a positive int, got {raw.get('block_bytes')!r:.80}")
+    _need(
+        _int(raw.get("world_size")) and raw["world_size"] >= 1,
+        where,
+        f"world_size must be a positive int, got {raw.get('world_size')!r:.80}",
+    )
+    _need(
+        _int(raw.get("block_bytes")) and raw["block_bytes"] >= 1,
+        where,
+        f"block_bytes must be a positive int, got {raw.get('block_bytes')!r:.80}",
+    )
     algorithm = raw.get("digest")
     _need(algorithm in ALGORITHMS, where, f"digest must be one of {list(ALGORITHMS)}, got {algorithm!r:.80}")
     layout = raw.get("layout", NATURAL)
@@ -282,48 +294,83 @@ def _parse_raw(directory: str, where: str, raw, signed: bool = False) -> Source:
     for name, info in files.items():
         ok = isinstance(name, str) and _SAFE_NAME.fullmatch(name) is not None
         full = os.path.join(directory, name) if ok else str(name)
-        _need(ok and os.path.dirname(os.path.realpath(full)) == real_dir, where,
-              f"file name {name!r} is not a plain *.safetensors name inside {directory} (path traversal?)")
-        _need(isinstance(info, dict) and _int(info.get("size")) and isinstance(info.get("digest"), str)
-              and hex_digest.fullmatch(info["digest"]) is not None, where,
-              f"file {name!r}: needs an int size and a {algorithm} 'digest'")
+        _need(
+            ok and os.path.dirname(os.path.realpath(full)) == real_dir,
+            where,
+            f"file name {name!r} is not a plain *.safetensors name inside {directory} (path traversal?)",
+        )
+        _need(
+            isinstance(info, dict)
+            and _int(info.get("size"))
+            and isinstance(info.get("digest"), str)
+            and hex_digest.fullmatch(info["digest"]) is not None,
+            where,
+            f"file {name!r}: needs an int size and a {algorithm} 'digest'",
+        )
         out_files[full] = {"size": info["size"], "digest": info["digest"]}
     full_of = {name: os.path.join(directory, name) for name in files}
     pool: list = []  # every digest of every piece: their strings are checked together at the end
     out = {}
     for key, t in tensors.items():
         w = lambda: f"{where}: tensor {key!r}"  # noqa: E731 - formatted on failure only
-        _need(isinstance(t, dict) and isinstance(t.get("shape"), list) and all(_int(s) for s in t["shape"]), w, "bad shape")
+        _need(
+            isinstance(t, dict) and isinstance(t.get("shape"), list) and all(_int(s) for s in t["shape"]),
+            w,
+            "bad shape",
+        )
         shape, dim = tuple(t["shape"]), t.get("dim")
         dtype = t.get("dtype") if isinstance(t.get("dtype"), str) else repr(t.get("dtype"))
         try:
             torch_dtype(dtype, "")
         except CheckpointError:
             torch_dtype(dtype, w())  # raises, naming the tensor
-        _need(dim is None or (_int(dim) and dim < len(shape)), w, lambda: f"shard dim {dim!r} out of range for shape {list(shape)}")
+        _need(
+            dim is None or (_int(dim) and dim < len(shape)),
+            w,
+            lambda: f"shard dim {dim!r} out of range for shape {list(shape)}",
+        )
         pieces = t.get("pieces")
         _need(isinstance(pieces, list), w, "needs a 'pieces' list")
         parsed = []
         banded = dim not in (None, 0)
         for p in pieces:
-            _need(type(p) is dict and p.get("file") in files, w, lambda: f"piece names a file not in 'files': {p!r:.200}")
+            _need(
+                type(p) is dict and p.get("file") in files, w, lambda: f"piece names a file not in 'files': {p!r:.200}"
+            )
             start, stop = (p.get("start"), p.get("stop")) if dim is not None else (0, 0)
-            _need(_int(start) and _int(stop) and (dim is None or start < stop <= shape[dim]), w,
-                  lambda: f"piece range [{start}, {stop}) is not a non-empty range of dim length {shape[dim] if dim is not None else '-'}")
+            _need(
+                _int(start) and _int(stop) and (dim is None or start < stop <= shape[dim]),
+                w,
+                lambda: (
+                    f"piece range [{start}, {stop}) is not a non-empty range of dim length {shape[dim] if dim is not None else '-'}"
+                ),
+            )
             stored = stored_shape(shape, dim, start, stop)
             rows = stored[0] if stored else 1
             k, digests = p.get("block_rows"), p.get("digests")
-            _need(_int(k) and k >= 1 and type(digests) is list and len(digests) == -(-rows // k), w,
-                  lambda: f"piece in {p['file']}: block_rows / digests list malformed")
+            _need(
+                _int(k) and k >= 1 and type(digests) is list and len(digests) == -(-rows // k),
+                w,
+                lambda: f"piece in {p['file']}: block_rows / digests list malformed",
+            )
             pool.append(digests)
             name = p.get("name", key)
-            _need(type(name) is str and name != "__metadata__", w, lambda: f"piece in {p['file']}: bad stored name {name!r:.80}")
+            _need(
+                type(name) is str and name != "__metadata__",
+                w,
+                lambda: f"piece in {p['file']}: bad stored name {name!r:.80}",
+            )
             band, band_digests = None, None
             if banded:
                 band, band_digests = p.get("band"), p.get("band_digests")
-                _need(_int(band) and band >= 1 and type(band_digests) is list
-                      and len(band_digests) == -(-(stop - start) // band), w,
-                      lambda: f"piece in {p['file']}: band / band_digests malformed")
+                _need(
+                    _int(band)
+                    and band >= 1
+                    and type(band_digests) is list
+                    and len(band_digests) == -(-(stop - start) // band),
+                    w,
+                    lambda: f"piece in {p['file']}: band / band_digests malformed",
+                )
                 pool.append(band_digests)
                 band_digests = tuple(band_digests)
             parsed.append(Piece(full_of[p["file"]], start, stop, k, tuple(digests), name, band, band_digests))
@@ -331,28 +378,44 @@ def _parse_raw(directory: str, where: str, raw, signed: bool = False) -> Source:
             _need(len(parsed) == 1, w, lambda: f"a replicated tensor needs exactly 1 piece, got {len(parsed)}")
         else:
             parsed.sort(key=lambda p: p.start)
-            check_tiling(w(), shape[dim], [(p.start, p.stop) for p in parsed],
-                         lambda rng: next(os.path.basename(p.file) for p in parsed if (p.start, p.stop) == rng))
+            check_tiling(
+                w(),
+                shape[dim],
+                [(p.start, p.stop) for p in parsed],
+                lambda rng: next(os.path.basename(p.file) for p in parsed if (p.start, p.stop) == rng),
+            )
         out[key] = TensorEntry(shape, t["dtype"], dim, tuple(parsed))
     if not _digest_pool_ok(pool, hex_len):  # the slow path names the first bad piece
         for key, t in tensors.items():
             for p in t["pieces"]:
                 for field in ("digests", "band_digests"):
-                    _need(field not in p or _digest_list(p[field], len(p[field]), hex_len), f"{where}: tensor {key!r}",
-                          lambda: f"piece in {p['file']}: {field} must be {hex_len}-character lowercase hex strings")
+                    _need(
+                        field not in p or _digest_list(p[field], len(p[field]), hex_len),
+                        f"{where}: tensor {key!r}",
+                        lambda: f"piece in {p['file']}: {field} must be {hex_len}-character lowercase hex strings",
+                    )
         _need(False, where, f"digest lists malformed (each must hold {hex_len}-character lowercase hex strings)")
     if not signed:  # after the structure, so a structural error keeps its precise message
         digest = raw.get("index_sha256")
-        _need(isinstance(digest, str) and digest == index_digest(raw), where,
-              "index digest mismatch: index.json was edited or corrupted (its index_sha256 does not "
-              "match its contents), so it cannot be trusted to say where bytes belong")
+        _need(
+            isinstance(digest, str) and digest == index_digest(raw),
+            where,
+            "index digest mismatch: index.json was edited or corrupted (its index_sha256 does not "
+            "match its contents), so it cannot be trusted to say where bytes belong",
+        )
     info = {k: raw.get(k) for k in ("format", "version", "convention", "world_size", "block_bytes")}
     info["algorithm"] = algorithm
     return Source(directory, out, out_files, info)
 
 
-def build_index(world: int, convention: str, block_bytes: int, files: Dict[str, dict], tensors: Dict[str, dict],
-                algorithm: str = DEFAULT) -> bytes:
+def build_index(
+    world: int,
+    convention: str,
+    block_bytes: int,
+    files: Dict[str, dict],
+    tensors: Dict[str, dict],
+    algorithm: str = DEFAULT,
+) -> bytes:
     """Serialise an index (see the module docstring for the fields)."""
     doc = {
         "format": FORMAT,

@@ -85,6 +85,7 @@ def stored(t: torch.Tensor) -> torch.Tensor:
 # Rank agreement (small JSON payloads over the default group; no pickle)
 # ----------------------------------------------------------------------------
 
+
 def world_info() -> Tuple[int, int]:
     """``(rank, world size)`` of the default group, or ``(0, 1)`` without torch.distributed."""
     if dist.is_available() and dist.is_initialized():
@@ -148,6 +149,7 @@ def agree(error: Optional[str], payload=None) -> list:
 # ----------------------------------------------------------------------------
 # Global layout from every rank's specs
 # ----------------------------------------------------------------------------
+
 
 @dataclass
 class GlobalTensor:
@@ -225,7 +227,9 @@ def plan_layout(per_rank: Sequence[list]) -> Tuple[Dict[str, GlobalTensor], List
                     first.setdefault((start, stop), r)
         check_tiling(key, shape[dim], sorted(first), lambda rng: f"rank {first[rng]}")
         per_writer = [r for r in first.values()]
-        g.owners = [(s, e, r, key if per_writer.count(r) == 1 else f"{key}[{s}:{e}]") for (s, e), r in sorted(first.items())]
+        g.owners = [
+            (s, e, r, key if per_writer.count(r) == 1 else f"{key}[{s}:{e}]") for (s, e), r in sorted(first.items())
+        ]
         row_bytes = g.nbytes // max(shape[dim], 1)
         for s, e, r, _ in g.owners:
             load[r] += (e - s) * row_bytes
@@ -246,9 +250,13 @@ def check_tiling(key: str, n: int, ranges: Sequence[Tuple[int, int]], who) -> No
     for rng in ranges:
         start, stop = rng
         if start < expect:
-            raise CheckpointError(f"{key}: shard [{start}, {stop}) from {who(rng)} overlaps the previous one (ends at {expect})")
+            raise CheckpointError(
+                f"{key}: shard [{start}, {stop}) from {who(rng)} overlaps the previous one (ends at {expect})"
+            )
         if start > expect:
-            raise CheckpointError(f"{key}: elements [{expect}, {start}) of dim length {n} are held by no shard (gap before {who(rng)})")
+            raise CheckpointError(
+                f"{key}: elements [{expect}, {start}) of dim length {n} are held by no shard (gap before {who(rng)})"
+            )
         expect = stop
     if expect != n:
         raise CheckpointError(f"{key}: shards cover [0, {expect}) of a dim of length {n}")

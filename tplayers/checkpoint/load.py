@@ -13,8 +13,8 @@ from tplayers.checkpoint.index import open_source
 from tplayers.checkpoint.layout import agree, local_tensors, world_info
 from tplayers.checkpoint.optim import is_optimizer_key, optimizer_load_tensors
 from tplayers.checkpoint.progress import Progress
-from tplayers.checkpoint.wrapped import Staging
 from tplayers.checkpoint.read import Reader
+from tplayers.checkpoint.wrapped import Staging
 
 
 class LoadResult(NamedTuple):
@@ -112,8 +112,9 @@ def load_checkpoint(
     copies, error, result = [], None, LoadResult([], [], 0)
     reader, staging = None, Staging()
     try:
-        reader, copies, result = stage_load(model, path, strict=strict, verify=verify, cast=cast,
-                                            optimizer=optimizer, staging=staging)
+        reader, copies, result = stage_load(
+            model, path, strict=strict, verify=verify, cast=cast, optimizer=optimizer, staging=staging
+        )
     except Exception as e:  # noqa: BLE001 - any local failure must still reach `agree`, or peers hang
         error = f"{type(e).__name__}: {e}"
     try:
@@ -126,8 +127,16 @@ def load_checkpoint(
     return result
 
 
-def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast: bool, optimizer=None,
-               staging: Optional[Staging] = None):
+def stage_load(
+    model: nn.Module,
+    path: str,
+    *,
+    strict: bool,
+    verify: bool,
+    cast: bool,
+    optimizer=None,
+    staging: Optional[Staging] = None,
+):
     """This rank's half of a load, changing nothing: validate, read (and verify) what it needs.
 
     Returns ``(reader, copies, result)``; ``copies`` are ``(tensor, dest, source)``
@@ -154,15 +163,22 @@ def stage_load(model: nn.Module, path: str, *, strict: bool, verify: bool, cast:
         keys = sorted(set(local) & available)
         problems = [msg for key in keys for msg in _mismatch(key, local[key], source.tensors[key], cast)]
         if problems:
-            raise CheckpointError(f"{path}: {len(problems)} tensor(s) do not fit the model:\n    " + "\n    ".join(problems))
+            raise CheckpointError(
+                f"{path}: {len(problems)} tensor(s) do not fit the model:\n    " + "\n    ".join(problems)
+            )
         parts, targets = [], []  # each part with the local tensor (or a narrowed view of it) it fills
         for key in keys:
             spec, tensor = local[key].spec, local[key].tensor
             if spec.dim is None:
                 boxes = [(tensor, reader.plan(key, None))]
             else:  # one box per global range this rank holds (several for a fused layer)
-                boxes = [(tensor if b - a == tensor.shape[spec.dim] else tensor.narrow(spec.dim, off, b - a),
-                          reader.plan(key, spec.dim, a, b)) for (a, b), off in zip(spec.spans, spec.local_offsets)]
+                boxes = [
+                    (
+                        tensor if b - a == tensor.shape[spec.dim] else tensor.narrow(spec.dim, off, b - a),
+                        reader.plan(key, spec.dim, a, b),
+                    )
+                    for (a, b), off in zip(spec.spans, spec.local_offsets)
+                ]
             for target, box_parts in boxes:
                 parts += box_parts
                 targets += [target] * len(box_parts)
@@ -190,7 +206,9 @@ def _mismatch(key, lt, entry, cast: bool) -> List[str]:
     """Why checkpoint tensor ``entry`` cannot be loaded into local tensor ``lt`` (empty if it can)."""
     out = []
     if tuple(entry.shape) != lt.spec.global_shape:
-        out.append(f"tensor {key!r} has global shape {list(entry.shape)}, the model expects {list(lt.spec.global_shape)}")
+        out.append(
+            f"tensor {key!r} has global shape {list(entry.shape)}, the model expects {list(lt.spec.global_shape)}"
+        )
     got = torch_dtype(entry.dtype, f"tensor {key!r}")
     if got != lt.tensor.dtype and not cast:
         out.append(f"tensor {key!r} is {got}, the model holds {lt.tensor.dtype} (pass cast=True to convert)")

@@ -80,8 +80,9 @@ def optimizer_tensors(model: nn.Module, optimizer, local: Mapping[str, LocalTens
     return out
 
 
-def optimizer_load_tensors(model: nn.Module, optimizer, local: Mapping[str, LocalTensor], entries: Mapping,
-                           staging: Staging, path: str) -> Dict[str, LocalTensor]:
+def optimizer_load_tensors(
+    model: nn.Module, optimizer, local: Mapping[str, LocalTensor], entries: Mapping, staging: Staging, path: str
+) -> Dict[str, LocalTensor]:
     """Load targets for every optimizer entry of the checkpoint (``entries``: key -> index entry).
 
     State the optimizer lacks is created now but installed by ``staging.finish()`` (after
@@ -94,7 +95,7 @@ def optimizer_load_tensors(model: nn.Module, optimizer, local: Mapping[str, Loca
         raise CheckpointError(f"{path}: holds no optimizer state (save it with save_checkpoint(..., optimizer=opt))")
     out: Dict[str, LocalTensor] = {}
     for key in sorted(wanted):
-        name, _, state_name = key[len(PREFIX):].rpartition("/")
+        name, _, state_name = key[len(PREFIX) :].rpartition("/")
         if name not in params:
             raise CheckpointError(f"{path}: optimizer state {key!r} belongs to no parameter the optimizer updates")
         p, entry = params[name], entries[key]

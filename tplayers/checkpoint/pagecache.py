@@ -13,7 +13,6 @@ import mmap
 
 import torch
 
-
 _LIBC = None
 
 #: Spans at least this long are probed for residency before a ``MADV_WILLNEED``.

@@ -37,7 +37,9 @@ class Progress:
         frac = self.done / self.total if self.total else 1.0
         bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
         rate = self.done / max(now - self._t0, 1e-9) / 1e6
-        self.stream.write(f"\r{self.desc} [{bar}] {frac:4.0%} {self.done / 1e6:.0f}/{self.total / 1e6:.0f} MB {rate:.0f} MB/s")
+        self.stream.write(
+            f"\r{self.desc} [{bar}] {frac:4.0%} {self.done / 1e6:.0f}/{self.total / 1e6:.0f} MB {rate:.0f} MB/s"
+        )
         self.stream.flush()
 
     def close(self) -> None:

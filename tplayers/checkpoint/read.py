@@ -21,13 +21,12 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from tplayers.checkpoint.digest import DEFAULT, block_digest, file_hasher, label
 from tplayers.checkpoint.blocks import band_digests, row_blocks
+from tplayers.checkpoint.digest import DEFAULT, block_digest, file_hasher, label
 from tplayers.checkpoint.format import CheckpointError, read_header, torch_dtype
 from tplayers.checkpoint.index import Piece, Source, TensorEntry, stored_shape
 from tplayers.checkpoint.mapped import MappedFile
 from tplayers.checkpoint.pagecache import advise_exact_read
-
 
 #: Bytes of page reads kept in flight ahead of the part being checked.
 PREFETCH_BYTES = 512 << 20
@@ -121,8 +120,10 @@ class Reader:
             hexes.append("".join(piece.digests + (piece.band_digests or ())))
         digest.update(bytes.fromhex("".join(hexes)))  # a running hash: the same as one update per digest
         if digest.hexdigest() != info["digest"]:
-            raise CheckpointError(f"{path}: {label(self.algorithm)} of header and block digests does not match the index: "
-                                  "file or index corrupted")
+            raise CheckpointError(
+                f"{path}: {label(self.algorithm)} of header and block digests does not match the index: "
+                "file or index corrupted"
+            )
         return prefix, header
 
     def plan(self, key: str, dim: Optional[int], start: int = 0, stop: int = 0) -> List[Part]:
@@ -191,8 +192,9 @@ class Reader:
             (box[dest] if dest else box).copy_(t)
         return box
 
-    def _map_stored(self, key: str, p: Piece, want: List[Tuple[int, int]], dest: tuple,
-                    band_dim: Optional[int]) -> Part:
+    def _map_stored(
+        self, key: str, p: Piece, want: List[Tuple[int, int]], dest: tuple, band_dim: Optional[int]
+    ) -> Part:
         """Map ``want`` (a box in stored coordinates) of piece ``p``; when verifying, widened to the
         whole row blocks, or (a box narrowed along ``band_dim`` only) the whole bands, it touches."""
         f = self._open(p.file)

@@ -125,8 +125,10 @@ def save_checkpoint(
         raise ValueError(f"block_bytes must be a positive int, got {block_bytes!r}")
     check_algorithm(digest)
     if consolidated and optimizer is not None:
-        raise ValueError("save_checkpoint: optimizer state is saved in the sharded form only "
-                         "(consolidated=True writes exactly the serial model's state_dict); got both")
+        raise ValueError(
+            "save_checkpoint: optimizer state is saved in the sharded form only "
+            "(consolidated=True writes exactly the serial model's state_dict); got both"
+        )
     rank, world = world_info()
     local = local_tensors(model)
     if optimizer is not None:
@@ -142,7 +144,9 @@ def save_checkpoint(
     info, error = None, None
     try:
         os.makedirs(tmp, exist_ok=True)
-        items = [(name, stored(_piece(local[k], start, stop)), local[k].spec.dim) for k, start, stop, name in writes[rank]]
+        items = [
+            (name, stored(_piece(local[k], start, stop)), local[k].spec.dim) for k, start, stop, name in writes[rank]
+        ]
         info = write_rank_file(tmp, rank, world, items, block_bytes, progress if rank == 0 else False, digest)
     except Exception as e:  # noqa: BLE001 - every rank must reach the exchange below, or peers hang
         error = f"{type(e).__name__}: {e}"
@@ -239,23 +243,37 @@ def remove_previous(path: str, files: Optional[Sequence[str]], rank: int, world:
         os.rmdir(path)
 
 
-def write_rank_file(directory: str, rank: int, world: int, items, block_bytes: int, progress,
-                    algorithm: str = DEFAULT) -> dict:
+def write_rank_file(
+    directory: str, rank: int, world: int, items, block_bytes: int, progress, algorithm: str = DEFAULT
+) -> dict:
     """Write one rank's pieces ``(stored name, stored tensor, shard dim or None)``; returns the facts
     the index needs about the file. Pieces sharded on a dim > 0 are also hashed in bands along it."""
     name = shard_file_name(rank, world)
     bar = Progress(sum(t.numel() * t.element_size() for _, t, _ in items), f"save {name}", progress)
     meta = {"format": "tplayers.checkpoint", "layout": NATURAL}
     band_dims = {n: d for n, _, d in items if d not in (None, 0)}
-    size, digest, hashed = write_file(os.path.join(directory, name), [(n, t) for n, t, _ in items], meta,
-                                      block_bytes=block_bytes, on_bytes=bar.update, algorithm=algorithm,
-                                      band_dims=band_dims)
+    size, digest, hashed = write_file(
+        os.path.join(directory, name),
+        [(n, t) for n, t, _ in items],
+        meta,
+        block_bytes=block_bytes,
+        on_bytes=bar.update,
+        algorithm=algorithm,
+        band_dims=band_dims,
+    )
     bar.close()
     return {"file": name, "size": size, "digest": digest, "blocks": {k: list(v) for k, v in hashed.items()}}
 
 
-def finish_dir(tmp: str, path: str, world: int, tensors: Dict[str, GlobalTensor], infos: Sequence[dict], block_bytes: int,
-               algorithm: str = DEFAULT) -> Optional[str]:
+def finish_dir(
+    tmp: str,
+    path: str,
+    world: int,
+    tensors: Dict[str, GlobalTensor],
+    infos: Sequence[dict],
+    block_bytes: int,
+    algorithm: str = DEFAULT,
+) -> Optional[str]:
     """Write the index into ``tmp``, fsync it, and move ``tmp`` to ``path``; returns where the previous
     checkpoint now is (to be deleted), or None."""
     entries = {}
@@ -290,8 +308,13 @@ def _save_consolidated(model: nn.Module, path: str, rank: int, progress) -> None
         try:
             items = [(k, v.detach().to("cpu").contiguous()) for k, v in full.items()]
             bar = Progress(sum(t.numel() * t.element_size() for _, t in items), f"save {path}", progress)
-            write_file(tmp, items, {"format": "tplayers.consolidated", "convention": CONVENTION},
-                       on_bytes=bar.update, hashes=False)
+            write_file(
+                tmp,
+                items,
+                {"format": "tplayers.consolidated", "convention": CONVENTION},
+                on_bytes=bar.update,
+                hashes=False,
+            )
             bar.close()
             commit(tmp, path)
         except Exception as e:  # noqa: BLE001 - reported to every rank by `agree`

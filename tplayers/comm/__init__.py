@@ -7,6 +7,22 @@ See ``docs/design.md``.
 """
 
 from tplayers.comm.accounting import CollectiveRecord, CommLog, count_collectives, record_collective
+from tplayers.comm.collectives import (
+    CopyManyToParallelRegion,
+    CopyToParallelRegion,
+    GatherAlongDim,
+    ReduceFromParallelRegion,
+    SplitAlongDim,
+    all_gather_along_dim,
+    all_reduce_sum,
+    copy_many_to_parallel_region,
+    copy_to_parallel_region,
+    exchange_sizes,
+    gather_along_dim,
+    reduce_from_parallel_region,
+    run_p2p,
+    split_along_dim,
+)
 from tplayers.comm.halo import halo_exchange
 from tplayers.comm.sequence import (
     GatherFromSequenceRegion,
@@ -14,22 +30,6 @@ from tplayers.comm.sequence import (
     gather_from_sequence_region,
     reduce_scatter_along_dim,
     reduce_scatter_to_sequence_region,
-)
-from tplayers.comm.collectives import (
-    CopyManyToParallelRegion,
-    CopyToParallelRegion,
-    copy_many_to_parallel_region,
-    GatherAlongDim,
-    ReduceFromParallelRegion,
-    SplitAlongDim,
-    all_gather_along_dim,
-    all_reduce_sum,
-    copy_to_parallel_region,
-    exchange_sizes,
-    gather_along_dim,
-    reduce_from_parallel_region,
-    run_p2p,
-    split_along_dim,
 )
 
 __all__ = [

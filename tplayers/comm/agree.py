@@ -43,8 +43,9 @@ def config_code(value: object) -> int:
     return -(1 << 40) - zlib.crc32(repr(value).encode())
 
 
-def check_agreement(rows: Sequence[Sequence[int]], names: Sequence[str], values: Mapping[str, object],
-                    what: str) -> None:
+def check_agreement(
+    rows: Sequence[Sequence[int]], names: Sequence[str], values: Mapping[str, object], what: str
+) -> None:
     """``ValueError`` unless every rank's trailing ``len(names)`` codes match.
 
     ``rows`` are the exchanged rows in mesh order (every rank sees the same rows,
@@ -65,17 +66,32 @@ def check_agreement(rows: Sequence[Sequence[int]], names: Sequence[str], values:
         shown = []
         for code, ranks in groups.items():
             mine = config_code(values[name]) == code
-            label = repr(values[name]) if mine else (str(code) if isinstance(values[name], int)
-                                                      and not isinstance(values[name], bool) else "another value")
+            label = (
+                repr(values[name])
+                if mine
+                else (
+                    str(code)
+                    if isinstance(values[name], int) and not isinstance(values[name], bool)
+                    else "another value"
+                )
+            )
             shown.append(f"ranks {ranks}: {label}")
         problems.append(f"{name} differs across ranks ({'; '.join(shown)})")
     if problems:
-        raise ValueError(f"{what}: every rank must be built and called with the same arguments, but "
-                         + "; ".join(problems))
+        raise ValueError(
+            f"{what}: every rank must be built and called with the same arguments, but " + "; ".join(problems)
+        )
 
 
-def exchange_agreed(row: Sequence[int], config: Mapping[str, object], groups: Sequence[dist.ProcessGroup],
-                    what: str, tag: str = "agree", *, error: Optional[BaseException] = None) -> List[List[List[int]]]:
+def exchange_agreed(
+    row: Sequence[int],
+    config: Mapping[str, object],
+    groups: Sequence[dist.ProcessGroup],
+    what: str,
+    tag: str = "agree",
+    *,
+    error: Optional[BaseException] = None,
+) -> List[List[List[int]]]:
     """:func:`exchange_grid_table` of ``row`` with ``config`` appended and checked.
 
     ``error``: an exception this rank found in its own arguments before the
@@ -93,7 +109,8 @@ def exchange_agreed(row: Sequence[int], config: Mapping[str, object], groups: Se
     if error is not None:
         raise error
     if failed:
-        raise ValueError(f"{what}: rank(s) {failed} rejected their arguments (their error says why); "
-                         "no data was exchanged")
+        raise ValueError(
+            f"{what}: rank(s) {failed} rejected their arguments (their error says why); no data was exchanged"
+        )
     check_agreement(flat, names, config, what)
     return [[r[1 : n + 1] for r in line] for line in table]

@@ -112,7 +112,7 @@ class GradBuckets:
             b, offset = self.slots[id(p)]
             if b.flat is None:
                 b.flat = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
-            b.flat[offset:offset + p.numel()].add_(g.reshape(-1))
+            b.flat[offset : offset + p.numel()].add_(g.reshape(-1))
             self.filled.add(id(p))
         for b in buckets:
             b.arrived += 1
@@ -125,8 +125,9 @@ class GradBuckets:
         b.posted = True
         if self.groups:
             g = self.groups[0]
-            record_collective("all_reduce", b.flat.numel() * b.flat.element_size(), dist.get_world_size(g),
-                              "region.param_grads")
+            record_collective(
+                "all_reduce", b.flat.numel() * b.flat.element_size(), dist.get_world_size(g), "region.param_grads"
+            )
             b.work = dist.all_reduce(b.flat, group=g, async_op=True)
 
     def finish(self) -> List[Optional[torch.Tensor]]:
@@ -143,7 +144,7 @@ class GradBuckets:
         out = []
         for p in self.params:
             b, offset = self.slots[id(p)]
-            out.append(b.flat[offset:offset + p.numel()].view_as(p) if id(p) in self.filled else None)
+            out.append(b.flat[offset : offset + p.numel()].view_as(p) if id(p) in self.filled else None)
         for b in self.buckets:  # empty again: a second backward of the same graph (retain_graph) starts afresh
             b.flat, b.arrived, b.posted = None, 0, False
         self.filled = set()
@@ -159,8 +160,7 @@ def bucketed_params(root: nn.Module) -> List[nn.Parameter]:
             continue
         for name in ("bias", "weight"):
             p = m._parameters.get(name)
-            if (isinstance(p, nn.Parameter) and not isinstance(p, DTensor) and p.requires_grad
-                    and id(p) not in seen):
+            if isinstance(p, nn.Parameter) and not isinstance(p, DTensor) and p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
     return params

@@ -16,7 +16,6 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tplayers.comm.accounting import record_collective
@@ -58,6 +57,7 @@ def _nbytes(t: torch.Tensor) -> int:
 # Raw (non-autograd) collectives, each reported to comm accounting.
 # ----------------------------------------------------------------------------
 
+
 def all_reduce_sum(x: torch.Tensor, group: dist.ProcessGroup, tag: str = "") -> torch.Tensor:
     """Sum ``x`` over ``group`` in place (``x`` must be contiguous) and return it.
 
@@ -96,17 +96,16 @@ def all_gather_along_dim(
     return _eager_all_gather_along_dim(x, dim, sizes, group, tag)
 
 
-def _eager_all_gather_along_dim(x: torch.Tensor, dim: int, sizes: Sequence[int], group: dist.ProcessGroup,
-                                tag: str) -> torch.Tensor:
+def _eager_all_gather_along_dim(
+    x: torch.Tensor, dim: int, sizes: Sequence[int], group: dist.ProcessGroup, tag: str
+) -> torch.Tensor:
     world = dist.get_world_size(group)
     if world == 1:
         return x
     dim = dim % x.dim()
     me = dist.get_rank(group)
     if x.size(dim) != sizes[me]:
-        raise ValueError(
-            f"rank {me} holds {x.size(dim)} rows along dim {dim}, but the layout says {sizes[me]}"
-        )
+        raise ValueError(f"rank {me} holds {x.size(dim)} rows along dim {dim}, but the layout says {sizes[me]}")
     largest = max(sizes)
     if largest == 0:
         shape = list(x.shape)
@@ -153,8 +152,9 @@ def run_p2p(ops: Sequence[dist.P2POp], during=None) -> None:
 Message = Tuple[torch.Tensor, int, int]
 
 
-def exchange_p2p(group: dist.ProcessGroup, sends: Sequence[Message], recvs: Sequence[Message], direct: bool,
-                 during=None) -> None:
+def exchange_p2p(
+    group: dist.ProcessGroup, sends: Sequence[Message], recvs: Sequence[Message], direct: bool, during=None
+) -> None:
     """Post point-to-point messages with peers named by their rank *in* ``group``, call
     ``during()`` (work to overlap) if given, then wait for all of them.
 
@@ -194,7 +194,9 @@ def posts_direct(group: dist.ProcessGroup) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def exchange_grid_table(row: Sequence[int], groups: Sequence[dist.ProcessGroup], tag: str = "") -> List[List[List[int]]]:
+def exchange_grid_table(
+    row: Sequence[int], groups: Sequence[dist.ProcessGroup], tag: str = ""
+) -> List[List[List[int]]]:
     """Every rank's small integer ``row`` (e.g. ``[ok, N, C, H, W]``), as a nested list
     ``table[c0][c1]`` indexed by mesh coordinates (``c1`` is always 0 on a 1-D mesh).
 
@@ -221,6 +223,7 @@ def exchange_grid_table(row: Sequence[int], groups: Sequence[dist.ProcessGroup],
 # ----------------------------------------------------------------------------
 # Autograd-paired collectives.
 # ----------------------------------------------------------------------------
+
 
 class CopyToParallelRegion(torch.autograd.Function):
     """forward: identity (the input is replicated) / backward: all-reduce (sum) of the gradient."""

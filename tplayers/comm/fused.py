@@ -100,7 +100,10 @@ class LinearAllReduceInputGrad(torch.autograd.Function):
 
 
 def linear_all_reduce_input_grad(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: dist.ProcessGroup,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    group: dist.ProcessGroup,
     reduce_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """``F.linear`` whose backward all-reduces the input gradient, overlapped with the weight gradient."""
@@ -136,7 +139,10 @@ class LinearAllReduceOutput(torch.autograd.Function):
 
 
 def linear_all_reduce_output(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: dist.ProcessGroup,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    group: dist.ProcessGroup,
     reduce_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     """Row-parallel ``F.linear`` + all-reduce of the output, the bias added once (see :class:`LinearAllReduceOutput`)."""
@@ -169,8 +175,9 @@ class AllGatherLinear(torch.autograd.Function):
         grad_x = None
         pending = None
         if need_x:  # (..., s, ..., in) partial sums over this rank's outputs -> this rank's tokens, summed
-            pending = reduce_scatter_along_dim(grad_out @ weight, ctx.dim, ctx.sizes, ctx.group, "sp.linear.bwd",
-                                               async_op=True)
+            pending = reduce_scatter_along_dim(
+                grad_out @ weight, ctx.dim, ctx.sizes, ctx.group, "sp.linear.bwd", async_op=True
+            )
         grad_w, grad_b = linear_param_grads(grad_out, full, need_w, need_b and ctx.has_bias)  # (out_local, in)
         if pending is not None:
             grad_x = pending.wait()

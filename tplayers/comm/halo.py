@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.accounting import record_collective
 from tplayers.comm.collectives import exchange_p2p, group_by_name
-from tplayers.comm.halo_route import HaloRoute, _peers, halo_route
+from tplayers.comm.halo_route import HaloRoute, halo_route
 from tplayers.ops import pack_faces, unpack_faces
 from tplayers.ops.registry import OpSpec, register
 
@@ -69,8 +69,17 @@ _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 _TAG_DOWN, _TAG_UP = 17, 18
 
 
-def _swap(src: torch.Tensor, dim: int, to_lo: Pair, to_hi: Pair, from_hi: int, from_lo: int,
-          route: "HaloRoute", tag: str, during: Optional[Callable[[], None]] = None) -> Tuple[torch.Tensor, int]:
+def _swap(
+    src: torch.Tensor,
+    dim: int,
+    to_lo: Pair,
+    to_hi: Pair,
+    from_hi: int,
+    from_lo: int,
+    route: "HaloRoute",
+    tag: str,
+    during: Optional[Callable[[], None]] = None,
+) -> Tuple[torch.Tensor, int]:
     """Send face ``to_lo`` of ``src`` to the low neighbour and ``to_hi`` to the high one (``route``);
     receive ``from_hi`` rows from the high neighbour and ``from_lo`` rows from the low one.
 
@@ -142,17 +151,32 @@ def _grad_format(x: torch.Tensor) -> torch.memory_format:
     return cl_format if cl else torch.contiguous_format
 
 
-def halo_state(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, send: Pair,
-               periodic: bool, route: Optional[HaloRoute] = None) -> HaloState:
+def halo_state(
+    x: torch.Tensor,
+    dim: int,
+    group: dist.ProcessGroup,
+    recv: Pair,
+    send: Pair,
+    periodic: bool,
+    route: Optional[HaloRoute] = None,
+) -> HaloState:
     """The :class:`HaloState` of exchanging ``x`` (what :func:`halo_pad` returns with the padded tensor);
     ``route``: the exchange's :func:`halo_route`, when the caller keeps it (else resolved here)."""
     route = halo_route(group, periodic) if route is None else route
     return HaloState(dim, group, tuple(recv), tuple(send), x.size(dim), route.peers, _grad_format(x), route)
 
 
-def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, send: Pair, periodic: bool,
-             memory_format: torch.memory_format = torch.contiguous_format,
-             out: Optional[torch.Tensor] = None, route: Optional[HaloRoute] = None) -> Tuple[torch.Tensor, HaloState]:
+def halo_pad(
+    x: torch.Tensor,
+    dim: int,
+    group: dist.ProcessGroup,
+    recv: Pair,
+    send: Pair,
+    periodic: bool,
+    memory_format: torch.memory_format = torch.contiguous_format,
+    out: Optional[torch.Tensor] = None,
+    route: Optional[HaloRoute] = None,
+) -> Tuple[torch.Tensor, HaloState]:
     """Forward of :class:`HaloExchange1d` without autograd: the padded tensor and the adjoint's state.
 
     While compiling (``torch.compile``) the exchange is the custom op ``tplayers::halo_pad``.
@@ -163,14 +187,20 @@ def halo_pad(x: torch.Tensor, dim: int, group: dist.ProcessGroup, recv: Pair, se
     state = halo_state(x, dim, group, recv, send, periodic, route)
     if torch.compiler.is_compiling():
         ensure_halo_ops()
-        out = torch.ops.tplayers.halo_pad(x, dim, group.group_name, list(recv), list(send), bool(periodic),
-                                          format_code(memory_format))
+        out = torch.ops.tplayers.halo_pad(
+            x, dim, group.group_name, list(recv), list(send), bool(periodic), format_code(memory_format)
+        )
         return out, state
     return _eager_halo_pad(x, state, periodic, memory_format, out), state
 
 
-def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_format: torch.memory_format,
-                    out: Optional[torch.Tensor] = None):
+def _eager_halo_pad(
+    x: torch.Tensor,
+    state: HaloState,
+    periodic: bool,
+    memory_format: torch.memory_format,
+    out: Optional[torch.Tensor] = None,
+):
     route = state.resolved()
     dim, n, (lo, hi), size = state.dim, state.n, route.peers, route.size
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
@@ -198,8 +228,9 @@ def _eager_halo_pad(x: torch.Tensor, state: HaloState, periodic: bool, memory_fo
     return out
 
 
-def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable[[], None]] = None,
-                 owned: bool = False) -> torch.Tensor:
+def halo_adjoint(
+    grad: torch.Tensor, state: HaloState, during: Optional[Callable[[], None]] = None, owned: bool = False
+) -> torch.Tensor:
     """Backward of :class:`HaloExchange1d`: the gradient of ``x`` from the padded tensor's ``grad``.
 
     ``during`` (optional) runs after the messages are posted and before they are
@@ -215,9 +246,17 @@ def halo_adjoint(grad: torch.Tensor, state: HaloState, during: Optional[Callable
         if during is not None:
             during()
         ensure_halo_ops()
-        return torch.ops.tplayers.halo_adjoint(grad, state.dim, state.group.group_name, list(state.recv),
-                                               list(state.send), state.n, peer_code(state.peers[0]),
-                                               peer_code(state.peers[1]), format_code(state.grad_format))
+        return torch.ops.tplayers.halo_adjoint(
+            grad,
+            state.dim,
+            state.group.group_name,
+            list(state.recv),
+            list(state.send),
+            state.n,
+            peer_code(state.peers[0]),
+            peer_code(state.peers[1]),
+            format_code(state.grad_format),
+        )
     route = state.resolved()
     dim, n, (lo, hi), size = state.dim, state.n, route.peers, route.size
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
@@ -261,8 +300,9 @@ def _pairs(name: str, value, count: int) -> List[Pair]:
         value = [value]
     value = [tuple(int(w) for w in p) for p in value]
     if len(value) != count or any(len(p) != 2 or min(p) < 0 for p in value):
-        raise ValueError(f"{name} must hold one (lo, hi) pair of non-negative widths per shard dim "
-                         f"({count}), got {value!r}")
+        raise ValueError(
+            f"{name} must hold one (lo, hi) pair of non-negative widths per shard dim ({count}), got {value!r}"
+        )
     return value
 
 
@@ -271,8 +311,16 @@ def halo_widths_ok(n: int, send: Pair) -> bool:
     return send[0] <= n and send[1] <= n
 
 
-def halo_exchange(x: torch.Tensor, mesh: DeviceMesh, shard_dims: Sequence[int], recv, send, periodic, *,
-                  memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+def halo_exchange(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    shard_dims: Sequence[int],
+    recv,
+    send,
+    periodic,
+    *,
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> torch.Tensor:
     """``x`` padded with its neighbours' edge rows along each of ``shard_dims`` (see module doc).
 
     ``shard_dims`` has one tensor dim per mesh dim. ``recv`` / ``send`` are
@@ -291,10 +339,14 @@ def halo_exchange(x: torch.Tensor, mesh: DeviceMesh, shard_dims: Sequence[int], 
         raise ValueError(f"periodic needs one bool per shard dim ({len(dims)}), got {periodic}")
     for i, d in enumerate(dims):
         if not halo_widths_ok(x.size(d), send[i]):
-            raise ValueError(f"halo_exchange: rank {dist.get_rank()} holds {x.size(d)} rows along dim {d} "
-                             f"but must send {send[i]} (lo, hi)")
+            raise ValueError(
+                f"halo_exchange: rank {dist.get_rank()} holds {x.size(d)} rows along dim {d} "
+                f"but must send {send[i]} (lo, hi)"
+            )
     for i, d in enumerate(dims):
-        x = HaloExchange1d.apply(x, d, mesh.get_group(i), tuple(recv[i]), tuple(send[i]), bool(periodic[i]), memory_format)
+        x = HaloExchange1d.apply(
+            x, d, mesh.get_group(i), tuple(recv[i]), tuple(send[i]), bool(periodic[i]), memory_format
+        )
     return x
 
 
@@ -329,8 +381,9 @@ def state_from_codes(dim: int, group_name: str, recv, send, n: int, lo: int, hi:
     return HaloState(dim, group_by_name(group_name), tuple(recv), tuple(send), n, peers, _FORMATS[grad_format])
 
 
-def _halo_pad_op(x: torch.Tensor, dim: int, group_name: str, recv: List[int], send: List[int], periodic: bool,
-                 memory_format: int) -> torch.Tensor:
+def _halo_pad_op(
+    x: torch.Tensor, dim: int, group_name: str, recv: List[int], send: List[int], periodic: bool, memory_format: int
+) -> torch.Tensor:
     return halo_pad(x, dim, group_by_name(group_name), tuple(recv), tuple(send), periodic, _FORMATS[memory_format])[0]
 
 
@@ -340,8 +393,17 @@ def _halo_pad_fake(x, dim, group_name, recv, send, periodic, memory_format):
     return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=_FORMATS[memory_format])
 
 
-def _halo_adjoint_op(grad: torch.Tensor, dim: int, group_name: str, recv: List[int], send: List[int], n: int,
-                     lo: int, hi: int, grad_format: int) -> torch.Tensor:
+def _halo_adjoint_op(
+    grad: torch.Tensor,
+    dim: int,
+    group_name: str,
+    recv: List[int],
+    send: List[int],
+    n: int,
+    lo: int,
+    hi: int,
+    grad_format: int,
+) -> torch.Tensor:
     return halo_adjoint(grad, state_from_codes(dim, group_name, recv, send, n, lo, hi, grad_format))
 
 

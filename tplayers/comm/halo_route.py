@@ -45,8 +45,9 @@ class HaloRoute:
     direct: bool
 
 
-def halo_route(group: dist.ProcessGroup, periodic: bool = False,
-               peers: Optional[Tuple[Optional[int], Optional[int]]] = None) -> HaloRoute:
+def halo_route(
+    group: dist.ProcessGroup, periodic: bool = False, peers: Optional[Tuple[Optional[int], Optional[int]]] = None
+) -> HaloRoute:
     """The :class:`HaloRoute` of exchanging along ``group`` (``peers``: global ranks already known).
 
     Example (2 ranks, non-periodic: rank 0 has only a high neighbour)::

@@ -52,8 +52,9 @@ def reduce_scatter_along_dim(
     world, me = dist.get_world_size(group), dist.get_rank(group)
     dim = dim % x.dim()
     if x.size(dim) != sum(sizes):
-        raise ValueError(f"reduce_scatter_along_dim: dim {dim} has {x.size(dim)} rows, the layout {list(sizes)} "
-                         f"sums to {sum(sizes)}")
+        raise ValueError(
+            f"reduce_scatter_along_dim: dim {dim} has {x.size(dim)} rows, the layout {list(sizes)} sums to {sum(sizes)}"
+        )
     moved = x.movedim(dim, 0)  # (n, ...): each rank's block contiguous
     largest = max(sizes)
     if all(s == largest for s in sizes):
@@ -81,8 +82,10 @@ def sequence_sizes(local: int, group: dist.ProcessGroup, what: str) -> List[int]
     sizes = exchange_sizes(local, group)
     expected = shard_sizes(sum(sizes), len(sizes))
     if sizes != expected:
-        raise ValueError(f"{what}: the sequence must be sharded as shard_sizes({sum(sizes)}, {len(sizes)}) = "
-                         f"{expected}, got local lengths {sizes}")
+        raise ValueError(
+            f"{what}: the sequence must be sharded as shard_sizes({sum(sizes)}, {len(sizes)}) = "
+            f"{expected}, got local lengths {sizes}"
+        )
     return sizes
 
 

@@ -15,9 +15,25 @@ The floor above :mod:`tplayers.comm` and below the layers:
 See ``docs/design.md``.
 """
 
-from tplayers.domain.boundary import ReplicatedToSharded, ShardedToReplicated, replicated_to_sharded, sharded_to_replicated
+from tplayers.domain.boundary import (
+    ReplicatedToSharded,
+    ShardedToReplicated,
+    replicated_to_sharded,
+    sharded_to_replicated,
+)
 from tplayers.domain.reductions import domain_mean, domain_sum
 from tplayers.domain.shard import gather, reset_layouts, resolve_domain, scatter, shard
 
-__all__ = ["shard", "scatter", "gather", "resolve_domain", "reset_layouts", "domain_sum", "domain_mean",
-           "ShardedToReplicated", "ReplicatedToSharded", "sharded_to_replicated", "replicated_to_sharded"]
+__all__ = [
+    "shard",
+    "scatter",
+    "gather",
+    "resolve_domain",
+    "reset_layouts",
+    "domain_sum",
+    "domain_mean",
+    "ShardedToReplicated",
+    "ReplicatedToSharded",
+    "sharded_to_replicated",
+    "replicated_to_sharded",
+]

@@ -46,8 +46,13 @@ from tplayers.comm.collectives import all_reduce_sum
 from tplayers.domain.active import active_guard
 from tplayers.mesh import resolve_mesh
 
-__all__ = ["ShardedToReplicated", "ReplicatedToSharded", "sharded_to_replicated", "replicated_to_sharded",
-           "domain_groups"]
+__all__ = [
+    "ShardedToReplicated",
+    "ReplicatedToSharded",
+    "sharded_to_replicated",
+    "replicated_to_sharded",
+    "domain_groups",
+]
 
 
 def domain_groups(mesh: Optional[DeviceMesh]) -> List[dist.ProcessGroup]:
@@ -150,8 +155,11 @@ def sharded_to_replicated(x_partial: torch.Tensor, mesh: Optional[DeviceMesh] = 
     guard = _guard()
     if guard is not None:  # inside a guarded region every replicated value is already global
         if guard.layout(x_partial) is not None:
-            raise guard.error("sharded_to_replicated of a tensor that is still sharded", guard.layout(x_partial),
-                              "Reduce it first (x.sum(dim) over the sharded dims is global inside a region).")
+            raise guard.error(
+                "sharded_to_replicated of a tensor that is still sharded",
+                guard.layout(x_partial),
+                "Reduce it first (x.sum(dim) over the sharded dims is global inside a region).",
+            )
         return x_partial
     groups = _active(domain_groups(mesh))
     return ShardedToReplicated.apply(x_partial, groups) if groups else x_partial

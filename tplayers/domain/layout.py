@@ -19,9 +19,23 @@ from typing import List, Optional, Sequence, Tuple
 Factor = Tuple[int, Optional[int]]  # (local size, mesh dim or None)
 Layout = Tuple[Optional[Tuple[Factor, ...]], ...]
 
-__all__ = ["Factor", "Layout", "LayoutError", "region_layout", "sharded_dims", "mesh_dims_of", "is_sharded",
-           "reshape_layout", "flatten_layout", "unflatten_layout", "canonical_layout", "permute_layout",
-           "broadcast_layouts", "drop_dims", "insert_dim"]
+__all__ = [
+    "Factor",
+    "Layout",
+    "LayoutError",
+    "region_layout",
+    "sharded_dims",
+    "mesh_dims_of",
+    "is_sharded",
+    "reshape_layout",
+    "flatten_layout",
+    "unflatten_layout",
+    "canonical_layout",
+    "permute_layout",
+    "broadcast_layouts",
+    "drop_dims",
+    "insert_dim",
+]
 
 
 class LayoutError(ValueError):
@@ -115,8 +129,10 @@ def reshape_layout(shape: Sequence[int], layout: Layout, new_shape: Sequence[int
         new_shape[new_shape.index(-1)] = _prod(shape) // known if known else 0
     raw = _factors(shape, layout)
     if any(s == 0 for s, _ in raw):
-        raise LayoutError(f"a reshape of an empty shard {tuple(shape)} -> {tuple(new_shape)} cannot be matched to the "
-                          "sharded dims (give every rank at least one row)")
+        raise LayoutError(
+            f"a reshape of an empty shard {tuple(shape)} -> {tuple(new_shape)} cannot be matched to the "
+            "sharded dims (give every rank at least one row)"
+        )
     todo = _canonical(raw)
     if _prod(new_shape) != _prod(s for s, _ in todo):
         raise LayoutError(f"reshape {tuple(shape)} -> {tuple(new_shape)} does not match the factors")
@@ -134,16 +150,22 @@ def reshape_layout(shape: Sequence[int], layout: Layout, new_shape: Sequence[int
                 if hi <= lo:
                     continue
                 if hi % lo:
-                    raise LayoutError(f"reshape {tuple(shape)} -> {tuple(new_shape)} groups a sharded dim's rows "
-                                      "with a fraction of a whole dim, which does not follow the serial layout")
+                    raise LayoutError(
+                        f"reshape {tuple(shape)} -> {tuple(new_shape)} groups a sharded dim's rows "
+                        "with a fraction of a whole dim, which does not follow the serial layout"
+                    )
                 out[k].append((hi // lo, None))
         else:
-            cands = [k for k in range(n) if bounds[k] <= pos and end <= bounds[k + 1]
-                     and pos % bounds[k] == 0 and bounds[k + 1] % end == 0]
+            cands = [
+                k
+                for k in range(n)
+                if bounds[k] <= pos and end <= bounds[k + 1] and pos % bounds[k] == 0 and bounds[k + 1] % end == 0
+            ]
             if not cands:
                 raise LayoutError(
                     f"reshape {tuple(shape)} -> {tuple(new_shape)} splits a sharded dim (local size {size}) across "
-                    "several dims, which would interleave rows that live on different ranks")
+                    "several dims, which would interleave rows that live on different ranks"
+                )
             if len(cands) > 1:  # only a 1-row shard on a boundary (a factor of size > 1 spans a unique dim)
                 raise LayoutError(
                     f"reshape {tuple(shape)} -> {tuple(new_shape)} is ambiguous: this rank holds a single row of a "
@@ -151,7 +173,8 @@ def reshape_layout(shape: Sequence[int], layout: Layout, new_shape: Sequence[int
                     f"{' or '.join(str(k) for k in cands[1:])}, which shard different dims of the serial result "
                     "(with h == 1, x.view(n, c, h * w) and x.view(n, c * h, w) make the same local call). Give every "
                     "rank at least 2 rows along the sharded dims (fewer ranks or a larger input), or use "
-                    "flatten / unflatten, which name the dims they merge")
+                    "flatten / unflatten, which name the dims they merge"
+                )
             out[cands[0]].append((size, axis))
         pos = end
     return tuple(_entry(e) for e in out)
@@ -169,7 +192,7 @@ def flatten_layout(shape: Sequence[int], layout: Layout, start: int, end: int) -
     merged: List[Factor] = []
     for d in range(start, end + 1):
         merged.extend(layout[d] if layout[d] else ((int(shape[d]), None),))
-    return tuple(layout[:start]) + (_entry(merged),) + tuple(layout[end + 1:])
+    return tuple(layout[:start]) + (_entry(merged),) + tuple(layout[end + 1 :])
 
 
 def unflatten_layout(shape: Sequence[int], layout: Layout, dim: int, sizes: Sequence[int]) -> Layout:
@@ -177,7 +200,7 @@ def unflatten_layout(shape: Sequence[int], layout: Layout, dim: int, sizes: Sequ
     :func:`reshape_layout`; the other dims are untouched)."""
     dim = dim % len(shape)
     part = reshape_layout((int(shape[dim]),), (layout[dim],), sizes)
-    return tuple(layout[:dim]) + part + tuple(layout[dim + 1:])
+    return tuple(layout[:dim]) + part + tuple(layout[dim + 1 :])
 
 
 def permute_layout(layout: Layout, order: Sequence[int]) -> Layout:
@@ -226,7 +249,8 @@ def broadcast_layouts(shapes: Sequence[Sequence[int]], layouts: Sequence[Optiona
                 raise LayoutError(
                     f"a replicated operand of shape {tuple(shape)} spans the sharded dim {d - ndim} with size "
                     f"{shape[k]}: it would pair the same values with every rank's rows (make it size 1 there, or "
-                    "shard it the same way)")
+                    "shard it the same way)"
+                )
     return tuple(out)
 
 

@@ -40,8 +40,23 @@ from tplayers.domain.active import active_guard, stepped_aside
 from tplayers.domain.boundary import ReplicatedToSharded, ShardedToReplicated, sharded_to_replicated
 from tplayers.mesh import resolve_mesh
 
-__all__ = ["sum", "mean", "amax", "amin", "var", "std", "norm", "domain_sum", "domain_mean", "reduce_groups",
-           "sum_over", "mean_over", "extreme_over", "var_over", "norm_over"]
+__all__ = [
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "var",
+    "std",
+    "norm",
+    "domain_sum",
+    "domain_mean",
+    "reduce_groups",
+    "sum_over",
+    "mean_over",
+    "extreme_over",
+    "var_over",
+    "norm_over",
+]
 
 _sum = sum  # the builtin, shadowed below
 
@@ -278,7 +293,6 @@ def norm(x, p=2, dim=None, keepdim=False, *, mesh=None, shard_dims=(2,), dtype=N
     return norm_over(x, p, dims, keepdim, reduce_groups(mesh, shard_dims, dims), dtype)
 
 
-
 def _unguarded():
     """Inside a domain region these functions read local slices and reduce them themselves: the
     region guard steps aside for them (their result is replicated)."""
@@ -320,8 +334,9 @@ def domain_sum(x_local: torch.Tensor, mesh: Optional[DeviceMesh] = None) -> torc
         return total.to(x_local.dtype)
 
 
-def domain_mean(x_local: torch.Tensor, mesh: Optional[DeviceMesh] = None, *,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def domain_mean(
+    x_local: torch.Tensor, mesh: Optional[DeviceMesh] = None, *, mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Mean over every element of the domain (or over those where ``mask`` is true), equal on every rank.
 
     ``mask`` is a bool tensor of ``x_local``'s shape (this rank's slice of the global mask);
@@ -367,11 +382,14 @@ def _domain_mean(x_local, mesh, mask):
         count = float(x_local.numel())
     else:
         if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-            raise TypeError(f"domain_mean: mask must be a bool tensor, got "
-                            f"{mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__}")
+            raise TypeError(
+                f"domain_mean: mask must be a bool tensor, got "
+                f"{mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__}"
+            )
         if mask.shape != x_local.shape:
-            raise ValueError(f"domain_mean: mask must have x_local's shape {tuple(x_local.shape)}, "
-                             f"got {tuple(mask.shape)}")
+            raise ValueError(
+                f"domain_mean: mask must have x_local's shape {tuple(x_local.shape)}, got {tuple(mask.shape)}"
+            )
         local = torch.where(mask, x_local, torch.zeros((), dtype=x_local.dtype, device=x_local.device)).sum(dtype=acc)
         count = mask.sum(dtype=torch.float64)
     count = torch.as_tensor(count, dtype=torch.float64, device=x_local.device)

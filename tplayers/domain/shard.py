@@ -137,8 +137,10 @@ def gather(x_local: torch.Tensor, dim: Dims, mesh: Optional[DeviceMesh] = None) 
         # Along W (mesh dim 1) within my mesh row, then along H (mesh dim 0) within my column.
         for c0, line in enumerate(table):
             if len({r[0] for r in line}) != 1 or sum(r[1] for r in line) != sum(r[1] for r in table[0]):
-                raise ValueError(f"tplayers.gather: the shards do not form a grid: mesh row {c0} holds "
-                                 f"{[tuple(r) for r in line]} rows along dims {dims}")
+                raise ValueError(
+                    f"tplayers.gather: the shards do not form a grid: mesh row {c0} holds "
+                    f"{[tuple(r) for r in line]} rows along dims {dims}"
+                )
         x_local = gather_along_dim(x_local, dims[1], groups[1], [r[1] for r in table[me[0]]])
         return gather_along_dim(x_local, dims[0], groups[0], [line[0][0] for line in table])
     return gather_along_dim(x_local, dims[0], groups[0], [line[0][0] for line in table])
@@ -148,7 +150,9 @@ def _blocks(shape: Sequence[int], dims: Sequence[int], mesh: DeviceMesh):
     """``[(global rank, [(dim, start, length), ...]), ...]`` for every mesh position."""
     out = []
     ranks = mesh.mesh.reshape(-1).tolist()
-    coords = torch.stack(torch.meshgrid(*[torch.arange(s) for s in mesh.shape], indexing="ij"), -1).reshape(-1, mesh.ndim)
+    coords = torch.stack(torch.meshgrid(*[torch.arange(s) for s in mesh.shape], indexing="ij"), -1).reshape(
+        -1, mesh.ndim
+    )
     for r, c in zip(ranks, coords.tolist()):
         cuts = []
         for i, d in enumerate(dims):
@@ -217,8 +221,18 @@ class ScatterDomain(torch.autograd.Function):
 
 
 _SCATTER_DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 )
 _MAX_NDIM = 16
 
@@ -267,16 +281,20 @@ def scatter(x: Optional[torch.Tensor], dim: Dims, mesh: Optional[DeviceMesh] = N
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"scatter: the src rank must pass a tensor, got {type(x).__name__}")
             if x.dtype not in _SCATTER_DTYPES or x.dim() > _MAX_NDIM:
-                raise ValueError(f"scatter: x must have one of the dtypes {_SCATTER_DTYPES} and at most "
-                                 f"{_MAX_NDIM} dims, got {x.dtype} with {x.dim()} dims")
+                raise ValueError(
+                    f"scatter: x must have one of the dtypes {_SCATTER_DTYPES} and at most "
+                    f"{_MAX_NDIM} dims, got {x.dtype} with {x.dim()} dims"
+                )
             resolve_domain(x.dim(), dim, mesh)
             shape = list(x.shape) + [0] * (_MAX_NDIM - x.dim())
             meta = [x.dim(), _SCATTER_DTYPES.index(x.dtype), int(x.requires_grad)] + shape
     except (TypeError, ValueError) as e:
         error = e
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
-    config = {"dim": dim if isinstance(dim, int) else tuple(dim) if isinstance(dim, (tuple, list)) else repr(dim),
-              "src": src}
+    config = {
+        "dim": dim if isinstance(dim, int) else tuple(dim) if isinstance(dim, (tuple, list)) else repr(dim),
+        "src": src,
+    }
     table = exchange_agreed(meta, config, groups, "tplayers.scatter", "scatter.layout", error=error)
     ndim, dtype_code, needs_grad, *shape = [r for line in table for r in line][src]
     shape, dtype = tuple(shape[:ndim]), _SCATTER_DTYPES[dtype_code]

@@ -72,8 +72,15 @@ def pad_dim(x: torch.Tensor, dim: int, lo: int, hi: int, mode: str) -> torch.Ten
     return out.reshape(*shape[:-1], out.size(-1)).movedim(-1, dim)
 
 
-def gather_rows(x: torch.Tensor, dim: int, group: dist.ProcessGroup, plan: AxisPlan, mode: str, fill: float = 0.0,
-                memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+def gather_rows(
+    x: torch.Tensor,
+    dim: int,
+    group: dist.ProcessGroup,
+    plan: AxisPlan,
+    mode: str,
+    fill: float = 0.0,
+    memory_format: torch.memory_format = torch.contiguous_format,
+) -> torch.Tensor:
     """One dim of :func:`gather_windows` (halo exchange, boundary padding, trim)."""
     periodic = mode == "circular"
     if plan.exchanges or (periodic and dist.get_world_size(group) == 1):
@@ -81,8 +88,13 @@ def gather_rows(x: torch.Tensor, dim: int, group: dist.ProcessGroup, plan: AxisP
     return edge_pad(x, dim, plan, mode, fill)
 
 
-def gather_windows(x: torch.Tensor, plans: Mapping[int, AxisPlan], groups: Mapping[int, dist.ProcessGroup],
-                   mode: str, fill: float = 0.0) -> torch.Tensor:
+def gather_windows(
+    x: torch.Tensor,
+    plans: Mapping[int, AxisPlan],
+    groups: Mapping[int, dist.ProcessGroup],
+    mode: str,
+    fill: float = 0.0,
+) -> torch.Tensor:
     """This rank's slab extended to the rows its outputs read, along every planned dim (in order).
 
     forward: halo exchange per dim (corners ride on the later dims) + local boundary padding /
@@ -129,8 +141,9 @@ def _untrim(part: torch.Tensor, dim: int, plan: AxisPlan) -> torch.Tensor:
     return part
 
 
-def scatter_add_windows(part: torch.Tensor, plans: Mapping[int, AxisPlan], groups: Mapping[int, dist.ProcessGroup],
-                        own: Mapping[int, int]) -> torch.Tensor:
+def scatter_add_windows(
+    part: torch.Tensor, plans: Mapping[int, AxisPlan], groups: Mapping[int, dist.ProcessGroup], own: Mapping[int, int]
+) -> torch.Tensor:
     """Adjoint of :func:`gather_windows` (zero boundary): add ``part`` into the owners of its rows.
 
     ``own[d]`` is this rank's row count along ``d`` in the owners' partition. Dims in reverse order.

@@ -30,12 +30,46 @@ docs/design.md (domain parallelism, the region guard, full attention).
 from tplayers.attention.mha import multi_head_attention_forward
 from tplayers.attention.sdpa import scaled_dot_product_attention, token_positions
 from tplayers.domain.reductions import amax, amin, mean, norm, std, sum, var  # noqa: A004
-from tplayers.functional.window import (adaptive_avg_pool1d, adaptive_avg_pool2d, adaptive_avg_pool3d,
-                                        adaptive_max_pool1d, adaptive_max_pool2d, adaptive_max_pool3d, avg_pool1d,
-                                        avg_pool2d, avg_pool3d, interpolate, max_pool1d, max_pool2d, max_pool3d,
-                                        pad)
+from tplayers.functional.window import (
+    adaptive_avg_pool1d,
+    adaptive_avg_pool2d,
+    adaptive_avg_pool3d,
+    adaptive_max_pool1d,
+    adaptive_max_pool2d,
+    adaptive_max_pool3d,
+    avg_pool1d,
+    avg_pool2d,
+    avg_pool3d,
+    interpolate,
+    max_pool1d,
+    max_pool2d,
+    max_pool3d,
+    pad,
+)
 
-__all__ = ["sum", "mean", "amax", "amin", "var", "std", "norm", "interpolate", "max_pool1d", "max_pool2d",
-           "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d", "adaptive_avg_pool2d",
-           "adaptive_avg_pool3d", "adaptive_max_pool1d", "adaptive_max_pool2d", "adaptive_max_pool3d", "pad",
-           "scaled_dot_product_attention", "token_positions", "multi_head_attention_forward"]
+__all__ = [
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "var",
+    "std",
+    "norm",
+    "interpolate",
+    "max_pool1d",
+    "max_pool2d",
+    "max_pool3d",
+    "avg_pool1d",
+    "avg_pool2d",
+    "avg_pool3d",
+    "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d",
+    "adaptive_max_pool1d",
+    "adaptive_max_pool2d",
+    "adaptive_max_pool3d",
+    "pad",
+    "scaled_dot_product_attention",
+    "token_positions",
+    "multi_head_attention_forward",
+]

@@ -22,12 +22,27 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+
 import tplayers.layers as L
 from tplayers.mesh import resolve_mesh
 
-__all__ = ["interpolate", "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
-           "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
-           "adaptive_max_pool2d", "adaptive_max_pool3d", "pad", "twin_for"]
+__all__ = [
+    "interpolate",
+    "max_pool1d",
+    "max_pool2d",
+    "max_pool3d",
+    "avg_pool1d",
+    "avg_pool2d",
+    "avg_pool3d",
+    "adaptive_avg_pool1d",
+    "adaptive_avg_pool2d",
+    "adaptive_avg_pool3d",
+    "adaptive_max_pool1d",
+    "adaptive_max_pool2d",
+    "adaptive_max_pool3d",
+    "pad",
+    "twin_for",
+]
 
 
 def twin_for(cls, args: tuple, mesh, shard_dims: Sequence[int], cache: Optional[dict]):
@@ -41,8 +56,19 @@ def twin_for(cls, args: tuple, mesh, shard_dims: Sequence[int], cache: Optional[
     return twin
 
 
-def interpolate(x, size=None, scale_factor=None, mode="nearest", align_corners=None, recompute_scale_factor=None,
-                antialias=False, *, mesh=None, shard_dims=(2,), cache=None):
+def interpolate(
+    x,
+    size=None,
+    scale_factor=None,
+    mode="nearest",
+    align_corners=None,
+    recompute_scale_factor=None,
+    antialias=False,
+    *,
+    mesh=None,
+    shard_dims=(2,),
+    cache=None,
+):
     """Serial ``F.interpolate`` on domain-sharded data (every mode of :class:`~tplayers.DistributedUpsample`).
 
     Args:
@@ -68,30 +94,65 @@ def interpolate(x, size=None, scale_factor=None, mode="nearest", align_corners=N
         torch.testing.assert_close(tplayers.gather(y, 2, mesh), F.interpolate(full, size=(20, 7), mode="bicubic"))
     """
     if antialias:
-        raise ValueError("tplayers.functional.interpolate: antialias=True is not supported on sharded dims, "
-                         "got antialias=True")
+        raise ValueError(
+            "tplayers.functional.interpolate: antialias=True is not supported on sharded dims, got antialias=True"
+        )
     size = tuple(size) if isinstance(size, (list, tuple, torch.Size)) else size
     scale = tuple(scale_factor) if isinstance(scale_factor, (list, tuple)) else scale_factor
-    twin = twin_for(L.DistributedUpsample, (size, scale, mode, align_corners, recompute_scale_factor), mesh,
-                    shard_dims, cache)
+    twin = twin_for(
+        L.DistributedUpsample, (size, scale, mode, align_corners, recompute_scale_factor), mesh, shard_dims, cache
+    )
     return twin(x)
 
 
 def _pool(kind: str, n: int):
-    def max_pool(x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False, *,
-                 mesh=None, shard_dims=(2,), cache=None):
+    def max_pool(
+        x,
+        kernel_size,
+        stride=None,
+        padding=0,
+        dilation=1,
+        ceil_mode=False,
+        return_indices=False,
+        *,
+        mesh=None,
+        shard_dims=(2,),
+        cache=None,
+    ):
         if return_indices:
-            raise ValueError(f"tplayers.functional.max_pool{n}d: return_indices=True is not supported on sharded "
-                             "dims (indices would be positions in the local slab), got return_indices=True")
-        twin = twin_for(getattr(L, f"DistributedMaxPool{n}d"), (kernel_size, stride, padding, dilation, False,
-                                                                  ceil_mode), mesh, shard_dims, cache)
+            raise ValueError(
+                f"tplayers.functional.max_pool{n}d: return_indices=True is not supported on sharded "
+                "dims (indices would be positions in the local slab), got return_indices=True"
+            )
+        twin = twin_for(
+            getattr(L, f"DistributedMaxPool{n}d"),
+            (kernel_size, stride, padding, dilation, False, ceil_mode),
+            mesh,
+            shard_dims,
+            cache,
+        )
         return twin(x)
 
-    def avg_pool(x, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
-                 divisor_override=None, *, mesh=None, shard_dims=(2,), cache=None):
-        twin = twin_for(getattr(L, f"DistributedAvgPool{n}d"), (kernel_size, stride, padding, ceil_mode,
-                                                                  count_include_pad, divisor_override),
-                        mesh, shard_dims, cache)
+    def avg_pool(
+        x,
+        kernel_size,
+        stride=None,
+        padding=0,
+        ceil_mode=False,
+        count_include_pad=True,
+        divisor_override=None,
+        *,
+        mesh=None,
+        shard_dims=(2,),
+        cache=None,
+    ):
+        twin = twin_for(
+            getattr(L, f"DistributedAvgPool{n}d"),
+            (kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override),
+            mesh,
+            shard_dims,
+            cache,
+        )
         return twin(x)
 
     def adaptive(x, output_size, *, mesh=None, shard_dims=(2,), cache=None, return_indices=False):
@@ -122,7 +183,7 @@ def _pool(kind: str, n: int):
 
         import torch, torch.nn.functional as F, tplayers, tplayers.functional as TF
         mesh = tplayers.init_mesh()
-        full = torch.randn(1, 2, {', '.join(['10'] * n)}, dtype=torch.float64)
+        full = torch.randn(1, 2, {", ".join(["10"] * n)}, dtype=torch.float64)
         y = TF.{kind}_pool{n}d(tplayers.shard(full, 2, mesh), {args}, mesh=mesh)
         torch.testing.assert_close(tplayers.gather(y, 2, mesh), F.{kind}_pool{n}d(full, {args}))
     """
@@ -170,8 +231,10 @@ def pad(x, pad, mode="constant", value=None, *, mesh=None, shard_dims=(2,)):
         if 2 * k + 1 >= len(pad) or not (pad[2 * k] or pad[2 * k + 1]):
             continue
         if mode != "constant":
-            raise ValueError(f"tplayers.functional.pad: mode {mode!r} along sharded dim {d} is not supported "
-                             "(constant padding is); use a twin's padding_mode, or pad outside the region")
+            raise ValueError(
+                f"tplayers.functional.pad: mode {mode!r} along sharded dim {d} is not supported "
+                "(constant padding is); use a twin's padding_mode, or pad outside the region"
+            )
         coord, size = mesh.get_local_rank(i), mesh.size(i)
         local[2 * k] = pad[2 * k] if coord == 0 else 0
         local[2 * k + 1] = pad[2 * k + 1] if coord == size - 1 else 0

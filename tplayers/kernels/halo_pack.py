@@ -44,16 +44,28 @@ def _face_of(pid, b1, b2, b3, st0, st1, st2, st3, ln0, ln1, ln2, ln3, of0, of1, 
     base, start, length, boff = pid * 0, st0 + pid * 0, ln0 + pid * 0, of0 + pid * 0
     if NF > 1:
         sel = pid >= b1
-        base, start, length, boff = (tl.where(sel, b1, base), tl.where(sel, st1, start),
-                                     tl.where(sel, ln1, length), tl.where(sel, of1, boff))
+        base, start, length, boff = (
+            tl.where(sel, b1, base),
+            tl.where(sel, st1, start),
+            tl.where(sel, ln1, length),
+            tl.where(sel, of1, boff),
+        )
     if NF > 2:
         sel = pid >= b2
-        base, start, length, boff = (tl.where(sel, b2, base), tl.where(sel, st2, start),
-                                     tl.where(sel, ln2, length), tl.where(sel, of2, boff))
+        base, start, length, boff = (
+            tl.where(sel, b2, base),
+            tl.where(sel, st2, start),
+            tl.where(sel, ln2, length),
+            tl.where(sel, of2, boff),
+        )
     if NF > 3:
         sel = pid >= b3
-        base, start, length, boff = (tl.where(sel, b3, base), tl.where(sel, st3, start),
-                                     tl.where(sel, ln3, length), tl.where(sel, of3, boff))
+        base, start, length, boff = (
+            tl.where(sel, b3, base),
+            tl.where(sel, st3, start),
+            tl.where(sel, ln3, length),
+            tl.where(sel, of3, boff),
+        )
     return pid - base, start, length, boff
 
 
@@ -88,17 +100,43 @@ def _offsets(e, start, length, S1, S2, S3, S4, T0, T1, T2, T3, T4, DIM: tl.const
 
 @triton.jit
 def _halo_kernel(
-    t_ptr, buf_ptr,
-    S0, S1, S2, S3, S4, T0, T1, T2, T3, T4, ROW,
-    b1, b2, b3,
-    st0, st1, st2, st3, ln0, ln1, ln2, ln3, of0, of1, of2, of3,
-    DIM: tl.constexpr, NF: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+    t_ptr,
+    buf_ptr,
+    S0,
+    S1,
+    S2,
+    S3,
+    S4,
+    T0,
+    T1,
+    T2,
+    T3,
+    T4,
+    ROW,
+    b1,
+    b2,
+    b3,
+    st0,
+    st1,
+    st2,
+    st3,
+    ln0,
+    ln1,
+    ln2,
+    ln3,
+    of0,
+    of1,
+    of2,
+    of3,
+    DIM: tl.constexpr,
+    NF: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """MODE 0: pack (tensor -> buffer); 1: unpack (buffer -> tensor); 2: unpack-add native;
     3: unpack-add bfloat16 stored as int16 bits."""
     pid = tl.program_id(0)
-    blk, start, length, boff = _face_of(pid, b1, b2, b3, st0, st1, st2, st3, ln0, ln1, ln2, ln3,
-                                         of0, of1, of2, of3, NF)
+    blk, start, length, boff = _face_of(pid, b1, b2, b3, st0, st1, st2, st3, ln0, ln1, ln2, ln3, of0, of1, of2, of3, NF)
     e = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = e < ROW * length
     off = _offsets(e, start, length, S1, S2, S3, S4, T0, T1, T2, T3, T4, DIM)
@@ -142,8 +180,7 @@ def _launch(t: torch.Tensor, buf: torch.Tensor, dim: int, faces: Sequence[Tuple[
     starts, lens, boffs = starts + [0] * fill, lens + [0] * fill, boffs + [0] * fill
     begins = begins + [blocks] * fill
     _halo_kernel[(blocks,)](
-        t, buf, *sizes, *strides, row, *begins[1:], *starts, *lens, *boffs,
-        DIM=d, NF=len(faces), MODE=mode, BLOCK=BLOCK,
+        t, buf, *sizes, *strides, row, *begins[1:], *starts, *lens, *boffs, DIM=d, NF=len(faces), MODE=mode, BLOCK=BLOCK
     )
 
 
@@ -156,8 +193,9 @@ def pack(x: torch.Tensor, dim: int, faces: Sequence[Tuple[int, int]]) -> torch.T
     return buf
 
 
-def unpack(buf: torch.Tensor, out: torch.Tensor, dim: int, faces: Sequence[Tuple[int, int]],
-           accumulate: bool = False) -> torch.Tensor:
+def unpack(
+    buf: torch.Tensor, out: torch.Tensor, dim: int, faces: Sequence[Tuple[int, int]], accumulate: bool = False
+) -> torch.Tensor:
     """Buffer segments -> faces of ``out`` (written, or added with ``accumulate``), one launch."""
     if not accumulate:
         bits = _BITS[out.element_size()]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-
 from typing import Callable, Dict, Optional
 
 import torch
@@ -29,7 +28,6 @@ class RegionAware:
             if guard is not None:
                 return guard.call_twin(self, super().__call__, args, kwargs)
         return super().__call__(*args, **kwargs)
-
 
 
 class ShardedModule(RegionAware, MeshBound, nn.Module):
@@ -104,9 +102,7 @@ def check_features(x: torch.Tensor, expected: int, weight: torch.Tensor, arg: st
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{layer}: {arg} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() == 0 or x.shape[-1] != expected:
-        raise ValueError(
-            f"{layer}: {arg} must have last dim {expected}, got shape {tuple(x.shape)}"
-        )
+        raise ValueError(f"{layer}: {arg} must have last dim {expected}, got shape {tuple(x.shape)}")
     if x.dtype != weight.dtype:
         raise ValueError(f"{layer}: {arg} dtype must match the weight's {weight.dtype}, got {x.dtype}")
     if x.device != weight.device:
@@ -162,8 +158,9 @@ def autocast_inputs(x, *tensors):
     if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
         return (x, *tensors)
     dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in AUTOCAST_ELIGIBLE else t
-                 for t in (x, *tensors))
+    return tuple(
+        t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in AUTOCAST_ELIGIBLE else t for t in (x, *tensors)
+    )
 
 
 def check_reduce_dtype(reduce_dtype, layer: str):
@@ -179,5 +176,9 @@ def autocast_dtype_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.dtype == weight.dtype:
         return True
     device = x.device.type
-    return (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
-            and x.dtype in AUTOCAST_ELIGIBLE and weight.dtype in AUTOCAST_ELIGIBLE)
+    return (
+        torch.amp.is_autocast_available(device)
+        and torch.is_autocast_enabled(device)
+        and x.dtype in AUTOCAST_ELIGIBLE
+        and weight.dtype in AUTOCAST_ELIGIBLE
+    )

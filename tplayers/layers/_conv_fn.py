@@ -38,8 +38,16 @@ from tplayers.comm.halo_route import HaloRoute, halo_route
 from tplayers.ops.registry import OpSpec, register
 from tplayers.window_plan import AxisPlan, EdgeGeometry
 
-__all__ = ["ConvSpec", "HaloConvFunction", "conv_order", "finish_param_sum",
-           "flat_param_grads", "in_format", "post_param_sum", "split_param_grads"]
+__all__ = [
+    "ConvSpec",
+    "HaloConvFunction",
+    "conv_order",
+    "finish_param_sum",
+    "flat_param_grads",
+    "in_format",
+    "post_param_sum",
+    "split_param_grads",
+]
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -74,12 +82,15 @@ class ConvSpec:
     padded: "PadBuffer" = field(init=False, repr=False)  # the halo-padded input's buffer, reused when free
 
     def __post_init__(self):
-        derived = {"order": _Order(self), "route": halo_route(self.halo_group, self.periodic),
-                   "live_groups": tuple(g for g in self.reduce_groups if dist.get_world_size(g) > 1),
-                   "empty": 0 in self.out_shape, "padded": PadBuffer()}
+        derived = {
+            "order": _Order(self),
+            "route": halo_route(self.halo_group, self.periodic),
+            "live_groups": tuple(g for g in self.reduce_groups if dist.get_world_size(g) > 1),
+            "empty": 0 in self.out_shape,
+            "padded": PadBuffer(),
+        }
         for name, value in derived.items():
             object.__setattr__(self, name, value)  # frozen: set once, at construction
-
 
 
 class _ConvCompute(torch.autograd.Function):
@@ -122,8 +133,17 @@ class HaloConvFunction(torch.autograd.Function):
         p = spec.plan
         eager = not torch.compiler.is_compiling()
         out = spec.padded.take(x, spec.halo_dim, p.recv, spec.memory_format) if eager else None
-        xp, ctx.state = halo_pad(x, spec.halo_dim, spec.halo_group, p.recv, p.send, spec.periodic, spec.memory_format,
-                                 out=out, route=spec.route)
+        xp, ctx.state = halo_pad(
+            x,
+            spec.halo_dim,
+            spec.halo_group,
+            p.recv,
+            p.send,
+            spec.periodic,
+            spec.memory_format,
+            out=out,
+            route=spec.route,
+        )
         if eager:
             spec.padded.keep(xp)
         ctx.save_for_backward(xp, weight)
@@ -153,8 +173,18 @@ class HaloConvFunction(torch.autograd.Function):
                     xc = spec.pad_and_trim(xp_)
             p = spec.order
             gi, gw, gb = torch.ops.aten.convolution_backward(
-                p.fwd(grad), p.fwd(xc.detach()), p.fwd(weight), [weight.shape[0]] if ctx.has_bias else None,
-                p.stride, p.padding, p.dilation, False, [0] * len(spec.stride), spec.groups, [need_x, need_w, need_b])
+                p.fwd(grad),
+                p.fwd(xc.detach()),
+                p.fwd(weight),
+                [weight.shape[0]] if ctx.has_bias else None,
+                p.stride,
+                p.padding,
+                p.dilation,
+                False,
+                [0] * len(spec.stride),
+                spec.groups,
+                [need_x, need_w, need_b],
+            )
             gi, gw = (p.back(gi) if gi is not None else None), (p.back(gw) if gw is not None else None)
             gxp = None
             if need_x and spec.skip_pad_and_trim:
@@ -202,8 +232,12 @@ class PadBuffer:
             return None
         shape = list(x.shape)
         shape[dim] += recv[0] + recv[1]
-        if (list(t.shape) != shape or t.dtype != x.dtype or t.device != x.device
-                or not t.is_contiguous(memory_format=memory_format)):
+        if (
+            list(t.shape) != shape
+            or t.dtype != x.dtype
+            or t.device != x.device
+            or not t.is_contiguous(memory_format=memory_format)
+        ):
             return None
         # our tensor and the temporary storage object are the only holders: no graph reads it
         return t if _storage_use_count(t.untyped_storage()._cdata) == 2 else None
@@ -250,8 +284,9 @@ def conv_order(local_shape: Tuple[int, ...], like: torch.Tensor) -> Optional[Tup
     return order
 
 
-def flat_param_grads(gw: Optional[torch.Tensor], gb: Optional[torch.Tensor], need_w: bool,
-                     need_b: bool) -> Optional[torch.Tensor]:
+def flat_param_grads(
+    gw: Optional[torch.Tensor], gb: Optional[torch.Tensor], need_w: bool, need_b: bool
+) -> Optional[torch.Tensor]:
     """``[weight grad | bias grad]`` (the needed ones) as one new flat tensor, summed in one message;
     ``None`` when neither is needed."""
     params = [g.reshape(-1) for g, need in ((gw, need_w), (gb, need_b)) if need]
@@ -269,8 +304,9 @@ def post_param_sum(flat: torch.Tensor, groups) -> list:
     (in place); returns the pending works for :func:`finish_param_sum` (none without groups)."""
     if not groups:
         return []
-    record_collective("all_reduce", flat.numel() * flat.element_size(), dist.get_world_size(groups[0]),
-                      "conv.param_grads")
+    record_collective(
+        "all_reduce", flat.numel() * flat.element_size(), dist.get_world_size(groups[0]), "conv.param_grads"
+    )
     return [dist.all_reduce(flat, group=groups[0], async_op=True)]
 
 
@@ -283,8 +319,9 @@ def finish_param_sum(flat: torch.Tensor, pending: list, groups) -> torch.Tensor:
     return flat
 
 
-def _reduce_backward(grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups,
-                     owned: bool = False) -> Optional[torch.Tensor]:
+def _reduce_backward(
+    grad_xp: Optional[torch.Tensor], flat: Optional[torch.Tensor], state, groups, owned: bool = False
+) -> Optional[torch.Tensor]:
     """The adjoint halo exchange of ``grad_xp`` (``owned``: see :func:`~tplayers.comm.halo.halo_adjoint`)
     with an async all-reduce of ``flat`` over the first group, posted after the halo messages and
     waited after them; one blocking all-reduce per further mesh dim."""
@@ -311,15 +348,37 @@ def _compiled_backward(gxp, flat, state, groups):
     has_x = gxp is not None
     _ensure_conv_ops()
     grad_x, summed = torch.ops.tplayers.halo_conv_backward(
-        gxp if has_x else flat.new_empty(0), flat, has_x, state.dim, state.group.group_name, list(state.recv),
-        list(state.send), state.n, peer_code(state.peers[0]), peer_code(state.peers[1]),
-        format_code(state.grad_format), *([g.group_name for g in groups] + ["", ""])[:2])
+        gxp if has_x else flat.new_empty(0),
+        flat,
+        has_x,
+        state.dim,
+        state.group.group_name,
+        list(state.recv),
+        list(state.send),
+        state.n,
+        peer_code(state.peers[0]),
+        peer_code(state.peers[1]),
+        format_code(state.grad_format),
+        *([g.group_name for g in groups] + ["", ""])[:2],
+    )
     return (grad_x if has_x else None), summed
 
 
-def _halo_conv_backward_op(gxp: torch.Tensor, flat: torch.Tensor, has_x: bool, dim: int, group_name: str,
-                           recv: List[int], send: List[int], n: int, lo: int, hi: int, grad_format: int,
-                           reduce0: str, reduce1: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def _halo_conv_backward_op(
+    gxp: torch.Tensor,
+    flat: torch.Tensor,
+    has_x: bool,
+    dim: int,
+    group_name: str,
+    recv: List[int],
+    send: List[int],
+    n: int,
+    lo: int,
+    hi: int,
+    grad_format: int,
+    reduce0: str,
+    reduce1: str,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Eager body of :func:`_compiled_backward`: the same paths as :meth:`HaloConvFunction.backward`."""
     state = state_from_codes(dim, group_name, recv, send, n, lo, hi, grad_format)
     groups = [group_by_name(name) for name in (reduce0, reduce1) if name]  # a mesh has at most 2 dims

@@ -28,8 +28,14 @@ from typing import List, Tuple
 import torch
 
 from tplayers.comm.halo import _swap
-from tplayers.layers._conv_fn import (ConvSpec, finish_param_sum, flat_param_grads, in_format, post_param_sum,
-                                      split_param_grads)
+from tplayers.layers._conv_fn import (
+    ConvSpec,
+    finish_param_sum,
+    flat_param_grads,
+    in_format,
+    post_param_sum,
+    split_param_grads,
+)
 from tplayers.ops import unpack_faces
 from tplayers.window_plan import EdgeGeometry
 
@@ -39,8 +45,11 @@ __all__ = ["EdgeConvCompute", "EdgeConvSave"]
 def _convolve(spec: ConvSpec, x, weight, bias, pad_main: bool, r: int) -> torch.Tensor:
     """``spec``'s convolution of ``x`` (padding ``r`` along the exchanged dim when ``pad_main``, else 0)."""
     o = spec.order
-    return o.back(spec.conv_fn(o.fwd(x), o.fwd(weight), bias, o.stride, _padding(spec, r if pad_main else 0),
-                               o.dilation, spec.groups))
+    return o.back(
+        spec.conv_fn(
+            o.fwd(x), o.fwd(weight), bias, o.stride, _padding(spec, r if pad_main else 0), o.dilation, spec.groups
+        )
+    )
 
 
 def _padding(spec: ConvSpec, r: int) -> List[int]:
@@ -81,8 +90,7 @@ class EdgeConvCompute(torch.autograd.Function):
         def main():
             box["y"] = _convolve(spec, x, weight, bias, True, g.pad)
 
-        buf, n_lo = _swap(x, spec.halo_dim, (0, s_lo), (n - s_hi, s_hi), g.pad, g.pad, spec.route, "halo.fwd",
-                          main)
+        buf, n_lo = _swap(x, spec.halo_dim, (0, s_lo), (n - s_hi, s_hi), g.pad, g.pad, spec.route, "halo.fwd", main)
         halos["buf"], halos["n_lo"] = buf, n_lo
         y = box["y"]
         for first, strip in _strips(x, buf, n_lo, spec):
@@ -113,14 +121,14 @@ class EdgeConvSave(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias
         halos = ctx.halos  # kept with the graph (a retained graph's second backward reads them again)
-        grad_x, flat = _strips_backward(grad, x, weight, ctx.spec, (halos["buf"], halos["n_lo"]), need_x, need_w,
-                                        need_b, ctx.reduce)
+        grad_x, flat = _strips_backward(
+            grad, x, weight, ctx.spec, (halos["buf"], halos["n_lo"]), need_x, need_w, need_b, ctx.reduce
+        )
         gw, gb = split_param_grads(flat, weight, need_w, need_b)
         return grad_x, gw, gb, None, None, None
 
 
-def _strips_backward(grad, x, weight, spec: ConvSpec, received, need_x: bool, need_w: bool, need_b: bool,
-                     reduce: bool):
+def _strips_backward(grad, x, weight, spec: ConvSpec, received, need_x: bool, need_w: bool, need_b: bool, reduce: bool):
     """``(grad_x or None, flat [weight grad | bias grad], summed over the domain unless ``reduce`` is off)``."""
     dim, o, g = spec.halo_dim, spec.order, spec.strips
     nsp = len(spec.stride)
@@ -128,8 +136,18 @@ def _strips_backward(grad, x, weight, spec: ConvSpec, received, need_x: bool, ne
 
     def conv_backward(gout, inp, pad_main, mask):
         gi, gw, gb = torch.ops.aten.convolution_backward(
-            o.fwd(gout), o.fwd(inp), o.fwd(weight), [weight.shape[0]] if mask[2] else None, o.stride,
-            _padding(spec, g.pad if pad_main else 0), o.dilation, False, [0] * nsp, spec.groups, mask)
+            o.fwd(gout),
+            o.fwd(inp),
+            o.fwd(weight),
+            [weight.shape[0]] if mask[2] else None,
+            o.stride,
+            _padding(spec, g.pad if pad_main else 0),
+            o.dilation,
+            False,
+            [0] * nsp,
+            spec.groups,
+            mask,
+        )
         return (o.back(gi) if gi is not None else None), (o.back(gw) if gw is not None else None), gb
 
     def strip_grad(first, rows):
@@ -141,8 +159,9 @@ def _strips_backward(grad, x, weight, spec: ConvSpec, received, need_x: bool, ne
         for side in filter(None, (g.lo, g.hi)):
             rows, first, at = _side(g, side)
             zeros = x.new_zeros(()).expand(_with(x.shape, dim, rows))
-            halo_grads.append(conv_backward(strip_grad(first, rows), zeros, False, [True, False, False])[0]
-                              .narrow(dim, at, g.pad))
+            halo_grads.append(
+                conv_backward(strip_grad(first, rows), zeros, False, [True, False, False])[0].narrow(dim, at, g.pad)
+            )
 
     box: dict = {"pending": []}
 
@@ -161,11 +180,18 @@ def _strips_backward(grad, x, weight, spec: ConvSpec, received, need_x: bool, ne
         (s_lo, s_hi), n = spec.plan.send, x.size(dim)
         to_lo = (0, g.pad if g.lo else 0)  # faces of [lo halo's gradient | hi halo's gradient]
         to_hi = (g.pad if g.lo else 0, g.pad if g.hi else 0)
-        src = torch.cat(halo_grads, dim) if len(halo_grads) > 1 else \
-            halo_grads[0] if halo_grads else grad.new_zeros(_with(x.shape, dim, 0))
+        src = (
+            torch.cat(halo_grads, dim)
+            if len(halo_grads) > 1
+            else halo_grads[0]
+            if halo_grads
+            else grad.new_zeros(_with(x.shape, dim, 0))
+        )
         buf, _ = _swap(src, dim, to_lo, to_hi, s_hi, s_lo, spec.route, "halo.bwd", main)
         grad_x = box["gi"]
-        faces = ([(0, s_lo)] if lo is not None and s_lo else []) + ([(n - s_hi, s_hi)] if hi is not None and s_hi else [])
+        faces = ([(0, s_lo)] if lo is not None and s_lo else []) + (
+            [(n - s_hi, s_hi)] if hi is not None and s_hi else []
+        )
         unpack_faces(buf, grad_x, dim, faces, accumulate=True)  # overlapping faces add up
     else:
         main()

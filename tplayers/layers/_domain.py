@@ -14,7 +14,6 @@ partition is a ``ValueError`` on every rank before any halo traffic. The twin's
 from __future__ import annotations
 
 import contextlib
-
 import math
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -81,8 +80,10 @@ class DomainLayer(ShardedModule):
             raise ValueError(f"{name}: shard_dims must be a tuple of spatial dims, got {shard_dims!r}") from None
         dims = tuple(d % nd if -nd <= d < nd else d for d in dims)
         if not dims or len(dims) > 2 or any(d < 2 or d >= nd for d in dims) or len(set(dims)) != len(dims):
-            raise ValueError(f"{name}: shard_dims must be one or two distinct spatial dims of the "
-                             f"{nd}-D input (2..{nd - 1}), got {tuple(shard_dims)}")
+            raise ValueError(
+                f"{name}: shard_dims must be one or two distinct spatial dims of the "
+                f"{nd}-D input (2..{nd - 1}), got {tuple(shard_dims)}"
+            )
         self.shard_dims = dims
         mesh = self._bind_mesh(mesh, len(dims))
         self._groups = [mesh.get_group(i) for i in range(mesh.ndim)]
@@ -97,7 +98,9 @@ class DomainLayer(ShardedModule):
         """A parameter whose dtype/device the input must match (``None``: no parameters)."""
         return None
 
-    def _build(self, shape: Tuple[int, ...], sizes: Dict[int, List[int]], like: torch.Tensor) -> Any:  # pragma: no cover
+    def _build(
+        self, shape: Tuple[int, ...], sizes: Dict[int, List[int]], like: torch.Tensor
+    ) -> Any:  # pragma: no cover
         """The cached layout from this rank's local shape and every sharded dim's shard sizes
         (``like``: the input, for dtype and device)."""
         raise NotImplementedError
@@ -125,9 +128,15 @@ class DomainLayer(ShardedModule):
         twin under ``torch.autocast`` passes its weight cast to the compute dtype)."""
         name = type(self).__name__
         is_tensor = isinstance(x, torch.Tensor)
-        if is_tensor and torch.compiler.is_compiling() and not layout_priming():  # shape arithmetic stays out of the graph
-            self._prime_layout(tuple(int(s) for s in x.shape), x.dtype, x.device,  # int(): never symbolic
-                               None if ref is None else ref.dtype)
+        if (
+            is_tensor and torch.compiler.is_compiling() and not layout_priming()
+        ):  # shape arithmetic stays out of the graph
+            self._prime_layout(
+                tuple(int(s) for s in x.shape),
+                x.dtype,
+                x.device,  # int(): never symbolic
+                None if ref is None else ref.dtype,
+            )
         key = (tuple(x.shape), x.dtype, x.device) if is_tensor else None  # a bad input still joins the exchange
         if key in self._layouts:
             return self._layouts[key]
@@ -147,11 +156,15 @@ class DomainLayer(ShardedModule):
             row = table[c[0]][c[1]]
             if not row[0] or len(ndims) > 1:
                 want = f"{2 + self.spatial}-D" if self.spatial else "3-D to 5-D (the same on every rank)"
-                raise ValueError(f"{name}: the input must be {want} (N, C, *spatial) on every rank; mesh position "
-                                 f"{where(c)} passed {row[2] if row[0] else 'another'}-D")
+                raise ValueError(
+                    f"{name}: the input must be {want} (N, C, *spatial) on every rank; mesh position "
+                    f"{where(c)} passed {row[2] if row[0] else 'another'}-D"
+                )
             if not row[1]:
-                raise ValueError(f"{name}: input dtype/device must match the weight's ({ref.dtype}, {ref.device}) "
-                                 f"on every rank; mesh position {where(c)} differs")
+                raise ValueError(
+                    f"{name}: input dtype/device must match the weight's ({ref.dtype}, {ref.device}) "
+                    f"on every rank; mesh position {where(c)} differs"
+                )
         nd = ndims.pop()
         shapes = {c: table[c[0]][c[1]][3 : 3 + nd] for c in coords}
         sizes: Dict[int, List[int]] = {}
@@ -163,7 +176,8 @@ class DomainLayer(ShardedModule):
                     raise ValueError(
                         f"{name}: local input shapes differ across ranks in dim {d} "
                         f"({'not sharded' if mesh_dim is None else 'sharded over the other mesh dim'}): "
-                        f"{shapes[(0, 0)]} vs {shp} at mesh position {where(c)}")
+                        f"{shapes[(0, 0)]} vs {shp} at mesh position {where(c)}"
+                    )
             if mesh_dim == 0:
                 sizes[d] = [table[c0][0][3 + d] for c0 in range(len(table))]
             elif mesh_dim == 1:
@@ -172,8 +186,9 @@ class DomainLayer(ShardedModule):
         return self._layouts[key]
 
     @torch._dynamo.assume_constant_result
-    def _prime_layout(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                      ref_dtype: Optional[torch.dtype]) -> int:
+    def _prime_layout(
+        self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, ref_dtype: Optional[torch.dtype]
+    ) -> int:
         """Fill the layout cache for an input of ``shape``/``dtype``/``device`` (``torch.compile``).
 
         Dynamo calls this eagerly while tracing (its result is a constant), so the layout exchange

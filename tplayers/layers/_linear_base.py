@@ -33,6 +33,7 @@ def _linear_bias_init(fan_in: int):
     def init(full: torch.Tensor) -> None:
         bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0
         nn.init.uniform_(full, -bound, bound)
+
     return init
 
 
@@ -72,7 +73,9 @@ def transposed_linear_dims(module) -> Optional[Tuple[int, int]]:
     if set(module._parameters) - {"weight", "bias"} or any(True for _ in module.children()):
         return None
     has_nf = getattr(module, "nf", None)
-    if not (type(module).__name__ == "Conv1D" or (isinstance(has_nf, int) and not isinstance(has_nf, bool) and has_nf == nf)):
+    if not (
+        type(module).__name__ == "Conv1D" or (isinstance(has_nf, int) and not isinstance(has_nf, bool) and has_nf == nf)
+    ):
         return None
     return nx, nf
 
@@ -96,8 +99,10 @@ def check_sequence_args(layer: str, sequence_parallel, sequence_dim) -> None:
 def check_sequence_dim(x: torch.Tensor, dim: int, layer: str) -> int:
     """``dim`` normalised for ``x``; ``ValueError`` if it is out of range or the feature dim."""
     if not -x.dim() <= dim < x.dim() or dim % x.dim() == x.dim() - 1:
-        raise ValueError(f"{layer}: sequence_dim={dim} must name a dim of the input other than the last "
-                         f"(features), got an input of shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{layer}: sequence_dim={dim} must name a dim of the input other than the last "
+            f"(features), got an input of shape {tuple(x.shape)}"
+        )
     return dim % x.dim()
 
 
@@ -202,11 +207,15 @@ class ParallelLinearBase(ShardedModule):
         """
         dims = linear_dims(dense)
         if dims is None:
-            raise TypeError(f"{cls.__name__}.from_module expects an nn.Linear or a Conv1D-like module "
-                            f"(weight (in, out) and nf), got {type(dense).__name__}")
+            raise TypeError(
+                f"{cls.__name__}.from_module expects an nn.Linear or a Conv1D-like module "
+                f"(weight (in, out) and nf), got {type(dense).__name__}"
+            )
         if "transposed" in options:
-            raise TypeError(f"{cls.__name__}.from_module: transposed follows the module "
-                            f"({type(dense).__name__}), got transposed={options['transposed']!r}")
+            raise TypeError(
+                f"{cls.__name__}.from_module: transposed follows the module "
+                f"({type(dense).__name__}), got transposed={options['transposed']!r}"
+            )
         in_features, out_features, transposed = dims
         layer = cls(
             in_features,

@@ -56,8 +56,9 @@ def local_moments(x4: torch.Tensor, per_channel: bool) -> Tuple[float, torch.Ten
         # group statistics: PyTorch's fused group-norm kernel (vectorised, stable moments) is
         # faster than var_mean (measured); with eps=0 its rstd is var**-0.5 exactly (var 0 -> inf -> 0)
         n, g = x4.shape[:2]
-        _, mean, rstd = torch.native_group_norm(x4.reshape(n, g * x4.shape[2], -1), None, None, n, g * x4.shape[2],
-                                                x4.shape[3], g, 0.0)
+        _, mean, rstd = torch.native_group_norm(
+            x4.reshape(n, g * x4.shape[2], -1), None, None, n, g * x4.shape[2], x4.shape[3], g, 0.0
+        )
         return count, mean, rstd.pow(-2) * count
     var, mean = torch.var_mean(x4, dims, correction=0)  # one stable (Welford) pass
     return count, mean, var * count
@@ -95,9 +96,18 @@ def affine_rows(x4: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, shap
     zeros = x4.new_zeros(rows)
     y = torch.empty(x4.shape if shape is None else shape, dtype=x4.dtype, device=x4.device)
     torch.ops.aten.native_batch_norm.out(
-        x4.reshape(1, rows, -1), scale.expand(per).reshape(-1), shift.expand(per).reshape(-1), zeros,
-        torch.ones_like(zeros), False, 0.0, 0.0, out=y.view(1, rows, -1), save_mean=x4.new_empty(0),
-        save_invstd=x4.new_empty(0))
+        x4.reshape(1, rows, -1),
+        scale.expand(per).reshape(-1),
+        shift.expand(per).reshape(-1),
+        zeros,
+        torch.ones_like(zeros),
+        False,
+        0.0,
+        0.0,
+        out=y.view(1, rows, -1),
+        save_mean=x4.new_empty(0),
+        save_invstd=x4.new_empty(0),
+    )
     return y
 
 
@@ -111,8 +121,17 @@ def dy_sums(d4: torch.Tensor, x4: torch.Tensor, mean_a: torch.Tensor) -> Tuple[t
     mean = mean_a.expand(n, g, cg, 1).reshape(1, rows)
     one = x4.new_ones(rows)
     _, sdyx, sdy = torch.ops.aten.native_group_norm_backward(
-        d4.reshape(1, rows, length), x4.reshape(1, rows, length), mean, one.view(1, rows), one, 1, rows, length,
-        rows, [False, True, True])
+        d4.reshape(1, rows, length),
+        x4.reshape(1, rows, length),
+        mean,
+        one.view(1, rows),
+        one,
+        1,
+        rows,
+        length,
+        rows,
+        [False, True, True],
+    )
     return sdy.view(n, g, cg), sdyx.view(n, g, cg)
 
 
@@ -147,7 +166,12 @@ class DomainNormFn(torch.autograd.Function):
         ctx.info = (num_groups, per_channel, groups, bias is not None)
         unbiased = m2 / (count - 1).clamp(min=1)
         ctx.mark_non_differentiable(mean, unbiased, count)
-        return (y if y.dtype == x.dtype and y.shape == x.shape else y.reshape(x.shape).to(x.dtype)), mean, unbiased, count
+        return (
+            (y if y.dtype == x.dtype and y.shape == x.shape else y.reshape(x.shape).to(x.dtype)),
+            mean,
+            unbiased,
+            count,
+        )
 
     @staticmethod
     def backward(ctx, dy, _mean, _var, _count):
@@ -178,7 +202,7 @@ class DomainNormFn(torch.autograd.Function):
         for group in groups:  # one fused all-reduce per mesh dim
             flat = all_reduce_sum(flat, group, "norm_stats.bwd")
         mg = flat[:stat].reshape(mean_a.shape) / count_a
-        mgx = flat[stat:2 * stat].reshape(mean_a.shape) / count_a
+        mgx = flat[stat : 2 * stat].reshape(mean_a.shape) / count_a
         # dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * w: a * dy + k * (x - mean) - rstd * mg
         a = rstd_a if weight is None else rstd_a * weight.to(acc).reshape(1, num_groups, cg, 1)
         k = -rstd_a.square() * mgx
@@ -191,8 +215,8 @@ class DomainNormFn(torch.autograd.Function):
         offset = 2 * stat
         dw = db = None
         if weight is not None:
-            dw = flat[offset:offset + c].to(weight.dtype)
+            dw = flat[offset : offset + c].to(weight.dtype)
             offset += c
         if has_bias:
-            db = flat[offset:offset + c].to(weight.dtype if weight is not None else x.dtype)
+            db = flat[offset : offset + c].to(weight.dtype if weight is not None else x.dtype)
         return dx, dw, db, None, None, None, None

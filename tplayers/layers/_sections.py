@@ -63,9 +63,7 @@ class SectionLayout:
     @classmethod
     def build(cls, layer: str, sections: Sequence[int], parts: int, head_dim: Optional[int]) -> "SectionLayout":
         table = section_layout(sections, parts, head_dim)
-        replicated = tuple(
-            len({table[r][j] for r in range(parts)}) < parts for j in range(len(sections))
-        )
+        replicated = tuple(len({table[r][j] for r in range(parts)}) < parts for j in range(len(sections)))
         lay = cls(tuple(sections), head_dim, table, replicated)
         lay._check_groups(layer)
         return lay

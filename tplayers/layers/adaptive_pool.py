@@ -39,8 +39,15 @@ from tplayers.layers.upsample import _BandResample
 from tplayers.sharding import offsets_from_sizes
 from tplayers.window_plan import out_partition, plan_ranges
 
-__all__ = ["DistributedAdaptiveAvgPool1d", "DistributedAdaptiveAvgPool2d", "DistributedAdaptiveAvgPool3d",
-           "DistributedAdaptiveMaxPool1d", "DistributedAdaptiveMaxPool2d", "DistributedAdaptiveMaxPool3d", "GlobalMax"]
+__all__ = [
+    "DistributedAdaptiveAvgPool1d",
+    "DistributedAdaptiveAvgPool2d",
+    "DistributedAdaptiveAvgPool3d",
+    "DistributedAdaptiveMaxPool1d",
+    "DistributedAdaptiveMaxPool2d",
+    "DistributedAdaptiveMaxPool3d",
+    "GlobalMax",
+]
 
 _ADAPTIVE_AVG = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
 _ADAPTIVE_MAX = {1: F.adaptive_max_pool1d, 2: F.adaptive_max_pool2d, 3: F.adaptive_max_pool3d}
@@ -83,17 +90,26 @@ class GlobalMax(torch.autograd.Function):
 class _AdaptiveMaxPoolNd(DomainLayer):
     _nn: type = nn.AdaptiveMaxPool2d
 
-    def __init__(self, output_size, return_indices: bool = False, *, mesh: Optional[DeviceMesh] = None,
-                 shard_dims: Sequence[int] = (2,)) -> None:
+    def __init__(
+        self,
+        output_size,
+        return_indices: bool = False,
+        *,
+        mesh: Optional[DeviceMesh] = None,
+        shard_dims: Sequence[int] = (2,),
+    ) -> None:
         super().__init__()
         name, n = type(self).__name__, self.spatial
         if return_indices:
-            raise ValueError(f"{name}: return_indices=True is not supported (indices would be positions in the "
-                             "local slab); use return_indices=False")
+            raise ValueError(
+                f"{name}: return_indices=True is not supported (indices would be positions in the "
+                "local slab); use return_indices=False"
+            )
         sizes = list(output_size) if isinstance(output_size, (tuple, list)) else [output_size] * n
         if len(sizes) != n or any(s is not None and (isinstance(s, bool) or int(s) < 1) for s in sizes):
-            raise ValueError(f"{name}: output_size must be a positive int, None or a tuple of {n} of them, "
-                             f"got {output_size!r}")
+            raise ValueError(
+                f"{name}: output_size must be a positive int, None or a tuple of {n} of them, got {output_size!r}"
+            )
         self.output_size, self.return_indices = output_size, False
         self._sizes = [None if s is None else int(s) for s in sizes]
         self._init_domain(mesh, shard_dims)
@@ -104,7 +120,6 @@ class _AdaptiveMaxPoolNd(DomainLayer):
         if type(m) is not cls._nn:
             raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(m).__name__}")
         return cls(m.output_size, m.return_indices, mesh=mesh, shard_dims=shard_dims)
-
 
     def _config(self):
         return {"output_size": tuple(self._sizes)}
@@ -121,13 +136,16 @@ class _AdaptiveMaxPoolNd(DomainLayer):
             outs = out_partition(sizes[d], out)
             first = lambda i: (i * length) // out  # noqa: E731 - PyTorch's adaptive window
             stop = lambda i: -(-((i + 1) * length) // out)  # noqa: E731
-            needs = [(first(o0), stop(o0 + rows - 1)) if rows else None
-                     for o0, rows in zip(offsets_from_sizes(outs), outs)]
+            needs = [
+                (first(o0), stop(o0 + rows - 1)) if rows else None for o0, rows in zip(offsets_from_sizes(outs), outs)
+            ]
             what = f"dim {d} (mesh dim {self.shard_dims.index(d)})"
             plan = plan_ranges(sizes[d], needs, outs, mode="zeros", what=what)[c]
             width = max((stop(i) - first(i) for i in range(out)), default=1)
-            rows = [[min(first(i) + j, stop(i) - 1) - plan.in_start for j in range(width)]
-                    for i in range(plan.out_start, plan.out_start + plan.out_rows)]
+            rows = [
+                [min(first(i) + j, stop(i) - 1) - plan.in_start for j in range(width)]
+                for i in range(plan.out_start, plan.out_start + plan.out_rows)
+            ]
             index = torch.tensor(rows, dtype=torch.int64, device=like.device).reshape(-1, width)
             steps.append((d, plan, index))
             out_shape[d] = plan.out_rows
@@ -186,7 +204,7 @@ def _doc(n: int) -> str:
         torch.manual_seed(0)                                  # the same model and data on every rank
         serial = torch.nn.AdaptiveMaxPool{n}d(3)
         pool = tplayers.DistributedAdaptiveMaxPool{n}d.from_module(serial, mesh=mesh)
-        x = torch.randn(2, 3, {', '.join(['9'] * n)})                  # same on every rank
+        x = torch.randn(2, 3, {", ".join(["9"] * n)})                  # same on every rank
         y = tplayers.gather(pool(tplayers.shard(x, 2, mesh)), 2, mesh)
         torch.testing.assert_close(y, serial(x))
     """
@@ -215,8 +233,10 @@ class _AdaptiveAvgPoolNd(_BandResample):
         n = self.spatial
         sizes = list(output_size) if isinstance(output_size, (tuple, list)) else [output_size] * n
         if len(sizes) != n or any(s is not None and (isinstance(s, bool) or int(s) < 1) for s in sizes):
-            raise ValueError(f"{type(self).__name__}: output_size must be a positive int, None or a tuple of "
-                             f"{n} of them, got {output_size!r}")
+            raise ValueError(
+                f"{type(self).__name__}: output_size must be a positive int, None or a tuple of "
+                f"{n} of them, got {output_size!r}"
+            )
         self.output_size = output_size
         self._sizes = [None if s is None else int(s) for s in sizes]
         self._init_domain(mesh, shard_dims)
@@ -278,7 +298,7 @@ def _adaptive_doc(n: int) -> str:
         torch.manual_seed(0)                                  # the same model and data on every rank
         serial = torch.nn.AdaptiveAvgPool{n}d(1)
         pool = tplayers.DistributedAdaptiveAvgPool{n}d.from_module(serial, mesh=mesh)
-        x = torch.randn(2, 3, {', '.join(['8'] * n)})                  # same on every rank
+        x = torch.randn(2, 3, {", ".join(["8"] * n)})                  # same on every rank
         torch.testing.assert_close(pool(tplayers.shard(x, 2, mesh)), serial(x))   # replicated
     """
 

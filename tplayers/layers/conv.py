@@ -83,8 +83,9 @@ def serial_format(x: torch.Tensor, weight: torch.Tensor, spatial: int, padding_m
     return _CL[spatial]
 
 
-def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: ConvSpec,
-              reduce: bool = True) -> torch.Tensor:
+def halo_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: ConvSpec, reduce: bool = True
+) -> torch.Tensor:
     """The distributed convolution of ``x`` (this rank's rows) by ``spec``'s strategy (:mod:`tplayers.layers._conv_fn`).
 
     Halo-padded (``spec.strips`` None, or while compiling): :class:`HaloConvFunction` (exchange, save,
@@ -103,8 +104,9 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         x = x.contiguous(memory_format=spec.memory_format)  # the layout the plan convolves in
         halos: dict = {}  # filled by EdgeConvCompute: the received halo rows, for the weight gradient
         token = EdgeConvSave.apply(x, weight, bias, spec, halos, reduce)
-        return EdgeConvCompute.apply(token, x.detach(), weight.detach(), None if bias is None else bias.detach(),
-                                     spec, halos)
+        return EdgeConvCompute.apply(
+            token, x.detach(), weight.detach(), None if bias is None else bias.detach(), spec, halos
+        )
     token, xp = HaloConvFunction.apply(x, weight, bias, spec, reduce)
     return _ConvCompute.apply(token, xp, weight, bias, spec)
 
@@ -115,10 +117,25 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
     _nn: type = nn.Conv2d
     bucketed_params = True  # inside a region call, the region's gradient buckets sum weight and bias
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
-                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
-                 mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),
-                 memory_format: Optional[torch.memory_format] = None, overlap_halo: bool = False) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=0,
+        dilation=1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        mesh: Optional[DeviceMesh] = None,
+        shard_dims: Sequence[int] = (2,),
+        memory_format: Optional[torch.memory_format] = None,
+        overlap_halo: bool = False,
+    ) -> None:
         super().__init__()
         self.overlap_halo = bool(overlap_halo)
         name, n = type(self).__name__, self.spatial
@@ -126,27 +143,35 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
         if in_channels % groups or out_channels % groups:
-            raise ValueError(f"{name}: in_channels ({in_channels}) and out_channels ({out_channels}) "
-                             f"must be divisible by groups ({groups})")
+            raise ValueError(
+                f"{name}: in_channels ({in_channels}) and out_channels ({out_channels}) "
+                f"must be divisible by groups ({groups})"
+            )
         if padding_mode not in PADDING_MODES:
             raise ValueError(f"{name}: padding_mode must be one of {PADDING_MODES}, got {padding_mode!r}")
         self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
         self.kernel_size = ntuple(kernel_size, n, "kernel_size", name)
         self.stride, self.dilation = ntuple(stride, n, "stride", name), ntuple(dilation, n, "dilation", name)
         if min(self.kernel_size + self.stride + self.dilation) < 1:
-            raise ValueError(f"{name}: kernel_size, stride and dilation must be >= 1, got "
-                             f"{self.kernel_size}, {self.stride}, {self.dilation}")
+            raise ValueError(
+                f"{name}: kernel_size, stride and dilation must be >= 1, got "
+                f"{self.kernel_size}, {self.stride}, {self.dilation}"
+            )
         self.padding, self.padding_mode = padding, padding_mode
         self._pads = self._resolve_padding(padding)
         if memory_format not in (None, torch.channels_last, torch.contiguous_format, torch.channels_last_3d):
-            raise ValueError(f"{name}: memory_format must be None, torch.channels_last or torch.contiguous_format, "
-                             f"got {memory_format}")
+            raise ValueError(
+                f"{name}: memory_format must be None, torch.channels_last or torch.contiguous_format, "
+                f"got {memory_format}"
+            )
         # None: per call, the layout nn.ConvNd would give the output (no layout conversion at all)
-        self.memory_format = memory_format if memory_format in (None, torch.contiguous_format) else \
-            _CL.get(n, torch.contiguous_format)
+        self.memory_format = (
+            memory_format if memory_format in (None, torch.contiguous_format) else _CL.get(n, torch.contiguous_format)
+        )
         self._init_domain(mesh, shard_dims)
-        self._make_parameters((out_channels, in_channels // groups) + self.kernel_size, out_channels, bias, device,
-                              dtype)
+        self._make_parameters(
+            (out_channels, in_channels // groups) + self.kernel_size, out_channels, bias, device, dtype
+        )
 
     def _resolve_padding(self, padding) -> Tuple[Tuple[int, int], ...]:
         """(lo, hi) input padding per spatial dim, as ``nn.ConvNd`` applies it."""
@@ -165,31 +190,59 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
             raise ValueError(f"{name}: padding must be >= 0, got {padding!r}")
         return tuple((p, p) for p in pads)
 
-
     @classmethod
-    def from_module(cls, conv: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,),
-                    memory_format: Optional[torch.memory_format] = None, overlap_halo: bool = False):
+    def from_module(
+        cls,
+        conv: nn.Module,
+        *,
+        mesh: Optional[DeviceMesh] = None,
+        shard_dims: Sequence[int] = (2,),
+        memory_format: Optional[torch.memory_format] = None,
+        overlap_halo: bool = False,
+    ):
         """The domain-parallel twin of ``conv``, holding a copy of its parameters.
 
         Build optimizers after swapping: the new parameters are new objects.
         """
         if type(conv) is not cls._nn:
             raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(conv).__name__}")
-        layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                    conv.dilation, conv.groups, conv.bias is not None, conv.padding_mode, device="meta",
-                    dtype=conv.weight.dtype, mesh=mesh, shard_dims=shard_dims, memory_format=memory_format,
-                    overlap_halo=overlap_halo)
+        layer = cls(
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            conv.groups,
+            conv.bias is not None,
+            conv.padding_mode,
+            device="meta",
+            dtype=conv.weight.dtype,
+            mesh=mesh,
+            shard_dims=shard_dims,
+            memory_format=memory_format,
+            overlap_halo=overlap_halo,
+        )
         layer = layer.to_empty(device=conv.weight.device)
         layer._copy_shards_from(conv)
         return layer
 
     # ------------------------------------------------------------------ layout
     def _config(self):
-        return {"in_channels": self.in_channels, "out_channels": self.out_channels, "kernel_size": self.kernel_size,
-                "stride": self.stride, "padding": self._pads, "dilation": self.dilation, "groups": self.groups,
-                "bias": self.bias is not None, "padding_mode": self.padding_mode,
-                "memory_format": str(self.memory_format), "dtype": str(self.weight.dtype),
-                "overlap_halo": self.overlap_halo}
+        return {
+            "in_channels": self.in_channels,
+            "out_channels": self.out_channels,
+            "kernel_size": self.kernel_size,
+            "stride": self.stride,
+            "padding": self._pads,
+            "dilation": self.dilation,
+            "groups": self.groups,
+            "bias": self.bias is not None,
+            "padding_mode": self.padding_mode,
+            "memory_format": str(self.memory_format),
+            "dtype": str(self.weight.dtype),
+            "overlap_halo": self.overlap_halo,
+        }
 
     def _param_dtype(self):
         return self.weight
@@ -205,15 +258,20 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
             length = sum(sizes[d]) if d in sizes else shape[d]
             what = f"dim {d}" + (f" (mesh dim {self.shard_dims.index(d)})" if d in sizes else "")
             if self.padding_mode != "zeros" and max(pad) > length - (self.padding_mode == "reflect"):
-                raise ValueError(f"{name}: padding {pad} along {what} is too large for {self.padding_mode!r} "
-                                 f"padding of {length} rows")
+                raise ValueError(
+                    f"{name}: padding {pad} along {what} is too large for {self.padding_mode!r} "
+                    f"padding of {length} rows"
+                )
             out_len = conv_out_len(length, k, s, dil, pad)
             if out_len <= 0:
-                raise ValueError(f"{name}: input {what} of {length} rows is smaller than the (dilated) kernel "
-                                 f"extent {dil * (k - 1) + 1} with padding {pad}")
+                raise ValueError(
+                    f"{name}: input {what} of {length} rows is smaller than the (dilated) kernel "
+                    f"extent {dil * (k - 1) + 1} with padding {pad}"
+                )
             if d in sizes:
-                every[d] = plan_windows(sizes[d], out_len, conv_window(k, s, dil, pad[0]), mode=self.padding_mode,
-                                        what=what)
+                every[d] = plan_windows(
+                    sizes[d], out_len, conv_window(k, s, dil, pad[0]), mode=self.padding_mode, what=what
+                )
                 plans[d] = every[d][self._coord(d)]
                 out_shape.append(plans[d].out_rows)
             else:
@@ -232,17 +290,36 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
         slab = math.prod(shape[:2]) * math.prod(sum(sizes[d]) if d in sizes else shape[d] for d in range(2, len(shape)))
         strips, zero_padded = None, self.padding_mode == "zeros" and not extra and self._pads[i][0] == self._pads[i][1]
         if self.overlap_halo or slab // math.prod(len(sizes[d]) for d in sizes) >= EDGE_MIN_ELEMENTS:  # per rank
-            strips = uniform_geometry(every[last], sizes[last], self._coord(last), self._pads[i][0],
-                                      self.dilation[i] * (self.kernel_size[i] - 1) + 1, self.stride[i], zero_padded)
+            strips = uniform_geometry(
+                every[last],
+                sizes[last],
+                self._coord(last),
+                self._pads[i][0],
+                self.dilation[i] * (self.kernel_size[i] - 1) + 1,
+                self.stride[i],
+                zero_padded,
+            )
         spec = ConvSpec(
-            halo_dim=last, halo_group=self._group_of(last), plan=plans[last], periodic=self.padding_mode == "circular",
-            memory_format=torch.contiguous_format, out_format=torch.contiguous_format,
-            pad_and_trim=functools.partial(_prepare, dim=last, plan=plans[last], mode=self.padding_mode,
-                                           extra=tuple(extra)),
+            halo_dim=last,
+            halo_group=self._group_of(last),
+            plan=plans[last],
+            periodic=self.padding_mode == "circular",
+            memory_format=torch.contiguous_format,
+            out_format=torch.contiguous_format,
+            pad_and_trim=functools.partial(
+                _prepare, dim=last, plan=plans[last], mode=self.padding_mode, extra=tuple(extra)
+            ),
             skip_pad_and_trim=not extra and plans[last].boundary == (0, 0) and plans[last].trim == (0, 0),
-            conv_fn=_CONV[self.spatial], stride=self.stride, padding=tuple(conv_pad), dilation=self.dilation,
-            groups=self.groups, out_shape=tuple(out_shape), reduce_groups=tuple(self._groups),
-            spatial_order=conv_order(tuple(shape), like), strips=strips)
+            conv_fn=_CONV[self.spatial],
+            stride=self.stride,
+            padding=tuple(conv_pad),
+            dilation=self.dilation,
+            groups=self.groups,
+            out_shape=tuple(out_shape),
+            reduce_groups=tuple(self._groups),
+            spatial_order=conv_order(tuple(shape), like),
+            strips=strips,
+        )
         # one spec per (convolution layout, output layout): the layout is chosen per call from the input
         formats = (torch.contiguous_format,) + ((_CL[self.spatial],) if self.spatial > 1 else ())
         specs = {(f, o): dataclasses.replace(spec, memory_format=f, out_format=o) for f in formats for o in formats}
@@ -267,9 +344,11 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
         return halo, halo + ["all_reduce (weight+bias grads)"] * len(self.shard_dims)
 
     def extra_repr(self) -> str:
-        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
-                f"padding={self.padding!r}, dilation={self.dilation}, groups={self.groups}, "
-                f"bias={self.bias is not None}, padding_mode={self.padding_mode!r}, shard_dims={self.shard_dims}")
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"padding={self.padding!r}, dilation={self.dilation}, groups={self.groups}, "
+            f"bias={self.bias is not None}, padding_mode={self.padding_mode!r}, shard_dims={self.shard_dims}"
+        )
 
 
 def _prepare(xp: torch.Tensor, *, dim: int, plan, mode: str, extra) -> torch.Tensor:

@@ -36,20 +36,38 @@ class _DistributedConvTransposeNd(ConvParameters, DomainLayer):
     _nn: type = nn.ConvTranspose2d
     bucketed_params = True  # inside a region call, the region's gradient buckets sum weight and bias
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, output_padding=0,
-                 groups: int = 1, bias: bool = True, dilation=1, padding_mode: str = "zeros", device=None,
-                 dtype=None, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=0,
+        output_padding=0,
+        groups: int = 1,
+        bias: bool = True,
+        dilation=1,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        mesh: Optional[DeviceMesh] = None,
+        shard_dims: Sequence[int] = (2,),
+    ) -> None:
         super().__init__()
         name, n = type(self).__name__, self.spatial
         for arg, value in (("in_channels", in_channels), ("out_channels", out_channels), ("groups", groups)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
         if in_channels % groups or out_channels % groups:
-            raise ValueError(f"{name}: in_channels ({in_channels}) and out_channels ({out_channels}) "
-                             f"must be divisible by groups ({groups})")
+            raise ValueError(
+                f"{name}: in_channels ({in_channels}) and out_channels ({out_channels}) "
+                f"must be divisible by groups ({groups})"
+            )
         if padding_mode != "zeros":
-            raise ValueError(f"{name}: only padding_mode='zeros' is supported (as in {self._nn.__name__}), "
-                             f"got {padding_mode!r}")
+            raise ValueError(
+                f"{name}: only padding_mode='zeros' is supported (as in {self._nn.__name__}), got {padding_mode!r}"
+            )
         self.in_channels, self.out_channels, self.groups, self.padding_mode = in_channels, out_channels, groups, "zeros"
         self.kernel_size = ntuple(kernel_size, n, "kernel_size", name)
         self.stride, self.dilation = ntuple(stride, n, "stride", name), ntuple(dilation, n, "dilation", name)
@@ -59,30 +77,53 @@ class _DistributedConvTransposeNd(ConvParameters, DomainLayer):
             raise ValueError(f"{name}: kernel_size, stride, dilation must be >= 1 and padding, output_padding >= 0")
         for op, s, d in zip(self.output_padding, self.stride, self.dilation):
             if op >= s and op >= d:
-                raise ValueError(f"{name}: output_padding must be smaller than either stride or dilation, got "
-                                 f"output_padding {self.output_padding}, stride {self.stride}, dilation {self.dilation}")
+                raise ValueError(
+                    f"{name}: output_padding must be smaller than either stride or dilation, got "
+                    f"output_padding {self.output_padding}, stride {self.stride}, dilation {self.dilation}"
+                )
         self._init_domain(mesh, shard_dims)
-        self._make_parameters((in_channels, out_channels // groups) + self.kernel_size, out_channels, bias, device,
-                              dtype)
-
+        self._make_parameters(
+            (in_channels, out_channels // groups) + self.kernel_size, out_channels, bias, device, dtype
+        )
 
     @classmethod
     def from_module(cls, conv: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)):
         """The domain-parallel twin of ``conv``, holding a copy of its parameters (build optimizers after)."""
         if type(conv) is not cls._nn:
             raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(conv).__name__}")
-        layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
-                    conv.output_padding, conv.groups, conv.bias is not None, conv.dilation, conv.padding_mode,
-                    device="meta", dtype=conv.weight.dtype, mesh=mesh, shard_dims=shard_dims)
+        layer = cls(
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            conv.stride,
+            conv.padding,
+            conv.output_padding,
+            conv.groups,
+            conv.bias is not None,
+            conv.dilation,
+            conv.padding_mode,
+            device="meta",
+            dtype=conv.weight.dtype,
+            mesh=mesh,
+            shard_dims=shard_dims,
+        )
         layer = layer.to_empty(device=conv.weight.device)
         layer._copy_shards_from(conv)
         return layer
 
     def _config(self):
-        return {"in_channels": self.in_channels, "out_channels": self.out_channels, "kernel_size": self.kernel_size,
-                "stride": self.stride, "padding": self.padding, "output_padding": self.output_padding,
-                "dilation": self.dilation, "groups": self.groups, "bias": self.bias is not None,
-                "dtype": str(self.weight.dtype)}
+        return {
+            "in_channels": self.in_channels,
+            "out_channels": self.out_channels,
+            "kernel_size": self.kernel_size,
+            "stride": self.stride,
+            "padding": self.padding,
+            "output_padding": self.output_padding,
+            "dilation": self.dilation,
+            "groups": self.groups,
+            "bias": self.bias is not None,
+            "dtype": str(self.weight.dtype),
+        }
 
     def _param_dtype(self):
         return self.weight
@@ -94,8 +135,13 @@ class _DistributedConvTransposeNd(ConvParameters, DomainLayer):
         plans, own, part_shape, empty = {}, {}, [shape[0], self.out_channels], False
         for i in range(self.spatial):
             d = 2 + i
-            k, s, dil, p, op = (self.kernel_size[i], self.stride[i], self.dilation[i], self.padding[i],
-                                self.output_padding[i])
+            k, s, dil, p, op = (
+                self.kernel_size[i],
+                self.stride[i],
+                self.dilation[i],
+                self.padding[i],
+                self.output_padding[i],
+            )
             length = sum(sizes[d]) if d in sizes else shape[d]
             out_len = transposed_out_len(length, k, s, dil, p, op)
             if out_len <= 0:
@@ -134,9 +180,11 @@ class _DistributedConvTransposeNd(ConvParameters, DomainLayer):
         return y
 
     def extra_repr(self) -> str:
-        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
-                f"padding={self.padding}, output_padding={self.output_padding}, dilation={self.dilation}, "
-                f"groups={self.groups}, bias={self.bias is not None}, shard_dims={self.shard_dims}")
+        return (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
+            f"padding={self.padding}, output_padding={self.output_padding}, dilation={self.dilation}, "
+            f"groups={self.groups}, bias={self.bias is not None}, shard_dims={self.shard_dims}"
+        )
 
 
 def _doc(n: int, example: str, dim: int) -> str:
@@ -167,7 +215,7 @@ def _doc(n: int, example: str, dim: int) -> str:
         torch.manual_seed(0)                                  # the same model and data on every rank
         serial = {example}
         up = tplayers.DistributedConvTranspose{n}d.from_module(serial, mesh=mesh, shard_dims=({dim},))
-        x = torch.randn(1, 4, {', '.join(['6'] * n)})                # same on every rank
+        x = torch.randn(1, 4, {", ".join(["6"] * n)})                # same on every rank
         y = tplayers.gather(up(tplayers.shard(x, {dim}, mesh)), {dim}, mesh)
         torch.testing.assert_close(y, serial(x))
     """

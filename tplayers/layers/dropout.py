@@ -66,15 +66,22 @@ class ParallelDropout(nn.Module):
         torch.testing.assert_close(h, torch.nn.functional.dropout(torch.ones(4, 64), 0.5)[:, start:stop])
     """
 
-    def __init__(self, p: float = 0.5, *, dim: Optional[int] = None, full_size: Optional[int] = None,
-                 mesh: Optional[DeviceMesh] = None) -> None:
+    def __init__(
+        self,
+        p: float = 0.5,
+        *,
+        dim: Optional[int] = None,
+        full_size: Optional[int] = None,
+        mesh: Optional[DeviceMesh] = None,
+    ) -> None:
         super().__init__()
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
             raise ValueError(f"ParallelDropout: p must be a probability in [0, 1], got {p!r}")
         if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
             raise TypeError(f"ParallelDropout: dim must be an int or None, got {type(dim).__name__}")
-        if full_size is not None and (dim is None or isinstance(full_size, bool) or not isinstance(full_size, int)
-                                      or full_size < 0):
+        if full_size is not None and (
+            dim is None or isinstance(full_size, bool) or not isinstance(full_size, int) or full_size < 0
+        ):
             raise ValueError(f"ParallelDropout: full_size must be a non-negative int with dim set, got {full_size!r}")
         self.mesh = resolve_mesh(mesh)
         self._group = self.mesh.get_group(0)
@@ -105,13 +112,17 @@ class ParallelDropout(nn.Module):
             sizes = exchange_sizes(local, self._group)
             full = sum(sizes)
             if sizes != shard_sizes(full, self.tp_size):  # the same table on every rank: all raise
-                raise ValueError(f"ParallelDropout: dim {self.dim} must be sharded as shard_sizes({full}, "
-                                 f"{self.tp_size}) = {shard_sizes(full, self.tp_size)}, got local lengths {sizes}")
+                raise ValueError(
+                    f"ParallelDropout: dim {self.dim} must be sharded as shard_sizes({full}, "
+                    f"{self.tp_size}) = {shard_sizes(full, self.tp_size)}, got local lengths {sizes}"
+                )
         else:
             full, sizes = self.full_size, shard_sizes(self.full_size, self.tp_size)
             if local != sizes[self.tp_rank]:
-                raise ValueError(f"ParallelDropout: rank {self.tp_rank} must hold {sizes[self.tp_rank]} of "
-                                 f"full_size={full} along dim {self.dim}, got shape {tuple(x.shape)}")
+                raise ValueError(
+                    f"ParallelDropout: rank {self.tp_rank} must hold {sizes[self.tp_rank]} of "
+                    f"full_size={full} along dim {self.dim}, got shape {tuple(x.shape)}"
+                )
         shape = list(x.shape)
         shape[dim] = full
         return dropout_slice(x, self.p, True, shape, dim, offsets_from_sizes(sizes)[self.tp_rank])

@@ -36,7 +36,9 @@ class _ParallelEmbedding(ShardedModule):
                 raise ValueError(f"{name}: {arg} must be a positive int, got {value!r}")
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
-                raise ValueError(f"{name}: padding_idx must be in [-{num_embeddings}, {num_embeddings}), got {padding_idx}")
+                raise ValueError(
+                    f"{name}: padding_idx must be in [-{num_embeddings}, {num_embeddings}), got {padding_idx}"
+                )
             padding_idx %= num_embeddings
         mesh = self._bind_mesh(mesh)
         self._group = mesh.get_group(0)
@@ -76,9 +78,18 @@ class _ParallelEmbedding(ShardedModule):
             raise TypeError(f"{cls.__name__}.from_module expects an nn.Embedding, got {type(dense).__name__}")
         for opt in ("max_norm", "scale_grad_by_freq", "sparse"):
             if getattr(dense, opt):
-                raise ValueError(f"{cls.__name__}.from_module: nn.Embedding({opt}={getattr(dense, opt)!r}) is not supported")
-        layer = cls(dense.num_embeddings, dense.embedding_dim, padding_idx=dense.padding_idx, mesh=mesh,
-                    device="meta", dtype=dense.weight.dtype, **options)
+                raise ValueError(
+                    f"{cls.__name__}.from_module: nn.Embedding({opt}={getattr(dense, opt)!r}) is not supported"
+                )
+        layer = cls(
+            dense.num_embeddings,
+            dense.embedding_dim,
+            padding_idx=dense.padding_idx,
+            mesh=mesh,
+            device="meta",
+            dtype=dense.weight.dtype,
+            **options,
+        )
         layer = layer.to_empty(device=dense.weight.device)
         layer._copy_shards_from(dense)
         return layer
@@ -92,8 +103,10 @@ class _ParallelEmbedding(ShardedModule):
         if ids.device != self.weight.device:
             raise ValueError(f"{name}: input device must match the weight's {self.weight.device}, got {ids.device}")
         if ids.numel() and torch.compiler.is_compiling():  # no host sync in a graph: checked on the device
-            torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
-                                f"{name}: a token id is out of range [0, {self.num_embeddings})")
+            torch._assert_async(
+                ((ids >= 0) & (ids < self.num_embeddings)).all(),
+                f"{name}: a token id is out of range [0, {self.num_embeddings})",
+            )
         elif ids.numel():
             lo, hi = torch.aminmax(ids)
             lo, hi = int(lo), int(hi)
@@ -102,8 +115,11 @@ class _ParallelEmbedding(ShardedModule):
                 raise ValueError(f"{name}: token id {bad} is out of range [0, {self.num_embeddings})")
 
     def _local_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, local_weight={tuple(self.weight.shape)}, "
-                f"rank={self.tp_rank}/{self.tp_size}" + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""))
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, local_weight={tuple(self.weight.shape)}, "
+            f"rank={self.tp_rank}/{self.tp_size}"
+            + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+        )
 
 
 class VocabParallelEmbedding(_ParallelEmbedding):
@@ -150,9 +166,18 @@ class VocabParallelEmbedding(_ParallelEmbedding):
         torch.testing.assert_close(emb(ids), dense(ids))
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, *,
-                 mesh: Optional[DeviceMesh] = None, device=None, dtype=None,
-                 sequence_parallel: bool = False, sequence_dim: int = 1) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        *,
+        mesh: Optional[DeviceMesh] = None,
+        device=None,
+        dtype=None,
+        sequence_parallel: bool = False,
+        sequence_dim: int = 1,
+    ) -> None:
         name = type(self).__name__
         if not isinstance(sequence_parallel, bool):
             raise TypeError(f"{name}: sequence_parallel must be a bool, got {type(sequence_parallel).__name__}")
@@ -164,8 +189,10 @@ class VocabParallelEmbedding(_ParallelEmbedding):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self._check_ids(ids)
         if self.sequence_parallel and not -ids.dim() <= self.sequence_dim < ids.dim():
-            raise ValueError(f"{type(self).__name__}: sequence_dim={self.sequence_dim} must name a dim of the ids, "
-                             f"got ids of shape {tuple(ids.shape)}")
+            raise ValueError(
+                f"{type(self).__name__}: sequence_dim={self.sequence_dim} must name a dim of the ids, "
+                f"got ids of shape {tuple(ids.shape)}"
+            )
         if self.tp_size == 1:
             return F.embedding(ids, self.weight, self.padding_idx)
         start, stop = self._rows
@@ -231,8 +258,17 @@ class ColumnParallelEmbedding(_ParallelEmbedding):
 
     _weight_dim = 1
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int] = None, *,
-                 mesh: Optional[DeviceMesh] = None, gather_output: bool = False, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        *,
+        mesh: Optional[DeviceMesh] = None,
+        gather_output: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
         self.gather_output = bool(gather_output)
         super().__init__(num_embeddings, embedding_dim, padding_idx, mesh, device, dtype)
 

@@ -15,10 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.comm import (
-    gather_along_dim,
-    split_along_dim,
-)
+from tplayers.comm import gather_along_dim, split_along_dim
 from tplayers.comm.fused import (
     all_gather_linear,
     linear_all_reduce_input_grad,
@@ -286,8 +283,10 @@ class RowParallelLinear(ParallelLinearBase):
         self.reduce_dtype = check_reduce_dtype(reduce_dtype, type(self).__name__)
         check_sequence_args(type(self).__name__, sequence_parallel, sequence_dim)
         if sequence_parallel and not input_is_parallel:
-            raise ValueError(f"{type(self).__name__}: sequence_parallel=True needs input_is_parallel=True "
-                             "(the input is the column-parallel activation), got input_is_parallel=False")
+            raise ValueError(
+                f"{type(self).__name__}: sequence_parallel=True needs input_is_parallel=True "
+                "(the input is the column-parallel activation), got input_is_parallel=False"
+            )
         self.input_is_parallel = bool(input_is_parallel)
         self.head_dim = head_dim
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
@@ -303,15 +302,19 @@ class RowParallelLinear(ParallelLinearBase):
         specs = super()._specs(bias)
         if self.head_dim is not None:
             a, b = row_head_ranges(self.in_features, self.tp_size, self.tp_rank, self.head_dim)
-            specs["weight"] = ShardSpec.from_ranges((self.out_features, self.in_features), 1, [(a, b)], self.tp_size, self.tp_rank)
+            specs["weight"] = ShardSpec.from_ranges(
+                (self.out_features, self.in_features), 1, [(a, b)], self.tp_size, self.tp_rank
+            )
         return specs
 
     @property
     def partition_sizes(self) -> list:
         if self.head_dim is None:
             return shard_sizes(self.in_features, self.tp_size)
-        return [b - a for a, b in (row_head_ranges(self.in_features, self.tp_size, r, self.head_dim)
-                                   for r in range(self.tp_size))]
+        return [
+            b - a
+            for a, b in (row_head_ranges(self.in_features, self.tp_size, r, self.head_dim) for r in range(self.tp_size))
+        ]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__

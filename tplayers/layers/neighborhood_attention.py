@@ -34,8 +34,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_many_to_parallel_region
-from tplayers.domain.window import gather_windows
 from tplayers.comm.agree import exchange_agreed
+from tplayers.domain.window import gather_windows
 from tplayers.layers._common import ShardedModule, autocast_dtype_ok
 from tplayers.layers._domain import layout_priming, priming
 from tplayers.ops.na import AXIS_NAMES, check_window_fits, neighborhood_attention, normalize_window_args
@@ -89,11 +89,25 @@ class NeighborhoodAttention(ShardedModule):
     #: spatial dims of the input ``(B, *spatial, C)``
     spatial_rank = 2
 
-    def __init__(self, embed_dim: int, num_heads: int, kernel_size, dilation=1, is_causal=False,
-                 qkv_bias: bool = True, qk_scale: Optional[float] = None, proj_drop: float = 0.0,
-                 rel_pos_bias: bool = False, *, stride=1, local_backend: str = "auto",
-                 mesh: Optional[DeviceMesh] = None, shard_dims: Optional[Sequence[int]] = None, device=None,
-                 dtype=None) -> None:
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        kernel_size,
+        dilation=1,
+        is_causal=False,
+        qkv_bias: bool = True,
+        qk_scale: Optional[float] = None,
+        proj_drop: float = 0.0,
+        rel_pos_bias: bool = False,
+        *,
+        stride=1,
+        local_backend: str = "auto",
+        mesh: Optional[DeviceMesh] = None,
+        shard_dims: Optional[Sequence[int]] = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
         name, rank = type(self).__name__, self.spatial_rank
         for arg, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
@@ -102,20 +116,24 @@ class NeighborhoodAttention(ShardedModule):
         if embed_dim % num_heads:
             raise ValueError(f"{name}: embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
         self.kernel_size, self.stride, self.dilation, self.is_causal = normalize_window_args(
-            rank, kernel_size, stride, dilation, is_causal)
+            rank, kernel_size, stride, dilation, is_causal
+        )
         if rel_pos_bias and any(s != 1 for s in self.stride):
             raise ValueError(f"{name}: rel_pos_bias needs stride 1 along every dim, got stride {self.stride}")
         if local_backend not in ("auto", "natten", "tplayers", "tile"):
-            raise ValueError(f"{name}: local_backend must be 'auto', 'natten', 'tplayers' or 'tile', "
-                             f"got {local_backend!r}")
+            raise ValueError(
+                f"{name}: local_backend must be 'auto', 'natten', 'tplayers' or 'tile', got {local_backend!r}"
+            )
         if local_backend in ("natten", "tile") and (rel_pos_bias or min(self.kernel_size) < 2):
-            raise ValueError(f"{name}: local_backend={local_backend!r} runs natten's whole-image kernels, which "
-                             f"need no rel_pos_bias and kernel_size >= 2 along every dim; got rel_pos_bias="
-                             f"{rel_pos_bias}, kernel_size={self.kernel_size}")
+            raise ValueError(
+                f"{name}: local_backend={local_backend!r} runs natten's whole-image kernels, which "
+                f"need no rel_pos_bias and kernel_size >= 2 along every dim; got rel_pos_bias="
+                f"{rel_pos_bias}, kernel_size={self.kernel_size}"
+            )
         self.local_backend = local_backend
         self._natten_installed = natten_module() is not None  # looked up here, never while compiling
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
-        self.scale = qk_scale if qk_scale is not None else self.head_dim ** -0.5
+        self.scale = qk_scale if qk_scale is not None else self.head_dim**-0.5
         kw = {"device": device, "dtype": dtype}
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=qkv_bias, **kw)
         self.proj = nn.Linear(embed_dim, embed_dim, **kw)
@@ -131,11 +149,14 @@ class NeighborhoodAttention(ShardedModule):
         self._groups: list = []
         if shard_dims is not None:
             dims = tuple(int(d) for d in shard_dims)
-            allowed = [(d,) for d in range(1, rank + 1)] + [(a, b) for a in range(1, rank + 1)
-                                                           for b in range(a + 1, rank + 1)]
+            allowed = [(d,) for d in range(1, rank + 1)] + [
+                (a, b) for a in range(1, rank + 1) for b in range(a + 1, rank + 1)
+            ]
             if dims not in allowed:
-                raise ValueError(f"{name}: shard_dims must be None or one of {allowed} (spatial dims of the "
-                                 f"(B, {', '.join(AXIS_NAMES[rank])}, C) input, at most two), got {tuple(shard_dims)}")
+                raise ValueError(
+                    f"{name}: shard_dims must be None or one of {allowed} (spatial dims of the "
+                    f"(B, {', '.join(AXIS_NAMES[rank])}, C) input, at most two), got {tuple(shard_dims)}"
+                )
             self.shard_dims = dims
             mesh = self._bind_mesh(mesh, len(dims))
             self._groups = [mesh.get_group(i) for i in range(mesh.ndim)]
@@ -156,19 +177,32 @@ class NeighborhoodAttention(ShardedModule):
         return {name: ShardSpec.replicated(p.shape) for name, p in self.named_parameters()}
 
     @classmethod
-    def from_module(cls, module: "NeighborhoodAttention", *, mesh: Optional[DeviceMesh] = None,
-                    shard_dims: Sequence[int] = (1,)) -> "NeighborhoodAttention":
+    def from_module(
+        cls, module: "NeighborhoodAttention", *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (1,)
+    ) -> "NeighborhoodAttention":
         """A domain-parallel twin of ``module`` holding a copy of its parameters.
 
         Build optimizers after swapping: the new parameters are new objects.
         """
         if not isinstance(module, NeighborhoodAttention) or module.spatial_rank != cls.spatial_rank:
             raise TypeError(f"{cls.__name__}.from_module expects a {cls.__name__}, got {type(module).__name__}")
-        layer = cls(module.embed_dim, module.num_heads, module.kernel_size, module.dilation, module.is_causal,
-                    module.qkv.bias is not None, module.scale, module.proj_drop.p, module.rpb is not None,
-                    stride=module.stride, local_backend=module.local_backend, mesh=mesh, shard_dims=shard_dims,
-                    device="meta",
-                    dtype=module.qkv.weight.dtype)
+        layer = cls(
+            module.embed_dim,
+            module.num_heads,
+            module.kernel_size,
+            module.dilation,
+            module.is_causal,
+            module.qkv.bias is not None,
+            module.scale,
+            module.proj_drop.p,
+            module.rpb is not None,
+            stride=module.stride,
+            local_backend=module.local_backend,
+            mesh=mesh,
+            shard_dims=shard_dims,
+            device="meta",
+            dtype=module.qkv.weight.dtype,
+        )
         layer = layer.to_empty(device=module.qkv.weight.device)
         layer._copy_shards_from(module)
         return layer
@@ -179,19 +213,28 @@ class NeighborhoodAttention(ShardedModule):
 
     # ------------------------------------------------------------------ layout
     def _check_local(self, x: torch.Tensor) -> bool:
-        return (isinstance(x, torch.Tensor) and x.dim() == self.spatial_rank + 2 and x.shape[-1] == self.embed_dim
-                and autocast_dtype_ok(x, self.qkv.weight) and x.device == self.qkv.weight.device)
+        return (
+            isinstance(x, torch.Tensor)
+            and x.dim() == self.spatial_rank + 2
+            and x.shape[-1] == self.embed_dim
+            and autocast_dtype_ok(x, self.qkv.weight)
+            and x.device == self.qkv.weight.device
+        )
 
     def _raise_bad_input(self, x, where: str = "") -> None:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         dtype = (x.dtype, x.device) if isinstance(x, torch.Tensor) else None
         names = ", ".join(AXIS_NAMES[self.spatial_rank])
-        raise ValueError(f"{type(self).__name__}: input must be (B, {names}, {self.embed_dim}) with the weights' dtype "
-                         f"and device ({self.qkv.weight.dtype}, {self.qkv.weight.device}){where}; got {shape} {dtype}")
+        raise ValueError(
+            f"{type(self).__name__}: input must be (B, {names}, {self.embed_dim}) with the weights' dtype "
+            f"and device ({self.qkv.weight.dtype}, {self.qkv.weight.device}){where}; got {shape} {dtype}"
+        )
 
     def _layout(self, x: torch.Tensor) -> _Layout:
         if isinstance(x, torch.Tensor) and torch.compiler.is_compiling() and not layout_priming():
-            self._prime_layout(tuple(int(s) for s in x.shape), x.dtype, x.device)  # the exchange stays out of the graph (int(): shapes specialised, never symbolic)
+            self._prime_layout(
+                tuple(int(s) for s in x.shape), x.dtype, x.device
+            )  # the exchange stays out of the graph (int(): shapes specialised, never symbolic)
         key = tuple(x.shape) if isinstance(x, torch.Tensor) else None  # a bad input still joins the exchange
         if key in self._layouts:
             # Cached layout: every rank skips the exchange alike; the per-call checks stay local
@@ -202,13 +245,21 @@ class NeighborhoodAttention(ShardedModule):
         # table[c0][c1] = every rank's (ok, B, *spatial), exchanged along each mesh dim
         rank = self.spatial_rank
         ok = self._check_local(x)
-        row = [int(ok)] + (list(x.shape[:rank + 1]) if ok else [-1] * (rank + 1))
+        row = [int(ok)] + (list(x.shape[: rank + 1]) if ok else [-1] * (rank + 1))
         tile = self._tile_backend() is not None
-        config = {"kernel_size": self.kernel_size, "stride": self.stride, "dilation": self.dilation,
-                  "is_causal": self.is_causal, "local_backend": self.local_backend, "tile": tile,
-                  "natten installed": self._natten_installed if self.local_backend == "natten" else None,
-                  "shard_dims": self.shard_dims, "embed_dim": self.embed_dim, "num_heads": self.num_heads,
-                  "dtype": str(self.qkv.weight.dtype)}
+        config = {
+            "kernel_size": self.kernel_size,
+            "stride": self.stride,
+            "dilation": self.dilation,
+            "is_causal": self.is_causal,
+            "local_backend": self.local_backend,
+            "tile": tile,
+            "natten installed": self._natten_installed if self.local_backend == "natten" else None,
+            "shard_dims": self.shard_dims,
+            "embed_dim": self.embed_dim,
+            "num_heads": self.num_heads,
+            "dtype": str(self.qkv.weight.dtype),
+        }
         table = exchange_agreed(row, config, self._groups, type(self).__name__, "na.layout")
         rows = [r for line in table for r in line]
         if not ok:
@@ -227,8 +278,15 @@ class NeighborhoodAttention(ShardedModule):
             else:
                 line = [key[tensor_dim]]  # not sharded
             what = AXIS_NAMES[rank][axis] + ("" if mesh_dim is None else f" (mesh dim {mesh_dim})")
-            per = axis_plans(line, kernel=self.kernel_size[axis], dilation=self.dilation[axis],
-                             causal=self.is_causal[axis], what=what, stride=self.stride[axis], tile=tile)
+            per = axis_plans(
+                line,
+                kernel=self.kernel_size[axis],
+                dilation=self.dilation[axis],
+                causal=self.is_causal[axis],
+                what=what,
+                stride=self.stride[axis],
+                tile=tile,
+            )
             index = 0 if mesh_dim is None else self.mesh.get_local_rank(mesh_dim)
             if mesh_dim is not None:
                 plans[tensor_dim] = per[index]
@@ -258,7 +316,7 @@ class NeighborhoodAttention(ShardedModule):
                     expect = ", ".join(f"{n}={e}" for n, e in zip(names, ref))
                     raise ValueError(
                         f"{type(self).__name__}: local input shapes do not form a grid partition over the mesh "
-                        f"(shard_dims={self.shard_dims}): rank at mesh position {(c0, c1)[:len(self._groups)]} has "
+                        f"(shard_dims={self.shard_dims}): rank at mesh position {(c0, c1)[: len(self._groups)]} has "
                         f"(B, {', '.join(names)})={tuple(r[1:])}, expected B={table[0][0][1]}, {expect}"
                     )
 
@@ -281,8 +339,11 @@ class NeighborhoodAttention(ShardedModule):
             return "natten"
         if self.local_backend == "tile":
             return "tplayers"
-        if self.local_backend == "auto" and natten_applies(self.qkv.weight.device, self.kernel_size,
-                                                           self.rpb is not None, self._natten_installed) is None:
+        if (
+            self.local_backend == "auto"
+            and natten_applies(self.qkv.weight.device, self.kernel_size, self.rpb is not None, self._natten_installed)
+            is None
+        ):
             return "natten"
         return None
 
@@ -294,12 +355,12 @@ class NeighborhoodAttention(ShardedModule):
         if self.shard_dims is None:
             if not self._check_local(x):
                 self._raise_bad_input(x)
-            size, offset, plans = tuple(x.shape[1:1 + rank]), (0,) * rank, None
+            size, offset, plans = tuple(x.shape[1 : 1 + rank]), (0,) * rank, None
             check_window_fits(self.kernel_size, self.dilation, size, type(self).__name__)
         else:
             size, offset, plans = self._layout(x)  # validated on every rank before any halo traffic
         w_qkv, b_qkv, w_proj, b_proj, rpb = self._params()
-        local = tuple(x.shape[:rank + 1])  # (B, *local spatial)
+        local = tuple(x.shape[: rank + 1])  # (B, *local spatial)
         qkv = F.linear(x, w_qkv, b_qkv).view(*local, 3, self.num_heads, self.head_dim)
         q, kv = qkv.select(rank + 1, 0), qkv.narrow(rank + 1, 1, 2)  # (B, *s, heads, hd), (B, *s, 2, heads, hd)
         k_offset = offset
@@ -308,9 +369,20 @@ class NeighborhoodAttention(ShardedModule):
             kv = gather_windows(kv.contiguous(), plans, groups, "zeros")
             k_offset = tuple(plans[1 + a].in_start if 1 + a in plans else offset[a] for a in range(rank))
         k, v = kv.unbind(rank + 1)
-        out = neighborhood_attention(q, k, v, self.kernel_size, self.dilation, self.is_causal, stride=self.stride,
-                                     scale=self.scale, global_size=size, q_offset=offset, k_offset=k_offset,
-                                     rel_pos_bias=rpb)
+        out = neighborhood_attention(
+            q,
+            k,
+            v,
+            self.kernel_size,
+            self.dilation,
+            self.is_causal,
+            stride=self.stride,
+            scale=self.scale,
+            global_size=size,
+            q_offset=offset,
+            k_offset=k_offset,
+            rel_pos_bias=rpb,
+        )
         out = F.linear(out.reshape(*local, self.embed_dim), w_proj, b_proj)  # (B, *s, C)
         return self.proj_drop(out)
 
@@ -322,26 +394,28 @@ class NeighborhoodAttention(ShardedModule):
         if self.shard_dims is None:
             if not self._check_local(x):
                 self._raise_bad_input(x)
-            check_window_fits(self.kernel_size, self.dilation, tuple(x.shape[1:1 + rank]), type(self).__name__)
+            check_window_fits(self.kernel_size, self.dilation, tuple(x.shape[1 : 1 + rank]), type(self).__name__)
             offset, plans = (0,) * rank, None
         else:
             _, offset, plans = self._layout(x)  # validated on every rank before any halo traffic
         if backend == "natten":  # every rank agreed on natten's presence in the layout exchange
             if not self._natten_installed:
-                raise ImportError(f"{type(self).__name__}(local_backend='natten'): natten is not installed "
-                                  f"({INSTALL_HINT})")
+                raise ImportError(
+                    f"{type(self).__name__}(local_backend='natten'): natten is not installed ({INSTALL_HINT})"
+                )
             why = natten_applies(x.device, self.kernel_size, False, True)
             if why is not None:
                 raise ValueError(f"{type(self).__name__}(local_backend='natten'): {why}")
         w_qkv, b_qkv, w_proj, b_proj, _ = self._params()
-        local = tuple(x.shape[:rank + 1])  # (B, *local spatial)
+        local = tuple(x.shape[: rank + 1])  # (B, *local spatial)
         qkv = F.linear(x, w_qkv, b_qkv).view(*local, 3, self.num_heads, self.head_dim)
         if plans is not None:  # q, k and v of the tile: the N-d halo exchange of all three
             groups = {d: self._groups[self.shard_dims.index(d)] for d in plans}
             qkv = gather_windows(qkv.contiguous(), plans, groups, "zeros")
         q, k, v = qkv.unbind(rank + 1)  # (B, *tile, heads, hd) each
-        out = tile_attention(q, k, v, self.kernel_size, self.stride, self.dilation, self.is_causal, self.scale,
-                             backend=backend)
+        out = tile_attention(
+            q, k, v, self.kernel_size, self.stride, self.dilation, self.is_causal, self.scale, backend=backend
+        )
         for d, plan in (plans or {}).items():  # this shard's rows of the tile
             out = out.narrow(d, offset[d - 1] - plan.in_start, local[d])
         out = F.linear(out.reshape(*local, self.embed_dim), w_proj, b_proj)  # (B, *s, C)
@@ -357,9 +431,11 @@ class NeighborhoodAttention(ShardedModule):
 
     def extra_repr(self) -> str:
         stride = f"stride={self.stride}, " if any(s != 1 for s in self.stride) else ""
-        return (f"{self.embed_dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, {stride}"
-                f"dilation={self.dilation}, is_causal={self.is_causal}, rel_pos_bias={self.rpb is not None}, "
-                f"shard_dims={self.shard_dims}")
+        return (
+            f"{self.embed_dim}, num_heads={self.num_heads}, kernel_size={self.kernel_size}, {stride}"
+            f"dilation={self.dilation}, is_causal={self.is_causal}, rel_pos_bias={self.rpb is not None}, "
+            f"shard_dims={self.shard_dims}"
+        )
 
 
 class NeighborhoodAttention1d(NeighborhoodAttention):

@@ -29,8 +29,15 @@ from tplayers.layers._common import ShardedModule
 from tplayers.layers._norm_core import DomainNormFn
 from tplayers.sharding import ShardSpec
 
-__all__ = ["DistributedBatchNorm1d", "DistributedBatchNorm2d", "DistributedBatchNorm3d", "DistributedGroupNorm",
-           "DistributedInstanceNorm1d", "DistributedInstanceNorm2d", "DistributedInstanceNorm3d"]
+__all__ = [
+    "DistributedBatchNorm1d",
+    "DistributedBatchNorm2d",
+    "DistributedBatchNorm3d",
+    "DistributedGroupNorm",
+    "DistributedInstanceNorm1d",
+    "DistributedInstanceNorm2d",
+    "DistributedInstanceNorm3d",
+]
 
 
 class _DomainNorm(ShardedModule):
@@ -47,10 +54,17 @@ class _DomainNorm(ShardedModule):
         except TypeError:
             raise ValueError(f"{name}: shard_dims must be a tuple of spatial dims, got {shard_dims!r}") from None
         top = 2 + self.spatial if self.spatial else None
-        if (not dims or len(dims) > 2 or len(set(dims)) != len(dims) or any(d < 2 for d in dims)
-                or (top is not None and any(d >= top for d in dims))):
-            raise ValueError(f"{name}: shard_dims must be one or two distinct spatial dims of the input "
-                             f"(2..{top - 1 if top else 'ndim - 1'}), got {tuple(shard_dims)}")
+        if (
+            not dims
+            or len(dims) > 2
+            or len(set(dims)) != len(dims)
+            or any(d < 2 for d in dims)
+            or (top is not None and any(d >= top for d in dims))
+        ):
+            raise ValueError(
+                f"{name}: shard_dims must be one or two distinct spatial dims of the input "
+                f"(2..{top - 1 if top else 'ndim - 1'}), got {tuple(shard_dims)}"
+            )
         self.shard_dims = dims
         mesh = self._bind_mesh(mesh, len(dims))
         self._groups = [mesh.get_group(i) for i in range(mesh.ndim)]
@@ -70,8 +84,16 @@ class _DomainNorm(ShardedModule):
         if isinstance(m, nn.GroupNorm):
             new = cls(m.num_groups, m.num_channels, m.eps, m.affine, mesh=mesh, shard_dims=shard_dims, **kw)
         else:
-            new = cls(m.num_features, m.eps, m.momentum, m.affine, m.track_running_stats, mesh=mesh,
-                      shard_dims=shard_dims, **kw)
+            new = cls(
+                m.num_features,
+                m.eps,
+                m.momentum,
+                m.affine,
+                m.track_running_stats,
+                mesh=mesh,
+                shard_dims=shard_dims,
+                **kw,
+            )
         new.load_state_dict(m.state_dict())
         for p, q in zip(new.parameters(), m.parameters()):
             p.requires_grad_(q.requires_grad)
@@ -82,10 +104,14 @@ class _DomainNorm(ShardedModule):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
         if self.spatial is not None and x.dim() != 2 + self.spatial:
-            raise ValueError(f"{name}: expected a {2 + self.spatial}-D input (N, C, *spatial), got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name}: expected a {2 + self.spatial}-D input (N, C, *spatial), got shape {tuple(x.shape)}"
+            )
         if x.dim() <= max(self.shard_dims):
-            raise ValueError(f"{name}: shard_dims {self.shard_dims} need a {max(self.shard_dims) + 1}-D or larger "
-                             f"input, got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"{name}: shard_dims {self.shard_dims} need a {max(self.shard_dims) + 1}-D or larger "
+                f"input, got shape {tuple(x.shape)}"
+            )
         if x.size(1) != channels:
             raise ValueError(f"{name}: expected {channels} channels (dim 1), got shape {tuple(x.shape)}")
 
@@ -139,8 +165,11 @@ class _DistributedInstanceNorm(_DomainNorm):
 
 
 def _doc(nn_name: str, shape: str, ctor: str) -> str:
-    running = ("\n        torch.testing.assert_close(norm.running_var, serial.running_var)  # unbiased, global count"
-               if nn_name.startswith("BatchNorm") else "")
+    running = (
+        "\n        torch.testing.assert_close(norm.running_var, serial.running_var)  # unbiased, global count"
+        if nn_name.startswith("BatchNorm")
+        else ""
+    )
     return f"""``nn.{nn_name}`` over a domain-sharded input: statistics over the whole domain.
 
     Same arguments, defaults, parameters, buffers and ``state_dict`` keys as ``nn.{nn_name}``,

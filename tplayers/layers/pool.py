@@ -23,8 +23,14 @@ from tplayers.domain.window import gather_windows
 from tplayers.layers._domain import DomainLayer, ntuple
 from tplayers.window_plan import conv_window, plan_windows, pool_out_len
 
-__all__ = ["DistributedMaxPool1d", "DistributedMaxPool2d", "DistributedMaxPool3d",
-           "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d"]
+__all__ = [
+    "DistributedMaxPool1d",
+    "DistributedMaxPool2d",
+    "DistributedMaxPool3d",
+    "DistributedAvgPool1d",
+    "DistributedAvgPool2d",
+    "DistributedAvgPool3d",
+]
 
 _MAX = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
@@ -41,20 +47,28 @@ class _PoolNd(DomainLayer):
         self.stride = ntuple(stride if stride is not None else kernel_size, n, "stride", name)
         self.padding, self.dilation = ntuple(padding, n, "padding", name), ntuple(dilation, n, "dilation", name)
         if min(self.kernel_size + self.stride + self.dilation) < 1 or min(self.padding) < 0:
-            raise ValueError(f"{name}: kernel_size, stride, dilation must be >= 1 and padding >= 0, got "
-                             f"{self.kernel_size}, {self.stride}, {self.dilation}, {self.padding}")
+            raise ValueError(
+                f"{name}: kernel_size, stride, dilation must be >= 1 and padding >= 0, got "
+                f"{self.kernel_size}, {self.stride}, {self.dilation}, {self.padding}"
+            )
         for k, p, d in zip(self.kernel_size, self.padding, self.dilation):
             half = ((k - 1) * d + 1) // 2 if self._dilated else k // 2
             if p > half:
-                raise ValueError(f"{name}: padding should be at most half of the (effective) kernel size, got "
-                                 f"padding {self.padding} for kernel_size {self.kernel_size}")
+                raise ValueError(
+                    f"{name}: padding should be at most half of the (effective) kernel size, got "
+                    f"padding {self.padding} for kernel_size {self.kernel_size}"
+                )
         self.ceil_mode = bool(ceil_mode)
         self._init_domain(mesh, shard_dims)
 
-
     def _config(self):
-        return {"kernel_size": self.kernel_size, "stride": self.stride, "padding": self.padding,
-                "dilation": self.dilation, "ceil_mode": self.ceil_mode}
+        return {
+            "kernel_size": self.kernel_size,
+            "stride": self.stride,
+            "padding": self.padding,
+            "dilation": self.dilation,
+            "ceil_mode": self.ceil_mode,
+        }
 
     def _build(self, shape, sizes: Dict[int, List[int]], like: torch.Tensor):
         plans, out_shape = {}, list(shape[:2])
@@ -65,11 +79,14 @@ class _PoolNd(DomainLayer):
             what = f"dim {d}" + (f" (mesh dim {self.shard_dims.index(d)})" if d in sizes else "")
             out_len = pool_out_len(length, k, s, dil, p, self.ceil_mode)
             if out_len <= 0:
-                raise ValueError(f"{type(self).__name__}: input {what} of {length} rows gives an empty output "
-                                 f"(kernel {k}, stride {s}, padding {p}, dilation {dil})")
+                raise ValueError(
+                    f"{type(self).__name__}: input {what} of {length} rows gives an empty output "
+                    f"(kernel {k}, stride {s}, padding {p}, dilation {dil})"
+                )
             if d in sizes:
-                plans[d] = plan_windows(sizes[d], out_len, conv_window(k, s, dil, p), mode=self._mode,
-                                        what=what)[self._coord(d)]
+                plans[d] = plan_windows(sizes[d], out_len, conv_window(k, s, dil, p), mode=self._mode, what=what)[
+                    self._coord(d)
+                ]
                 out_shape.append(plans[d].out_rows)
             else:
                 out_shape.append(out_len)
@@ -88,8 +105,10 @@ class _PoolNd(DomainLayer):
         return self._pool(x, pads, extra)
 
     def extra_repr(self) -> str:
-        return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
-                f"dilation={self.dilation}, ceil_mode={self.ceil_mode}, shard_dims={self.shard_dims}")
+        return (
+            f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
+            f"dilation={self.dilation}, ceil_mode={self.ceil_mode}, shard_dims={self.shard_dims}"
+        )
 
     @classmethod
     def _check_type(cls, m: nn.Module) -> None:
@@ -98,12 +117,24 @@ class _PoolNd(DomainLayer):
 
 
 class _MaxPoolNd(_PoolNd):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
-                 ceil_mode: bool = False, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)):
+    def __init__(
+        self,
+        kernel_size,
+        stride=None,
+        padding=0,
+        dilation=1,
+        return_indices: bool = False,
+        ceil_mode: bool = False,
+        *,
+        mesh: Optional[DeviceMesh] = None,
+        shard_dims: Sequence[int] = (2,),
+    ):
         super().__init__()
         if return_indices:
-            raise ValueError(f"{type(self).__name__}: return_indices=True is not supported (indices would be "
-                             "positions in the local slab); use return_indices=False")
+            raise ValueError(
+                f"{type(self).__name__}: return_indices=True is not supported (indices would be "
+                "positions in the local slab); use return_indices=False"
+            )
         self.return_indices = False
         self._setup(kernel_size, stride, padding, dilation, ceil_mode, mesh, shard_dims)
 
@@ -111,8 +142,16 @@ class _MaxPoolNd(_PoolNd):
     def from_module(cls, m: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)):
         """The domain-parallel twin of an ``nn.MaxPoolNd``."""
         cls._check_type(m)
-        return cls(m.kernel_size, m.stride, m.padding, m.dilation, m.return_indices, m.ceil_mode,
-                   mesh=mesh, shard_dims=shard_dims)
+        return cls(
+            m.kernel_size,
+            m.stride,
+            m.padding,
+            m.dilation,
+            m.return_indices,
+            m.ceil_mode,
+            mesh=mesh,
+            shard_dims=shard_dims,
+        )
 
     def _pool(self, x, pads, extra):
         return _MAX[self.spatial](x, self.kernel_size, self.stride, pads, self.dilation, self.ceil_mode)
@@ -121,13 +160,23 @@ class _MaxPoolNd(_PoolNd):
 class _AvgPoolNd(_PoolNd):
     _fill, _mode, _dilated = 0.0, "zeros", False
 
-    def __init__(self, kernel_size, stride=None, padding=0, ceil_mode: bool = False, count_include_pad: bool = True,
-                 divisor_override: Optional[int] = None, *, mesh: Optional[DeviceMesh] = None,
-                 shard_dims: Sequence[int] = (2,)):
+    def __init__(
+        self,
+        kernel_size,
+        stride=None,
+        padding=0,
+        ceil_mode: bool = False,
+        count_include_pad: bool = True,
+        divisor_override: Optional[int] = None,
+        *,
+        mesh: Optional[DeviceMesh] = None,
+        shard_dims: Sequence[int] = (2,),
+    ):
         super().__init__()
         if divisor_override is not None and (isinstance(divisor_override, bool) or int(divisor_override) == 0):
-            raise ValueError(f"{type(self).__name__}: divisor_override must be a nonzero int or None, "
-                             f"got {divisor_override!r}")
+            raise ValueError(
+                f"{type(self).__name__}: divisor_override must be a nonzero int or None, got {divisor_override!r}"
+            )
         self.count_include_pad, self.divisor_override = bool(count_include_pad), divisor_override
         self._setup(kernel_size, stride, padding, 1, ceil_mode, mesh, shard_dims)
 
@@ -135,12 +184,23 @@ class _AvgPoolNd(_PoolNd):
     def from_module(cls, m: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)):
         """The domain-parallel twin of an ``nn.AvgPoolNd``."""
         cls._check_type(m)
-        return cls(m.kernel_size, m.stride, m.padding, m.ceil_mode, m.count_include_pad,
-                   getattr(m, "divisor_override", None), mesh=mesh, shard_dims=shard_dims)
+        return cls(
+            m.kernel_size,
+            m.stride,
+            m.padding,
+            m.ceil_mode,
+            m.count_include_pad,
+            getattr(m, "divisor_override", None),
+            mesh=mesh,
+            shard_dims=shard_dims,
+        )
 
     def _config(self):
-        return {**super()._config(), "count_include_pad": self.count_include_pad,
-                "divisor_override": self.divisor_override}
+        return {
+            **super()._config(),
+            "count_include_pad": self.count_include_pad,
+            "divisor_override": self.divisor_override,
+        }
 
     def _extra(self, shape, sizes, plans, like):
         """Divisor of every owned output position (a product of per-dim counts), built once per layout."""
@@ -150,8 +210,11 @@ class _AvgPoolNd(_PoolNd):
         for i in range(self.spatial):
             d, k, s, p = 2 + i, self.kernel_size[i], self.stride[i], self.padding[i]
             length = sum(sizes[d]) if d in sizes else shape[d]
-            first, rows = (plans[d].out_start, plans[d].out_rows) if d in plans else \
-                (0, pool_out_len(length, k, s, 1, p, self.ceil_mode))
+            first, rows = (
+                (plans[d].out_start, plans[d].out_rows)
+                if d in plans
+                else (0, pool_out_len(length, k, s, 1, p, self.ceil_mode))
+            )
             per = []
             for o in range(first, first + rows):
                 start = o * s - p
@@ -167,8 +230,9 @@ class _AvgPoolNd(_PoolNd):
 
     def _pool(self, x, pads, extra):
         if self.spatial == 1:  # avg_pool1d has no divisor_override: pool (N, C, 1, L)
-            sums = F.avg_pool2d(x.unsqueeze(2), (1,) + self.kernel_size, (1,) + self.stride, (0,) + pads,
-                                self.ceil_mode, True, 1).squeeze(2)
+            sums = F.avg_pool2d(
+                x.unsqueeze(2), (1,) + self.kernel_size, (1,) + self.stride, (0,) + pads, self.ceil_mode, True, 1
+            ).squeeze(2)
         else:
             pool = F.avg_pool2d if self.spatial == 2 else F.avg_pool3d
             sums = pool(x, self.kernel_size, self.stride, pads, self.ceil_mode, True, 1)
@@ -182,7 +246,7 @@ def _doc(kind: str, n: int, dims: str, example: str) -> str:
 
     Args:
         kernel_size, stride, padding, ...: every argument of ``nn.{kind}{n}d``, same defaults
-            ({'no ``return_indices=True``' if kind == 'MaxPool' else '``divisor_override`` included'}).
+            ({"no ``return_indices=True``" if kind == "MaxPool" else "``divisor_override`` included"}).
         mesh: a 1-D mesh, or a 2-D one to shard two dims (``None``: :func:`tplayers.default_mesh`).
         shard_dims: the dims of the ``(N, C, *spatial)`` input sharded over the mesh dims.
 
@@ -203,7 +267,7 @@ def _doc(kind: str, n: int, dims: str, example: str) -> str:
         torch.manual_seed(0)                                  # the same model and data on every rank
         serial = {example}
         pool = tplayers.Distributed{kind}{n}d.from_module(serial, mesh=mesh)
-        x = torch.randn(2, 3, {', '.join(['12'] * n)})            # same on every rank
+        x = torch.randn(2, 3, {", ".join(["12"] * n)})            # same on every rank
         y = tplayers.gather(pool(tplayers.shard(x, 2, mesh)), 2, mesh)
         torch.testing.assert_close(y, serial(x))
     """

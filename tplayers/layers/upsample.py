@@ -30,8 +30,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.comm import reduce_from_parallel_region
 from tplayers.domain.window import gather_rows
 from tplayers.layers._domain import DomainLayer
-from tplayers.window_plan import out_partition, plan_ranges
 from tplayers.sharding import offsets_from_sizes
+from tplayers.window_plan import out_partition, plan_ranges
 
 __all__ = ["DistributedUpsample"]
 
@@ -49,7 +49,6 @@ class _BandResample(DomainLayer):
     """A separable linear resampling along the sharded dims, from probed weight matrices."""
 
     _reduce_to_one = False  # adaptive pools: size 1 along a sharded dim is a global reduction
-
 
     def _build(self, shape, sizes: Dict[int, List[int]], like: torch.Tensor):
         n_sp = len(shape) - 2
@@ -136,16 +135,25 @@ class DistributedUpsample(_BandResample):
 
     spatial = None
 
-    def __init__(self, size=None, scale_factor=None, mode: str = "nearest", align_corners: Optional[bool] = None,
-                 recompute_scale_factor: Optional[bool] = None, *, mesh: Optional[DeviceMesh] = None,
-                 shard_dims: Sequence[int] = (2,)) -> None:
+    def __init__(
+        self,
+        size=None,
+        scale_factor=None,
+        mode: str = "nearest",
+        align_corners: Optional[bool] = None,
+        recompute_scale_factor: Optional[bool] = None,
+        *,
+        mesh: Optional[DeviceMesh] = None,
+        shard_dims: Sequence[int] = (2,),
+    ) -> None:
         super().__init__()
         name = type(self).__name__
         if mode not in _MODES:
             raise ValueError(f"{name}: mode must be one of {_MODES}, got {mode!r}")
         if (size is None) == (scale_factor is None):
-            raise ValueError(f"{name}: give exactly one of size and scale_factor, got size={size!r}, "
-                             f"scale_factor={scale_factor!r}")
+            raise ValueError(
+                f"{name}: give exactly one of size and scale_factor, got size={size!r}, scale_factor={scale_factor!r}"
+            )
         if align_corners is not None and mode not in ("linear", "bilinear", "bicubic", "trilinear"):
             raise ValueError(f"{name}: align_corners only applies to linear, bilinear, bicubic and trilinear modes")
         self.size, self.scale_factor, self.mode = size, scale_factor, mode
@@ -157,18 +165,31 @@ class DistributedUpsample(_BandResample):
         """The domain-parallel twin of an ``nn.Upsample`` (or ``nn.UpsamplingNearest2d`` / ``Bilinear2d``)."""
         if not isinstance(m, nn.Upsample):
             raise TypeError(f"{cls.__name__}.from_module expects an nn.Upsample, got {type(m).__name__}")
-        return cls(m.size, m.scale_factor, m.mode, m.align_corners, getattr(m, "recompute_scale_factor", None),
-                   mesh=mesh, shard_dims=shard_dims)
+        return cls(
+            m.size,
+            m.scale_factor,
+            m.mode,
+            m.align_corners,
+            getattr(m, "recompute_scale_factor", None),
+            mesh=mesh,
+            shard_dims=shard_dims,
+        )
 
     def _config(self):
-        return {"size": self.size, "scale_factor": self.scale_factor, "mode": self.mode,
-                "align_corners": self.align_corners, "recompute_scale_factor": self.recompute_scale_factor}
+        return {
+            "size": self.size,
+            "scale_factor": self.scale_factor,
+            "mode": self.mode,
+            "align_corners": self.align_corners,
+            "recompute_scale_factor": self.recompute_scale_factor,
+        }
 
     def _per_dim(self, value, n_sp: int):
         if isinstance(value, (tuple, list)):
             if len(value) != n_sp:
-                raise ValueError(f"{type(self).__name__}: size/scale_factor has {len(value)} entries for "
-                                 f"{n_sp} spatial dims")
+                raise ValueError(
+                    f"{type(self).__name__}: size/scale_factor has {len(value)} entries for {n_sp} spatial dims"
+                )
             return list(value)
         return [value] * n_sp
 
@@ -179,8 +200,13 @@ class DistributedUpsample(_BandResample):
             size = [d_sizes.get(2 + i, s) for i, s in enumerate(size)]
             return F.interpolate(x, size=size, mode=self.mode, align_corners=self.align_corners)
         scale = [1.0 if 2 + i in d_sizes else float(s) for i, s in enumerate(self._per_dim(self.scale_factor, n_sp))]
-        return F.interpolate(x, scale_factor=scale, mode=self.mode, align_corners=self.align_corners,
-                             recompute_scale_factor=self.recompute_scale_factor)
+        return F.interpolate(
+            x,
+            scale_factor=scale,
+            mode=self.mode,
+            align_corners=self.align_corners,
+            recompute_scale_factor=self.recompute_scale_factor,
+        )
 
     def _probe(self, eye: torch.Tensor, n_sp: int, d: int) -> torch.Tensor:
         keep = {2 + i: 1 for i in range(n_sp) if 2 + i != d}
@@ -195,5 +221,7 @@ class DistributedUpsample(_BandResample):
         return self._interp(x, {d: x.size(d) for d in self.shard_dims}, x.dim() - 2)
 
     def extra_repr(self) -> str:
-        return (f"size={self.size}, scale_factor={self.scale_factor}, mode={self.mode!r}, "
-                f"align_corners={self.align_corners}, shard_dims={self.shard_dims}")
+        return (
+            f"size={self.size}, scale_factor={self.scale_factor}, mode={self.mode!r}, "
+            f"align_corners={self.align_corners}, shard_dims={self.shard_dims}"
+        )

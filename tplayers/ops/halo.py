@@ -141,4 +141,3 @@ def faces_overlap(faces: Sequence[Face]) -> bool:
     """Whether any two faces share a row (used to split accumulating launches)."""
     spans = sorted((s, s + n) for s, n in faces if n)
     return any(a[1] > b[0] for a, b in zip(spans, spans[1:]))
-

@@ -23,8 +23,17 @@ import torch
 
 from tplayers.ops.na_engine import neighborhood_attention
 
-__all__ = ["na1d", "na2d", "na3d", "neighborhood_attention", "normalize_na_args",
-           "normalize_window_args", "check_window_fits", "check_qkv", "check_bias"]
+__all__ = [
+    "na1d",
+    "na2d",
+    "na3d",
+    "neighborhood_attention",
+    "normalize_na_args",
+    "normalize_window_args",
+    "check_window_fits",
+    "check_qkv",
+    "check_bias",
+]
 
 IntArg = Union[int, Sequence[int]]
 BoolArg = Union[bool, Sequence[bool]]
@@ -33,7 +42,9 @@ AXIS_NAMES = {1: ("L",), 2: ("H", "W"), 3: ("D", "H", "W")}
 
 def _per_dim(value, rank: int, name: str, kind: type) -> Tuple:
     items = tuple(value) if isinstance(value, (tuple, list)) else (value,) * rank
-    what = f"a bool or a sequence of {rank} of them" if kind is bool else f"a positive int or a sequence of {rank} of them"
+    what = (
+        f"a bool or a sequence of {rank} of them" if kind is bool else f"a positive int or a sequence of {rank} of them"
+    )
     if len(items) != rank:
         raise ValueError(f"{name} must be {what}, got {value!r}")
     for item in items:
@@ -45,15 +56,18 @@ def _per_dim(value, rank: int, name: str, kind: type) -> Tuple:
     return items
 
 
-def normalize_window_args(rank: int, kernel_size: IntArg, stride: IntArg = 1, dilation: IntArg = 1,
-                          is_causal: BoolArg = False):
+def normalize_window_args(
+    rank: int, kernel_size: IntArg, stride: IntArg = 1, dilation: IntArg = 1, is_causal: BoolArg = False
+):
     """``(kernel, stride, dilation, causal)`` as ``rank``-tuples; ``ValueError`` on bad values
     (and on a stride larger than the kernel along a dim, as NATTEN)."""
     kernel, strides = _per_dim(kernel_size, rank, "kernel_size", int), _per_dim(stride, rank, "stride", int)
     for axis, (kk, ss) in enumerate(zip(kernel, strides)):
         if ss > kk:
-            raise ValueError(f"stride must be <= kernel_size along every dim: got stride {ss} > kernel_size {kk} "
-                             f"along {AXIS_NAMES[rank][axis]}")
+            raise ValueError(
+                f"stride must be <= kernel_size along every dim: got stride {ss} > kernel_size {kk} "
+                f"along {AXIS_NAMES[rank][axis]}"
+            )
     return kernel, strides, _per_dim(dilation, rank, "dilation", int), _per_dim(is_causal, rank, "is_causal", bool)
 
 
@@ -89,8 +103,10 @@ def check_qkv(q, k, v, rank: int, who: str) -> None:
         raise ValueError(f"{who}: q and k must agree on batch and head_dim, got {tuple(q.shape)} and {tuple(k.shape)}")
     heads, kv_heads = q.shape[-2], k.shape[-2]
     if kv_heads < 1 or heads % kv_heads:
-        raise ValueError(f"{who}: the key/value heads must divide the query heads (GQA/MQA), got {kv_heads} "
-                         f"key/value heads for {heads} query heads")
+        raise ValueError(
+            f"{who}: the key/value heads must divide the query heads (GQA/MQA), got {kv_heads} "
+            f"key/value heads for {heads} query heads"
+        )
     if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
         raise ValueError(
             f"{who}: q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} on "
@@ -107,8 +123,9 @@ def check_bias(rpb: Optional[torch.Tensor], heads: int, kernel: Sequence[int], s
         raise TypeError(f"{who}: rel_pos_bias must be a torch.Tensor or None, got {type(rpb).__name__}")
     expect = (heads, *(2 * kk - 1 for kk in kernel))
     if tuple(rpb.shape) != expect:
-        raise ValueError(f"{who}: rel_pos_bias must have shape {expect} (heads, 2*kernel_size - 1 per dim), "
-                         f"got {tuple(rpb.shape)}")
+        raise ValueError(
+            f"{who}: rel_pos_bias must have shape {expect} (heads, 2*kernel_size - 1 per dim), got {tuple(rpb.shape)}"
+        )
     if any(s != 1 for s in stride):
         raise ValueError(f"{who}: rel_pos_bias needs stride 1 along every dim, got stride {tuple(stride)}")
 
@@ -116,10 +133,10 @@ def check_bias(rpb: Optional[torch.Tensor], heads: int, kernel: Sequence[int], s
 def _na(rank, q, k, v, kernel_size, dilation, is_causal, scale, stride, rel_pos_bias, backend):
     who = f"na{rank}d"
     check_qkv(q, k, v, rank, who)
-    if q.shape[1:1 + rank] != k.shape[1:1 + rank]:
+    if q.shape[1 : 1 + rank] != k.shape[1 : 1 + rank]:
         raise ValueError(f"{who}: q and k must have the same spatial size, got {tuple(q.shape)} and {tuple(k.shape)}")
     kernel, strides, dil, causal = normalize_window_args(rank, kernel_size, stride, dilation, is_causal)
-    size = tuple(q.shape[1:1 + rank])
+    size = tuple(q.shape[1 : 1 + rank])
     check_window_fits(kernel, dil, size, who)
     check_bias(rel_pos_bias, q.shape[-2], kernel, strides, who)
     if backend == "natten":
@@ -128,17 +145,29 @@ def _na(rank, q, k, v, kernel_size, dilation, is_causal, scale, stride, rel_pos_
             raise ImportError(f"{who}(backend='natten') needs the optional natten package: pip install natten==0.21.7")
         if rel_pos_bias is not None:
             raise ValueError(f"{who}(backend='natten'): natten 0.21 has no rel_pos_bias; use backend='torch'")
-        return getattr(natten, who)(q, k, v, kernel_size=kernel, stride=strides, dilation=dil, is_causal=causal,
-                                    scale=scale)
+        return getattr(natten, who)(
+            q, k, v, kernel_size=kernel, stride=strides, dilation=dil, is_causal=causal, scale=scale
+        )
     if backend != "torch":
         raise ValueError(f"{who}: backend must be 'torch' or 'natten', got {backend!r}")
-    return neighborhood_attention(q, k, v, kernel, dil, causal, stride=strides, scale=scale, global_size=size,
-                                  rel_pos_bias=rel_pos_bias)
+    return neighborhood_attention(
+        q, k, v, kernel, dil, causal, stride=strides, scale=scale, global_size=size, rel_pos_bias=rel_pos_bias
+    )
 
 
-def na1d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntArg, dilation: IntArg = 1,
-         is_causal: BoolArg = False, scale: Optional[float] = None, *, stride: IntArg = 1,
-         rel_pos_bias: Optional[torch.Tensor] = None, backend: str = "torch") -> torch.Tensor:
+def na1d(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel_size: IntArg,
+    dilation: IntArg = 1,
+    is_causal: BoolArg = False,
+    scale: Optional[float] = None,
+    *,
+    stride: IntArg = 1,
+    rel_pos_bias: Optional[torch.Tensor] = None,
+    backend: str = "torch",
+) -> torch.Tensor:
     """1-D neighborhood attention, NATTEN's semantics: ``q`` ``(B, L, heads, D)``, ``k``/``v``
     ``(B, L, kv_heads, D|Dv)`` -> ``(B, L, heads, Dv)``. Args, returns and raises as :func:`na2d`
     (one dim).
@@ -156,9 +185,19 @@ def na1d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntArg,
     return _na(1, q, k, v, kernel_size, dilation, is_causal, scale, stride, rel_pos_bias, backend)
 
 
-def na2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntArg, dilation: IntArg = 1,
-         is_causal: BoolArg = False, scale: Optional[float] = None, *, stride: IntArg = 1,
-         rel_pos_bias: Optional[torch.Tensor] = None, backend: str = "torch") -> torch.Tensor:
+def na2d(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel_size: IntArg,
+    dilation: IntArg = 1,
+    is_causal: BoolArg = False,
+    scale: Optional[float] = None,
+    *,
+    stride: IntArg = 1,
+    rel_pos_bias: Optional[torch.Tensor] = None,
+    backend: str = "torch",
+) -> torch.Tensor:
     """2-D neighborhood attention, NATTEN's semantics, heads-last layout.
 
     ``q``: ``(B, H, W, heads, head_dim)``; ``k``, ``v``: ``(B, H, W, kv_heads, head_dim)``
@@ -202,9 +241,19 @@ def na2d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntArg,
     return _na(2, q, k, v, kernel_size, dilation, is_causal, scale, stride, rel_pos_bias, backend)
 
 
-def na3d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel_size: IntArg, dilation: IntArg = 1,
-         is_causal: BoolArg = False, scale: Optional[float] = None, *, stride: IntArg = 1,
-         rel_pos_bias: Optional[torch.Tensor] = None, backend: str = "torch") -> torch.Tensor:
+def na3d(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel_size: IntArg,
+    dilation: IntArg = 1,
+    is_causal: BoolArg = False,
+    scale: Optional[float] = None,
+    *,
+    stride: IntArg = 1,
+    rel_pos_bias: Optional[torch.Tensor] = None,
+    backend: str = "torch",
+) -> torch.Tensor:
     """3-D neighborhood attention, NATTEN's semantics: ``q`` ``(B, D, H, W, heads, head_dim)``,
     ``k``/``v`` ``(B, D, H, W, kv_heads, head_dim|Dv)`` -> ``(B, D, H, W, heads, Dv)``; per-dim
     triples (or one value) for ``kernel_size``, ``dilation``, ``is_causal``, ``stride``;

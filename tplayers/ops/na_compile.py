@@ -37,8 +37,9 @@ def _table(table: torch.Tensor) -> Optional[torch.Tensor]:
     return table if table.numel() else None  # an empty tensor stands for "no bias" in the schemas
 
 
-def na2d_tiles(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, geo: List[int],
-               scale: float, heads: int) -> torch.Tensor:
+def na2d_tiles(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, geo: List[int], scale: float, heads: int
+) -> torch.Tensor:
     """The tile kernel's forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major,
     ``table`` the bias (or an empty tensor) -> (B, Pq, heads*Dv)."""
     if na_cpu.use_c_kernel(q, merged_kernel(geo)):
@@ -52,9 +53,17 @@ def _na2d_tiles_fake(q, k, v, table, geo, scale, heads):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
-def na2d_tiles_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        table: torch.Tensor, out: torch.Tensor, geo: List[int], scale: float,
-                        heads: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def na2d_tiles_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    table: torch.Tensor,
+    out: torch.Tensor,
+    geo: List[int],
+    scale: float,
+    heads: int,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, dtable)`` (``dtable`` empty without a bias): the kernel's own backward
     (:func:`~tplayers.ops.na_kernel.tile_backward`) on the same tables."""
     tab = _table(table)
@@ -78,8 +87,9 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     q, k, v, table, out = ctx.saved_tensors
-    dq, dk, dv, dt = torch.ops.tplayers.na2d_tiles_backward(grad.contiguous(), q, k, v, table, out, ctx.geo,
-                                                           ctx.scale, ctx.heads)
+    dq, dk, dv, dt = torch.ops.tplayers.na2d_tiles_backward(
+        grad.contiguous(), q, k, v, table, out, ctx.geo, ctx.scale, ctx.heads
+    )
     return dq, dk, dv, (dt if table.numel() else None), None, None, None
 
 

@@ -53,8 +53,21 @@ import torch
 from tplayers.ops.na_geometry import kernel_dims, kernel_tables, split_geometry
 from tplayers.ops.na_kernel import tile_backward, tile_plans
 
-__all__ = ["use_c_kernel", "kernel_choice", "load_library", "cache_dir", "c_forward", "c_backward", "CAttention",
-           "host_isa", "target_isa", "lanes", "build_flags", "backward_is_fused", "attention_backward"]
+__all__ = [
+    "use_c_kernel",
+    "kernel_choice",
+    "load_library",
+    "cache_dir",
+    "c_forward",
+    "c_backward",
+    "CAttention",
+    "host_isa",
+    "target_isa",
+    "lanes",
+    "build_flags",
+    "backward_is_fused",
+    "attention_backward",
+]
 
 SOURCE = Path(__file__).with_name("na_cpu.c")
 #: every file of the kernel (the hash of the built library covers them all)
@@ -126,8 +139,9 @@ def target_isa() -> str:
     value = os.environ.get("TPLAYERS_NA_ISA", "").strip().lower() or host
     order = list(ISAS)
     if value not in ISAS or order.index(value) < order.index(host):
-        raise ValueError(f"TPLAYERS_NA_ISA must be one of {order[order.index(host):]} on this CPU "
-                         f"(host ISA {host}), got {value!r}")
+        raise ValueError(
+            f"TPLAYERS_NA_ISA must be one of {order[order.index(host) :]} on this CPU (host ISA {host}), got {value!r}"
+        )
     return value
 
 
@@ -168,8 +182,9 @@ def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
         version = subprocess.run([cc_path, "--version"], capture_output=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"the C na2d kernel: cannot run {cc_path} --version: {exc}") from exc
-    digest = hashlib.sha256(b"\0".join([source, cc_path.encode(), version, " ".join(flags).encode(),
-                                        _cpu_id().encode()])).hexdigest()[:24]
+    digest = hashlib.sha256(
+        b"\0".join([source, cc_path.encode(), version, " ".join(flags).encode(), _cpu_id().encode()])
+    ).hexdigest()[:24]
     folder = cache_dir()
     target = folder / f"na_cpu_{suffix}_{digest}.so"
     if not target.exists():
@@ -177,11 +192,12 @@ def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
         os.close(fd)
         try:
-            done = subprocess.run([cc_path, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
-                                  timeout=300)
+            done = subprocess.run([cc_path, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, timeout=300)
             if done.returncode != 0:
-                raise RuntimeError(f"the C na2d kernel failed to compile ({cc_path} {' '.join(flags)}):\n"
-                                   + done.stderr.decode(errors="replace")[-2000:])
+                raise RuntimeError(
+                    f"the C na2d kernel failed to compile ({cc_path} {' '.join(flags)}):\n"
+                    + done.stderr.decode(errors="replace")[-2000:]
+                )
             os.replace(tmp, target)  # atomic: a concurrent builder's identical file may win, either is fine
         finally:
             if os.path.exists(tmp):
@@ -220,13 +236,19 @@ def use_c_kernel(q: torch.Tensor, kernel: Tuple[int, int] = (1, 1)) -> bool:
     choice = kernel_choice()
     if choice == "torch":
         return False
-    applies = (q.device.type == "cpu" and q.dtype in _DTYPES and max(kernel) <= MAX_KERNEL
-               and kernel[0] * kernel[1] <= MAX_SLOTS)
+    applies = (
+        q.device.type == "cpu"
+        and q.dtype in _DTYPES
+        and max(kernel) <= MAX_KERNEL
+        and kernel[0] * kernel[1] <= MAX_SLOTS
+    )
     if not applies:
         if choice == "c":
-            raise RuntimeError(f"TPLAYERS_NA_KERNEL=c: the C na2d kernel runs fp32/fp64 CPU tensors with kernel "
-                               f"<= {MAX_KERNEL} and <= {MAX_SLOTS} window slots, got {q.dtype} on {q.device}, "
-                               f"kernel {kernel}")
+            raise RuntimeError(
+                f"TPLAYERS_NA_KERNEL=c: the C na2d kernel runs fp32/fp64 CPU tensors with kernel "
+                f"<= {MAX_KERNEL} and <= {MAX_SLOTS} window slots, got {q.dtype} on {q.device}, "
+                f"kernel {kernel}"
+            )
         return False
     if choice == "c":
         load_library(q.dtype)  # raises, saying why
@@ -261,8 +283,20 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
 
     def work(p0, p1):
         scratch = q.new_empty(size)
-        lib.na_forward(_ptr(q), _ptr(k), _ptr(v), _ptr(tab), _ptr(out), _ptr(dims), _ptr(rows), _ptr(cols),
-                       scale, _ptr(scratch), p0, p1)
+        lib.na_forward(
+            _ptr(q),
+            _ptr(k),
+            _ptr(v),
+            _ptr(tab),
+            _ptr(out),
+            _ptr(dims),
+            _ptr(rows),
+            _ptr(cols),
+            scale,
+            _ptr(scratch),
+            p0,
+            p1,
+        )
 
     _parallel(work, bounds)
     return out
@@ -291,9 +325,26 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
 
     def work(p0, p1, dtab):
         scratch = q.new_empty(size)
-        lib.na_backward(_ptr(g4), _ptr(strides), _ptr(q), _ptr(k), _ptr(v), _ptr(tab), _ptr(out), _ptr(dq),
-                        _ptr(dk), _ptr(dv), _ptr(dtab), _ptr(dims), _ptr(rows), _ptr(cols), scale, _ptr(scratch),
-                        p0, p1)
+        lib.na_backward(
+            _ptr(g4),
+            _ptr(strides),
+            _ptr(q),
+            _ptr(k),
+            _ptr(v),
+            _ptr(tab),
+            _ptr(out),
+            _ptr(dq),
+            _ptr(dk),
+            _ptr(dv),
+            _ptr(dtab),
+            _ptr(dims),
+            _ptr(rows),
+            _ptr(cols),
+            scale,
+            _ptr(scratch),
+            p0,
+            p1,
+        )
 
     _parallel(work, [(p0, p1, d) for (p0, p1), d in zip(bounds, dtabs)])
     dtable = None if tab is None else sum(dtabs[1:], dtabs[0])
@@ -319,8 +370,19 @@ def backward_is_fused(geo: List[int], dtype: torch.dtype) -> bool:
     return (col.kernel - 1) * col.dilation <= lanes(dtype)
 
 
-def attention_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, heads: int,
-                       want_kv: bool = True, want_bias: bool = True):
+def attention_backward(
+    grad_out,
+    q,
+    k,
+    v,
+    table,
+    out,
+    geo: List[int],
+    scale: float,
+    heads: int,
+    want_kv: bool = True,
+    want_bias: bool = True,
+):
     """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_is_fused`,
     else the tile kernel's (:func:`~tplayers.ops.na_kernel.tile_backward`; same values up to fp
     rounding)."""
@@ -328,8 +390,9 @@ def attention_backward(grad_out, q, k, v, table, out, geo: List[int], scale: flo
         return c_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=want_kv)
 
     _, plan_bwd = tile_plans(geo, q.device, q.dtype)
-    return tile_backward(grad_out, q, k, v, table, out, plan_bwd, scale, heads, want_kv, want_kv,
-                         table is not None and want_bias)
+    return tile_backward(
+        grad_out, q, k, v, table, out, plan_bwd, scale, heads, want_kv, want_kv, table is not None and want_bias
+    )
 
 
 class CAttention(torch.autograd.Function):
@@ -354,6 +417,7 @@ class CAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, table, out = ctx.saved_tensors
         want = ctx.needs_input_grad
-        dq, dk, dv, dt = attention_backward(grad_out, q, k, v, table, out, ctx.geo, ctx.scale, ctx.heads,
-                                            want_kv=want[1] or want[2], want_bias=want[3])
+        dq, dk, dv, dt = attention_backward(
+            grad_out, q, k, v, table, out, ctx.geo, ctx.scale, ctx.heads, want_kv=want[1] or want[2], want_bias=want[3]
+        )
         return dq, dk, dv, (dt if want[3] else None), None, None, None

@@ -85,32 +85,55 @@ def neighborhood_attention(
     q_offset = (0,) * rank if q_offset is None else tuple(q_offset)
     k_offset = (0,) * rank if k_offset is None else tuple(k_offset)
     k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
-    if q.shape[0] == 0 or any(s == 0 for s in q.shape[1:1 + rank]):
+    if q.shape[0] == 0 or any(s == 0 for s in q.shape[1 : 1 + rank]):
         # nothing to compute (an empty shard): zeros still tied to every input, so backward runs
         tie = q.sum() + k.sum() + v.sum() + (0 if rel_pos_bias is None else rel_pos_bias.sum())
         return q.new_zeros(*q.shape[:-1], v.shape[-1]) + 0 * tie
     if rank == 1:  # a row axis of length 1 (kernel 1) in front: the 2-D kernels run it
         out = neighborhood_attention(
-            q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), (1, *kernel), (1, *dilation), (False, *causal),
-            stride=(1, *stride), scale=scale, global_size=(1, *global_size), q_offset=(0, *q_offset),
-            k_offset=(0, *k_offset), rel_pos_bias=None if rel_pos_bias is None else rel_pos_bias.unsqueeze(1),
-            tile=None if tile is None else (1, *tile), chunk_scores=chunk_scores)
+            q.unsqueeze(1),
+            k.unsqueeze(1),
+            v.unsqueeze(1),
+            (1, *kernel),
+            (1, *dilation),
+            (False, *causal),
+            stride=(1, *stride),
+            scale=scale,
+            global_size=(1, *global_size),
+            q_offset=(0, *q_offset),
+            k_offset=(0, *k_offset),
+            rel_pos_bias=None if rel_pos_bias is None else rel_pos_bias.unsqueeze(1),
+            tile=None if tile is None else (1, *tile),
+            chunk_scores=chunk_scores,
+        )
         return out.squeeze(1)
     batch, dim = q.shape[0], q.shape[-1]
-    scale = dim ** -0.5 if scale is None else float(scale)
+    scale = dim**-0.5 if scale is None else float(scale)
     tile = default_tile(kernel, dim) if tile is None else tuple(tile)
     if chunk_scores is None:  # the defaults count every (batch, head) plane of a chunk
         fwd_chunk = max(1, na_kernel.CHUNK_SCORES // (batch * heads))
         bwd_chunk = max(1, na_kernel.BACKWARD_CHUNK_SCORES // (batch * heads))
     else:
         fwd_chunk = bwd_chunk = chunk_scores
-    axes = [Axis(int(global_size[i]), int(kernel[i]), int(stride[i]), int(dilation[i]), int(causal[i]),
-                 int(q_offset[i]), q.shape[1 + i], int(k_offset[i]), k.shape[1 + i], int(tile[i]))
-            for i in range(rank)]
+    axes = [
+        Axis(
+            int(global_size[i]),
+            int(kernel[i]),
+            int(stride[i]),
+            int(dilation[i]),
+            int(causal[i]),
+            int(q_offset[i]),
+            q.shape[1 + i],
+            int(k_offset[i]),
+            k.shape[1 + i],
+            int(tile[i]),
+        )
+        for i in range(rank)
+    ]
     geo = geometry_args(axes, fwd_chunk, bwd_chunk)
 
     def pixels(x: torch.Tensor) -> torch.Tensor:  # (B, *S, heads, D) -> (B, prod(S), heads*D)
-        return x.reshape(batch, math.prod(x.shape[1:1 + rank]), -1).contiguous()
+        return x.reshape(batch, math.prod(x.shape[1 : 1 + rank]), -1).contiguous()
 
     out_shape = (*q.shape[:-1], -1)
     if torch.compiler.is_compiling():  # the tables are built inside one registered op (see na_compile)
@@ -125,4 +148,3 @@ def neighborhood_attention(
     plan, plan_bwd = na_kernel.tile_plans(geo, q.device, q.dtype)
     out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, plan_bwd, scale, heads)
     return out.view(out_shape)
-

@@ -47,12 +47,24 @@ class Axis(NamedTuple):
 
     def full(self) -> "Axis":
         """With ``q_count`` / ``k_count`` of -1 replaced by the axis length."""
-        return self._replace(q_count=self.length if self.q_count < 0 else self.q_count,
-                             k_count=self.length if self.k_count < 0 else self.k_count)
+        return self._replace(
+            q_count=self.length if self.q_count < 0 else self.q_count,
+            k_count=self.length if self.k_count < 0 else self.k_count,
+        )
 
     def tiles(self, tile: int) -> AxisTiles:
-        return axis_tiles(self.length, self.kernel, self.dilation, bool(self.causal), self.q_start, self.q_count,
-                          self.k_start, self.k_count, tile, self.stride)
+        return axis_tiles(
+            self.length,
+            self.kernel,
+            self.dilation,
+            bool(self.causal),
+            self.q_start,
+            self.q_count,
+            self.k_start,
+            self.k_count,
+            tile,
+            self.stride,
+        )
 
 
 FIELDS = len(Axis._fields)
@@ -67,7 +79,7 @@ def geometry_args(axes: Sequence[Axis], fwd_chunk: int, bwd_chunk: int) -> List[
 def split_geometry(geo: Sequence[int]) -> Tuple[Tuple[Axis, ...], int, int]:
     """``(axes, fwd_chunk, bwd_chunk)`` of a :func:`geometry_args` list."""
     rank = geo[0]
-    axes = tuple(Axis(*geo[1 + FIELDS * i: 1 + FIELDS * (i + 1)]) for i in range(rank))
+    axes = tuple(Axis(*geo[1 + FIELDS * i : 1 + FIELDS * (i + 1)]) for i in range(rank))
     return axes, geo[1 + FIELDS * rank], geo[2 + FIELDS * rank]
 
 
@@ -106,7 +118,19 @@ def kernel_dims(geo: Sequence[int], batch: int, heads: int, dim: int, dim_v: int
     row slots, column slots, bias-table rows (int64)."""
     axes = split_geometry(geo)[0]
     rows, col = axes[:-1], axes[-1]
-    return torch.tensor([batch, heads, math.prod(a.q_count for a in rows), col.q_count,
-                         math.prod(a.k_count for a in rows), col.k_count, dim, dim_v,
-                         math.prod(a.kernel for a in rows), col.kernel,
-                         math.prod(2 * a.kernel - 1 for a in rows)], dtype=torch.int64)
+    return torch.tensor(
+        [
+            batch,
+            heads,
+            math.prod(a.q_count for a in rows),
+            col.q_count,
+            math.prod(a.k_count for a in rows),
+            col.k_count,
+            dim,
+            dim_v,
+            math.prod(a.kernel for a in rows),
+            col.kernel,
+            math.prod(2 * a.kernel - 1 for a in rows),
+        ],
+        dtype=torch.int64,
+    )

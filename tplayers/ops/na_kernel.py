@@ -25,7 +25,15 @@ import torch
 from tplayers.ops.na_geometry import row_tiles, split_geometry
 from tplayers.ops.na_layout import AxisTiles
 
-__all__ = ["TilePlan", "tile_plan", "tile_plans", "TileAttention", "tile_backward", "CHUNK_SCORES", "BACKWARD_CHUNK_SCORES"]
+__all__ = [
+    "TilePlan",
+    "tile_plan",
+    "tile_plans",
+    "TileAttention",
+    "tile_backward",
+    "CHUNK_SCORES",
+    "BACKWARD_CHUNK_SCORES",
+]
 
 #: score elements per forward chunk, all (batch, head) planes together: 128 Ki fp32 = 512 KiB,
 #: so a chunk's scores and tiles stay in a core's L2 cache
@@ -86,8 +94,15 @@ def _unique_rows(mask: torch.Tensor):
 
 
 @lru_cache(maxsize=32)
-def tile_plan(th: AxisTiles, tw: AxisTiles, wq: int, wk: int, device: torch.device,
-              dtype: torch.dtype, chunk_scores: int = CHUNK_SCORES) -> TilePlan:
+def tile_plan(
+    th: AxisTiles,
+    tw: AxisTiles,
+    wq: int,
+    wk: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    chunk_scores: int = CHUNK_SCORES,
+) -> TilePlan:
     """The :class:`TilePlan` of two axes' tiles; ``wq`` / ``wk``: row widths of the q / k tensors."""
     q_flat = th.q_index[:, None, :, None] * wq + tw.q_index[None, :, None, :]  # (nth, ntw, tH, tW)
     k_flat = th.k_index[:, None, :, None] * wk + tw.k_index[None, :, None, :]  # (nth, ntw, RH, RW)
@@ -115,8 +130,18 @@ def tile_plan(th: AxisTiles, tw: AxisTiles, wq: int, wk: int, device: torch.devi
         ids = mask_id[t0:t1]
         chunks.append((t0, t1))
         pattern.append(int(ids[0]) if bool((ids == ids[0]).all()) else -1)
-    return TilePlan(th, tw, q_flat.flatten().to(device), q_dest.to(device), k_flat.flatten().to(device),
-                    valid, masks.to(device), mask_id.to(device), tuple(chunks), tuple(pattern))
+    return TilePlan(
+        th,
+        tw,
+        q_flat.flatten().to(device),
+        q_dest.to(device),
+        k_flat.flatten().to(device),
+        valid,
+        masks.to(device),
+        mask_id.to(device),
+        tuple(chunks),
+        tuple(pattern),
+    )
 
 
 def tile_plans(geo: List[int], device: torch.device, dtype: torch.dtype) -> Tuple[TilePlan, TilePlan]:
@@ -143,8 +168,10 @@ def _rows(pix: torch.Tensor, batch: int, pixels: int, heads: int, dummy: bool = 
     With ``dummy``, negative ``pix`` (padding slots) map to the row after the last.
     """
     dev = pix.device
-    rows = ((torch.arange(batch, device=dev)[:, None, None] * pixels + pix) * heads
-            + torch.arange(heads, device=dev)[None, :, None]).flatten()
+    rows = (
+        (torch.arange(batch, device=dev)[:, None, None] * pixels + pix) * heads
+        + torch.arange(heads, device=dev)[None, :, None]
+    ).flatten()
     if dummy:
         rows = rows.masked_fill((pix < 0).expand(batch, heads, -1).flatten(), batch * pixels * heads)
     return rows
@@ -157,10 +184,13 @@ def _chunk_rows(plan: TilePlan, batch: int, heads: int, pq: int, pk: int):
     int64 throughout: ``index_add_`` with int32 rows measured slower on the CPU."""
     tq, region = plan.tq, plan.region
     return tuple(
-        (_rows(plan.q_flat[t0 * tq:t1 * tq], batch, pq, heads),
-         _rows(plan.k_flat[t0 * region:t1 * region], batch, pk, heads),
-         _rows(plan.q_dest[t0 * tq:t1 * tq], batch, pq, heads, dummy=True))
-        for t0, t1 in plan.chunks)
+        (
+            _rows(plan.q_flat[t0 * tq : t1 * tq], batch, pq, heads),
+            _rows(plan.k_flat[t0 * region : t1 * region], batch, pk, heads),
+            _rows(plan.q_dest[t0 * tq : t1 * tq], batch, pq, heads, dummy=True),
+        )
+        for t0, t1 in plan.chunks
+    )
 
 
 def _gather(src: torch.Tensor, rows: torch.Tensor, per_tile: int) -> torch.Tensor:
@@ -218,13 +248,26 @@ class TileAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, table, out = ctx.saved_tensors
         want = ctx.needs_input_grad
-        grads = tile_backward(grad_out, q, k, v, table, out, ctx.plan, ctx.scale, ctx.heads,
-                              want[1], want[2], table is not None and want[3])
+        grads = tile_backward(
+            grad_out,
+            q,
+            k,
+            v,
+            table,
+            out,
+            ctx.plan,
+            ctx.scale,
+            ctx.heads,
+            want[1],
+            want[2],
+            table is not None and want[3],
+        )
         return (*grads, None, None, None, None)
 
 
-def tile_backward(grad_out, q, k, v, table, out, plan: TilePlan, scale: float, heads: int, want_k: bool,
-                  want_v: bool, want_bias: bool):
+def tile_backward(
+    grad_out, q, k, v, table, out, plan: TilePlan, scale: float, heads: int, want_k: bool, want_v: bool, want_bias: bool
+):
     """:class:`TileAttention`'s backward as a function: ``(dq, dk or None, dv or None, dtable or None)``."""
     batch, pq, pk = q.shape[0], q.shape[1], k.shape[1]
     tq, region = plan.tq, plan.region
@@ -241,7 +284,7 @@ def tile_backward(grad_out, q, k, v, table, out, plan: TilePlan, scale: float, h
         kt, vt = _gather(k2, k_rows, region), _gather(v2, k_rows, region)
         gt = _gather(g2, q_rows, tq)
         if plan.valid is not None:  # padding slots repeat a query: they must add nothing
-            gt.view(batch * heads, -1, tq, gt.shape[-1]).mul_(plan.valid[t0 * tq:t1 * tq].view(-1, tq, 1))
+            gt.view(batch * heads, -1, tq, gt.shape[-1]).mul_(plan.valid[t0 * tq : t1 * tq].view(-1, tq, 1))
         probs = torch.softmax(_scores(plan, chunk, qt, kt, scale, table, heads), -1)
         ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(delta.index_select(0, dest).view(-1, tq, 1)).mul_(probs)
         del vt

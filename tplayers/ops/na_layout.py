@@ -41,10 +41,20 @@ from functools import lru_cache
 from typing import Tuple
 
 import torch
+
 from tplayers.window_plan import plan_ranges
 
-__all__ = ["window_starts", "key_span", "tile_span", "axis_halos", "axis_plans", "AxisTiles", "axis_tiles", "merge_axes",
-           "DEFAULT_TILE"]
+__all__ = [
+    "window_starts",
+    "key_span",
+    "tile_span",
+    "axis_halos",
+    "axis_plans",
+    "AxisTiles",
+    "axis_tiles",
+    "merge_axes",
+    "DEFAULT_TILE",
+]
 
 #: queries of one dilation group per tile along one axis (see ``axis_tiles``)
 DEFAULT_TILE = 8
@@ -75,8 +85,9 @@ def window_starts(pos: torch.Tensor, length: int, kernel: int, dilation: int, ca
     return first, torch.full_like(first, kernel)
 
 
-def key_span(q_start: int, q_stop: int, *, length: int, kernel: int, dilation: int, causal: bool,
-             stride: int = 1) -> Tuple[int, int]:
+def key_span(
+    q_start: int, q_stop: int, *, length: int, kernel: int, dilation: int, causal: bool, stride: int = 1
+) -> Tuple[int, int]:
     """``[lo, hi)``: the global positions of all keys the queries ``[q_start, q_stop)`` attend to.
 
     An empty query range needs no keys and returns ``(q_start, q_start)``.
@@ -91,8 +102,9 @@ def key_span(q_start: int, q_stop: int, *, length: int, kernel: int, dilation: i
     return int(lo.min()), int(hi.max())
 
 
-def tile_span(q_start: int, q_stop: int, *, length: int, kernel: int, dilation: int, causal: bool,
-              stride: int = 1) -> Tuple[int, int]:
+def tile_span(
+    q_start: int, q_stop: int, *, length: int, kernel: int, dilation: int, causal: bool, stride: int = 1
+) -> Tuple[int, int]:
     """``[a, b)``: a range of the axis holding the queries ``[q_start, q_stop)`` and their keys such
     that NATTEN's rule applied to the range *as a whole image* (its own borders, dilation groups and
     stride runs) gives each of those queries its global window. A kernel that only runs whole
@@ -245,18 +257,26 @@ def merge_axes(a: AxisTiles, b: AxisTiles, b_queries: int, b_keys: int, b_rel: i
         return (x[:, None, :, None] * scale + y[None, :, None, :]).reshape(na * nb, -1)
 
     mask = (a.mask[:, None, :, None, :, None] & b.mask[None, :, None, :, None, :]).reshape(
-        na * nb, ta * tb, a.region * b.region)
+        na * nb, ta * tb, a.region * b.region
+    )
     rel = (a.rel[:, None, :, None, :, None] * b_rel + b.rel[None, :, None, :, None, :]).reshape(
-        na * nb, ta * tb, a.region * b.region)
+        na * nb, ta * tb, a.region * b.region
+    )
     tile_a, slot_a = a.out_pos // ta, a.out_pos % ta
     tile_b, slot_b = b.out_pos // tb, b.out_pos % tb
     out_pos = ((tile_a[:, None] * nb + tile_b[None, :]) * (ta * tb) + slot_a[:, None] * tb + slot_b[None, :]).flatten()
-    return AxisTiles(q_index=outer(a.q_index, b.q_index, b_queries), k_index=outer(a.k_index, b.k_index, b_keys),
-                     mask=mask, rel=rel, out_pos=out_pos)
+    return AxisTiles(
+        q_index=outer(a.q_index, b.q_index, b_queries),
+        k_index=outer(a.k_index, b.k_index, b_keys),
+        mask=mask,
+        rel=rel,
+        out_pos=out_pos,
+    )
 
 
-def axis_plans(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "H", stride: int = 1,
-               tile: bool = False):
+def axis_plans(
+    sizes, *, kernel: int, dilation: int, causal: bool, what: str = "H", stride: int = 1, tile: bool = False
+):
     """Window-core plans (:class:`tplayers.window_plan.AxisPlan`) of one sharded axis: each
     shard's queries stay local; its keys are the range :func:`key_span` gives (asymmetric; an edge
     shard's shifted window reaches further than ``k // 2``), from the adjacent shards only.
@@ -267,13 +287,18 @@ def axis_plans(sizes, *, kernel: int, dilation: int, causal: bool, what: str = "
     sizes = [int(s) for s in sizes]
     length = sum(sizes)
     if kernel * dilation > length:
-        raise ValueError(f"kernel_size * dilation must be <= the global size along {what}: got kernel_size "
-                         f"{kernel} * dilation {dilation} > {what}={length}")
+        raise ValueError(
+            f"kernel_size * dilation must be <= the global size along {what}: got kernel_size "
+            f"{kernel} * dilation {dilation} > {what}={length}"
+        )
     needs, start = [], 0
     for size in sizes:
         span = tile_span if tile else key_span
-        needs.append(span(start, start + size, length=length, kernel=kernel, dilation=dilation, causal=causal,
-                          stride=stride) if size else None)
+        needs.append(
+            span(start, start + size, length=length, kernel=kernel, dilation=dilation, causal=causal, stride=stride)
+            if size
+            else None
+        )
         start += size
     return plan_ranges(sizes, needs, sizes, mode="zeros", what=f"{what} (kernel {kernel}, dilation {dilation})")
 

@@ -45,8 +45,9 @@ def natten_module():
     return natten
 
 
-def natten_applies(device: torch.device, kernel: Sequence[int], has_bias: bool,
-                   installed: Optional[bool] = None) -> Optional[str]:
+def natten_applies(
+    device: torch.device, kernel: Sequence[int], has_bias: bool, installed: Optional[bool] = None
+) -> Optional[str]:
     """None when natten's fused kernels can run this call, else why not: natten installed
     (``installed``, else looked up), a CUDA device, no relative-position bias (natten 0.21 has
     none), every kernel size >= 2 (natten's requirement). The device is checked first: a CPU call
@@ -62,15 +63,24 @@ def natten_applies(device: torch.device, kernel: Sequence[int], has_bias: bool,
     return None
 
 
-def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: Sequence[int],
-                   stride: Sequence[int], dilation: Sequence[int], causal: Sequence[bool],
-                   scale: Optional[float], *, backend: str, rel_pos_bias: Optional[torch.Tensor] = None
-                   ) -> torch.Tensor:
+def tile_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kernel: Sequence[int],
+    stride: Sequence[int],
+    dilation: Sequence[int],
+    causal: Sequence[bool],
+    scale: Optional[float],
+    *,
+    backend: str,
+    rel_pos_bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Neighborhood attention over ``q``, ``k``, ``v`` ``(B, *tile, heads|kv_heads, D)`` as one
     whole image (NATTEN's semantics): ``backend="natten"`` runs ``natten.na{n}d`` (``ImportError``
     / ``ValueError`` saying why when it cannot), ``"tplayers"`` the tplayers engine."""
     rank = q.dim() - 3
-    size = tuple(q.shape[1:1 + rank])
+    size = tuple(q.shape[1 : 1 + rank])
     if backend == "natten":
         if natten_module() is None:
             raise ImportError(f"neighborhood attention with backend='natten': natten is not installed ({INSTALL_HINT})")
@@ -78,9 +88,18 @@ def tile_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: Se
         if why is not None:
             raise ValueError(f"neighborhood attention with backend='natten': {why}")
         fn = getattr(natten_module(), f"na{rank}d")
-        return fn(q, k, v, kernel_size=tuple(kernel), stride=tuple(stride), dilation=tuple(dilation),
-                  is_causal=tuple(causal), scale=scale)
+        return fn(
+            q,
+            k,
+            v,
+            kernel_size=tuple(kernel),
+            stride=tuple(stride),
+            dilation=tuple(dilation),
+            is_causal=tuple(causal),
+            scale=scale,
+        )
     if backend != "tplayers":
         raise ValueError(f"tile_attention: backend must be 'natten' or 'tplayers', got {backend!r}")
-    return neighborhood_attention(q, k, v, kernel, dilation, causal, stride=stride, scale=scale, global_size=size,
-                                  rel_pos_bias=rel_pos_bias)
+    return neighborhood_attention(
+        q, k, v, kernel, dilation, causal, stride=stride, scale=scale, global_size=size, rel_pos_bias=rel_pos_bias
+    )

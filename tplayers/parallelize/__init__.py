@@ -21,9 +21,21 @@ Example (a Megatron MLP; run under ``torchrun`` or plain ``python``)::
 from tplayers.parallelize.domain_styles import DomainParallel
 from tplayers.parallelize.engine import parallelize_module
 from tplayers.parallelize.explain import Explanation, explain
+from tplayers.parallelize.hf import ReplicatedGradSum, causal_lm_loss, plan_from_transformers
 from tplayers.parallelize.sequence_styles import SequenceParallel, ShardedDropout
 from tplayers.parallelize.styles import ColumnParallel, ParallelStyle, RowParallel
-from tplayers.parallelize.hf import ReplicatedGradSum, causal_lm_loss, plan_from_transformers
 
-__all__ = ["ParallelStyle", "ColumnParallel", "RowParallel", "DomainParallel", "SequenceParallel", "ShardedDropout", "parallelize_module", "explain", "Explanation",
-           "plan_from_transformers", "ReplicatedGradSum", "causal_lm_loss"]
+__all__ = [
+    "ParallelStyle",
+    "ColumnParallel",
+    "RowParallel",
+    "DomainParallel",
+    "SequenceParallel",
+    "ShardedDropout",
+    "parallelize_module",
+    "explain",
+    "Explanation",
+    "plan_from_transformers",
+    "ReplicatedGradSum",
+    "causal_lm_loss",
+]

@@ -110,4 +110,5 @@ def check_aliases_kept(model: nn.Module, names_of: Dict[int, List[str]], before:
                     f"plan left {type(now[0][1]).__name__} under {now[0][0]!r} and {type(mod).__name__} under "
                     f"{name!r}, so the two uses would no longer be one module (e.g. only one wrapped to sum its "
                     "gradient over the domain). Give the module a single name, or plan it so every name gets the "
-                    "same replacement")
+                    "same replacement"
+                )

@@ -122,7 +122,8 @@ def _check_group(model: nn.Module, parent: str, members: Dict[str, object], part
                 raise ValueError(
                     f"{m.name}: on {parts} ranks, rank {r} would hold {side} features [{a}, {b}), not whole "
                     f"heads of {hd} ({told}), so the attention's view into heads fails or mixes heads; give "
-                    f"its style head_dim={hd}")
+                    f"its style head_dim={hd}"
+                )
     q = members.get("q")
     if q is None:
         return
@@ -144,7 +145,8 @@ def _check_group(model: nn.Module, parent: str, members: Dict[str, object], part
                     f"heads), which use key/value heads {need} of {kv.name} ({kv_heads} heads), but it holds "
                     f"[{ka}, {kb}); query heads must sit with their key/value group on every rank: use a rank "
                     f"count that divides {heads} and divides or is a multiple of {kv_heads}, or keep this "
-                    "attention out of the plan (replicated)")
+                    "attention out of the plan (replicated)"
+                )
     o = members.get("o")
     if o is not None:
         for r in range(parts):
@@ -154,4 +156,5 @@ def _check_group(model: nn.Module, parent: str, members: Dict[str, object], part
                     f"{where}: on {parts} ranks, rank {r}'s {q.name} outputs query features [{qa}, {qb}) "
                     f"(heads [{qa // hd}, {qb // hd})), but {o.name} takes input features [{oa}, {ob}) there; "
                     f"the output projection must read exactly this rank's query heads (RowParallel(head_dim="
-                    f"{hd}) with a rank count that does not exceed {heads}, or keep the attention replicated)")
+                    f"{hd}) with a rank count that does not exceed {heads}, or keep the attention replicated)"
+                )

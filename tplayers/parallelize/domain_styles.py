@@ -15,42 +15,83 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers.layers as L
-from tplayers.layers.neighborhood_attention import NeighborhoodAttention
-from tplayers.region.scope import bind_region, bind_watch
 from tplayers.layers._common import ShardedModule
+from tplayers.layers.neighborhood_attention import NeighborhoodAttention
 from tplayers.parallelize.styles import ParallelStyle
+from tplayers.region.scope import bind_region, bind_watch
 
 __all__ = ["DomainParallel", "DOMAIN_TWINS", "SPATIAL_MIXERS_WITHOUT_TWIN"]
 
 #: nn type -> domain-parallel twin (matched by exact type; nn.Upsample also covers its subclasses)
 DOMAIN_TWINS: Dict[type, type] = {
-    nn.Conv1d: L.DistributedConv1d, nn.Conv2d: L.DistributedConv2d, nn.Conv3d: L.DistributedConv3d,
-    nn.ConvTranspose1d: L.DistributedConvTranspose1d, nn.ConvTranspose2d: L.DistributedConvTranspose2d,
+    nn.Conv1d: L.DistributedConv1d,
+    nn.Conv2d: L.DistributedConv2d,
+    nn.Conv3d: L.DistributedConv3d,
+    nn.ConvTranspose1d: L.DistributedConvTranspose1d,
+    nn.ConvTranspose2d: L.DistributedConvTranspose2d,
     nn.ConvTranspose3d: L.DistributedConvTranspose3d,
-    nn.MaxPool1d: L.DistributedMaxPool1d, nn.MaxPool2d: L.DistributedMaxPool2d, nn.MaxPool3d: L.DistributedMaxPool3d,
-    nn.AvgPool1d: L.DistributedAvgPool1d, nn.AvgPool2d: L.DistributedAvgPool2d, nn.AvgPool3d: L.DistributedAvgPool3d,
-    nn.AdaptiveAvgPool1d: L.DistributedAdaptiveAvgPool1d, nn.AdaptiveAvgPool2d: L.DistributedAdaptiveAvgPool2d,
+    nn.MaxPool1d: L.DistributedMaxPool1d,
+    nn.MaxPool2d: L.DistributedMaxPool2d,
+    nn.MaxPool3d: L.DistributedMaxPool3d,
+    nn.AvgPool1d: L.DistributedAvgPool1d,
+    nn.AvgPool2d: L.DistributedAvgPool2d,
+    nn.AvgPool3d: L.DistributedAvgPool3d,
+    nn.AdaptiveAvgPool1d: L.DistributedAdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d: L.DistributedAdaptiveAvgPool2d,
     nn.AdaptiveAvgPool3d: L.DistributedAdaptiveAvgPool3d,
-    nn.AdaptiveMaxPool1d: L.DistributedAdaptiveMaxPool1d, nn.AdaptiveMaxPool2d: L.DistributedAdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool1d: L.DistributedAdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d: L.DistributedAdaptiveMaxPool2d,
     nn.AdaptiveMaxPool3d: L.DistributedAdaptiveMaxPool3d,
-    nn.Upsample: L.DistributedUpsample, nn.UpsamplingNearest2d: L.DistributedUpsample,
+    nn.Upsample: L.DistributedUpsample,
+    nn.UpsamplingNearest2d: L.DistributedUpsample,
     nn.UpsamplingBilinear2d: L.DistributedUpsample,
-    nn.BatchNorm1d: L.DistributedBatchNorm1d, nn.BatchNorm2d: L.DistributedBatchNorm2d,
-    nn.BatchNorm3d: L.DistributedBatchNorm3d, nn.GroupNorm: L.DistributedGroupNorm,
-    nn.InstanceNorm1d: L.DistributedInstanceNorm1d, nn.InstanceNorm2d: L.DistributedInstanceNorm2d,
+    nn.BatchNorm1d: L.DistributedBatchNorm1d,
+    nn.BatchNorm2d: L.DistributedBatchNorm2d,
+    nn.BatchNorm3d: L.DistributedBatchNorm3d,
+    nn.GroupNorm: L.DistributedGroupNorm,
+    nn.InstanceNorm1d: L.DistributedInstanceNorm1d,
+    nn.InstanceNorm2d: L.DistributedInstanceNorm2d,
     nn.InstanceNorm3d: L.DistributedInstanceNorm3d,
 }
 
 #: modules that mix spatial positions and have no twin (yet): an error inside a domain region
 SPATIAL_MIXERS_WITHOUT_TWIN: Tuple[type, ...] = (
-    nn.FractionalMaxPool2d, nn.FractionalMaxPool3d, nn.LPPool1d, nn.LPPool2d, getattr(nn, "LPPool3d", nn.LPPool2d),
-    nn.MaxUnpool1d, nn.MaxUnpool2d, nn.MaxUnpool3d,
-    nn.LocalResponseNorm, nn.CrossMapLRN2d, nn.SyncBatchNorm, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
-    nn.LazyBatchNorm3d, nn.LazyInstanceNorm1d, nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d,
-    nn.LazyConv1d, nn.LazyConv2d, nn.LazyConv3d, nn.LazyConvTranspose1d, nn.LazyConvTranspose2d,
-    nn.LazyConvTranspose3d, nn.Fold, nn.Unfold, nn.PixelShuffle, nn.PixelUnshuffle,
-    nn.ReflectionPad1d, nn.ReflectionPad2d, nn.ReflectionPad3d, nn.ReplicationPad1d, nn.ReplicationPad2d,
-    nn.ReplicationPad3d, nn.CircularPad1d, nn.CircularPad2d, nn.CircularPad3d,
+    nn.FractionalMaxPool2d,
+    nn.FractionalMaxPool3d,
+    nn.LPPool1d,
+    nn.LPPool2d,
+    getattr(nn, "LPPool3d", nn.LPPool2d),
+    nn.MaxUnpool1d,
+    nn.MaxUnpool2d,
+    nn.MaxUnpool3d,
+    nn.LocalResponseNorm,
+    nn.CrossMapLRN2d,
+    nn.SyncBatchNorm,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+    nn.LazyInstanceNorm1d,
+    nn.LazyInstanceNorm2d,
+    nn.LazyInstanceNorm3d,
+    nn.LazyConv1d,
+    nn.LazyConv2d,
+    nn.LazyConv3d,
+    nn.LazyConvTranspose1d,
+    nn.LazyConvTranspose2d,
+    nn.LazyConvTranspose3d,
+    nn.Fold,
+    nn.Unfold,
+    nn.PixelShuffle,
+    nn.PixelUnshuffle,
+    nn.ReflectionPad1d,
+    nn.ReflectionPad2d,
+    nn.ReflectionPad3d,
+    nn.ReplicationPad1d,
+    nn.ReplicationPad2d,
+    nn.ReplicationPad3d,
+    nn.CircularPad1d,
+    nn.CircularPad2d,
+    nn.CircularPad3d,
 )  # zero / constant pads are routed by the region guard (tplayers.functional.pad)
 
 
@@ -117,14 +158,18 @@ class DomainParallel(ParallelStyle):
     _regions: List[nn.Module] = field(default_factory=list, compare=False, repr=False)
 
     def build(self, name, module, mesh):
-        mixers = [f"{name + '.' if name else ''}{n} ({type(m).__name__})"
-                  for n, m in module.named_modules(remove_duplicate=False)
-                  if isinstance(m, SPATIAL_MIXERS_WITHOUT_TWIN) and _twin_of(m) is None]
+        mixers = [
+            f"{name + '.' if name else ''}{n} ({type(m).__name__})"
+            for n, m in module.named_modules(remove_duplicate=False)
+            if isinstance(m, SPATIAL_MIXERS_WITHOUT_TWIN) and _twin_of(m) is None
+        ]
         if mixers:
             raise ValueError(
                 "DomainParallel: these modules mix spatial positions and have no domain-parallel twin, so "
-                "they would run on each shard alone and differ from the serial model: " + ", ".join(mixers)
-                + ". Replace them (or keep them outside the DomainParallel region)")
+                "they would run on each shard alone and differ from the serial model: "
+                + ", ".join(mixers)
+                + ". Replace them (or keep them outside the DomainParallel region)"
+            )
         new = self._swap(module, mesh)
         if new is module:  # a container: the region is exactly this subtree, guarded on every call
             bind_region(new, mesh, self._input_dims(new), name)

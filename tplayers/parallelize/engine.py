@@ -15,8 +15,13 @@ from tplayers.comm.agree import exchange_agreed
 from tplayers.mesh import resolve_mesh
 from tplayers.parallelize.aliases import check_aliases_kept, check_shared_descendants, inside, module_names
 from tplayers.parallelize.attention_groups import check_attention_groups
-from tplayers.parallelize.source import (check_src_rank, partition_inputs, plan_from_source, serial_tensors,
-                                         structure_digest)
+from tplayers.parallelize.source import (
+    check_src_rank,
+    partition_inputs,
+    plan_from_source,
+    serial_tensors,
+    structure_digest,
+)
 from tplayers.parallelize.styles import ParallelStyle, PartitionFn, PlanKey, key_repr
 from tplayers.parallelize.ties import check_tie_owners, find_ties, retie
 
@@ -62,9 +67,7 @@ def match_plan(model: nn.Module, plan: Mapping) -> List[_Match]:
             )
         if not found:
             candidates = [f"{n or '<root>'} ({type(m).__name__})" for n, m in modules]
-            raise ValueError(
-                f"plan key {key_repr(key)} matches no module; candidates: " + ", ".join(candidates)
-            )
+            raise ValueError(f"plan key {key_repr(key)} matches no module; candidates: " + ", ".join(candidates))
         for name, module in found:
             if id(module) in owner:
                 okey, oname = owner[id(module)]
@@ -82,8 +85,9 @@ def match_plan(model: nn.Module, plan: Mapping) -> List[_Match]:
             matches.append(_Match(aliases[0], module, key, value, aliases))
     for m in matches:
         for other in matches:
-            pair = next(((a, b) for a in m.aliases for b in other.aliases if other is not m and a != b
-                         and inside(b, a)), None)
+            pair = next(
+                ((a, b) for a in m.aliases for b in other.aliases if other is not m and a != b and inside(b, a)), None
+            )
             if pair is not None:
                 raise ValueError(
                     f"plan keys {key_repr(m.key)} and {key_repr(other.key)} match nested modules "
@@ -214,8 +218,13 @@ def parallelize_module(
                 # a function's output is rank src_rank's by construction: not re-cut (a tensor it shares
                 # with a style's twin, e.g. a tie, is sourced as the style's)
                 styled = {id(t) for m, new in built if id(m) not in inputs for t in serial_tensors(new).values()}
-                exclude = frozenset(id(t) for m, new in built if id(m) in inputs
-                                    for t in serial_tensors(new).values() if id(t) not in styled)
+                exclude = frozenset(
+                    id(t)
+                    for m, new in built
+                    if id(m) in inputs
+                    for t in serial_tensors(new).values()
+                    if id(t) not in styled
+                )
                 source = plan_from_source(model, serial, mesh, exclude)
         except Exception as err:  # noqa: BLE001 - travels to every rank below, then re-raised
             error = err
@@ -223,7 +232,11 @@ def parallelize_module(
             if error is not None:
                 raise error
             return model
-        config = {"model tensors": before, "parallelized tensors": source.digest() if source else "", "src_rank": src_rank}
+        config = {
+            "model tensors": before,
+            "parallelized tensors": source.digest() if source else "",
+            "src_rank": src_rank,
+        }
         groups = [mesh.get_group(d) for d in range(mesh.ndim)]
         row = [int(bool(source is not None and source.sliced))]
         table = exchange_agreed(row, config, groups, "parallelize_module", "src_rank.check", error=error)

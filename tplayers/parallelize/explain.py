@@ -9,11 +9,11 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from tplayers.comm.buckets import bucketed_params, plan_buckets
 from tplayers.mesh import resolve_mesh
 from tplayers.parallelize.attention_groups import check_attention_groups
 from tplayers.parallelize.engine import build_match, match_plan
 from tplayers.parallelize.styles import ParallelStyle, key_repr
-from tplayers.comm.buckets import bucketed_params, plan_buckets
 
 __all__ = ["explain", "Explanation"]
 
@@ -39,8 +39,11 @@ def _collectives(module: nn.Module) -> str:
         described = True
         lists = describe()
         if region is not None:  # one async all-reduce per bucket replaces the twins' own
-            lists = (lists[0], list(lists[1]) + ["all_reduce (parameter-gradient bucket, conv weights+biases)"] *
-                     _buckets(region, sub))
+            lists = (
+                lists[0],
+                list(lists[1])
+                + ["all_reduce (parameter-gradient bucket, conv weights+biases)"] * _buckets(region, sub),
+            )
         elif id(sub) in bucketed:
             lists = (lists[0], [n for n in lists[1] if "grads)" not in n])
         for names, counts in zip(lists, (fwd, bwd)):
@@ -79,7 +82,15 @@ class Explanation:
     total_after: int
 
     def __str__(self) -> str:
-        head = ("module", "key", "before", "after", "param bytes (serial)", "param bytes / rank", "collectives per step")
+        head = (
+            "module",
+            "key",
+            "before",
+            "after",
+            "param bytes (serial)",
+            "param bytes / rank",
+            "collectives per step",
+        )
         body = [tuple(str(c) for c in r) for r in self.rows]
         body.append(("(whole model)", "", "", "", str(self.total_before), str(self.total_after), ""))
         widths = [max(len(r[i]) for r in [head] + body) for i in range(len(head))]
@@ -88,7 +99,9 @@ class Explanation:
         return "\n".join([f"plan on a mesh of {self.world_size} ranks", line(head), sep] + [line(r) for r in body])
 
 
-def explain(model: nn.Module, plan: Mapping, mesh: Optional[DeviceMesh] = None, *, print_table: bool = True) -> Explanation:
+def explain(
+    model: nn.Module, plan: Mapping, mesh: Optional[DeviceMesh] = None, *, print_table: bool = True
+) -> Explanation:
     """Show what :func:`parallelize_module` would swap, without changing ``model``.
 
     For each matched module: the plan key, types before and after, parameter
@@ -136,8 +149,15 @@ def explain(model: nn.Module, plan: Mapping, mesh: Optional[DeviceMesh] = None, 
         swapped_before += before
         swapped_after += after
         rows.append(
-            (match.name or "<root>", key_repr(match.key), type(match.module).__name__, type(new).__name__,
-             before, after, _collectives(new))
+            (
+                match.name or "<root>",
+                key_repr(match.key),
+                type(match.module).__name__,
+                type(new).__name__,
+                before,
+                after,
+                _collectives(new),
+            )
         )
     total = _param_bytes(model)
     result = Explanation(rows, mesh.size(), total, total - swapped_before + swapped_after)

@@ -36,25 +36,43 @@ __all__ = ["plan_from_transformers", "ReplicatedGradSum", "causal_lm_loss", "TRA
 
 #: transformers 5.23's styles (``ALL_PARALLEL_STYLES``) that have a tplayers equivalent here
 TRANSFORMERS_STYLES = (
-    "colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
-    "embedding_rowwise", "embedding_colwise", "packed_colwise", "sequence_parallel",
-    "replicated_with_grad_allreduce", "replicate",
+    "colwise",
+    "rowwise",
+    "colwise_rep",
+    "colwise_gather_output",
+    "rowwise_rep",
+    "rowwise_split_input",
+    "embedding_rowwise",
+    "embedding_colwise",
+    "packed_colwise",
+    "sequence_parallel",
+    "replicated_with_grad_allreduce",
+    "replicate",
 )
 #: transformers 5.23's styles with no tplayers equivalent (expert parallelism, MLA, packed input dims)
 _UNSUPPORTED = {
     "packed_rowwise": "a linear whose input features are packed blocks",
     "mla_kv_a_proj": "multi-head latent attention's kv_a projection",
     "all_reduce": "an all-reduce of a module's partial output (mixture-of-experts)",
-    "moe_tp_experts": "mixture-of-experts tensor parallelism", "moe_identity_expert": "mixture-of-experts",
-    "local_params": "bare parameters sharded by their own plan entry", "grouped_gemm": "expert parallelism",
+    "moe_tp_experts": "mixture-of-experts tensor parallelism",
+    "moe_identity_expert": "mixture-of-experts",
+    "local_params": "bare parameters sharded by their own plan entry",
+    "grouped_gemm": "expert parallelism",
     "ep_dispatch_experts": "expert parallelism",
 }
 _Q = ("q_proj", "query", "q_attn")
 _KV = ("k_proj", "v_proj", "key", "value")
 _FUSED = ("c_attn", "qkv_proj", "Wqkv")  # [q | k | v] blocks, one after the other
 # Models whose transformers classes carry no tensor-parallel plan (in base-model names).
-_BUILTIN = {"gpt2": {"wte": "embedding_rowwise", "h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise",
-                     "h.*.mlp.c_fc": "colwise", "h.*.mlp.c_proj": "rowwise"}}
+_BUILTIN = {
+    "gpt2": {
+        "wte": "embedding_rowwise",
+        "h.*.attn.c_attn": "colwise",
+        "h.*.attn.c_proj": "rowwise",
+        "h.*.mlp.c_fc": "colwise",
+        "h.*.mlp.c_proj": "rowwise",
+    }
+}
 _BUILTIN_HEAD = {"lm_head": "colwise_gather_output"}
 
 
@@ -87,8 +105,10 @@ class ReplicatedGradSum(ParallelStyle):
 
     def check(self, key, name, module):
         if len(list(module.parameters())) != len(list(module.parameters(recurse=False))):
-            raise ValueError(f"plan key {key_repr(key)}: ReplicatedGradSum wraps a module's own parameters, but "
-                             f"module {name!r} ({type(module).__name__}) has parameters in its children")
+            raise ValueError(
+                f"plan key {key_repr(key)}: ReplicatedGradSum wraps a module's own parameters, but "
+                f"module {name!r} ({type(module).__name__}) has parameters in its children"
+            )
 
     def build(self, name, module, mesh):
         return DomainReplicated(module, mesh)
@@ -131,8 +151,10 @@ def _localize_heads(attn: nn.Module) -> None:
 def _text_config(model: nn.Module):
     config = getattr(model, "config", None)
     if config is None:
-        raise ValueError(f"plan_from_transformers: model ({type(model).__name__}) has no .config; "
-                         "expected a transformers PreTrainedModel")
+        raise ValueError(
+            f"plan_from_transformers: model ({type(model).__name__}) has no .config; "
+            "expected a transformers PreTrainedModel"
+        )
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
@@ -156,8 +178,10 @@ def _string_plan(model: nn.Module, config) -> Dict[str, str]:
     base = dict(getattr(config, "base_model_tp_plan", None) or _BUILTIN.get(getattr(config, "model_type", ""), {}))
     plan = {(f"{prefix}.{k}" if base_is_child else k): v for k, v in base.items()}
     if base and base_is_child:
-        plan.update(dict(getattr(type(model), "_tp_plan", None) or {}) or
-                    {k: v for k, v in _BUILTIN_HEAD.items() if isinstance(getattr(model, k, None), nn.Module)})
+        plan.update(
+            dict(getattr(type(model), "_tp_plan", None) or {})
+            or {k: v for k, v in _BUILTIN_HEAD.items() if isinstance(getattr(model, k, None), nn.Module)}
+        )
     return plan
 
 
@@ -237,8 +261,10 @@ def plan_from_transformers(
     config = _text_config(model)
     strings = dict(tp_plan) if tp_plan is not None else _string_plan(model, config)
     if not strings:
-        raise ValueError(f"plan_from_transformers: {type(model).__name__} has no tensor-parallel plan "
-                         "(config.base_model_tp_plan and _tp_plan are empty); pass tp_plan={...}")
+        raise ValueError(
+            f"plan_from_transformers: {type(model).__name__} has no tensor-parallel plan "
+            "(config.base_model_tp_plan and _tp_plan are empty); pass tp_plan={...}"
+        )
     heads = _heads(config)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
@@ -247,17 +273,23 @@ def plan_from_transformers(
     attention: Dict[str, Dict[str, ParallelStyle]] = {}  # under sequence parallelism: parent key -> children
     for key, style in strings.items():
         if not isinstance(style, str):
-            raise TypeError(f"plan_from_transformers: tp_plan[{key!r}] must be a style name, got {type(style).__name__}")
+            raise TypeError(
+                f"plan_from_transformers: tp_plan[{key!r}] must be a style name, got {type(style).__name__}"
+            )
         regex = _to_regex(key)
         names = [n for n in modules if re.fullmatch(regex, n)]
         if style not in TRANSFORMERS_STYLES:
             what = _UNSUPPORTED.get(style)
             reason = f"has no tplayers equivalent ({what})" if what else "is unknown"
-            raise ValueError(f"plan_from_transformers: style {style!r} of tp_plan key {key!r} {reason}; "
-                             f"supported: {', '.join(TRANSFORMERS_STYLES)}")
+            raise ValueError(
+                f"plan_from_transformers: style {style!r} of tp_plan key {key!r} {reason}; "
+                f"supported: {', '.join(TRANSFORMERS_STYLES)}"
+            )
         if not names and any(re.fullmatch(regex, p) for p in params):
-            raise ValueError(f"plan_from_transformers: tp_plan key {key!r} ({style!r}) names a parameter; "
-                             "only module entries are supported")
+            raise ValueError(
+                f"plan_from_transformers: tp_plan key {key!r} ({style!r}) names a parameter; "
+                "only module entries are supported"
+            )
         if not names or style == "replicate":
             continue  # a plan entry for modules this model does not have (transformers skips those too)
         lm_head = head_name is not None and names == [head_name]
@@ -287,7 +319,7 @@ def _output_embedding_name(model: nn.Module) -> Optional[str]:
 
 
 def _attention_role(style, names, modules, heads) -> Optional[str]:
-    """"in" for an attention's q/k/v (or fused) projection, "out" for its output projection."""
+    """ "in" for an attention's q/k/v (or fused) projection, "out" for its output projection."""
     if heads is None:
         return None
     leaves = {n.rpartition(".")[2] for n in names}
@@ -320,8 +352,10 @@ def _map_style(style, key, names, modules, heads, mesh, sp, local_logits) -> Par
         dims = {linear_dims(modules[n]) for n in names}
         out = dims.pop()[1] if len(dims) == 1 and None not in dims else None
         if out is None or out % 2:
-            raise ValueError(f"plan_from_transformers: 'packed_colwise' on {key!r} needs linears with an even "
-                             f"number of output features, got {sorted(str(d) for d in dims)}")
+            raise ValueError(
+                f"plan_from_transformers: 'packed_colwise' on {key!r} needs linears with an even "
+                f"number of output features, got {sorted(str(d) for d in dims)}"
+            )
         return ColumnParallel(sections=(out // 2, out // 2), sequence_parallel=sp)
     return ReplicatedGradSum()  # sequence_parallel, replicated_with_grad_allreduce
 
@@ -336,9 +370,11 @@ def _attention_column(key, names, modules, heads, mesh, leaf, sp) -> ParallelSty
         dims = linear_dims(modules[n])
         if dims is None or dims[1] != expected[role]:
             got = "not a linear" if dims is None else f"{dims[1]} output features"
-            raise ValueError(f"plan_from_transformers: {n!r} ({role} projection) should have {expected[role]} "
-                             f"output features from the config's heads ({q_heads} query, {kv_heads} key/value "
-                             f"of head_dim {hd}), got {got}")
+            raise ValueError(
+                f"plan_from_transformers: {n!r} ({role} projection) should have {expected[role]} "
+                f"output features from the config's heads ({q_heads} query, {kv_heads} key/value "
+                f"of head_dim {hd}), got {got}"
+            )
     SectionLayout.build(f"plan_from_transformers: attention of {key!r}", sections, mesh.size(0), hd)
     if role == "fused":
         return _AttentionColumnParallel(sections=sections, head_dim=hd, sequence_parallel=sp)
@@ -354,8 +390,10 @@ def _add_sequence_parallel_modules(model: nn.Module, plan: Dict[str, ParallelSty
 
     for name, module in model.named_modules():
         if isinstance(module, nn.Dropout) and module.p > 0:
-            raise ValueError(f"plan_from_transformers: sequence_parallel=True: {name!r} is nn.Dropout(p={module.p}) "
-                             "and would draw another mask on the sequence shards; set its p to 0")
+            raise ValueError(
+                f"plan_from_transformers: sequence_parallel=True: {name!r} is nn.Dropout(p={module.p}) "
+                "and would draw another mask on the sequence shards; set its p to 0"
+            )
         own = list(module.named_parameters(recurse=False))
         if own and not inside(name) and not any(True for _ in module.children()):
             plan[re.escape(name)] = ReplicatedGradSum()
@@ -393,6 +431,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, mesh=None, *, ign
         torch.testing.assert_close(loss, F.cross_entropy(dense(h)[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1)))
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(f"causal_lm_loss: expected logits (B, S, vocab_local) and labels (B, S), got "
-                         f"{tuple(logits.shape)} and {tuple(labels.shape)}")
+        raise ValueError(
+            f"causal_lm_loss: expected logits (B, S, vocab_local) and labels (B, S), got "
+            f"{tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
     return vocab_parallel_cross_entropy(logits[:, :-1], labels[:, 1:], mesh, ignore_index=ignore_index)

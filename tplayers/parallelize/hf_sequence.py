@@ -87,13 +87,17 @@ class SequenceGatheredAttention(ParallelStyle):
         kids = dict(module.named_children())
         for child, style in self.children.items():
             if child not in kids:
-                raise ValueError(f"plan key {key_repr(key)}: SequenceGatheredAttention expects a child {child!r} of "
-                                 f"{name!r} ({type(module).__name__}); it has {sorted(kids)}")
+                raise ValueError(
+                    f"plan key {key_repr(key)}: SequenceGatheredAttention expects a child {child!r} of "
+                    f"{name!r} ({type(module).__name__}); it has {sorted(kids)}"
+                )
             style.check(key, f"{name}.{child}", kids[child])
 
     def build(self, name, module, mesh):
-        twins = {child: style.build(f"{name}.{child}", getattr(module, child), mesh)
-                 for child, style in self.children.items()}
+        twins = {
+            child: style.build(f"{name}.{child}", getattr(module, child), mesh)
+            for child, style in self.children.items()
+        }
         for child, twin in twins.items():  # undone by parallelize_module if the plan fails later
             setattr(module, child, twin)
         return SequenceGathered(module, mesh, self.sequence_dim)

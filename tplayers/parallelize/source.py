@@ -87,7 +87,7 @@ class SourcePlan:
         me_is_src = mesh_index(mesh) == src
         sent = [t for _, t in self.replicated] + [serial[name] for name, _, _ in self.sliced]
         got = broadcast_flat(sent, mesh, src, "src_rank")
-        new_rep, full_sliced = got[: len(self.replicated)], got[len(self.replicated):]
+        new_rep, full_sliced = got[: len(self.replicated)], got[len(self.replicated) :]
         new_shard: List[torch.Tensor] = []
         if self.sharded:
             world = mesh.size(0)
@@ -95,8 +95,9 @@ class SourcePlan:
             shapes = [[s.local_shape for s in row] for row in specs]
             pieces = None
             if me_is_src:
-                pieces = [[s.take(serial[name]).to(t.dtype) for (name, t, _), s in zip(self.sharded, row)]
-                          for row in specs]
+                pieces = [
+                    [s.take(serial[name]).to(t.dtype) for (name, t, _), s in zip(self.sharded, row)] for row in specs
+                ]
             new_shard = scatter_flat(pieces, shapes, [t for _, t, _ in self.sharded], mesh, src, "src_rank")
         with torch.no_grad():  # every transfer done: now write (a failure above changed nothing)
             for (_, t), v in zip(self.replicated, new_rep):
@@ -107,8 +108,9 @@ class SourcePlan:
                 t.copy_(spec.take(full))
 
 
-def plan_from_source(result: nn.Module, serial: Dict[str, torch.Tensor], mesh: DeviceMesh,
-                     exclude: frozenset = frozenset()) -> SourcePlan:
+def plan_from_source(
+    result: nn.Module, serial: Dict[str, torch.Tensor], mesh: DeviceMesh, exclude: frozenset = frozenset()
+) -> SourcePlan:
     """Classify every tensor of the swapped model ``result``; raise ``ValueError`` if one cannot
     be sourced (a meta tensor, a shard with no serial tensor of that name, a shard laid out over
     another mesh). ``exclude``: ids of tensors already rank ``src``'s by construction (what
@@ -126,20 +128,26 @@ def plan_from_source(result: nn.Module, serial: Dict[str, torch.Tensor], mesh: D
             continue
         seen.add(id(t))
         if t.device.type == "meta":
-            raise ValueError(f"src_rank: {key} is on the meta device and holds no values to send; "
-                             "materialise the model first, or pass src_rank=None")
+            raise ValueError(
+                f"src_rank: {key} is on the meta device and holds no values to send; "
+                "materialise the model first, or pass src_rank=None"
+            )
         spec = specs.get(key)
         if spec is None or spec.is_replicated:
             replicated.append((key, t))
             continue
         if mesh.ndim != 1 or spec.parts != mesh.size(0) or spec.index != mesh.get_local_rank(0):
-            raise ValueError(f"src_rank: {key} is shard {spec.index} of {spec.parts}, but parallelize_module's "
-                             f"mesh is {tuple(mesh.shape)} with this rank at {mesh_index(mesh)}; shard over that mesh")
+            raise ValueError(
+                f"src_rank: {key} is shard {spec.index} of {spec.parts}, but parallelize_module's "
+                f"mesh is {tuple(mesh.shape)} with this rank at {mesh_index(mesh)}; shard over that mesh"
+            )
         full = serial.get(key)
         if full is None or tuple(full.shape) != spec.global_shape:
             got = "no such tensor" if full is None else f"shape {tuple(full.shape)}"
-            raise ValueError(f"src_rank: shard {key} of global shape {spec.global_shape} has no serial tensor "
-                             f"of that name and shape in the model before the plan ({got})")
+            raise ValueError(
+                f"src_rank: shard {key} of global shape {spec.global_shape} has no serial tensor "
+                f"of that name and shape in the model before the plan ({got})"
+            )
         (sharded if spec.for_index(spec.index) == spec else sliced).append((key, t, spec))
     return SourcePlan(sharded, replicated, sliced)
 
@@ -168,8 +176,10 @@ def partition_inputs(matches, mesh: DeviceMesh, src: int, model_digest: str):
             copies[id(m)] = copy.deepcopy(m.module)
             for key, t in serial_tensors(copies[id(m)]).items():
                 if t.device.type == "meta":
-                    raise ValueError(f"src_rank: {m.name}.{key} is on the meta device and holds no values to send "
-                                     "to the partition function; materialise the model first, or pass src_rank=None")
+                    raise ValueError(
+                        f"src_rank: {m.name}.{key} is on the meta device and holds no values to send "
+                        "to the partition function; materialise the model first, or pass src_rank=None"
+                    )
     except Exception as err:  # noqa: BLE001 - travels to every rank in the exchange, then re-raised
         error = err
     config = {"model tensors": model_digest, "partition-function modules": [m.name for m in matches], "src_rank": src}

@@ -22,7 +22,6 @@ def key_repr(key: PlanKey) -> str:
     return key.__name__ if isinstance(key, type) else f"'{key}'"
 
 
-
 class ParallelStyle:
     """A rule that turns one serial module into its distributed twin (a plan's value).
 
@@ -64,8 +63,10 @@ class ParallelStyle:
 
 def _check_role(key: PlanKey, style: "ParallelStyle", roles: Tuple[str, ...]) -> None:
     if style.head_role is not None and style.head_role not in roles:
-        raise ValueError(f"plan key {key_repr(key)}: {type(style).__name__}(head_role=...) must be one of "
-                         f"{', '.join(map(repr, roles))} or None, got {style.head_role!r}")
+        raise ValueError(
+            f"plan key {key_repr(key)}: {type(style).__name__}(head_role=...) must be one of "
+            f"{', '.join(map(repr, roles))} or None, got {style.head_role!r}"
+        )
 
 
 def _check_linear_or_embedding(style: ParallelStyle, key, name: str, module: nn.Module) -> None:
@@ -132,17 +133,29 @@ class ColumnParallel(ParallelStyle):
     def check(self, key, name, module):
         _check_linear_or_embedding(self, key, name, module)
         _check_role(key, self, ("q", "k", "v"))
-        if isinstance(module, nn.Embedding) and (self.sections is not None or self.head_dim is not None
-                                                 or self.sequence_parallel or self.head_role is not None):
-            raise ValueError(f"plan key {key_repr(key)}: ColumnParallel(sections=, head_dim=, sequence_parallel=, "
-                             f"head_role=) applies to nn.Linear, but module {name!r} is nn.Embedding")
+        if isinstance(module, nn.Embedding) and (
+            self.sections is not None
+            or self.head_dim is not None
+            or self.sequence_parallel
+            or self.head_role is not None
+        ):
+            raise ValueError(
+                f"plan key {key_repr(key)}: ColumnParallel(sections=, head_dim=, sequence_parallel=, "
+                f"head_role=) applies to nn.Linear, but module {name!r} is nn.Embedding"
+            )
 
     def build(self, name, module, mesh):
         if isinstance(module, nn.Embedding):
             return ColumnParallelEmbedding.from_module(module, mesh=mesh, gather_output=self.gather_output)
-        return ColumnParallelLinear.from_module(module, mesh=mesh, gather_output=self.gather_output,
-                                                sections=self.sections, head_dim=self.head_dim,
-                                                sequence_parallel=self.sequence_parallel, sequence_dim=self.sequence_dim)
+        return ColumnParallelLinear.from_module(
+            module,
+            mesh=mesh,
+            gather_output=self.gather_output,
+            sections=self.sections,
+            head_dim=self.head_dim,
+            sequence_parallel=self.sequence_parallel,
+            sequence_dim=self.sequence_dim,
+        )
 
 
 @dataclass(frozen=True)
@@ -193,17 +206,24 @@ class RowParallel(ParallelStyle):
     def check(self, key, name, module):
         _check_linear_or_embedding(self, key, name, module)
         _check_role(key, self, ("o",))
-        if isinstance(module, nn.Embedding) and (self.head_dim is not None or not self.input_is_parallel
-                                                 or self.head_role is not None):
-            raise ValueError(f"plan key {key_repr(key)}: RowParallel(head_dim=, input_is_parallel=, head_role=) "
-                             f"applies to nn.Linear, but module {name!r} is nn.Embedding")
+        if isinstance(module, nn.Embedding) and (
+            self.head_dim is not None or not self.input_is_parallel or self.head_role is not None
+        ):
+            raise ValueError(
+                f"plan key {key_repr(key)}: RowParallel(head_dim=, input_is_parallel=, head_role=) "
+                f"applies to nn.Linear, but module {name!r} is nn.Embedding"
+            )
 
     def build(self, name, module, mesh):
         if isinstance(module, nn.Embedding):
-            return VocabParallelEmbedding.from_module(module, mesh=mesh, sequence_parallel=self.sequence_parallel,
-                                                      sequence_dim=self.sequence_dim)
-        return RowParallelLinear.from_module(module, mesh=mesh, input_is_parallel=self.input_is_parallel,
-                                             head_dim=self.head_dim, sequence_parallel=self.sequence_parallel,
-                                             sequence_dim=self.sequence_dim)
-
-
+            return VocabParallelEmbedding.from_module(
+                module, mesh=mesh, sequence_parallel=self.sequence_parallel, sequence_dim=self.sequence_dim
+            )
+        return RowParallelLinear.from_module(
+            module,
+            mesh=mesh,
+            input_is_parallel=self.input_is_parallel,
+            head_dim=self.head_dim,
+            sequence_parallel=self.sequence_parallel,
+            sequence_dim=self.sequence_dim,
+        )

@@ -62,7 +62,12 @@ def check_tie_owners(matches: Sequence, ties: List[List[Member]]) -> None:
         for (a, oa), (b, ob) in ((x, y) for x in zip(group, owners) for y in zip(group, owners)):
             if oa is ob:
                 continue
-            if oa is None or ob is None or a[0] not in (oa.aliases or (oa.name,)) or b[0] not in (ob.aliases or (ob.name,)):
+            if (
+                oa is None
+                or ob is None
+                or a[0] not in (oa.aliases or (oa.name,))
+                or b[0] not in (ob.aliases or (ob.name,))
+            ):
                 plan_a = f"swapped by plan key {key_repr(oa.key)}" if oa is not None else "not in the plan"
                 plan_b = f"swapped by plan key {key_repr(ob.key)}" if ob is not None else "not in the plan"
                 raise ValueError(

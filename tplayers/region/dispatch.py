@@ -13,8 +13,21 @@ from typing import Any, Dict
 
 from tplayers.domain.layout import LayoutError
 from tplayers.region import rules_ops, rules_route
-from tplayers.region.rules import (_ALONG, _PASS, _PRESERVE, _VALUES, _VIEWS, _getter, _passthrough, _pointwise_names,
-                                   _preserve, _refuse_value, first_sharded, op_name, run_pointwise)
+from tplayers.region.rules import (
+    _ALONG,
+    _PASS,
+    _PRESERVE,
+    _VALUES,
+    _VIEWS,
+    _getter,
+    _passthrough,
+    _pointwise_names,
+    _preserve,
+    _refuse_value,
+    first_sharded,
+    op_name,
+    run_pointwise,
+)
 
 __all__ = ["handle"]
 
@@ -41,8 +54,11 @@ def handle(g, func, args, kwargs):
         handler = run_pointwise
     if handler is None:
         t, lay = first_sharded(g, args, kwargs)
-        raise g.error(f"{op_name(func)} is not known to be exact on sharded data", lay,
-                      "Use a tplayers twin or tplayers.functional for it, or move it outside the domain region.")
+        raise g.error(
+            f"{op_name(func)} is not known to be exact on sharded data",
+            lay,
+            "Use a tplayers twin or tplayers.functional for it, or move it outside the domain region.",
+        )
     try:
         return handler(g, func, args, kwargs)
     except LayoutError as e:

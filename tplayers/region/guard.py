@@ -26,17 +26,17 @@ the data says so, and every replicated value inside a guarded region is already 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from tplayers.domain.active import active_guard, stepped_aside
-from tplayers.region.dispatch import handle
-from tplayers.domain.layout import Layout, canonical_layout, is_sharded, mesh_dims_of, region_layout, sharded_dims
-from tplayers.domain.boundary import ReplicatedToSharded
 from tplayers.comm.buckets import using_buckets
+from tplayers.domain.active import active_guard, stepped_aside
+from tplayers.domain.boundary import ReplicatedToSharded
+from tplayers.domain.layout import Layout, canonical_layout, is_sharded, mesh_dims_of, region_layout, sharded_dims
 from tplayers.layers.norm import _DomainNorm
+from tplayers.region.dispatch import handle
 
 __all__ = ["RegionGuard", "active_guard", "GuardError"]
 
@@ -88,8 +88,10 @@ class RegionGuard(TorchFunctionMode):
     def mark_input(self, x: torch.Tensor) -> torch.Tensor:
         """Tag a region input: ``shard_dims`` sharded over the mesh."""
         if max(self.shard_dims) >= x.dim():
-            raise ValueError(f"domain region {self.where[0]}: its input has {x.dim()} dims, fewer than the sharded "
-                             f"dims {self.shard_dims} need")
+            raise ValueError(
+                f"domain region {self.where[0]}: its input has {x.dim()} dims, fewer than the sharded "
+                f"dims {self.shard_dims} need"
+            )
         return self.mark(x, region_layout(x.shape, self.shard_dims))
 
     # ------------------------------------------------------------ boundary
@@ -113,7 +115,8 @@ class RegionGuard(TorchFunctionMode):
         dims = f" (sharded dims {sharded_dims(layout)} of the input)" if layout is not None else ""
         return GuardError(
             f"domain region guard: {what}{dims}, in module {self.where[-1]!r}. On a domain-sharded tensor this "
-            f"would run on each rank's slice alone and differ from the serial model. {advice}".rstrip())
+            f"would run on each rank's slice alone and differ from the serial model. {advice}".rstrip()
+        )
 
     # -------------------------------------------------------- torch function
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -128,8 +131,13 @@ class RegionGuard(TorchFunctionMode):
         its statistics run over every dim after the channels, so it sees the input as ``(N, C, L, 1...)``."""
         dims = tuple(module.shard_dims)
         nd = 2 + (module.spatial or len(dims))
-        if (set(sharded_dims(layout)) & {0, 1} or mesh_dims_of(layout) != tuple(range(len(self.groups)))
-                or dims != tuple(range(2, 2 + len(dims))) or len(args) != 1 or kwargs):
+        if (
+            set(sharded_dims(layout)) & {0, 1}
+            or mesh_dims_of(layout) != tuple(range(len(self.groups)))
+            or dims != tuple(range(2, 2 + len(dims)))
+            or len(args) != 1
+            or kwargs
+        ):
             raise self.error(f"{type(module).__name__} on a tensor sharded as {layout}", layout)
         flat = x.reshape(x.shape[0], x.shape[1], -1, *([1] * (nd - 3)))
         with stepped_aside(self):
@@ -149,13 +157,18 @@ class RegionGuard(TorchFunctionMode):
                 serial.train(module.training)
                 return serial(*args, **kwargs)
             if layout is None:
-                raise self.error(f"{name} (a domain twin) applied to a replicated tensor of shape {tuple(x.shape)}",
-                                 advice="Twins take this rank's slice of a sharded tensor.")
+                raise self.error(
+                    f"{name} (a domain twin) applied to a replicated tensor of shape {tuple(x.shape)}",
+                    advice="Twins take this rank's slice of a sharded tensor.",
+                )
             if layout != region_layout(x.shape, tuple(dims)) and _statistics_twin(module):
                 return self._norm_any_layout(module, call, x, layout, args, kwargs)
             if layout != region_layout(x.shape, tuple(dims)):
-                raise self.error(f"{name} shards dims {tuple(dims)} but its input is sharded as {layout}", layout,
-                                 "Keep the spatial layout (N, C, *spatial) that the region's input had.")
+                raise self.error(
+                    f"{name} shards dims {tuple(dims)} but its input is sharded as {layout}",
+                    layout,
+                    "Keep the spatial layout (N, C, *spatial) that the region's input had.",
+                )
 
         with stepped_aside(self), using_buckets(self.buckets):
             out = call(*args, **kwargs)
@@ -181,8 +194,9 @@ def _twin_out_layout(module, out: torch.Tensor, dims: Tuple[int, ...]) -> Layout
     if size is None:
         return region_layout(out.shape, dims)
     per = list(size) if isinstance(size, (tuple, list)) else [size] * (out.dim() - 2)
-    return tuple(((int(out.shape[d]), dims.index(d)),) if d in dims and per[d - 2] != 1 else None
-                 for d in range(out.dim()))
+    return tuple(
+        ((int(out.shape[d]), dims.index(d)),) if d in dims and per[d - 2] != 1 else None for d in range(out.dim())
+    )
 
 
 def _touches(guard: RegionGuard, args, kwargs) -> bool:
@@ -205,4 +219,3 @@ def _touches(guard: RegionGuard, args, kwargs) -> bool:
             if tag is not None and tag[0] is token:
                 return True
     return False
-

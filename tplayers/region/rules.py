@@ -11,12 +11,22 @@ A name not in the table is an error (deny by default).
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Tuple
+from typing import Tuple
 
 import torch
 
-from tplayers.domain.layout import (LayoutError, broadcast_layouts, drop_dims, flatten_layout, insert_dim, is_sharded,
-                                    mesh_dims_of, permute_layout, reshape_layout, sharded_dims, unflatten_layout)
+from tplayers.domain.layout import (
+    broadcast_layouts,
+    drop_dims,
+    flatten_layout,
+    insert_dim,
+    is_sharded,
+    mesh_dims_of,
+    permute_layout,
+    reshape_layout,
+    sharded_dims,
+    unflatten_layout,
+)
 from tplayers.region.rules_index import index_layout
 
 __all__ = ["op_name", "dims_arg", "run_pointwise", "first_sharded"]
@@ -33,7 +43,7 @@ def op_name(func) -> str:
 def first_sharded(g, args, kwargs):
     """The first sharded tensor argument and its layout."""
     for a in list(args) + list(kwargs.values()):
-        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+        for t in a if isinstance(a, (list, tuple)) else (a,):
             lay = g.layout(t)
             if lay is not None:
                 return t, lay
@@ -92,8 +102,11 @@ def _passthrough(g, func, args, kwargs):
 
 def _refuse_value(g, func, args, kwargs):
     t, lay = first_sharded(g, args, kwargs)
-    raise g.error(f"{op_name(func)} reads the values of a sharded tensor into Python", lay,
-                  "Reduce it first (x.sum(), x.mean(), ... are global inside a region).")
+    raise g.error(
+        f"{op_name(func)} reads the values of a sharded tensor into Python",
+        lay,
+        "Reduce it first (x.sum(), x.mean(), ... are global inside a region).",
+    )
 
 
 def _getter(g, func, args, kwargs):
@@ -149,7 +162,7 @@ def _unflatten(g, func, args, kwargs):
     if isinstance(dim, int):
         d = dim % x.dim()
         k = out.dim() - x.dim() + 1
-        return g.mark(out, unflatten_layout(x.shape, lay, d, out.shape[d:d + k]))
+        return g.mark(out, unflatten_layout(x.shape, lay, d, out.shape[d : d + k]))
     return g.mark(out, reshape_layout(x.shape, lay, out.shape))
 
 
@@ -231,8 +244,11 @@ def _along(position: int, default=None, kw: str = "dim"):
         dims = dims_arg(dim, x.dim()) if dim is not None else tuple(range(x.dim()))
         hit = set(dims) & set(sharded_dims(lay))
         if hit:
-            raise g.error(f"{op_name(func)} along sharded dim {sorted(hit)}", lay,
-                          "Keep this op on whole dims (channels), or move it outside the domain region.")
+            raise g.error(
+                f"{op_name(func)} along sharded dim {sorted(hit)}",
+                lay,
+                "Keep this op on whole dims (channels), or move it outside the domain region.",
+            )
         out = func(*args, **kwargs)
         if func.__name__ in ("select", "unbind"):
             return _mark_all(g, out, drop_dims(lay, dims))
@@ -247,8 +263,11 @@ def _getitem(g, func, args, kwargs):
         raise g.error("indexing with a sharded index tensor", lay)
     new = index_layout(x, lay, args[1])
     if new is None:
-        raise g.error("indexing (a slice, step, integer or index tensor) along a sharded dim", lay,
-                      "Index whole dims only (x[:, :3] selects channels), or move it outside the region.")
+        raise g.error(
+            "indexing (a slice, step, integer or index tensor) along a sharded dim",
+            lay,
+            "Index whole dims only (x[:, :3] selects channels), or move it outside the region.",
+        )
     return g.mark(func(*args, **kwargs), new)
 
 
@@ -276,7 +295,9 @@ def _cat(g, func, args, kwargs):
     if not stack and d in sharded_dims(ref):
         raise g.error(f"{op_name(func)} along sharded dim {d}", ref)
     for t, la in zip(tensors, lays):
-        if la is None or [e for i, e in enumerate(la) if i != d or stack] != [e for i, e in enumerate(ref) if i != d or stack]:
+        if la is None or [e for i, e in enumerate(la) if i != d or stack] != [
+            e for i, e in enumerate(ref) if i != d or stack
+        ]:
             raise g.error(f"{op_name(func)} of tensors sharded differently (or sharded with replicated ones)", ref)
     out = func(*args, **kwargs)
     return g.mark(out, insert_dim(ref, d) if stack else ref)
@@ -292,41 +313,214 @@ def _pointwise_names() -> frozenset:
                 names.add(name)
         except (AttributeError, RuntimeError):
             continue
-    names |= {"hardswish", "hardswish_", "hardsigmoid", "relu6", "masked_fill_", "copy_", "fill_", "zero_", "gelu_",
-              "silu_", "mish_", "hardtanh_", "leaky_relu_", "elu_", "celu_", "selu_", "rrelu", "logsigmoid",
-              "softsign", "tanhshrink", "softshrink", "hardshrink", "threshold_", "__and__", "__or__", "__xor__",
-              "__invert__", "__lshift__", "__rshift__", "__mod__", "__rmod__", "__floordiv__", "__rfloordiv__",
-              "__rtruediv__", "__rdiv__", "__rpow__", "__rmatmul__", "__radd__", "__rmul__", "__rsub__", "__iadd__",
-              "__isub__", "__imul__", "__itruediv__", "__ipow__", "__eq__", "__ne__", "__lt__", "__le__",
-              "__gt__", "__ge__", "__neg__", "__abs__", "__pos__", "__pow__", "__truediv__", "__add__", "__sub__",
-              "__mul__", "__div__", "true_divide", "true_divide_", "float_power", "addcdiv_", "addcmul_", "lerp_",
-              "clamp_", "clamp_min_", "clamp_max_", "clip", "clip_", "where"} - {"dropout"}
+    names |= {
+        "hardswish",
+        "hardswish_",
+        "hardsigmoid",
+        "relu6",
+        "masked_fill_",
+        "copy_",
+        "fill_",
+        "zero_",
+        "gelu_",
+        "silu_",
+        "mish_",
+        "hardtanh_",
+        "leaky_relu_",
+        "elu_",
+        "celu_",
+        "selu_",
+        "rrelu",
+        "logsigmoid",
+        "softsign",
+        "tanhshrink",
+        "softshrink",
+        "hardshrink",
+        "threshold_",
+        "__and__",
+        "__or__",
+        "__xor__",
+        "__invert__",
+        "__lshift__",
+        "__rshift__",
+        "__mod__",
+        "__rmod__",
+        "__floordiv__",
+        "__rfloordiv__",
+        "__rtruediv__",
+        "__rdiv__",
+        "__rpow__",
+        "__rmatmul__",
+        "__radd__",
+        "__rmul__",
+        "__rsub__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ipow__",
+        "__eq__",
+        "__ne__",
+        "__lt__",
+        "__le__",
+        "__gt__",
+        "__ge__",
+        "__neg__",
+        "__abs__",
+        "__pos__",
+        "__pow__",
+        "__truediv__",
+        "__add__",
+        "__sub__",
+        "__mul__",
+        "__div__",
+        "true_divide",
+        "true_divide_",
+        "float_power",
+        "addcdiv_",
+        "addcmul_",
+        "lerp_",
+        "clamp_",
+        "clamp_min_",
+        "clamp_max_",
+        "clip",
+        "clip_",
+        "where",
+    } - {"dropout"}
     return frozenset(names)
 
 
-_PRESERVE = {"to", "type", "float", "double", "half", "bfloat16", "cpu", "cuda", "contiguous", "clone", "detach",
-             "detach_", "requires_grad_", "type_as", "zeros_like", "ones_like", "empty_like", "full_like",
-             "pin_memory", "alias", "__deepcopy__", "conj", "resolve_conj", "resolve_neg", "positive", "as_strided_"}
-_PASS = {"size", "dim", "ndimension", "numel", "nelement", "__len__", "element_size", "is_contiguous",
-         "is_floating_point", "is_complex", "stride", "storage_offset", "data_ptr", "get_device", "__format__",
-         "__repr__", "__str__", "register_hook", "retain_grad", "__hash__", "untyped_storage", "_is_view",
-         "is_shared", "is_pinned", "has_names", "__reduce_ex__", "backward", "is_nonzero", "__contains__",
-         "new_zeros", "new_ones", "new_empty", "new_full", "new_tensor", "is_set_to", "is_inference",
-         "__dir__", "__sizeof__", "_version", "is_same_size", "is_signed", "dim_order",
-         "__array__", "__torch_function__", "__get__"}
+_PRESERVE = {
+    "to",
+    "type",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "cpu",
+    "cuda",
+    "contiguous",
+    "clone",
+    "detach",
+    "detach_",
+    "requires_grad_",
+    "type_as",
+    "zeros_like",
+    "ones_like",
+    "empty_like",
+    "full_like",
+    "pin_memory",
+    "alias",
+    "__deepcopy__",
+    "conj",
+    "resolve_conj",
+    "resolve_neg",
+    "positive",
+    "as_strided_",
+}
+_PASS = {
+    "size",
+    "dim",
+    "ndimension",
+    "numel",
+    "nelement",
+    "__len__",
+    "element_size",
+    "is_contiguous",
+    "is_floating_point",
+    "is_complex",
+    "stride",
+    "storage_offset",
+    "data_ptr",
+    "get_device",
+    "__format__",
+    "__repr__",
+    "__str__",
+    "register_hook",
+    "retain_grad",
+    "__hash__",
+    "untyped_storage",
+    "_is_view",
+    "is_shared",
+    "is_pinned",
+    "has_names",
+    "__reduce_ex__",
+    "backward",
+    "is_nonzero",
+    "__contains__",
+    "new_zeros",
+    "new_ones",
+    "new_empty",
+    "new_full",
+    "new_tensor",
+    "is_set_to",
+    "is_inference",
+    "__dir__",
+    "__sizeof__",
+    "_version",
+    "is_same_size",
+    "is_signed",
+    "dim_order",
+    "__array__",
+    "__torch_function__",
+    "__get__",
+}
 _VALUES = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__"}
-_VIEWS = {"view": _reshape, "reshape": _reshape, "view_as": _reshape, "reshape_as": _reshape, "flatten": _flatten,
-          "unflatten": _unflatten, "permute": _permute, "transpose": _permute, "swapaxes": _permute,
-          "swapdims": _permute, "t": _permute, "movedim": _permute, "moveaxis": _permute, "squeeze": _squeeze,
-          "unsqueeze": _unsqueeze, "expand": _expand, "expand_as": _expand, "broadcast_to": _expand,
-          "repeat": _repeat, "__getitem__": _getitem, "__setitem__": _setitem, "cat": _cat, "concat": _cat,
-          "concatenate": _cat, "stack": _cat}
-_ALONG = {"select": _along(1), "narrow": _along(1), "chunk": _along(2, 0), "split": _along(2, 0),
-          "tensor_split": _along(2, 0), "split_with_sizes": _along(2, 0), "unbind": _along(1, 0),
-          "softmax": _along(1), "log_softmax": _along(1), "softmin": _along(1), "cumsum": _along(1),
-          "cumprod": _along(1), "cummax": _along(1), "cummin": _along(1), "logcumsumexp": _along(1),
-          "sort": _along(1, -1), "argsort": _along(1, -1), "topk": _along(2, -1), "kthvalue": _along(2, -1),
-          "glu": _along(1, -1), "normalize": _along(2, 1), "gumbel_softmax": _along(4, -1),
-          "index_select": _along(1), "diff": _along(2, -1), "roll": _along(2, None, "dims"),
-          "flip": _along(1, None, "dims"), "rot90": _along(2, (0, 1), "dims"), "fliplr": _along(9, (1,)),
-          "flipud": _along(9, (0,))}
+_VIEWS = {
+    "view": _reshape,
+    "reshape": _reshape,
+    "view_as": _reshape,
+    "reshape_as": _reshape,
+    "flatten": _flatten,
+    "unflatten": _unflatten,
+    "permute": _permute,
+    "transpose": _permute,
+    "swapaxes": _permute,
+    "swapdims": _permute,
+    "t": _permute,
+    "movedim": _permute,
+    "moveaxis": _permute,
+    "squeeze": _squeeze,
+    "unsqueeze": _unsqueeze,
+    "expand": _expand,
+    "expand_as": _expand,
+    "broadcast_to": _expand,
+    "repeat": _repeat,
+    "__getitem__": _getitem,
+    "__setitem__": _setitem,
+    "cat": _cat,
+    "concat": _cat,
+    "concatenate": _cat,
+    "stack": _cat,
+}
+_ALONG = {
+    "select": _along(1),
+    "narrow": _along(1),
+    "chunk": _along(2, 0),
+    "split": _along(2, 0),
+    "tensor_split": _along(2, 0),
+    "split_with_sizes": _along(2, 0),
+    "unbind": _along(1, 0),
+    "softmax": _along(1),
+    "log_softmax": _along(1),
+    "softmin": _along(1),
+    "cumsum": _along(1),
+    "cumprod": _along(1),
+    "cummax": _along(1),
+    "cummin": _along(1),
+    "logcumsumexp": _along(1),
+    "sort": _along(1, -1),
+    "argsort": _along(1, -1),
+    "topk": _along(2, -1),
+    "kthvalue": _along(2, -1),
+    "glu": _along(1, -1),
+    "normalize": _along(2, 1),
+    "gumbel_softmax": _along(4, -1),
+    "index_select": _along(1),
+    "diff": _along(2, -1),
+    "roll": _along(2, None, "dims"),
+    "flip": _along(1, None, "dims"),
+    "rot90": _along(2, (0, 1), "dims"),
+    "fliplr": _along(9, (1,)),
+    "flipud": _along(9, (0,)),
+}

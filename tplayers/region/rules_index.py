@@ -28,7 +28,9 @@ def index_layout(x: torch.Tensor, layout: Layout, idx) -> Optional[Layout]:
     start, stop or step, an integer, an index tensor) and so would not be the serial result's slice."""
     items = idx if isinstance(idx, tuple) else (idx,)
     used = sum(_consumes(i) for i in items)
-    advanced = [i for i in items if isinstance(i, (torch.Tensor, list)) and not (isinstance(i, torch.Tensor) and i.dim() == 0)]
+    advanced = [
+        i for i in items if isinstance(i, (torch.Tensor, list)) and not (isinstance(i, torch.Tensor) and i.dim() == 0)
+    ]
     if len(advanced) > 1:
         return None
     out = []

@@ -11,10 +11,10 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-from tplayers.domain.layout import LayoutError, broadcast_layouts, drop_dims, mesh_dims_of, sharded_dims
-from tplayers.region.rules import _mark_all, dims_arg, first_sharded, op_name, run_pointwise
 from tplayers.domain import reductions as R
+from tplayers.domain.layout import LayoutError, broadcast_layouts, drop_dims, mesh_dims_of, sharded_dims
 from tplayers.layers._norm_core import DomainNormFn
+from tplayers.region.rules import _mark_all, dims_arg, first_sharded, op_name, run_pointwise
 
 __all__ = ["TABLE"]
 
@@ -84,9 +84,12 @@ def _reduction(g, func, args, kwargs):
         return _mark_all(g, func(*args, **kwargs), out_layout)
     indices = name in ("max", "min") and dim is not None
     if name not in _ROUTED and name not in ("var_mean", "std_mean") or indices:
-        raise g.error(f"{op_name(func)} over sharded dim {sorted(hit)}", lay,
-                      "Supported over sharded dims: sum, mean, amax, amin, max/min (values only), var, std, "
-                      "norm; use them, or move this op outside the domain region.")
+        raise g.error(
+            f"{op_name(func)} over sharded dim {sorted(hit)}",
+            lay,
+            "Supported over sharded dims: sum, mean, amax, amin, max/min (values only), var, std, "
+            "norm; use them, or move this op outside the domain region.",
+        )
     if p is not None and not isinstance(p, (int, float)) and p != "fro":
         raise g.error(f"{op_name(func)} with ord {p!r} over sharded dims", lay)
     groups = _groups(g, mesh_dims_of(lay, dims))
@@ -134,8 +137,10 @@ def _matmul_layout(g, func, la, lb, sa, sb):
     row = la[-2] if la else None
     col = lb[-1] if lb else None
     if row is not None and col is not None:
-        raise LayoutError("both operands' sharded rows meet (attention scores over sharded tokens; "
-                          "use F.scaled_dot_product_attention, which is routed)")
+        raise LayoutError(
+            "both operands' sharded rows meet (attention scores over sharded tokens; "
+            "use F.scaled_dot_product_attention, which is routed)"
+        )
     batch = broadcast_layouts([sa[:-2], sb[:-2]], [la[:-2] if la else None, lb[:-2] if lb else None])
     return tuple(batch) + (row, col)
 
@@ -181,16 +186,23 @@ def _einsum(g, func, args, kwargs):
     out_layout = tuple(letters[c] for c in out)
     axes = [a for e in out_layout if e for _, a in e if a is not None]
     if len(axes) != len(set(axes)):
-        raise g.error(f"torch.einsum '{eq}' pairs sharded rows of two operands (a score matrix over sharded "
-                      "tokens; use F.scaled_dot_product_attention, which is routed)", None)
+        raise g.error(
+            f"torch.einsum '{eq}' pairs sharded rows of two operands (a score matrix over sharded "
+            "tokens; use F.scaled_dot_product_attention, which is routed)",
+            None,
+        )
     swap = [g.bound(t, sorted(set(axes))) if g.layout(t) is None else t for t in ops]
     return g.mark(func(eq, *swap), out_layout)
 
 
 # ------------------------------------------------------------------ conv / norms / dropout
 def _conv(g, func, args, kwargs):
-    a = _bind(args, kwargs, ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
-              {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1})
+    a = _bind(
+        args,
+        kwargs,
+        ("input", "weight", "bias", "stride", "padding", "dilation", "groups"),
+        {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1},
+    )
     x, lay, w = a["input"], g.layout(a["input"]), a["weight"]
     n = w.dim() - 2
     per = lambda v: (v,) * n if isinstance(v, int) else tuple(v) if not isinstance(v, str) else v  # noqa: E731
@@ -198,13 +210,23 @@ def _conv(g, func, args, kwargs):
     for d in sharded_dims(lay):
         i = d - 2
         if i < 0 or k[i] != 1 or s[i] != 1 or (not isinstance(p, str) and p[i] != 0) or "transpose" in func.__name__:
-            raise g.error(f"{op_name(func)} with a window along sharded dim {d}", lay,
-                          "Use nn.ConvNd modules (DomainParallel swaps them) or tplayers.DistributedConvNd.")
+            raise g.error(
+                f"{op_name(func)} with a window along sharded dim {d}",
+                lay,
+                "Use nn.ConvNd modules (DomainParallel swaps them) or tplayers.DistributedConvNd.",
+            )
     if 1 in sharded_dims(lay):
         raise g.error(f"{op_name(func)} over a sharded channel dim", lay)
     axes = mesh_dims_of(lay)
-    args = (x, g.bound(w, axes), None if a["bias"] is None else g.bound(a["bias"], axes), a["stride"],
-            a["padding"], a["dilation"], a["groups"])
+    args = (
+        x,
+        g.bound(w, axes),
+        None if a["bias"] is None else g.bound(a["bias"], axes),
+        a["stride"],
+        a["padding"],
+        a["dilation"],
+        a["groups"],
+    )
     return g.mark(func(*args), lay)
 
 
@@ -219,8 +241,12 @@ def _layer_norm(g, func, args, kwargs):
     for key in ("weight", "bias"):
         if isinstance(a.get(key), torch.Tensor):
             a[key] = g.bound(a[key], axes)
-    return g.mark(func(**a) if func.__name__ == "layer_norm" else func(*[a[n] for n in ("input", "normalized_shape",
-                                                                                            "weight", "eps")]), lay)
+    return g.mark(
+        func(**a)
+        if func.__name__ == "layer_norm"
+        else func(*[a[n] for n in ("input", "normalized_shape", "weight", "eps")]),
+        lay,
+    )
 
 
 def _domain_norm(g, func, args, kwargs):
@@ -231,20 +257,35 @@ def _domain_norm(g, func, args, kwargs):
     groups = [g.groups[a] for a in mesh_dims_of(lay)]
     g.acted = True
     if name == "group_norm":
-        a = _bind(args, kwargs, ("input", "num_groups", "weight", "bias", "eps"), {"weight": None, "bias": None,
-                                                                                 "eps": 1e-5})
-        return g.mark(DomainNormFn.apply(x, a["weight"], a["bias"], int(a["num_groups"]), False, float(a["eps"]),
-                                         groups)[0], lay)
+        a = _bind(
+            args, kwargs, ("input", "num_groups", "weight", "bias", "eps"), {"weight": None, "bias": None, "eps": 1e-5}
+        )
+        return g.mark(
+            DomainNormFn.apply(x, a["weight"], a["bias"], int(a["num_groups"]), False, float(a["eps"]), groups)[0], lay
+        )
     if name == "batch_norm":
-        a = _bind(args, kwargs, ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum",
-                                 "eps"), {"weight": None, "bias": None, "training": False, "momentum": 0.1,
-                                          "eps": 1e-5})
+        a = _bind(
+            args,
+            kwargs,
+            ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+            {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5},
+        )
         stats = a["training"]
     else:  # instance_norm
-        a = _bind(args, kwargs, ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats",
-                                 "momentum", "eps"), {"running_mean": None, "running_var": None, "weight": None,
-                                                      "bias": None, "use_input_stats": True, "momentum": 0.1,
-                                                      "eps": 1e-5})
+        a = _bind(
+            args,
+            kwargs,
+            ("input", "running_mean", "running_var", "weight", "bias", "use_input_stats", "momentum", "eps"),
+            {
+                "running_mean": None,
+                "running_var": None,
+                "weight": None,
+                "bias": None,
+                "use_input_stats": True,
+                "momentum": 0.1,
+                "eps": 1e-5,
+            },
+        )
         stats = a["use_input_stats"]
     if not stats:  # running statistics: a per-pixel affine map
         axes = mesh_dims_of(lay)
@@ -254,8 +295,9 @@ def _domain_norm(g, func, args, kwargs):
                 call[key] = g.bound(call[key], axes)
         return g.mark(func(**call), lay)
     per_channel = name == "batch_norm"
-    y, mean, var, _ = DomainNormFn.apply(x, a["weight"], a["bias"], x.shape[1] if not per_channel else x.shape[1],
-                                         per_channel, float(a["eps"]), groups)
+    y, mean, var, _ = DomainNormFn.apply(
+        x, a["weight"], a["bias"], x.shape[1] if not per_channel else x.shape[1], per_channel, float(a["eps"]), groups
+    )
     rm, rv, mom = a["running_mean"], a["running_var"], a["momentum"]
     if rm is not None and rv is not None:
         with torch.no_grad():
@@ -273,8 +315,11 @@ def _dropout(g, func, args, kwargs):
         a["training"] = args[2] if len(args) > 2 else kwargs.get("train", True)
     if float(a["p"]) == 0.0 or not a["training"]:
         return _mark_all(g, func(*args, **kwargs), g.layout(args[0]))
-    raise g.error(f"{op_name(func)} with p={a['p']} in training", g.layout(args[0]),
-                  "Its local mask would not be the serial mask's slice: use tplayers.ParallelDropout, or p=0.")
+    raise g.error(
+        f"{op_name(func)} with p={a['p']} in training",
+        g.layout(args[0]),
+        "Its local mask would not be the serial mask's slice: use tplayers.ParallelDropout, or p=0.",
+    )
 
 
 def _where(g, func, args, kwargs):
@@ -289,13 +334,64 @@ def _prelu(g, func, args, kwargs):
     return g.mark(func(x, g.bound(w, mesh_dims_of(lay))), lay)
 
 
-TABLE = {n: _reduction for n in ("sum", "nansum", "mean", "nanmean", "amax", "amin", "max", "min", "var", "std",
-                                 "var_mean", "std_mean", "norm", "vector_norm", "prod", "logsumexp", "argmax",
-                                 "argmin", "all", "any", "count_nonzero", "median", "nanmedian", "mode", "aminmax")}
-TABLE.update({"linear": _linear, "matmul": _matmul, "__matmul__": _matmul, "mm": _matmul, "bmm": _matmul,
-              "baddbmm": _matmul, "addmm": _matmul, "einsum": _einsum, "conv1d": _conv, "conv2d": _conv,
-              "conv3d": _conv, "conv_transpose1d": _conv, "conv_transpose2d": _conv, "conv_transpose3d": _conv,
-              "layer_norm": _layer_norm, "rms_norm": _layer_norm, "group_norm": _domain_norm,
-              "batch_norm": _domain_norm, "instance_norm": _domain_norm, "dropout": _dropout,
-              "dropout1d": _dropout, "dropout2d": _dropout, "dropout3d": _dropout, "alpha_dropout": _dropout,
-              "feature_alpha_dropout": _dropout, "where": _where, "prelu": _prelu})
+TABLE = {
+    n: _reduction
+    for n in (
+        "sum",
+        "nansum",
+        "mean",
+        "nanmean",
+        "amax",
+        "amin",
+        "max",
+        "min",
+        "var",
+        "std",
+        "var_mean",
+        "std_mean",
+        "norm",
+        "vector_norm",
+        "prod",
+        "logsumexp",
+        "argmax",
+        "argmin",
+        "all",
+        "any",
+        "count_nonzero",
+        "median",
+        "nanmedian",
+        "mode",
+        "aminmax",
+    )
+}
+TABLE.update(
+    {
+        "linear": _linear,
+        "matmul": _matmul,
+        "__matmul__": _matmul,
+        "mm": _matmul,
+        "bmm": _matmul,
+        "baddbmm": _matmul,
+        "addmm": _matmul,
+        "einsum": _einsum,
+        "conv1d": _conv,
+        "conv2d": _conv,
+        "conv3d": _conv,
+        "conv_transpose1d": _conv,
+        "conv_transpose2d": _conv,
+        "conv_transpose3d": _conv,
+        "layer_norm": _layer_norm,
+        "rms_norm": _layer_norm,
+        "group_norm": _domain_norm,
+        "batch_norm": _domain_norm,
+        "instance_norm": _domain_norm,
+        "dropout": _dropout,
+        "dropout1d": _dropout,
+        "dropout2d": _dropout,
+        "dropout3d": _dropout,
+        "alpha_dropout": _dropout,
+        "feature_alpha_dropout": _dropout,
+        "where": _where,
+        "prelu": _prelu,
+    }
+)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from tplayers.domain.layout import mesh_dims_of, region_layout, sharded_dims
 import tplayers.functional as TF
 from tplayers.comm.collectives import exchange_sizes
+from tplayers.domain.layout import mesh_dims_of, region_layout, sharded_dims
 from tplayers.region.rules import op_name
 from tplayers.region.rules_ops import _bind, _simple
 from tplayers.sharding import shard_sizes
@@ -41,20 +41,32 @@ def _global_size(g, x, lay, dims, size):
         total, total_in = sum(want), sum(have)
         expect = have if total == total_in else shard_sizes(total, len(have))
         if want != expect:
-            raise g.error(f"F.interpolate: size along sharded dim {d} asks for shares {want} (global {total}), but the "
-                          f"window core produces the partition {expect}", lay,
-                          "Inside a region sizes are local (x.shape); derive size= from a tensor of the target "
-                          "resolution, or use scale_factor.")
+            raise g.error(
+                f"F.interpolate: size along sharded dim {d} asks for shares {want} (global {total}), but the "
+                f"window core produces the partition {expect}",
+                lay,
+                "Inside a region sizes are local (x.shape); derive size= from a tensor of the target "
+                "resolution, or use scale_factor.",
+            )
         out[d - 2] = total
     return tuple(out)
 
 
 def _interpolate(g, func, args, kwargs):
     g.acted = True
-    a = _bind(args, kwargs, ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor",
-                             "antialias"), {"size": None, "scale_factor": None, "mode": "nearest",
-                                            "align_corners": None, "recompute_scale_factor": None,
-                                            "antialias": False})
+    a = _bind(
+        args,
+        kwargs,
+        ("input", "size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias"),
+        {
+            "size": None,
+            "scale_factor": None,
+            "mode": "nearest",
+            "align_corners": None,
+            "recompute_scale_factor": None,
+            "antialias": False,
+        },
+    )
     x = a.pop("input")
     lay = g.layout(x)
     dims = _spatial(g, x, lay, "F.interpolate")
@@ -92,9 +104,12 @@ def _pad(g, func, args, kwargs):
         k = n - 1 - d
         if 2 * k + 1 < len(pads) and (pads[2 * k] or pads[2 * k + 1]):
             if len(lay[d]) != 1 or pads[2 * k] < 0 or pads[2 * k + 1] < 0 or a["mode"] != "constant":
-                raise g.error(f"F.pad (mode {a['mode']!r}, pad {tuple(pads)}) along sharded dim {d}", lay,
-                              "Constant padding of a plain sharded dim is routed; for reflect / replicate / circular "
-                              "use a convolution twin's padding_mode.")
+                raise g.error(
+                    f"F.pad (mode {a['mode']!r}, pad {tuple(pads)}) along sharded dim {d}",
+                    lay,
+                    "Constant padding of a plain sharded dim is routed; for reflect / replicate / circular "
+                    "use a convolution twin's padding_mode.",
+                )
     shard_dims = [-1] * len(g.groups)  # mesh dim i -> its padded tensor dim (-1: none is padded)
     for d in sharded_dims(lay):
         if len(lay[d]) == 1:
@@ -126,15 +141,20 @@ def _positions(g, factors):
 
 def _sdpa(g, func, args, kwargs):
     g.acted = True
-    a = _bind(args, kwargs, ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
-              {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False})
+    a = _bind(
+        args,
+        kwargs,
+        ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"),
+        {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False},
+    )
     q, k, v = a.pop("query"), a.pop("key"), a.pop("value")
     qf = _token_info(g, q, -2, "F.scaled_dot_product_attention")
     kf, vf = _token_info(g, k, -2, "F.scaled_dot_product_attention"), _token_info(g, v, -2, "attention")
     lay = g.layout(q) or g.layout(k)
     if qf is None or (kf is None) != (vf is None) or (kf is not None and kf != vf):
-        raise g.error("F.scaled_dot_product_attention with replicated queries or differently sharded keys / values",
-                      lay)
+        raise g.error(
+            "F.scaled_dot_product_attention with replicated queries or differently sharded keys / values", lay
+        )
     axes = mesh_dims_of(g.layout(q))
     mask = a["attn_mask"]
     q_pos = kv_pos = None
@@ -147,16 +167,50 @@ def _sdpa(g, func, args, kwargs):
             mask = mask.index_select(-2, q_pos)
     k2, v2 = (k, v) if kf is not None else (g.bound(k, axes), g.bound(v, axes))
     mask = g.bound(mask, axes) if isinstance(mask, torch.Tensor) and mask.is_floating_point() else mask
-    out = TF.scaled_dot_product_attention(q, k2, v2, mask, a["dropout_p"], a["is_causal"], a["scale"],
-                                                 a["enable_gqa"], mesh=g.mesh, kv_sharded=kf is not None,
-                                                 q_positions=q_pos, kv_positions=kv_pos)
+    out = TF.scaled_dot_product_attention(
+        q,
+        k2,
+        v2,
+        mask,
+        a["dropout_p"],
+        a["is_causal"],
+        a["scale"],
+        a["enable_gqa"],
+        mesh=g.mesh,
+        kv_sharded=kf is not None,
+        q_positions=q_pos,
+        kv_positions=kv_pos,
+    )
     return g.mark(out, g.layout(q)[:-1] + (None,))
 
 
-_MHA = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias", "bias_k",
-        "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training", "key_padding_mask",
-        "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight",
-        "static_k", "static_v", "average_attn_weights", "is_causal")
+_MHA = (
+    "query",
+    "key",
+    "value",
+    "embed_dim_to_check",
+    "num_heads",
+    "in_proj_weight",
+    "in_proj_bias",
+    "bias_k",
+    "bias_v",
+    "add_zero_attn",
+    "dropout_p",
+    "out_proj_weight",
+    "out_proj_bias",
+    "training",
+    "key_padding_mask",
+    "need_weights",
+    "attn_mask",
+    "use_separate_proj_weight",
+    "q_proj_weight",
+    "k_proj_weight",
+    "v_proj_weight",
+    "static_k",
+    "static_v",
+    "average_attn_weights",
+    "is_causal",
+)
 
 
 def _mha(g, func, args, kwargs):
@@ -169,8 +223,17 @@ def _mha(g, func, args, kwargs):
     if qf is None:
         raise g.error("nn.MultiheadAttention with replicated queries and sharded keys", g.layout(k))
     axes = mesh_dims_of(lay)
-    for key in ("in_proj_weight", "in_proj_bias", "bias_k", "bias_v", "out_proj_weight", "out_proj_bias",
-                "q_proj_weight", "k_proj_weight", "v_proj_weight"):
+    for key in (
+        "in_proj_weight",
+        "in_proj_bias",
+        "bias_k",
+        "bias_v",
+        "out_proj_weight",
+        "out_proj_bias",
+        "q_proj_weight",
+        "k_proj_weight",
+        "v_proj_weight",
+    ):
         if isinstance(a.get(key), torch.Tensor):
             a[key] = g.bound(a[key], axes)
     if kf is None:
@@ -179,8 +242,9 @@ def _mha(g, func, args, kwargs):
     if a.get("is_causal") or a.get("attn_mask") is not None or a.get("key_padding_mask") is not None:
         q_pos = _positions(g, qf)[0]
         kv_pos = _positions(g, kf)[0] if kf is not None else None
-    out = TF.multi_head_attention_forward(**a, mesh=g.mesh, kv_sharded=kf is not None, q_positions=q_pos,
-                                                 kv_positions=kv_pos)
+    out = TF.multi_head_attention_forward(
+        **a, mesh=g.mesh, kv_sharded=kf is not None, q_positions=q_pos, kv_positions=kv_pos
+    )
     attn, weights = out
     g.mark(attn, lay[:1] + (None,) * (attn.dim() - 1))
     if isinstance(weights, torch.Tensor) and weights.dim() >= 2:
@@ -188,8 +252,13 @@ def _mha(g, func, args, kwargs):
     return out
 
 
-TABLE = {"interpolate": _interpolate, "upsample": _interpolate, "pad": _pad,
-         "scaled_dot_product_attention": _sdpa, "multi_head_attention_forward": _mha}
+TABLE = {
+    "interpolate": _interpolate,
+    "upsample": _interpolate,
+    "pad": _pad,
+    "scaled_dot_product_attention": _sdpa,
+    "multi_head_attention_forward": _mha,
+}
 for _n in (1, 2, 3):
     for _kind in ("max_pool", "avg_pool", "adaptive_avg_pool", "adaptive_max_pool"):
         TABLE[f"{_kind}{_n}d"] = _pool

@@ -28,10 +28,10 @@ from torch import nn
 
 from tplayers.comm.agree import exchange_agreed
 from tplayers.comm.buckets import GradBuckets
-from tplayers.region.guard import RegionGuard, active_guard
+from tplayers.domain.shard import reset_layouts
 from tplayers.layers._common import RegionAware
 from tplayers.mesh import resolve_mesh
-from tplayers.domain.shard import reset_layouts
+from tplayers.region.guard import RegionGuard, active_guard
 
 __all__ = ["DomainRegion", "Watch", "domain_region", "bind_region", "bind_watch"]
 
@@ -44,8 +44,10 @@ class DomainRegion:
         self.mesh = resolve_mesh(mesh, (1, 2))
         self.shard_dims = tuple(int(d) for d in shard_dims)
         if len(self.shard_dims) != self.mesh.ndim:
-            raise ValueError(f"domain region {name or '<root>'}: shard_dims {self.shard_dims} needs a "
-                             f"{len(self.shard_dims)}-D mesh, got a {self.mesh.ndim}-D one")
+            raise ValueError(
+                f"domain region {name or '<root>'}: shard_dims {self.shard_dims} needs a "
+                f"{len(self.shard_dims)}-D mesh, got a {self.mesh.ndim}-D one"
+            )
         self.name = name or "<root>"
         self.routes: Dict = {}
         self._table: Optional[List] = None
@@ -93,13 +95,20 @@ class DomainRegion:
         ok = isinstance(x, torch.Tensor) and x.dim() > max(self.shard_dims)
         shape = list(x.shape) if ok else []
         row = [int(ok), len(shape)] + shape + [-1] * (6 - len(shape))
-        table = exchange_agreed(row, {"region": self.name, "shard_dims": self.shard_dims}, groups,
-                                f"domain region {self.name}", tag="domain.region")
+        table = exchange_agreed(
+            row,
+            {"region": self.name, "shard_dims": self.shard_dims},
+            groups,
+            f"domain region {self.name}",
+            tag="domain.region",
+        )
         flat = [r for line in table for r in line]
         bad = [i for i, r in enumerate(flat) if not r[0]]
         if bad:
-            raise ValueError(f"domain region {self.name}: the first tensor argument must have more than "
-                             f"{max(self.shard_dims)} dims on every rank; rank(s) {bad} passed something else")
+            raise ValueError(
+                f"domain region {self.name}: the first tensor argument must have more than "
+                f"{max(self.shard_dims)} dims on every rank; rank(s) {bad} passed something else"
+            )
         if self._table is not None and self._table != flat and self.root is not None:
             reset_layouts(self.root)
             for twin in self.routes.values():
@@ -132,7 +141,8 @@ class DomainRegion:
                     f"domain region {self.name}: its eager calls route ops through the region guard (functional "
                     "interpolation / pooling / reductions / attention on sharded data, or replicated gradients "
                     "summed where they meet the shards), which torch.compile does not trace: run this region "
-                    "eagerly (compile only regions made of twins and local ops)")
+                    "eagerly (compile only regions made of twins and local ops)"
+                )
             return None
         if any(g is active_guard() for g in self._stack):
             return None  # re-entered inside its own call
@@ -164,13 +174,16 @@ class _PathHook:
 
         if g is not None:
             g.where.append(self.name)
-        elif torch._C._current_graph_task_id() != -1 and not isinstance(module, RegionAware):  # a twin runs with the guard stepped aside
+        elif torch._C._current_graph_task_id() != -1 and not isinstance(
+            module, RegionAware
+        ):  # a twin runs with the guard stepped aside
             # a region's submodule re-run during backward (activation checkpointing inside the region):
             # the guard is not active there, so routed ops and gradient sums would silently change
             raise ValueError(
                 f"domain region: module {self.name!r} runs during backward without its region guard "
                 "(activation checkpointing inside a domain region). Checkpoint the whole region's root "
-                "module instead (its recomputation re-enters the guard)")
+                "module instead (its recomputation re-enters the guard)"
+            )
 
     def post(self, module, args, output):
         if torch.compiler.is_compiling():
