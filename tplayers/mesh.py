@@ -58,19 +58,32 @@ def init_mesh(
 ) -> DeviceMesh:
     """Initialise the default process group if needed and return a ``DeviceMesh``.
 
-    ``shape=None`` gives a 1-D mesh over all ranks. The backend is gloo for
-    ``device_type="cpu"`` and nccl for ``"cuda"`` (default: cuda when available).
-    A process started without a launcher gets a world of size 1.
+    Under ``torchrun`` the group is initialised from the environment; a process started
+    without a launcher gets a world of size 1 (no network), so the same script runs as is.
+    Slice an N-D mesh by name (``mesh2d["tp"]``) for the layers, which take 1-D meshes.
 
-    ``timeout`` bounds how long any collective of the mesh (every mesh dim's
-    group, not only the default group) waits for a peer; PyTorch's default is
-    30 minutes, so a stalled rank blocks its peers that long. Pass minutes::
+    Args:
+        shape: the mesh shape; ``None`` is a 1-D mesh over all ranks. Its product must be the
+            world size, e.g. ``init_mesh((2, 2), ("dp", "tp"))`` on 4 ranks.
+        names: one name per mesh dim.
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (nccl); default cuda when available.
+        timeout: how long any collective of the mesh (every mesh dim's group, not only the
+            default group) waits for a peer; PyTorch's default is 30 minutes, so pass minutes
+            (``datetime.timedelta(minutes=5)``) to make a stalled rank fail its peers early.
 
-        mesh = init_mesh((2, 2), ("dp", "tp"), timeout=datetime.timedelta(minutes=5))
+    Returns:
+        The ``DeviceMesh`` (``mesh_dim_names`` = ``names``).
 
-    >>> mesh = init_mesh()                      # doctest: +SKIP
-    >>> mesh2d = init_mesh((2, 2), ("dp", "tp"))  # doctest: +SKIP
-    >>> tp = mesh2d["tp"]                       # 1-D slice for tplayers layers  # doctest: +SKIP
+    Raises:
+        ValueError: ``device_type`` is not cpu/cuda, ``names`` does not have one entry per mesh
+            dim, or ``shape`` does not multiply to the world size.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()                    # 1-D, named "tp", over all ranks
+        assert mesh.ndim == 1 and mesh.mesh_dim_names == ("tp",)
+        assert mesh.size() == torch.distributed.get_world_size()
     """
     device_type = device_type or _default_device_type()
     if device_type not in ("cpu", "cuda"):
@@ -112,9 +125,19 @@ def _timeout_override(ndim: int, timeout: Optional[timedelta]):
 
 
 def default_mesh() -> DeviceMesh:
-    """1-D mesh over all ranks of the default process group (initialised if needed).
+    """The mesh every layer uses for ``mesh=None``: 1-D over all ranks of the default group.
 
-    It reuses the default group, so building it costs no communication.
+    It reuses the default group (initialised from the environment if needed, as
+    :func:`init_mesh` does), so building it costs no communication.
+
+    Returns:
+        A 1-D ``DeviceMesh`` of size ``world_size``.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers
+        mesh = tplayers.default_mesh()
+        assert mesh.ndim == 1 and mesh.size() == torch.distributed.get_world_size()
     """
     if not dist.is_initialized():
         _ensure_process_group(_default_device_type(), None)

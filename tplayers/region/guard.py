@@ -14,11 +14,11 @@ call that touches one (:mod:`tplayers.region.rules`):
 * anything else touching a sharded dim: ``ValueError`` naming the op, the module and the dim, the
   same on every rank (deny by default).
 
-It also makes the region convention (DESIGN §2.4) follow the data: where a replicated tensor that
-requires grad (a parameter, a time embedding, a squeeze-excitation gate) meets sharded data, it is
-passed through :class:`~tplayers.domain.boundary.ReplicatedToSharded` (identity forward, gradient
-summed over the mesh dims the result is sharded over), once per tensor and call, so every
-``.grad`` equals the serial model's whichever module computed what. Explicit boundary calls
+It also makes the region convention (docs/design.md (the region convention)) follow the data:
+where a replicated tensor that requires grad (a parameter, a time embedding, a squeeze-excitation
+gate) meets sharded data, it is passed through :class:`~tplayers.domain.boundary.ReplicatedToSharded`
+(identity forward, gradient summed over the mesh dims the result is sharded over), once per tensor
+and call, so every ``.grad`` equals the serial model's whichever module computed what. Explicit boundary calls
 (``replicated_to_sharded``, ``sharded_to_replicated``, :class:`~tplayers.DomainReplicated`,
 :class:`~tplayers.ReplicatedBranch`) are identities under a guard: the guard already sums where
 the data says so, and every replicated value inside a guarded region is already global.

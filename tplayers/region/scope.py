@@ -6,7 +6,7 @@ and a pair of small hooks on every submodule that keep the module path for error
 call of the root:
 
 1. one small agreement: every rank's local input shape, compared with the previous call's table
-   (the only collective the guard adds, DESIGN §2.6); when any rank's partition changed, every
+   (the only collective the guard adds, docs/design.md (the region guard)); when any rank's partition changed, every
    rank forgets the region's cached layouts together, so a partition that changes on some ranks
    only is re-planned on all of them instead of hanging;
 2. a :class:`~tplayers.region.guard.RegionGuard` is pushed, the first tensor argument is tagged as
@@ -257,17 +257,33 @@ def bind_region(root: nn.Module, mesh, shard_dims: Sequence[int], name: str = ""
 def domain_region(mesh=None, shard_dims: Sequence[int] = (2,), *, inputs: Sequence[torch.Tensor] = ()):
     """Guard hand-written code as a domain region: every op on the tensors of ``inputs`` (this rank's
     slices along ``shard_dims``) and on what derives from them is checked, routed or refused exactly
-    as inside a ``DomainParallel`` region. Yields the :class:`RegionGuard` (``guard.mark_input(t)``
-    tags another sharded tensor).
+    as inside a ``DomainParallel`` region. No collective on entry (a ``DomainParallel`` region
+    adds its per-call agreement; here the partition is yours).
+
+    Args:
+        mesh: a 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`).
+        shard_dims: the tensor dim sharded over each mesh dim.
+        inputs: tensors to tag as sharded along ``shard_dims``.
+
+    Yields:
+        The :class:`RegionGuard` (``guard.mark_input(t)`` tags another sharded tensor).
+
+    Raises:
+        ValueError: on entry, ``shard_dims`` that do not match the mesh's dims or an input with
+            too few dims; inside, on every rank, any op on sharded data that is neither exact
+            locally nor routed (the message names the op, the module and the sharded dims).
 
     Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
         import torch, torch.nn.functional as F, tplayers
         mesh = tplayers.init_mesh()
-        x = tplayers.shard(torch.randn(2, 3, 8, 8), 2, mesh)
+        full = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+        x = tplayers.shard(full, 2, mesh)
         with tplayers.domain_region(mesh, (2,), inputs=(x,)):
             m = x.mean(dim=(2, 3), keepdim=True)                       # global mean, replicated
             y = F.interpolate(x - m, scale_factor=2, mode="bilinear")  # routed: exact
+        serial = F.interpolate(full - full.mean(dim=(2, 3), keepdim=True), scale_factor=2, mode="bilinear")
+        torch.testing.assert_close(tplayers.gather(y, 2, mesh), serial)
     """
     region = DomainRegion(mesh, shard_dims, "<domain_region>")
     guard = region.enter(None)
