@@ -11,7 +11,7 @@ are interleaved, the loads' order rotated each repeat (the first load after the 
 writeback); medians are printed with the ratio tplayers / safetensors
 (ratio of the medians, and the median and range of the per-repeat ratios).
 "hot" loads read from the page cache; "cold" loads evict the files first. A verified
-load checks every digest before it changes any parameter (DESIGN 2.7), so it reads its bytes
+load checks every digest before it changes any parameter (docs/design.md, checkpoints), so it reads its bytes
 twice where ``load_file`` reads them once: the "floor" line times ``load_file`` +
 ``load_state_dict`` preceded by one XXH3-128 pass over the same bytes, the least such a
 load can cost, and prints the ratio it leaves reachable; the verified hot load is measured
@@ -201,9 +201,9 @@ def throughput(args, mesh) -> None:
     flag = torch.zeros(8, dtype=torch.uint8)
 
     def floor_verified(agreed: bool = False):
-        # The least a load that checks digests before changing any parameter (DESIGN 2.7) can cost:
+        # The least a load that checks digests before changing any parameter (docs/design.md, checkpoints) can cost:
         # safetensors' load with one XXH3-128 pass over the same bytes, from the same page cache, first.
-        # agreed: with the one small all-ranks agreement DESIGN 2.7 also orders before any rank changes a
+        # agreed: with the one small all-ranks agreement docs/design.md (checkpoints) also orders before any rank changes a
         # parameter (a distributed load cannot skip it; load_file has none), an all-gather of 8 bytes.
         tensors = load_file(mine)
         block = 256 << 10
@@ -269,7 +269,7 @@ def throughput(args, mesh) -> None:
             )
         reach = med["load st hot"] / med["floor hot verified"]
         print(
-            f"  floor of a verified hot load (load st hot + one XXH3-128 pass over the same bytes first, as DESIGN 2.7 "
+            f"  floor of a verified hot load (load st hot + one XXH3-128 pass over the same bytes first, as docs/design.md (checkpoints) "
             f"orders): {med['floor hot verified']:.3f} s, so 'load ours hot' can reach at most {reach:.2f}x load st hot; "
             f"ours reaches {med['floor hot verified'] / med['load ours hot']:.2f} of that floor (target >= 0.95)"
         )

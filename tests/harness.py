@@ -63,9 +63,7 @@ def run_ranks(fn, world_size: int, args=(), kwargs=None, timeout: float = 60.0, 
         results = _CTX.Queue()
         procs = [
             _CTX.Process(
-                target=_worker,
-                args=(fn, r, world_size, init_file, timeout, args, kwargs, results),
-                daemon=True,
+                target=_worker, args=(fn, r, world_size, init_file, timeout, args, kwargs, results), daemon=True
             )
             for r in range(world_size)
         ]

@@ -120,13 +120,31 @@ def vocab_parallel_cross_entropy(
     ``(3, tokens)`` buffers, none backward (see :class:`VocabParallelCrossEntropy`);
     the work is done in at least fp32.
 
-    Example (``torchrun --nproc-per-node 2``)::
+    Args:
+        local_logits: ``(..., V_local)`` floating-point logits, this rank's vocabulary slice.
+        target: ``(...)`` int64 class ids, replicated (``ignore_index`` entries are skipped).
+        mesh: the 1-D mesh the vocabulary is split over (``None``: :func:`tplayers.default_mesh`).
+        ignore_index, label_smoothing, reduction: as ``F.cross_entropy``.
 
-        import torch, tplayers
+    Returns:
+        The loss: a 0-d tensor (``"mean"``, ``"sum"``) or ``target``'s shape (``"none"``),
+        the same on every rank.
+
+    Raises:
+        TypeError: non-floating logits or a non-int64 target.
+        ValueError: a target shape other than ``local_logits.shape[:-1]``, another device, a bad
+            ``reduction`` or a ``label_smoothing`` outside ``[0, 1]``.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, torch.nn.functional as F, tplayers
         mesh = tplayers.init_mesh()
-        head = tplayers.ColumnParallelLinear(16, 1000, mesh=mesh)   # (..., 16) -> (..., vocab_local)
+        torch.manual_seed(0)                                        # the same head and data on every rank
+        dense = torch.nn.Linear(16, 1000)
+        head = tplayers.ColumnParallelLinear.from_module(dense, mesh=mesh)   # (..., 16) -> (..., vocab_local)
         x, target = torch.randn(4, 16), torch.randint(0, 1000, (4,))
         loss = tplayers.vocab_parallel_cross_entropy(head(x), target, mesh, label_smoothing=0.1)
+        torch.testing.assert_close(loss, F.cross_entropy(dense(x), target, label_smoothing=0.1))
         loss.backward()
     """
     name = "vocab_parallel_cross_entropy"

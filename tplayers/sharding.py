@@ -47,8 +47,21 @@ def shard_sizes(n: int, parts: int) -> list[int]:
     Balanced: the first ``n % parts`` shards hold ``n // parts + 1`` elements,
     the rest ``n // parts``. Shards may be empty when ``n < parts``.
 
+    Args:
+        n: the length of the dimension (>= 0).
+        parts: the number of shards (>= 1).
+
+    Returns:
+        A list of ``parts`` ints summing to ``n``.
+
+    Raises:
+        TypeError: ``n`` or ``parts`` is not an int.
+        ValueError: ``n < 0`` or ``parts < 1``.
+
     >>> shard_sizes(7, 3)
     [3, 2, 2]
+    >>> shard_sizes(2, 4)
+    [1, 1, 0, 0]
     """
     _check_count("n", n, 0)
     _check_count("parts", parts, 1)
@@ -57,10 +70,24 @@ def shard_sizes(n: int, parts: int) -> list[int]:
 
 
 def shard_range(n: int, parts: int, index: int) -> Tuple[int, int]:
-    """``(start, stop)`` of shard ``index`` of a dimension of length ``n``.
+    """``(start, stop)`` of shard ``index`` of a dimension of length ``n`` (:func:`shard_sizes`' cut).
+
+    Args:
+        n: the length of the dimension (>= 0).
+        parts: the number of shards (>= 1).
+        index: which shard, ``0 <= index < parts``.
+
+    Returns:
+        ``(start, stop)``, the half-open global range the shard holds.
+
+    Raises:
+        TypeError: an argument is not an int.
+        ValueError: a negative ``n`` or ``index``, ``parts < 1`` or ``index >= parts``.
 
     >>> shard_range(7, 3, 1)
     (3, 5)
+    >>> [shard_range(10, 4, i) for i in range(4)]
+    [(0, 3), (3, 6), (6, 8), (8, 10)]
     """
     _check_count("parts", parts, 1)
     _check_count("index", index, 0)
@@ -101,6 +128,20 @@ class ShardSpec:
     hull of the ranges. Ranges of different ranks may coincide (a block
     replicated over a group of ranks, e.g. GQA key/value heads). Code that
     places local data in the global tensor iterates :attr:`spans`.
+
+    Build one with :meth:`balanced` (the :func:`shard_sizes` cut), :meth:`replicated` or
+    :meth:`from_ranges`; every parallel layer's ``shard_specs()`` returns them.
+
+    Args:
+        global_shape: the serial shape.
+        dim: the sharded dim, or ``None`` (replicated).
+        start, stop: the hull of the global range of ``dim`` this rank holds.
+        parts, index: the number of shards and this one's index.
+        ranges: the global ranges of a multi-range spec (``()`` for one range).
+
+    Raises:
+        ValueError: (:meth:`from_ranges`) a range outside ``dim``; (:meth:`take`) a full
+            tensor whose shape is not ``global_shape``.
 
     >>> spec = ShardSpec.balanced((10, 4), dim=0, parts=4, index=1)
     >>> (spec.start, spec.stop, spec.local_shape)

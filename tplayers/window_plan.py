@@ -7,7 +7,7 @@ rows outside ``[0, L)`` are boundary rows: zeros, a constant, reflected,
 replicated, or wrapped for a periodic domain). Windows are monotone in ``o``,
 so the rows a shard's outputs ``[o0, o1)`` read form one range ``[a, b)``.
 
-Partition rule (DESIGN §2.4): a layer whose output length equals its input
+Partition rule (docs/design.md, the partition rule): a layer whose output length equals its input
 length keeps the input's partition; any other layer gives the balanced
 ``shard_sizes(L_out, n)`` (:func:`out_partition`), so features at one
 resolution share one partition whatever path produced them.

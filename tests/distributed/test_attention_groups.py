@@ -1,4 +1,4 @@
-"""Separate q / k / v / o projections of one attention planned together (issue 24, DESIGN §2.8).
+"""Separate q / k / v / o projections of one attention planned together (issue 24; docs/design.md, tensor-parallel linears).
 
 Llama-like GQA (examples/llama_tp.py's model, 4 query / 2 key-value heads) against the serial model
 in fp64 (loss, every parameter gradient, one AdamW step) where the heads split, a ValueError naming

@@ -118,12 +118,7 @@ def _parity(rank, world, mesh_shape, shard_dims, seed, count):
 
 
 @pytest.mark.parametrize(
-    "world,mesh_shape,shard_dims,count",
-    [
-        (2, (2,), (2,), 24),
-        (3, (3,), (2,), 16),
-        (4, (2, 2), (2, 3), 8),
-    ],
+    "world,mesh_shape,shard_dims,count", [(2, (2,), (2,), 24), (3, (3,), (2,), 16), (4, (2, 2), (2, 3), 8)]
 )
 def test_edges_parity(world, mesh_shape, shard_dims, count):
     run_ranks(_parity, world, args=(mesh_shape, shard_dims, 7000 + world, count), timeout=180)

@@ -175,7 +175,7 @@ def _alias_errors(rank, world):
         "a",
         "b",
     )
-    # two keys naming the two names, even alike: a module matched by two keys (DESIGN §2.6)
+    # two keys naming the two names, even alike: a module matched by two keys (docs/design.md, plans)
     refused(lin, {"a": tplayers.ColumnParallel(), "b": tplayers.ColumnParallel()}, "a", "b")
     # a conv inside the region and reused outside it (one Parameter, two uses on differently laid out data)
     refused(Trunk().double(), {"trunk": tplayers.DomainParallel(shard_dims=(2,))}, "trunk.0", "head_conv")

@@ -191,7 +191,7 @@ def test_3d_cnn_with_groupnorm_sharded_along_d():
 
 def test_unet_groupnorm_time_embedding_h32_h36_h44():
     # balanced input partitions: skip connections meet resampled features on the balanced
-    # partition (DESIGN 2.4 partition rule), so a U-Net input is shard()/scatter()'s partition
+    # partition (docs/design.md, the partition rule), so a U-Net input is shard()/scatter()'s partition
     run_ranks(_parity, 2, args=("unet", (2,), [[16, 16]]), timeout=120)
     run_ranks(_parity, 3, args=("unet", (3,), [[12, 12, 12]]), timeout=120)
     run_ranks(_parity, 3, args=("unet", (3,), [[15, 15, 14]]), timeout=120)

@@ -1,4 +1,4 @@
-"""Whole GPT-2 and Llama (GQA) models, tensor-parallel vs serial in fp64 (DESIGN §2.8).
+"""Whole GPT-2 and Llama (GQA) models, tensor-parallel vs serial in fp64 (docs/design.md, tensor-parallel linears).
 
 GPT-2: fused c_attn (sections, whole heads), vocab-parallel embedding, lm_head tied to it
 (vocab-parallel too, one Parameter), vocab_parallel_cross_entropy with label smoothing and

@@ -1,4 +1,4 @@
-"""No pickle between ranks anywhere in the library or its examples (DESIGN §2.7 and the fresh-machine
+"""No pickle between ranks anywhere in the library or its examples (docs/design.md, checkpoints; and the fresh-machine
 issue): torch's object collectives pickle, and on a base install (no numpy) they fail outright."""
 
 import pathlib

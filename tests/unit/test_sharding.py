@@ -30,8 +30,7 @@ def test_sizes_and_ranges_agree_randomly(seed):
 
 
 @pytest.mark.parametrize(
-    "args, exc",
-    [((-1, 2), ValueError), ((3, 0), ValueError), ((3.0, 2), TypeError), ((3, True), TypeError)],
+    "args, exc", [((-1, 2), ValueError), ((3, 0), ValueError), ((3.0, 2), TypeError), ((3, True), TypeError)]
 )
 def test_bad_arguments(args, exc):
     with pytest.raises(exc):

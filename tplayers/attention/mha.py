@@ -96,16 +96,31 @@ def multi_head_attention_forward(
     Unsupported (``ValueError`` naming the option): ``bias_k``/``bias_v``, ``add_zero_attn``,
     ``static_k``/``static_v``. Parameter gradients are this rank's partial sums.
 
-    Example (``torchrun --nproc-per-node 2``: 6 of 12 tokens per rank)::
+    Args:
+        query ... is_causal: as torch's, with the sharded shapes above.
+        mesh, kv_sharded, q_positions, kv_positions, algorithm: as
+            :func:`scaled_dot_product_attention`.
+
+    Returns:
+        ``(attn_output, weights)``: this rank's ``(Lq_local, N, E)`` rows, and its rows of the
+        weights or ``None``.
+
+    Raises:
+        ValueError: an unsupported option (above), or arguments invalid on any rank.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``: 6 of 12 tokens per rank at 2)::
 
         import torch, tplayers
         from tplayers.functional import multi_head_attention_forward
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)
         mha = torch.nn.MultiheadAttention(16, 4)
-        x = torch.randn(6, 2, 16)                              # (L_local, N, E)
+        x = torch.randn(12, 2, 16)                             # (L, N, E), the same on every rank
+        xl = tplayers.shard(x, 0, mesh)                        # (L_local, N, E)
         out, _ = multi_head_attention_forward(
-            x, x, x, 16, 4, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0,
+            xl, xl, xl, 16, 4, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0,
             mha.out_proj.weight, mha.out_proj.bias, need_weights=False, mesh=mesh)
+        torch.testing.assert_close(tplayers.gather(out, 0, mesh), mha(x, x, x, need_weights=False)[0])
     """
     _unsupported(bias_k, bias_v, add_zero_attn, static_k, static_v)
     for name, t in (("query", query), ("key", key), ("value", value)):

@@ -8,12 +8,12 @@ rank's rows of ``torch.nn.functional.scaled_dot_product_attention`` on the gathe
 values and gradients, and no rank ever holds the full score matrix.
 
 Choosing the algorithm (``algorithm="auto"``), measured with ``benchmarks/attention.py`` (a U-Net
-mid-block attention, 2 CPU ranks, 64^2 and 128^2 tokens, see ``benchmarks/RESULTS.md``): both move
-the minimum forward (every other rank's K/V once); the ring's forward+backward took 0.68-1.13x the
-all-gather's (median 0.95 over 3 runs x 3 sizes) and holds one remote block at a time instead of
-all of them, and its backward returns dK/dV point to point instead of a reduce-scatter of the full
-padded K/V size. Rule: ``auto`` = ring. ``"all_gather"`` stays selectable (one collective instead
-of N - 1 steps may win at N > 2 ranks on a fast fabric; not measured here).
+mid-block attention on 2 CPU ranks; figures in ``benchmarks/RESULTS.md``): both move the minimum
+forward (every other rank's K/V once); the ring's forward+backward was as fast as the all-gather's
+or faster, holds one remote block at a time instead of all of them, and its backward returns dK/dV
+point to point instead of a reduce-scatter of the full padded K/V size. Rule: ``auto`` = ring.
+``"all_gather"`` stays selectable (one collective instead of N - 1 steps may win at N > 2 ranks on
+a fast fabric; not measured here).
 """
 
 from __future__ import annotations
@@ -184,14 +184,33 @@ def scaled_dot_product_attention(
 
     ``algorithm``: ``"ring"``, ``"all_gather"`` or ``"auto"`` (see the module docstring).
 
-    Example (``torchrun --nproc-per-node 2``; each rank holds its rows of an 8x8 image)::
+    Args:
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa: as torch's, on
+            this rank's tokens (above).
+        mesh: the mesh the tokens are sharded over (``None``: :func:`tplayers.default_mesh`).
+        kv_sharded: whether ``key`` / ``value`` are sharded (else replicated).
+        q_positions, kv_positions: global token indices (above).
+        algorithm: ``"auto"`` (= ``"ring"``), ``"ring"`` or ``"all_gather"``.
 
-        import torch, tplayers
+    Returns:
+        This rank's rows of the serial result, ``(..., Lq_local, Ev)``.
+
+    Raises:
+        ValueError: on every rank (after the shape agreement), arguments that are invalid on any
+            rank; a bad ``dropout_p`` / ``algorithm``, ``attn_mask`` with ``is_causal``.
+        TypeError: non-tensor inputs or mask, a non-float ``scale``.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``; each rank holds rows of an 8x8 image)::
+
+        import torch, torch.nn.functional as F, tplayers
         from tplayers.functional import scaled_dot_product_attention
         mesh = tplayers.init_mesh()
-        x = torch.randn(1, 4, 4, 8, 16)                    # (N, heads, H_local, W, head_dim)
-        q = k = v = x.flatten(2, 3)                        # (N, heads, H_local*W, head_dim)
+        torch.manual_seed(0)
+        x = torch.randn(1, 4, 8, 8, 16)                    # (N, heads, H, W, head_dim), the same everywhere
+        q = k = v = tplayers.shard(x, 2, mesh).flatten(2, 3)   # (N, heads, H_local*W, head_dim)
         out = scaled_dot_product_attention(q, k, v, mesh=mesh)   # this rank's rows
+        full = x.flatten(2, 3)
+        torch.testing.assert_close(tplayers.gather(out, 2, mesh), F.scaled_dot_product_attention(full, full, full))
     """
     _check_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, algorithm)
     mesh = resolve_mesh(mesh, tuple(range(1, 9)))
@@ -354,13 +373,28 @@ def token_positions(
     ``mesh_dims[i]`` (an int) or not sharded (None). Returns ``(positions int64 (prod(local_sizes),),
     global_length)``. One small all-gather of the sizes; call it identically on every rank.
 
-    Example (4 ranks as a 2x2 mesh, an image of 6x5 pixels sharded over H and W)::
+    Args:
+        local_sizes: this rank's size of each factor of the token dim.
+        mesh_dims: per factor, the mesh dim sharding it, or ``None``.
+        mesh: the mesh (``None``: :func:`tplayers.default_mesh`).
 
-        import tplayers
+    Returns:
+        ``(positions, global_length)``: int64 ``(prod(local_sizes),)`` and an int.
+
+    Raises:
+        ValueError: mismatched lengths, negative sizes, bad or repeated ``mesh_dims``, sizes that
+            do not form a grid across ranks.
+
+    Example (``torchrun --nproc-per-node 4``: a 2x2 mesh, an image of 6x5 pixels sharded over H and W)::
+
+        import torch, tplayers
         from tplayers.functional import token_positions
         mesh = tplayers.init_mesh((2, 2), names=("h", "w"))
-        h, w = (3, 3) if mesh.get_coordinate()[1] == 0 else (3, 2)
-        pos, total = token_positions((h, w), (0, 1), mesh)   # total == 30
+        c = mesh.get_coordinate()
+        h, w = (3, 3) if c[1] == 0 else (3, 2)
+        pos, total = token_positions((h, w), (0, 1), mesh)
+        grid = torch.arange(30).view(6, 5)                 # the serial row-major token indices
+        assert total == 30 and torch.equal(pos, grid[3 * c[0]:3 * c[0] + 3, 3 * c[1]:3 * c[1] + w].reshape(-1))
     """
     mesh = resolve_mesh(mesh, tuple(range(1, 9)))
     sizes = [int(s) for s in local_sizes]

@@ -3,10 +3,9 @@
 The digests in a checkpoint's index guard against corruption (a flipped bit, a
 truncated or swapped file), not against an attacker who can also rewrite the
 index beside the data. For that job a fast non-cryptographic 128-bit hash is as
-good as SHA-256, and it runs at memory speed: measured on the 2-core CI machine,
-XXH3-128 hashes 256 KiB blocks at ~13-20 GB/s, a memory copy at ~11-21 GB/s,
-BLAKE3 at ~3.6-4.6 GB/s and SHA-256 at ~1.2-1.8 GB/s. A verified load from the
-page cache is therefore no longer bound by hashing.
+good as SHA-256, and it runs at memory speed (about a memory copy's rate, several
+times SHA-256's; figures in docs/checkpoints.md and benchmarks/RESULTS.md). A
+verified load from the page cache is therefore no longer bound by hashing.
 
 Example::
 

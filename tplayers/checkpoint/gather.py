@@ -20,11 +20,26 @@ def gather_state_dict(model: nn.Module, *, all_ranks: bool = False) -> Dict[str,
     tensors are all-gathered along their shard dim; replicated ones are
     returned as this rank's tensor (detached, sharing memory with the model).
 
-    Example::
+    Args:
+        model: the (parallelized, possibly wrapped) model.
+        all_ranks: return the dict on every rank, not only on rank 0.
 
-        full = tplayers.checkpoint.gather_state_dict(model)
-        if torch.distributed.get_rank() == 0:
-            serial_model.load_state_dict(full)
+    Returns:
+        ``{key: tensor}`` in the serial layout (``{}`` on ranks other than 0 unless ``all_ranks``).
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import copy, torch, tplayers
+        from torch import nn
+        from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
+        mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same serial model on every rank
+        serial = nn.Sequential(nn.Linear(8, 30), nn.ReLU(), nn.Linear(30, 8))
+        plan = {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()}
+        model = tplayers.parallelize_module(copy.deepcopy(serial), plan, mesh=mesh)
+        full = gather_state_dict(model, all_ranks=True)
+        assert list(full) == list(serial.state_dict())
+        assert all(torch.equal(full[k], v) for k, v in serial.state_dict().items())
     """
     rank, world = world_info()
     local = local_tensors(model)

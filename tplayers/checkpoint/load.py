@@ -18,12 +18,18 @@ from tplayers.checkpoint.wrapped import Staging
 
 
 class LoadResult(NamedTuple):
-    """What :func:`load_checkpoint` did on this rank.
+    """What :func:`load_checkpoint` did on this rank: ``missing_keys`` and ``unexpected_keys``
+    (empty unless ``strict=False``) and ``bytes_read`` (the tensor bytes this rank mapped to read).
 
-    Example::
-
-        res = load_checkpoint(model, "ckpt/", strict=False)
-        print(res.missing_keys, res.unexpected_keys, f"{res.bytes_read / 1e6:.0f} MB read")
+    >>> import os, tempfile, torch
+    >>> from torch import nn
+    >>> from tplayers.checkpoint import load_checkpoint, save_checkpoint
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> save_checkpoint(nn.Sequential(nn.Linear(4, 4)), path)
+    >>> res = load_checkpoint(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), path, strict=False)
+    >>> res.missing_keys, res.unexpected_keys, res.bytes_read
+    (['1.bias', '1.weight'], [], 80)
+    >>> import shutil; shutil.rmtree(os.path.dirname(path))
     """
 
     missing_keys: List[str]  # in the model, not in the checkpoint (only with strict=False)
@@ -66,13 +72,40 @@ def load_checkpoint(
     ``model`` may be wrapped (DDP, FSDP2 ``fully_shard``, ``torch.compile``), like in
     :func:`save_checkpoint`. ``optimizer``: also restore its per-parameter state (saved with
     ``save_checkpoint(..., optimizer=)`` at any world size), resharded like the parameters;
-    without it, optimizer entries in the checkpoint are ignored.
+    without it, optimizer entries in the checkpoint are ignored. Build the optimizer (same
+    hyperparameters; they are not stored) before loading.
 
-    Example::
+    Args:
+        model: the (parallelized, possibly wrapped) model to fill; any world size or plan.
+        path: a checkpoint directory or a safetensors file; the same on every rank.
+        strict: every key must match (else the missing / unexpected ones are returned).
+        verify: check the digest of every block read.
+        cast: convert stored dtypes to the model's instead of refusing a mismatch.
+        progress: draw a progress bar on rank 0 (``None``: large loads to a terminal only).
+        optimizer: also restore its per-parameter state.
 
-        model = build_model()                         # any world size / plan
-        opt = torch.optim.AdamW(model.parameters())   # built as when saving
-        tplayers.checkpoint.load_checkpoint(model, "ckpt/", optimizer=opt)
+    Returns:
+        A :class:`LoadResult`.
+
+    Raises:
+        CheckpointError: on every rank, with no parameter changed, for any problem found above.
+
+    Example (``torchrun --nproc-per-node 2``, or 3, or plain ``python``)::
+
+        import copy, torch, tplayers
+        from torch import nn
+        from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
+        mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same serial model on every rank
+        serial = nn.Sequential(nn.Linear(8, 30), nn.ReLU(), nn.Linear(30, 8))
+        plan = {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()}
+        save_checkpoint(serial, "ckpt/")                      # a plain model (replicated) ...
+        model = tplayers.parallelize_module(nn.Sequential(nn.Linear(8, 30), nn.ReLU(), nn.Linear(30, 8)), plan,
+                                            mesh=mesh)
+        res = load_checkpoint(model, "ckpt/")                 # ... loaded into shards
+        assert res.missing_keys == [] and res.unexpected_keys == []
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(model(x), serial(x))
     """
     path = os.fspath(path)
     rank, _ = world_info()

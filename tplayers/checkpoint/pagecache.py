@@ -68,7 +68,7 @@ def advise_exact_read(t: torch.Tensor) -> None:
     """Start reading exactly ``t``'s pages of a memory-mapped file now (``MADV_WILLNEED``; a hint).
 
     Skipped when :func:`cached` (a hot load: the kernel would otherwise walk
-    every cached page of it, ~3-5 ms per 250 MB here); a span under
+    every cached page of it, which costs time on a large span); a span under
     :data:`PROBE_BYTES` is asked for unprobed (walking it costs what probing
     does). A strided ``t`` (part of
     each row of a piece) asks for its whole span when at least half of it is

@@ -90,10 +90,35 @@ def save_checkpoint(
     (:mod:`tplayers.checkpoint.wrapped`). ``optimizer`` (sharded form only) also saves its
     per-parameter state, sharded like each parameter (:mod:`tplayers.checkpoint.optim`).
 
-    Example (``torchrun --nproc-per-node 2 train.py``)::
+    Args:
+        model: the (parallelized, possibly wrapped) model; every rank passes its own.
+        path: the directory (sharded) or file (``consolidated=True``) to write; the same on every rank.
+        consolidated: write one standard safetensors file of the serial ``state_dict()``.
+        progress: draw a progress bar on rank 0 (``None``: large saves to a terminal only).
+        block_bytes: the size of the hashed blocks of the sharded form.
+        digest: ``"xxh3_128"`` or ``"sha256"``.
+        optimizer: also save its per-parameter state (sharded form only).
 
-        tplayers.checkpoint.save_checkpoint(model, "ckpt/", optimizer=opt)
-        tplayers.checkpoint.save_checkpoint(model, "model.safetensors", consolidated=True)
+    Raises:
+        CheckpointError: on every rank, before anything is written, when ``path`` holds something
+            that is not a previous checkpoint.
+        ValueError: a bad ``block_bytes`` or ``digest``, or ``optimizer`` with ``consolidated=True``.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import copy, torch, tplayers
+        from torch import nn
+        from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
+        mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                                  # the same serial model on every rank
+        serial = nn.Sequential(nn.Linear(8, 30), nn.ReLU(), nn.Linear(30, 8))
+        plan = {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()}
+        model = tplayers.parallelize_module(copy.deepcopy(serial), plan, mesh=mesh)
+        save_checkpoint(model, "ckpt/")                                 # one file per rank + index.json
+        save_checkpoint(model, "model.safetensors", consolidated=True)  # the serial model's state_dict
+        plain = nn.Sequential(nn.Linear(8, 30), nn.ReLU(), nn.Linear(30, 8))
+        load_checkpoint(plain, "model.safetensors")                     # a plain model loads it
+        assert all(torch.equal(plain.state_dict()[k], v) for k, v in serial.state_dict().items())
     """
     path = os.fspath(path)
     if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:

@@ -37,7 +37,17 @@ class CollectiveRecord:
 
 @dataclass
 class CommLog:
-    """The collectives recorded while a :func:`count_collectives` block was active."""
+    """The collectives recorded while a :func:`count_collectives` block was active, on this rank.
+
+    ``records`` holds one :class:`CollectiveRecord` (kind, bytes, group size, tag) per collective;
+    :meth:`count`, :meth:`bytes` and :meth:`summary` add them up. A group of one rank issues
+    nothing, so records nothing. :func:`count_collectives` yields one.
+
+    >>> from tplayers.comm.accounting import CollectiveRecord, CommLog
+    >>> log = CommLog([CollectiveRecord("all_reduce", 64, 2), CollectiveRecord("send", 16, 2)])
+    >>> log.count(), log.bytes("all_reduce"), log.summary()
+    (2, 64, {'all_reduce': (1, 64), 'send': (1, 16)})
+    """
 
     records: List[CollectiveRecord] = field(default_factory=list)
 
@@ -79,7 +89,25 @@ def record_collective(kind: str, nbytes: int, group_size: int, tag: str = "") ->
 
 @contextmanager
 def count_collectives() -> Iterator[CommLog]:
-    """Context manager that records the collectives tplayers issues inside it."""
+    """Context manager that records the collectives tplayers issues inside it (forward and
+    backward alike, autograd's threads included), on this rank.
+
+    Yields:
+        A :class:`CommLog`, filled while the block runs (nested blocks each get every record).
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        fc1 = tplayers.ColumnParallelLinear(8, 16, mesh=mesh)
+        fc2 = tplayers.RowParallelLinear(16, 8, mesh=mesh)
+        x = torch.randn(4, 8, requires_grad=True)
+        with tplayers.count_collectives() as log:
+            fc2(torch.relu(fc1(x))).sum().backward()
+        # Megatron's pair: one all-reduce forward (fc2), one backward (fc1's input gradient)
+        assert log.count("all_reduce") == (2 if mesh.size() > 1 else 0)
+        assert log.bytes("all_reduce") == (2 * 4 * 8 * 4 if mesh.size() > 1 else 0)   # two fp32 (4, 8)
+    """
     log = CommLog()
     with _lock:
         _active.append(log)

@@ -160,8 +160,8 @@ def exchange_p2p(
 
     ``direct=True`` (a gloo group, see :func:`posts_direct`): the receives then the sends are
     posted on the group object itself, skipping ``torch.distributed``'s per-message argument
-    checks (tens of microseconds per message on the CPU, the cost of a whole small halo
-    exchange); the callers' buffers are contiguous and their peers in range by construction.
+    checks (on the CPU, per message, about the cost of a whole small halo exchange); the
+    callers' buffers are contiguous and their peers in range by construction.
     Otherwise the messages go through :func:`run_p2p` (``batch_isend_irecv``: NCCL needs the
     messages of one exchange grouped). Every buffer stays referenced until its wait returns.
 

@@ -1,7 +1,7 @@
 """Gradients of rows replicated over groups of ranks (GQA key/value heads), summed over their replicas.
 
 When a block of a column-parallel weight has fewer heads than ranks, several
-ranks hold the same head (DESIGN §2.8). Each replica sees only the gradient
+ranks hold the same head (docs/design.md (tensor-parallel linears)). Each replica sees only the gradient
 from its own query heads; the serial gradient is the sum over the replicas.
 """
 

@@ -1,9 +1,9 @@
 """Where replicated data meets sharded data inside a domain region: the two boundary Functions.
 
-The convention (DESIGN §2.4): inside a domain region a tensor is either **sharded** (each rank
-holds its slice of the global tensor; its gradient is the gradient of those elements) or
-**replicated** (every rank holds the same value; its gradient is the *full* gradient, the same on
-every rank). Two crossings need communication, and they are adjoint to each other:
+The region convention (docs/design.md (the region convention)): inside a domain region a tensor
+is either **sharded** (each rank holds its slice of the global tensor; its gradient is the
+gradient of those elements) or **replicated** (every rank holds the same value; its gradient is
+the *full* gradient, the same on every rank). Two crossings need communication, and they are adjoint to each other:
 
 * sharded -> replicated (:class:`ShardedToReplicated`): each rank holds a partial result over
   its own elements (a local sum for a global pool, a loss or a statistic) and the replicated
@@ -31,6 +31,7 @@ Example (``torchrun --nproc-per-node 2``)::
     pooled = sharded_to_replicated(h.sum((2, 3)), mesh) / 80  # global average pool, replicated
     gate = torch.sigmoid(pooled)                              # replicated computation
     y = h * replicated_to_sharded(gate, mesh)[..., None, None]
+    y.sum().backward()                                        # h.grad: this rank's rows of the serial one
 """
 
 from __future__ import annotations
@@ -69,7 +70,22 @@ def _all_reduce_groups(x: torch.Tensor, groups, tag: str) -> torch.Tensor:
 
 class ShardedToReplicated(torch.autograd.Function):
     """forward: all-reduce (sum over the domain) of each rank's partial result, giving the
-    replicated value / backward: identity (each rank's partial gets the full gradient)."""
+    replicated value / backward: identity (each rank's partial gets the full gradient).
+
+    ``ShardedToReplicated.apply(x, groups)``: ``x`` this rank's partial (the same shape on every
+    rank), ``groups`` the process groups to sum over (one per mesh dim). Returns a new tensor,
+    the sum. :func:`sharded_to_replicated` is the mesh-level call.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        part = torch.ones(3, requires_grad=True)
+        total = tplayers.ShardedToReplicated.apply(part, [mesh.get_group(0)])
+        torch.testing.assert_close(total, torch.full((3,), float(mesh.size())))
+        total.sum().backward()
+        torch.testing.assert_close(part.grad, torch.ones(3))    # identity backward
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, groups) -> torch.Tensor:
@@ -82,7 +98,20 @@ class ShardedToReplicated(torch.autograd.Function):
 
 class ReplicatedToSharded(torch.autograd.Function):
     """forward: identity (a replicated tensor used by sharded computation) / backward: all-reduce
-    (sum over the domain) of the per-rank partial gradients, giving the full gradient everywhere."""
+    (sum over the domain) of the per-rank partial gradients, giving the full gradient everywhere.
+
+    ``ReplicatedToSharded.apply(x, groups)``: ``x`` replicated, ``groups`` the process groups to
+    sum the gradient over. Returns a view of ``x``. :func:`replicated_to_sharded` is the
+    mesh-level call.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        w = torch.ones(3, requires_grad=True)                     # replicated
+        tplayers.ReplicatedToSharded.apply(w, [mesh.get_group(0)]).sum().backward()
+        torch.testing.assert_close(w.grad, torch.full((3,), float(mesh.size())))
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, groups) -> torch.Tensor:
@@ -101,8 +130,27 @@ def _active(groups) -> list:
 def sharded_to_replicated(x_partial: torch.Tensor, mesh: Optional[DeviceMesh] = None) -> torch.Tensor:
     """Sum of every rank's ``x_partial`` (same shape on every rank), replicated; identity backward.
 
-    See :class:`ShardedToReplicated`. Example: ``sharded_to_replicated(h.sum((2, 3)), mesh)``
-    is the global spatial sum of a sharded ``h``.
+    See :class:`ShardedToReplicated`. Inside a guarded domain region it is the identity (values
+    there are already global).
+
+    Args:
+        x_partial: this rank's partial result (e.g. ``h.sum((2, 3))`` of its slice ``h``).
+        mesh: a 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`); sums over all its dims.
+
+    Returns:
+        The sum over the domain, the same on every rank.
+
+    Raises:
+        ValueError: inside a region, ``x_partial`` is still sharded (reduce it first).
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        full = torch.randn(2, 4, 10, 8, dtype=torch.float64)
+        h = tplayers.shard(full, 2, mesh)
+        total = tplayers.sharded_to_replicated(h.sum((2, 3)), mesh)   # the global spatial sum
+        torch.testing.assert_close(total, full.sum((2, 3)))
     """
     guard = _guard()
     if guard is not None:  # inside a guarded region every replicated value is already global
@@ -120,7 +168,25 @@ def sharded_to_replicated(x_partial: torch.Tensor, mesh: Optional[DeviceMesh] = 
 def replicated_to_sharded(x: torch.Tensor, mesh: Optional[DeviceMesh] = None) -> torch.Tensor:
     """``x`` unchanged; its gradient summed over the domain in backward.
 
-    See :class:`ReplicatedToSharded`. Example: ``h + replicated_to_sharded(emb, mesh)[..., None, None]``.
+    See :class:`ReplicatedToSharded`. Use it on a replicated tensor right before it meets sharded
+    data; inside a guarded domain region it is the identity (the guard sums where data meets).
+
+    Args:
+        x: a replicated tensor (the same on every rank).
+        mesh: a 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`).
+
+    Returns:
+        ``x`` (a view), whose gradient is the sum of every rank's.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        full = torch.randn(2, 4, 10, 8, dtype=torch.float64)
+        emb = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)     # replicated
+        h = tplayers.shard(full, 2, mesh) + tplayers.replicated_to_sharded(emb, mesh)[..., None, None]
+        tplayers.domain_sum(h, mesh).backward()
+        torch.testing.assert_close(emb.grad, torch.full((2, 4), 80.0, dtype=torch.float64))  # 10 x 8 pixels
     """
     if _guard() is not None:  # the region guard sums the gradient where the data meets the shards
         return x

@@ -166,42 +166,129 @@ def norm_over(x: torch.Tensor, p, dims, keepdim: bool, groups, dtype=None) -> to
 
 # ------------------------------------------------------------ public API
 def sum(x, dim=None, keepdim=False, *, mesh=None, shard_dims=(2,), dtype=None):  # noqa: A001
-    """Serial ``torch.sum(x, dim, keepdim)`` of the gathered tensor (see the module docstring)."""
+    """Serial ``torch.sum(x, dim, keepdim, dtype=dtype)`` of the gathered tensor, from local slices.
+
+    Args:
+        x: this rank's slice, sharded along ``shard_dims``.
+        dim, keepdim, dtype: as ``torch.sum`` (``dim=None``: every dim).
+        mesh: a 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`).
+        shard_dims: ``shard_dims[i]`` is the tensor dim sharded over mesh dim ``i``.
+
+    Returns:
+        The serial result: replicated along the reduced sharded dims, still sharded along the
+        sharded dims not reduced. Gradients are the serial ones.
+
+    Raises:
+        ValueError: a mesh that is not 1-D or 2-D.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers, tplayers.functional as TF
+        mesh = tplayers.init_mesh()
+        full = torch.randn(2, 3, 10, 4, dtype=torch.float64)
+        x = tplayers.shard(full, 2, mesh)                     # H sharded
+        torch.testing.assert_close(TF.sum(x, dim=(2, 3), mesh=mesh), full.sum(dim=(2, 3)))
+    """
     dims = _dims(dim, x.dim())
     return sum_over(x, dims, keepdim, reduce_groups(mesh, shard_dims, dims), dtype)
 
 
 def mean(x, dim=None, keepdim=False, *, mesh=None, shard_dims=(2,), dtype=None):
-    """Serial ``torch.mean``: the global sum over an exact global count (uneven, empty shards too)."""
+    """Serial ``torch.mean``: the global sum over an exact global count (uneven, empty shards too).
+
+    Args, returns and raises as :func:`sum`.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers, tplayers.functional as TF
+        mesh = tplayers.init_mesh()
+        full = torch.randn(2, 3, 10, 4, dtype=torch.float64)
+        x = tplayers.shard(full, 2, mesh)                     # H sharded
+        torch.testing.assert_close(TF.mean(x, dim=2, keepdim=True, mesh=mesh), full.mean(2, keepdim=True))
+    """
     dims = _dims(dim, x.dim())
     return mean_over(x, dims, keepdim, reduce_groups(mesh, shard_dims, dims), dtype)
 
 
 def amax(x, dim=None, keepdim=False, *, mesh=None, shard_dims=(2,)):
-    """Serial ``torch.amax`` (gradient shared evenly by ties, across ranks too)."""
+    """Serial ``torch.amax`` (gradient shared evenly by ties, across ranks too).
+
+    Args, returns and raises as :func:`sum` (no ``dtype``).
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers, tplayers.functional as TF
+        mesh = tplayers.init_mesh()
+        full = torch.randn(2, 3, 10, 4, dtype=torch.float64)
+        x = tplayers.shard(full, 2, mesh)                     # H sharded
+        torch.testing.assert_close(TF.amax(x, dim=(2, 3), mesh=mesh), full.amax(dim=(2, 3)))
+    """
     dims = _dims(dim, x.dim())
     return extreme_over(x, dims, keepdim, reduce_groups(mesh, shard_dims, dims), True)
 
 
 def amin(x, dim=None, keepdim=False, *, mesh=None, shard_dims=(2,)):
-    """Serial ``torch.amin``."""
+    """Serial ``torch.amin`` (gradient shared evenly by ties, across ranks too).
+
+    Args, returns and raises as :func:`sum` (no ``dtype``).
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers, tplayers.functional as TF
+        mesh = tplayers.init_mesh()
+        full = torch.randn(2, 3, 10, 4, dtype=torch.float64)
+        x = tplayers.shard(full, 2, mesh)                     # H sharded
+        torch.testing.assert_close(TF.amin(x, mesh=mesh), full.amin())
+    """
     dims = _dims(dim, x.dim())
     return extreme_over(x, dims, keepdim, reduce_groups(mesh, shard_dims, dims), False)
 
 
 def var(x, dim=None, *, correction=1, keepdim=False, mesh=None, shard_dims=(2,)):
-    """Serial ``torch.var`` (two passes: global mean, then global centred squares)."""
+    """Serial ``torch.var`` (two passes: global mean, then global centred squares).
+
+    Args, returns and raises as :func:`sum`; ``correction`` as ``torch.var`` (no ``dtype``).
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers, tplayers.functional as TF
+        mesh = tplayers.init_mesh()
+        full = torch.randn(2, 3, 10, 4, dtype=torch.float64)
+        x = tplayers.shard(full, 2, mesh)                     # H sharded
+        torch.testing.assert_close(TF.var(x, dim=(2, 3), correction=0, mesh=mesh), full.var(dim=(2, 3), correction=0))
+    """
     dims = _dims(dim, x.dim())
     return var_over(x, dims, keepdim, reduce_groups(mesh, shard_dims, dims), correction)
 
 
 def std(x, dim=None, *, correction=1, keepdim=False, mesh=None, shard_dims=(2,)):
-    """Serial ``torch.std``."""
+    """Serial ``torch.std``: the square root of :func:`var`; arguments as there.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers, tplayers.functional as TF
+        mesh = tplayers.init_mesh()
+        full = torch.randn(2, 3, 10, 4, dtype=torch.float64)
+        x = tplayers.shard(full, 2, mesh)                     # H sharded
+        torch.testing.assert_close(TF.std(x, dim=2, mesh=mesh), full.std(dim=2))
+    """
     return var(x, dim, correction=correction, keepdim=keepdim, mesh=mesh, shard_dims=shard_dims).sqrt()
 
 
 def norm(x, p=2, dim=None, keepdim=False, *, mesh=None, shard_dims=(2,), dtype=None):
-    """Serial ``torch.linalg.vector_norm(x, p, dim, keepdim)``."""
+    """Serial ``torch.linalg.vector_norm(x, p, dim, keepdim)`` (``p`` 0, 1, 2, ``inf``, ``-inf``, any
+    float; ``None`` / ``"fro"`` mean 2).
+
+    Args, returns and raises as :func:`sum`.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers, tplayers.functional as TF
+        mesh = tplayers.init_mesh()
+        full = torch.randn(2, 3, 10, 4, dtype=torch.float64)
+        x = tplayers.shard(full, 2, mesh)                     # H sharded
+        torch.testing.assert_close(TF.norm(x, 2, dim=(2, 3), mesh=mesh), torch.linalg.vector_norm(full, 2, dim=(2, 3)))
+    """
     dims = _dims(dim, x.dim())
     return norm_over(x, p, dims, keepdim, reduce_groups(mesh, shard_dims, dims), dtype)
 
@@ -220,7 +307,18 @@ def _acc_dtype(x: torch.Tensor) -> torch.dtype:
 def domain_sum(x_local: torch.Tensor, mesh: Optional[DeviceMesh] = None) -> torch.Tensor:
     """Sum of every element of the domain-sharded tensor, a 0-d tensor equal on every rank.
 
-    Accumulated in fp32 (fp64 for fp64 input), returned in ``x_local``'s dtype.
+    Accumulated in fp32 (fp64 for fp64 input), returned in ``x_local``'s dtype. forward: one
+    all-reduce per mesh dim / backward: none (every rank's elements get the serial gradient).
+
+    Args:
+        x_local: this rank's slice of a floating-point domain-sharded tensor (any partition).
+        mesh: a 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`).
+
+    Returns:
+        The global sum, a 0-d tensor in ``x_local``'s dtype, the same on every rank.
+
+    Raises:
+        TypeError: ``x_local`` is not floating point.
 
     Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
@@ -247,6 +345,18 @@ def domain_mean(
     and empty shards weigh every element as the serial ``mean`` does. No valid element at all
     gives NaN, as ``torch.mean`` of an empty tensor.
 
+    Args:
+        x_local: this rank's slice of a floating-point domain-sharded tensor (any partition).
+        mesh: a 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`).
+        mask: optional bool tensor of ``x_local``'s shape; only its true elements count.
+
+    Returns:
+        The global mean, a 0-d tensor in ``x_local``'s dtype, the same on every rank.
+
+    Raises:
+        TypeError: ``x_local`` is not floating point, or ``mask`` is not a bool tensor.
+        ValueError: ``mask`` has another shape than ``x_local``.
+
     Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
         import torch, torch.nn.functional as F, tplayers
@@ -256,6 +366,8 @@ def domain_mean(
         loss = tplayers.domain_mean(F.mse_loss(tplayers.shard(y, 2, mesh), tplayers.shard(t, 2, mesh),
                                                reduction="none"), mesh)
         torch.testing.assert_close(loss, F.mse_loss(y, t))
+        keep = tplayers.shard(t > 0, 2, mesh)                  # a masked mean: only where t > 0
+        torch.testing.assert_close(tplayers.domain_mean(tplayers.shard(y, 2, mesh), mesh, mask=keep), y[t > 0].mean())
     """
     if not x_local.is_floating_point():
         raise TypeError(f"domain_mean: x_local must be a floating-point tensor, got {x_local.dtype}")

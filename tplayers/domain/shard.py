@@ -56,6 +56,27 @@ def shard(x: torch.Tensor, dim: Dims, mesh: Optional[DeviceMesh] = None) -> torc
 
     forward: narrow (no communication) / backward: all-gather of the gradient
     slices, so a replicated ``x`` gets the full gradient on every rank.
+
+    Args:
+        x: the full tensor, the same on every rank.
+        dim: the sharded tensor dim (1-D mesh), or one dim per mesh dim (``(2, 3)``, 2-D mesh).
+        mesh: the mesh (``None``: :func:`tplayers.default_mesh`).
+
+    Returns:
+        This rank's slice: ``x.narrow(d, *shard_range)`` along each ``dim`` (a view).
+
+    Raises:
+        TypeError: ``dim`` is not an int or a tuple of ints.
+        ValueError: ``dim`` names no dim of ``x``, repeats one, or does not match the mesh's dims.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        full = torch.arange(30.).reshape(1, 1, 10, 3)
+        mine = tplayers.shard(full, 2, mesh)                  # rows [start, stop) of H
+        start, stop = tplayers.shard_range(10, mesh.size(), mesh.get_local_rank())
+        torch.testing.assert_close(mine, full[:, :, start:stop])
     """
     mesh, dims = resolve_domain(x.dim(), dim, mesh)
     for i, d in enumerate(dims):
@@ -73,6 +94,29 @@ def gather(x_local: torch.Tensor, dim: Dims, mesh: Optional[DeviceMesh] = None) 
     dtype and the other dims across ranks: ranks that disagree get a
     ``ValueError`` on every rank naming the field and the ranks, instead of a
     backend abort or a hang.
+
+    Args:
+        x_local: this rank's slice (any size along ``dim``, empty included).
+        dim: the sharded tensor dim, or one per mesh dim.
+        mesh: a 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`).
+
+    Returns:
+        The full tensor, the same on every rank.
+
+    Raises:
+        TypeError: ``x_local`` is not a tensor, or ``dim`` not an int / tuple of ints.
+        ValueError: on every rank, when any rank's ``dim``, dtype, dim count or unsharded sizes
+            differ, or (2-D mesh) the slices do not form a grid.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, torch.distributed as dist, tplayers
+        mesh = tplayers.init_mesh()
+        rank = dist.get_rank()
+        x_local = torch.full((2, rank + 1), float(rank))      # uneven: 1 column, 2 columns, ...
+        full = tplayers.gather(x_local, 1, mesh)
+        expected = torch.cat([torch.full((2, r + 1), float(r)) for r in range(mesh.size())], 1)
+        torch.testing.assert_close(full, expected)
     """
     mesh = resolve_mesh(mesh, (1, 2))
     error, dims, ndim = None, (), -1
@@ -202,6 +246,29 @@ def scatter(x: Optional[torch.Tensor], dim: Dims, mesh: Optional[DeviceMesh] = N
     (plain integers, no pickle) and compares ``dim`` and ``src`` across ranks:
     ranks that disagree get a ``ValueError`` on every rank naming the field.
     Backward sends the gradient slices back to ``src``.
+
+    Args:
+        x: the full tensor on rank ``src``; ignored elsewhere (pass ``None``).
+        dim: the sharded tensor dim, or one per mesh dim.
+        mesh: a 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`).
+        src: the holder's position in the flattened mesh.
+
+    Returns:
+        This rank's balanced slice (the one :func:`shard` would take), a new tensor.
+
+    Raises:
+        TypeError: rank ``src`` passed no tensor.
+        ValueError: on every rank: a bad ``src`` or ``dim``, an unsupported dtype, or ranks
+            calling with different ``dim`` / ``src``.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, torch.distributed as dist, tplayers
+        mesh = tplayers.init_mesh()
+        full = torch.arange(40.).reshape(1, 1, 8, 5)
+        x = full if dist.get_rank() == 0 else None            # only rank 0 has the data
+        mine = tplayers.scatter(x, 2, mesh, src=0)
+        torch.testing.assert_close(mine, tplayers.shard(full, 2, mesh))
     """
     mesh = resolve_mesh(mesh, (1, 2))
     ranks = mesh.mesh.reshape(-1).tolist()
@@ -256,14 +323,21 @@ def reset_layouts(module: torch.nn.Module) -> int:
     (:mod:`tplayers.layers._domain`). Still needed for layers compiled with ``torch.compile``,
     which read the layouts primed while tracing and agree on nothing per call.
 
-    Example (``torchrun --nproc-per-node 2``)::
+    Args:
+        module: a model or layer; every submodule with a ``reset_layout()`` is reset.
+
+    Returns:
+        How many layers were reset.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
         conv = tplayers.DistributedConv2d(2, 2, 3, padding=1, mesh=mesh)
         for h in (9, 10):                       # the global height changes between batches
-            tplayers.reset_layouts(conv)        # on every rank
+            assert tplayers.reset_layouts(conv) == 1          # on every rank
             y = conv(tplayers.shard(torch.randn(1, 2, h, 5), 2, mesh))
+            assert tplayers.gather(y, 2, mesh).shape == (1, 2, h, 5)
     """
     count = 0
     for m in module.modules():

@@ -14,12 +14,17 @@ Inside a domain region the region guard routes the plain ``torch`` / ``F`` calls
 
 Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
-    import torch, tplayers
+    import torch, torch.nn.functional as F, tplayers
     import tplayers.functional as TF
     mesh = tplayers.init_mesh()
-    x = tplayers.shard(torch.randn(2, 3, 10, 8), 2, mesh)
+    full = torch.randn(2, 3, 10, 8, dtype=torch.float64)
+    x = tplayers.shard(full, 2, mesh)
     y = TF.max_pool2d(TF.interpolate(x, scale_factor=2, mode="bilinear", mesh=mesh), 2, mesh=mesh)
     m = TF.mean(y, dim=(2, 3), mesh=mesh)         # (2, 3), the same on every rank
+    torch.testing.assert_close(m, F.max_pool2d(F.interpolate(full, scale_factor=2, mode="bilinear"), 2).mean((2, 3)))
+
+Each function's docstring gives its arguments and a runnable example; the design is in
+docs/design.md (domain parallelism, the region guard, full attention).
 """
 
 from tplayers.attention.mha import multi_head_attention_forward

@@ -69,7 +69,30 @@ def interpolate(
     shard_dims=(2,),
     cache=None,
 ):
-    """Serial ``F.interpolate`` (every mode of :class:`~tplayers.DistributedUpsample`; ``size`` global)."""
+    """Serial ``F.interpolate`` on domain-sharded data (every mode of :class:`~tplayers.DistributedUpsample`).
+
+    Args:
+        x: this rank's slice of ``(N, C, *spatial)``, sharded along ``shard_dims``.
+        size, scale_factor, mode, align_corners, recompute_scale_factor: as ``F.interpolate``
+            (``size`` global).
+        antialias: must be ``False``.
+        mesh, shard_dims, cache: see the module docstring.
+
+    Returns:
+        This rank's rows of the serial result (balanced unless the length is kept).
+
+    Raises:
+        ValueError: ``antialias=True``, the argument errors of ``DistributedUpsample``, or (on
+            every rank) a partition whose shards cannot supply the taps.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, torch.nn.functional as F, tplayers, tplayers.functional as TF
+        mesh = tplayers.init_mesh()
+        full = torch.randn(1, 2, 9, 7, dtype=torch.float64)
+        y = TF.interpolate(tplayers.shard(full, 2, mesh), size=(20, 7), mode="bicubic", mesh=mesh)
+        torch.testing.assert_close(tplayers.gather(y, 2, mesh), F.interpolate(full, size=(20, 7), mode="bicubic"))
+    """
     if antialias:
         raise ValueError(
             "tplayers.functional.interpolate: antialias=True is not supported on sharded dims, got antialias=True"
@@ -141,7 +164,29 @@ def _pool(kind: str, n: int):
 
     fn = {"max": max_pool, "avg": avg_pool}.get(kind, adaptive)
     fn.__name__ = f"{kind}_pool{n}d"
-    fn.__doc__ = f"Serial ``F.{kind}_pool{n}d`` on domain-sharded data (see the module docstring)."
+    args = {"max": "3, stride=2, padding=1", "avg": "3, 2, 1, count_include_pad=False"}.get(kind, "3")
+    extra = "; no ``return_indices=True``" if "max" in kind else ""
+    fn.__doc__ = f"""Serial ``F.{kind}_pool{n}d`` on domain-sharded data (see the module docstring).
+
+    Args:
+        x: this rank's slice of ``(N, C, *spatial)``, sharded along ``shard_dims``.
+        ...: ``F.{kind}_pool{n}d``'s arguments (kernel, stride, output sizes global){extra}.
+        mesh, shard_dims, cache: see the module docstring.
+
+    Returns:
+        This rank's rows of the serial result (balanced unless the length is kept).
+
+    Raises:
+        ValueError: bad arguments, or (on every rank) a partition whose shards cannot supply the windows.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, torch.nn.functional as F, tplayers, tplayers.functional as TF
+        mesh = tplayers.init_mesh()
+        full = torch.randn(1, 2, {", ".join(["10"] * n)}, dtype=torch.float64)
+        y = TF.{kind}_pool{n}d(tplayers.shard(full, 2, mesh), {args}, mesh=mesh)
+        torch.testing.assert_close(tplayers.gather(y, 2, mesh), F.{kind}_pool{n}d(full, {args}))
+    """
     return fn
 
 
@@ -153,8 +198,28 @@ adaptive_max_pool1d, adaptive_max_pool2d, adaptive_max_pool3d = (_pool("adaptive
 
 def pad(x, pad, mode="constant", value=None, *, mesh=None, shard_dims=(2,)):
     """Serial ``F.pad`` in ``constant`` mode: the rows before a sharded dim go to its first rank, the rows
-    after it to its last; other dims pad locally. No communication. Other modes along a sharded dim
-    raise ``ValueError`` (pad inside a convolution twin with ``padding_mode`` instead)."""
+    after it to its last; other dims pad locally. No communication.
+
+    Args:
+        x: this rank's slice, sharded along ``shard_dims``.
+        pad, mode, value: as ``F.pad`` (``mode="constant"`` along sharded dims).
+        mesh, shard_dims: see the module docstring (a negative entry: that mesh dim shards no dim).
+
+    Returns:
+        This rank's slice of the padded serial tensor.
+
+    Raises:
+        ValueError: another mode along a sharded dim (pad inside a convolution twin with
+            ``padding_mode`` instead).
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, torch.nn.functional as F, tplayers, tplayers.functional as TF
+        mesh = tplayers.init_mesh()
+        full = torch.randn(1, 2, 8, 5)
+        y = TF.pad(tplayers.shard(full, 2, mesh), (1, 1, 2, 3), value=-1.0, mesh=mesh)
+        torch.testing.assert_close(tplayers.gather(y, 2, mesh), F.pad(full, (1, 1, 2, 3), value=-1.0))
+    """
     mesh = resolve_mesh(mesh, (1, 2))
     pad = [int(p) for p in pad]
     n = x.dim()

@@ -180,19 +180,7 @@ def _launch(t: torch.Tensor, buf: torch.Tensor, dim: int, faces: Sequence[Tuple[
     starts, lens, boffs = starts + [0] * fill, lens + [0] * fill, boffs + [0] * fill
     begins = begins + [blocks] * fill
     _halo_kernel[(blocks,)](
-        t,
-        buf,
-        *sizes,
-        *strides,
-        row,
-        *begins[1:],
-        *starts,
-        *lens,
-        *boffs,
-        DIM=d,
-        NF=len(faces),
-        MODE=mode,
-        BLOCK=BLOCK,
+        t, buf, *sizes, *strides, row, *begins[1:], *starts, *lens, *boffs, DIM=d, NF=len(faces), MODE=mode, BLOCK=BLOCK
     )
 
 

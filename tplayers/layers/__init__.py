@@ -1,7 +1,10 @@
 """Modules: tensor-parallel linears, domain-parallel spatial twins, neighborhood attention."""
 
 from tplayers.layers._common import ShardedModule
-from tplayers.layers.adaptive_max import (
+from tplayers.layers.adaptive_pool import (
+    DistributedAdaptiveAvgPool1d,
+    DistributedAdaptiveAvgPool2d,
+    DistributedAdaptiveAvgPool3d,
     DistributedAdaptiveMaxPool1d,
     DistributedAdaptiveMaxPool2d,
     DistributedAdaptiveMaxPool3d,
@@ -40,12 +43,7 @@ from tplayers.layers.pool import (
     DistributedMaxPool3d,
 )
 from tplayers.layers.replicated import DomainReplicated
-from tplayers.layers.resample import (
-    DistributedAdaptiveAvgPool1d,
-    DistributedAdaptiveAvgPool2d,
-    DistributedAdaptiveAvgPool3d,
-    DistributedUpsample,
-)
+from tplayers.layers.upsample import DistributedUpsample
 
 __all__ = [
     "ContextParallelAttention",

@@ -212,7 +212,7 @@ class PadBuffer:
     """The halo-padded input of the last forward, kept to be filled again by the next one.
 
     A fresh padded buffer per step costs page faults on every step (a large block comes from new
-    pages: ~8 ms per 17 MB here, 2-3% of a compute-bound step); the floor, a convolution of a
+    pages); the floor, a convolution of a
     standing tensor, pays none. The buffer is handed out again only when nothing else holds its
     storage (the previous step's backward has run and released it, or its graph is gone):
     autograd's saved copy counts as a holder, so a second forward before the backward (a layer

@@ -1,4 +1,5 @@
-"""Fused and head-aware feature layouts of tensor-parallel linears (DESIGN §2.8), as data.
+"""Fused and head-aware feature layouts of tensor-parallel linears, as data
+(docs/design.md (tensor-parallel linears)).
 
 A :class:`SectionLayout` says which global rows of a column-parallel weight
 every rank holds when its output features are fused blocks (``sections``)

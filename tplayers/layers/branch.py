@@ -29,15 +29,30 @@ class ReplicatedBranch(nn.Module):
     features (squeeze-excitation), or for a time-embedding / FiLM MLP (there a plain
     ``DomainParallel`` region is exact too: the MLP's parameters are summed instead).
 
-    Example (``torchrun --nproc-per-node 2``)::
+    Args:
+        module: the replicated branch (its inputs and outputs replicated).
+        mesh: the domain's 1-D or 2-D mesh; ``None``: the identity wrapper until ``DomainParallel``
+            binds it.
 
-        import torch, tplayers
+    Returns:
+        ``forward(*args)``: ``module(*args)``, its gradient summed over the domain in backward.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import copy, torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 4), torch.nn.Sigmoid())
+        full = torch.randn(2, 4, 10, 8)
         pool = tplayers.DistributedAdaptiveAvgPool2d(1, mesh=mesh)
-        gate = tplayers.ReplicatedBranch(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 4),
-                                                             torch.nn.Sigmoid()), mesh)
-        h = torch.randn(2, 4, 5, 8)                       # this rank's rows
-        y = h * gate(pool(h))[..., None, None]            # squeeze-excitation, exact gradients
+        gate = tplayers.ReplicatedBranch(copy.deepcopy(mlp), mesh)
+        h = tplayers.shard(full, 2, mesh)                 # this rank's rows
+        y = h * gate(pool(h))[..., None, None]            # squeeze-excitation
+        tplayers.domain_sum(y, mesh).backward()
+        serial = full * mlp(full.mean((2, 3)))[..., None, None]
+        serial.sum().backward()
+        torch.testing.assert_close(tplayers.gather(y, 2, mesh), serial)
+        torch.testing.assert_close(gate.module[1].weight.grad, mlp[1].weight.grad)   # exact gradients
     """
 
     def __init__(self, module: nn.Module, mesh: Optional[DeviceMesh] = None) -> None:

@@ -52,15 +52,29 @@ class ContextParallelAttention(RegionAware, MeshBound, nn.Module):
     ``(..., L_local, E)`` and returns this rank's rows. ``kv_sharded=False``: key/value are
     replicated (cross-attention on a text embedding): nothing moves forward, and their gradients
     are summed over the ranks in backward (``sum_replicated_grads``), so they are the serial ones.
-    No parameters.
+    No parameters. See :func:`tplayers.functional.scaled_dot_product_attention`.
 
-    Example (``torchrun --nproc-per-node 2``)::
+    Args:
+        mesh: the mesh the tokens are sharded over (``None``: :func:`tplayers.default_mesh`).
+        kv_sharded: whether key / value are sharded (else replicated).
+        algorithm: ``"auto"``, ``"ring"`` or ``"all_gather"``.
+        sum_replicated_grads: with ``kv_sharded=False``, sum the key / value gradients over the ranks.
 
-        import torch, tplayers
+    Returns:
+        ``forward(...)``: this rank's rows of the serial attention.
+
+    Raises:
+        ValueError: in ``forward``, on every rank, arguments invalid on any rank.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, torch.nn.functional as F, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)
         attn = tplayers.ContextParallelAttention(mesh=mesh)
-        q = k = v = torch.randn(1, 4, 32, 16)          # (N, heads, this rank's 32 pixels, head_dim)
-        out = attn(q, k, v)                            # this rank's 32 rows of the serial attention
+        q, k, v = torch.randn(3, 1, 4, 64, 16).unbind(0)      # (N, heads, 64 pixels, head_dim)
+        out = attn(*(tplayers.shard(t, 2, mesh) for t in (q, k, v)))   # this rank's pixels in, its rows out
+        torch.testing.assert_close(tplayers.gather(out, 2, mesh), F.scaled_dot_product_attention(q, k, v))
     """
 
     def __init__(
@@ -129,14 +143,27 @@ class DistributedMultiheadAttention(RegionAware, MeshBound, nn.MultiheadAttentio
     summed over the ranks in backward (one all-reduce per mesh dim), so every ``.grad`` is the
     serial one. Build the optimizer after swapping in the twin.
 
-    Example (``torchrun --nproc-per-node 2``)::
+    Args:
+        embed_dim ... dtype: as ``nn.MultiheadAttention``.
+        mesh, kv_sharded, algorithm: as :class:`ContextParallelAttention`.
+
+    Returns:
+        ``forward(...)``: ``(output, weights)``, this rank's rows of each.
+
+    Raises:
+        ValueError: ``add_bias_kv`` or ``add_zero_attn``; in ``forward``, invalid arguments on any rank.
+        TypeError: ``from_module`` of a module that is not an ``nn.MultiheadAttention``.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)
         serial = torch.nn.MultiheadAttention(32, 4, batch_first=True)
         attn = tplayers.DistributedMultiheadAttention.from_module(serial, mesh=mesh)
-        x = torch.randn(2, 50, 32)                     # this rank's 50 tokens
-        y, _ = attn(x, x, x, need_weights=False)       # its 50 rows of serial(x_all, ...)
+        x = torch.randn(2, 50, 32)                     # the same on every rank
+        y, _ = attn(*[tplayers.shard(x, 1, mesh)] * 3, need_weights=False)   # this rank's tokens
+        torch.testing.assert_close(tplayers.gather(y, 1, mesh), serial(x, x, x, need_weights=False)[0])
     """
 
     def __init__(

@@ -10,7 +10,7 @@ gathered input, and every gradient matches.
 
 Each is a thin twin over the window-op core: the axis plan
 (:func:`tplayers.window_plan.plan_windows`, output rows partitioned by the
-DESIGN §2.4 rule: "same" convolutions keep the input's partition, others give the
+The partition rule (docs/design.md, the partition rule): "same" convolutions keep the input's partition, others give the
 balanced one), the N-d halo exchange (:mod:`tplayers.domain.window`) for all but
 the last sharded dim, and :func:`~tplayers.layers.conv.halo_conv` fusing the last dim's
 exchange with the convolution by one of two strategies, chosen per layout here. Main-plus-strips
@@ -49,10 +49,8 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 # The main-plus-strips strategy's fixed cost is four to six thin convolution calls per step (the strips);
 # its gain, the halo-padded copy of the slab not made and the exchange hidden, grows with the slab.
-# Measured fwd+bwd on 2 ranks (fp32, 1 thread each, 3x3 "same", 32 -> 64 channels, a (4, 32, 128, 256)
-# slab): 0.95-0.98x the halo-padded strategy on AVX-512 and AVX2 (oneDNN capped) alike, both layouts;
-# on slabs of (4, 16, 64, 128) and less, a U-Net's at 128x128, no gain or a loss. Slabs (elements per
-# rank, on average) at least this large take it by default (``overlap_halo=True``: at any size).
+# Slabs (elements per rank, on average) at least this large take it by default (``overlap_halo=True``:
+# at any size); the measurements behind the threshold are in benchmarks/RESULTS.md (conv_halo).
 EDGE_MIN_ELEMENTS = 1 << 21
 _CL = {2: torch.channels_last, 3: torch.channels_last_3d}
 
@@ -365,6 +363,9 @@ def _prepare(xp: torch.Tensor, *, dim: int, plan, mode: str, extra) -> torch.Ten
 class DistributedConv1d(_DistributedConvNd):
     """``nn.Conv1d`` on an input sharded along L (``shard_dims=(2,)``), exact against the serial layer.
 
+    Args, shapes, returns and raises as :class:`DistributedConv2d`, with ``nn.Conv1d``'s arguments
+    and a (N, C_in, L_local) input whose sharded dims are local.
+
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
         import torch, tplayers
@@ -383,33 +384,39 @@ class DistributedConv1d(_DistributedConvNd):
 class DistributedConv2d(_DistributedConvNd):
     """``nn.Conv2d`` on a spatially sharded input (H, W or both), exact against the serial layer.
 
-    Shapes (local = this rank's slice of the sharded dims, any partition whose shards can supply
-    the halos): ``weight`` ``(out_channels, in_channels // groups, kH, kW)`` and ``bias`` replicated,
-    their gradients summed over the domain; input ``(N, C_in, H_local, W_local)``; output rows
-    partitioned like the input when the length is kept, else balanced (``tplayers.shard_sizes``).
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+            padding_mode, device, dtype: as ``nn.Conv2d`` (``padding_mode``: "zeros", "circular"
+            for a periodic domain, "reflect", "replicate").
+        mesh: a 1-D mesh, or a 2-D one for two sharded dims (default: ``tplayers.default_mesh``).
+        shard_dims: the sharded tensor dims, one per mesh dim (``(2,)``: H; ``(2, 3)``: H and W).
+        memory_format: keyword; the layout the local convolution runs in. ``None`` (default)
+            convolves in the input's layout; ``torch.channels_last`` / ``torch.contiguous_format``
+            force it and convert the output back when it differs (one copy).
+        overlap_halo: keyword, default ``False``; overlap the halo exchange with compute wherever
+            possible: the main-plus-strips strategy (the messages in flight while the local input
+            itself is convolved, then thin strips holding the halo rows added into the edge rows;
+            backward likewise) for every zero-padded "same"-like plan (any stride, dilation, groups,
+            uneven partitions; decided from every shard's plan, so every rank agrees), the halo-padded
+            one elsewhere and while compiling. By default only slabs of at least
+            ``EDGE_MIN_ELEMENTS`` elements per rank take main-plus-strips. Same values either way.
 
-    ``padding_mode``: "zeros", "circular" (a periodic domain), "reflect", "replicate".
-    ``memory_format`` (keyword, beyond ``nn.Conv2d``'s arguments): layout of the halo-padded
-    buffer, hence of the local convolution. The output always has the layout ``nn.Conv2d`` gives
-    for the same input and weight (contiguous in -> contiguous out, channels_last in ->
-    channels_last out), and the input gradient the input's. ``None`` (default) convolves in that
-    layout, so nothing is converted; ``torch.channels_last`` / ``torch.contiguous_format`` force
-    the convolution's layout and convert the output back when it differs (one copy; measured on
-    one CPU core: for a contiguous input the channels_last convolution's gain is eaten by the
-    conversions from 16 channels up, ``benchmarks/conv_halo.py`` "tpl CL"). Under ``torch.autocast``
-    it computes in the autocast dtype as ``nn.Conv2d`` does, and the halo messages and gradient
-    sums carry that dtype. A partition whose
-    shards cannot supply their neighbours' halos raises ``ValueError`` on every rank before any
-    halo traffic.
-    ``overlap_halo`` (keyword, default ``False``): overlap the halo exchange with compute wherever
-    possible: the main-plus-strips strategy (the halo messages in flight while the local input itself
-    is convolved, padded by the halo width, then thin strips holding the halo rows added into the edge
-    rows; backward likewise) for every slab whose plan allows it, i.e. zero-padded "same"-like
-    convolutions (any stride, dilation, groups, uneven partitions; decided from every shard's plan,
-    so every rank agrees), and the halo-padded one (exchange, then one convolution) elsewhere and
-    while compiling. By default only slabs of at least ``EDGE_MIN_ELEMENTS`` elements per rank take
-    main-plus-strips, where it pays on the CPU. Same values and messages either way; the same on
-    every rank.
+    Shapes: ``weight`` ``(out_channels, in_channels // groups, kH, kW)`` and ``bias`` are replicated,
+    their gradients summed over the domain; input ``(N, C_in, H_local, W_local)`` (this rank's slice
+    of the sharded dims, any partition whose shards can supply the halos).
+
+    Returns:
+        This rank's rows of the serial output: partitioned like the input when the length is kept,
+        else balanced (``tplayers.shard_sizes``); in the layout ``nn.Conv2d`` gives for the same input
+        (contiguous in, contiguous out; channels_last in, channels_last out). Under ``torch.autocast``
+        it computes in the autocast dtype, as ``nn.Conv2d`` does.
+
+    Raises:
+        ValueError: bad arguments (``padding="same"`` with a stride other than 1, a padding too
+            large for a non-zero ``padding_mode``, bad ``shard_dims``); on every rank, before any
+            halo traffic: a partition whose shards cannot supply their neighbours' halos, ranks whose
+            layers or inputs differ (the field and the ranks are named).
+        TypeError: ``from_module`` of a module that is not an ``nn.Conv2d``.
 
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
@@ -428,6 +435,9 @@ class DistributedConv2d(_DistributedConvNd):
 
 class DistributedConv3d(_DistributedConvNd):
     """``nn.Conv3d`` on an input sharded along D, H or W (or two of them on a 2-D mesh).
+
+    Args, shapes, returns and raises as :class:`DistributedConv2d`, with ``nn.Conv3d``'s arguments
+    and a (N, C_in, D, H, W) input whose sharded dims are local.
 
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 

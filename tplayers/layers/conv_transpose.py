@@ -5,9 +5,9 @@ so each rank computes the local transposed convolution of its own rows (no input
 halo) and the *partial* output rows that belong to a neighbour are sent to it
 and added into its rows: the adjoint of the halo exchange
 (:func:`tplayers.domain.window.scatter_add_windows`, whose backward is the
-gather). Output rows follow the DESIGN §2.4 rule (balanced unless the length is
-kept); the bias is added once, on owned rows; weight and bias are replicated and
-their gradients summed over the domain in backward
+gather). Output rows follow docs/design.md (the partition rule): balanced unless the
+length is kept; the bias is added once, on owned rows; weight and bias are replicated
+and their gradients summed over the domain in backward
 (:func:`~tplayers.comm.copy_many_to_parallel_region`).
 """
 
@@ -190,6 +190,23 @@ class _DistributedConvTransposeNd(ConvParameters, DomainLayer):
 def _doc(n: int, example: str, dim: int) -> str:
     return f"""``nn.ConvTranspose{n}d`` on a spatially sharded input (every argument, same defaults, plus
     ``*, mesh=None, shard_dims=(2,)``), exact against the serial layer, gradients included.
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, output_padding, groups, bias,
+            dilation, padding_mode, device, dtype: as ``nn.ConvTranspose{n}d`` (``padding_mode``
+            "zeros" only, as there). Weight and bias are replicated, their gradients summed.
+        mesh: a 1-D mesh, or a 2-D one to shard two dims (``None``: :func:`tplayers.default_mesh`).
+        shard_dims: the dims of the ``(N, C, *spatial)`` input sharded over the mesh dims.
+
+    Returns:
+        ``forward(x)`` (no ``output_size``): this rank's rows of the serial output, from this
+        rank's rows of the input (any partition); balanced (``tplayers.shard_sizes``) unless the
+        length is kept.
+
+    Raises:
+        ValueError: bad arguments; in ``forward``, on every rank before any halo traffic: wrong
+            channels / dims / dtype, shapes that differ in unsharded dims, ranks built differently.
+        TypeError: ``from_module`` of another module type.
 
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 

@@ -37,13 +37,33 @@ class ParallelDropout(nn.Module):
       it by exchanging the local lengths, one all-gather of one integer per rank per call in
       training (the sequence length may change from batch to batch).
 
-    Example (``torchrun --nproc-per-node 2``; the same seed on every rank)::
+    Args:
+        p: the drop probability, in ``[0, 1]``.
+        dim: the sharded dim of the input, or ``None`` (replicated input).
+        full_size: the serial length of ``dim`` when fixed; ``None``: exchanged per call.
+        mesh: a 1-D mesh (``None``: :func:`tplayers.default_mesh`).
+
+    Returns:
+        ``forward(x)``: ``x`` with this rank's slice of the serial mask applied (scaled by
+        ``1 / (1 - p)``); ``x`` itself in eval mode.
+
+    Raises:
+        ValueError: a bad ``p`` or ``full_size``; in ``forward``, a ``dim`` out of range or a
+            local length that is not this rank's ``shard_sizes`` share.
+        TypeError: a non-int ``dim``, a non-tensor input.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``; the same seed on every rank)::
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
+        torch.manual_seed(0)
         fc1 = tplayers.ColumnParallelLinear(16, 64, mesh=mesh)
-        drop = tplayers.ParallelDropout(0.1, dim=-1, full_size=64, mesh=mesh)
-        h = drop(torch.relu(fc1(torch.randn(4, 16))))   # this rank's slice of the serial mask
+        drop = tplayers.ParallelDropout(0.5, dim=-1, full_size=64, mesh=mesh)
+        state = torch.get_rng_state()
+        h = drop(torch.ones(4, fc1.weight.shape[0]))    # this rank's 64 / world features
+        torch.set_rng_state(state)                      # the serial model's draw, from the same state
+        start, stop = fc1.weight_ranges[0]
+        torch.testing.assert_close(h, torch.nn.functional.dropout(torch.ones(4, 64), 0.5)[:, start:stop])
     """
 
     def __init__(

@@ -141,7 +141,22 @@ class VocabParallelEmbedding(_ParallelEmbedding):
     ``(B, S_local, embedding_dim)`` (Megatron-LM's embedding under sequence parallelism);
     backward all-gathers the output gradient.
 
-    Example::
+    Args:
+        num_embeddings, embedding_dim, padding_idx: as ``nn.Embedding`` (``max_norm``,
+            ``scale_grad_by_freq`` and ``sparse`` are not supported).
+        mesh: a 1-D mesh (``None``: :func:`tplayers.default_mesh`).
+        device, dtype: as ``nn.Embedding``.
+        sequence_parallel, sequence_dim: reduce-scatter the output along ``sequence_dim`` (above).
+
+    Returns:
+        ``forward(ids)``: ``(..., embedding_dim)``, replicated (or this rank's sequence shard).
+
+    Raises:
+        ValueError: non-positive sizes, ``padding_idx`` out of range; in ``forward``, ids that are
+            not int32/int64 on the weight's device, or out of ``[0, num_embeddings)``.
+        TypeError: non-tensor ids, a non-bool ``sequence_parallel`` or non-int ``sequence_dim``.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
@@ -217,7 +232,21 @@ class ColumnParallelEmbedding(_ParallelEmbedding):
     ``ColumnParallel()`` on an ``nn.Embedding`` in a plan builds this layer.
     No collective in backward (token ids have no gradient).
 
-    Example::
+    Args:
+        num_embeddings, embedding_dim, padding_idx: as ``nn.Embedding``.
+        mesh: a 1-D mesh (``None``: :func:`tplayers.default_mesh`).
+        gather_output: all-gather the output to ``(..., embedding_dim)``.
+        device, dtype: as ``nn.Embedding``.
+
+    Returns:
+        ``forward(ids)``: ``(..., dim_local)``, or ``(..., embedding_dim)`` with ``gather_output``.
+
+    Raises:
+        ValueError: non-positive sizes, ``padding_idx`` out of range; in ``forward``, ids that are
+            not int32/int64 on the weight's device, or out of ``[0, num_embeddings)``.
+        TypeError: non-tensor ids.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
         import torch, tplayers
         mesh = tplayers.init_mesh()

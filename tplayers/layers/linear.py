@@ -15,10 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.comm import (
-    gather_along_dim,
-    split_along_dim,
-)
+from tplayers.comm import gather_along_dim, split_along_dim
 from tplayers.comm.fused import (
     all_gather_linear,
     linear_all_reduce_input_grad,
@@ -37,42 +34,45 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
 
 class ColumnParallelLinear(ParallelLinearBase):
-    """``y = x A^T + b`` with ``A``'s output features split over a 1-D mesh axis.
+    """``y = x A^T + b`` with ``A``'s output features split over a 1-D mesh axis (Megatron).
 
-    Shapes (``out_local`` = this rank's share of ``out_features``):
+    Forward issues nothing (or one all-gather with ``gather_output=True``); backward all-reduces
+    the input gradient, overlapped with the weight-gradient matmul. Built under
+    ``torch.manual_seed(s)`` on every rank, its shards are the serial ``nn.Linear``'s slices.
 
-    - ``weight``: ``(out_local, in_features)``, ``bias``: ``(out_local,)``
-    - input: ``(..., in_features)``, replicated on every rank
-    - output: ``(..., out_local)``, or ``(..., out_features)`` with ``gather_output=True``
+    Fused and head-aware layouts (docs/design.md (tensor-parallel linears)): ``sections`` lists the
+    sizes of fused blocks of the output features (``(d, d, d)`` for GPT-2's ``c_attn``,
+    ``(heads*hd, kv_heads*hd, kv_heads*hd)`` for a GQA projection). Each block is sharded on its
+    own and the local output is this rank's slices in block order, of sizes :attr:`local_sections`
+    (``y.split(layer.local_sections, -1)`` gives the local q, k, v). With ``head_dim`` every rank
+    holds whole heads; a block with fewer heads than ranks is replicated in groups (rank ``r``
+    holds head ``r * heads // tp``) and its gradients are summed over the replicas (one more
+    all-reduce in backward). Checkpoints and ``gather_state_dict`` keep the serial layout.
 
-    Forward issues nothing (or one all-gather with ``gather_output=True``);
-    backward all-reduces the input gradient.
+    Args:
+        in_features, out_features, bias: as ``nn.Linear`` (features need not divide the mesh size:
+            shards follow :func:`tplayers.shard_sizes`).
+        mesh: a 1-D mesh (``None``: :func:`tplayers.default_mesh`).
+        gather_output: all-gather the output to ``(..., out_features)`` in serial order.
+        sections, head_dim: the fused / head-aware layout above.
+        sequence_parallel, sequence_dim: the input is this rank's shard of ``sequence_dim``
+            (default 1 of ``(B, S, H)``, uneven allowed), all-gathered before the matmul (after one
+            all-gather of the per-rank lengths); backward reduce-scatters the input gradient.
+        device, dtype: as ``nn.Linear``.
+        reduce_dtype: all-reduce the input gradient in this dtype (e.g. fp32 under bf16 autocast).
+        transposed: store ``weight`` as ``(in_features, out_local)``, the layout of transformers'
+            ``Conv1D`` (``from_module`` of a ``Conv1D`` sets it).
 
-    Fused and head-aware layouts (DESIGN §2.8): ``sections`` lists the sizes of
-    fused blocks of the output features (``(d, d, d)`` for GPT-2's ``c_attn``,
-    ``(heads*hd, kv_heads*hd, kv_heads*hd)`` for a GQA projection). Each block is
-    sharded on its own and the local output is this rank's slices in block
-    order, of sizes :attr:`local_sections` (so ``y.split(layer.local_sections, -1)``
-    or, for equal blocks, ``y.chunk(3, -1)`` gives the local q, k, v). With
-    ``head_dim`` every rank holds whole heads; a block with fewer heads than
-    ranks is replicated in groups (rank ``r`` holds head ``r * heads // tp``)
-    and its gradients are summed over the replicas (one more all-reduce in
-    backward). Checkpoints and ``gather_state_dict`` keep the serial layout.
+    Returns:
+        ``forward(x)``: ``x`` is ``(..., in_features)``, replicated; the output is
+        ``(..., out_local)`` (``weight`` ``(out_local, in_features)``), or ``(..., out_features)``
+        with ``gather_output=True``. Under ``torch.autocast`` it computes and communicates in the
+        autocast dtype, as ``nn.Linear`` does.
 
-    Under ``torch.autocast`` it computes (and communicates) in the autocast dtype, as
-    ``nn.Linear`` does; ``reduce_dtype=torch.float32`` all-reduces the gradient in fp32
-    instead (one rounding after the sum).
-
-    Sequence parallelism (``sequence_parallel=True``): the input is this rank's
-    shard of the sequence dim ``sequence_dim`` (default 1 for ``(B, S, H)``; the
-    :func:`tplayers.shard_sizes` layout, uneven allowed), all-gathered before the
-    matmul (one all-gather of the per-rank lengths first, one integer each); the
-    output is ``(B, S, out_local)``. Backward reduce-scatters the input gradient
-    instead of all-reducing it, overlapped with the weight gradient.
-
-    ``transposed=True`` stores ``weight`` as ``(in_features, out_local)``, the layout of
-    Hugging Face transformers' ``Conv1D`` (GPT-2's ``c_attn``, ``c_fc``): ``from_module`` of a
-    ``Conv1D`` sets it, so ``state_dict`` and checkpoints keep the ``Conv1D`` layout.
+    Raises:
+        ValueError: non-positive feature counts, bad ``sections`` / ``head_dim``; in ``forward``,
+            an input whose last dim, dtype or device does not match (before any collective).
+        TypeError: a non-bool ``sequence_parallel`` / ``transposed``, a non-float ``reduce_dtype``.
 
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
@@ -209,46 +209,37 @@ class ColumnParallelLinear(ParallelLinearBase):
 
 
 class RowParallelLinear(ParallelLinearBase):
-    """``y = x A^T + b`` with ``A``'s input features split over a 1-D mesh axis.
+    """``y = x A^T + b`` with ``A``'s input features split over a 1-D mesh axis (Megatron).
 
-    Shapes (``in_local`` = this rank's share of ``in_features``):
+    Forward all-reduces the partial products (the replicated bias folded into rank 0's matmul, so
+    added once); backward issues nothing (or one all-gather of the input gradient with
+    ``input_is_parallel=False``). A Column -> Row pair costs one all-reduce each way.
 
-    - ``weight``: ``(out_features, in_local)``; ``bias``: ``(out_features,)``
-      replicated, added exactly once (rank 0 folds it into its matmul before the
-      all-reduce)
-    - input: ``(..., in_local)``, or ``(..., in_features)`` with
-      ``input_is_parallel=False`` (then split locally)
-    - output: ``(..., out_features)``, replicated
+    Args:
+        in_features, out_features, bias: as ``nn.Linear`` (uneven shards of ``in_features``).
+        mesh: a 1-D mesh (``None``: :func:`tplayers.default_mesh`).
+        input_is_parallel: the input is this rank's ``(..., in_local)`` shard (the output of a
+            ``ColumnParallelLinear``); ``False``: the full ``(..., in_features)``, split locally.
+        head_dim: split the input features in whole heads (the attention output of a
+            column-parallel ``q`` with the same ``head_dim``); needs ``input_is_parallel=True``.
+        sequence_parallel, sequence_dim: reduce-scatter the partial products along
+            ``sequence_dim`` instead of all-reducing them, so the output is this rank's balanced
+            sequence shard ``(B, S_local, out_features)``; backward all-gathers its gradient.
+        device, dtype: as ``nn.Linear``.
+        reduce_dtype: sum the partial products in this dtype (one rounding after the sum).
+        transposed: store ``weight`` as ``(in_local, out_features)`` (transformers' ``Conv1D``).
 
-    Forward all-reduces the partial products; backward issues nothing (or one
-    all-gather of the input gradient with ``input_is_parallel=False``).
+    Returns:
+        ``forward(x)``: ``(..., out_features)``, replicated (``weight`` ``(out_features, in_local)``,
+        ``bias`` ``(out_features,)`` replicated). Under ``torch.autocast`` it computes and
+        communicates in the autocast dtype.
 
-    ``head_dim``: split the input features in whole heads (the attention output
-    of a column-parallel ``q`` with the same ``head_dim``); requires
-    ``input_is_parallel=True``.
+    Raises:
+        ValueError: non-positive feature counts, ``head_dim`` or ``sequence_parallel`` without
+            ``input_is_parallel``; in ``forward``, an input of the wrong width, dtype or device.
+        TypeError: a non-bool ``sequence_parallel`` / ``transposed``, a non-float ``reduce_dtype``.
 
-    Under ``torch.autocast`` it computes (and communicates) in the autocast dtype, as
-    ``nn.Linear`` does; ``reduce_dtype=torch.float32`` sums the partial products in fp32
-    (one rounding after the sum instead of one per addition).
-
-    Sequence parallelism (``sequence_parallel=True``): the partial products are
-    reduce-scattered along ``sequence_dim`` instead of all-reduced, so the output
-    is this rank's balanced sequence shard ``(B, S_local, out_features)``;
-    backward all-gathers the output gradient. The bias is still added once and
-    its gradient is the full one on every rank.
-
-    ``transposed=True`` stores ``weight`` as ``(in_local, out_features)``, the layout of
-    transformers' ``Conv1D`` (``from_module`` of a ``Conv1D`` sets it).
-
-    Example of a sequence-parallel MLP (``S`` need not divide the world size)::
-
-        mesh = tplayers.init_mesh()
-        fc1 = tplayers.ColumnParallelLinear(16, 64, mesh=mesh, sequence_parallel=True)
-        fc2 = tplayers.RowParallelLinear(64, 16, mesh=mesh, sequence_parallel=True)
-        x = tplayers.shard(torch.randn(2, 7, 16), 1)     # (2, S_local, 16), this rank's tokens
-        y = fc2(torch.relu(fc1(x)))                       # (2, S_local, 16)
-
-    Example::
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
         import torch, tplayers
         mesh = tplayers.init_mesh()
@@ -256,6 +247,19 @@ class RowParallelLinear(ParallelLinearBase):
         row = tplayers.RowParallelLinear.from_module(dense, mesh=mesh, input_is_parallel=False)
         x = torch.randn(4, 30)
         torch.testing.assert_close(row(x), dense(x))
+
+    A sequence-parallel MLP (``S`` need not divide the world size)::
+
+        import torch, tplayers
+        mesh = tplayers.init_mesh()
+        torch.manual_seed(0)                              # the same layers on every rank
+        fc1 = tplayers.ColumnParallelLinear(16, 64, mesh=mesh, sequence_parallel=True)
+        fc2 = tplayers.RowParallelLinear(64, 16, mesh=mesh, sequence_parallel=True)
+        x = torch.randn(2, 7, 16)
+        y = fc2(torch.relu(fc1(tplayers.shard(x, 1, mesh))))   # (2, S_local, 16): this rank's tokens
+        serial = torch.relu(x @ tplayers.gather(fc1.weight, 0, mesh).T + tplayers.gather(fc1.bias, 0, mesh))
+        serial = serial @ tplayers.gather(fc2.weight, 1, mesh).T + fc2.bias
+        torch.testing.assert_close(tplayers.gather(y, 1, mesh), serial)
     """
 
     _weight_dim = 1

@@ -1,25 +1,22 @@
 """Neighborhood attention (NATTEN semantics), 1-D, 2-D and 3-D, single-device or domain-parallel.
 
-``NeighborhoodAttention`` maps ``(B, H, W, C)`` to ``(B, H, W, C)``: a per-pixel
-``qkv`` linear, :func:`tplayers.na2d` attention over each pixel's ``kH x kW``
-neighborhood (optionally with a learnable relative-position bias), and a
-per-pixel ``proj`` linear. ``NeighborhoodAttention1d`` (``(B, L, C)``) and
-``NeighborhoodAttention3d`` (``(B, D, H, W, C)``) are the same layer over one and three
-spatial dims (``tplayers.na1d`` / ``na3d``). With ``shard_dims`` the input is this rank's slice
-of the image along any one or two spatial dims (2-D: H ``(1,)``, W ``(2,)`` or both ``(1, 2)``
-over a 2-D mesh; 3-D: e.g. D ``(1,)`` or D and H ``(1, 2)``):
+``NeighborhoodAttention`` maps ``(B, H, W, C)`` to ``(B, H, W, C)``: a per-pixel ``qkv`` linear,
+:func:`tplayers.na2d` attention over each pixel's ``kH x kW`` neighborhood (optionally with a
+learnable relative-position bias), and a per-pixel ``proj`` linear. ``NeighborhoodAttention1d``
+(``(B, L, C)``) and ``NeighborhoodAttention3d`` (``(B, D, H, W, C)``) are the same layer over one
+and three spatial dims (``tplayers.na1d`` / ``na3d``). With ``shard_dims`` the input is this rank's
+slice of the image along any one or two spatial dims (2-D: H ``(1,)``, W ``(2,)`` or both
+``(1, 2)`` over a 2-D mesh; 3-D: e.g. D ``(1,)`` or D and H ``(1, 2)``):
 
-* queries stay local; only the K and V halos travel
-  (the window core's N-d halo exchange, :func:`tplayers.domain.window.gather_windows`), with
-  per-rank asymmetric widths from global positions (:func:`tplayers.ops.na_layout.axis_plans`);
-* the window rule uses global positions, so the result equals the
-  single-device module on the gathered input, for any partition whose shards
-  can supply their neighbours' halos (else ``ValueError`` on every rank, before
-  any halo traffic);
-* parameters are replicated and enter through
-  :func:`~tplayers.comm.copy_many_to_parallel_region` (identity forward, one
-  fused all-reduce of their gradients per mesh dim in backward), so every rank
-  holds the serial model's parameter gradients.
+* queries stay local; only the K and V halos travel (the window core's N-d halo exchange,
+  :func:`tplayers.domain.window.gather_windows`), with per-rank asymmetric widths from global
+  positions (:func:`tplayers.ops.na_layout.axis_plans`);
+* the window rule uses global positions, so the result equals the single-device module on the
+  gathered input, for any partition whose shards can supply their neighbours' halos (else
+  ``ValueError`` on every rank, before any halo traffic);
+* parameters are replicated and enter through :func:`~tplayers.comm.copy_many_to_parallel_region`
+  (identity forward, one fused all-reduce of their gradients per mesh dim in backward), so every
+  rank holds the serial model's parameter gradients.
 
 Local shapes are exchanged (a small all-gather) as :mod:`tplayers.layers._domain`
 says: cached per local shape inside a ``DomainParallel`` region call and under
@@ -56,29 +53,39 @@ _Layout = Tuple[Tuple[int, ...], Tuple[int, ...], dict]  # global size, offsets,
 class NeighborhoodAttention(ShardedModule):
     """2-D neighborhood attention layer, ``(B, H, W, C) -> (B, H, W, C)``, NATTEN semantics.
 
-    Parameters (all replicated): ``qkv`` (``nn.Linear(C, 3C)``), ``proj``
-    (``nn.Linear(C, C)``) and, with ``rel_pos_bias=True``, ``rpb`` of shape
-    ``(heads, 2*kH - 1, 2*kW - 1)`` added to each score at
-    ``(key - query) / dilation + kernel - 1`` per dim. ``shard_dims=None``
-    is single-device (no mesh needed); ``(1,)``/``(2,)`` shard H/W over a 1-D
-    mesh, ``(1, 2)`` both over a 2-D mesh (input and output are local slices).
+    Parameters (all replicated): ``qkv`` (``nn.Linear(C, 3C)``), ``proj`` (``nn.Linear(C, C)``), with
+    ``rel_pos_bias`` ``rpb`` ``(heads, 2kH - 1, 2kW - 1)``, added at ``(key - query) / dilation + k - 1``.
 
-    ``stride`` (keyword): NATTEN's strided windows (queries in a stride group share their
-    leader's window; ``stride <= kernel_size``; no ``rel_pos_bias`` with stride > 1).
+    Args:
+        embed_dim, num_heads: ``C`` and the heads (``num_heads`` divides ``C``).
+        kernel_size, dilation, is_causal, stride: the window (:func:`tplayers.na2d`), int or per dim;
+            ``stride``: queries in a stride group share their leader's window (``<= kernel_size``).
+        qkv_bias, qk_scale, proj_drop, rel_pos_bias: as NATTEN's module (no bias with stride > 1).
+        local_backend: ``"auto"``: NATTEN's fused kernels on CUDA when natten is installed and the
+            call fits them (no ``rel_pos_bias``, kernels >= 2), else the tplayers kernels; ``"natten"``
+            requires natten; ``"tplayers"``; ``"tile"``: natten's tile path, tplayers kernel inside.
+        mesh, shard_dims: ``shard_dims=None`` is single-device; ``(1,)`` / ``(2,)`` shard H / W over a
+            1-D mesh, ``(1, 2)`` both over a 2-D mesh (input and output are then local slices).
+        device, dtype: of the parameters.
 
-    ``local_backend`` (keyword) picks the local compute: ``"auto"`` (default) runs NATTEN's fused
-    kernels on CUDA tensors when natten is installed and the call fits them (no ``rel_pos_bias``,
-    kernel sizes >= 2), else the tplayers kernels; ``"natten"`` requires natten (``ImportError``
-    with the install command at the first forward without it); ``"tplayers"`` always the tplayers
-    kernels on the shard and its key halos; ``"tile"`` the natten code path (the shard extended to
-    the tile whose whole-image windows equal the global ones, :mod:`tplayers.ops.na_tile`) with the
-    tplayers kernel standing in for natten: the CPU test of that path.
+    Returns:
+        ``forward(x)``: ``(B, H, W, C)`` (this rank's slice when sharded), the single-device result.
 
-    Example (plain ``python``; under ``torchrun`` add ``mesh=`` and ``shard_dims=(1,)``)::
+    Raises:
+        ValueError: bad sizes or window arguments; in ``forward``, an input that does not fit, or
+            (on every rank, before any halo traffic) a partition that cannot supply the halos.
+        ImportError: ``local_backend="natten"`` without natten, at the first forward.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
         import torch, tplayers
-        layer = tplayers.NeighborhoodAttention(32, 4, kernel_size=5, rel_pos_bias=True)
-        y = layer(torch.randn(2, 12, 10, 32))      # (2, 12, 10, 32)
+        mesh = tplayers.init_mesh()
+        torch.manual_seed(0)
+        serial = tplayers.NeighborhoodAttention(32, 4, kernel_size=5, rel_pos_bias=True)   # single device
+        layer = tplayers.NeighborhoodAttention.from_module(serial, mesh=mesh, shard_dims=(1,))   # H sharded
+        x = torch.randn(2, 12, 10, 32)
+        y = tplayers.gather(layer(tplayers.shard(x, 1, mesh)), 1, mesh)
+        torch.testing.assert_close(y, serial(x))
     """
 
     #: spatial dims of the input ``(B, *spatial, C)``
@@ -455,13 +462,16 @@ class NeighborhoodAttention(ShardedModule):
 class NeighborhoodAttention1d(NeighborhoodAttention):
     """1-D neighborhood attention layer, ``(B, L, C) -> (B, L, C)`` (:func:`tplayers.na1d`): the
     arguments of :class:`NeighborhoodAttention` over one spatial dim; ``rpb`` is ``(heads, 2k - 1)``;
-    ``shard_dims=(1,)`` shards L over a 1-D mesh.
+    ``shard_dims=(1,)`` shards L over a 1-D mesh. Args, returns and raises as there.
 
-    Example::
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
         import torch, tplayers
-        layer = tplayers.NeighborhoodAttention1d(16, 2, kernel_size=7, is_causal=True, stride=2)
-        y = layer(torch.randn(2, 40, 16))          # (2, 40, 16)
+        torch.manual_seed(0)
+        serial = tplayers.NeighborhoodAttention1d(16, 2, kernel_size=7, is_causal=True, stride=2)
+        layer = tplayers.NeighborhoodAttention1d.from_module(serial, shard_dims=(1,))   # default mesh
+        x = torch.randn(2, 40, 16)
+        torch.testing.assert_close(tplayers.gather(layer(tplayers.shard(x, 1)), 1), serial(x))
     """
 
     spatial_rank = 1
@@ -471,12 +481,16 @@ class NeighborhoodAttention3d(NeighborhoodAttention):
     """3-D neighborhood attention layer, ``(B, D, H, W, C) -> (B, D, H, W, C)`` (:func:`tplayers.na3d`):
     the arguments of :class:`NeighborhoodAttention` per dim of three; ``rpb`` is
     ``(heads, 2kD - 1, 2kH - 1, 2kW - 1)``; ``shard_dims`` any one or two of ``1, 2, 3`` (D, H, W).
+    Args, returns and raises as there.
 
-    Example::
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
         import torch, tplayers
-        layer = tplayers.NeighborhoodAttention3d(16, 2, kernel_size=(3, 5, 5), dilation=(1, 2, 1))
-        y = layer(torch.randn(1, 6, 12, 9, 16))    # (1, 6, 12, 9, 16)
+        torch.manual_seed(0)
+        serial = tplayers.NeighborhoodAttention3d(16, 2, kernel_size=(3, 5, 5), dilation=(1, 2, 1))
+        layer = tplayers.NeighborhoodAttention3d.from_module(serial, shard_dims=(2,))   # H, default mesh
+        x = torch.randn(1, 6, 12, 9, 16)
+        torch.testing.assert_close(tplayers.gather(layer(tplayers.shard(x, 2)), 2), serial(x))
     """
 
     spatial_rank = 3

@@ -165,11 +165,29 @@ class _DistributedInstanceNorm(_DomainNorm):
 
 
 def _doc(nn_name: str, shape: str, ctor: str) -> str:
+    running = (
+        "\n        torch.testing.assert_close(norm.running_var, serial.running_var)  # unbiased, global count"
+        if nn_name.startswith("BatchNorm")
+        else ""
+    )
     return f"""``nn.{nn_name}`` over a domain-sharded input: statistics over the whole domain.
 
     Same arguments, defaults, parameters, buffers and ``state_dict`` keys as ``nn.{nn_name}``,
     plus ``*, mesh=None, shard_dims=(2,)``. Build it directly or with ``from_module(m, mesh=...,
     shard_dims=...)`` (``DomainParallel`` does it for you).
+
+    Args:
+        ...: every argument of ``nn.{nn_name}``, same defaults.
+        mesh: a 1-D mesh, or a 2-D one to shard two dims (``None``: :func:`tplayers.default_mesh`).
+        shard_dims: the dims of the ``(N, C, *spatial)`` input sharded over the mesh dims.
+
+    Returns:
+        ``forward(x)``: this rank's slice of the serial output (the input's partition); running
+        stats updated exactly as the serial module's.
+
+    Raises:
+        ValueError: bad ``shard_dims``; in ``forward``, wrong dims or channels.
+        TypeError: a non-tensor input; ``from_module`` of another module type.
 
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
@@ -180,7 +198,7 @@ def _doc(nn_name: str, shape: str, ctor: str) -> str:
         norm = tplayers.Distributed{nn_name}.from_module(serial, mesh=mesh)
         x = torch.randn({shape})                                   # same on every rank
         y = tplayers.gather(norm(tplayers.shard(x, 2, mesh)), 2, mesh)
-        torch.testing.assert_close(y, serial(x))
+        torch.testing.assert_close(y, serial(x)){running}
     """
 
 

@@ -243,7 +243,22 @@ def _doc(kind: str, n: int, dims: str, example: str) -> str:
     return f"""``nn.{kind}{n}d`` on an input sharded along {dims} (every argument of the nn module, same
     defaults, plus ``*, mesh=None, shard_dims=(2,)``), exact against the serial layer on any partition
     whose shards can supply the windows (else ``ValueError`` on every rank before any halo traffic).
-    Output rows are balanced (``tplayers.shard_sizes``) unless the length is kept.
+
+    Args:
+        kernel_size, stride, padding, ...: every argument of ``nn.{kind}{n}d``, same defaults
+            ({"no ``return_indices=True``" if kind == "MaxPool" else "``divisor_override`` included"}).
+        mesh: a 1-D mesh, or a 2-D one to shard two dims (``None``: :func:`tplayers.default_mesh`).
+        shard_dims: the dims of the ``(N, C, *spatial)`` input sharded over the mesh dims.
+
+    Returns:
+        ``forward(x)``: this rank's rows of the serial output, from this rank's rows of the input
+        (any partition); balanced (``tplayers.shard_sizes``) unless the length is kept.
+
+    Raises:
+        ValueError: bad arguments; in ``forward``, on every rank before any halo traffic: a
+            partition whose shards cannot supply the windows, an empty output, wrong dims or
+            dtype, shapes that differ in unsharded dims, ranks built with other arguments.
+        TypeError: ``from_module`` of another module type.
 
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 

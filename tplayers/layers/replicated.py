@@ -37,14 +37,33 @@ __all__ = ["DomainReplicated"]
 class DomainReplicated(MeshBound, nn.Module):
     """Run ``module`` with its direct parameters' gradients summed over ``mesh`` (1-D or 2-D).
 
-    Example (``torchrun --nproc-per-node 2``; each rank holds a slice of the image)::
+    forward: ``module(*args)`` with its own parameters passed through one
+    :class:`~tplayers.comm.CopyManyToParallelRegion` per mesh dim / backward: one all-reduce of
+    all their gradients per mesh dim. The identity wrapper inside a guarded domain region.
 
-        import torch, tplayers
+    Args:
+        module: a module applied to sharded data (per-pixel), whose children hold no parameters
+            of their own (wrap those separately).
+        mesh: the domain's 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`).
+
+    Returns:
+        ``forward(*args)``: what ``module`` returns; ``state_dict`` keys are ``module``'s.
+
+    Raises:
+        ValueError: a child of ``module`` has parameters of its own.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import copy, torch, tplayers
         mesh = tplayers.init_mesh()
-        scale = tplayers.DomainReplicated(torch.nn.LayerNorm(8), mesh)
-        y = scale(torch.randn(2, 5, 16, 8))          # channels-last activations
-        y.sum().backward()                           # scale.weight.grad: summed over ranks
-        print(list(scale.state_dict()))              # ['weight', 'bias'], as in nn.LayerNorm
+        torch.manual_seed(0)
+        serial = torch.nn.LayerNorm(8, dtype=torch.float64)
+        full = torch.randn(2, 10, 16, 8, dtype=torch.float64)   # channels-last activations, H sharded
+        scale = tplayers.DomainReplicated(copy.deepcopy(serial), mesh)
+        scale(tplayers.shard(full, 1, mesh)).sum().backward()   # scale.weight.grad: summed over ranks
+        serial(full).sum().backward()
+        torch.testing.assert_close(scale.weight.grad, serial.weight.grad)
+        assert list(scale.state_dict()) == ["weight", "bias"]    # as in nn.LayerNorm
     """
 
     def __init__(self, module: nn.Module, mesh: Optional[DeviceMesh] = None) -> None:

@@ -169,12 +169,18 @@ def na1d(
     backend: str = "torch",
 ) -> torch.Tensor:
     """1-D neighborhood attention, NATTEN's semantics: ``q`` ``(B, L, heads, D)``, ``k``/``v``
-    ``(B, L, kv_heads, D|Dv)`` -> ``(B, L, heads, Dv)``. Arguments as :func:`na2d` (one dim).
+    ``(B, L, kv_heads, D|Dv)`` -> ``(B, L, heads, Dv)``. Args, returns and raises as :func:`na2d`
+    (one dim).
 
     >>> import torch, tplayers
     >>> q = torch.randn(2, 20, 4, 8); kv = torch.randn(2, 20, 2, 8)   # 2 kv heads: GQA
     >>> tplayers.na1d(q, kv, kv, kernel_size=5, stride=2, is_causal=True).shape
     torch.Size([2, 20, 4, 8])
+    >>> q, k, v = torch.randn(3, 2, 10, 4, 8, dtype=torch.float64).unbind(0)
+    >>> causal = torch.nn.functional.scaled_dot_product_attention(   # a causal window of all 10 keys
+    ...     q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+    >>> torch.allclose(tplayers.na1d(q, k, v, kernel_size=10, is_causal=True), causal)
+    True
     """
     return _na(1, q, k, v, kernel_size, dilation, is_causal, scale, stride, rel_pos_bias, backend)
 
@@ -206,10 +212,31 @@ def na2d(
     ``backend="natten"`` (opt-in) dispatches to ``natten.na2d`` when natten is installed; the
     default ``"torch"`` path is the oracle and runs everywhere.
 
+    Args:
+        q, k, v: the heads-last tensors above (one dtype and device).
+        kernel_size, dilation, is_causal, stride: the window, per dim or one value.
+        scale: the score scale (default ``head_dim ** -0.5``).
+        rel_pos_bias: optional ``(heads, 2kH - 1, 2kW - 1)`` bias.
+        backend: ``"torch"`` or ``"natten"``.
+
+    Returns:
+        ``(B, H, W, heads, head_dim_v)``.
+
+    Raises:
+        ValueError: shapes that do not fit (heads, sizes, a window larger than the input), a
+            ``stride`` above the kernel, a bad ``rel_pos_bias`` or ``backend``.
+        TypeError: a non-tensor argument.
+        ImportError: ``backend="natten"`` without natten.
+
     >>> import torch, tplayers
     >>> q = k = v = torch.randn(1, 9, 11, 2, 8)
     >>> tplayers.na2d(q, k, v, kernel_size=(3, 4), dilation=(2, 1)).shape
     torch.Size([1, 9, 11, 2, 8])
+    >>> q, k, v = torch.randn(3, 1, 5, 6, 2, 8, dtype=torch.float64).unbind(0)
+    >>> full = torch.nn.functional.scaled_dot_product_attention(   # a window of the whole image
+    ...     *(t.flatten(1, 2).transpose(1, 2) for t in (q, k, v))).transpose(1, 2).reshape(1, 5, 6, 2, 8)
+    >>> torch.allclose(tplayers.na2d(q, k, v, kernel_size=(5, 6)), full)
+    True
     """
     return _na(2, q, k, v, kernel_size, dilation, is_causal, scale, stride, rel_pos_bias, backend)
 
@@ -230,12 +257,18 @@ def na3d(
     """3-D neighborhood attention, NATTEN's semantics: ``q`` ``(B, D, H, W, heads, head_dim)``,
     ``k``/``v`` ``(B, D, H, W, kv_heads, head_dim|Dv)`` -> ``(B, D, H, W, heads, Dv)``; per-dim
     triples (or one value) for ``kernel_size``, ``dilation``, ``is_causal``, ``stride``;
-    ``rel_pos_bias`` ``(heads, 2kD - 1, 2kH - 1, 2kW - 1)``. Arguments otherwise as :func:`na2d`.
+    ``rel_pos_bias`` ``(heads, 2kD - 1, 2kH - 1, 2kW - 1)``. Args, returns and raises otherwise
+    as :func:`na2d`.
 
     >>> import torch, tplayers
     >>> q = k = v = torch.randn(1, 6, 7, 8, 2, 4)
     >>> tplayers.na3d(q, k, v, kernel_size=(3, 3, 5), is_causal=(True, False, False)).shape
     torch.Size([1, 6, 7, 8, 2, 4])
+    >>> q, k, v = torch.randn(3, 1, 3, 4, 5, 2, 8, dtype=torch.float64).unbind(0)
+    >>> full = torch.nn.functional.scaled_dot_product_attention(   # a window of the whole volume
+    ...     *(t.flatten(1, 3).transpose(1, 2) for t in (q, k, v))).transpose(1, 2).reshape(1, 3, 4, 5, 2, 8)
+    >>> torch.allclose(tplayers.na3d(q, k, v, kernel_size=(3, 4, 5)), full)
+    True
     """
     return _na(3, q, k, v, kernel_size, dilation, is_causal, scale, stride, rel_pos_bias, backend)
 

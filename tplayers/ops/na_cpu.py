@@ -8,10 +8,11 @@ the system C compiler can build it; ``TPLAYERS_NA_KERNEL=torch`` asks for the ti
 
 The vector width follows the host (:func:`host_isa`): on AVX-512 CPUs the kernel is built with 16
 fp32 / 8 fp64 lanes, on AVX2 ones 8 / 4, elsewhere 4 / 2, so every vector is one register (16
-lanes on an AVX2-only CPU made it 2.4-4.8x slower than the tile kernel: each op split in two,
-each shuffle a permute network). Measured with ``benchmarks/na.py`` (and ``--isa avx2``, the
-AVX2 build and torch capped at AVX2 on an AVX-512 CPU), the C kernel is the faster of the two on
-both, forward and backward, so it is the default wherever it builds.
+lanes on an AVX2-only CPU made it slower than the tile kernel: each op split in two, each
+shuffle a permute network). Measured with ``benchmarks/na.py`` (and ``--isa avx2``, the AVX2
+build and torch capped at AVX2 on an AVX-512 CPU), the C kernel is the faster of the two on both,
+forward and backward, so it is the default wherever it builds (figures:
+docs/neighborhood-attention.md, benchmarks/RESULTS.md).
 
 The source (``na_cpu.c`` and ``na_cpu_blocks.h``) ships in the package. On the first CPU call
 (never at import) it is compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -shared
@@ -363,8 +364,8 @@ def backward_is_fused(geo: List[int], dtype: torch.dtype) -> bool:
     """Whether the C backward sums a block's dK/dV in registers: the ``kW`` slots of one key row
     (``(kW - 1) * dilation_W`` columns apart) must fit two vectors from the block's first key
     (``(kW - 1) * dW <= lanes``). Otherwise each slot is a read-modify-write of memory, measured
-    slower than the tile kernel's backward (1x48x48, 4 heads, d32: AVX-512 kernel 21 0.77x, AVX2
-    kernel 13-21 0.76-0.85x; 1-D kernel 33: 0.29-0.69x), so :class:`CAttention` then runs that."""
+    slower than the tile kernel's backward (wide 2-D kernels, long 1-D ones; ``benchmarks/na.py``),
+    so :class:`CAttention` then runs that."""
     col = split_geometry(geo)[0][-1]
     return (col.kernel - 1) * col.dilation <= lanes(dtype)
 

@@ -33,7 +33,7 @@ def default_tile(kernel: Sequence[int], head_dim: int = 0) -> Tuple[int, ...]:
 
     A tile of ``t`` queries along an axis scores ``t + k - 1`` keys where each query needs ``k``:
     small tiles waste fewer scores, large ones make larger matmuls. For kernel 7, head_dim 32 on
-    one CPU core 4x4 and 4x8 measured fastest (8x8: ~15-25% slower); small kernels waste less per
+    one CPU core 4x4 and 4x8 measured fastest (8x8 slower); small kernels waste less per
     tile and get 8. In 3-D the leading axis takes 1 (a 4x4 tile of one depth slice already scores
     ``kD x 10 x 10`` keys at k7: the 2-D tile's 49% useful).
     """

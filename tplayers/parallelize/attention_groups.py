@@ -1,4 +1,5 @@
-"""Separate q / k / v / o projections of one attention, planned together (DESIGN §2.8).
+"""Separate q / k / v / o projections of one attention, planned together
+(docs/design.md (tensor-parallel linears)).
 
 A fused projection (``ColumnParallel(sections=..., head_dim=...)``) checks in its own layout
 that every rank's query heads use only key/value heads it holds. Separate ``q_proj`` /

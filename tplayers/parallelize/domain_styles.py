@@ -105,27 +105,47 @@ def _twin_of(module: nn.Module):
 @dataclass(frozen=True)
 class DomainParallel(ParallelStyle):
     """Domain (spatial) parallelism: every module of the matched subtree that has a twin in
-    :data:`DOMAIN_TWINS` (Conv, ConvTranspose, MaxPool, AvgPool, AdaptiveAvgPool, AdaptiveMaxPool 1-3d, Upsample) is
-    swapped for it, sharding ``shard_dims`` (dims of the ``(N, C, *spatial)`` input: ``(2,)`` = L / H /
-    D over a 1-D mesh, ``(2, 3)`` over a 2-D mesh); a single-device
-    :class:`~tplayers.NeighborhoodAttention` becomes its domain-parallel twin over the same axes (in
-    its ``(B, H, W, C)`` input H is dim 1, W dim 2).
+    :data:`DOMAIN_TWINS` (Conv, ConvTranspose, MaxPool, AvgPool, AdaptiveAvgPool, AdaptiveMaxPool
+    1-3d, Upsample, BatchNorm, GroupNorm, InstanceNorm) is swapped for it, sharding ``shard_dims``;
+    a single-device :class:`~tplayers.NeighborhoodAttention` becomes its domain-parallel twin over
+    the same axes (in its ``(B, H, W, C)`` input H is dim 1, W dim 2).
 
-    A module in the subtree that mixes spatial positions and has no twin
-    (:data:`SPATIAL_MIXERS_WITHOUT_TWIN`: FractionalMaxPool, LPPool, MaxUnpool, batch / group /
-    instance norms, LocalResponseNorm, padding layers, PixelShuffle, Fold, ...) is a ``ValueError``
-    listing all of them, before anything is swapped. Every call of the region then runs under the
-    region guard (:mod:`tplayers.region.guard`): ops a ``forward`` applies to sharded data outside the
-    twins (``F.interpolate``, ``x.mean((2, 3))``, attention over pixels, a per-pixel ``Linear``) are
-    run locally where that is exact, routed to their distributed form, or refused with a
-    ``ValueError``; replicated parameters get their gradients summed where they meet sharded data.
-    The first tensor argument of the region is its sharded input (``input_dims``). Matched on a
-    container, the region is that subtree; the model's own ``forward`` around it is watched too.
+    Every call of the region then runs under the region guard (:mod:`tplayers.region.guard`): ops
+    a ``forward`` applies to sharded data outside the twins (``F.interpolate``, ``x.mean((2, 3))``,
+    attention over pixels, a per-pixel ``Linear``) are run locally where that is exact, routed to
+    their distributed form, or refused with a ``ValueError``; replicated parameters get their
+    gradients summed where they meet sharded data. Matched on a container, the region is that
+    subtree; the model's own ``forward`` around it is watched too. See docs/design.md (the region
+    guard).
 
-    Example (``torchrun --nproc-per-node 2``)::
+    Args:
+        shard_dims: dims of the ``(N, C, *spatial)`` input sharded over the mesh dims: ``(2,)`` =
+            L / H / D over a 1-D mesh, ``(2, 3)`` over a 2-D mesh.
+        input_dims: the sharded dims of the region's first tensor argument, if not ``shard_dims``
+            (default: ``shard_dims``, or ``shard_dims - 1`` when the region's only twins are
+            neighborhood attentions, whose models take ``(B, H, W, C)``).
 
-        model = tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2,))})
-        y = model(tplayers.shard(x, 2))        # this rank's rows in, this rank's rows out
+    Raises:
+        ValueError: (from :func:`~tplayers.parallelize_module`, before anything is swapped) the
+            subtree holds modules that mix spatial positions and have no twin
+            (:data:`SPATIAL_MIXERS_WITHOUT_TWIN`: FractionalMaxPool, LPPool, MaxUnpool,
+            SyncBatchNorm, lazy norms and convolutions, LocalResponseNorm, reflect / replicate /
+            circular padding layers, PixelShuffle, Fold, Unfold), all of them listed; at call
+            time, on every rank, an op the guard can neither prove exact nor route.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import copy, torch, tplayers
+        from torch import nn
+        mesh = tplayers.init_mesh()
+        torch.manual_seed(0)
+        serial = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.MaxPool2d(2),
+                               nn.Conv2d(8, 4, 3, padding=1))
+        model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))},
+                                            mesh=mesh)
+        x = torch.randn(2, 3, 16, 12)
+        y = model(tplayers.shard(x, 2, mesh))             # this rank's rows in, this rank's rows out
+        torch.testing.assert_close(tplayers.gather(y, 2, mesh), serial(x))
     """
 
     shard_dims: Tuple[int, ...] = (2,)

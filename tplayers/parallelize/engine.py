@@ -156,9 +156,26 @@ def parallelize_module(
     values are written only after every transfer completed, and a style that
     rewires a subtree while building (``DomainParallel``) is undone.
 
-    Build the optimizer **after** this call: swapped parameters are new objects.
+    Build the optimizer **after** this call: swapped parameters are new objects (a warning
+    says so when swapped modules already hold gradients).
 
-    Example (``torchrun --nproc-per-node 3``; each rank seeded differently)::
+    Args:
+        model: the serial model; changed in place.
+        plan: ``{key: value}``: a key is a regex ``re.fullmatch``-ed against dotted module names
+            (``""`` is the root) or an ``nn.Module`` subclass (matches by type); a value is a
+            :class:`~tplayers.ParallelStyle` or a function ``fn(name, module, mesh) -> nn.Module``.
+        mesh: a 1-D mesh (2-D for domain styles sharding two dims); ``None``: the default mesh.
+        src_rank: the mesh position whose values every rank gets, or ``None`` (no communication).
+
+    Returns:
+        The model (a new object only when the plan matches the root ``""``).
+
+    Raises:
+        ValueError: a key matching nothing, a module matched twice, a style given a module it
+            cannot handle, a broken tie, ranks whose models or plans differ (on every rank).
+        TypeError: a partition function returning something other than an ``nn.Module``.
+
+    Example (``torchrun --nproc-per-node 3``, or 2, or plain ``python``; ranks seeded differently)::
 
         import torch, tplayers
         from torch import nn
@@ -167,6 +184,10 @@ def parallelize_module(
         model = nn.Sequential(nn.Linear(8, 30), nn.ReLU(), nn.Linear(30, 8), nn.LayerNorm(8))
         plan = {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()}
         model = tplayers.parallelize_module(model, plan, mesh=mesh)   # now rank 0's model everywhere
+        x = torch.ones(2, 8)
+        out = [torch.empty(2, 8) for _ in range(mesh.size())]
+        torch.distributed.all_gather(out, model(x).detach())
+        assert all(torch.equal(o, out[0]) for o in out)      # one model: the same output on every rank
     """
     mesh = resolve_mesh(mesh, (1, 2))  # 2-D only for domain styles sharding two dims
     check_src_rank(src_rank, mesh)

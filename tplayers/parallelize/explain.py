@@ -109,6 +109,32 @@ def explain(
     issues per forward and backward. The twins are built on copies and thrown
     away. Returns an :class:`Explanation` (``str()`` is the table) and prints it
     unless ``print_table=False``.
+
+    Args:
+        model: the serial model (left unchanged).
+        plan: a plan, as :func:`~tplayers.parallelize_module` takes it.
+        mesh: the mesh the plan would use (``None``: :func:`tplayers.default_mesh`).
+        print_table: print the table.
+
+    Returns:
+        An :class:`Explanation`: ``rows`` (module, key, type before, type after, parameter bytes
+        serial and per rank, collectives per step), ``total_before``, ``total_after``.
+
+    Raises:
+        ValueError: what :func:`~tplayers.parallelize_module` would raise for the plan (a key
+            matching nothing, a module matched twice, a style given a module it cannot handle).
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers
+        from torch import nn
+        mesh = tplayers.init_mesh()
+        model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+        plan = {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()}
+        table = tplayers.explain(model, plan, mesh, print_table=False)
+        assert isinstance(model[0], nn.Linear)                    # nothing changed
+        assert [r[3] for r in table.rows] == ["ColumnParallelLinear", "RowParallelLinear"]
+        assert "all_reduce" in str(table) or mesh.size() == 1    # Row's forward, Column's backward
     """
     mesh = resolve_mesh(mesh, (1, 2))
     matches = match_plan(model, plan)

@@ -81,11 +81,24 @@ class ReplicatedGradSum(ParallelStyle):
     """A module with replicated parameters whose gradients are summed over the mesh
     (:class:`~tplayers.DomainReplicated`): transformers' ``sequence_parallel`` (a norm on this
     rank's tokens) and ``replicated_with_grad_allreduce`` (a norm on this rank's heads).
-    Any module whose parameters are all its own (an ``RMSNorm`` class of a model) qualifies.
+    Any module whose parameters are all its own (an ``RMSNorm`` class of a model) qualifies,
+    e.g. ``{r"model\\.layers\\.\\d+\\.input_layernorm": tplayers.ReplicatedGradSum()}``.
 
-    Example::
+    Raises:
+        ValueError: (from :func:`~tplayers.parallelize_module`) a matched module whose children
+            hold parameters.
 
-        plan = {r"model\\.layers\\.\\d+\\.input_layernorm": tplayers.ReplicatedGradSum()}
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import copy, torch, tplayers
+        mesh = tplayers.init_mesh()
+        torch.manual_seed(0)
+        serial = torch.nn.Sequential(torch.nn.LayerNorm(8))
+        model = tplayers.parallelize_module(copy.deepcopy(serial), {"0": tplayers.ReplicatedGradSum()}, mesh=mesh)
+        x = torch.randn(6, 8)
+        model(tplayers.shard(x, 0, mesh)).sum().backward()   # this rank's tokens
+        serial(x).sum().backward()
+        torch.testing.assert_close(model[0].weight.grad, serial[0].weight.grad)   # summed over ranks
     """
 
     accepts = (nn.Module,)
@@ -213,17 +226,33 @@ def plan_from_transformers(
     attention at a rank count that splits a group) raise ``ValueError`` naming them, on every
     rank, before anything changes.
 
-    Example (``torchrun --nproc-per-node 4``; 4 query and 2 kv heads: kv heads replicated)::
+    Args:
+        model: a transformers ``PreTrainedModel`` (or any module, with ``tp_plan``).
+        mesh: a 1-D mesh (``None``: :func:`tplayers.default_mesh`).
+        tp_plan: transformers' string plan; default: the model's own.
+        vocab_parallel, sequence_parallel: keep the logits vocabulary-sharded; sequence parallelism.
 
-        import torch, tplayers, transformers
+    Returns:
+        ``{regex: style}``, a plan for :func:`~tplayers.parallelize_module` and :func:`~tplayers.explain`.
+
+    Raises:
+        ValueError: as above (no plan, an unknown style, heads this mesh cannot split).
+        TypeError: a non-bool ``vocab_parallel`` / ``sequence_parallel``.
+
+    Example (``torchrun --nproc-per-node 2`` or 4; 4 query and 2 kv heads: kv heads replicated at 4)::
+
+        import copy, torch, tplayers, transformers
+        torch.manual_seed(0)                                     # the same model and ids on every rank
         config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48,
                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
         model = transformers.LlamaForCausalLM(config)
+        serial = copy.deepcopy(model)
         plan = tplayers.plan_from_transformers(model, vocab_parallel=True)
-        print(tplayers.explain(model, plan))
+        tplayers.explain(model, plan)                            # prints the table
         model = tplayers.parallelize_module(model, plan)
         ids = torch.randint(0, 64, (2, 9))
         loss = tplayers.causal_lm_loss(model(ids).logits, ids)   # vocab-parallel, never gathered
+        torch.testing.assert_close(loss, serial(ids, labels=ids).loss)
     """
     for arg, value in (("vocab_parallel", vocab_parallel), ("sequence_parallel", sequence_parallel)):
         if not isinstance(value, bool):
@@ -379,13 +408,27 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, mesh=None, *, ign
     ``ignore_index``. Equals ``F.cross_entropy`` on the gathered, shifted logits (value and
     gradient) without gathering them (:func:`~tplayers.vocab_parallel_cross_entropy`).
 
-    Example (``torchrun --nproc-per-node 2``)::
+    Args:
+        logits: ``(B, S, vocab_local)``, this rank's vocabulary slice.
+        labels: ``(B, S)`` int64 ids, replicated; ``ignore_index``: labels to skip.
+        mesh: the 1-D mesh the vocabulary is split over (``None``: :func:`tplayers.default_mesh`).
 
-        import torch, tplayers
+    Returns:
+        The mean loss, a 0-d tensor, the same on every rank.
+
+    Raises:
+        ValueError: other shapes (and :func:`~tplayers.vocab_parallel_cross_entropy`'s errors).
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, torch.nn.functional as F, tplayers
         mesh = tplayers.init_mesh()
-        head = tplayers.ColumnParallelLinear(8, 50, mesh=mesh)        # a vocab-parallel lm_head
-        ids = torch.randint(0, 50, (2, 7))
-        loss = tplayers.causal_lm_loss(head(torch.randn(2, 7, 8)), ids, mesh)
+        torch.manual_seed(0)
+        dense = torch.nn.Linear(8, 50)
+        head = tplayers.ColumnParallelLinear.from_module(dense, mesh=mesh)   # a vocab-parallel lm_head
+        h, ids = torch.randn(2, 7, 8), torch.randint(0, 50, (2, 7))
+        loss = tplayers.causal_lm_loss(head(h), ids, mesh)
+        torch.testing.assert_close(loss, F.cross_entropy(dense(h)[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1)))
     """
     if logits.dim() != 3 or labels.shape != logits.shape[:2]:
         raise ValueError(

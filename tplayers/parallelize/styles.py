@@ -23,10 +23,23 @@ def key_repr(key: PlanKey) -> str:
 
 
 class ParallelStyle:
-    """A rule that turns one serial module into its distributed twin.
+    """A rule that turns one serial module into its distributed twin (a plan's value).
 
-    Subclasses set :attr:`accepts` (the module types they can handle) and
-    implement :meth:`build`.
+    Subclasses set :attr:`accepts` (the module types they can handle) and implement
+    :meth:`build` ``(name, module, mesh) -> nn.Module``; :meth:`check` (called for every match
+    before anything changes) raises ``ValueError`` for a module of another type, and
+    :meth:`finalize` runs once per style after every swap. :func:`tplayers.parallelize_module`
+    calls them; a plain function ``fn(name, module, mesh)`` is the lighter alternative.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import torch, tplayers
+        class Frozen(tplayers.ParallelStyle):             # a style of your own: freeze the match
+            accepts = (torch.nn.Linear,)
+            def build(self, name, module, mesh):
+                return module.requires_grad_(False)
+        model = tplayers.parallelize_module(torch.nn.Sequential(torch.nn.Linear(4, 4)), {"0": Frozen()})
+        assert not model[0].weight.requires_grad
     """
 
     accepts: Tuple[type, ...] = ()
@@ -84,12 +97,29 @@ class ColumnParallel(ParallelStyle):
     see :mod:`tplayers.parallelize.attention_groups`). Modules named ``q_proj``, ``k_proj``,
     ``v_proj``, ``query``, ``wq``, ... are read as such without it.
 
-    Example::
+    Args:
+        gather_output, sections, head_dim, sequence_parallel, sequence_dim: the twin's keywords
+            (:class:`~tplayers.ColumnParallelLinear`; an embedding takes ``gather_output`` only).
+            GPT-2's fused attention: ``ColumnParallel(sections=(d, d, d), head_dim=d // n_head)``
+            on ``r"h\.\d+\.attn\.c_attn"``.
+        head_role: ``"q"``, ``"k"``, ``"v"`` or ``None`` (above).
 
-        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
-        model = tplayers.parallelize_module(model, {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()})
-        # GPT-2's fused attention: q, k, v blocks of d features, heads of d // n_head
-        plan = {r"h\.\d+\.attn\.c_attn": tplayers.ColumnParallel(sections=(d, d, d), head_dim=d // n_head)}
+    Raises:
+        ValueError: (from :func:`~tplayers.parallelize_module`, before anything changes) a
+            matched module that is not a linear or an embedding, linear-only options on an
+            embedding, a bad ``head_role``.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import copy, torch, tplayers
+        from torch import nn
+        torch.manual_seed(0)
+        serial = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+        plan = {"0": tplayers.ColumnParallel(), "2": tplayers.RowParallel()}
+        model = tplayers.parallelize_module(copy.deepcopy(serial), plan)
+        assert isinstance(model[0], tplayers.ColumnParallelLinear)
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(model(x), serial(x))
     """
 
     gather_output: bool = False
@@ -142,10 +172,28 @@ class RowParallel(ParallelStyle):
     ``head_dim`` splits its input in whole heads (an attention output projection);
     ``head_role="o"`` marks it as the output projection of separate q / k / v linears
     (read from names such as ``o_proj``, ``out_proj``, ``wo`` without it), checked to read
-    exactly each rank's query heads::
+    exactly each rank's query heads. A tied ``lm_head`` stays tied with
+    ``{"wte": RowParallel(), "lm_head": ColumnParallel()}`` (one Parameter).
 
-        head = tplayers.parallelize_module(nn.Linear(64, 10), {"": tplayers.RowParallel(input_is_parallel=False)})
-        plan = {"wte": tplayers.RowParallel(), "lm_head": tplayers.ColumnParallel()}  # tied: one Parameter
+    Args:
+        input_is_parallel, head_dim, sequence_parallel, sequence_dim: the twin's keywords
+            (:class:`~tplayers.RowParallelLinear`; an embedding takes the sequence ones only).
+        head_role: ``"o"`` or ``None`` (above).
+
+    Raises:
+        ValueError: (from :func:`~tplayers.parallelize_module`, before anything changes) a
+            matched module that is not a linear or an embedding, linear-only options on an
+            embedding, a bad ``head_role``.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import copy, torch, tplayers
+        from torch import nn
+        torch.manual_seed(0)
+        serial = nn.Linear(64, 10)
+        head = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.RowParallel(input_is_parallel=False)})
+        x = torch.randn(4, 64)                            # full input, split locally
+        torch.testing.assert_close(head(x), serial(x))
     """
 
     input_is_parallel: bool = True

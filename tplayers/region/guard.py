@@ -24,11 +24,11 @@ all raise the same ``ValueError``, naming the op, the module and the ranks. Sett
 small all-gather per run of armed decisions before a collective, on first calls only; later calls
 with the same partition make the same decisions and settle nothing.
 
-It also makes the region convention (DESIGN §2.4) follow the data: where a replicated tensor that
-requires grad (a parameter, a time embedding, a squeeze-excitation gate) meets sharded data, it is
-passed through :class:`~tplayers.domain.boundary.ReplicatedToSharded` (identity forward, gradient
-summed over the mesh dims the result is sharded over), once per tensor and call, so every
-``.grad`` equals the serial model's whichever module computed what. Explicit boundary calls
+It also makes the region convention (docs/design.md (the region convention)) follow the data:
+where a replicated tensor that requires grad (a parameter, a time embedding, a squeeze-excitation
+gate) meets sharded data, it is passed through :class:`~tplayers.domain.boundary.ReplicatedToSharded`
+(identity forward, gradient summed over the mesh dims the result is sharded over), once per tensor
+and call, so every ``.grad`` equals the serial model's whichever module computed what. Explicit boundary calls
 (``replicated_to_sharded``, ``sharded_to_replicated``, :class:`~tplayers.DomainReplicated`,
 :class:`~tplayers.ReplicatedBranch`) are identities under a guard: the guard already sums where
 the data says so, and every replicated value inside a guarded region is already global.
@@ -81,6 +81,7 @@ class RegionGuard(TorchFunctionMode):
         self.agreed = False  # a DomainParallel region call: every rank's partition was compared at entry
         self.check = False  # decisions read from local sizes are agreed (a region's first call of a partition)
         self.pending = 0  # such decisions made since the last collective (settled before the next one)
+        self.reads: Dict[int, set] = {}  # mesh dim -> local lengths of sharded dims the code read (note_read)
 
     # ----------------------------------------------------------------- tags
     def layout(self, t: Any) -> Optional[Layout]:
@@ -106,7 +107,18 @@ class RegionGuard(TorchFunctionMode):
                 f"domain region {self.where[0]}: its input has {x.dim()} dims, fewer than the sharded "
                 f"dims {self.shard_dims} need"
             )
-        return self.mark(x, region_layout(x.shape, self.shard_dims))
+        with stepped_aside(self, settle=False):  # the guard's own reads are not the code's (note_read)
+            shape = x.shape
+        return self.mark(x, region_layout(shape, self.shard_dims))
+
+    def note_read(self, t: Any, dim: Optional[int] = None) -> None:
+        """Remember the local lengths of ``t``'s sharded dims (or of dim ``dim``) read by the region's code
+        (``x.shape``, ``x.size()``): a size equal to one of them may be a local share (:mod:`tplayers.region.sizes`)."""
+        lay = self.layout(t)
+        for d, entry in enumerate(lay or ()):
+            for _, axis in entry or ():
+                if axis is not None and (dim is None or d == dim % len(lay)):
+                    self.reads.setdefault(axis, set()).add(int(t.shape[d]))
 
     # ------------------------------------------------------------ boundary
     def bound(self, t: torch.Tensor, axes: Sequence[int]) -> torch.Tensor:
@@ -186,10 +198,10 @@ class RegionGuard(TorchFunctionMode):
             or kwargs
         ):
             raise self.refuse(self.error(f"{type(module).__name__} on a tensor sharded as {layout}", layout))
-        flat = x.reshape(x.shape[0], x.shape[1], -1, *([1] * (nd - 3)))
         with stepped_aside(self):
-            out = call(flat)
-        return self.mark(out.reshape(x.shape), layout)
+            flat = x.reshape(x.shape[0], x.shape[1], -1, *([1] * (nd - 3)))
+            out = call(flat).reshape(x.shape)
+        return self.mark(out, layout)
 
     # ---------------------------------------------------------------- twins
     def call_twin(self, module, call: Callable, args, kwargs):
@@ -198,6 +210,8 @@ class RegionGuard(TorchFunctionMode):
         layout = self.layout(x)
         dims = getattr(module, "shard_dims", None)
         name = type(module).__name__
+        with stepped_aside(self, settle=False):  # the guard's own reads are not the code's (note_read)
+            shape = None if x is None else x.shape
         if dims is not None and x is not None:
             if layout is None and getattr(module, "_serial", None) is not None:
                 serial = module._serial[0]  # replicated data: the serial module, same tensors
@@ -206,13 +220,13 @@ class RegionGuard(TorchFunctionMode):
             if layout is None:
                 raise self.refuse(
                     self.error(
-                        f"{name} (a domain twin) applied to a replicated tensor of shape {tuple(x.shape)}",
+                        f"{name} (a domain twin) applied to a replicated tensor of shape {tuple(shape)}",
                         advice="Twins take this rank's slice of a sharded tensor.",
                     )
                 )
-            if layout != region_layout(x.shape, tuple(dims)) and _statistics_twin(module):
+            if layout != region_layout(shape, tuple(dims)) and _statistics_twin(module):
                 return self._norm_any_layout(module, call, x, layout, args, kwargs)
-            if layout != region_layout(x.shape, tuple(dims)):
+            if layout != region_layout(shape, tuple(dims)):
                 raise self.refuse(
                     self.error(
                         f"{name} shards dims {tuple(dims)} but its input is sharded as {layout}",

@@ -1,11 +1,10 @@
 """Region-guard routes: ``F.interpolate``, functional pools and pads, and attention over sharded tokens.
 
-Inside a region shapes are local (``x.shape`` is this rank's slice), so a ``size=`` given to
-``F.interpolate`` along a sharded dim is read as this rank's share of the target, as
-``F.interpolate(x, size=skip.shape[2:])`` in a U-Net decoder means it; the global size is the sum
-of the ranks' shares, which must be the partition the window core produces (the input's partition
-when the length is kept, else the balanced one), else a ``ValueError`` on every rank.
-``output_size`` of adaptive pools and every kernel / stride stays global, as written.
+``F.interpolate``'s ``size`` and adaptive pools' ``output_size`` mean what they mean in the serial
+model and in the modules (``nn.Upsample(size=)``, ``nn.AdaptiveAvgPool2d(7)``): the global size;
+a size derived from a sharded tensor's local shape (``size=skip.shape[2:]``) is recognised as the
+ranks' shares, and a size that could be either is refused on every rank
+(:mod:`tplayers.region.sizes`). Kernel sizes and strides are global, as written.
 """
 
 from __future__ import annotations
@@ -13,11 +12,10 @@ from __future__ import annotations
 import torch
 
 import tplayers.functional as TF
-from tplayers.comm.collectives import exchange_sizes
 from tplayers.domain.layout import mesh_dims_of, region_layout, sharded_dims
 from tplayers.region.rules import op_name
 from tplayers.region.rules_ops import _bind, _simple
-from tplayers.sharding import shard_sizes
+from tplayers.region.sizes import global_sizes
 
 __all__ = ["TABLE"]
 
@@ -27,29 +25,6 @@ def _spatial(g, x, lay, what):
     if min(dims) < 2:
         raise g.error(f"{what} with a sharded batch or channel dim", lay)
     return dims
-
-
-def _global_size(g, x, lay, dims, size):
-    """Global target sizes from this rank's shares along the sharded dims (see the module docstring)."""
-    n_sp = x.dim() - 2
-    size = list(size) if isinstance(size, (list, tuple, torch.Size)) else [size] * n_sp
-    out = [int(s) for s in size]
-    for axis, d in enumerate(dims):
-        group = g.groups[axis]
-        want = exchange_sizes(out[d - 2], group)
-        have = exchange_sizes(x.shape[d], group)
-        total, total_in = sum(want), sum(have)
-        expect = have if total == total_in else shard_sizes(total, len(have))
-        if want != expect:
-            raise g.error(
-                f"F.interpolate: size along sharded dim {d} asks for shares {want} (global {total}), but the "
-                f"window core produces the partition {expect}",
-                lay,
-                "Inside a region sizes are local (x.shape); derive size= from a tensor of the target "
-                "resolution, or use scale_factor.",
-            )
-        out[d - 2] = total
-    return tuple(out)
 
 
 def _interpolate(g, func, args, kwargs):
@@ -71,27 +46,27 @@ def _interpolate(g, func, args, kwargs):
     lay = g.layout(x)
     dims = _spatial(g, x, lay, "F.interpolate")
     if a["size"] is not None:
-        a["size"] = _global_size(g, x, lay, dims, a["size"])
+        a["size"] = global_sizes(g, x, dims, a["size"], "F.interpolate")
     out = TF.interpolate(x, **a, mesh=g.mesh, shard_dims=dims, cache=g.routes)
     return g.mark(out, region_layout(out.shape, dims))
 
 
 def _pool(g, func, args, kwargs):
     g.acted = True
-    name = func.__name__.replace("_with_indices", "")
+    name = func.__name__.replace("_with_indices", "").lstrip("_")
     x, lay = args[0], g.layout(args[0])
     dims = _spatial(g, x, lay, op_name(func))
     fn = getattr(TF, name, None)
     if fn is None:
         raise g.error(f"{op_name(func)} over sharded dims", lay)
-    out = fn(*args, **kwargs, mesh=g.mesh, shard_dims=dims, cache=g.routes)
-    if name.startswith("adaptive"):
-        size = args[1] if len(args) > 1 else kwargs["output_size"]
-        size = list(size) if isinstance(size, (list, tuple)) else [size] * (x.dim() - 2)
-        kept = tuple(d for d in dims if size[d - 2] != 1)
-        layout = tuple(((out.shape[d], dims.index(d)),) if d in kept else None for d in range(out.dim()))
-        return g.mark(out, layout)
-    return g.mark(out, region_layout(out.shape, dims))
+    if not name.startswith("adaptive"):
+        out = fn(*args, **kwargs, mesh=g.mesh, shard_dims=dims, cache=g.routes)
+        return g.mark(out, region_layout(out.shape, dims))
+    a = _bind(args[1:], kwargs, ("output_size", "return_indices"), {})
+    size = global_sizes(g, x, dims, a.pop("output_size"), f"F.{name}")
+    out = fn(x, size, **a, mesh=g.mesh, shard_dims=dims, cache=g.routes)
+    kept = tuple(d for d in dims if size[d - 2] != 1)  # size 1 along a sharded dim: a global reduction
+    return g.mark(out, tuple(((out.shape[d], dims.index(d)),) if d in kept else None for d in range(out.dim())))
 
 
 def _pad(g, func, args, kwargs):

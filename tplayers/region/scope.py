@@ -6,7 +6,7 @@ and a pair of small hooks on every submodule that keep the module path for error
 call of the root:
 
 1. one small agreement: every rank's local input shape, compared with the previous call's table
-   (the only collective the guard adds on every call, DESIGN §2.6); when any rank's partition
+   (the only collective the guard adds on every call, docs/design.md (the region guard)); when any rank's partition
    changed, every rank forgets the region's cached layouts together, so a partition that changes
    on some ranks only is re-planned on all of them instead of hanging. The first call also
    compares a fingerprint of every replicated parameter and buffer of the region (ranks built
@@ -34,6 +34,7 @@ from torch import nn
 
 from tplayers.comm.agree import exchange_agreed, value_fingerprints
 from tplayers.comm.buckets import GradBuckets
+from tplayers.domain.active import stepped_aside
 from tplayers.domain.shard import reset_layouts
 from tplayers.layers._common import RegionAware, replicated_tensors
 from tplayers.mesh import resolve_mesh
@@ -103,7 +104,8 @@ class DomainRegion:
         """The per-call agreement (see the module docstring)."""
         groups = [self.mesh.get_group(i) for i in range(self.mesh.ndim)]
         ok = isinstance(x, torch.Tensor) and x.dim() > max(self.shard_dims)
-        shape = list(x.shape) if ok else []
+        with stepped_aside():  # an outer guard's: this read is not the model code's (RegionGuard.note_read)
+            shape = list(x.shape) if ok else []
         row = [int(ok), len(shape)] + shape + [-1] * (6 - len(shape))
         values = None
         if not self._values_checked and self.root is not None:  # first call: the replicated tensors too
@@ -139,6 +141,8 @@ class DomainRegion:
         guard.routes = self.routes
         guard.agreed = agreed
         guard.check = not agreed or self._table != self._checked
+        if outer is not None:  # the same call: the shapes its code read count here too
+            guard.reads = outer.reads
         if self.root is not None:  # before any twin runs: the gate's backward must come last
             guard.buckets = GradBuckets.for_region(self.root, guard.groups)
         guard.__enter__()
@@ -290,17 +294,33 @@ def bind_region(root: nn.Module, mesh, shard_dims: Sequence[int], name: str = ""
 def domain_region(mesh=None, shard_dims: Sequence[int] = (2,), *, inputs: Sequence[torch.Tensor] = ()):
     """Guard hand-written code as a domain region: every op on the tensors of ``inputs`` (this rank's
     slices along ``shard_dims``) and on what derives from them is checked, routed or refused exactly
-    as inside a ``DomainParallel`` region. Yields the :class:`RegionGuard` (``guard.mark_input(t)``
-    tags another sharded tensor).
+    as inside a ``DomainParallel`` region. No collective on entry (a ``DomainParallel`` region
+    adds its per-call agreement; here the partition is yours).
+
+    Args:
+        mesh: a 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`).
+        shard_dims: the tensor dim sharded over each mesh dim.
+        inputs: tensors to tag as sharded along ``shard_dims``.
+
+    Yields:
+        The :class:`RegionGuard` (``guard.mark_input(t)`` tags another sharded tensor).
+
+    Raises:
+        ValueError: on entry, ``shard_dims`` that do not match the mesh's dims or an input with
+            too few dims; inside, on every rank, any op on sharded data that is neither exact
+            locally nor routed (the message names the op, the module and the sharded dims).
 
     Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
         import torch, torch.nn.functional as F, tplayers
         mesh = tplayers.init_mesh()
-        x = tplayers.shard(torch.randn(2, 3, 8, 8), 2, mesh)
+        full = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+        x = tplayers.shard(full, 2, mesh)
         with tplayers.domain_region(mesh, (2,), inputs=(x,)):
             m = x.mean(dim=(2, 3), keepdim=True)                       # global mean, replicated
             y = F.interpolate(x - m, scale_factor=2, mode="bilinear")  # routed: exact
+        serial = F.interpolate(full - full.mean(dim=(2, 3), keepdim=True), scale_factor=2, mode="bilinear")
+        torch.testing.assert_close(tplayers.gather(y, 2, mesh), serial)
     """
     region = DomainRegion(mesh, shard_dims, "<domain_region>")
     guard = region.enter(None)

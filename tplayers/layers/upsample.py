@@ -1,4 +1,5 @@
-"""Domain-parallel resampling: ``DistributedUpsample`` and ``DistributedAdaptiveAvgPool1d/2d/3d``.
+"""Domain-parallel upsampling (``DistributedUpsample``) and the band resampling it shares with the
+adaptive average pools (:mod:`tplayers.layers.adaptive_pool`).
 
 Both are linear and separable: along one dim, output row ``o`` is a weighted sum
 of a few input rows. The weights are taken from PyTorch itself, once per layout:
@@ -11,8 +12,8 @@ N-d halo exchange brings them, and the local result is the band product, dim by
 dim (so no corner blocks are needed). Unsharded dims are left to the serial op
 with an exact identity along the sharded ones.
 
-An adaptive pool to size 1 along a sharded dim is a global reduction: each rank
-weighs its own rows and one all-reduce (forward; identity backward) gives the
+An adaptive average pool to size 1 along a sharded dim is a global reduction: each
+rank weighs its own rows and one all-reduce (forward; identity backward) gives the
 result, replicated along that dim on every rank.
 """
 
@@ -32,15 +33,9 @@ from tplayers.layers._domain import DomainLayer
 from tplayers.sharding import offsets_from_sizes
 from tplayers.window_plan import out_partition, plan_ranges
 
-__all__ = [
-    "DistributedUpsample",
-    "DistributedAdaptiveAvgPool1d",
-    "DistributedAdaptiveAvgPool2d",
-    "DistributedAdaptiveAvgPool3d",
-]
+__all__ = ["DistributedUpsample"]
 
 _MODES = ("nearest", "nearest-exact", "linear", "bilinear", "bicubic", "trilinear", "area")
-_ADAPTIVE = {1: F.adaptive_avg_pool1d, 2: F.adaptive_avg_pool2d, 3: F.adaptive_avg_pool3d}
 
 
 def _eye(n_sp: int, d: int, length: int, like: torch.Tensor) -> torch.Tensor:
@@ -109,8 +104,22 @@ class DistributedUpsample(_BandResample):
 
     Every mode (nearest, nearest-exact, linear, bilinear, bicubic, trilinear, area), ``size`` or
     ``scale_factor``, ``align_corners`` both ways, ``recompute_scale_factor``. Output rows are
-    balanced (``tplayers.shard_sizes``) unless the length is kept; a partition whose shards cannot
-    supply the taps raises ``ValueError`` on every rank before any halo traffic.
+    balanced (``tplayers.shard_sizes``) unless the length is kept.
+
+    Args:
+        size, scale_factor, mode, align_corners, recompute_scale_factor: as ``nn.Upsample``
+            (exactly one of ``size`` / ``scale_factor``; sizes global).
+        mesh: a 1-D mesh, or a 2-D one to shard two dims (``None``: :func:`tplayers.default_mesh`).
+        shard_dims: the dims of the ``(N, C, *spatial)`` input sharded over the mesh dims.
+
+    Returns:
+        ``forward(x)``: this rank's rows of the serial output, from this rank's rows of the input.
+
+    Raises:
+        ValueError: a bad mode, both or neither of ``size`` / ``scale_factor``, ``align_corners``
+            with a mode without corners; in ``forward``, on every rank before any halo traffic: a
+            partition whose shards cannot supply the taps, mismatched shapes, ranks built differently.
+        TypeError: ``from_module`` of a module that is not an ``nn.Upsample``.
 
     Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
 
@@ -216,82 +225,3 @@ class DistributedUpsample(_BandResample):
             f"size={self.size}, scale_factor={self.scale_factor}, mode={self.mode!r}, "
             f"align_corners={self.align_corners}, shard_dims={self.shard_dims}"
         )
-
-
-class _AdaptiveAvgPoolNd(_BandResample):
-    _reduce_to_one = True
-
-    def __init__(self, output_size, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)) -> None:
-        super().__init__()
-        n = self.spatial
-        sizes = list(output_size) if isinstance(output_size, (tuple, list)) else [output_size] * n
-        if len(sizes) != n or any(s is not None and (isinstance(s, bool) or int(s) < 1) for s in sizes):
-            raise ValueError(
-                f"{type(self).__name__}: output_size must be a positive int, None or a tuple of "
-                f"{n} of them, got {output_size!r}"
-            )
-        self.output_size = output_size
-        self._sizes = [None if s is None else int(s) for s in sizes]
-        self._init_domain(mesh, shard_dims)
-
-    @classmethod
-    def from_module(cls, m: nn.Module, *, mesh: Optional[DeviceMesh] = None, shard_dims: Sequence[int] = (2,)):
-        """The domain-parallel twin of an ``nn.AdaptiveAvgPoolNd``."""
-        if type(m) is not cls._nn:
-            raise TypeError(f"{cls.__name__}.from_module expects nn.{cls._nn.__name__}, got {type(m).__name__}")
-        return cls(m.output_size, mesh=mesh, shard_dims=shard_dims)
-
-    def _config(self):
-        return {"output_size": tuple(self._sizes)}
-
-    def _pool(self, x: torch.Tensor, keep: Dict[int, int]) -> torch.Tensor:
-        size = [keep.get(2 + i, s) for i, s in enumerate(self._sizes)]
-        return _ADAPTIVE[self.spatial](x, size)
-
-    def _probe(self, eye: torch.Tensor, n_sp: int, d: int) -> torch.Tensor:
-        keep = {2 + i: 1 for i in range(n_sp) if 2 + i != d}
-        return self._pool(eye, keep).reshape(eye.size(1), -1)
-
-    def _out_len(self, d: int, length: int, n_sp: int) -> int:
-        s = self._sizes[d - 2]
-        return length if s is None else s
-
-    def _rest(self, x, out_shape):
-        return self._pool(x, {d: x.size(d) for d in self.shard_dims})
-
-    def extra_repr(self) -> str:
-        return f"output_size={self.output_size}, shard_dims={self.shard_dims}"
-
-
-def _adaptive_doc(n: int) -> str:
-    return f"""``nn.AdaptiveAvgPool{n}d`` on a spatially sharded input, exact against the serial module.
-
-    Any output size whose windows the adjacent shards can supply; size 1 along a sharded dim is a
-    global mean (one all-reduce forward, identity backward): that dim of the output is then
-    replicated (size 1 on every rank), not sharded.
-
-    Example (``torchrun --nproc-per-node 2 example.py``, or plain ``python``)::
-
-        import torch, tplayers
-        mesh = tplayers.init_mesh()
-        torch.manual_seed(0)                                  # the same model and data on every rank
-        serial = torch.nn.AdaptiveAvgPool{n}d(1)
-        pool = tplayers.DistributedAdaptiveAvgPool{n}d.from_module(serial, mesh=mesh)
-        x = torch.randn(2, 3, {", ".join(["8"] * n)})                  # same on every rank
-        torch.testing.assert_close(pool(tplayers.shard(x, 2, mesh)), serial(x))   # replicated
-    """
-
-
-class DistributedAdaptiveAvgPool1d(_AdaptiveAvgPoolNd):
-    __doc__ = _adaptive_doc(1)
-    spatial, _nn = 1, nn.AdaptiveAvgPool1d
-
-
-class DistributedAdaptiveAvgPool2d(_AdaptiveAvgPoolNd):
-    __doc__ = _adaptive_doc(2)
-    spatial, _nn = 2, nn.AdaptiveAvgPool2d
-
-
-class DistributedAdaptiveAvgPool3d(_AdaptiveAvgPoolNd):
-    __doc__ = _adaptive_doc(3)
-    spatial, _nn = 3, nn.AdaptiveAvgPool3d
