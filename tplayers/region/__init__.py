@@ -3,7 +3,8 @@
 * :mod:`~tplayers.region.scope` - a region's hooks on its root module (agreement, guard, buckets);
 * :mod:`~tplayers.region.guard` - the ``TorchFunctionMode`` of one region call;
 * :mod:`~tplayers.region.dispatch` - which rule handles an op; the rules themselves in
-  :mod:`~tplayers.region.rules` (pointwise, views, values), :mod:`~tplayers.region.rules_ops`
+  :mod:`~tplayers.region.rules` (pointwise, values, shared helpers), :mod:`~tplayers.region.rules_views`
+  (views, indexing, ``cat``, ops along a dim), :mod:`~tplayers.region.rules_ops`
   (reductions, norms, cat, ...), :mod:`~tplayers.region.rules_index` (indexing) and
   :mod:`~tplayers.region.rules_route` (routes to :mod:`tplayers.functional`).
 

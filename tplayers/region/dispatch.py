@@ -14,11 +14,9 @@ from typing import Any, Dict
 from tplayers.domain.layout import LayoutError
 from tplayers.region import rules_ops, rules_route
 from tplayers.region.rules import (
-    _ALONG,
     _PASS,
     _PRESERVE,
     _VALUES,
-    _VIEWS,
     _getter,
     _passthrough,
     _pointwise_names,
@@ -28,6 +26,7 @@ from tplayers.region.rules import (
     op_name,
     run_pointwise,
 )
+from tplayers.region.rules_views import ALONG, VIEWS
 
 __all__ = ["handle"]
 
@@ -37,8 +36,8 @@ def _table() -> Dict[str, Any]:
     table: Dict[str, Any] = {n: _preserve for n in _PRESERVE}
     table.update({n: _passthrough for n in _PASS})
     table.update({n: _refuse_value for n in _VALUES})
-    table.update(_VIEWS)
-    table.update(_ALONG)
+    table.update(VIEWS)
+    table.update(ALONG)
     table.update(rules_ops.TABLE)
     table.update(rules_route.TABLE)
     return table
@@ -55,8 +54,8 @@ def _local() -> frozenset:
             _refuse_value,
             _getter,
             run_pointwise,
-            *_VIEWS.values(),
-            *_ALONG.values(),
+            *VIEWS.values(),
+            *ALONG.values(),
             *rules_ops.LOCAL,
         ]
     )

@@ -1,11 +1,12 @@
-"""What the region guard does with each torch call on domain-sharded data (see :mod:`~tplayers.region.guard`).
+"""The region guard's generic rules for torch calls on domain-sharded data, and the helpers every
+rule module shares (see :mod:`~tplayers.region.guard`).
 
-:func:`handle` looks the call up by name in one table (:func:`_table`), lazily built: pointwise ops
-(aten's ``pointwise`` tag plus a few), layout-keeping moves, metadata queries, views and indexing
-(:mod:`tplayers.domain.layout` decides whether each sharded dim stays whole), reductions and
-scans along a dim, ``cat``/``stack``, and the ops of :mod:`tplayers.region.rules_ops` (linear
-algebra, convolutions, norms, dropout, and the calls routed to :mod:`tplayers.functional`).
-A name not in the table is an error (deny by default).
+Here: pointwise ops (aten's ``pointwise`` tag plus a few), layout-keeping moves, metadata queries
+and values. Views, indexing, ``cat`` / ``stack`` and ops along a dim are in
+:mod:`tplayers.region.rules_views`; linear algebra, convolutions, norms, dropout and reductions in
+:mod:`tplayers.region.rules_ops`; the calls routed to :mod:`tplayers.functional` in
+:mod:`tplayers.region.rules_route`. :mod:`tplayers.region.dispatch` joins them into one table; a
+name in none of them is an error (deny by default).
 """
 
 from __future__ import annotations
@@ -17,17 +18,10 @@ import torch
 
 from tplayers.domain.layout import (
     broadcast_layouts,
-    drop_dims,
-    flatten_layout,
-    insert_dim,
     is_sharded,
     mesh_dims_of,
     permute_layout,
-    reshape_layout,
-    sharded_dims,
-    unflatten_layout,
 )
-from tplayers.region.rules_index import index_layout
 
 __all__ = ["op_name", "dims_arg", "run_pointwise", "first_sharded"]
 
@@ -120,194 +114,6 @@ def _getter(g, func, args, kwargs):
         order = list(range(n))[::-1] if prop in ("T", "H") else list(range(n - 2)) + [n - 1, n - 2]
         g.mark(out, permute_layout(lay, order))
     return out
-
-
-# ------------------------------------------------------------------ views
-def _shape_args(args, start=1):
-    rest = args[start:]
-    if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
-        return tuple(rest[0])
-    return tuple(rest)
-
-
-def _reshape(g, func, args, kwargs):
-    x, lay = args[0], g.layout(args[0])
-    name = func.__name__
-    if name in ("view_as", "reshape_as"):
-        shape = tuple(args[1].shape)
-    elif name == "view" and len(args) == 2 and isinstance(args[1], torch.dtype):
-        return _preserve(g, func, args, kwargs)
-    else:
-        shape = _shape_args(args) if len(args) > 1 else tuple(kwargs.get("shape", kwargs.get("size", ())))
-    g.arm()  # decided from local sizes (a 1-row or empty shard): agreed on a region's first call
-    new = reshape_layout(x.shape, lay, shape)
-    return g.mark(func(*args, **kwargs), new)
-
-
-def _flatten(g, func, args, kwargs):
-    x, lay = args[0], g.layout(args[0])
-    start = kwargs.get("start_dim", args[1] if len(args) > 1 else 0)
-    end = kwargs.get("end_dim", args[2] if len(args) > 2 else -1)
-    named = isinstance(start, int) and isinstance(end, int)  # the dims it merges are named: never ambiguous
-    if not named:
-        g.arm()
-    out = func(*args, **kwargs)
-    if not x.dim():
-        return out
-    if named:
-        return g.mark(out, flatten_layout(x.shape, lay, start, end))
-    return g.mark(out, reshape_layout(x.shape, lay, out.shape))
-
-
-def _unflatten(g, func, args, kwargs):
-    x, lay = args[0], g.layout(args[0])
-    g.arm()  # a 1-row shard split into two dims is ambiguous on that rank only
-    out = func(*args, **kwargs)
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    if isinstance(dim, int):
-        d = dim % x.dim()
-        k = out.dim() - x.dim() + 1
-        return g.mark(out, unflatten_layout(x.shape, lay, d, out.shape[d : d + k]))
-    return g.mark(out, reshape_layout(x.shape, lay, out.shape))
-
-
-def _permute(g, func, args, kwargs):
-    x, lay = args[0], g.layout(args[0])
-    n = x.dim()
-    name = func.__name__
-    if name == "permute":
-        order = _shape_args(args) if len(args) > 1 else tuple(kwargs["dims"])
-        order = [d % n for d in order]
-    elif name in ("transpose", "swapaxes", "swapdims", "transpose_"):
-        a = kwargs.get("dim0", args[1] if len(args) > 1 else None) % n
-        b = kwargs.get("dim1", args[2] if len(args) > 2 else None) % n
-        order = list(range(n))
-        order[a], order[b] = b, a
-    elif name == "t":
-        order = list(range(n))[::-1]
-    else:  # movedim / moveaxis
-        src = kwargs.get("source", args[1])
-        dst = kwargs.get("destination", args[2])
-        src = [src] if isinstance(src, int) else list(src)
-        dst = [dst] if isinstance(dst, int) else list(dst)
-        src, dst = [s % n for s in src], [d % n for d in dst]
-        rest = [d for d in range(n) if d not in src]
-        order = [None] * n
-        for s, d in zip(src, dst):
-            order[d] = s
-        it = iter(rest)
-        order = [o if o is not None else next(it) for o in order]
-    return g.mark(func(*args, **kwargs), permute_layout(lay, order))
-
-
-def _squeeze(g, func, args, kwargs):
-    x, lay = args[0], g.layout(args[0])
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    sharded = sharded_dims(lay)
-    if dim is None:  # serial squeeze removes dims of global size 1: never a sharded one
-        dims = tuple(d for d in range(x.dim()) if x.shape[d] == 1 and d not in sharded)
-        out = x.squeeze(dims) if dims else x.view_as(x)
-    else:
-        dims = tuple(d for d in dims_arg(dim, x.dim()) if x.shape[d] == 1)
-        if set(dims_arg(dim, x.dim())) & set(sharded):
-            raise g.error(f"{op_name(func)} of a sharded dim", lay)
-        out = func(*args, **kwargs)
-    return g.mark(out, drop_dims(lay, dims))
-
-
-def _unsqueeze(g, func, args, kwargs):
-    lay = g.layout(args[0])
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    return g.mark(func(*args, **kwargs), insert_dim(lay, dim))
-
-
-def _expand(g, func, args, kwargs):
-    x, lay = args[0], g.layout(args[0])
-    g.arm()  # a 1-row shard expands where the others cannot
-    out = func(*args, **kwargs)
-    new = out.dim() - x.dim()
-    for d in sharded_dims(lay):
-        if out.shape[new + d] != x.shape[d]:
-            raise g.error(f"{op_name(func)} expands a sharded dim", lay)
-    return g.mark(out, (None,) * new + tuple(lay))
-
-
-def _repeat(g, func, args, kwargs):
-    x, lay = args[0], g.layout(args[0])
-    reps = _shape_args(args)
-    new = len(reps) - x.dim()
-    if any(reps[new + d] != 1 for d in sharded_dims(lay)):
-        raise g.error(f"{op_name(func)} repeats a sharded dim", lay)
-    return g.mark(func(*args, **kwargs), (None,) * new + tuple(lay))
-
-
-def _along(position: int, default=None, kw: str = "dim"):
-    """An op along one whole dim (split, chunk, select, softmax, cumsum, ...)."""
-
-    def handler(g, func, args, kwargs):
-        x, lay = args[0], g.layout(args[0])
-        dim = kwargs.get(kw, args[position] if len(args) > position else default)
-        dims = dims_arg(dim, x.dim()) if dim is not None else tuple(range(x.dim()))
-        hit = set(dims) & set(sharded_dims(lay))
-        if hit:
-            raise g.error(
-                f"{op_name(func)} along sharded dim {sorted(hit)}",
-                lay,
-                "Keep this op on whole dims (channels), or move it outside the domain region.",
-            )
-        out = func(*args, **kwargs)
-        if func.__name__ in ("select", "unbind"):
-            return _mark_all(g, out, drop_dims(lay, dims))
-        return _mark_all(g, out, lay)
-
-    return handler
-
-
-def _getitem(g, func, args, kwargs):
-    x, lay = args[0], g.layout(args[0])
-    if len(args) > 1 and g.layout(args[1]) is not None:
-        raise g.error("indexing with a sharded index tensor", lay)
-    new = index_layout(x, lay, args[1])
-    if new is None:
-        raise g.error(
-            "indexing (a slice, step, integer or index tensor) along a sharded dim",
-            lay,
-            "Index whole dims only (x[:, :3] selects channels), or move it outside the region.",
-        )
-    return g.mark(func(*args, **kwargs), new)
-
-
-def _setitem(g, func, args, kwargs):
-    x, idx, value = args[0], args[1], args[2]
-    lay = g.layout(x)
-    if lay is None:
-        raise g.error("assigning sharded values into a replicated tensor", g.layout(value))
-    part = index_layout(x, lay, idx)
-    if part is None:
-        raise g.error("assignment to a slice along a sharded dim", lay)
-    if isinstance(value, torch.Tensor):
-        shape = x[idx].shape
-        broadcast_layouts([shape, value.shape], [part, g.layout(value)])
-    return func(*args, **kwargs)
-
-
-def _cat(g, func, args, kwargs):
-    g.arm()  # operands partitioned differently may have equal local sizes on some ranks only
-    tensors = list(args[0]) if args else list(kwargs.get("tensors"))
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-    lays = [g.layout(t) for t in tensors]
-    ref = next(la for la in lays if la is not None)
-    stack = func.__name__ == "stack"
-    d = dim % (len(ref) + (1 if stack else 0))
-    if not stack and d in sharded_dims(ref):
-        raise g.error(f"{op_name(func)} along sharded dim {d}", ref)
-    for t, la in zip(tensors, lays):
-        if la is None or [e for i, e in enumerate(la) if i != d or stack] != [
-            e for i, e in enumerate(ref) if i != d or stack
-        ]:
-            raise g.error(f"{op_name(func)} of tensors sharded differently (or sharded with replicated ones)", ref)
-    out = func(*args, **kwargs)
-    return g.mark(out, insert_dim(ref, d) if stack else ref)
 
 
 @functools.lru_cache(maxsize=None)
@@ -473,61 +279,3 @@ _PASS = {
     "__get__",
 }
 _VALUES = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__", "__complex__"}
-_VIEWS = {
-    "view": _reshape,
-    "reshape": _reshape,
-    "view_as": _reshape,
-    "reshape_as": _reshape,
-    "flatten": _flatten,
-    "unflatten": _unflatten,
-    "permute": _permute,
-    "transpose": _permute,
-    "swapaxes": _permute,
-    "swapdims": _permute,
-    "t": _permute,
-    "movedim": _permute,
-    "moveaxis": _permute,
-    "squeeze": _squeeze,
-    "unsqueeze": _unsqueeze,
-    "expand": _expand,
-    "expand_as": _expand,
-    "broadcast_to": _expand,
-    "repeat": _repeat,
-    "__getitem__": _getitem,
-    "__setitem__": _setitem,
-    "cat": _cat,
-    "concat": _cat,
-    "concatenate": _cat,
-    "stack": _cat,
-}
-_ALONG = {
-    "select": _along(1),
-    "narrow": _along(1),
-    "chunk": _along(2, 0),
-    "split": _along(2, 0),
-    "tensor_split": _along(2, 0),
-    "split_with_sizes": _along(2, 0),
-    "unbind": _along(1, 0),
-    "softmax": _along(1),
-    "log_softmax": _along(1),
-    "softmin": _along(1),
-    "cumsum": _along(1),
-    "cumprod": _along(1),
-    "cummax": _along(1),
-    "cummin": _along(1),
-    "logcumsumexp": _along(1),
-    "sort": _along(1, -1),
-    "argsort": _along(1, -1),
-    "topk": _along(2, -1),
-    "kthvalue": _along(2, -1),
-    "glu": _along(1, -1),
-    "normalize": _along(2, 1),
-    "gumbel_softmax": _along(4, -1),
-    "index_select": _along(1),
-    "diff": _along(2, -1),
-    "roll": _along(2, None, "dims"),
-    "flip": _along(1, None, "dims"),
-    "rot90": _along(2, (0, 1), "dims"),
-    "fliplr": _along(9, (1,)),
-    "flipud": _along(9, (0,)),
-}
