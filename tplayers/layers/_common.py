@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.domain.active import active_guard
+from tplayers.comm.agree import exchange_agreed, value_fingerprints
+from tplayers.domain.active import active_guard, partition_agreed
 from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh
 from tplayers.sharding import ShardSpec
@@ -53,6 +54,26 @@ class ShardedModule(RegionAware, MeshBound, nn.Module):
             if name in serial._buffers:
                 serial._buffers[name] = b
         self._serial = (serial,)  # a tuple: not a registered child (no state_dict keys)
+
+    def _exchange_layout(self, row, config, tag: str):
+        """Every rank's layout ``row``, agreed on ``config`` over this layer's mesh groups
+        (:func:`~tplayers.comm.agree.exchange_agreed`). The layer's first exchange outside a region
+        (which checks its own) also carries a fingerprint of its parameters, so replicated weights
+        that differ across ranks raise ``ValueError`` on every rank."""
+        values = None
+        if not self.__dict__.get("_values_checked", False) and not partition_agreed():
+            values = value_fingerprints(dict(self.named_parameters()))
+        table = exchange_agreed(
+            row,
+            config,
+            self._groups,
+            type(self).__name__,
+            tag,
+            values=values,
+            ranks=self.mesh.mesh.reshape(-1).tolist(),
+        )
+        self._values_checked = True
+        return table
 
     def _bind_mesh(self, mesh: Optional[DeviceMesh], ndim=1) -> DeviceMesh:
         mesh = resolve_mesh(mesh, ndim)

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.comm.agree import exchange_agreed, value_fingerprints
 from tplayers.domain.active import partition_agreed
 from tplayers.layers._common import ShardedModule
 from tplayers.sharding import ShardSpec
@@ -162,19 +161,7 @@ class DomainLayer(ShardedModule):
         if ref is None:
             config["input dtype"] = str(x.dtype) if is_tensor else None
         row = [int(rank_ok), int(kind_ok), len(shape)] + shape + [-1] * (5 - len(shape))
-        values = None
-        if not self.__dict__.get("_values_checked", False) and not partition_agreed():  # a region checks its own
-            values = value_fingerprints(dict(self.named_parameters()))
-        table = exchange_agreed(
-            row,
-            config,
-            self._groups,
-            name,
-            tag="domain.layout",
-            values=values,
-            ranks=self.mesh.mesh.reshape(-1).tolist(),
-        )
-        self._values_checked = True
+        table = self._exchange_layout(row, config, "domain.layout")
         if key in self._layouts and self._tables.get(key) == table:
             return self._layouts[key]  # the same partition on every rank as when it was planned
         coords = [(c0, c1) for c0 in range(len(table)) for c1 in range(len(table[0]))]

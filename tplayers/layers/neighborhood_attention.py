@@ -35,7 +35,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_many_to_parallel_region
-from tplayers.comm.agree import exchange_agreed, value_fingerprints
 from tplayers.domain.active import partition_agreed
 from tplayers.domain.window import gather_windows
 from tplayers.layers._common import ShardedModule, autocast_dtype_ok
@@ -266,19 +265,7 @@ class NeighborhoodAttention(ShardedModule):
             "num_heads": self.num_heads,
             "dtype": str(self.qkv.weight.dtype),
         }
-        values = None
-        if not self.__dict__.get("_values_checked", False) and not partition_agreed():  # a region checks its own
-            values = value_fingerprints(dict(self.named_parameters()))
-        table = exchange_agreed(
-            row,
-            config,
-            self._groups,
-            type(self).__name__,
-            "na.layout",
-            values=values,
-            ranks=self.mesh.mesh.reshape(-1).tolist(),
-        )
-        self._values_checked = True
+        table = self._exchange_layout(row, config, "na.layout")
         if key in self._layouts and self._tables.get(key) == table:
             return self._layouts[key]  # the same partition on every rank as when it was planned
         rows = [r for line in table for r in line]
