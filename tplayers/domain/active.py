@@ -9,13 +9,16 @@ never imports the guard. A mode counts as a region guard when its class sets
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+import contextvars
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 __all__ = ["active_guard", "stepped_aside", "partition_agreed"]
 
-_ASIDE: List[Any] = []  # the guards stepped aside for the code now running, innermost last
+# The guards stepped aside for the code now running, innermost last: per thread and context, as the
+# torch-function mode stack it mirrors is.
+_ASIDE: contextvars.ContextVar[Tuple[Any, ...]] = contextvars.ContextVar("tplayers_guards_aside", default=())
 
 
 def _is_guard(mode: Any) -> bool:
@@ -45,7 +48,7 @@ def partition_agreed() -> bool:
     aside for the twin now running). Twins called anywhere else agree on their partition per call."""
     guard = active_guard()
     if guard is None:
-        guard = next((g for g in reversed(_ASIDE) if g is not None), None)
+        guard = next((g for g in reversed(_ASIDE.get()) if g is not None), None)
     return bool(getattr(guard, "agreed", False))
 
 
@@ -65,7 +68,7 @@ class stepped_aside:
     def __enter__(self) -> "stepped_aside":
         while any(_is_guard(torch._C._get_function_stack_at(i)) for i in range(torch._C._len_torch_function_stack())):
             self.popped.append(torch._C._pop_torch_function_stack())
-        _ASIDE.append(self.guard)
+        self._token = _ASIDE.set(_ASIDE.get() + (self.guard,))
         if self.settle and self.guard is not None and hasattr(self.guard, "settle"):
             try:
                 self.guard.settle()
@@ -75,7 +78,7 @@ class stepped_aside:
         return self
 
     def __exit__(self, *exc) -> bool:
-        _ASIDE.pop()
+        _ASIDE.reset(self._token)
         while self.popped:
             torch._C._push_on_torch_function_stack(self.popped.pop())
         return False
