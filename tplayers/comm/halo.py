@@ -246,17 +246,7 @@ def halo_adjoint(
         if during is not None:
             during()
         ensure_halo_ops()
-        return torch.ops.tplayers.halo_adjoint(
-            grad,
-            state.dim,
-            state.group.group_name,
-            list(state.recv),
-            list(state.send),
-            state.n,
-            peer_code(state.peers[0]),
-            peer_code(state.peers[1]),
-            format_code(state.grad_format),
-        )
+        return torch.ops.tplayers.halo_adjoint(grad, *state_codes(state))
     route = state.resolved()
     dim, n, (lo, hi), size = state.dim, state.n, route.peers, route.size
     (r_lo, r_hi), (s_lo, s_hi) = state.recv, state.send
@@ -373,6 +363,21 @@ def format_of(code: int) -> torch.memory_format:
 def peer_code(peer) -> int:
     """A neighbour's global rank, -1 for none."""
     return -1 if peer is None else int(peer)
+
+
+def state_codes(state: HaloState) -> tuple:
+    """``state`` as a custom op's integer arguments (dim, group name, recv, send, n, lo, hi, grad
+    format); :func:`state_from_codes` is the inverse."""
+    return (
+        state.dim,
+        state.group.group_name,
+        list(state.recv),
+        list(state.send),
+        state.n,
+        peer_code(state.peers[0]),
+        peer_code(state.peers[1]),
+        format_code(state.grad_format),
+    )
 
 
 def state_from_codes(dim: int, group_name: str, recv, send, n: int, lo: int, hi: int, grad_format: int) -> HaloState:

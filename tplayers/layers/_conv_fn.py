@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from tplayers.comm import all_reduce_sum, record_collective
 from tplayers.comm.collectives import group_by_name
-from tplayers.comm.halo import format_code, format_of, halo_adjoint, halo_pad, peer_code, state_from_codes
+from tplayers.comm.halo import format_of, halo_adjoint, halo_pad, state_codes, state_from_codes
 from tplayers.comm.halo_route import HaloRoute, halo_route
 from tplayers.ops.registry import OpSpec, register
 from tplayers.window_plan import AxisPlan, EdgeGeometry
@@ -351,14 +351,7 @@ def _compiled_backward(gxp, flat, state, groups):
         gxp if has_x else flat.new_empty(0),
         flat,
         has_x,
-        state.dim,
-        state.group.group_name,
-        list(state.recv),
-        list(state.send),
-        state.n,
-        peer_code(state.peers[0]),
-        peer_code(state.peers[1]),
-        format_code(state.grad_format),
+        *state_codes(state),
         *([g.group_name for g in groups] + ["", ""])[:2],
     )
     return (grad_x if has_x else None), summed
