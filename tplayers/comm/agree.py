@@ -49,6 +49,20 @@ def config_code(value: object) -> int:
     return -(1 << 40) - zlib.crc32(repr(value).encode())
 
 
+def _differing(rows: Sequence[Sequence[int]], names: Sequence[str], ranks=None):
+    """``(name, {code: [ranks holding it]})`` for each of the rows' trailing ``len(names)`` codes that
+    differs across them (rows in mesh order; ``ranks``: the global rank of each row, default its index)."""
+    k = len(names)
+    for j, name in enumerate(names):
+        column = [int(r[len(r) - k + j]) for r in rows]
+        if len(set(column)) == 1:
+            continue
+        groups: Dict[int, List[int]] = {}
+        for i, code in enumerate(column):
+            groups.setdefault(code, []).append(int(ranks[i]) if ranks is not None else i)
+        yield name, groups
+
+
 def check_agreement(
     rows: Sequence[Sequence[int]], names: Sequence[str], values: Mapping[str, object], what: str
 ) -> None:
@@ -58,17 +72,8 @@ def check_agreement(
     so every rank raises the same error). ``values`` are this rank's values, shown
     in the message; ints from other ranks are shown too.
     """
-    k = len(names)
-    if k == 0:
-        return
     problems = []
-    for j, name in enumerate(names):
-        column = [int(r[len(r) - k + j]) for r in rows]
-        if len(set(column)) == 1:
-            continue
-        groups: Dict[int, List[int]] = {}
-        for rank, code in enumerate(column):
-            groups.setdefault(code, []).append(rank)
+    for name, groups in _differing(rows, names):
         shown = []
         for code, ranks in groups.items():
             mine = config_code(values[name]) == code
@@ -123,15 +128,8 @@ def value_fingerprints(named: Mapping[str, torch.Tensor]) -> Dict[str, int]:
 
 def _check_values(rows: Sequence[Sequence[int]], names: Sequence[str], what: str, ranks) -> None:
     """``ValueError`` naming every tensor whose fingerprint differs across ranks, and the ranks."""
-    k = len(names)
     problems = []
-    for j, name in enumerate(names):
-        column = [int(r[len(r) - k + j]) for r in rows]
-        if len(set(column)) == 1:
-            continue
-        groups: Dict[int, List[int]] = {}
-        for i, code in enumerate(column):
-            groups.setdefault(code, []).append(int(ranks[i]) if ranks is not None else i)
+    for name, groups in _differing(rows, names, ranks):
         problems.append(f"{name!r} (" + " / ".join(f"ranks {g}" for g in groups.values()) + ")")
     if problems:
         raise ValueError(
