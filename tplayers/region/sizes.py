@@ -29,7 +29,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from tplayers.comm.collectives import exchange_grid_table
-from tplayers.sharding import shard_sizes
+from tplayers.window_plan import out_partition
 
 __all__ = ["global_sizes"]
 
@@ -55,8 +55,7 @@ def _local_total(lines, i: int) -> Optional[int]:
     for line in lines:
         want, have = [r[i] for r in line], [r[i + 1] for r in line]
         total = sum(want)
-        expect = have if total == sum(have) else shard_sizes(total, len(line))
-        if want != expect:
+        if want != out_partition(have, total):
             return None
         totals.add(total)
     return totals.pop() if len(totals) == 1 else None
