@@ -71,10 +71,11 @@ def _without_guard(model: nn.Module, mesh) -> nn.Module:
     each): the same kind of collectives without the guard's bookkeeping. For timing only (the
     wrapped time-embedding MLP's gradients are summed where they should not be)."""
     for m in model.modules():
+        m.__dict__.pop("_tp_region_entry", None)  # nor the entry a twin opens its region by
         for hooks in (m._forward_pre_hooks, m._forward_hooks):
             for key, hook in list(hooks.items()):
                 owner = type(getattr(hook, "__self__", None)).__name__
-                if owner in ("DomainRegion", "_PathHook", "Watch"):
+                if owner in ("DomainRegion", "Member"):
                     del hooks[key]
     return _wrap_replicated(model, mesh)
 

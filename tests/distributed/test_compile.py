@@ -133,8 +133,15 @@ def _domain_cnn(rank, world, backend, warm):
     model = copy.deepcopy(eager)
     x0 = torch.randn(2, 3, 8 * world + 4, 10, dtype=torch.float64)
     local0 = tplayers.shard(x0, 2, mesh)
-    if warm:  # an eager call fills the layout cache; cold, the cache is primed while tracing
-        model(local0)
+    if not warm:
+        # a region never run eagerly is refused at trace time on every rank (the model around the
+        # container region is a region too, and its forward is the model's own code)
+        with pytest.raises(ValueError, match="run one eager call of the model first"):
+            torch.compile(copy.deepcopy(model), backend=backend)(local0)
+        dynamo.reset()
+    model(local0)  # the eager call the region guard checks the model's ops in
+    if not warm:  # cold layouts: the cache is primed while tracing
+        tplayers.reset_layouts(model)
     dynamo.reset()
     compiled = torch.compile(model, fullgraph=True, backend=backend)
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)

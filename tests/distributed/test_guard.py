@@ -214,6 +214,7 @@ def _no_extra_collectives(rank, world):
     guarded = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))})
     bare = copy.deepcopy(guarded)
     for m in bare.modules():  # the same twins without the region's hooks
+        m.__dict__.pop("_tp_region_entry", None)  # nor the entry a twin opens its region by
         for hooks in (m._forward_pre_hooks, m._forward_hooks):
             hooks.clear()
     x = tplayers.shard(torch.randn(2, 2, 10, 6, dtype=torch.float64), 2)

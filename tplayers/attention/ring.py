@@ -12,6 +12,7 @@ from typing import List
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from tplayers.attention.blocks import BlockBackward, BlockForward
 from tplayers.attention.plan import AttentionPlan, gather_padded
@@ -37,6 +38,7 @@ class LocalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         grads = BlockBackward(ctx.plan, q, k, v, out, lse, dout)
@@ -75,6 +77,7 @@ class RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
@@ -177,6 +180,7 @@ class AllGatherAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan

@@ -14,6 +14,7 @@ import math
 from typing import List, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.attention.plan import Cols, gather_padded, gather_rows, topology
@@ -40,6 +41,7 @@ class GatherTokens(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         blocks = grad.new_zeros((len(ctx.sizes),) + grad.shape[:-2] + (ctx.lmax, grad.size(-1)))
         for b, c in enumerate(ctx.cols):

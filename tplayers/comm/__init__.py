@@ -23,7 +23,7 @@ from tplayers.comm.collectives import (
     run_p2p,
     split_along_dim,
 )
-from tplayers.comm.halo import halo_exchange
+from tplayers.comm.halo_grad import halo_exchange
 from tplayers.comm.sequence import (
     GatherFromSequenceRegion,
     ReduceScatterToSequenceRegion,

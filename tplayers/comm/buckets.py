@@ -34,6 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.distributed.tensor import DTensor
 
 from tplayers.comm.accounting import record_collective
@@ -192,6 +193,7 @@ class _Gate(torch.autograd.Function):
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
         summed = ctx.buckets.finish()
         out = [s if g is None else (g if s is None else g + s) for g, s in zip(grads, summed)]
@@ -209,6 +211,7 @@ class _Deposit(torch.autograd.Function):
         return tuple(t.view_as(t) for t in gated)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
         buckets, params, touched = ctx.info
         buckets.deposit(params, touched, grads)

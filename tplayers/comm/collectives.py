@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tplayers.comm.accounting import record_collective
@@ -235,6 +236,8 @@ class CopyToParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():  # create_graph=True: the sum as its adjoint's node, differentiable again
+            return ReduceFromParallelRegion.apply(grad, ctx.group), None
         # Reduce a fresh buffer: autograd's gradient may be the caller's tensor or shared.
         return all_reduce_sum(grad.clone(memory_format=torch.contiguous_format), ctx.group, "copy_to.bwd"), None
 
@@ -244,11 +247,14 @@ class ReduceFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
         # Reduce a fresh buffer: ``x`` may be saved for backward by the op that made it.
         return all_reduce_sum(x.clone(memory_format=torch.contiguous_format), group, "reduce_from.fwd")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():  # create_graph=True: the identity as its adjoint's node (tplayers.comm.twice)
+            return CopyToParallelRegion.apply(grad, ctx.group), None
         return grad, None
 
 
@@ -267,7 +273,10 @@ class SplitAlongDim(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         world = dist.get_world_size(ctx.group)
-        return all_gather_along_dim(grad, ctx.dim, shard_sizes(ctx.full, world), ctx.group, "split.bwd"), None, None
+        sizes = shard_sizes(ctx.full, world)
+        if torch.is_grad_enabled():  # create_graph=True: the gather as its adjoint's node, differentiable again
+            return GatherAlongDim.apply(grad, ctx.dim, sizes, ctx.group), None, None
+        return all_gather_along_dim(grad, ctx.dim, sizes, ctx.group, "split.bwd"), None, None
 
 
 class GatherAlongDim(torch.autograd.Function):
@@ -279,11 +288,29 @@ class GatherAlongDim(torch.autograd.Function):
         dim = dim % x.dim()
         me = dist.get_rank(group)
         ctx.dim, ctx.start, ctx.length = dim, offsets_from_sizes(sizes)[me], int(sizes[me])
+        ctx.sizes, ctx.group = list(sizes), group
         return all_gather_along_dim(x, dim, sizes, group, "gather.fwd")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():  # create_graph=True: the slice as its adjoint's node (tplayers.comm.twice)
+            return _OwnSlice.apply(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
         return grad.narrow(ctx.dim, ctx.start, ctx.length), None, None, None
+
+
+class _OwnSlice(torch.autograd.Function):
+    """forward: this rank's slice (``sizes[rank]`` along ``dim``) of a replicated tensor / backward: the
+    all-gather (:class:`GatherAlongDim`): the node a double backward through a gather differentiates."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, sizes: Sequence[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.sizes, ctx.group = dim, sizes, group
+        me = dist.get_rank(group)
+        return x.narrow(dim, offsets_from_sizes(sizes)[me], int(sizes[me]))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return GatherAlongDim.apply(grad, ctx.dim, ctx.sizes, ctx.group), None, None, None
 
 
 class CopyManyToParallelRegion(torch.autograd.Function):
@@ -296,6 +323,7 @@ class CopyManyToParallelRegion(torch.autograd.Function):
         return tuple(t.view_as(t) for t in tensors)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads: torch.Tensor):
         flat = torch.cat([g.reshape(-1) for g in grads])
         flat = all_reduce_sum(flat, ctx.group, "copy_many.bwd")

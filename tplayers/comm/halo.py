@@ -35,11 +35,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.accounting import record_collective
 from tplayers.comm.collectives import exchange_p2p, group_by_name
@@ -48,15 +47,12 @@ from tplayers.ops import pack_faces, unpack_faces
 from tplayers.ops.registry import OpSpec, register
 
 __all__ = [
-    "HaloExchange1d",
     "HaloRoute",
     "HaloState",
-    "halo_exchange",
     "halo_pad",
     "halo_route",
     "halo_state",
     "halo_adjoint",
-    "halo_widths_ok",
     "ensure_halo_ops",
 ]
 
@@ -268,76 +264,6 @@ def halo_adjoint(
         faces.append((n - s_hi, s_hi))
     unpack_faces(buf, grad_x, dim, faces, accumulate=True)  # overlapping faces add up
     return grad_x
-
-
-class HaloExchange1d(torch.autograd.Function):
-    """forward: send ``send`` edge rows to the neighbours along ``dim`` and return ``x`` padded
-    with the ``recv`` rows they send (zeros at a non-periodic boundary) /
-    backward: send the halo gradients back to their owners, which add them into their edge rows."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group, recv, send, periodic, memory_format=torch.contiguous_format):
-        out, ctx.state = halo_pad(x, dim, group, recv, send, periodic, memory_format)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return halo_adjoint(grad, ctx.state), None, None, None, None, None, None
-
-
-def _pairs(name: str, value, count: int) -> List[Pair]:
-    if count == 1 and len(value) == 2 and all(isinstance(v, int) for v in value):
-        value = [value]
-    value = [tuple(int(w) for w in p) for p in value]
-    if len(value) != count or any(len(p) != 2 or min(p) < 0 for p in value):
-        raise ValueError(
-            f"{name} must hold one (lo, hi) pair of non-negative widths per shard dim ({count}), got {value!r}"
-        )
-    return value
-
-
-def halo_widths_ok(n: int, send: Pair) -> bool:
-    """Whether a slab of ``n`` rows can supply the ``send`` faces."""
-    return send[0] <= n and send[1] <= n
-
-
-def halo_exchange(
-    x: torch.Tensor,
-    mesh: DeviceMesh,
-    shard_dims: Sequence[int],
-    recv,
-    send,
-    periodic,
-    *,
-    memory_format: torch.memory_format = torch.contiguous_format,
-) -> torch.Tensor:
-    """``x`` padded with its neighbours' edge rows along each of ``shard_dims`` (see module doc).
-
-    ``shard_dims`` has one tensor dim per mesh dim. ``recv`` / ``send`` are
-    ``[(lo, hi), ...]`` per shard dim (a single pair is accepted for one dim);
-    ``periodic`` is a bool or one bool per shard dim. Differentiable; backward
-    is the adjoint. ``memory_format`` is the padded result's layout (``torch.channels_last``
-    suits a following convolution; the input gradient keeps ``x``'s layout). Widths this rank cannot supply raise ``ValueError`` here;
-    layers validate the whole layout on every rank before calling.
-    """
-    dims = tuple(d % x.dim() for d in shard_dims)
-    if len(dims) != mesh.ndim:
-        raise ValueError(f"shard_dims needs one tensor dim per mesh dim ({mesh.ndim}), got {tuple(shard_dims)}")
-    recv, send = _pairs("recv", recv, len(dims)), _pairs("send", send, len(dims))
-    periodic = [bool(periodic)] * len(dims) if isinstance(periodic, bool) else [bool(p) for p in periodic]
-    if len(periodic) != len(dims):
-        raise ValueError(f"periodic needs one bool per shard dim ({len(dims)}), got {periodic}")
-    for i, d in enumerate(dims):
-        if not halo_widths_ok(x.size(d), send[i]):
-            raise ValueError(
-                f"halo_exchange: rank {dist.get_rank()} holds {x.size(d)} rows along dim {d} "
-                f"but must send {send[i]} (lo, hi)"
-            )
-    for i, d in enumerate(dims):
-        x = HaloExchange1d.apply(
-            x, d, mesh.get_group(i), tuple(recv[i]), tuple(send[i]), bool(periodic[i]), memory_format
-        )
-    return x
 
 
 def _pad_arg(ndim: int, dim: int, pair: Pair) -> List[int]:

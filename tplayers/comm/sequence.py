@@ -14,6 +14,7 @@ from typing import List, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from tplayers.comm.accounting import record_collective
 from tplayers.comm.collectives import all_gather_along_dim, exchange_sizes
@@ -99,6 +100,7 @@ class GatherFromSequenceRegion(torch.autograd.Function):
         return all_gather_along_dim(x, dim, sizes, group, "sp.gather.fwd")
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         return reduce_scatter_along_dim(grad, ctx.dim, ctx.sizes, ctx.group, "sp.gather.bwd"), None, None, None
 
@@ -115,6 +117,7 @@ class ReduceScatterToSequenceRegion(torch.autograd.Function):
         return reduce_scatter_along_dim(x, dim, sizes, group, "sp.scatter.fwd")
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad: torch.Tensor):
         return all_gather_along_dim(grad.contiguous(), ctx.dim, ctx.sizes, ctx.group, "sp.scatter.bwd"), None, None
 

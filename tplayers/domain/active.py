@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-__all__ = ["active_guard", "stepped_aside", "partition_agreed"]
+__all__ = ["active_guard", "stepped_aside", "partition_agreed", "in_guarded_call"]
 
 # The guards stepped aside for the code now running, innermost last: per thread and context, as the
 # torch-function mode stack it mirrors is.
@@ -50,6 +50,14 @@ def partition_agreed() -> bool:
     if guard is None:
         guard = next((g for g in reversed(_ASIDE.get()) if g is not None), None)
     return bool(getattr(guard, "agreed", False))
+
+
+def in_guarded_call() -> bool:
+    """Whether the code now running belongs to a guarded call: a region guard is active, or stepped
+    aside for the twin or routed implementation now running. A region's member module called where
+    this is ``False`` (a model method other than ``forward``, a submodule called by hand) opens its
+    region's call itself (:mod:`tplayers.region.scope`)."""
+    return active_guard() is not None or any(g is not None for g in _ASIDE.get())
 
 
 class stepped_aside:

@@ -89,10 +89,13 @@ class ShardedToReplicated(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, groups) -> torch.Tensor:
+        ctx.groups = groups
         return _all_reduce_groups(x, groups, "sharded_to_replicated.fwd")
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():  # create_graph=True: the identity as its adjoint's node (tplayers.comm.twice)
+            return ReplicatedToSharded.apply(grad, ctx.groups), None
         return grad, None
 
 
@@ -120,6 +123,8 @@ class ReplicatedToSharded(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if torch.is_grad_enabled():  # create_graph=True: the sum as its adjoint's node, differentiable again
+            return ShardedToReplicated.apply(grad, ctx.groups), None
         return _all_reduce_groups(grad, ctx.groups, "replicated_to_sharded.bwd"), None
 
 

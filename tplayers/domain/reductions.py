@@ -33,6 +33,7 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.collectives import all_reduce_sum
@@ -124,6 +125,7 @@ class _GlobalExtreme(torch.autograd.Function):
         return m
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         x, m = ctx.saved_tensors
         hit = (x == m).to(grad.dtype)

@@ -23,11 +23,13 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.accounting import record_collective
 from tplayers.comm.agree import exchange_agreed
 from tplayers.comm.collectives import gather_along_dim, run_p2p, split_along_dim
+from tplayers.domain.tensor import plain
 from tplayers.mesh import resolve_mesh
 from tplayers.sharding import shard_range
 
@@ -63,7 +65,8 @@ def shard(x: torch.Tensor, dim: Dims, mesh: Optional[DeviceMesh] = None) -> torc
         mesh: the mesh (``None``: :func:`tplayers.default_mesh`).
 
     Returns:
-        This rank's slice: ``x.narrow(d, *shard_range)`` along each ``dim`` (a view).
+        This rank's slice: ``x.narrow(d, *shard_range)`` along each ``dim``, laid out densely in ``x``'s
+        memory format (a copy where the slice is a strided view: model code may call ``.view`` on it).
 
     Raises:
         TypeError: ``dim`` is not an int or a tuple of ints.
@@ -81,7 +84,15 @@ def shard(x: torch.Tensor, dim: Dims, mesh: Optional[DeviceMesh] = None) -> torc
     mesh, dims = resolve_domain(x.dim(), dim, mesh)
     for i, d in enumerate(dims):
         x = split_along_dim(x, d, mesh.get_group(i))
+    if not _dense(x):  # a slice of H or W is a strided view: model code may .view() its input
+        x = x.clone(memory_format=torch.preserve_format)
     return x
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether ``x`` is laid out contiguously (or channels-last, for a 4-D / 5-D tensor)."""
+    cl = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    return x.is_contiguous() or (cl is not None and x.is_contiguous(memory_format=cl))
 
 
 def gather(x_local: torch.Tensor, dim: Dims, mesh: Optional[DeviceMesh] = None) -> torch.Tensor:
@@ -119,6 +130,7 @@ def gather(x_local: torch.Tensor, dim: Dims, mesh: Optional[DeviceMesh] = None) 
         torch.testing.assert_close(full, expected)
     """
     mesh = resolve_mesh(mesh, (1, 2))
+    x_local = plain(x_local)  # a DomainTensor is this rank's slice (tplayers.domain.tensor)
     error, dims, ndim = None, (), -1
     try:
         if not isinstance(x_local, torch.Tensor):
@@ -196,6 +208,7 @@ class ScatterDomain(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         shape, dims, mesh, src_rank, dtype, device = ctx.info
         me = dist.get_rank()

@@ -31,8 +31,10 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
-from tplayers.comm.halo import HaloExchange1d, HaloState, halo_adjoint, halo_pad
+from tplayers.comm.halo import HaloState, halo_adjoint, halo_pad
+from tplayers.comm.halo_grad import HaloExchange1d
 from tplayers.comm.halo_route import _peers
 from tplayers.window_plan import AxisPlan
 
@@ -121,6 +123,7 @@ class HaloScatterAdd1d(torch.autograd.Function):
         return halo_adjoint(full.contiguous(), state)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         plan, dim = ctx.plan, ctx.dim
         if plan.exchanges:

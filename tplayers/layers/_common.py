@@ -8,9 +8,10 @@ from typing import Callable, Dict, Optional
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.utils import parametrize
 
 from tplayers.comm.agree import exchange_agreed, value_fingerprints
-from tplayers.domain.active import active_guard, partition_agreed
+from tplayers.domain.active import active_guard, in_guarded_call, partition_agreed
 from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh
 from tplayers.sharding import ShardSpec
@@ -22,12 +23,25 @@ class RegionAware:
     (:mod:`tplayers.region.guard`); everywhere else this is ``nn.Module.__call__``."""
 
     def __call__(self, *args, **kwargs):
+        if self.__dict__.get("_tp_reparametrized"):  # a parametrized weight: computed once per call, as serially
+            with parametrize.cached():
+                return self._call(*args, **kwargs)
+        return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         # Inside a domain region the guard steps aside while a twin runs, and tags its output
-        # (tplayers.region.guard); everywhere else this is nn.Module.__call__.
+        # (tplayers.region.guard). A twin of a region called outside the region's call (a model method
+        # other than forward) opens that call itself (its entry, set by tplayers.region.scope).
+        # Everywhere else this is nn.Module.__call__.
+        entry = self.__dict__.get("_tp_region_entry")
         if not torch.compiler.is_compiling():
             guard = active_guard()
             if guard is not None:
                 return guard.call_twin(self, super().__call__, args, kwargs)
+            if entry is not None and not in_guarded_call():
+                return entry.call(self, super().__call__, args, kwargs)
+        elif entry is not None:  # traced: the entry refuses a region the guard must check
+            return entry.call(self, super().__call__, args, kwargs)
         return super().__call__(*args, **kwargs)
 
 

@@ -35,6 +35,7 @@ from tplayers.comm import all_reduce_sum, record_collective
 from tplayers.comm.collectives import group_by_name
 from tplayers.comm.halo import format_of, halo_adjoint, halo_pad, state_codes, state_from_codes
 from tplayers.comm.halo_route import HaloRoute, halo_route
+from tplayers.layers._conv_twice import twice_backward
 from tplayers.ops.registry import OpSpec, register
 from tplayers.window_plan import AxisPlan, EdgeGeometry
 
@@ -153,6 +154,12 @@ class HaloConvFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, _grad_xp=None):
+        if torch.is_grad_enabled():  # create_graph=True: a double backward reads the input gradient
+            return twice_backward(HaloConvFunction.first_backward, ctx, grad, ctx.saved_tensors[1])
+        return HaloConvFunction.first_backward(ctx, grad)
+
+    @staticmethod
+    def first_backward(ctx, grad):
         xp, weight = ctx.saved_tensors
         spec = ctx.spec
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

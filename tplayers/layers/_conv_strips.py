@@ -36,6 +36,7 @@ from tplayers.layers._conv_fn import (
     post_param_sum,
     split_param_grads,
 )
+from tplayers.layers._conv_twice import twice_backward
 from tplayers.ops import unpack_faces
 from tplayers.window_plan import EdgeGeometry
 
@@ -117,6 +118,12 @@ class EdgeConvSave(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled():  # create_graph=True: a double backward reads the input gradient
+            return twice_backward(EdgeConvSave.first_backward, ctx, grad, ctx.saved_tensors[1])
+        return EdgeConvSave.first_backward(ctx, grad)
+
+    @staticmethod
+    def first_backward(ctx, grad):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and ctx.has_bias

@@ -23,6 +23,7 @@ from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 from tplayers.comm.collectives import all_gather_along_dim, all_reduce_sum
 
@@ -182,6 +183,7 @@ class DomainNormFn(torch.autograd.Function):
         )
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy, _mean, _var, _count):
         x, weight, mean_a, rstd_a, count_a = ctx.saved_tensors
         num_groups, per_channel, groups, has_bias = ctx.info

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import record_collective
@@ -78,6 +79,7 @@ class GlobalMax(torch.autograd.Function):
         return glob
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         saved = ctx.saved_tensors
         gx = grad.new_zeros(ctx.shape)

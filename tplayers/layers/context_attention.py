@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.attention.mha import multi_head_attention_forward
@@ -37,6 +38,7 @@ class _SumOverGroups(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         grad = grad.clone(memory_format=torch.contiguous_format)
         for group in ctx.groups:

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from tplayers.ops.na_geometry import kernel_dims, kernel_tables, split_geometry
 from tplayers.ops.na_kernel import tile_backward, tile_plans
@@ -414,6 +415,7 @@ class CAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, table, out = ctx.saved_tensors
         want = ctx.needs_input_grad

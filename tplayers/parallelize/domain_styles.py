@@ -17,8 +17,9 @@ from torch.distributed.device_mesh import DeviceMesh
 import tplayers.layers as L
 from tplayers.layers._common import ShardedModule
 from tplayers.layers.neighborhood_attention import NeighborhoodAttention
+from tplayers.parallelize.reparam import base_type, is_reparametrized, swap_reparametrized
 from tplayers.parallelize.styles import ParallelStyle
-from tplayers.region.scope import bind_region, bind_watch
+from tplayers.region.members import bind_region, region_of
 
 __all__ = ["DomainParallel", "DOMAIN_TWINS", "SPATIAL_MIXERS_WITHOUT_TWIN"]
 
@@ -96,7 +97,7 @@ SPATIAL_MIXERS_WITHOUT_TWIN: Tuple[type, ...] = (
 
 
 def _twin_of(module: nn.Module):
-    twin = DOMAIN_TWINS.get(type(module))
+    twin = DOMAIN_TWINS.get(base_type(module))
     if twin is None and isinstance(module, nn.Upsample):
         twin = L.DistributedUpsample
     return twin
@@ -186,6 +187,10 @@ class DomainParallel(ParallelStyle):
         spatial = getattr(twin, "spatial", None)
         if twin is not None and spatial is not None and max(self.shard_dims) >= 2 + spatial:
             return module  # cannot hold these sharded dims (a BatchNorm1d in a 2-D head): the guard checks its ops
+        if twin is not None and is_reparametrized(module):  # spectral / weight norm: the same machinery on the twin
+            return swap_reparametrized(
+                module, lambda plain: twin.from_module(plain, mesh=mesh, shard_dims=self.shard_dims)
+            )
         if twin is not None:
             new = twin.from_module(module, mesh=mesh, shard_dims=self.shard_dims)
             new.attach_serial(module)  # runs the serial module where the data is replicated (a pooled SE branch)
@@ -206,10 +211,12 @@ class DomainParallel(ParallelStyle):
     def finalize(self, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         regions, self._regions[:] = list(self._regions), []
         if any(any(m is r for m in model.modules()) for r in regions):
-            # container regions were bound in build; modules outside them stay serial, and the ops the
-            # model's own forward applies to a region's sharded output are guarded too
-            if not any(r is model for r in regions):
-                bind_watch(model, mesh)
+            # container regions were bound in build; the model around them is a region too (its input is
+            # this rank's slice when it has the sharded dims): modules outside the containers stay serial,
+            # and every op on sharded data there (a leaf twin, a per-pixel conv, the head's pooling) is
+            # exact, routed or refused as inside
+            if not any(r is model for r in regions) and region_of(model) is None:
+                bind_region(model, mesh, self._input_dims(model), "", outer=True)
             return model
         # only leaf layers matched (e.g. a type key {nn.Conv2d: ...}): the whole model is the region,
         # unless the model is itself one twin (exact by itself)

@@ -82,6 +82,7 @@ class RegionGuard(TorchFunctionMode):
         self.check = False  # decisions read from local sizes are agreed (a region's first call of a partition)
         self.pending = 0  # such decisions made since the last collective (settled before the next one)
         self.reads: Dict[int, set] = {}  # mesh dim -> local lengths of sharded dims the code read (note_read)
+        self.vetted: set = set()  # autograd nodes of twins' outputs (their custom Functions are the twins')
 
     # ----------------------------------------------------------------- tags
     def layout(self, t: Any) -> Optional[Layout]:
@@ -182,8 +183,33 @@ class RegionGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if not _touches(self, args, kwargs):
             return func(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self.check_functions(args, kwargs)
         with stepped_aside(self, settle=False):  # an outer guard (a model watch) must not see the handler's own ops
             return handle(self, func, args, kwargs)
+
+    def check_functions(self, args, kwargs=None) -> None:
+        """Refuse sharded arguments made by a custom ``torch.autograd.Function`` that is not the library's
+        (nor a twin's): its ``backward`` runs after the region's call, where no guard sees its ops on
+        sharded gradients (a spatial mean there would take each rank's slice alone)."""
+        for a in list(args) + list((kwargs or {}).values()):
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if not isinstance(t, torch.Tensor) or self.layout(t) is None:
+                    continue
+                fn = t.grad_fn
+                cls = getattr(fn, "_forward_cls", None)
+                if cls is None or fn in self.vetted or (getattr(cls, "__module__", "") or "").startswith("tplayers."):
+                    continue
+                raise self.refuse(
+                    self.error(
+                        f"a custom torch.autograd.Function ({cls.__qualname__}) applied to sharded data",
+                        self.layout(t),
+                        "Its backward runs outside the region guard, on each rank's slice of the gradient. Write "
+                        "it with torch ops (autograd then differentiates them under the guard), or use tplayers "
+                        "twins / tplayers.functional for what needs the whole domain. Activation checkpointing "
+                        "(torch.utils.checkpoint) inside a region: checkpoint the region's root module instead.",
+                    )
+                )
 
     def _norm_any_layout(self, module, call, x, layout, args, kwargs):
         """A norm twin on sharded data of another layout (diffusers' attention normalises ``(N, C, H*W)``):
@@ -208,6 +234,8 @@ class RegionGuard(TorchFunctionMode):
         """Run a twin with the guard stepped aside; tag its output from its input's layout."""
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         layout = self.layout(x)
+        if layout is not None and torch.is_grad_enabled():
+            self.check_functions(args, kwargs)
         dims = getattr(module, "shard_dims", None)
         name = type(module).__name__
         with stepped_aside(self, settle=False):  # the guard's own reads are not the code's (note_read)
@@ -238,6 +266,8 @@ class RegionGuard(TorchFunctionMode):
         with stepped_aside(self), using_buckets(self.buckets):
             out = call(*args, **kwargs)
         first = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else out
+        if isinstance(first, torch.Tensor) and getattr(first.grad_fn, "_forward_cls", None) is not None:
+            self.vetted.add(first.grad_fn)
         if isinstance(first, torch.Tensor) and layout is not None:
             if dims is not None:
                 self.mark(first, _twin_out_layout(module, first, tuple(dims)))

@@ -27,27 +27,30 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from tplayers.comm.agree import exchange_agreed, value_fingerprints
 from tplayers.comm.buckets import GradBuckets
-from tplayers.domain.active import stepped_aside
+from tplayers.domain.active import in_guarded_call, stepped_aside
 from tplayers.domain.shard import reset_layouts
-from tplayers.layers._common import RegionAware, replicated_tensors
+from tplayers.domain.tensor import plain
+from tplayers.layers._common import replicated_tensors
 from tplayers.mesh import resolve_mesh
+from tplayers.region.compiled import plainly_local, refuse_routed, refuse_unchecked
 from tplayers.region.guard import RegionGuard, active_guard
+from tplayers.region.outside import run_op, wrap_outputs
 
-__all__ = ["DomainRegion", "Watch", "domain_region", "bind_region", "bind_watch"]
+__all__ = ["DomainRegion", "domain_region", "first_tensor"]
 
 
 class DomainRegion:
     """A domain region's configuration and the state it keeps across calls (routed twins, the last
     agreement table)."""
 
-    def __init__(self, mesh, shard_dims: Sequence[int], name: str = "") -> None:
+    def __init__(self, mesh, shard_dims: Sequence[int], name: str = "", outer: bool = False) -> None:
         self.mesh = resolve_mesh(mesh, (1, 2))
         self.shard_dims = tuple(int(d) for d in shard_dims)
         if len(self.shard_dims) != self.mesh.ndim:
@@ -64,6 +67,12 @@ class DomainRegion:
         self._raised: List = []  # the exception being handled when each call began (sys.exc_info)
         self._root: Optional[weakref.ref] = None  # the hooked module, weakly: its hooks hold this region
         self.needs_guard = False  # an eager call routed an op or summed a replicated gradient
+        # a model around container regions: its first tensor argument is sharded when it can be (has the
+        # sharded dims on every rank), else (a timestep, token ids) the model's own code is only watched
+        self.outer = bool(outer)
+        self.nested = False  # a region inside an outer region (whose model code may call it from a method)
+        self._wraps: List[bool] = []  # per open call: whether its sharded outputs leave as DomainTensor
+        self._outside = None  # the guard of this region's data outside its calls (tplayers.region.outside)
 
     @property
     def root(self) -> Optional[nn.Module]:
@@ -84,14 +93,23 @@ class DomainRegion:
         new.__dict__.update(self.__dict__)
         new.routes, new._table, new._stack, new._root = {}, None, [], None
         new._checked, new._values_checked, new._raised = None, False, []
+        new._wraps, new._outside = [], None
         new.needs_guard = self.needs_guard
+        copied_root = memo.get(id(self.root)) if self.root is not None else None  # the module copy holding us
+        if isinstance(copied_root, nn.Module):
+            new.root = copied_root
         return new
 
     def __getstate__(self):
-        return {"mesh": self.mesh, "shard_dims": self.shard_dims, "name": self.name}
+        return {"mesh": self.mesh, "shard_dims": self.shard_dims, "name": self.name, "outer": self.outer}
+
+    def run_op(self, func, args, kwargs):
+        """An op on this region's :class:`~tplayers.domain.tensor.DomainTensor` s outside its calls
+        (:func:`tplayers.region.outside.run_op`)."""
+        return run_op(self, func, args, kwargs)
 
     def __setstate__(self, state):
-        self.__init__(state["mesh"], state["shard_dims"], state["name"])
+        self.__init__(state["mesh"], state["shard_dims"], state["name"], state.get("outer", False))
 
     def collectives(self):
         """Collectives per call: ``(forward list, backward list)``: the entry agreement; replicated tensors
@@ -100,8 +118,9 @@ class DomainRegion:
         return ["all_gather (region entry agreement)"], ["all_reduce per replicated tensor meeting the shards"]
 
     # ------------------------------------------------------------------ entry / exit
-    def agree(self, x) -> None:
-        """The per-call agreement (see the module docstring)."""
+    def agree(self, x) -> bool:
+        """The per-call agreement (see the module docstring). Whether ``x`` is sharded: always, but in
+        an ``outer`` region whose first tensor argument lacks the sharded dims on every rank."""
         groups = [self.mesh.get_group(i) for i in range(self.mesh.ndim)]
         ok = isinstance(x, torch.Tensor) and x.dim() > max(self.shard_dims)
         with stepped_aside():  # an outer guard's: this read is not the model code's (RegionGuard.note_read)
@@ -121,6 +140,8 @@ class DomainRegion:
         self._values_checked = True
         flat = [r for line in table for r in line]
         bad = [i for i, r in enumerate(flat) if not r[0]]
+        if self.outer and len(bad) == len(flat):
+            return False  # nothing sharded comes in: the model's code is watched (region outputs)
         if bad:
             raise ValueError(
                 f"domain region {self.name}: the first tensor argument must have more than "
@@ -131,11 +152,14 @@ class DomainRegion:
             for twin in self.routes.values():
                 twin.reset_layout()
         self._table = flat
+        return True
 
-    def enter(self, x, agreed: bool = False) -> RegionGuard:
+    def enter(self, x, agreed: bool = False, scope: Optional[nn.Module] = None) -> RegionGuard:
         """Push this call's guard. ``agreed``: :meth:`agree` ran for this call (a ``DomainParallel``
         region); its table decides whether the guard checks (a partition not yet run through).
-        Without it (``domain_region`` by hand) the guard always checks."""
+        Without it (``domain_region`` by hand) the guard always checks. ``scope``: the module the call
+        runs (default the root; a member called outside the root's call), whose twins' gradients the
+        call's buckets hold."""
         outer = active_guard()  # a model-level watch: region outputs stay visible to it
         guard = RegionGuard(self.mesh, self.shard_dims, self.name, token=None if outer is None else outer.token)
         guard.routes = self.routes
@@ -143,8 +167,9 @@ class DomainRegion:
         guard.check = not agreed or self._table != self._checked
         if outer is not None:  # the same call: the shapes its code read count here too
             guard.reads = outer.reads
-        if self.root is not None:  # before any twin runs: the gate's backward must come last
-            guard.buckets = GradBuckets.for_region(self.root, guard.groups)
+        scope = self.root if scope is None else scope
+        if scope is not None:  # before any twin runs: the gate's backward must come last
+            guard.buckets = GradBuckets.for_region(scope, guard.groups)
         guard.__enter__()
         self._stack.append(guard)
         if isinstance(x, torch.Tensor):
@@ -169,125 +194,64 @@ class DomainRegion:
                 self._checked = self._table
 
     # ------------------------------------------------------------------ hooks
+    def compile_refusal(self) -> Optional[Callable[[str], None]]:
+        """Why this region cannot run under ``torch.compile`` tracing, which the guard does not run in:
+        the raiser to call with the region's name (``None``: it can, an eager call ran through it and
+        needed no guard)."""
+        if self.needs_guard:
+            return refuse_routed
+        if self._checked is None and not plainly_local(self.root):
+            return refuse_unchecked
+        return None
+
     def pre_hook(self, module, args, kwargs):
         if torch.compiler.is_compiling():
-            if self.needs_guard:
-                raise ValueError(
-                    f"domain region {self.name}: its eager calls route ops through the region guard (functional "
-                    "interpolation / pooling / reductions / attention on sharded data, or replicated gradients "
-                    "summed where they meet the shards), which torch.compile does not trace: run this region "
-                    "eagerly (compile only regions made of twins and local ops)"
-                )
+            refuse = self.compile_refusal()
+            if refuse is not None:
+                refuse(self.name)
             return None
         if any(g is active_guard() for g in self._stack):
             return None  # re-entered inside its own call
         if self.root is not module:  # a deep copy or an unpickled region starts without it
             self.root = module
-        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if x is None:
-            x = next((a for a in kwargs.values() if isinstance(a, torch.Tensor)), None)
+        x = first_tensor(args, kwargs)
         outer = active_guard()
         if outer is not None and hasattr(outer, "settle"):
             outer.settle()  # a region nested in another: the outer one's decisions before this agreement
-        self.agree(x)
-        self._raised.append(sys.exc_info()[1])
-        self.enter(x, agreed=True)
+        self.open(x, wrap=self.nested and not in_guarded_call())
         return None
 
+    def open(self, x, scope: Optional[nn.Module] = None, wrap: bool = True) -> None:
+        """Agree and push this call's guard (``x``: the first tensor argument; ``scope``: see :meth:`enter`;
+        ``wrap``: the call's sharded outputs leave it as :class:`~tplayers.domain.tensor.DomainTensor`)."""
+        marked = self.agree(plain(x))
+        self._raised.append(sys.exc_info()[1])
+        self.enter(x if marked else None, agreed=True, scope=scope)
+        self._wraps.append(wrap)
+
     def post_hook(self, module, args, kwargs, output):
+        return self.close(output)
+
+    def close(self, output=None):
+        """Pop the guard :meth:`open` pushed (from an always-called hook: the forward's exception, if
+        any, is the one being handled now); ``output`` with its sharded tensors wrapped where the call
+        was opened outside every guarded call (``None``: keep the forward's own output)."""
         if self._stack and active_guard() is self._stack[-1]:
             before = self._raised.pop() if self._raised else None
             now = sys.exc_info()[1]  # always_call: the forward's exception is being handled here
+            wrapped = output
+            if now is None and torch.is_grad_enabled() and isinstance(output, (torch.Tensor, tuple, list)):
+                self._stack[-1].check_functions(output if isinstance(output, (tuple, list)) else (output,))
+            if self._wraps.pop() and now is None and output is not None:
+                wrapped = wrap_outputs(self._stack[-1], self, output)
             self.exit(now if now is not None and now is not before else None)
+            return None if wrapped is output else wrapped
         return None
 
 
-class _PathHook:
-    """Keeps the module path of the running module on the active guard (error messages)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def pre(self, module, args):
-        if torch.compiler.is_compiling():
-            return
-        g = active_guard()
-
-        if g is not None:
-            g.where.append(self.name)
-        elif torch._C._current_graph_task_id() != -1 and not isinstance(
-            module, RegionAware
-        ):  # a twin runs with the guard stepped aside
-            # a region's submodule re-run during backward (activation checkpointing inside the region):
-            # the guard is not active there, so routed ops and gradient sums would silently change
-            raise ValueError(
-                f"domain region: module {self.name!r} runs during backward without its region guard "
-                "(activation checkpointing inside a domain region). Checkpoint the whole region's root "
-                "module instead (its recomputation re-enters the guard)"
-            )
-
-    def post(self, module, args, output):
-        if torch.compiler.is_compiling():
-            return
-        g = active_guard()
-        if g is not None and len(g.where) > 1 and g.where[-1] == self.name:
-            g.where.pop()
-
-
-class Watch:
-    """A guard over a model whose domain regions are submodules: the ops its own ``forward`` applies to
-    a region's (sharded) output are checked and routed too, as inside the region."""
-
-    def __init__(self, mesh) -> None:
-        self.mesh = mesh
-        self._stack: List[RegionGuard] = []
-
-    def __deepcopy__(self, memo):
-        new = Watch(self.mesh)
-        memo[id(self)] = new
-        return new
-
-    def __getstate__(self):
-        return {"mesh": self.mesh}
-
-    def __setstate__(self, state):
-        self.__init__(state["mesh"])
-
-    def pre_hook(self, module, args, kwargs):
-        if torch.compiler.is_compiling() or active_guard() is not None:
-            return None
-        guard = RegionGuard(self.mesh, tuple(range(2, 2 + self.mesh.ndim)), "<root>")
-        guard.__enter__()
-        self._stack.append(guard)
-        return None
-
-    def post_hook(self, module, args, kwargs, output):
-        if self._stack and active_guard() is self._stack[-1]:
-            self._stack.pop().__exit__(None, None, None)
-        return None
-
-
-def bind_watch(root: nn.Module, mesh) -> Watch:
-    """Guard ``root``'s own forward around its domain regions (see :class:`Watch`)."""
-    watch = Watch(resolve_mesh(mesh, (1, 2)))
-    root.register_forward_pre_hook(watch.pre_hook, with_kwargs=True)
-    root.register_forward_hook(watch.post_hook, with_kwargs=True, always_call=True)
-    return watch
-
-
-def bind_region(root: nn.Module, mesh, shard_dims: Sequence[int], name: str = "") -> DomainRegion:
-    """Guard every call of ``root`` as a domain region (hooks only; the module is unchanged otherwise)."""
-    region = DomainRegion(mesh, shard_dims, name)
-    region.root = root
-    root.register_forward_pre_hook(region.pre_hook, with_kwargs=True)
-    root.register_forward_hook(region.post_hook, with_kwargs=True, always_call=True)
-    for sub_name, sub in root.named_modules(remove_duplicate=False):
-        if sub is root:
-            continue
-        hook = _PathHook(f"{name}.{sub_name}" if name else sub_name)
-        sub.register_forward_pre_hook(hook.pre)
-        sub.register_forward_hook(hook.post, always_call=True)
-    return region
+def first_tensor(args, kwargs):
+    x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return next((a for a in kwargs.values() if isinstance(a, torch.Tensor)), None) if x is None else x
 
 
 @contextlib.contextmanager
