@@ -41,7 +41,7 @@ from tplayers.layers._common import replicated_tensors
 from tplayers.mesh import resolve_mesh
 from tplayers.region.compiled import plainly_local, refuse_routed, refuse_unchecked
 from tplayers.region.guard import RegionGuard, active_guard
-from tplayers.region.outside import run_op, wrap_outputs
+from tplayers.region.outside import outside_guard, run_op, wrap_outputs
 
 __all__ = ["DomainRegion", "domain_region", "first_tensor"]
 
@@ -226,7 +226,11 @@ class DomainRegion:
         ``wrap``: the call's sharded outputs leave it as :class:`~tplayers.domain.tensor.DomainTensor`)."""
         marked = self.agree(plain(x))
         self._raised.append(sys.exc_info()[1])
-        self.enter(x if marked else None, agreed=True, scope=scope)
+        guard = self.enter(x if marked else None, agreed=True, scope=scope)
+        if wrap and active_guard() is guard and guard.reads is not outside_guard(self).reads:
+            # a call opened from code outside the region (a method): the lengths that code read on the
+            # region's DomainTensors count here too (one meaning for a size, tplayers.region.sizes)
+            guard.reads = outside_guard(self).reads
         self._wraps.append(wrap)
 
     def post_hook(self, module, args, kwargs, output):

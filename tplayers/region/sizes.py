@@ -13,13 +13,14 @@ one small all-gather per mesh dim, so every rank takes the same decision from th
   shares; the global size is their sum, and they must be the partition the window core produces
   (the input's when the length is kept, else the balanced one), else ``ValueError``;
 * the same size on every rank, and on some rank it is not a local length the code read: global;
-* the same size on every rank, and on every rank a local length the code read (an even partition
-  of a skip, or a constant equal to the local length everywhere): the readings differ (``ranks x``
-  the rows against the rows) and cannot be told apart: ``ValueError`` on every rank, naming the op,
-  the size and the fixes.
+* the same size on every rank, and on every rank a local length the code read or a small multiple
+  or fraction of one (an even partition of a skip, ``size=(2 * h, 2 * w)`` from ``x.shape``, or a
+  constant that happens to be so everywhere): the readings differ (``ranks x`` the rows against the
+  rows) and cannot be told apart: ``ValueError`` on every rank, naming the op, the size and the fixes.
 
-Not recognised: a size computed by arithmetic from local lengths (``x.shape[2] * 2``) that comes
-out the same on every rank is read as global; write ``scale_factor=2`` for it.
+Recognised arithmetic: the length itself, multiples and fractions of it up to 8x (``h * 2``,
+``h // 4``); other arithmetic on local lengths that comes out the same on every rank is read as
+global (write ``scale_factor=`` for it).
 """
 
 from __future__ import annotations
@@ -61,6 +62,19 @@ def _local_total(lines, i: int) -> Optional[int]:
     return totals.pop() if len(totals) == 1 else None
 
 
+def _derived(s: int, r: int) -> bool:
+    """Whether ``s`` may come from the read local length ``r`` by the arithmetic models do on it: ``r``
+    itself, a small multiple (``2 * h``) or a small fraction (``h // 2``)."""
+    if s == r:
+        return True
+    if r <= 0 or s <= 0:
+        return False
+    return (s % r == 0 and s // r <= _RATIO) or (r % s == 0 and r // s <= _RATIO)
+
+
+_RATIO = 8  # the largest scale a size derived from a local length is recognised at (2x, 4x, 8x and back)
+
+
 def global_sizes(g, x: torch.Tensor, dims: Sequence[int], size, what: str) -> Tuple[Optional[int], ...]:
     """Global target sizes of every spatial dim of ``x`` for the routed ``what`` (see the module docstring).
     ``dims[i]`` is the tensor dim sharded over mesh dim ``i``; ``size`` as the op takes it."""
@@ -71,7 +85,7 @@ def global_sizes(g, x: torch.Tensor, dims: Sequence[int], size, what: str) -> Tu
     row = []
     for axis, d in enumerate(dims):
         s = per[d - 2]
-        hit = s is not None and s in g.reads.get(axis, ())
+        hit = s is not None and any(_derived(s, r) for r in g.reads.get(axis, ()))
         row += [_NONE if s is None else s, int(x.shape[d]), int(hit)]
     table = exchange_grid_table(row, g.groups, "region.sizes")
     cells = [r for line in table for r in line]
@@ -100,8 +114,9 @@ def global_sizes(g, x: torch.Tensor, dims: Sequence[int], size, what: str) -> Tu
         s = wants[0]
         if local is not None and all(r[i + 2] for r in cells):
             raise g.error(
-                f"{shown} is {s} along sharded dim {d} on every rank, and {s} is a local length "
-                f"along that dim that this region's code read (x.shape, x.size()) on every rank: "
+                f"{shown} is {s} along sharded dim {d} on every rank, and {s} is a local length along "
+                f"that dim that this region's code read (x.shape, x.size()), or a small multiple or "
+                f"fraction of one, on every rank: "
                 f"read as this rank's share it means {local} rows in all, read as the global size "
                 f"(as nn.Upsample / nn.AdaptiveAvgPool modules read it) {s} rows. The two cannot be "
                 "told apart",
