@@ -23,7 +23,7 @@ and ``gather`` move between global and local tensors, and
 
 from tplayers import functional
 from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
-from tplayers.comm import CommLog, count_collectives
+from tplayers.comm import CommLog, count_collectives, repartition
 from tplayers.domain.boundary import (
     ReplicatedToSharded,
     ShardedToReplicated,
@@ -110,6 +110,7 @@ __all__ = [
     "sharded_to_replicated",
     "replicated_to_sharded",
     "count_collectives",
+    "repartition",
     "CommLog",
     "ColumnParallelLinear",
     "RowParallelLinear",

@@ -24,6 +24,7 @@ from tplayers.comm.collectives import (
     split_along_dim,
 )
 from tplayers.comm.halo import halo_exchange
+from tplayers.comm.repartition import AllToAllDim, repartition
 from tplayers.comm.sequence import (
     GatherFromSequenceRegion,
     ReduceScatterToSequenceRegion,
@@ -57,4 +58,6 @@ __all__ = [
     "reduce_scatter_to_sequence_region",
     "reduce_scatter_along_dim",
     "halo_exchange",
+    "AllToAllDim",
+    "repartition",
 ]
