@@ -49,6 +49,7 @@ from tplayers.domain.active import active_guard, stepped_aside
 from tplayers.domain.layout import region_layout
 from tplayers.mesh import resolve_mesh
 from tplayers.sharding import shard_sizes
+from tplayers.window_plan import out_partition
 
 __all__ = [
     "fft",
@@ -227,10 +228,7 @@ def _run(x, kind, steps, dims, s, norm, mesh, src, sizes) -> torch.Tensor:
         if group.size() == 1:
             sizes[i] = [x.size(b)]
             continue
-        if b == src[i] and x.size(b) == sum(given[i]):
-            new = given[i]
-        else:
-            new = shard_sizes(x.size(b), group.size())
+        new = out_partition(given[i], x.size(b)) if b == src[i] else shard_sizes(x.size(b), group.size())
         x = AllToAllDim.apply(x, a, b, sizes[i], new, group)
         sizes[i] = new
     return x
