@@ -190,3 +190,23 @@ def test_fft_errors_on_every_rank():
         assert out[3][0] == "ValueError" and "norm must be one of" in out[3][1]
         assert out[4][0] == "ValueError" and "one size per transformed dim" in out[4][1]
         assert out[5][0] == "ValueError" and "other dims differs" in out[5][1]
+
+
+def _docstrings(rank, world):
+    import textwrap
+
+    import tplayers.comm.repartition as rep
+
+    count = 0
+    for obj in (tplayers.repartition, rep, dfft):
+        doc = obj.__doc__
+        start = doc.index("::\n") + 3
+        code = textwrap.dedent(doc[start:].split("\n\n\n")[0].split('"""')[0])
+        exec(compile(code, f"<{getattr(obj, '__name__', obj)} example>", "exec"), {})
+        count += 1
+    return count
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_docstring_examples_run(world):
+    assert run_ranks(_docstrings, world, timeout=60) == [3] * world
