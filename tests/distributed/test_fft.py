@@ -196,11 +196,12 @@ def _docstrings(rank, world):
     import textwrap
 
     import tplayers.comm.repartition as rep
+    import tplayers.functional.spectral as spectral
 
     count = 0
-    for obj in (tplayers.repartition, rep, dfft):
+    for obj in (tplayers.repartition, rep, dfft, spectral):
         doc = obj.__doc__
-        start = doc.index("::\n") + 3
+        start = doc.index("::\n", doc.index("Example")) + 3
         code = textwrap.dedent(doc[start:].split("\n\n\n")[0].split('"""')[0])
         exec(compile(code, f"<{getattr(obj, '__name__', obj)} example>", "exec"), {})
         count += 1
@@ -209,4 +210,4 @@ def _docstrings(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_docstring_examples_run(world):
-    assert run_ranks(_docstrings, world, timeout=60) == [3] * world
+    assert run_ranks(_docstrings, world, timeout=60) == [4] * world

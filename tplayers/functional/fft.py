@@ -172,7 +172,17 @@ def transform(
 ) -> torch.Tensor:
     """The engine of every function here: ``kind`` is ``"c2c"`` (fft), ``"ic2c"`` (ifft), ``"r2c"``
     (rfft) or ``"c2r"`` (irfft) over ``dim`` with signal sizes ``s`` (see the module docstring)."""
-    name = f"tplayers.functional.fft.{name}"
+    guard = active_guard()  # called by hand inside a region: run unguarded, tag the result
+    with stepped_aside(guard) if guard is not None else contextlib.nullcontext():
+        out, dst = _transform(
+            x, kind, s, dim, norm, mesh, shard_dims, out_shard_dims, f"tplayers.functional.fft.{name}"
+        )
+    if guard is not None and hasattr(guard, "mark"):
+        guard.mark(out, region_layout(out.shape, dst))
+    return out
+
+
+def _transform(x, kind, s, dim, norm, mesh, shard_dims, out_shard_dims, name):
     mesh = resolve_mesh(mesh, (1, 2))
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
     error, src, dst, dims, sizes_s, steps, ndim = None, (), (), (), None, [], -1
@@ -204,12 +214,7 @@ def transform(
     }
     table = exchange_agreed(row, config, groups, name, "fft.layout", error=error)
     sizes = grid_sizes(table, mesh, name)
-    guard = active_guard()
-    with stepped_aside(guard) if guard is not None else contextlib.nullcontext():
-        out = _run(x, kind, steps, dims, sizes_s, norm, mesh, src, sizes)
-    if guard is not None and hasattr(guard, "mark"):  # called by hand inside a region: the result is sharded
-        guard.mark(out, region_layout(out.shape, dst))
-    return out
+    return _run(x, kind, steps, dims, sizes_s, norm, mesh, src, sizes), dst
 
 
 def _run(x, kind, steps, dims, s, norm, mesh, src, sizes) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""tplayers.functional.spectral_conv2d against the FNO paper's SpectralConv2d in fp64: outputs, input and weight
+gradients, an optimizer step, a second input; H- and W-sharded, uneven partitions, overlapping mode blocks;
+only the kept modes travel; inside a DomainParallel region (an FNO block with 1x1 convs and a skip); errors."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import run_ranks
+from oracle import local_slice
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import tplayers
+import tplayers.functional as TF
+from tplayers.sharding import shard_sizes
+
+TIGHT = dict(rtol=1e-9, atol=1e-11)
+
+
+class SpectralConv2d(nn.Module):
+    """The FNO paper's layer (Li et al., fourier_2d.py), in the weights' dtype."""
+
+    def __init__(self, cin, cout, modes1, modes2, dtype=torch.complex128):
+        super().__init__()
+        self.modes1, self.modes2, self.cout = modes1, modes2, cout
+        scale = 1 / (cin * cout)
+        self.weights1 = nn.Parameter(scale * torch.rand(cin, cout, modes1, modes2, dtype=dtype))
+        self.weights2 = nn.Parameter(scale * torch.rand(cin, cout, modes1, modes2, dtype=dtype))
+
+    def forward(self, x):
+        x_ft = torch.fft.rfft2(x)
+        out_ft = torch.zeros(x.size(0), self.cout, x.size(-2), x.size(-1) // 2 + 1, dtype=x_ft.dtype)
+        m1, m2 = self.modes1, self.modes2
+        out_ft[:, :, :m1, :m2] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, :m1, :m2], self.weights1)
+        out_ft[:, :, -m1:, :m2] = torch.einsum("bixy,ioxy->boxy", x_ft[:, :, -m1:, :m2], self.weights2)
+        return torch.fft.irfft2(out_ft, s=(x.size(-2), x.size(-1)))
+
+
+class Sharded(SpectralConv2d):
+    """The same layer written for an H- or W-sharded input with tplayers.functional."""
+
+    shard_dim = 2
+
+    def forward(self, x):
+        return TF.spectral_conv2d(x, self.weights1, self.weights2, self.modes1, self.modes2, shard_dims=self.shard_dim)
+
+
+def _match(rank, world, shape, modes, sizes, dim):
+    torch.manual_seed(0)
+    serial = SpectralConv2d(shape[1], 4, *modes).double()
+    par = Sharded(shape[1], 4, *modes)
+    par.load_state_dict(serial.state_dict())
+    par.shard_dim = dim
+    local = lambda t: local_slice(t, (dim,), [sizes], [rank])  # noqa: E731
+    opt_s, opt_p = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (serial, par))
+    for step in range(2):
+        x = torch.randn(shape, dtype=torch.float64)
+        xs, xl = x.clone().requires_grad_(True), local(x).clone().requires_grad_(True)
+        ys = serial(xs)
+        with tplayers.count_collectives() as log:
+            yl = par(xl)
+        torch.testing.assert_close(yl, local(ys), **TIGHT)
+        if dim == 2 and world > 1:  # only the modes2 kept columns travel, once each way
+            cols = shard_sizes(modes[1], world)
+            out_bytes = shape[0] * shape[1] * sizes[rank] * (modes[1] - cols[rank]) * 16
+            back = shape[0] * 4 * cols[rank] * (shape[2] - sizes[rank]) * 16
+            assert [r.nbytes for r in log.records if r.kind == "all_to_all"] == [out_bytes, back]
+        w = torch.randn(ys.shape, dtype=torch.float64)
+        (ys * w).sum().backward()
+        (yl * local(w)).sum().backward()
+        torch.testing.assert_close(xl.grad, local(xs.grad), **TIGHT)
+        for name in ("weights1", "weights2"):
+            torch.testing.assert_close(getattr(par, name).grad, getattr(serial, name).grad, **TIGHT)
+        opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
+        for name in ("weights1", "weights2"):
+            torch.testing.assert_close(getattr(par, name), getattr(serial, name), **TIGHT)
+    return True
+
+
+@pytest.mark.parametrize(
+    "world, shape, modes, sizes, dim",
+    [
+        (2, (2, 3, 12, 10), (4, 3), [7, 5], 2),
+        (2, (2, 3, 9, 7), (5, 4), [4, 5], 2),  # 2 * modes1 > H: the second block overwrites, as serially
+        (3, (1, 2, 10, 9), (3, 2), [5, 0, 5], 2),  # an empty shard; fewer columns than ranks
+        (2, (2, 3, 8, 10), (3, 4), [6, 4], 3),  # W-sharded
+        (3, (2, 2, 8, 11), (2, 5), [4, 4, 3], 3),
+    ],
+)
+def test_spectral_conv2d_matches_the_fno_layer(world, shape, modes, sizes, dim):
+    assert sum(sizes) == shape[dim]
+    run_ranks(_match, world, args=(shape, modes, sizes, dim), timeout=120)
+
+
+class FNOBlock(nn.Module):
+    """Lifting 1x1 conv, a spectral convolution plus a 1x1 skip, GELU, projection: one FNO layer."""
+
+    def __init__(self, spectral):
+        super().__init__()
+        self.lift = nn.Conv2d(3, 4, 1)
+        self.spectral = spectral
+        self.skip = nn.Conv2d(4, 4, 1)
+        self.proj = nn.Conv2d(4, 1, 1)
+
+    def forward(self, x):
+        h = self.lift(x)
+        return self.proj(F.gelu(self.spectral(h) + self.skip(h)))
+
+
+def _region(rank, world):
+    mesh = DeviceMesh("cpu", torch.arange(world))
+    torch.manual_seed(1)
+    serial = FNOBlock(SpectralConv2d(4, 4, 3, 3)).double()
+    spectral = Sharded(4, 4, 3, 3)
+    spectral.load_state_dict(serial.spectral.state_dict())
+    parallel = copy.deepcopy(serial)
+    parallel.spectral = spectral
+    parallel = tplayers.parallelize_module(parallel, {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
+    sizes = [6, 5]
+    local = lambda t: local_slice(t, (2,), [sizes], [rank])  # noqa: E731
+    opt_s, opt_p = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (serial, parallel))
+    for _ in range(2):
+        x = torch.randn(2, 3, 11, 8, dtype=torch.float64)
+        xs, xl = x.clone().requires_grad_(True), local(x).clone().requires_grad_(True)
+        ys, yl = serial(xs), parallel(xl)
+        torch.testing.assert_close(yl, local(ys), **TIGHT)
+        w = torch.randn(ys.shape, dtype=torch.float64)
+        (ys * w).sum().backward()
+        tplayers.domain_sum(yl * local(w), mesh).backward()
+        torch.testing.assert_close(xl.grad, local(xs.grad), **TIGHT)
+        for (n, p), q in zip(parallel.named_parameters(), serial.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=n: f"{n}: {m}", **TIGHT)
+        opt_s.step(), opt_p.step(), opt_s.zero_grad(), opt_p.zero_grad()
+    return True
+
+
+def test_an_fno_block_in_a_domain_parallel_region():
+    run_ranks(_region, 2, timeout=120)
+
+
+def _raises(fn):
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return type(e).__name__, str(e)
+    raise AssertionError("expected an error")
+
+
+def _errors(rank, world):
+    x = torch.randn(2, 3, 6, 8, dtype=torch.float64)
+    w = torch.randn(3, 4, 2, 2, dtype=torch.complex128)
+    wide = torch.randn(3, 4, 2, 9, dtype=torch.complex128)
+    tall = torch.randn(3, 4, 13, 2, dtype=torch.complex128)
+    return [
+        _raises(lambda: TF.spectral_conv2d(x, w, w, 2, 2, norm="ortho" if rank else None)),  # one rank differs
+        _raises(lambda: TF.spectral_conv2d(x, w.real, w, 2, 2)),
+        _raises(lambda: TF.spectral_conv2d(x, wide, wide, 2, 9)),
+        _raises(lambda: TF.spectral_conv2d(x if rank else x[:, :2], w, w, 2, 2)),  # one rank's bad input
+        _raises(lambda: TF.spectral_conv2d(x, tall, tall, 13, 2)),  # modes1 over the global H (12)
+    ]
+
+
+def test_spectral_conv2d_errors_on_every_rank():
+    for rank, out in enumerate(run_ranks(_errors, 2, timeout=60)):
+        assert out[0][0] == "ValueError" and "norm differs" in out[0][1]
+        assert out[1][0] == "TypeError" and "weights1 must be a complex" in out[1][1]
+        assert out[2][0] == "ValueError" and "modes2=9 exceeds W // 2 + 1 = 5" in out[2][1]
+        if rank == 0:
+            assert out[3][0] == "ValueError" and "weights1 must have shape (2, C_out" in out[3][1]
+        else:
+            assert out[3][0] == "ValueError" and "rank(s) [0] rejected" in out[3][1]
+        assert out[4][0] == "ValueError" and "modes (13, 2) exceed the spectrum (12, 5)" in out[4][1]
