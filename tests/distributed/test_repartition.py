@@ -148,3 +148,16 @@ def test_plan_moves():
     assert plan_moves((2, 3), (3, 2), (4, 1)) == [(0, 2, 4), (1, 3, 2), (0, 4, 3)]
     with pytest.raises(ValueError, match="no other dim"):
         plan_moves((0, 1), (1, 0), (0, 1))
+
+
+def _not_a_grid(rank, world):
+    mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))
+    c1 = mesh.get_local_rank(1)
+    rows = 3 + (rank == 3)  # mesh position (1, 1) holds 4 rows where its mesh row holds 3
+    x = torch.zeros(1, 2, rows, 2 + c1)
+    return _raises(lambda: tplayers.repartition(x, mesh, (2, 3), (1, 3)))
+
+
+def test_repartition_2d_shards_must_form_a_grid():
+    for name, msg in run_ranks(_not_a_grid, 4, timeout=30):
+        assert name == "ValueError" and "do not form a grid" in msg and "(1, 1)" in msg
