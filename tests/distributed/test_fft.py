@@ -195,7 +195,7 @@ def test_fft_errors_on_every_rank():
 def _docstrings(rank, world):
     import textwrap
 
-    import tplayers.comm.repartition as rep
+    import tplayers.comm.all_to_all as rep
     import tplayers.functional.spectral as spectral
 
     count = 0

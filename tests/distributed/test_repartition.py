@@ -9,7 +9,7 @@ from harness import run_ranks
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
-from tplayers.comm.repartition import plan_moves
+from tplayers.comm.all_to_all import plan_moves
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 
 
@@ -161,3 +161,14 @@ def _not_a_grid(rank, world):
 def test_repartition_2d_shards_must_form_a_grid():
     for name, msg in run_ranks(_not_a_grid, 4, timeout=30):
         assert name == "ValueError" and "do not form a grid" in msg and "(1, 1)" in msg
+
+
+def test_module_doctests():
+    import doctest
+
+    import tplayers.comm.all_to_all as all_to_all
+    import tplayers.functional.fft as fft
+
+    for mod in (all_to_all, fft):
+        result = doctest.testmod(mod)
+        assert result.attempted >= 1 and result.failed == 0, (mod.__name__, result)

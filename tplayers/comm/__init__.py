@@ -7,6 +7,7 @@ See ``docs/design.md``.
 """
 
 from tplayers.comm.accounting import CollectiveRecord, CommLog, count_collectives, record_collective
+from tplayers.comm.all_to_all import AllToAllDim, repartition
 from tplayers.comm.collectives import (
     CopyManyToParallelRegion,
     CopyToParallelRegion,
@@ -24,7 +25,6 @@ from tplayers.comm.collectives import (
     split_along_dim,
 )
 from tplayers.comm.halo import halo_exchange
-from tplayers.comm.repartition import AllToAllDim, repartition
 from tplayers.comm.sequence import (
     GatherFromSequenceRegion,
     ReduceScatterToSequenceRegion,

@@ -44,7 +44,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from tplayers.comm.agree import exchange_agreed
-from tplayers.comm.repartition import AllToAllDim, grid_sizes, plan_moves
+from tplayers.comm.all_to_all import AllToAllDim, grid_sizes, plan_moves
 from tplayers.domain.active import active_guard, stepped_aside
 from tplayers.domain.layout import region_layout
 from tplayers.mesh import resolve_mesh
@@ -197,7 +197,10 @@ def _transform(x, kind, s, dim, norm, mesh, shard_dims, out_shard_dims, name):
         src = _mesh_dims(shard_dims, mesh.ndim, ndim, name, "shard_dims")
         dst = src if out_shard_dims is None else _mesh_dims(out_shard_dims, mesh.ndim, ndim, name, "out_shard_dims")
         dims, sizes_s = _norm_dims(dim, s, ndim, name)
-        steps = plan(kind, tuple(x.shape), dims, src, dst)
+        try:
+            steps = plan(kind, tuple(x.shape), dims, src, dst)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
     except (TypeError, ValueError) as e:
         error = e
     row = [int(x.size(d)) for d in src] if error is None else [0] * mesh.ndim

@@ -42,7 +42,7 @@ import contextlib
 import torch
 
 from tplayers.comm.agree import exchange_agreed
-from tplayers.comm.repartition import AllToAllDim
+from tplayers.comm.all_to_all import AllToAllDim
 from tplayers.domain.active import active_guard, stepped_aside
 from tplayers.domain.boundary import ReplicatedToSharded
 from tplayers.domain.layout import region_layout
