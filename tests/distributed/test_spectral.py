@@ -172,3 +172,63 @@ def test_spectral_conv2d_errors_on_every_rank():
         else:
             assert out[3][0] == "ValueError" and "rank(s) [0] rejected" in out[3][1]
         assert out[4][0] == "ValueError" and "modes (13, 2) exceed the spectrum (12, 5)" in out[4][1]
+
+
+def _serial_fno():
+    torch.manual_seed(1)
+    return FNOBlock(SpectralConv2d(4, 4, 3, 3)).double()
+
+
+def _fno_model(world):
+    serial = _serial_fno()
+    spectral = Sharded(4, 4, 3, 3)
+    spectral.load_state_dict(serial.spectral.state_dict())
+    parallel = copy.deepcopy(serial)
+    parallel.spectral = spectral
+    mesh = DeviceMesh("cpu", torch.arange(world))
+    return serial, tplayers.parallelize_module(parallel, {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
+
+
+def _step(model, x, sharded):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    y = model(tplayers.shard(x, 2) if sharded else x)
+    (tplayers.domain_sum(y**2) if sharded else (y**2).sum()).backward()
+    opt.step()
+    return opt
+
+
+def _input():
+    return torch.randn(2, 3, 11, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+
+def _train_and_save(rank, world, path):
+    _, parallel = _fno_model(world)
+    tplayers.save_checkpoint(parallel, path, optimizer=_step(parallel, _input(), True))
+    return True
+
+
+def _load_at(rank, world, path):
+    trained, parallel = _fno_model(world)
+    serial_opt = _step(trained, _input(), False)  # the serial model after the same step
+    opt = torch.optim.AdamW(parallel.parameters(), lr=0.05)
+    tplayers.load_checkpoint(parallel, path, optimizer=opt)
+    for (k, v), ref in zip(parallel.named_parameters(), trained.parameters()):
+        assert v.dtype == ref.dtype, k
+        torch.testing.assert_close(v, ref, **TIGHT)
+        torch.testing.assert_close(opt.state[v]["exp_avg"], serial_opt.state[ref]["exp_avg"], **TIGHT)
+    x = _input()
+    torch.testing.assert_close(parallel(tplayers.shard(x, 2)), tplayers.shard(trained(x), 2), **TIGHT)
+    return True
+
+
+def test_an_fno_checkpoint_saved_at_2_ranks_loads_at_1_and_4(tmp_path):
+    path = str(tmp_path / "fno")
+    run_ranks(_train_and_save, 2, args=(path,), timeout=120)
+    for world in (1, 4):
+        run_ranks(_load_at, world, args=(path,), timeout=120)
+    trained = _serial_fno()  # a plain serial model, no process group
+    _step(trained, _input(), False)
+    serial = _serial_fno()
+    tplayers.load_checkpoint(serial, path)
+    for k, v in serial.state_dict().items():
+        torch.testing.assert_close(v, trained.state_dict()[k], **TIGHT)
