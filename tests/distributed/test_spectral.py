@@ -232,3 +232,29 @@ def test_an_fno_checkpoint_saved_at_2_ranks_loads_at_1_and_4(tmp_path):
     tplayers.load_checkpoint(serial, path)
     for k, v in serial.state_dict().items():
         torch.testing.assert_close(v, trained.state_dict()[k], **TIGHT)
+
+
+def _match_2d(rank, world, batch, layouts):
+    mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))
+    coords = [mesh.get_local_rank(i) for i in range(2)]
+    torch.manual_seed(0)
+    serial = SpectralConv2d(3, 2, 3, 4).double()
+    par = copy.deepcopy(serial)
+    local = lambda t: local_slice(t, (2, 3), layouts, coords)  # noqa: E731
+    x = torch.randn(batch, 3, sum(layouts[0]), sum(layouts[1]), dtype=torch.float64)
+    xs, xl = x.clone().requires_grad_(True), local(x).clone().requires_grad_(True)
+    ys = serial(xs)
+    yl = TF.spectral_conv2d(xl, par.weights1, par.weights2, 3, 4, mesh=mesh, shard_dims=(2, 3))
+    torch.testing.assert_close(yl, local(ys), **TIGHT)
+    w = torch.randn(ys.shape, dtype=torch.float64)
+    (ys * w).sum().backward()
+    (yl * local(w)).sum().backward()
+    torch.testing.assert_close(xl.grad, local(xs.grad), **TIGHT)
+    for name in ("weights1", "weights2"):
+        torch.testing.assert_close(getattr(par, name).grad, getattr(serial, name).grad, **TIGHT)
+    return True
+
+
+@pytest.mark.parametrize("batch, layouts", [(3, [[5, 4], [4, 6]]), (1, [[6, 6], [5, 5]])])
+def test_spectral_conv2d_on_a_2x2_mesh(batch, layouts):
+    run_ranks(_match_2d, 4, args=(batch, layouts), timeout=120)

@@ -42,7 +42,7 @@ import contextlib
 import torch
 
 from tplayers.comm.agree import exchange_agreed
-from tplayers.comm.all_to_all import AllToAllDim
+from tplayers.comm.all_to_all import AllToAllDim, grid_sizes
 from tplayers.domain.active import active_guard, stepped_aside
 from tplayers.domain.boundary import ReplicatedToSharded
 from tplayers.domain.layout import region_layout
@@ -53,7 +53,7 @@ from tplayers.sharding import offsets_from_sizes, shard_sizes
 __all__ = ["spectral_conv2d"]
 
 
-def _check(x, weights1, weights2, modes1, modes2, shard_dims, norm) -> int:
+def _check(x, weights1, weights2, modes1, modes2, shard_dims, norm, mesh_ndim):
     name = "tplayers.functional.spectral_conv2d"
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.is_complex():
         raise TypeError(f"{name}: x must be a real (N, C, H, W) tensor, got {getattr(x, 'shape', type(x).__name__)}")
@@ -70,13 +70,17 @@ def _check(x, weights1, weights2, modes1, modes2, shard_dims, norm) -> int:
                 f"got {tuple(w.shape)}"
             )
     dims = (shard_dims,) if isinstance(shard_dims, int) and not isinstance(shard_dims, bool) else tuple(shard_dims)
-    if len(dims) != 1 or dims[0] % 4 not in (2, 3):
-        raise ValueError(f"{name}: shard_dims must be 2 (H) or 3 (W) on a 1-D mesh, got {shard_dims!r}")
-    if modes2 > x.size(3) // 2 + 1 and dims[0] % 4 == 2:
+    dims = tuple(d % 4 if isinstance(d, int) else d for d in dims)
+    if dims not in (((2,), (3,)) if mesh_ndim == 1 else ((2, 3),)):
+        raise ValueError(
+            f"{name}: shard_dims must be 2 (H) or 3 (W) on a 1-D mesh, (2, 3) on a 2-D mesh; got {shard_dims!r} "
+            f"on a {mesh_ndim}-D mesh"
+        )
+    if modes2 > x.size(3) // 2 + 1 and dims == (2,):
         raise ValueError(f"{name}: modes2={modes2} exceeds W // 2 + 1 = {x.size(3) // 2 + 1}")
     if norm not in _NORMS:
         raise ValueError(f"{name}: norm must be one of {_NORMS}, got {norm!r}")
-    return dims[0] % 4
+    return dims
 
 
 def spectral_conv2d(x, weights1, weights2, modes1, modes2, *, mesh=None, shard_dims=(2,), norm=None):
@@ -84,10 +88,11 @@ def spectral_conv2d(x, weights1, weights2, modes1, modes2, *, mesh=None, shard_d
 
     Args:
         x: this rank's rows of a real ``(N, C_in, H, W)`` tensor, sharded along H (``shard_dims=2``,
-            any partition) or W (``3``).
+            any partition) or W (``3``) on a 1-D mesh, or along both (``(2, 3)``) on a 2-D mesh
+            (the batch then takes mesh dim 1's sharding while the 1-D form runs over mesh dim 0).
         weights1, weights2: complex ``(C_in, C_out, modes1, modes2)``, replicated (the same on every rank).
         modes1, modes2: the kept modes along H (the first and the last ``modes1`` rows) and W.
-        mesh: a 1-D mesh (``None``: :func:`tplayers.default_mesh`).
+        mesh: a 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`).
         norm: ``torch.fft``'s ``norm`` for both transforms.
 
     Returns:
@@ -100,33 +105,44 @@ def spectral_conv2d(x, weights1, weights2, modes1, modes2, *, mesh=None, shard_d
     """
     guard = active_guard()  # called inside a region: run unguarded, tag the result
     with stepped_aside(guard) if guard is not None else contextlib.nullcontext():
-        y, dim = _agreed(x, weights1, weights2, modes1, modes2, mesh, shard_dims, norm)
+        y, dims = _agreed(x, weights1, weights2, modes1, modes2, mesh, shard_dims, norm)
     if guard is not None and hasattr(guard, "mark"):
-        guard.mark(y, region_layout(y.shape, (dim,)))
+        guard.mark(y, region_layout(y.shape, dims))
     return y
 
 
 def _agreed(x, weights1, weights2, modes1, modes2, mesh, shard_dims, norm):
-    mesh = resolve_mesh(mesh, 1)
-    group = mesh.get_group(0)
-    error, dim = None, 2
+    mesh = resolve_mesh(mesh, (1, 2))
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    error, dims = None, (2, 3)[: mesh.ndim]
     try:
-        dim = _check(x, weights1, weights2, modes1, modes2, shard_dims, norm)
+        dims = _check(x, weights1, weights2, modes1, modes2, shard_dims, norm, mesh.ndim)
     except (TypeError, ValueError) as e:
         error = e
     ok = error is None
     config = {
-        "shard_dims": dim,
+        "shard_dims": dims,
         "modes": (modes1, modes2),
         "norm": norm,
         "weights": tuple(weights1.shape) if ok else None,
         "dtype": (str(x.dtype), str(weights1.dtype)) if ok else None,
-        "other dims": tuple(-1 if d == dim else int(s) for d, s in enumerate(x.shape)) if ok else (),
+        "other dims": tuple(-1 if d in dims else int(s) for d, s in enumerate(x.shape)) if ok else (),
     }
-    row = [int(x.size(dim)) if ok else 0]
-    table = exchange_agreed(row, config, [group], "tplayers.functional.spectral_conv2d", "spectral.layout", error=error)
-    sizes = [line[0][0] for line in table]
-    return _spectral(x, weights1, weights2, modes1, modes2, dim, sizes, group, norm), dim
+    row = [int(x.size(d)) if ok else 0 for d in dims] + [0] * (2 - len(dims))
+    name = "tplayers.functional.spectral_conv2d"
+    sizes = grid_sizes(exchange_agreed(row, config, groups, name, "spectral.layout", error=error), mesh, name)
+    if mesh.ndim == 1:
+        return _spectral(x, weights1, weights2, modes1, modes2, dims[0], sizes[0], groups[0], norm), dims
+    # H over mesh dim 0, W over mesh dim 1: the batch takes mesh dim 1's sharding (W whole), the 1-D
+    # form runs over mesh dim 0, and W's sharding comes back. The weights' gradients are summed over
+    # mesh dim 1 here, over mesh dim 0 in the 1-D form.
+    g1 = groups[1]
+    if g1.size() == 1:
+        return _spectral(x, weights1, weights2, modes1, modes2, 2, sizes[0], groups[0], norm), dims
+    batch = shard_sizes(x.size(0), g1.size())
+    w1, w2 = (ReplicatedToSharded.apply(w, [g1]) if w.requires_grad else w for w in (weights1, weights2))
+    y = _spectral(AllToAllDim.apply(x, 3, 0, sizes[1], batch, g1), w1, w2, modes1, modes2, 2, sizes[0], groups[0], norm)
+    return AllToAllDim.apply(y, 0, 3, batch, sizes[1], g1), dims
 
 
 def _spectral(x, w1, w2, m1, m2, dim, sizes, group, norm):
