@@ -23,13 +23,14 @@ and ``gather`` move between global and local tensors, and
 
 from tplayers import functional
 from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
-from tplayers.comm import CommLog, count_collectives, repartition
+from tplayers.comm import CommLog, count_collectives
 from tplayers.domain.boundary import (
     ReplicatedToSharded,
     ShardedToReplicated,
     replicated_to_sharded,
     sharded_to_replicated,
 )
+from tplayers.domain.moves import repartition
 from tplayers.domain.reductions import domain_mean, domain_sum
 from tplayers.domain.shard import gather, reset_layouts, scatter, shard
 from tplayers.layers import (

@@ -196,10 +196,11 @@ def _docstrings(rank, world):
     import textwrap
 
     import tplayers.comm.all_to_all as rep
+    import tplayers.domain.moves as moves
     import tplayers.functional.spectral as spectral
 
     count = 0
-    for obj in (tplayers.repartition, rep, dfft, spectral):
+    for obj in (rep.repartition, rep, moves, dfft, spectral):
         doc = obj.__doc__
         start = doc.index("::\n", doc.index("Example")) + 3
         code = textwrap.dedent(doc[start:].split("\n\n\n")[0].split('"""')[0])
@@ -210,4 +211,4 @@ def _docstrings(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_docstring_examples_run(world):
-    assert run_ranks(_docstrings, world, timeout=60) == [4] * world
+    assert run_ranks(_docstrings, world, timeout=60) == [5] * world

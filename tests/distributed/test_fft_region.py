@@ -123,3 +123,44 @@ def test_a_reduction_over_one_mesh_dim_meets_the_shards_with_its_gradient_summed
     """A result sharded over mesh dim 1 only (a mean over H on a 2x2 mesh) used with data sharded over both:
     its gradient is summed over mesh dim 0 (it was each rank's partial before)."""
     run_ranks(_partial, 4, timeout=60)
+
+
+class Transposed(nn.Module):
+    """Work along H with W sharded, then back: tplayers.repartition in a model's forward."""
+
+    def __init__(self, parallel):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+        self.parallel = parallel
+
+    def forward(self, x):
+        h = self.conv(x)
+        w = tplayers.repartition(h, None, 2, 3) if self.parallel else h  # now sharded along W
+        t = torch.fft.fft(w, dim=2).abs() + torch.cumsum(w, 2)  # along the whole H
+        back = tplayers.repartition(t, None, 3, 2) if self.parallel else t
+        return back * x.mean(dim=3, keepdim=True)
+
+
+def _transposed(rank, world):
+    mesh = DeviceMesh("cpu", torch.arange(world))
+    torch.manual_seed(2)
+    serial = Transposed(False).double()
+    par = copy.deepcopy(serial)
+    par.parallel = True
+    par = tplayers.parallelize_module(par, {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
+    x = torch.randn(2, 2, 10, 7, dtype=torch.float64)
+    xs, xl = x.clone().requires_grad_(True), tplayers.shard(x, 2, mesh).detach().requires_grad_(True)
+    ys, yl = serial(xs), par(xl)
+    torch.testing.assert_close(yl, tplayers.shard(ys, 2, mesh), **TIGHT)
+    w = torch.randn(ys.shape, dtype=torch.float64)
+    (ys * w).sum().backward()
+    tplayers.domain_sum(yl * tplayers.shard(w, 2, mesh), mesh).backward()
+    torch.testing.assert_close(xl.grad, tplayers.shard(xs.grad, 2, mesh), **TIGHT)
+    for (n, p), q in zip(par.named_parameters(), serial.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=n: f"{n}: {m}", **TIGHT)
+    return True
+
+
+def test_repartition_inside_a_region_is_followed_by_the_guard():
+    """cumsum along H is refused on H-sharded data; after tplayers.repartition to W it runs locally, exact."""
+    run_ranks(_transposed, 2, timeout=60)
