@@ -36,7 +36,8 @@ def _check(full, weight, mesh, src, dst, src_sizes):
     x = _slice(full, src, src_sizes, coords).clone().requires_grad_(True)
     with tplayers.count_collectives() as fwd:
         y = tplayers.repartition(x, mesh, src if mesh.ndim > 1 else src[0], dst if mesh.ndim > 1 else dst[0])
-    dst_sizes = [shard_sizes(full.size(d), mesh.size(i)) for i, d in enumerate(dst)]
+    # a mesh dim whose dim changes gets the balanced cut; one that keeps its dim keeps its partition
+    dst_sizes = [src_sizes[i] if d == src[i] else shard_sizes(full.size(d), mesh.size(i)) for i, d in enumerate(dst)]
     assert torch.equal(y, _slice(full, dst, dst_sizes, coords)), (src, dst, src_sizes)
     z = full.clone().requires_grad_(True)
     (z * weight).real.sum().backward()  # the serial loss; its gradient is weight (conj for complex)
@@ -172,3 +173,25 @@ def test_module_doctests():
     for mod in (all_to_all, fft):
         result = doctest.testmod(mod)
         assert result.attempted >= 1 and result.failed == 0, (mod.__name__, result)
+
+
+def _two_d_random(rank, world, seed):
+    mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))
+    rng = random.Random(seed)
+    for trial in range(10):
+        ndim = rng.choice([3, 4, 5])
+        src = tuple(rng.sample(range(ndim), 2))
+        dst = tuple(rng.sample(range(ndim), 2))
+        shape = [rng.randint(1, 6) for _ in range(ndim)]
+        sizes = [[rng.randint(0, 4) for _ in range(2)] for _ in range(2)]  # a grid, empty rows included
+        for i in range(2):
+            shape[src[i]] = sum(sizes[i])
+        dtype = rng.choice([torch.float64, torch.complex128])
+        full, weight = _full(shape, seed + trial, dtype), _full(shape, seed + 50 + trial, dtype)
+        fwd, bwd = _check(full, weight, mesh, src, dst, sizes)
+        assert fwd.count("all_to_all") == bwd.count("all_to_all") == len(plan_moves(src, dst, range(ndim)))
+    return True
+
+
+def test_repartition_2d_mesh_random():
+    run_ranks(_two_d_random, 4, args=(5,), timeout=90)

@@ -179,7 +179,8 @@ def repartition(x: torch.Tensor, mesh: Optional[DeviceMesh], from_dims: Dims, to
 
     ``x`` is this rank's slice along ``from_dims`` (one tensor dim per mesh dim; any partition,
     uneven or empty shards included). The result holds the :func:`tplayers.shard_sizes` slice of
-    each ``to_dims[i]`` over mesh dim ``i`` and the whole of the dims that were sharded before.
+    each ``to_dims[i]`` over mesh dim ``i`` and the whole of the dims that were sharded before; a
+    mesh dim whose dim does not change keeps its partition (and moves nothing).
     A swap (``(2, 3)`` -> ``(3, 2)`` on a 2-D mesh) passes one dim through a third and costs one more
     all-to-all. One small exchange first compares every rank's arguments and local sizes.
 
