@@ -212,3 +212,35 @@ def _docstrings(rank, world):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_docstring_examples_run(world):
     assert run_ranks(_docstrings, world, timeout=60) == [5] * world
+
+
+def _mesh_2x2_random(rank, world, seed):
+    mesh = DeviceMesh("cpu", torch.arange(4).reshape(2, 2))
+    rng = random.Random(seed)
+    for trial in range(16):
+        name = NAMES[(trial + seed) % len(NAMES)]
+        nd = rng.choice([3, 4])
+        shape = [rng.randint(1, 6) for _ in range(nd)]
+        kw = _kwargs(rng, name, shape)
+        dims = [kw["dim"] % nd] if name in ONE_D else [d % nd for d in kw["dim"]]
+        src = tuple(rng.sample(range(nd), 2))
+        if set(range(nd)) <= set(dims) | set(src) and len(dims) == nd:
+            continue  # every dim transformed and two of them sharded: may have nowhere to go (tested apart)
+        sizes = [[rng.randint(0, 3) for _ in range(2)] for _ in range(2)]
+        for i in range(2):
+            if sum(sizes[i]) == 0:
+                sizes[i][0] = 1
+            shape[src[i]] = sum(sizes[i])
+        if name.startswith("irfft") and kw.get("s") is None and kw.get("n") is None and shape[dims[-1]] < 2:
+            shape[dims[-1]] = 2
+            if dims[-1] in src:
+                sizes[src.index(dims[-1])] = [1, 1]
+        complex_ = name.startswith("irfft") or (not name.startswith("rfft") and rng.random() < 0.7)
+        full = _rand(shape, seed + trial, complex_)
+        dst = None if rng.random() < 0.6 else tuple(rng.sample(range(nd), 2))
+        _case(name, full, mesh, src, sizes, dst, kw, seed + 500 + trial)
+    return True
+
+
+def test_fft_2x2_mesh_random():
+    run_ranks(_mesh_2x2_random, 4, args=(3,), timeout=120)
