@@ -244,3 +244,35 @@ def _mesh_2x2_random(rank, world, seed):
 
 def test_fft_2x2_mesh_random():
     run_ranks(_mesh_2x2_random, 4, args=(3,), timeout=120)
+
+
+def _shifts(rank, world, seed):
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape((2, 2) if world == 4 else (world,)))
+    coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+    rng = random.Random(seed)
+    for trial in range(12):
+        nd = rng.choice([3, 4])
+        src = tuple(rng.sample(range(nd), mesh.ndim))
+        sizes = [[rng.randint(0, 4) for _ in range(mesh.size(i))] for i in range(mesh.ndim)]
+        shape = [rng.randint(1, 6) for _ in range(nd)]
+        for i, d in enumerate(src):
+            shape[d] = sum(sizes[i])
+        dim = tuple(rng.sample(range(nd), rng.randint(1, nd - mesh.ndim)))
+        name = rng.choice(["fftshift", "ifftshift"])
+        full = _rand(shape, seed + trial, rng.random() < 0.5)
+        xs = full.clone().requires_grad_(True)
+        ref = getattr(torch.fft, name)(xs, dim=dim)
+        x = _slice(full, src, sizes, coords).clone().requires_grad_(True)
+        sd = src if mesh.ndim > 1 else src[0]
+        y = getattr(dfft, name)(x, dim, mesh=mesh, shard_dims=sd)
+        assert torch.equal(y, _slice(ref, src, sizes, coords)), (name, shape, src, dim)
+        w = _rand(ref.shape, seed + 99, ref.is_complex())
+        (ref * w).real.sum().backward()
+        (y * _slice(w, src, sizes, coords)).real.sum().backward()
+        assert torch.equal(x.grad, _slice(xs.grad, src, sizes, coords))
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_fftshift_over_sharded_dims(world):
+    run_ranks(_shifts, world, args=(world,), timeout=60)

@@ -21,7 +21,8 @@ Every call first compares every rank's arguments and local sizes in one small ex
 ``ValueError`` on every rank when they differ). ``norm`` is applied per transformed dim, as the
 serial transforms do (``"backward"``, ``"ortho"``, ``"forward"``). A transform over every dim of a
 tensor whose every dim is sharded (a sharded 1-D signal) is refused: no dim is left to pass the
-sharding through.
+sharding through. ``fftshift`` / ``ifftshift`` along a sharded dim move its sharding to another
+dim, shift locally and move it back (two all-to-alls).
 
 Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
@@ -64,6 +65,8 @@ __all__ = [
     "ifftn",
     "rfftn",
     "irfftn",
+    "fftshift",
+    "ifftshift",
     "transform",
 ]
 
@@ -314,3 +317,76 @@ fftn = _family("c2c", "fftn", None, False)
 ifftn = _family("ic2c", "ifftn", None, False)
 rfftn = _family("r2c", "rfftn", None, False)
 irfftn = _family("c2r", "irfftn", None, False)
+
+
+def _shift(fn, name: str):
+    def shift(input, dim=None, *, mesh=None, shard_dims=(2,)):
+        guard = active_guard()  # called by hand inside a region: run unguarded, tag the result
+        with stepped_aside(guard) if guard is not None else contextlib.nullcontext():
+            out, src = _shifted(input, fn, dim, mesh, shard_dims, f"tplayers.functional.fft.{name}")
+        if guard is not None and hasattr(guard, "mark"):
+            guard.mark(out, region_layout(out.shape, src))
+        return out
+
+    shift.__name__ = shift.__qualname__ = name
+    shift.__doc__ = f"""``torch.fft.{name}`` over domain-sharded dims: a permutation of the global rows.
+
+    Each mesh dim sharding a shifted dim hands its sharding to the largest dim that is neither
+    shifted nor sharded (one all-to-all), the shift runs locally, and the sharding returns with the
+    input's partition (one more). The result is sharded like the input.
+
+    Args:
+        input: this rank's slice, sharded along ``shard_dims`` (one tensor dim per mesh dim).
+        dim: as ``torch.fft.{name}`` (``None``: every dim).
+        mesh: a 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`).
+        shard_dims: the tensor dim sharded over each mesh dim.
+
+    Returns:
+        This rank's slice of ``torch.fft.{name}`` of the gathered input.
+
+    Raises:
+        TypeError: a non-tensor input or non-int dims.
+        ValueError: on every rank, when ranks disagree on the arguments or unsharded sizes, or no
+            dim is left to hold a shifted dim's sharding (``dim=None`` over a sharded tensor).
+    """
+    return shift
+
+
+def _shifted(x, fn, dim, mesh, shard_dims, name):
+    mesh = resolve_mesh(mesh, (1, 2))
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    error, src, dims, moves = None, (), (), []
+    try:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
+        src = _mesh_dims(shard_dims, mesh.ndim, x.dim(), name, "shard_dims")
+        dims, _ = _norm_dims(dim, None, x.dim(), name)
+        cur = list(src)
+        for i, d in enumerate(src):
+            if d in dims:
+                free = [t for t in sorted(range(x.dim()), key=lambda t: -x.size(t)) if t not in dims and t not in cur]
+                if not free:
+                    raise ValueError(f"{name}: dim {dim!r} leaves no dim to hold the sharding of dim {d}")
+                moves.append((i, d, free[0]))
+                cur[i] = free[0]
+    except (TypeError, ValueError) as e:
+        error = e
+    ok = error is None
+    row = [int(x.size(d)) for d in src] + [0] * (2 - len(src)) if ok else [0, 0]
+    rest = tuple(-1 if d in src else int(v) for d, v in enumerate(x.shape)) if ok else ()
+    config = {"shard_dims": src, "dim": dims, "dtype": str(getattr(x, "dtype", None)), "other dims": rest}
+    sizes = grid_sizes(exchange_agreed(row, config, groups, name, "fft.layout", error=error), mesh, name)
+    moved = {}
+    for i, a, b in moves:
+        if groups[i].size() > 1:
+            moved[i] = shard_sizes(x.size(b), groups[i].size())
+            x = AllToAllDim.apply(x, a, b, sizes[i], moved[i], groups[i])
+    x = fn(x, dim=dims)
+    for i, a, b in reversed(moves):
+        if groups[i].size() > 1:
+            x = AllToAllDim.apply(x, b, a, moved[i], sizes[i], groups[i])
+    return x, src
+
+
+fftshift = _shift(torch.fft.fftshift, "fftshift")
+ifftshift = _shift(torch.fft.ifftshift, "ifftshift")

@@ -6,11 +6,12 @@ result is tagged sharded like the input (the same tensor dims over the same mesh
 spectrum of an H-sharded image is H-sharded, ``irfft2`` of it H-sharded again), so the layout the
 guard follows keeps its shape across the transform; a sharded dim whose length changes (the
 ``W // 2 + 1`` modes of an ``rfft`` along a sharded W) is cut by :func:`tplayers.shard_sizes`.
+``fftshift`` / ``ifftshift`` are routed too (the sharding moves aside for the shift and returns).
 
 Signal sizes (``s=``, ``n=``) are global, as in the serial model; one derived from a sharded
 tensor's local shape (``s=x.shape[-2:]``) is recognised as the ranks' shares where it can be told
 apart, and refused on every rank where it cannot (:mod:`tplayers.region.sizes`). Every other
-``torch.fft`` function on sharded data (``fftshift``, ``hfft``, ...) is refused (no rule).
+``torch.fft`` function on sharded data (``hfft``, ``ihfft``, ...) is refused (no rule).
 """
 
 from __future__ import annotations
@@ -69,4 +70,16 @@ def _fft(g, func, args, kwargs):
     return g.mark(out, region_layout(out.shape, shard_dims))
 
 
+def _shift(g, func, args, kwargs):
+    g.acted = True
+    name = func.__name__[len("fft_") :]
+    a = _bind(args, kwargs, ("input", "dim"), {"dim": None})
+    x = a["input"]
+    lay = g.layout(x)
+    shard_dims = _simple(g, lay, f"torch.fft.{name}")
+    out = getattr(dfft, name)(x, a["dim"], mesh=g.mesh, shard_dims=shard_dims)
+    return g.mark(out, lay)  # a permutation of the rows: the same partition
+
+
 TABLE = {f"fft_{n}": _fft for n in _NAMES}
+TABLE.update({"fft_fftshift": _shift, "fft_ifftshift": _shift})
