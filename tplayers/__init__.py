@@ -30,6 +30,7 @@ from tplayers.domain.boundary import (
     replicated_to_sharded,
     sharded_to_replicated,
 )
+from tplayers.domain.moves import repartition
 from tplayers.domain.reductions import domain_mean, domain_sum
 from tplayers.domain.shard import gather, reset_layouts, scatter, shard
 from tplayers.layers import (
@@ -110,6 +111,7 @@ __all__ = [
     "sharded_to_replicated",
     "replicated_to_sharded",
     "count_collectives",
+    "repartition",
     "CommLog",
     "ColumnParallelLinear",
     "RowParallelLinear",

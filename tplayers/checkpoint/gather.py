@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tplayers.checkpoint.layout import allgather_json, describe, local_tensors, plan_layout, world_info
+from tplayers.checkpoint.layout import allgather_json, describe, local_tensors, plan_layout, real_views, world_info
 from tplayers.comm import all_gather_along_dim
 
 
@@ -43,6 +43,8 @@ def gather_state_dict(model: nn.Module, *, all_ranks: bool = False) -> Dict[str,
     """
     rank, world = world_info()
     local = local_tensors(model)
+    complex_keys = {k for k, lt in local.items() if lt.tensor.dtype == torch.complex128}
+    local = real_views(local)  # gathered as their float64 views (the layout rows name safetensors dtypes)
     per_rank = allgather_json(describe(local))
     tensors, _ = plan_layout(per_rank)
     spans = [{row[0]: row[4] for row in rows} for rows in per_rank]  # per rank: key -> [[start, stop], ...]
@@ -63,7 +65,7 @@ def gather_state_dict(model: nn.Module, *, all_ranks: bool = False) -> Dict[str,
                 for a, b in spans[r][key]:
                     t.narrow(g.dim, a, b - a).copy_(got.narrow(g.dim, offset, b - a))
                     offset += b - a
-        full[key] = t
+        full[key] = torch.view_as_complex(t) if key in complex_keys else t
     if rank != 0 and not all_ranks:
         return {}
     return {key: full[key] for key in local}

@@ -17,7 +17,7 @@ keep (their gradients are reduced over the group).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -67,6 +67,21 @@ def local_tensors(model: nn.Module, staging: Optional[Staging] = None) -> Dict[s
                 f"but the tensor is {tuple(t.shape)}"
             )
         out[key] = LocalTensor(key, t, spec)
+    return out
+
+
+def real_views(local: Dict[str, LocalTensor]) -> Dict[str, LocalTensor]:
+    """``local`` with every complex128 tensor replaced by its float64 real view (a trailing dim of 2:
+    real, imaginary part), sharing memory with it: safetensors has ``C64`` (complex64, stored as it is)
+    but no complex128 dtype, so such a tensor is stored, gathered and loaded as this view. The shard
+    dim and ranges are unchanged (the new dim is last); a reader of the files sees ``F64`` of shape
+    ``(*shape, 2)`` (``torch.view_as_complex`` restores it)."""
+    out = {}
+    for key, lt in local.items():
+        if lt.tensor.dtype == torch.complex128:
+            spec = replace(lt.spec, global_shape=tuple(lt.spec.global_shape) + (2,))
+            lt = LocalTensor(key, torch.view_as_real(lt.tensor.detach()), spec)
+        out[key] = lt
     return out
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from tplayers.checkpoint.format import CheckpointError, torch_dtype
 from tplayers.checkpoint.index import open_source
-from tplayers.checkpoint.layout import agree, local_tensors, world_info
+from tplayers.checkpoint.layout import agree, local_tensors, real_views, world_info
 from tplayers.checkpoint.optim import is_optimizer_key, optimizer_load_tensors
 from tplayers.checkpoint.progress import Progress
 from tplayers.checkpoint.read import Reader
@@ -154,6 +154,7 @@ def stage_load(
             local.update(optimizer_load_tensors(model, optimizer, local, source.tensors, staging, path))
         else:
             available = {k for k in available if not is_optimizer_key(k)}
+        local = real_views(local)  # complex128 as its float64 view, as saved
         missing = sorted(set(local) - available)
         unexpected = sorted(available - set(local))
         if strict and (missing or unexpected):

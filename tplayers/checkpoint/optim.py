@@ -100,10 +100,12 @@ def optimizer_load_tensors(
             raise CheckpointError(f"{path}: optimizer state {key!r} belongs to no parameter the optimizer updates")
         p, entry = params[name], entries[key]
         pspec = local[name].spec
-        like_param = tuple(entry.shape) == tuple(pspec.global_shape)
+        # a complex128 state is stored as its float64 view (a trailing dim of 2, layout.real_views)
+        as_complex = p.dtype == torch.complex128 and tuple(entry.shape) == tuple(pspec.global_shape) + (2,)
+        like_param = tuple(entry.shape) == tuple(pspec.global_shape) or as_complex
         current = optimizer.state.get(p, {}).get(state_name)
         if not isinstance(current, torch.Tensor):
-            dtype = torch_dtype(entry.dtype, f"tensor {key!r}")
+            dtype = p.dtype if as_complex else torch_dtype(entry.dtype, f"tensor {key!r}")
             if like_param:
                 current = torch.zeros_like(p, dtype=dtype)  # a DTensor for an FSDP2 parameter
             else:  # e.g. AdamW's 0-d step, kept on the CPU as torch does (unless capturable/fused)

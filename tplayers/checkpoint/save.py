@@ -16,6 +16,7 @@ import secrets
 import shutil
 from typing import Dict, Optional, Sequence
 
+import torch
 from torch import nn
 
 from tplayers.checkpoint.digest import DEFAULT, check_algorithm
@@ -30,6 +31,7 @@ from tplayers.checkpoint.layout import (
     local_piece,
     local_tensors,
     plan_layout,
+    real_views,
     stored,
     world_info,
 )
@@ -133,6 +135,7 @@ def save_checkpoint(
     local = local_tensors(model)
     if optimizer is not None:
         local.update(optimizer_tensors(model, optimizer, local))
+    local = real_views(local)  # complex128 as its float64 view
     refusal = check_target(path)
     if consolidated:
         agree(refusal)
@@ -300,13 +303,18 @@ def finish_dir(
     return commit(tmp, path, remove_old=False)
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """complex128 as its float64 view (see :func:`~tplayers.checkpoint.layout.real_views`)."""
+    return torch.view_as_real(t) if t.dtype == torch.complex128 else t
+
+
 def _save_consolidated(model: nn.Module, path: str, rank: int, progress) -> None:
     full = gather_state_dict(model)  # rank 0 holds everything, others {}
     error = None
     if rank == 0:
         tmp = temp_sibling(path, secrets.token_hex(8))
         try:
-            items = [(k, v.detach().to("cpu").contiguous()) for k, v in full.items()]
+            items = [(k, _real(v).detach().to("cpu").contiguous()) for k, v in full.items()]
             bar = Progress(sum(t.numel() * t.element_size() for _, t in items), f"save {path}", progress)
             write_file(
                 tmp,

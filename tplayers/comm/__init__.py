@@ -7,6 +7,7 @@ See ``docs/design.md``.
 """
 
 from tplayers.comm.accounting import CollectiveRecord, CommLog, count_collectives, record_collective
+from tplayers.comm.all_to_all import AllToAllDim, repartition
 from tplayers.comm.collectives import (
     CopyManyToParallelRegion,
     CopyToParallelRegion,
@@ -57,4 +58,6 @@ __all__ = [
     "reduce_scatter_to_sequence_region",
     "reduce_scatter_along_dim",
     "halo_exchange",
+    "AllToAllDim",
+    "repartition",
 ]

@@ -10,7 +10,9 @@ The floor above :mod:`tplayers.comm` and below the layers:
   ``tplayers.functional`` reductions);
 * :mod:`~tplayers.domain.layout` - the tag saying which dims of a tensor are sharded, and the
   layout algebra of views; :mod:`~tplayers.domain.active` - the hook by which code below the
-  region guard (:mod:`tplayers.region`) finds it.
+  region guard (:mod:`tplayers.region`) finds it;
+* :mod:`~tplayers.domain.moves` - ``tplayers.repartition`` (the all-to-alls of
+  :mod:`tplayers.comm.all_to_all`), tagging its result inside a region.
 
 See ``docs/design.md``.
 """
@@ -21,6 +23,7 @@ from tplayers.domain.boundary import (
     replicated_to_sharded,
     sharded_to_replicated,
 )
+from tplayers.domain.moves import repartition
 from tplayers.domain.reductions import domain_mean, domain_sum
 from tplayers.domain.shard import gather, reset_layouts, resolve_domain, scatter, shard
 
@@ -36,4 +39,5 @@ __all__ = [
     "ReplicatedToSharded",
     "sharded_to_replicated",
     "replicated_to_sharded",
+    "repartition",
 ]

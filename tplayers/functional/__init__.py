@@ -10,7 +10,9 @@ Inside a domain region the region guard routes the plain ``torch`` / ``F`` calls
 - :func:`scaled_dot_product_attention`: ``F.scaled_dot_product_attention`` over tokens sharded on
   all ranks of a mesh (ring or all-gather of K/V, online-softmax merge); :func:`token_positions`
   gives the global indices of the local tokens of a sharded image for causal / masked attention;
-- :func:`multi_head_attention_forward`: ``F.multi_head_attention_forward`` with the sequence sharded.
+- :func:`multi_head_attention_forward`: ``F.multi_head_attention_forward`` with the sequence sharded;
+- :mod:`tplayers.functional.fft`: ``torch.fft`` transforms over sharded dims (``fft``, ``rfft2``, ``irfftn``, ...);
+  :func:`spectral_conv2d`: a Fourier neural operator's spectral convolution, only the kept modes moving.
 
 Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 
@@ -30,6 +32,8 @@ docs/design.md (domain parallelism, the region guard, full attention).
 from tplayers.attention.mha import multi_head_attention_forward
 from tplayers.attention.sdpa import scaled_dot_product_attention, token_positions
 from tplayers.domain.reductions import amax, amin, mean, norm, std, sum, var  # noqa: A004
+from tplayers.functional import fft
+from tplayers.functional.spectral import spectral_conv2d
 from tplayers.functional.window import (
     adaptive_avg_pool1d,
     adaptive_avg_pool2d,
@@ -48,6 +52,8 @@ from tplayers.functional.window import (
 )
 
 __all__ = [
+    "fft",
+    "spectral_conv2d",
     "sum",
     "mean",
     "amax",

@@ -12,7 +12,7 @@ import functools
 from typing import Any, Dict
 
 from tplayers.domain.layout import LayoutError
-from tplayers.region import rules_ops, rules_route
+from tplayers.region import rules_fft, rules_ops, rules_route
 from tplayers.region.rules import (
     _PASS,
     _PRESERVE,
@@ -40,6 +40,7 @@ def _table() -> Dict[str, Any]:
     table.update(ALONG)
     table.update(rules_ops.TABLE)
     table.update(rules_route.TABLE)
+    table.update(rules_fft.TABLE)
     return table
 
 

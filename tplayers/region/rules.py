@@ -63,6 +63,15 @@ def run_pointwise(g, func, args, kwargs, tensors=None):
     out_layout = broadcast_layouts([t.shape for t in tensors], [g.layout(t) for t in tensors])
     axes = mesh_dims_of(out_layout)
     swap = {id(t): g.bound(t, axes) for t in tensors if g.layout(t) is None}
+    # A tensor sharded over some mesh dims only (a reduction's result over a 2-D mesh) is replicated
+    # along the others: where it meets data sharded along those, its gradient is summed over them too.
+    if len(axes) > 1:  # only a 2-D mesh has tensors sharded over part of it
+        written = args[0] if args and getattr(func, "__name__", "").endswith("_") else None
+        for t in tensors:
+            lay = g.layout(t)
+            missing = tuple(a for a in axes if lay is not None and a not in mesh_dims_of(lay))
+            if missing and t is not written:
+                swap[id(t)] = g.bound(t, missing)
     args = tuple(swap.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
     kwargs = {k: swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     target = args[0] if args else None
