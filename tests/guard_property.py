@@ -17,6 +17,7 @@ in CI, ``benchmarks/guard_property.py`` the long run.
 from __future__ import annotations
 
 import copy
+import os
 import random
 import traceback
 
@@ -207,7 +208,10 @@ def run_graphs(rank, world, seed: int, count: int, mesh_shape=None):
     coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
     counts = {"exact": 0, "refused": 0, "silent": 0, "crash": 0, "split": 0}
     cases = {"silent": [], "crash": [], "split": [], "refused": []}
+    verbose = bool(os.environ.get("TPLAYERS_PROPERTY_VERBOSE"))
     for i in range(count):
+        if verbose and rank == 0:
+            print(f"graph seed {seed + i}", flush=True)
         rng = random.Random(seed + i)
         kind, info = _one(rng, mesh, dims, coords, world)
         everyone = [None] * dist.get_world_size()

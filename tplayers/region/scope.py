@@ -61,7 +61,9 @@ class DomainRegion:
         self.name = name or "<root>"
         self.routes: Dict = {}
         self._table: Optional[List] = None
-        self._checked: Optional[List] = None  # the last table a call ran through without a refusal
+        # per module a call ran (the root, or a member called outside it): the last table such a call ran
+        # through without a refusal (each runs its own decisions)
+        self._checked: Dict[int, List] = {}
         self._values_checked = False  # replicated tensors compared across ranks (first call)
         self._stack: List[RegionGuard] = []
         self._raised: List = []  # the exception being handled when each call began (sys.exc_info)
@@ -92,7 +94,7 @@ class DomainRegion:
         memo[id(self)] = new
         new.__dict__.update(self.__dict__)
         new.routes, new._table, new._stack, new._root = {}, None, [], None
-        new._checked, new._values_checked, new._raised = None, False, []
+        new._checked, new._values_checked, new._raised = {}, False, []
         new._wraps, new._outside = [], None
         new.needs_guard = self.needs_guard
         copied_root = memo.get(id(self.root)) if self.root is not None else None  # the module copy holding us
@@ -164,10 +166,11 @@ class DomainRegion:
         guard = RegionGuard(self.mesh, self.shard_dims, self.name, token=None if outer is None else outer.token)
         guard.routes = self.routes
         guard.agreed = agreed
-        guard.check = not agreed or self._table != self._checked
+        scope = self.root if scope is None else scope
+        guard.scope_key = id(scope)
+        guard.check = not agreed or self._table != self._checked.get(guard.scope_key)
         if outer is not None:  # the same call: the shapes its code read count here too
             guard.reads = outer.reads
-        scope = self.root if scope is None else scope
         if scope is not None:  # before any twin runs: the gate's backward must come last
             guard.buckets = GradBuckets.for_region(scope, guard.groups)
         guard.__enter__()
@@ -191,7 +194,7 @@ class DomainRegion:
                     raise
                 return  # this rank's own exception propagates; the others raise the agreed one
             if error is None and guard.agreed:
-                self._checked = self._table
+                self._checked[guard.scope_key] = self._table
 
     # ------------------------------------------------------------------ hooks
     def compile_refusal(self) -> Optional[Callable[[str], None]]:
@@ -200,7 +203,7 @@ class DomainRegion:
         needed no guard)."""
         if self.needs_guard:
             return refuse_routed
-        if self._checked is None and not plainly_local(self.root):
+        if not self._checked and not plainly_local(self.root):
             return refuse_unchecked
         return None
 
