@@ -42,6 +42,8 @@ def main() -> int:
         )
         for k in total:
             total[k] += counts[k]
+        for why, n in cases["reasons"][:6]:
+            print(f"    refused {n:4d}x: {why}")
         bad += [f"[{k}] {c}" for k in ("silent", "crash", "split") for c in cases[k]]
     ran = sum(total.values())
     print(

@@ -208,6 +208,7 @@ def run_graphs(rank, world, seed: int, count: int, mesh_shape=None):
     coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
     counts = {"exact": 0, "refused": 0, "silent": 0, "crash": 0, "split": 0}
     cases = {"silent": [], "crash": [], "split": [], "refused": []}
+    reasons = {}
     verbose = bool(os.environ.get("TPLAYERS_PROPERTY_VERBOSE"))
     for i in range(count):
         if verbose and rank == 0:
@@ -221,6 +222,18 @@ def run_graphs(rank, world, seed: int, count: int, mesh_shape=None):
         elif kind != "exact":
             info = f"seed {seed + i}: {info}"
         counts[kind] += 1
+        if kind == "refused":
+            why = _reason(info)
+            reasons[why] = reasons.get(why, 0) + 1
         if kind != "exact" and len(cases[kind]) < 5:
             cases[kind].append(info)
+    cases["reasons"] = sorted(reasons.items(), key=lambda kv: -kv[1])
     return counts, cases
+
+
+def _reason(info: str) -> str:
+    """A refusal's kind, for the tally: the op the message names."""
+    msg = info.split(": ", 2)[-1]
+    for cut in ("domain region guard: ", "so every rank raises this error. "):
+        msg = msg.split(cut)[-1]
+    return msg.split(" (sharded dims")[0].split(" is not known")[0][:70]

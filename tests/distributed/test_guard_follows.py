@@ -50,17 +50,18 @@ def _vae():
 
 
 class Net(nn.Module):
-    """``decode``: a twin, then the method's own spatial mean of its output."""
+    """``decode``: twins, then the method's own spatial mean of their output."""
 
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.norm = nn.BatchNorm2d(3)
 
     def forward(self, x):
         return self.decode(x)
 
     def decode(self, x):
-        h = self.conv(x)
+        h = self.norm(self.conv(x))  # the norm twin takes (and saves for backward) a DomainTensor
         return h - h.mean(dim=(2, 3), keepdim=True)
 
     def flipped(self, x):  # torch.flip along a sharded dim: no rule proves it exact

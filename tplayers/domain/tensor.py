@@ -56,7 +56,8 @@ class DomainTensor(torch.Tensor):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling() and not _local(func):
             _refuse_compiled()
-        if in_guarded_call() or _local(func):
+        if in_guarded_call() or _local(func) or torch._C._current_graph_task_id() != -1:
+            # inside a guarded call, a local read, or a backward (a twin's saved input): this rank's slice
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         region = _first_region(args, kwargs)

@@ -192,24 +192,35 @@ class RegionGuard(TorchFunctionMode):
         """Refuse sharded arguments made by a custom ``torch.autograd.Function`` that is not the library's
         (nor a twin's): its ``backward`` runs after the region's call, where no guard sees its ops on
         sharded gradients (a spatial mean there would take each rank's slice alone)."""
-        for a in list(args) + list((kwargs or {}).values()):
-            for t in a if isinstance(a, (list, tuple)) else (a,):
-                if not isinstance(t, torch.Tensor) or self.layout(t) is None:
-                    continue
-                fn = t.grad_fn
-                cls = getattr(fn, "_forward_cls", None)
-                if cls is None or fn in self.vetted or (getattr(cls, "__module__", "") or "").startswith("tplayers."):
-                    continue
-                raise self.refuse(
-                    self.error(
-                        f"a custom torch.autograd.Function ({cls.__qualname__}) applied to sharded data",
-                        self.layout(t),
-                        "Its backward runs outside the region guard, on each rank's slice of the gradient. Write "
-                        "it with torch ops (autograd then differentiates them under the guard), or use tplayers "
-                        "twins / tplayers.functional for what needs the whole domain. Activation checkpointing "
-                        "(torch.utils.checkpoint) inside a region: checkpoint the region's root module instead.",
-                    )
-                )
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                self._check_function(a)
+            elif isinstance(a, (list, tuple)):
+                for b in a:
+                    if isinstance(b, torch.Tensor):
+                        self._check_function(b)
+        for a in (kwargs or {}).values():
+            if isinstance(a, torch.Tensor):
+                self._check_function(a)
+
+    def _check_function(self, t: torch.Tensor) -> None:
+        fn = t.grad_fn
+        cls = None if fn is None else getattr(fn, "_forward_cls", None)  # None for torch's own (C++) nodes
+        if cls is None or fn in self.vetted or (getattr(cls, "__module__", "") or "").startswith("tplayers."):
+            return
+        lay = self.layout(t)
+        if lay is None:
+            return
+        raise self.refuse(
+            self.error(
+                f"a custom torch.autograd.Function ({cls.__qualname__}) applied to sharded data",
+                lay,
+                "Its backward runs outside the region guard, on each rank's slice of the gradient. Write "
+                "it with torch ops (autograd then differentiates them under the guard), or use tplayers "
+                "twins / tplayers.functional for what needs the whole domain. Activation checkpointing "
+                "(torch.utils.checkpoint) inside a region: checkpoint the region's root module instead.",
+            )
+        )
 
     def _norm_any_layout(self, module, call, x, layout, args, kwargs):
         """A norm twin on sharded data of another layout (diffusers' attention normalises ``(N, C, H*W)``):

@@ -67,7 +67,7 @@ def _derived(s: int, r: int) -> bool:
     itself, a small multiple (``2 * h``) or a small fraction (``h // 2``)."""
     if s == r:
         return True
-    if r <= 0 or s <= 0:
+    if r <= 0 or s <= 1:  # 1: a global pooling's size, not a fraction of a length
         return False
     return (s % r == 0 and s // r <= _RATIO) or (r % s == 0 and r // s <= _RATIO)
 
