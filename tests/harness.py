@@ -105,3 +105,13 @@ def run_ranks(fn, world_size: int, args=(), kwargs=None, timeout: float = 60.0, 
             codes = {r: procs[r].exitcode for r in missing}
             raise RankFailure(f"ranks {missing} of {world_size} did not finish within {timeout}s (exit codes {codes})")
         return [outputs[r] for r in range(world_size)]
+
+
+def raised(fn):
+    """The exception ``fn()`` raised, as ``(type name, message)`` (``ValueError`` / ``TypeError`` only);
+    fails if it returned."""
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return type(e).__name__, str(e)
+    raise AssertionError("expected an error")

@@ -1,7 +1,7 @@
 """tplayers.shard / scatter / gather: values, uneven sizes, gradients, 1-D and 2-D meshes."""
 
 import torch
-from harness import run_ranks
+from harness import raised, run_ranks
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
@@ -50,15 +50,6 @@ def test_shard_scatter_gather():
     run_ranks(_helpers, 4, timeout=60)
 
 
-def _raises(fn):
-    """The exception ``fn()`` raised, as (type name, message); fails if it returned."""
-    try:
-        fn()
-    except (ValueError, TypeError) as e:
-        return type(e).__name__, str(e)
-    raise AssertionError("expected an error")
-
-
 def _disagreeing(rank, world):
     """Ranks that call gather/scatter differently: an error on EVERY rank, no abort, no hang."""
     m1 = DeviceMesh("cpu", torch.arange(world))
@@ -66,22 +57,22 @@ def _disagreeing(rank, world):
     x = torch.zeros(2, 3, 4, 5)
     out = {}
     # gather: another dim on rank 1 (was a gloo EnforceNotMet abort)
-    out["dim"] = _raises(lambda: tplayers.gather(x, 3 if rank == 1 else 2, m1))
+    out["dim"] = raised(lambda: tplayers.gather(x, 3 if rank == 1 else 2, m1))
     # gather: another dtype on rank 2
-    out["dtype"] = _raises(lambda: tplayers.gather(x.double() if rank == 2 else x, 2, m1))
+    out["dtype"] = raised(lambda: tplayers.gather(x.double() if rank == 2 else x, 2, m1))
     # gather: other dims differ (channels 3 vs 4)
-    out["shape"] = _raises(lambda: tplayers.gather(torch.zeros(2, 4 if rank == 0 else 3, 4, 5), 2, m1))
+    out["shape"] = raised(lambda: tplayers.gather(torch.zeros(2, 4 if rank == 0 else 3, 4, 5), 2, m1))
     # gather: a bad argument on one rank only (a non-tensor) still reaches every rank
-    out["type"] = _raises(lambda: tplayers.gather("oops" if rank == 3 else x, 2, m1))
+    out["type"] = raised(lambda: tplayers.gather("oops" if rank == 3 else x, 2, m1))
     # gather on a 2-D mesh whose shards are no grid (rows differ inside one mesh row)
-    out["grid"] = _raises(lambda: tplayers.gather(torch.zeros(1, 1, 2 + (rank == 1), 3), (2, 3), m2))
+    out["grid"] = raised(lambda: tplayers.gather(torch.zeros(1, 1, 2 + (rank == 1), 3), (2, 3), m2))
     full = torch.randn(2, 3, 7, 5)
     # scatter: a different dim per rank (was silently wrong shapes)
-    out["sdim"] = _raises(lambda: tplayers.scatter(full if rank == 0 else None, 3 if rank == 2 else 2, m1))
+    out["sdim"] = raised(lambda: tplayers.scatter(full if rank == 0 else None, 3 if rank == 2 else 2, m1))
     # scatter: a different src per rank (was a hang)
-    out["src"] = _raises(lambda: tplayers.scatter(full if rank in (0, 1) else None, 2, m1, src=1 if rank == 3 else 0))
+    out["src"] = raised(lambda: tplayers.scatter(full if rank in (0, 1) else None, 2, m1, src=1 if rank == 3 else 0))
     # scatter: the source passes no tensor
-    out["nosrc"] = _raises(lambda: tplayers.scatter(None, 2, m1, src=0))
+    out["nosrc"] = raised(lambda: tplayers.scatter(None, 2, m1, src=0))
     # the group still works afterwards: nothing was left half-sent
     ok = tplayers.gather(tplayers.scatter(full if rank == 0 else None, 2, m1), 2, m1)
     assert torch.equal(ok, full)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import raised, run_ranks
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
@@ -102,27 +102,19 @@ def test_repartition_2d_mesh():
     run_ranks(_two_d, 4, timeout=60)
 
 
-def _raises(fn):
-    try:
-        fn()
-    except (ValueError, TypeError) as e:
-        return type(e).__name__, str(e)
-    raise AssertionError("expected an error")
-
-
 def _errors(rank, world):
     mesh = DeviceMesh("cpu", torch.arange(world))
     x = torch.zeros(2, 3, 4 + rank, 6)
     out = []
     # the same bad argument on every rank: each raises it (after the agreement, no data moved)
-    out.append(_raises(lambda: tplayers.repartition(x, mesh, 2, 2 + 7)))
-    out.append(_raises(lambda: tplayers.repartition(x, mesh, (2, 3), 3)))
-    out.append(_raises(lambda: tplayers.repartition(x, mesh, 2, "w")))
+    out.append(raised(lambda: tplayers.repartition(x, mesh, 2, 2 + 7)))
+    out.append(raised(lambda: tplayers.repartition(x, mesh, (2, 3), 3)))
+    out.append(raised(lambda: tplayers.repartition(x, mesh, 2, "w")))
     # one rank's own mistakes: every rank raises
-    out.append(_raises(lambda: tplayers.repartition(x if rank else "x", mesh, 2, 3)))
-    out.append(_raises(lambda: tplayers.repartition(x.double() if rank == 1 else x, mesh, 2, 3)))
-    out.append(_raises(lambda: tplayers.repartition(x, mesh, 2, 3 if rank else 1)))
-    out.append(_raises(lambda: tplayers.repartition(x[..., : 6 - rank], mesh, 2, 3)))
+    out.append(raised(lambda: tplayers.repartition(x if rank else "x", mesh, 2, 3)))
+    out.append(raised(lambda: tplayers.repartition(x.double() if rank == 1 else x, mesh, 2, 3)))
+    out.append(raised(lambda: tplayers.repartition(x, mesh, 2, 3 if rank else 1)))
+    out.append(raised(lambda: tplayers.repartition(x[..., : 6 - rank], mesh, 2, 3)))
     # the ranks still work together afterwards
     y = tplayers.repartition(x, mesh, 2, 3)
     assert y.shape == (2, 3, 4 * world + sum(range(world)), shard_sizes(6, world)[rank])
@@ -156,7 +148,7 @@ def _not_a_grid(rank, world):
     c1 = mesh.get_local_rank(1)
     rows = 3 + (rank == 3)  # mesh position (1, 1) holds 4 rows where its mesh row holds 3
     x = torch.zeros(1, 2, rows, 2 + c1)
-    return _raises(lambda: tplayers.repartition(x, mesh, (2, 3), (1, 3)))
+    return raised(lambda: tplayers.repartition(x, mesh, (2, 3), (1, 3)))
 
 
 def test_repartition_2d_shards_must_form_a_grid():

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from harness import run_ranks
+from harness import raised, run_ranks
 from oracle import local_slice
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -140,25 +140,17 @@ def test_an_fno_block_in_a_domain_parallel_region():
     run_ranks(_region, 2, timeout=120)
 
 
-def _raises(fn):
-    try:
-        fn()
-    except (ValueError, TypeError) as e:
-        return type(e).__name__, str(e)
-    raise AssertionError("expected an error")
-
-
 def _errors(rank, world):
     x = torch.randn(2, 3, 6, 8, dtype=torch.float64)
     w = torch.randn(3, 4, 2, 2, dtype=torch.complex128)
     wide = torch.randn(3, 4, 2, 9, dtype=torch.complex128)
     tall = torch.randn(3, 4, 13, 2, dtype=torch.complex128)
     return [
-        _raises(lambda: TF.spectral_conv2d(x, w, w, 2, 2, norm="ortho" if rank else None)),  # one rank differs
-        _raises(lambda: TF.spectral_conv2d(x, w.real, w, 2, 2)),
-        _raises(lambda: TF.spectral_conv2d(x, wide, wide, 2, 9)),
-        _raises(lambda: TF.spectral_conv2d(x if rank else x[:, :2], w, w, 2, 2)),  # one rank's bad input
-        _raises(lambda: TF.spectral_conv2d(x, tall, tall, 13, 2)),  # modes1 over the global H (12)
+        raised(lambda: TF.spectral_conv2d(x, w, w, 2, 2, norm="ortho" if rank else None)),  # one rank differs
+        raised(lambda: TF.spectral_conv2d(x, w.real, w, 2, 2)),
+        raised(lambda: TF.spectral_conv2d(x, wide, wide, 2, 9)),
+        raised(lambda: TF.spectral_conv2d(x if rank else x[:, :2], w, w, 2, 2)),  # one rank's bad input
+        raised(lambda: TF.spectral_conv2d(x, tall, tall, 13, 2)),  # modes1 over the global H (12)
     ]
 
 
