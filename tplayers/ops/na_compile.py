@@ -5,8 +5,8 @@ from the geometry with torch ops and reads them on the host, which ``torch.compi
 trace. While compiling, :func:`~tplayers.ops.na_engine.neighborhood_attention` calls these ops
 instead: each is one opaque node of the graph, its arguments the tensors and the geometry as
 ints; the eager body builds (and caches) the same tables and runs the same kernel as eager
-mode (the compiled C kernel of :mod:`~tplayers.ops.na_cpu` for fp32/fp64 CPU tensors, else the
-tile kernel), so the results are bitwise those of eager mode. ``tplayers::na2d_tiles`` is the forward,
+mode (the kernel :func:`~tplayers.ops.na_dispatch.choose_kernel` picks: the compiled C kernel, the
+GEMM kernel or the tile kernel), so the results are bitwise those of eager mode. ``tplayers::na2d_tiles`` is the forward,
 ``tplayers::na2d_tiles_backward`` its backward (registered as its autograd formula). Importing this
 module registers nothing: :func:`ensure_na_ops` registers both on first use (idempotent; see
 :mod:`tplayers.ops.registry`).
@@ -25,8 +25,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from tplayers.ops import na_cpu
-from tplayers.ops.na_geometry import merged_kernel
+from tplayers.ops import na_cpu, na_dispatch
+from tplayers.ops.na_gemm import gemm_backward, gemm_forward
+from tplayers.ops.na_geometry import split_geometry
 from tplayers.ops.na_kernel import TileAttention, tile_backward, tile_plans
 from tplayers.ops.registry import OpSpec, register
 
@@ -37,13 +38,21 @@ def _table(table: torch.Tensor) -> Optional[torch.Tensor]:
     return table if table.numel() else None  # an empty tensor stands for "no bias" in the schemas
 
 
+def _which(q: torch.Tensor, geo: List[int]) -> str:
+    return na_dispatch.choose_kernel(q, [axis.kernel for axis in split_geometry(geo)[0]])
+
+
 def na2d_tiles(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, geo: List[int], scale: float, heads: int
 ) -> torch.Tensor:
     """The tile kernel's forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major,
     ``table`` the bias (or an empty tensor) -> (B, Pq, heads*Dv)."""
-    if na_cpu.use_c_kernel(q, merged_kernel(geo)):
+    which = _which(q, geo)
+    if which == "c":
         return na_cpu.c_forward(q, k, v, _table(table), geo, scale, heads)
+    if which == "gemm":
+        with torch.no_grad():
+            return gemm_forward(q, k, v, _table(table), geo, scale, heads)
     plan, plan_bwd = tile_plans(geo, q.device, q.dtype)
     with torch.no_grad():
         return TileAttention.apply(q, k, v, _table(table), plan, plan_bwd, scale, heads)
@@ -67,8 +76,10 @@ def na2d_tiles_backward(
     """``(dq, dk, dv, dtable)`` (``dtable`` empty without a bias): the kernel's own backward
     (:func:`~tplayers.ops.na_kernel.tile_backward`) on the same tables."""
     tab = _table(table)
-    if na_cpu.use_c_kernel(q, merged_kernel(geo)):
-        dq, dk, dv, dt = na_cpu.attention_backward(grad_out, q, k, v, tab, out, geo, scale, heads)
+    which = _which(q, geo)
+    if which in ("c", "gemm"):
+        backward = na_cpu.attention_backward if which == "c" else gemm_backward
+        dq, dk, dv, dt = backward(grad_out, q, k, v, tab, out, geo, scale, heads)
         return dq, dk, dv, (dt if tab is not None else table.new_empty(0))
     _, plan_bwd = tile_plans(geo, q.device, q.dtype)
     dq, dk, dv, dt = tile_backward(grad_out, q, k, v, tab, out, plan_bwd, scale, heads, True, True, tab is not None)

@@ -18,7 +18,7 @@ outputs are picked per axis from the tile buffer by each query's slot. Blocks ho
 ``CHUNK_SCORES`` (forward) / ``BACKWARD_CHUNK_SCORES`` scores over all (batch, head) planes, so
 peak memory stays within a few times ``B*heads*H*W*k^2`` however large the image.
 
-:func:`default_tile` picks the tile from the kernel (measured, ``benchmarks/na.py``).
+:func:`~tplayers.ops.na_dispatch.default_tile` picks the tiles from the kernel (measured).
 """
 
 from __future__ import annotations
@@ -26,32 +26,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import List, Sequence, Tuple
+from typing import List, Tuple
 
 import torch
 
 from tplayers.ops.na_geometry import row_tiles, split_geometry
 from tplayers.ops.na_layout import AxisTiles
 
-__all__ = ["GemmPlan", "gemm_plan", "GemmAttention", "gemm_forward", "gemm_backward", "default_tile"]
+__all__ = ["GemmPlan", "gemm_plan", "GemmAttention", "gemm_forward", "gemm_backward"]
 
 #: scores per forward block, all (batch, head) planes together (1 MiB of fp32)
 CHUNK_SCORES = 1 << 18
 #: the same for backward (it holds P, dP and the dK / dV tiles besides)
-BACKWARD_CHUNK_SCORES = 1 << 17
-
-
-def default_tile(kernel: Sequence[int]) -> Tuple[int, ...]:
-    """Queries per tile per axis. The column axis takes about ``k + 1`` (at least 4, at most 32):
-    a tile of ``t`` reads ``t + k - 1`` columns, so ``t`` near ``k`` keeps the union within about
-    twice the window while the ``bmm`` grows with it. In 2-D and 3-D the row axis takes 4 (k >= 5)
-    or 8 (smaller kernels) and the column axis 4 / 8 likewise: measured fastest (one core) against
-    2x8, 4x8, 8x8 and 1xN tiles. Leading axes of a 3-D call take 1."""
-    if len(kernel) == 1:
-        return (max(4, min(32, kernel[0] + 1)),)
-    per_axis = [4 if k >= 5 else 8 for k in kernel]
-    per_axis[: len(kernel) - 2] = [1] * (len(kernel) - 2)
-    return tuple(per_axis)
+BACKWARD_CHUNK_SCORES = 1 << 16
 
 
 def _dest(tiles: AxisTiles, count: int) -> torch.Tensor:
@@ -138,72 +125,85 @@ def _rel(plan: GemmPlan, width: int) -> torch.Tensor:
     return (th.rel[:, None, :, None, :, None] * width + tw.rel[None, :, None, :, None, :]).to(plan.mask_h.device)
 
 
-def _tiles(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, th: int, tw: int) -> torch.Tensor:
-    """``x`` (B, heads, rows, cols, D) -> (B*heads*na*nb, th*tw, D): the tiles of ``rows`` (na*th,)
-    and ``cols`` (nb*tw,), one contiguous batch."""
-    b, h, d = x.shape[0], x.shape[1], x.shape[-1]
-    t = x.index_select(2, rows).index_select(3, cols)
-    na, nb = rows.numel() // th, cols.numel() // tw
-    t = t.view(b, h, na, th, nb, tw, d).transpose(3, 4)
-    return t.reshape(b * h * na * nb, th * tw, d)
+def _flat(rows: torch.Tensor, cols: torch.Tensor, t_r: int, t_c: int, width: int, pixels: int, batch: int, heads: int):
+    """Row numbers in a pixel-major ``(batch * pixels * heads, D)`` matrix of a block's tiles, in the
+    order (batch, head, tile row, tile column, slot row, slot column): ``rows`` (na*t_r,) and
+    ``cols`` (nb*t_c,) are the axes' indices, ``width`` the row length of the image."""
+    na, nb = rows.numel() // t_r, cols.numel() // t_c
+    pix = (rows.view(na, 1, t_r, 1) * width + cols.view(1, nb, 1, t_c)).flatten()
+    dev = pix.device
+    b = torch.arange(batch, device=dev)[:, None, None]
+    h = torch.arange(heads, device=dev)[None, :, None]
+    return ((b * pixels + pix) * heads + h).flatten()
 
 
-def _untile(t: torch.Tensor, b: int, h: int, na: int, nb: int, th: int, tw: int) -> torch.Tensor:
-    """The inverse layout of :func:`_tiles`: (b*h*na*nb, th*tw, D) -> (b, h, na*th, nb*tw, D) (a copy)."""
-    d = t.shape[-1]
-    return t.view(b, h, na, nb, th, tw, d).transpose(3, 4).reshape(b, h, na * th, nb * tw, d)
+@lru_cache(maxsize=8)
+def _block_rows(plan: GemmPlan, backward: bool, batch: int, heads: int, dims: Tuple[int, int, int, int]):
+    """Per block ``(q_rows, k_rows, dest, valid)``: the gather rows of its query and key / value
+    tiles, the output rows of its query slots (padding slots: the dummy row after the last) and
+    ``valid`` (na*nb, tq, 1) 1/0 per slot (None without padding), built once per shape."""
+    hq, wq, hk, wk = dims
+    th, tw = plan.th, plan.tw
+    out = []
+    for a0, a1, b0, b1 in plan.blocks_bwd if backward else plan.blocks:
+        rq, cq = plan.q_h[a0 * th.tile : a1 * th.tile], plan.q_w[b0 * tw.tile : b1 * tw.tile]
+        rk, ck = plan.k_h[a0 * th.region : a1 * th.region], plan.k_w[b0 * tw.region : b1 * tw.region]
+        rd, cd = plan.dest_h[a0 * th.tile : a1 * th.tile], plan.dest_w[b0 * tw.tile : b1 * tw.tile]
+        # padding slots (row hq or column wq of the padded grid) -> the dummy row
+        pad = ((rd == hq).view(-1, 1) | (cd == wq).view(1, -1)).view(a1 - a0, th.tile, b1 - b0, tw.tile)
+        pad = pad.transpose(1, 2).reshape((a1 - a0) * (b1 - b0), th.tile * tw.tile, 1)
+        plain = _flat(rd.clamp(max=hq - 1), cd.clamp(max=wq - 1), th.tile, tw.tile, wq, hq * wq, batch, heads)
+        out.append(
+            (
+                _flat(rq, cq, th.tile, tw.tile, wq, hq * wq, batch, heads),
+                _flat(rk, ck, th.region, tw.region, wk, hk * wk, batch, heads),
+                plain.masked_fill(pad.flatten().repeat(batch * heads), batch * hq * wq * heads),
+                (~pad).to(plan.mask_h.dtype) if bool(pad.any()) else None,
+            )
+        )
+    return tuple(out)
 
 
-def _scores(plan: GemmPlan, block, qt, kt, table, batch: int, heads: int) -> torch.Tensor:
-    """``(scale Q) K^T + window + bias`` of one block: (B*heads*na*nb, tq, R)."""
+def _scores(plan: GemmPlan, block, qt, kt, scale, table, batch: int, heads: int) -> torch.Tensor:
+    """``mask + scale Q K^T (+ bias)`` of one block: (B*heads*na*nb, tq, R); the window mask (the
+    outer sum of the row and column patterns) copied in first, the product accumulated onto it
+    (one ``baddbmm_``)."""
     a0, a1, b0, b1 = block
     th, tw = plan.th, plan.tw
-    s = torch.bmm(qt, kt.transpose(1, 2))
-    view = s.view(batch, heads, a1 - a0, b1 - b0, th.tile, tw.tile, th.region, tw.region)
+    s = qt.new_empty(qt.shape[0], qt.shape[1], kt.shape[1])
     mask = plan.mask_h[a0:a1, None, :, None, :, None] + plan.mask_w[None, b0:b1, None, :, None, :]
-    view.add_(mask)
+    s.view(batch * heads, a1 - a0, b1 - b0, th.tile, tw.tile, th.region, tw.region).copy_(mask)
+    s.baddbmm_(qt, kt.transpose(1, 2), alpha=scale)
     if table is not None:
         rel = _rel(plan, table.shape[-1])[a0:a1, b0:b1]
-        view.add_(table.flatten(1)[:, rel])
+        s.view(batch, heads, -1).add_(table.flatten(1)[:, rel.flatten()])
     return s
 
 
-def _planes(x: torch.Tensor, heads: int, rows: int, cols: int) -> torch.Tensor:
-    """(B, rows*cols, heads*D) pixel-major -> (B, heads, rows, cols, D) (a view)."""
-    return x.view(x.shape[0], rows, cols, heads, -1).permute(0, 3, 1, 2, 4)
-
-
-def _dims(plan: GemmPlan, geo) -> Tuple[int, int, int, int]:
+def _dims(geo) -> Tuple[int, int, int, int]:
     axes = split_geometry(geo)[0]
     rows = (math.prod(a.q_count for a in axes[:-1]), math.prod(a.k_count for a in axes[:-1]))
     return rows[0], axes[-1].q_count, rows[1], axes[-1].k_count
 
 
 def gemm_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch.Tensor:
-    """Forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major, ``table``
-    the bias or None -> (B, Pq, heads*Dv). ``k`` / ``v`` hold ``heads`` heads (GQA expanded)."""
+    """Forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major, contiguous,
+    ``table`` the bias or None -> (B, Pq, heads*Dv). ``k`` / ``v`` hold ``heads`` heads (GQA expanded)."""
     batch = q.shape[0]
     plan = gemm_plan(tuple(geo), batch * heads, q.device, q.dtype)
-    hq, wq, hk, wk = _dims(plan, geo)
+    dims = _dims(geo)
     th, tw = plan.th, plan.tw
-    qp = _planes(q, heads, hq, wq)
-    kp, vp = _planes(k, heads, hk, wk), _planes(v, heads, hk, wk)
-    dim_v = vp.shape[-1]
-    buf = q.new_empty(batch, heads, th.num_tiles * th.tile, tw.num_tiles * tw.tile, dim_v)
-    for block in plan.blocks:
-        a0, a1, b0, b1 = block
-        rq, cq = plan.q_h[a0 * th.tile : a1 * th.tile], plan.q_w[b0 * tw.tile : b1 * tw.tile]
-        rk, ck = plan.k_h[a0 * th.region : a1 * th.region], plan.k_w[b0 * tw.region : b1 * tw.region]
-        qt = _tiles(qp, rq, cq, th.tile, tw.tile).mul_(scale)
-        kt, vt = _tiles(kp, rk, ck, th.region, tw.region), _tiles(vp, rk, ck, th.region, tw.region)
-        probs = torch.softmax(_scores(plan, block, qt, kt, table, batch, heads), -1)
-        out = torch.bmm(probs, vt)
-        del probs, qt, kt, vt
-        buf[:, :, a0 * th.tile : a1 * th.tile, b0 * tw.tile : b1 * tw.tile] = _untile(
-            out, batch, heads, a1 - a0, b1 - b0, th.tile, tw.tile
-        )
-    out = buf.index_select(2, plan.out_h).index_select(3, plan.out_w)  # (B, heads, hq, wq, Dv)
-    return out.permute(0, 2, 3, 1, 4).reshape(batch, hq * wq, heads * dim_v)
+    tq, region = th.tile * tw.tile, th.region * tw.region
+    q2, k2, v2 = (x.view(-1, x.shape[-1] // heads) for x in (q, k, v))  # one row per (pixel, head)
+    out = q.new_empty(q2.shape[0] + 1, v2.shape[1])  # the last row takes the padding slots
+    for block, (q_rows, k_rows, dest, _) in zip(plan.blocks, _block_rows(plan, False, batch, heads, dims)):
+        qt = q2.index_select(0, q_rows).view(-1, tq, q2.shape[1])
+        kt = k2.index_select(0, k_rows).view(-1, region, k2.shape[1])
+        vt = v2.index_select(0, k_rows).view(-1, region, v2.shape[1])
+        probs = torch.softmax(_scores(plan, block, qt, kt, scale, table, batch, heads), -1)
+        out.index_copy_(0, dest, torch.bmm(probs, vt).view(-1, v2.shape[1]))
+        del qt, kt, vt, probs
+    return out[:-1].view(batch, q.shape[1], -1)
 
 
 def gemm_backward(
@@ -213,61 +213,54 @@ def gemm_backward(
     ``dtable`` None without a table or ``want_bias``)."""
     batch = q.shape[0]
     plan = gemm_plan(tuple(geo), batch * heads, q.device, q.dtype)
-    hq, wq, hk, wk = _dims(plan, geo)
+    dims = _dims(geo)
     th, tw = plan.th, plan.tw
-    qp = _planes(q, heads, hq, wq)
-    kp, vp = _planes(k, heads, hk, wk), _planes(v, heads, hk, wk)
-    dim, dim_v = qp.shape[-1], vp.shape[-1]
-    g = grad_out.reshape(batch, hq * wq, heads * dim_v)
-    gp = _planes(g, heads, hq, wq)
-    delta = (gp * _planes(out, heads, hq, wq)).sum(-1, keepdim=True)  # (B, heads, hq, wq, 1)
-    # a zero row and column: padding slots read them (their gradient adds nothing)
-    gp = torch.nn.functional.pad(gp, (0, 0, 0, 1, 0, 1))
-    delta = torch.nn.functional.pad(delta, (0, 0, 0, 1, 0, 1))
-    dq_buf = q.new_empty(batch, heads, th.num_tiles * th.tile, tw.num_tiles * tw.tile, dim)
-    dk = q.new_zeros(batch, heads, hk, wk, dim) if want_kv else None
-    dv = q.new_zeros(batch, heads, hk, wk, dim_v) if want_kv else None
+    tq, region = th.tile * tw.tile, th.region * tw.region
+    q2, k2, v2 = (x.view(-1, x.shape[-1] // heads) for x in (q, k, v))
+    dim_v = v2.shape[1]
+    g2 = grad_out.reshape(-1, dim_v)  # a view when it can be (an expanded grad of .sum())
+    delta = _rowdot(g2, out.view(-1, dim_v))  # rowsum(dO * O) per query; 0 in the dummy row
+    grad_q = q.new_empty(q2.shape[0] + 1, q2.shape[1])
+    grad_k = torch.zeros_like(k2) if want_kv else None
+    grad_v = torch.zeros_like(v2) if want_kv else None
     want_bias = want_bias and table is not None
-    dtable = torch.zeros_like(table).flatten(1) if want_bias else None
-    for block in plan.blocks_bwd:
+    grad_table = torch.zeros_like(table).flatten(1) if want_bias else None
+    for block, (q_rows, k_rows, dest, valid) in zip(plan.blocks_bwd, _block_rows(plan, True, batch, heads, dims)):
         a0, a1, b0, b1 = block
-        na, nb = a1 - a0, b1 - b0
-        rq, cq = plan.q_h[a0 * th.tile : a1 * th.tile], plan.q_w[b0 * tw.tile : b1 * tw.tile]
-        rd, cd = plan.dest_h[a0 * th.tile : a1 * th.tile], plan.dest_w[b0 * tw.tile : b1 * tw.tile]
-        rk, ck = plan.k_h[a0 * th.region : a1 * th.region], plan.k_w[b0 * tw.region : b1 * tw.region]
-        qt = _tiles(qp, rq, cq, th.tile, tw.tile).mul_(scale)
-        kt, vt = _tiles(kp, rk, ck, th.region, tw.region), _tiles(vp, rk, ck, th.region, tw.region)
-        gt, dt = _tiles(gp, rd, cd, th.tile, tw.tile), _tiles(delta, rd, cd, th.tile, tw.tile)
-        probs = torch.softmax(_scores(plan, block, qt, kt, table, batch, heads), -1)
-        ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(dt).mul_(probs)
+        qt = q2.index_select(0, q_rows).view(-1, tq, q2.shape[1])
+        kt = k2.index_select(0, k_rows).view(-1, region, k2.shape[1])
+        vt = v2.index_select(0, k_rows).view(-1, region, dim_v)
+        gt = g2.index_select(0, q_rows).view(-1, tq, dim_v)
+        if valid is not None:  # padding slots repeat a query: they must add nothing
+            gt.view(batch * heads, *valid.shape[:2], dim_v).mul_(valid)
+        probs = torch.softmax(_scores(plan, block, qt, kt, scale, table, batch, heads), -1)
+        ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(delta.index_select(0, dest).view(-1, tq, 1)).mul_(probs)
+        del vt
         if want_kv:
-            _scatter(dv, torch.bmm(probs.transpose(1, 2), gt), rk, ck, (batch, heads, na, nb, th.region, tw.region))
-        del probs, vt, gt
-        dq_buf[:, :, a0 * th.tile : a1 * th.tile, b0 * tw.tile : b1 * tw.tile] = _untile(
-            torch.bmm(ds, kt), batch, heads, na, nb, th.tile, tw.tile
-        )
+            grad_v.index_add_(0, k_rows, torch.bmm(probs.transpose(1, 2), gt).view(-1, dim_v))
+        del probs, gt
+        grad_q.index_copy_(0, dest, torch.bmm(ds, kt).view(-1, k2.shape[1]))  # times scale below
         del kt
         if want_kv:
-            _scatter(dk, torch.bmm(ds.transpose(1, 2), qt), rk, ck, (batch, heads, na, nb, th.region, tw.region))
+            grad_k.index_add_(0, k_rows, torch.bmm(ds.transpose(1, 2), qt).view(-1, q2.shape[1]))
         if want_bias:
             rel = _rel(plan, table.shape[-1])[a0:a1, b0:b1].flatten()
-            dtable.index_add_(1, rel, ds.view(batch, heads, -1).sum(0))
+            grad_table.index_add_(1, rel, ds.view(batch, heads, -1).sum(0))
         del ds, qt
-    dq = dq_buf.index_select(2, plan.out_h).index_select(3, plan.out_w).mul_(scale)
-    dq = dq.permute(0, 2, 3, 1, 4).reshape(q.shape)
-    if want_kv:
-        dk = dk.permute(0, 2, 3, 1, 4).reshape(k.shape)
-        dv = dv.permute(0, 2, 3, 1, 4).reshape(v.shape)
-    return dq, dk, dv, (dtable.view(table.shape) if want_bias else None)
+    grad_q = grad_q[:-1].mul_(scale).view(q.shape)
+    grad_k = grad_k.mul_(scale).view(k.shape) if want_kv else None
+    grad_v = grad_v.view(v.shape) if want_kv else None
+    return grad_q, grad_k, grad_v, (grad_table.view(table.shape) if want_bias else None)
 
 
-def _scatter(dest: torch.Tensor, tiles: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape) -> None:
-    """``dest`` (B, heads, rows, cols, D) += the block's region tiles (columns, then rows)."""
-    b, h, na, nb, rh, rw = shape
-    d = tiles.shape[-1]
-    flat = _untile(tiles, b, h, na, nb, rh, rw)  # (B, heads, na*RH, nb*RW, D)
-    by_col = dest.new_zeros(b, h, na * rh, dest.shape[3], d).index_add_(3, cols, flat)
-    dest.index_add_(2, rows, by_col)
+def _rowdot(a: torch.Tensor, b: torch.Tensor, rows: int = 1 << 12) -> torch.Tensor:
+    """``(a * b).sum(-1)`` of two ``(N, D)`` matrices and a last 0 (the padding slots' dummy row),
+    in slices of ``rows`` (no ``N x D`` temporary), as ``(N + 1, 1)``."""
+    out = a.new_zeros(a.shape[0] + 1, 1)
+    for r0 in range(0, a.shape[0], rows):
+        stop = min(r0 + rows, a.shape[0])
+        torch.sum(a[r0:stop] * b[r0:stop], -1, keepdim=True, out=out[r0:stop])
+    return out
 
 
 class GemmAttention(torch.autograd.Function):

@@ -1,0 +1,61 @@
+"""Which CPU/torch kernel runs one neighborhood-attention call, and its default tiles.
+
+Three kernels compute the same thing (NATTEN's window; fp rounding may differ):
+
+* ``"c"``: the compiled C kernel (:mod:`tplayers.ops.na_cpu`), fp32/fp64 CPU tensors, where it
+  builds; its backward is the GEMM kernel's where the C backward is not fused
+  (:func:`~tplayers.ops.na_cpu.backward_is_fused`: wide column windows);
+* ``"gemm"``: the GEMM-tiled torch kernel (:mod:`tplayers.ops.na_gemm`), any device and dtype;
+* ``"torch"``: the torch tile kernel (:mod:`tplayers.ops.na_kernel`), any device and dtype.
+
+``TPLAYERS_NA_KERNEL`` (``c`` / ``gemm`` / ``torch``) forces one (``c`` raises where it cannot
+run). Unset, :func:`choose_kernel` takes the C kernel where it applies (measured fastest forward
+on every shape class of ``benchmarks/na.py``, AVX-512 and AVX2), else the GEMM kernel for
+calls whose leading kernels are all 1 (1-D: 1.6-1.7x the tile kernel forward and backward) and
+the tile kernel otherwise (2-D / 3-D: the two measured equal within noise; see
+benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Tuple
+
+import torch
+
+from tplayers.ops import na_cpu, na_layout
+
+__all__ = ["choose_kernel", "default_tile"]
+
+
+def choose_kernel(q: torch.Tensor, kernel: Sequence[int]) -> str:
+    """``"c"``, ``"gemm"`` or ``"torch"`` for a call on ``q`` with per-axis ``kernel`` (see the
+    module docstring); ``RuntimeError`` from ``TPLAYERS_NA_KERNEL=c`` where C cannot run."""
+    merged = (math.prod(kernel[:-1]), kernel[-1])
+    if na_cpu.use_c_kernel(q, merged):
+        return "c"
+    choice = na_cpu.kernel_choice()
+    if choice in ("gemm", "torch"):
+        return choice
+    return "gemm" if merged[0] == 1 else "torch"
+
+
+def default_tile(kernel: Sequence[int]) -> Tuple[int, ...]:
+    """Queries per tile per axis, for the GEMM kernel and the tile kernel alike (the C kernel
+    ignores them, but its backward may run the GEMM kernel), chosen by measurement
+    (``benchmarks/na.py``, one core).
+
+    A tile of ``t`` queries along an axis scores ``t + k - 1`` keys where each query needs ``k``:
+    small tiles waste fewer scores, large ones make larger matmuls. For 2-D kernel 7, head_dim
+    16-64, 4x4 measured fastest (2x8 and 4x8 close, 8x8 slower); kernels below 5 get 8. In 3-D the
+    leading axis takes 1 (a 4x4 tile of one depth slice already scores ``kD x 10 x 10`` keys at
+    k7; 2x4x4 measured the same). Where every leading kernel is 1 (1-D calls) the column axis takes
+    ``k + 1`` clamped to [16, 32]: at k7 16 measured 1.7x faster than 8, at k33 16 and 32 equal.
+    """
+    lead = math.prod(kernel[:-1])
+    per_axis = [4 if k >= 5 else na_layout.DEFAULT_TILE for k in kernel]
+    if len(kernel) >= 3:
+        per_axis[: len(kernel) - 2] = [1] * (len(kernel) - 2)
+    if lead == 1:
+        per_axis[-1] = max(16, min(32, kernel[-1] + 1))
+    return tuple(per_axis)
