@@ -1,8 +1,10 @@
 """tplayers.na2d on one CPU core against the same-run fp32 matmul rate, peak memory vs the
 O(B*heads*H*W*k^2) bound, natten.na2d when installed, and 2-rank domain-parallel
-NeighborhoodAttention vs single-device. Both CPU kernels are measured: the compiled C kernel
+NeighborhoodAttention vs single-device. The three CPU kernels are measured: the compiled C kernel
 (``TPLAYERS_NA_KERNEL=c``, the default where a C compiler is available; its build time is
-printed first, into a fresh cache) and the torch tile kernel (``TPLAYERS_NA_KERNEL=torch``).
+printed first, into a fresh cache), the GEMM-tiled torch kernel (``=gemm``) and the torch tile
+kernel (``=torch``); torch's compiled ``flex_attention`` with a neighborhood block mask is a
+forward peer (``benchmarks/na_flex.py``; no CPU backward in torch 2.13).
 
     python benchmarks/na.py                # 1x64x64, 4 heads, head_dim 32 and 1x96x96, 2 heads, head_dim 16; kernel 7
     python benchmarks/na.py --repeats 9 --no-domain
@@ -25,6 +27,7 @@ path (the Flex backend without compilation, forward only: natten has no CPU back
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -37,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from memory_probe import peak_bytes  # noqa: E402
+from na_flex import flex_peer  # noqa: E402
 
 import tplayers  # noqa: E402
 
@@ -111,7 +115,7 @@ def tile_ceiling(size, heads, head_dim, kernel, mm_rate, tile=4, chunk=80):
     return cpu, flops / cpu / mm_rate
 
 
-KERNELS = ("c", "torch")
+KERNELS = ("c", "gemm", "torch")
 
 
 def use_kernel(choice: str) -> None:
@@ -192,17 +196,19 @@ def bench_single(size, heads, head_dim, kernel, repeats):
 
 
 def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None):
-    """The default CPU kernel (what ``TPLAYERS_NA_KERNEL`` unset picks here) against the torch tile
-    kernel, forward, backward and both, timed interleaved in one run: the issue-22 ">= 1.0x" check.
-    ``shape`` / ``fn``: another input shape and functional (``na1d`` / ``na3d``)."""
-    from tplayers.ops import na_cpu
+    """Every CPU kernel against the torch tile kernel (and the GEMM kernel against the C kernel),
+    forward, backward and both, timed interleaved in one run with the same-run matmul rate: the
+    issue-22 ">= 1.0x" check of the default and issue 35's GEMM figures. ``shape`` / ``fn``:
+    another input shape and functional (``na1d`` / ``na3d``)."""
+    from tplayers.ops import na_dispatch
 
     shape, fn = shape or (1, size, size, heads, head_dim), fn or tplayers.na2d
     torch.manual_seed(0)
     q, k, v = (torch.randn(*shape) for _ in range(3))
     cot = torch.randn_like(q)
+    rank = len(shape) - 3
     use_kernel("")
-    default = "c" if na_cpu.use_c_kernel(q, (1, kernel)) else "torch"
+    default = na_dispatch.choose_kernel(q, (1,) * (3 - rank) + (kernel,) * rank)
 
     def on(choice, what):
         grads = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -217,17 +223,43 @@ def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None)
 
         return run
 
-    t = _cpu_times({f"{c} {w}": on(c, w) for c in ("", "torch") for w in ("fwd", "both")}, repeats)
-    fwd = t["torch fwd"][0] / t[" fwd"][0]
-    bwd = (t["torch both"][0] - t["torch fwd"][0]) / (t[" both"][0] - t[" fwd"][0])
-    both = t["torch both"][0] / t[" both"][0]
-    label = "" if fn is tplayers.na2d and len(shape) == 5 else f"{fn.__name__} {'x'.join(map(str, shape))} k{kernel}: "
+    names = ("", "c", "gemm", "torch")
+    fns = {f"{c} {w}": on(c, w) for c in names for w in ("fwd", "both")}
+    fns["mm"] = matmul_ref()
+    t = _cpu_times(fns, repeats)
+    mm = 2 * 1024**3 / t["mm"][0]
+    flops = useful_flops(1, 1, 1, shape[-1], 1) * math.prod(shape[1:-1]) * kernel**rank
+
+    def parts(c):
+        fwd = t[f"{c} fwd"][0]
+        return fwd, t[f"{c} both"][0] - fwd, t[f"{c} both"][0]
+
+    label = "" if size else f"{fn.__name__} {'x'.join(map(str, shape))} k{kernel}: "
+    tile = parts("torch")
+    speed = {c: [a / b for a, b in zip(tile, parts(c))] for c in names}
+    vs_c = [a / b for a, b in zip(parts("c"), parts("gemm"))]
     print(
         f"  {label}default kernel here: {default}; speed over the torch tile kernel (same run, interleaved, thread "
-        f"CPU time): forward {fwd:.2f}x, backward {bwd:.2f}x, forward+backward {both:.2f}x (target >= 1.0) "
-        f"[{na_cpu_isa()}]"
+        f"CPU time): forward {speed[''][0]:.2f}x, backward {speed[''][1]:.2f}x, forward+backward {speed[''][2]:.2f}x "
+        f"(target >= 1.0) [{na_cpu_isa()}]"
+    )
+    for c in ("c", "gemm", "torch"):
+        fwd, bwd, _ = parts(c)
+        print(
+            f"    {c:5s} kernel: forward {fwd * 1e3:7.2f} ms = {flops / fwd / mm:.3f} x matmul, backward "
+            f"{bwd * 1e3:7.2f} ms = {2 * flops / bwd / mm:.3f} x matmul; over the tile kernel: forward "
+            f"{speed[c][0]:.2f}x, backward {speed[c][1]:.2f}x"
+        )
+    print(
+        f"    GEMM kernel over the C kernel: forward {vs_c[0]:.2f}x, backward {vs_c[1]:.2f}x, both {vs_c[2]:.2f}x "
+        f"(matmul 1024^3 same run {mm / 1e9:.1f} GFLOP/s)"
     )
     use_kernel("")
+
+
+def matmul_ref():
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    return lambda: a @ b
 
 
 def bench_ranks(repeats):
@@ -237,6 +269,7 @@ def bench_ranks(repeats):
         ((1, 4096, 4, 32), tplayers.na1d, 7),
         ((1, 4096, 4, 32), tplayers.na1d, 33),
         ((1, 16, 16, 16, 4, 32), tplayers.na3d, 5),
+        ((1, 48, 48, 4, 32), tplayers.na2d, 19),
     ):
         default_vs_tile(0, 0, 0, kernel, repeats, shape, fn)
 
@@ -309,6 +342,17 @@ def compare_peers(size, heads, head_dim, kernel, mm_cpu, fwd_cpu, q, k, v):
     else:
         print("  forward   natten   MISSING PEER: natten is not installed (pip install natten==0.21.7); no ratio")
     print("  fwd+bwd   natten   MISSING PEER: natten has no CPU backward (its Flex backend refuses it)")
+    flex, note = flex_peer(q, k, v, kernel)
+    if flex is None:
+        print(f"  forward   flex_attention MISSING PEER: {note}")
+        return
+    torch.testing.assert_close(tplayers.na2d(q, k, v, kernel), flex(), rtol=1e-4, atol=1e-4)
+    tf = _cpu_times({"flex": flex}, 3)["flex"][0]
+    flops = useful_flops(1, size, heads, head_dim, kernel)
+    print(
+        f"  forward   torch flex_attention (compiled, neighborhood block mask) {tf * 1e3:8.2f} ms CPU = "
+        f"{flops / tf / mm_cpu:.3f} x matmul; ratio tplayers tile kernel / flex = {fwd_cpu / tf:.3f} ({note})"
+    )
 
 
 def bench_memory(size, heads, head_dim, kernel):

@@ -130,8 +130,7 @@ def test_switch_values_and_errors(monkeypatch):
     assert not na_cpu.use_c_kernel(q, (3, 3))
     assert na_dispatch.choose_kernel(q, (3, 3)) == "gemm"
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "")
-    assert na_dispatch.choose_kernel(q.half(), (3, 3)) == "torch"  # 2-D off the C kernel: the tile kernel
-    assert na_dispatch.choose_kernel(q.half(), (1, 3)) == "gemm"  # 1-D: the GEMM kernel
+    assert na_dispatch.choose_kernel(q.half(), (3, 3)) == "torch"  # off the C kernel: the tile kernel
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "fast")
     with pytest.raises(ValueError, match="TPLAYERS_NA_KERNEL must be 'c', 'gemm', 'torch' or unset, got 'fast'"):
         tplayers.na2d(q, q, q, 3)

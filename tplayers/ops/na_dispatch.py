@@ -9,11 +9,13 @@ Three kernels compute the same thing (NATTEN's window; fp rounding may differ):
 * ``"torch"``: the torch tile kernel (:mod:`tplayers.ops.na_kernel`), any device and dtype.
 
 ``TPLAYERS_NA_KERNEL`` (``c`` / ``gemm`` / ``torch``) forces one (``c`` raises where it cannot
-run). Unset, :func:`choose_kernel` takes the C kernel where it applies (measured fastest forward
-on every shape class of ``benchmarks/na.py``, AVX-512 and AVX2), else the GEMM kernel for
-calls whose leading kernels are all 1 (1-D: 1.6-1.7x the tile kernel forward and backward) and
-the tile kernel otherwise (2-D / 3-D: the two measured equal within noise; see
-benchmarks/RESULTS.md).
+run). Unset, :func:`choose_kernel` takes the C kernel where it applies (measured 1.3-3.3x the
+torch kernels forward on every shape class of ``benchmarks/na.py``), else the tile kernel: the
+GEMM kernel measured 0.82-0.96x of it forward on every class (same tiles; both are batched small
+GEMMs, the GEMM kernel's separable block gathers did not beat the tile kernel's flat ones).
+The GEMM kernel is the default in one place: the C kernel's backward where that is not fused
+(wide column windows: 1.07x the tile kernel's backward at 1-D k33, 1.24x at 2-D k19). Figures:
+benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -34,23 +36,21 @@ def choose_kernel(q: torch.Tensor, kernel: Sequence[int]) -> str:
     merged = (math.prod(kernel[:-1]), kernel[-1])
     if na_cpu.use_c_kernel(q, merged):
         return "c"
-    choice = na_cpu.kernel_choice()
-    if choice in ("gemm", "torch"):
-        return choice
-    return "gemm" if merged[0] == 1 else "torch"
+    return "gemm" if na_cpu.kernel_choice() == "gemm" else "torch"
 
 
 def default_tile(kernel: Sequence[int]) -> Tuple[int, ...]:
     """Queries per tile per axis, for the GEMM kernel and the tile kernel alike (the C kernel
-    ignores them, but its backward may run the GEMM kernel), chosen by measurement
-    (``benchmarks/na.py``, one core).
+        ignores them, but its backward may run the GEMM kernel), chosen by measurement
+        (``benchmarks/na.py`` and a sweep of both torch kernels, one core, AVX-512 EPYC).
 
-    A tile of ``t`` queries along an axis scores ``t + k - 1`` keys where each query needs ``k``:
-    small tiles waste fewer scores, large ones make larger matmuls. For 2-D kernel 7, head_dim
-    16-64, 4x4 measured fastest (2x8 and 4x8 close, 8x8 slower); kernels below 5 get 8. In 3-D the
-    leading axis takes 1 (a 4x4 tile of one depth slice already scores ``kD x 10 x 10`` keys at
-    k7; 2x4x4 measured the same). Where every leading kernel is 1 (1-D calls) the column axis takes
-    ``k + 1`` clamped to [16, 32]: at k7 16 measured 1.7x faster than 8, at k33 16 and 32 equal.
+        A tile of ``t`` queries along an axis scores ``t + k - 1`` keys where each query needs ``k``:
+        small tiles waste fewer scores, large ones make larger matmuls. For 2-D kernel 7, head_dim
+        16-64, 4x4 measured fastest (2x8 and 4x8 close, 8x8 slower); kernels below 5 get 8. In 3-D the
+        leading axis takes 1 (a 4x4 tile of one depth slice already scores ``kD x 10 x 10`` keys at
+        k7; 2x4x4 measured the same). Where every leading kernel is 1 (1-D calls) the column axis takes
+        ``k + 1`` clamped to [16, 32]: at k7 16 measured 1.7x faster than 8 and the tile kernel's former
+    4, at k33 16 and 32 equal (the tile kernel's 1-D forward: 1.7x at k7, 1.5x at k33).
     """
     lead = math.prod(kernel[:-1])
     per_axis = [4 if k >= 5 else na_layout.DEFAULT_TILE for k in kernel]
