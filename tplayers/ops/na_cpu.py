@@ -1,10 +1,11 @@
 """The compiled CPU kernel of neighborhood attention (``na_cpu.c``), built on first use.
 
 :func:`use_c_kernel` decides per call whether :func:`~tplayers.ops.na_engine.neighborhood_attention`
-runs the C kernel or the torch tile kernel (:mod:`tplayers.ops.na_kernel`); both compute NATTEN's
-exact window (fp rounding may differ). The C kernel is used for CPU tensors of fp32 / fp64 when
-the system C compiler can build it; ``TPLAYERS_NA_KERNEL=torch`` asks for the tile kernel,
-``TPLAYERS_NA_KERNEL=c`` for the C kernel (an error when it cannot be built or does not apply).
+runs the C kernel or one of the torch kernels (:mod:`tplayers.ops.na_dispatch`); all compute
+NATTEN's exact window (fp rounding may differ). The C kernel is used for CPU tensors of fp32 /
+fp64 when the system C compiler can build it; ``TPLAYERS_NA_KERNEL=torch`` asks for the tile
+kernel, ``=gemm`` for the GEMM-tiled kernel (:mod:`tplayers.ops.na_gemm`), ``=c`` for the C kernel
+(an error when it cannot be built or does not apply).
 
 The vector width follows the host (:func:`host_isa`): on AVX-512 CPUs the kernel is built with 16
 fp32 / 8 fp64 lanes, on AVX2 ones 8 / 4, elsewhere 4 / 2, so every vector is one register (16
