@@ -52,12 +52,13 @@ def flex_peer(q, k, v, kernel: int, block: int = 64) -> Tuple[Optional[Callable]
 
         forward()
     except Exception as exc:  # an unsupported CPU / compiler: reported, not fatal
-        return None, f"compiled flex_attention does not run here: {type(exc).__name__}: {str(exc)[:200]}"
+        first = next((line for line in str(exc).splitlines() if line.strip()), "")
+        return None, f"compiled flex_attention does not run here: {type(exc).__name__}: {first[:160]}"
     note = f"block mask {block}, first call (compile) {time.perf_counter() - start:.1f} s"
     try:  # eager, on tiny tensors: an error inside the compiled function would make dynamo skip it
         tiny = [torch.randn(1, 1, 128, 8, requires_grad=True) for _ in range(3)]
         flex_attention(*tiny).sum().backward()
         note += "; backward runs"
     except Exception as exc:
-        note += f"; no backward: {type(exc).__name__}: {str(exc)[:90]}"
+        note += f"; no backward: {type(exc).__name__}: {str(exc).splitlines()[0][:90]}"
     return forward, note
