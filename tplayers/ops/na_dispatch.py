@@ -11,10 +11,10 @@ Three kernels compute the same thing (NATTEN's window; fp rounding may differ):
 ``TPLAYERS_NA_KERNEL`` (``c`` / ``gemm`` / ``torch``) forces one (``c`` raises where it cannot
 run). Unset, :func:`choose_kernel` takes the C kernel where it applies (measured 1.3-3.3x the
 torch kernels forward on every shape class of ``benchmarks/na.py``), else the tile kernel: the
-GEMM kernel measured 0.82-0.96x of it forward on every class (same tiles; both are batched small
+GEMM kernel measured 0.83-0.97x of it forward on every class (same tiles; both are batched small
 GEMMs, the GEMM kernel's separable block gathers did not beat the tile kernel's flat ones).
 The GEMM kernel is the default in one place: the C kernel's backward where that is not fused
-(wide column windows: 1.07x the tile kernel's backward at 1-D k33, 1.24x at 2-D k19). Figures:
+(wide column windows: 1.02-1.07x the tile kernel's backward at 1-D k33, 1.09-1.24x at 2-D k19). Figures:
 benchmarks/RESULTS.md.
 """
 
