@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+import torch._dynamo as dynamo
 from na_cases import na_on_subwindow
 from na_oracle import assert_out_and_grads, brute_na
 
@@ -117,6 +118,8 @@ def test_dispatch_rule(monkeypatch):
     assert na_dispatch.choose_kernel(q, (3, 3)) == "torch"
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "")
     assert na_dispatch.choose_kernel(q.half(), (1, 3)) == "torch"  # off the C kernel: the tile kernel
+    assert na_dispatch.choose_kernel(q.half(), (3, 3), grouped=True) == "gemm"  # ... but GQA: the GEMM kernel
+    assert na_dispatch.choose_kernel(q, (3, 3), grouped=True) == na_dispatch.choose_kernel(q, (3, 3))  # C first
     assert na_dispatch.default_tile((1, 7)) == (8, 16) and na_dispatch.default_tile((33,)) == (32,)
     assert na_dispatch.default_tile((5, 7, 7)) == (1, 4, 4)
 
@@ -131,3 +134,29 @@ def test_bf16_runs_and_tracks_fp64(monkeypatch):
     )
     ref = brute_na(q, k, v, (3, 5), (1, 1), (1, 1), (False, False))
     torch.testing.assert_close(out.double(), ref, rtol=0.05, atol=0.05)
+
+
+def test_compiled_grouped_heads_equal_eager(na_kernel):
+    """``torch.compile(fullgraph=True)`` with GQA (4 query heads over 2 key heads): the registered
+    op gets the grouped key/value heads (the GEMM kernel reads them as they are, the others expand
+    them and fold their gradients back); output and every gradient bitwise eager's."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 7, 9, 4, 3, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 7, 9, 2, 3, generator=gen, dtype=torch.float64) for _ in range(2))
+    table = torch.randn(4, 5, 5, generator=gen, dtype=torch.float64)
+
+    def f(q, k, v, rpb):
+        return neighborhood_attention(q, k, v, (3, 3), (1, 2), (False, True), global_size=(7, 9), rel_pos_bias=rpb)
+
+    dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    cot = torch.randn(2, 7, 9, 4, 3, generator=gen, dtype=torch.float64)
+    results = []
+    for fn in (f, compiled):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, table)]
+        out = fn(*leaves)
+        results.append([out.detach()] + list(torch.autograd.grad(out, leaves, cot)))
+    for name, a, b in zip(("out", "dq", "dk", "dv", "drpb"), *results):
+        assert torch.equal(a, b), name
+    ref = brute_na(q, k, v, (3, 3), (1, 1), (1, 2), (False, True), rpb=table)
+    torch.testing.assert_close(results[0][0], ref, **TIGHT)

@@ -38,16 +38,41 @@ def _table(table: torch.Tensor) -> Optional[torch.Tensor]:
     return table if table.numel() else None  # an empty tensor stands for "no bias" in the schemas
 
 
-def _which(q: torch.Tensor, geo: List[int]) -> str:
-    return na_dispatch.choose_kernel(q, [axis.kernel for axis in split_geometry(geo)[0]])
+def _kv_heads(q: torch.Tensor, k: torch.Tensor, heads: int) -> int:
+    return k.shape[-1] * heads // q.shape[-1]
+
+
+def _which(q: torch.Tensor, k: torch.Tensor, geo: List[int], heads: int) -> str:
+    kernel = [axis.kernel for axis in split_geometry(geo)[0]]
+    return na_dispatch.choose_kernel(q, kernel, grouped=_kv_heads(q, k, heads) < heads)
+
+
+def _expand(x: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
+    """(B, P, kv_heads*D) -> (B, P, heads*D): GQA's query head ``h`` reads ``h // (heads // kv_heads)``."""
+    if kv_heads == heads:
+        return x
+    b, p = x.shape[:2]
+    return x.view(b, p, kv_heads, 1, -1).expand(-1, -1, -1, heads // kv_heads, -1).reshape(b, p, -1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
+    """The adjoint of :func:`_expand`: each key head's gradient summed over its query heads."""
+    if kv_heads == heads:
+        return grad
+    b, p = grad.shape[:2]
+    return grad.view(b, p, kv_heads, heads // kv_heads, -1).sum(3).reshape(b, p, -1)
 
 
 def na2d_tiles(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, geo: List[int], scale: float, heads: int
 ) -> torch.Tensor:
-    """The tile kernel's forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major,
-    ``table`` the bias (or an empty tensor) -> (B, Pq, heads*Dv)."""
-    which = _which(q, geo)
+    """The forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, kv_heads*D|Dv) pixel-major, ``table``
+    the bias (or an empty tensor) -> (B, Pq, heads*Dv). The GEMM kernel reads grouped heads as they
+    are; the others get them expanded."""
+    which = _which(q, k, geo, heads)
+    if which != "gemm":
+        kv_heads = _kv_heads(q, k, heads)
+        k, v = _expand(k, kv_heads, heads), _expand(v, kv_heads, heads)
     if which == "c":
         return na_cpu.c_forward(q, k, v, _table(table), geo, scale, heads)
     if which == "gemm":
@@ -59,7 +84,7 @@ def na2d_tiles(
 
 
 def _na2d_tiles_fake(q, k, v, table, geo, scale, heads):
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2] // _kv_heads(q, k, heads) * heads)
 
 
 def na2d_tiles_backward(
@@ -76,13 +101,18 @@ def na2d_tiles_backward(
     """``(dq, dk, dv, dtable)`` (``dtable`` empty without a bias): the kernel's own backward
     (:func:`~tplayers.ops.na_kernel.tile_backward`) on the same tables."""
     tab = _table(table)
-    which = _which(q, geo)
-    if which in ("c", "gemm"):
-        backward = na_cpu.attention_backward if which == "c" else gemm_backward
-        dq, dk, dv, dt = backward(grad_out, q, k, v, tab, out, geo, scale, heads)
+    which = _which(q, k, geo, heads)
+    if which == "gemm":
+        dq, dk, dv, dt = gemm_backward(grad_out, q, k, v, tab, out, geo, scale, heads)
         return dq, dk, dv, (dt if tab is not None else table.new_empty(0))
-    _, plan_bwd = tile_plans(geo, q.device, q.dtype)
-    dq, dk, dv, dt = tile_backward(grad_out, q, k, v, tab, out, plan_bwd, scale, heads, True, True, tab is not None)
+    kv_heads = _kv_heads(q, k, heads)
+    k, v = _expand(k, kv_heads, heads), _expand(v, kv_heads, heads)
+    if which == "c":
+        dq, dk, dv, dt = na_cpu.attention_backward(grad_out, q, k, v, tab, out, geo, scale, heads)
+    else:
+        _, plan_bwd = tile_plans(geo, q.device, q.dtype)
+        dq, dk, dv, dt = tile_backward(grad_out, q, k, v, tab, out, plan_bwd, scale, heads, True, True, tab is not None)
+    dk, dv = _fold(dk, kv_heads, heads), _fold(dv, kv_heads, heads)
     return dq, dk, dv, (dt if tab is not None else table.new_empty(0))
 
 

@@ -11,8 +11,11 @@ Three kernels compute the same thing (NATTEN's window; fp rounding may differ):
 ``TPLAYERS_NA_KERNEL`` (``c`` / ``gemm`` / ``torch``) forces one (``c`` raises where it cannot
 run). Unset, :func:`choose_kernel` takes the C kernel where it applies (measured 1.3-3.3x the
 torch kernels forward on every shape class of ``benchmarks/na.py``), else the tile kernel: the
-GEMM kernel measured 0.83-0.97x of it forward on every class (same tiles; both are batched small
-GEMMs, the GEMM kernel's separable block gathers did not beat the tile kernel's flat ones).
+GEMM kernel measured 0.83-0.97x of it forward on every class with as many key heads as query
+heads (same tiles; both are batched small GEMMs), but with grouped key/value heads (GQA/MQA) it
+runs the query heads of a group against one gathered key tile as one taller GEMM and no expanded
+copy of K and V: 1.28-1.31x the tile kernel forward and 1.33x backward (2-D k7, 8 heads over 2
+or 1 key heads), so off the C kernel grouped calls take the GEMM kernel.
 The GEMM kernel is the default in one place: the C kernel's backward where that is not fused
 (wide column windows: 1.02-1.07x the tile kernel's backward at 1-D k33, 1.09-1.24x at 2-D k19). Figures:
 benchmarks/RESULTS.md.
@@ -30,13 +33,17 @@ from tplayers.ops import na_cpu, na_layout
 __all__ = ["choose_kernel", "default_tile"]
 
 
-def choose_kernel(q: torch.Tensor, kernel: Sequence[int]) -> str:
-    """``"c"``, ``"gemm"`` or ``"torch"`` for a call on ``q`` with per-axis ``kernel`` (see the
-    module docstring); ``RuntimeError`` from ``TPLAYERS_NA_KERNEL=c`` where C cannot run."""
+def choose_kernel(q: torch.Tensor, kernel: Sequence[int], grouped: bool = False) -> str:
+    """``"c"``, ``"gemm"`` or ``"torch"`` for a call on ``q`` with per-axis ``kernel``; ``grouped``:
+    fewer key/value heads than query heads (GQA/MQA). See the module docstring;
+    ``RuntimeError`` from ``TPLAYERS_NA_KERNEL=c`` where C cannot run."""
     merged = (math.prod(kernel[:-1]), kernel[-1])
     if na_cpu.use_c_kernel(q, merged):
         return "c"
-    return "gemm" if na_cpu.kernel_choice() == "gemm" else "torch"
+    choice = na_cpu.kernel_choice()
+    if choice in ("gemm", "torch"):
+        return choice
+    return "gemm" if grouped else "torch"
 
 
 def default_tile(kernel: Sequence[int]) -> Tuple[int, ...]:

@@ -78,7 +78,6 @@ def neighborhood_attention(
     stride = (1,) * rank if stride is None else tuple(stride)
     q_offset = (0,) * rank if q_offset is None else tuple(q_offset)
     k_offset = (0,) * rank if k_offset is None else tuple(k_offset)
-    k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
     if q.shape[0] == 0 or any(s == 0 for s in q.shape[1 : 1 + rank]):
         # nothing to compute (an empty shard): zeros still tied to every input, so backward runs
         tie = q.sum() + k.sum() + v.sum() + (0 if rel_pos_bias is None else rel_pos_bias.sum())
@@ -130,18 +129,20 @@ def neighborhood_attention(
         return x.reshape(batch, math.prod(x.shape[1 : 1 + rank]), -1).contiguous()
 
     out_shape = (*q.shape[:-1], -1)
-    if torch.compiler.is_compiling():  # the tables are built inside one registered op (see na_compile)
+    grouped = k.shape[-2] < heads
+    which = None if torch.compiler.is_compiling() else na_dispatch.choose_kernel(q, kernel, grouped)
+    if which == "gemm":  # grouped key/value heads stay grouped: one key tile serves its query heads
+        out = GemmAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads)
+        return out.view(out_shape)
+    if which is None:  # compiling: the tables are built inside one registered op (see na_compile)
         ensure_na_ops()  # registers tplayers::na2d_tiles on first use (nothing at import)
 
         table = rel_pos_bias if rel_pos_bias is not None else q.new_empty(0)
         out = torch.ops.tplayers.na2d_tiles(pixels(q), pixels(k), pixels(v), table, geo, scale, heads)
         return out.view(out_shape)
-    which = na_dispatch.choose_kernel(q, kernel)
+    k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
     if which == "c":
         out = na_cpu.CAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads)
-        return out.view(out_shape)
-    if which == "gemm":
-        out = GemmAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads)
         return out.view(out_shape)
     plan, plan_bwd = na_kernel.tile_plans(geo, q.device, q.dtype)
     out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, plan_bwd, scale, heads)

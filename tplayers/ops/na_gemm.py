@@ -125,20 +125,22 @@ def _rel(plan: GemmPlan, width: int) -> torch.Tensor:
     return (th.rel[:, None, :, None, :, None] * width + tw.rel[None, :, None, :, None, :]).to(plan.mask_h.device)
 
 
-def _flat(rows: torch.Tensor, cols: torch.Tensor, t_r: int, t_c: int, width: int, pixels: int, batch: int, heads: int):
+def _flat(rows, cols, t_r: int, t_c: int, width: int, pixels: int, batch: int, heads: int, groups: int = 1):
     """Row numbers in a pixel-major ``(batch * pixels * heads, D)`` matrix of a block's tiles, in the
-    order (batch, head, tile row, tile column, slot row, slot column): ``rows`` (na*t_r,) and
-    ``cols`` (nb*t_c,) are the axes' indices, ``width`` the row length of the image."""
+    order (batch, head group, tile row, tile column, head in group, slot row, slot column): ``rows``
+    (na*t_r,) and ``cols`` (nb*t_c,) are the axes' indices, ``width`` the row length of the image;
+    ``groups`` consecutive heads share a tile batch entry (GQA: the query heads of one key head)."""
     na, nb = rows.numel() // t_r, cols.numel() // t_c
-    pix = (rows.view(na, 1, t_r, 1) * width + cols.view(1, nb, 1, t_c)).flatten()
+    pix = (rows.view(na, 1, t_r, 1) * width + cols.view(1, nb, 1, t_c)).reshape(na * nb, 1, t_r * t_c)
     dev = pix.device
-    b = torch.arange(batch, device=dev)[:, None, None]
-    h = torch.arange(heads, device=dev)[None, :, None]
-    return ((b * pixels + pix) * heads + h).flatten()
+    b = torch.arange(batch, device=dev).view(-1, 1, 1, 1, 1)
+    g = torch.arange(heads // groups, device=dev).view(1, -1, 1, 1, 1) * groups
+    j = torch.arange(groups, device=dev).view(1, 1, 1, -1, 1)
+    return ((b * pixels + pix[None, None]) * heads + g + j).flatten()
 
 
 @lru_cache(maxsize=8)
-def _block_rows(plan: GemmPlan, backward: bool, batch: int, heads: int, dims: Tuple[int, int, int, int]):
+def _block_rows(plan: GemmPlan, backward: bool, batch: int, heads: int, kv_heads: int, dims: Tuple[int, ...]):
     """Per block ``(q_rows, k_rows, dest, valid)``: the gather rows of its query and key / value
     tiles, the output rows of its query slots (padding slots: the dummy row after the last) and
     ``valid`` (na*nb, tq, 1) 1/0 per slot (None without padding), built once per shape."""
@@ -152,31 +154,35 @@ def _block_rows(plan: GemmPlan, backward: bool, batch: int, heads: int, dims: Tu
         # padding slots (row hq or column wq of the padded grid) -> the dummy row
         pad = ((rd == hq).view(-1, 1) | (cd == wq).view(1, -1)).view(a1 - a0, th.tile, b1 - b0, tw.tile)
         pad = pad.transpose(1, 2).reshape((a1 - a0) * (b1 - b0), th.tile * tw.tile, 1)
-        plain = _flat(rd.clamp(max=hq - 1), cd.clamp(max=wq - 1), th.tile, tw.tile, wq, hq * wq, batch, heads)
+        groups = heads // kv_heads
+        plain = _flat(rd.clamp(max=hq - 1), cd.clamp(max=wq - 1), th.tile, tw.tile, wq, hq * wq, batch, heads, groups)
+        padded = pad.view(1, 1, -1, 1, pad.shape[1]).expand(batch, kv_heads, -1, groups, -1).flatten()
         out.append(
             (
-                _flat(rq, cq, th.tile, tw.tile, wq, hq * wq, batch, heads),
-                _flat(rk, ck, th.region, tw.region, wk, hk * wk, batch, heads),
-                plain.masked_fill(pad.flatten().repeat(batch * heads), batch * hq * wq * heads),
+                _flat(rq, cq, th.tile, tw.tile, wq, hq * wq, batch, heads, groups),
+                _flat(rk, ck, th.region, tw.region, wk, hk * wk, batch, kv_heads),
+                plain.masked_fill(padded, batch * hq * wq * heads),
                 (~pad).to(plan.mask_h.dtype) if bool(pad.any()) else None,
             )
         )
     return tuple(out)
 
 
-def _scores(plan: GemmPlan, block, qt, kt, scale, table, batch: int, heads: int) -> torch.Tensor:
-    """``mask + scale Q K^T (+ bias)`` of one block: (B*heads*na*nb, tq, R); the window mask (the
-    outer sum of the row and column patterns) copied in first, the product accumulated onto it
-    (one ``baddbmm_``)."""
+def _scores(plan: GemmPlan, block, qt, kt, scale, table, batch: int, kv_heads: int) -> torch.Tensor:
+    """``mask + scale Q K^T (+ bias)`` of one block: (B*kv_heads*na*nb, groups*tq, R); the window
+    mask (the outer sum of the row and column patterns) copied in first, the product accumulated
+    onto it (one ``baddbmm_``)."""
     a0, a1, b0, b1 = block
     th, tw = plan.th, plan.tw
+    na, nb, tq, region = a1 - a0, b1 - b0, th.tile * tw.tile, th.region * tw.region
     s = qt.new_empty(qt.shape[0], qt.shape[1], kt.shape[1])
     mask = plan.mask_h[a0:a1, None, :, None, :, None] + plan.mask_w[None, b0:b1, None, :, None, :]
-    s.view(batch * heads, a1 - a0, b1 - b0, th.tile, tw.tile, th.region, tw.region).copy_(mask)
+    s.view(batch * kv_heads, na, nb, -1, th.tile, tw.tile, th.region, tw.region).copy_(mask[:, :, None])
     s.baddbmm_(qt, kt.transpose(1, 2), alpha=scale)
     if table is not None:
         rel = _rel(plan, table.shape[-1])[a0:a1, b0:b1]
-        s.view(batch, heads, -1).add_(table.flatten(1)[:, rel.flatten()])
+        bias = table.flatten(1)[:, rel.flatten()].view(kv_heads, -1, na, nb, tq, region)
+        s.view(batch, kv_heads, na, nb, -1, tq, region).add_(bias.permute(0, 2, 3, 1, 4, 5))
     return s
 
 
@@ -187,20 +193,24 @@ def _dims(geo) -> Tuple[int, int, int, int]:
 
 
 def gemm_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch.Tensor:
-    """Forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major, contiguous,
-    ``table`` the bias or None -> (B, Pq, heads*Dv). ``k`` / ``v`` hold ``heads`` heads (GQA expanded)."""
+    """Forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, kv_heads*D|Dv) pixel-major, contiguous
+    (``kv_heads`` divides ``heads``: the query heads of a group run against one key tile, one
+    taller GEMM), ``table`` the bias or None -> (B, Pq, heads*Dv)."""
     batch = q.shape[0]
     plan = gemm_plan(tuple(geo), batch * heads, q.device, q.dtype)
     dims = _dims(geo)
     th, tw = plan.th, plan.tw
-    tq, region = th.tile * tw.tile, th.region * tw.region
-    q2, k2, v2 = (x.view(-1, x.shape[-1] // heads) for x in (q, k, v))  # one row per (pixel, head)
+    region = th.region * tw.region
+    kv_heads = k.shape[-1] * heads // q.shape[-1]
+    q2 = q.view(-1, q.shape[-1] // heads)  # one row per (pixel, head)
+    k2, v2 = (x.view(-1, x.shape[-1] // kv_heads) for x in (k, v))
     out = q.new_empty(q2.shape[0] + 1, v2.shape[1])  # the last row takes the padding slots
-    for block, (q_rows, k_rows, dest, _) in zip(plan.blocks, _block_rows(plan, False, batch, heads, dims)):
-        qt = q2.index_select(0, q_rows).view(-1, tq, q2.shape[1])
+    rows = _block_rows(plan, False, batch, heads, kv_heads, dims)
+    for block, (q_rows, k_rows, dest, _) in zip(plan.blocks, rows):
         kt = k2.index_select(0, k_rows).view(-1, region, k2.shape[1])
         vt = v2.index_select(0, k_rows).view(-1, region, v2.shape[1])
-        probs = torch.softmax(_scores(plan, block, qt, kt, scale, table, batch, heads), -1)
+        qt = q2.index_select(0, q_rows).view(kt.shape[0], -1, q2.shape[1])
+        probs = torch.softmax(_scores(plan, block, qt, kt, scale, table, batch, kv_heads), -1)
         out.index_copy_(0, dest, torch.bmm(probs, vt).view(-1, v2.shape[1]))
         del qt, kt, vt, probs
     return out[:-1].view(batch, q.shape[1], -1)
@@ -216,7 +226,9 @@ def gemm_backward(
     dims = _dims(geo)
     th, tw = plan.th, plan.tw
     tq, region = th.tile * tw.tile, th.region * tw.region
-    q2, k2, v2 = (x.view(-1, x.shape[-1] // heads) for x in (q, k, v))
+    kv_heads = k.shape[-1] * heads // q.shape[-1]
+    q2 = q.view(-1, q.shape[-1] // heads)
+    k2, v2 = (x.view(-1, x.shape[-1] // kv_heads) for x in (k, v))
     dim_v = v2.shape[1]
     g2 = grad_out.reshape(-1, dim_v)  # a view when it can be (an expanded grad of .sum())
     delta = _rowdot(g2, out.view(-1, dim_v))  # rowsum(dO * O) per query; 0 in the dummy row
@@ -225,16 +237,17 @@ def gemm_backward(
     grad_v = torch.zeros_like(v2) if want_kv else None
     want_bias = want_bias and table is not None
     grad_table = torch.zeros_like(table).flatten(1) if want_bias else None
-    for block, (q_rows, k_rows, dest, valid) in zip(plan.blocks_bwd, _block_rows(plan, True, batch, heads, dims)):
+    rows = _block_rows(plan, True, batch, heads, kv_heads, dims)
+    for block, (q_rows, k_rows, dest, valid) in zip(plan.blocks_bwd, rows):
         a0, a1, b0, b1 = block
-        qt = q2.index_select(0, q_rows).view(-1, tq, q2.shape[1])
         kt = k2.index_select(0, k_rows).view(-1, region, k2.shape[1])
         vt = v2.index_select(0, k_rows).view(-1, region, dim_v)
-        gt = g2.index_select(0, q_rows).view(-1, tq, dim_v)
+        qt = q2.index_select(0, q_rows).view(kt.shape[0], -1, q2.shape[1])
+        gt = g2.index_select(0, q_rows).view(kt.shape[0], -1, dim_v)
         if valid is not None:  # padding slots repeat a query: they must add nothing
-            gt.view(batch * heads, *valid.shape[:2], dim_v).mul_(valid)
-        probs = torch.softmax(_scores(plan, block, qt, kt, scale, table, batch, heads), -1)
-        ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(delta.index_select(0, dest).view(-1, tq, 1)).mul_(probs)
+            gt.view(batch * kv_heads, valid.shape[0], -1, tq, dim_v).mul_(valid[:, None])
+        probs = torch.softmax(_scores(plan, block, qt, kt, scale, table, batch, kv_heads), -1)
+        ds = torch.bmm(gt, vt.transpose(1, 2)).sub_(delta.index_select(0, dest).view(kt.shape[0], -1, 1)).mul_(probs)
         del vt
         if want_kv:
             grad_v.index_add_(0, k_rows, torch.bmm(probs.transpose(1, 2), gt).view(-1, dim_v))
@@ -245,7 +258,8 @@ def gemm_backward(
             grad_k.index_add_(0, k_rows, torch.bmm(ds.transpose(1, 2), qt).view(-1, q2.shape[1]))
         if want_bias:
             rel = _rel(plan, table.shape[-1])[a0:a1, b0:b1].flatten()
-            grad_table.index_add_(1, rel, ds.view(batch, heads, -1).sum(0))
+            per_head = ds.view(batch, kv_heads, a1 - a0, b1 - b0, heads // kv_heads, -1).sum(0)
+            grad_table.index_add_(1, rel, per_head.permute(0, 3, 1, 2, 4).reshape(heads, -1))
         del ds, qt
     grad_q = grad_q[:-1].mul_(scale).view(q.shape)
     grad_k = grad_k.mul_(scale).view(k.shape) if want_kv else None
