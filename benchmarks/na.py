@@ -195,20 +195,21 @@ def bench_single(size, heads, head_dim, kernel, repeats):
     default_vs_tile(size, heads, head_dim, kernel, repeats)
 
 
-def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None):
+def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None, kv_heads=None):
     """Every CPU kernel against the torch tile kernel (and the GEMM kernel against the C kernel),
     forward, backward and both, timed interleaved in one run with the same-run matmul rate: the
     issue-22 ">= 1.0x" check of the default and issue 35's GEMM figures. ``shape`` / ``fn``:
-    another input shape and functional (``na1d`` / ``na3d``)."""
+    another input shape and functional (``na1d`` / ``na3d``); ``kv_heads``: fewer key/value heads (GQA)."""
     from tplayers.ops import na_dispatch
 
     shape, fn = shape or (1, size, size, heads, head_dim), fn or tplayers.na2d
     torch.manual_seed(0)
-    q, k, v = (torch.randn(*shape) for _ in range(3))
+    kv_shape = (*shape[:-2], kv_heads or shape[-2], shape[-1])
+    q, k, v = torch.randn(*shape), torch.randn(*kv_shape), torch.randn(*kv_shape)
     cot = torch.randn_like(q)
     rank = len(shape) - 3
     use_kernel("")
-    default = na_dispatch.choose_kernel(q, (1,) * (3 - rank) + (kernel,) * rank)
+    default = na_dispatch.choose_kernel(q, (1,) * (3 - rank) + (kernel,) * rank, kv_shape[-2] < shape[-2])
 
     def on(choice, what):
         grads = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -235,6 +236,7 @@ def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None)
         return fwd, t[f"{c} both"][0] - fwd, t[f"{c} both"][0]
 
     label = "" if size else f"{fn.__name__} {'x'.join(map(str, shape))} k{kernel}: "
+    label += f"(GQA: {kv_shape[-2]} key/value heads) " if kv_heads else ""
     tile = parts("torch")
     speed = {c: [a / b for a, b in zip(tile, parts(c))] for c in names}
     vs_c = [a / b for a, b in zip(parts("c"), parts("gemm"))]
@@ -265,13 +267,14 @@ def matmul_ref():
 def bench_ranks(repeats):
     """1-D and 3-D: the default against the tile kernel (short and long 1-D windows, a 3-D volume)."""
     print(f"na1d / na3d, fp32, 1 thread {isa_label()}")
-    for shape, fn, kernel in (
-        ((1, 4096, 4, 32), tplayers.na1d, 7),
-        ((1, 4096, 4, 32), tplayers.na1d, 33),
-        ((1, 16, 16, 16, 4, 32), tplayers.na3d, 5),
-        ((1, 48, 48, 4, 32), tplayers.na2d, 19),
+    for shape, fn, kernel, kv_heads in (
+        ((1, 4096, 4, 32), tplayers.na1d, 7, None),
+        ((1, 4096, 4, 32), tplayers.na1d, 33, None),
+        ((1, 16, 16, 16, 4, 32), tplayers.na3d, 5, None),
+        ((1, 48, 48, 4, 32), tplayers.na2d, 19, None),
+        ((1, 64, 64, 8, 32), tplayers.na2d, 7, 2),
     ):
-        default_vs_tile(0, 0, 0, kernel, repeats, shape, fn)
+        default_vs_tile(0, 0, 0, kernel, repeats, shape, fn, kv_heads)
 
 
 def _bench_single(size, heads, head_dim, kernel, repeats, choice):
