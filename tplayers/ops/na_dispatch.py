@@ -17,7 +17,7 @@ runs the query heads of a group against one gathered key tile as one taller GEMM
 copy of K and V: 1.28-1.31x the tile kernel forward and 1.33x backward (2-D k7, 8 heads over 2
 or 1 key heads), so off the C kernel grouped calls take the GEMM kernel.
 The GEMM kernel is the default in one place: the C kernel's backward where that is not fused
-(wide column windows: 1.02-1.07x the tile kernel's backward at 1-D k33, 1.09-1.24x at 2-D k19). Figures:
+(wide column windows: 0.99-1.07x the tile kernel's backward at 1-D k33, 1.04-1.24x at 2-D k19). Figures:
 benchmarks/RESULTS.md.
 """
 
