@@ -1,22 +1,24 @@
-"""The GEMM-tiled kernel of neighborhood attention: batched matmuls over whole tile blocks.
+"""The GEMM-tiled kernel of neighborhood attention: batched matmuls over blocks of tiles.
 
 A tile of ``tH x tW`` queries reads the union of its windows, a region of ``RH x RW`` keys (the
 row and column axes of :mod:`tplayers.ops.na_geometry`; 1-D runs with one row, 3-D with the
-leading axes merged into the row axis). The kernel keeps the image's planes as they are,
-``(B, heads, rows, cols, D)``, and cuts a *block* of ``ca x cb`` tiles at a time out of them with
-two ``index_select`` per tensor (row indices, then column indices: the axes' tiles are
-separable, :class:`~tplayers.ops.na_layout.AxisTiles`), so a block's queries, keys and values
-are each one contiguous batch of tiles. Per block:
-``S = (scale Q) K^T`` (one ``bmm`` over every (batch, head, tile)), the window mask added as the
-outer sum of a row pattern and a column pattern (0 / -inf, broadcast), the bias added, ``P =
-softmax(S)``, ``O = P V`` (one ``bmm``). Backward, per block: ``S`` and ``P`` again, ``dV = P^T
-dO``, ``dP = dO V^T``, ``dS = P (dP - rowsum(dO O))``, ``dQ = dS K``, ``dK = dS^T (scale Q)``,
-``dbias = sum_b dS``: five ``bmm`` and the scatter-adds of ``dK`` / ``dV`` (columns, then rows).
+leading axes merged into the row axis). The kernel works on a *block* of ``ca x cb`` tiles at a
+time (whole tile rows, or one tile row cut into column ranges): one ``index_select`` per tensor
+on its pixel-major ``(B*pixels*heads, D)`` rows gathers the block's queries, keys and values as
+contiguous batches of tiles (the row numbers are built once per shape from the axes' separable
+:class:`~tplayers.ops.na_layout.AxisTiles`). Grouped key/value heads (GQA/MQA) stay grouped: the
+query heads of a group are stacked into one taller tile against the group's one key tile. Per
+block: the window mask (the outer sum of a row and a column pattern, 0 / -inf) is copied into
+the scores and ``scale Q K^T`` accumulated onto it (one ``baddbmm_``), the bias added, ``P =
+softmax(S)``, ``O = P V`` (one ``bmm``), written to each query's row (``index_copy_``).
+Backward, per block: ``S`` and ``P`` again, ``dV = P^T dO``, ``dP = dO V^T``, ``dS = P (dP -
+rowsum(dO O))``, ``dQ = dS K``, ``dK = dS^T Q`` (times the scale), ``dbias = sum_b dS``: five
+``bmm`` and the ``index_add_`` of ``dK`` / ``dV``.
 
-Padding slots (a partial tile repeats a query) read a zero gradient row, so they add nothing;
-outputs are picked per axis from the tile buffer by each query's slot. Blocks hold at most
-``CHUNK_SCORES`` (forward) / ``BACKWARD_CHUNK_SCORES`` scores over all (batch, head) planes, so
-peak memory stays within a few times ``B*heads*H*W*k^2`` however large the image.
+Padding slots (a partial tile repeats a query) write to a dummy row and get a zero gradient, so
+they add nothing. Blocks hold at most ``CHUNK_SCORES`` (forward) / ``BACKWARD_CHUNK_SCORES``
+scores over all (batch, head) planes, so peak memory stays within a few times
+``B*heads*H*W*k^2`` however large the image.
 
 :func:`~tplayers.ops.na_dispatch.default_tile` picks the tiles from the kernel (measured).
 """
