@@ -58,8 +58,7 @@ def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class GemmPlan:
     """Per axis (row ``h``, column ``w``): the slots' query indices ``q_*`` (n*t,), their
     destinations ``dest_*`` (padding -> the zero row), the region slots' key indices ``k_*``
-    (n*R,), each query's slot ``out_*``, the additive window patterns ``mask_*`` (n, t, R), the
-    bias indices ``rel_*`` (n, t, R); ``blocks``: ``(a0, a1, b0, b1)`` tile-row / tile-column ranges."""
+    (n*R,), the additive window patterns ``mask_*`` (n, t, R); ``blocks``: ``(a0, a1, b0, b1)`` tile-row / tile-column ranges."""
 
     th: AxisTiles
     tw: AxisTiles
@@ -69,8 +68,6 @@ class GemmPlan:
     dest_w: torch.Tensor
     k_h: torch.Tensor
     k_w: torch.Tensor
-    out_h: torch.Tensor
-    out_w: torch.Tensor
     mask_h: torch.Tensor
     mask_w: torch.Tensor
     blocks: Tuple[Tuple[int, int, int, int], ...]
@@ -111,8 +108,6 @@ def gemm_plan(geo: Tuple[int, ...], planes: int, device: torch.device, dtype: to
         to(_dest(tw, col.q_count)),
         to(th.k_index.flatten()),
         to(tw.k_index.flatten()),
-        to(th.out_pos),
-        to(tw.out_pos),
         to(_additive(th.mask, dtype)),
         to(_additive(tw.mask, dtype)),
         _blocks(th.num_tiles, tw.num_tiles, per_tile, CHUNK_SCORES),
