@@ -1,8 +1,10 @@
 """tplayers.na2d on one CPU core against the same-run fp32 matmul rate, peak memory vs the
 O(B*heads*H*W*k^2) bound, natten.na2d when installed, and 2-rank domain-parallel
-NeighborhoodAttention vs single-device. Both CPU kernels are measured: the compiled C kernel
+NeighborhoodAttention vs single-device. The three CPU kernels are measured: the compiled C kernel
 (``TPLAYERS_NA_KERNEL=c``, the default where a C compiler is available; its build time is
-printed first, into a fresh cache) and the torch tile kernel (``TPLAYERS_NA_KERNEL=torch``).
+printed first, into a fresh cache), the GEMM-tiled torch kernel (``=gemm``) and the torch tile
+kernel (``=torch``); torch's compiled ``flex_attention`` with a neighborhood block mask is a
+forward peer (``benchmarks/na_flex.py``; no CPU backward in torch 2.13).
 
     python benchmarks/na.py                # 1x64x64, 4 heads, head_dim 32 and 1x96x96, 2 heads, head_dim 16; kernel 7
     python benchmarks/na.py --repeats 9 --no-domain
@@ -30,13 +32,23 @@ import statistics
 import sys
 import time
 import warnings
-from typing import Tuple
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 from memory_probe import peak_bytes  # noqa: E402
+from na_flex import flex_peer  # noqa: E402
+from na_kernels import (  # noqa: E402
+    _cpu_times,
+    bench_ranks,
+    default_vs_tile,
+    isa_label,
+    matmul_rate,
+    na_cpu_isa,
+    use_kernel,
+    useful_flops,
+)
 
 import tplayers  # noqa: E402
 
@@ -47,40 +59,6 @@ def _natten():
     except ImportError:
         return None
     return natten
-
-
-def _cpu_times(fns: dict, repeats: int) -> dict:
-    """Per function: (min thread CPU seconds, median wall seconds) over interleaved repeats.
-
-    Thread CPU time does not count the time this thread waits for a core another job holds,
-    so on a shared machine it tracks the work done; the wall median is printed beside it.
-    """
-    for fn in fns.values():
-        fn()
-    cpu, wall = {n: [] for n in fns}, {n: [] for n in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            c0, w0 = time.thread_time(), time.perf_counter()
-            fn()
-            cpu[name].append(time.thread_time() - c0)
-            wall[name].append(time.perf_counter() - w0)
-    return {n: (min(cpu[n]), statistics.median(wall[n])) for n in fns}
-
-
-def matmul_rate(repeats: int = 7, n: int = 1024) -> Tuple[float, float]:
-    """Single-core fp32 ``n x n`` matmul rate in FLOP/s: (from thread CPU time, from wall time)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    cpu, wall = _cpu_times({"mm": lambda: a @ b}, repeats)["mm"]
-    return 2 * n**3 / cpu, 2 * n**3 / wall
-
-
-def useful_flops(batch, size, heads, head_dim, kernel) -> float:
-    """Useful forward FLOPs: every query scores k^2 keys (2*D per score) and sums k^2 values (2*Dv).
-
-    Backward counts twice that: dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q (the
-    recomputed scores of the flash-style backward are not counted as useful).
-    """
-    return batch * heads * size * size * kernel**2 * (2 * head_dim + 2 * head_dim)
 
 
 def tile_ceiling(size, heads, head_dim, kernel, mm_rate, tile=4, chunk=80):
@@ -111,11 +89,7 @@ def tile_ceiling(size, heads, head_dim, kernel, mm_rate, tile=4, chunk=80):
     return cpu, flops / cpu / mm_rate
 
 
-KERNELS = ("c", "torch")
-
-
-def use_kernel(choice: str) -> None:
-    os.environ["TPLAYERS_NA_KERNEL"] = choice
+KERNELS = ("c", "gemm", "torch")
 
 
 #: what caps torch (its own kernels, MKL, oneDNN) at an ISA, per --isa value
@@ -135,26 +109,6 @@ def restart_capped(isa: str) -> None:
     caps = TORCH_CAPS.get(isa, {}) if isa != na_cpu.host_isa() else {}
     if caps and any(os.environ.get(key) != val for key, val in caps.items()):
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **caps})
-
-
-def isa_label() -> str:
-    """``[host avx512 (model); C: avx2 build, 8 fp32 lanes, -march=haswell; torch AVX2]``."""
-    from tplayers.ops import na_cpu
-
-    model = (
-        next(
-            (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-            "unknown CPU",
-        )
-        if os.path.exists("/proc/cpuinfo")
-        else "unknown CPU"
-    )
-    isa = na_cpu.target_isa()
-    march = next((f for f in na_cpu.build_flags(torch.float32, isa) if f.startswith("-march")), "no -march")
-    return (
-        f"[host {na_cpu.host_isa()} ({model}); C: {isa} build, {na_cpu.lanes(torch.float32, isa)} fp32 lanes, "
-        f"{march}; torch {torch.backends.cpu.get_cpu_capability()}]"
-    )
 
 
 def build_time() -> None:
@@ -189,56 +143,6 @@ def bench_single(size, heads, head_dim, kernel, repeats):
         use_kernel(choice)
         _bench_single(size, heads, head_dim, kernel, repeats, choice)
     default_vs_tile(size, heads, head_dim, kernel, repeats)
-
-
-def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None):
-    """The default CPU kernel (what ``TPLAYERS_NA_KERNEL`` unset picks here) against the torch tile
-    kernel, forward, backward and both, timed interleaved in one run: the issue-22 ">= 1.0x" check.
-    ``shape`` / ``fn``: another input shape and functional (``na1d`` / ``na3d``)."""
-    from tplayers.ops import na_cpu
-
-    shape, fn = shape or (1, size, size, heads, head_dim), fn or tplayers.na2d
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(*shape) for _ in range(3))
-    cot = torch.randn_like(q)
-    use_kernel("")
-    default = "c" if na_cpu.use_c_kernel(q, (1, kernel)) else "torch"
-
-    def on(choice, what):
-        grads = [x.clone().requires_grad_() for x in (q, k, v)]
-
-        def run():
-            use_kernel(choice)
-            if what == "fwd":
-                return fn(q, k, v, kernel)
-            for g in grads:
-                g.grad = None
-            (fn(*grads, kernel) * cot).sum().backward()
-
-        return run
-
-    t = _cpu_times({f"{c} {w}": on(c, w) for c in ("", "torch") for w in ("fwd", "both")}, repeats)
-    fwd = t["torch fwd"][0] / t[" fwd"][0]
-    bwd = (t["torch both"][0] - t["torch fwd"][0]) / (t[" both"][0] - t[" fwd"][0])
-    both = t["torch both"][0] / t[" both"][0]
-    label = "" if fn is tplayers.na2d and len(shape) == 5 else f"{fn.__name__} {'x'.join(map(str, shape))} k{kernel}: "
-    print(
-        f"  {label}default kernel here: {default}; speed over the torch tile kernel (same run, interleaved, thread "
-        f"CPU time): forward {fwd:.2f}x, backward {bwd:.2f}x, forward+backward {both:.2f}x (target >= 1.0) "
-        f"[{na_cpu_isa()}]"
-    )
-    use_kernel("")
-
-
-def bench_ranks(repeats):
-    """1-D and 3-D: the default against the tile kernel (short and long 1-D windows, a 3-D volume)."""
-    print(f"na1d / na3d, fp32, 1 thread {isa_label()}")
-    for shape, fn, kernel in (
-        ((1, 4096, 4, 32), tplayers.na1d, 7),
-        ((1, 4096, 4, 32), tplayers.na1d, 33),
-        ((1, 16, 16, 16, 4, 32), tplayers.na3d, 5),
-    ):
-        default_vs_tile(0, 0, 0, kernel, repeats, shape, fn)
 
 
 def _bench_single(size, heads, head_dim, kernel, repeats, choice):
@@ -280,14 +184,6 @@ def _bench_single(size, heads, head_dim, kernel, repeats, choice):
         compare_peers(size, heads, head_dim, kernel, mm_cpu, fwd_cpu, q, k, v)
 
 
-def na_cpu_isa() -> str:
-    """The short ISA tag printed on each figure: the C build's ISA and lanes, torch's capability."""
-    from tplayers.ops import na_cpu
-
-    isa = na_cpu.target_isa()
-    return f"C {isa} x{na_cpu.lanes(torch.float32, isa)}, torch {torch.backends.cpu.get_cpu_capability()}"
-
-
 def compare_peers(size, heads, head_dim, kernel, mm_cpu, fwd_cpu, q, k, v):
     """The tile formulation's ceiling and natten's CPU forward (after the torch kernel's figures)."""
     natten = _natten()
@@ -309,6 +205,23 @@ def compare_peers(size, heads, head_dim, kernel, mm_cpu, fwd_cpu, q, k, v):
     else:
         print("  forward   natten   MISSING PEER: natten is not installed (pip install natten==0.21.7); no ratio")
     print("  fwd+bwd   natten   MISSING PEER: natten has no CPU backward (its Flex backend refuses it)")
+    flex, note = flex_peer(q, k, v, kernel)
+    if flex is None:
+        print(f"  forward   flex_attention MISSING PEER: {note}")
+        return
+    ours, theirs = tplayers.na2d(q, k, v, kernel), flex()
+    if not torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4):
+        print(
+            f"  forward   torch flex_attention WRONG RESULT here: max |difference| from na2d "
+            f"{(ours - theirs).abs().max().item():.3g} (tolerance 1e-4); not timed ({note})"
+        )
+        return
+    tf = _cpu_times({"flex": flex}, 3)["flex"][0]
+    flops = useful_flops(1, size, heads, head_dim, kernel)
+    print(
+        f"  forward   torch flex_attention (compiled, neighborhood block mask) {tf * 1e3:8.2f} ms CPU = "
+        f"{flops / tf / mm_cpu:.3f} x matmul; ratio tplayers tile kernel / flex = {fwd_cpu / tf:.3f} ({note})"
+    )
 
 
 def bench_memory(size, heads, head_dim, kernel):

@@ -16,7 +16,7 @@ from na_cases import na_on_subwindow
 from na_oracle import assert_out_and_grads, brute_na2d
 
 import tplayers
-from tplayers.ops import na_cpu
+from tplayers.ops import na_cpu, na_dispatch
 from tplayers.ops.na_engine import neighborhood_attention
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
@@ -126,8 +126,13 @@ def test_switch_values_and_errors(monkeypatch):
     assert na_cpu.use_c_kernel(q, (3, 3))
     with pytest.raises(RuntimeError, match="TPLAYERS_NA_KERNEL=c.*float16"):
         tplayers.na2d(q.half(), q.half(), q.half(), 3)
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "gemm")
+    assert not na_cpu.use_c_kernel(q, (3, 3))
+    assert na_dispatch.choose_kernel(q, (3, 3)) == "gemm"
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "")
+    assert na_dispatch.choose_kernel(q.half(), (3, 3)) == "torch"  # off the C kernel: the tile kernel
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "fast")
-    with pytest.raises(ValueError, match="TPLAYERS_NA_KERNEL must be 'c', 'torch' or unset, got 'fast'"):
+    with pytest.raises(ValueError, match="TPLAYERS_NA_KERNEL must be 'c', 'gemm', 'torch' or unset, got 'fast'"):
         tplayers.na2d(q, q, q, 3)
 
 

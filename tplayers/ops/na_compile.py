@@ -5,8 +5,8 @@ from the geometry with torch ops and reads them on the host, which ``torch.compi
 trace. While compiling, :func:`~tplayers.ops.na_engine.neighborhood_attention` calls these ops
 instead: each is one opaque node of the graph, its arguments the tensors and the geometry as
 ints; the eager body builds (and caches) the same tables and runs the same kernel as eager
-mode (the compiled C kernel of :mod:`~tplayers.ops.na_cpu` for fp32/fp64 CPU tensors, else the
-tile kernel), so the results are bitwise those of eager mode. ``tplayers::na2d_tiles`` is the forward,
+mode (the kernel :func:`~tplayers.ops.na_dispatch.choose_kernel` picks: the compiled C kernel, the
+GEMM kernel or the tile kernel), so the results are bitwise those of eager mode. ``tplayers::na2d_tiles`` is the forward,
 ``tplayers::na2d_tiles_backward`` its backward (registered as its autograd formula). Importing this
 module registers nothing: :func:`ensure_na_ops` registers both on first use (idempotent; see
 :mod:`tplayers.ops.registry`).
@@ -25,8 +25,9 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from tplayers.ops import na_cpu
-from tplayers.ops.na_geometry import merged_kernel
+from tplayers.ops import na_cpu, na_dispatch
+from tplayers.ops.na_gemm import gemm_backward, gemm_forward
+from tplayers.ops.na_geometry import split_geometry
 from tplayers.ops.na_kernel import TileAttention, tile_backward, tile_plans
 from tplayers.ops.registry import OpSpec, register
 
@@ -37,20 +38,53 @@ def _table(table: torch.Tensor) -> Optional[torch.Tensor]:
     return table if table.numel() else None  # an empty tensor stands for "no bias" in the schemas
 
 
+def _kv_heads(q: torch.Tensor, k: torch.Tensor, heads: int) -> int:
+    return k.shape[-1] * heads // q.shape[-1]
+
+
+def _which(q: torch.Tensor, k: torch.Tensor, geo: List[int], heads: int) -> str:
+    kernel = [axis.kernel for axis in split_geometry(geo)[0]]
+    return na_dispatch.choose_kernel(q, kernel, grouped=_kv_heads(q, k, heads) < heads)
+
+
+def _expand(x: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
+    """(B, P, kv_heads*D) -> (B, P, heads*D): GQA's query head ``h`` reads ``h // (heads // kv_heads)``."""
+    if kv_heads == heads:
+        return x
+    b, p = x.shape[:2]
+    return x.view(b, p, kv_heads, 1, -1).expand(-1, -1, -1, heads // kv_heads, -1).reshape(b, p, -1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
+    """The adjoint of :func:`_expand`: each key head's gradient summed over its query heads."""
+    if kv_heads == heads:
+        return grad
+    b, p = grad.shape[:2]
+    return grad.view(b, p, kv_heads, heads // kv_heads, -1).sum(3).reshape(b, p, -1)
+
+
 def na2d_tiles(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, geo: List[int], scale: float, heads: int
 ) -> torch.Tensor:
-    """The tile kernel's forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) pixel-major,
-    ``table`` the bias (or an empty tensor) -> (B, Pq, heads*Dv)."""
-    if na_cpu.use_c_kernel(q, merged_kernel(geo)):
+    """The forward: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, kv_heads*D|Dv) pixel-major, ``table``
+    the bias (or an empty tensor) -> (B, Pq, heads*Dv). The GEMM kernel reads grouped heads as they
+    are; the others get them expanded."""
+    which = _which(q, k, geo, heads)
+    if which != "gemm":
+        kv_heads = _kv_heads(q, k, heads)
+        k, v = _expand(k, kv_heads, heads), _expand(v, kv_heads, heads)
+    if which == "c":
         return na_cpu.c_forward(q, k, v, _table(table), geo, scale, heads)
+    if which == "gemm":
+        with torch.no_grad():
+            return gemm_forward(q, k, v, _table(table), geo, scale, heads)
     plan, plan_bwd = tile_plans(geo, q.device, q.dtype)
     with torch.no_grad():
         return TileAttention.apply(q, k, v, _table(table), plan, plan_bwd, scale, heads)
 
 
 def _na2d_tiles_fake(q, k, v, table, geo, scale, heads):
-    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2] // _kv_heads(q, k, heads) * heads)
 
 
 def na2d_tiles_backward(
@@ -67,11 +101,18 @@ def na2d_tiles_backward(
     """``(dq, dk, dv, dtable)`` (``dtable`` empty without a bias): the kernel's own backward
     (:func:`~tplayers.ops.na_kernel.tile_backward`) on the same tables."""
     tab = _table(table)
-    if na_cpu.use_c_kernel(q, merged_kernel(geo)):
-        dq, dk, dv, dt = na_cpu.attention_backward(grad_out, q, k, v, tab, out, geo, scale, heads)
+    which = _which(q, k, geo, heads)
+    if which == "gemm":
+        dq, dk, dv, dt = gemm_backward(grad_out, q, k, v, tab, out, geo, scale, heads)
         return dq, dk, dv, (dt if tab is not None else table.new_empty(0))
-    _, plan_bwd = tile_plans(geo, q.device, q.dtype)
-    dq, dk, dv, dt = tile_backward(grad_out, q, k, v, tab, out, plan_bwd, scale, heads, True, True, tab is not None)
+    kv_heads = _kv_heads(q, k, heads)
+    k, v = _expand(k, kv_heads, heads), _expand(v, kv_heads, heads)
+    if which == "c":
+        dq, dk, dv, dt = na_cpu.attention_backward(grad_out, q, k, v, tab, out, geo, scale, heads)
+    else:
+        _, plan_bwd = tile_plans(geo, q.device, q.dtype)
+        dq, dk, dv, dt = tile_backward(grad_out, q, k, v, tab, out, plan_bwd, scale, heads, True, True, tab is not None)
+    dk, dv = _fold(dk, kv_heads, heads), _fold(dv, kv_heads, heads)
     return dq, dk, dv, (dt if tab is not None else table.new_empty(0))
 
 

@@ -1,10 +1,11 @@
 """The compiled CPU kernel of neighborhood attention (``na_cpu.c``), built on first use.
 
 :func:`use_c_kernel` decides per call whether :func:`~tplayers.ops.na_engine.neighborhood_attention`
-runs the C kernel or the torch tile kernel (:mod:`tplayers.ops.na_kernel`); both compute NATTEN's
-exact window (fp rounding may differ). The C kernel is used for CPU tensors of fp32 / fp64 when
-the system C compiler can build it; ``TPLAYERS_NA_KERNEL=torch`` asks for the tile kernel,
-``TPLAYERS_NA_KERNEL=c`` for the C kernel (an error when it cannot be built or does not apply).
+runs the C kernel or one of the torch kernels (:mod:`tplayers.ops.na_dispatch`); all compute
+NATTEN's exact window (fp rounding may differ). The C kernel is used for CPU tensors of fp32 /
+fp64 when the system C compiler can build it; ``TPLAYERS_NA_KERNEL=torch`` asks for the tile
+kernel, ``=gemm`` for the GEMM-tiled kernel (:mod:`tplayers.ops.na_gemm`), ``=c`` for the C kernel
+(an error when it cannot be built or does not apply).
 
 The vector width follows the host (:func:`host_isa`): on AVX-512 CPUs the kernel is built with 16
 fp32 / 8 fp64 lanes, on AVX2 ones 8 / 4, elsewhere 4 / 2, so every vector is one register (16
@@ -51,8 +52,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from tplayers.ops.na_gemm import gemm_backward
 from tplayers.ops.na_geometry import kernel_dims, kernel_tables, split_geometry
-from tplayers.ops.na_kernel import tile_backward, tile_plans
 
 __all__ = [
     "use_c_kernel",
@@ -86,10 +87,11 @@ MAX_SLOTS = 4096
 
 
 def kernel_choice() -> str:
-    """``TPLAYERS_NA_KERNEL``: ``"auto"`` (unset or empty), ``"c"`` or ``"torch"``; ``ValueError`` otherwise."""
+    """``TPLAYERS_NA_KERNEL``: ``"auto"`` (unset or empty), ``"c"``, ``"gemm"`` or ``"torch"``;
+    ``ValueError`` otherwise."""
     value = os.environ.get("TPLAYERS_NA_KERNEL", "").strip().lower() or "auto"
-    if value not in ("auto", "c", "torch"):
-        raise ValueError(f"TPLAYERS_NA_KERNEL must be 'c', 'torch' or unset, got {value!r}")
+    if value not in ("auto", "c", "gemm", "torch"):
+        raise ValueError(f"TPLAYERS_NA_KERNEL must be 'c', 'gemm', 'torch' or unset, got {value!r}")
     return value
 
 
@@ -235,7 +237,7 @@ def use_c_kernel(q: torch.Tensor, kernel: Tuple[int, int] = (1, 1)) -> bool:
     ``TPLAYERS_NA_KERNEL=c`` raises ``RuntimeError`` where the C kernel does not apply or cannot
     be built, instead of falling back."""
     choice = kernel_choice()
-    if choice == "torch":
+    if choice in ("torch", "gemm"):
         return False
     applies = (
         q.device.type == "cpu"
@@ -366,7 +368,8 @@ def backward_is_fused(geo: List[int], dtype: torch.dtype) -> bool:
     (``(kW - 1) * dilation_W`` columns apart) must fit two vectors from the block's first key
     (``(kW - 1) * dW <= lanes``). Otherwise each slot is a read-modify-write of memory, measured
     slower than the tile kernel's backward (wide 2-D kernels, long 1-D ones; ``benchmarks/na.py``),
-    so :class:`CAttention` then runs that."""
+    so :class:`CAttention` then runs the GEMM kernel's backward (:mod:`tplayers.ops.na_gemm`; measured
+    faster than the tile kernel's there)."""
     col = split_geometry(geo)[0][-1]
     return (col.kernel - 1) * col.dilation <= lanes(dtype)
 
@@ -385,15 +388,11 @@ def attention_backward(
     want_bias: bool = True,
 ):
     """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_is_fused`,
-    else the tile kernel's (:func:`~tplayers.ops.na_kernel.tile_backward`; same values up to fp
+    else the GEMM kernel's (:func:`~tplayers.ops.na_gemm.gemm_backward`; same values up to fp
     rounding)."""
     if backward_is_fused(geo, q.dtype):
         return c_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=want_kv)
-
-    _, plan_bwd = tile_plans(geo, q.device, q.dtype)
-    return tile_backward(
-        grad_out, q, k, v, table, out, plan_bwd, scale, heads, want_kv, want_kv, table is not None and want_bias
-    )
+    return gemm_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv, want_bias)
 
 
 class CAttention(torch.autograd.Function):
@@ -402,7 +401,7 @@ class CAttention(torch.autograd.Function):
     forward: per (batch, head) plane, ``S = scale Q K^T`` over each query's window (+ bias,
     -inf outside a causal window), ``O = softmax(S) V`` / backward: ``S`` and ``P`` again per
     block of queries, ``dP = dO V^T``, ``dS = P (dP - rowsum(dO O))``, ``dQ = scale dS K``,
-    ``dK += scale dS^T Q``, ``dV += P^T dO``, ``dbias += dS`` (the tile kernel's backward where the
+    ``dK += scale dS^T Q``, ``dV += P^T dO``, ``dbias += dS`` (the GEMM kernel's backward where the
     C one is not :func:`backward_is_fused`). Same inputs as
     :class:`~tplayers.ops.na_kernel.TileAttention` with the :func:`geometry_args` list ``geo``.
     """

@@ -8,8 +8,11 @@ key/value heads (GQA/MQA). The geometry (:mod:`tplayers.ops.na_geometry`) merges
 spatial axes into one row axis, so the two 2-D kernels serve 1-D, 2-D and 3-D alike:
 
 * the compiled C kernel (:mod:`tplayers.ops.na_cpu`) for fp32/fp64 CPU tensors where it builds;
-* the torch tile kernel (:mod:`tplayers.ops.na_kernel`) elsewhere (any device), in chunks, nothing
-  score-sized kept for backward; memory is bounded by ``B*heads*L*k`` (never ``L^2``).
+* the GEMM-tiled torch kernel (:mod:`tplayers.ops.na_gemm`) or the torch tile kernel
+  (:mod:`tplayers.ops.na_kernel`) elsewhere (any device), in blocks, nothing score-sized kept for
+  backward; memory is bounded by ``B*heads*L*k`` (never ``L^2``).
+
+:func:`~tplayers.ops.na_dispatch.choose_kernel` picks one per call (``TPLAYERS_NA_KERNEL``).
 """
 
 from __future__ import annotations
@@ -19,29 +22,20 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from tplayers.ops import na_cpu, na_kernel
+from tplayers.ops import na_cpu, na_dispatch, na_kernel
 from tplayers.ops.na_compile import ensure_na_ops
-from tplayers.ops.na_geometry import Axis, geometry_args, merged_kernel
+from tplayers.ops.na_gemm import GemmAttention
+from tplayers.ops.na_geometry import Axis, geometry_args
 from tplayers.ops.na_kernel import TileAttention
-from tplayers.ops.na_layout import DEFAULT_TILE
 
 __all__ = ["neighborhood_attention", "default_tile", "expand_kv_heads"]
 
 
 def default_tile(kernel: Sequence[int], head_dim: int = 0) -> Tuple[int, ...]:
-    """Queries per tile per axis (tile kernel), chosen by measurement (``benchmarks/na.py``, one core).
-
-    A tile of ``t`` queries along an axis scores ``t + k - 1`` keys where each query needs ``k``:
-    small tiles waste fewer scores, large ones make larger matmuls. For kernel 7, head_dim 32 on
-    one CPU core 4x4 and 4x8 measured fastest (8x8 slower); small kernels waste less per
-    tile and get 8. In 3-D the leading axis takes 1 (a 4x4 tile of one depth slice already scores
-    ``kD x 10 x 10`` keys at k7: the 2-D tile's 49% useful).
-    """
-    del head_dim  # measured at 16-64: the same choice
-    per_axis = [4 if k >= 5 else DEFAULT_TILE for k in kernel]
-    if len(kernel) >= 3:
-        per_axis[: len(kernel) - 2] = [1] * (len(kernel) - 2)
-    return tuple(per_axis)
+    """Queries per tile per axis of the GEMM and tile kernels (:func:`~tplayers.ops.na_dispatch.default_tile`;
+    ``head_dim``: measured at 16-64, the same choice)."""
+    del head_dim
+    return na_dispatch.default_tile(kernel)
 
 
 def expand_kv_heads(k: torch.Tensor, heads: int) -> torch.Tensor:
@@ -84,7 +78,6 @@ def neighborhood_attention(
     stride = (1,) * rank if stride is None else tuple(stride)
     q_offset = (0,) * rank if q_offset is None else tuple(q_offset)
     k_offset = (0,) * rank if k_offset is None else tuple(k_offset)
-    k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
     if q.shape[0] == 0 or any(s == 0 for s in q.shape[1 : 1 + rank]):
         # nothing to compute (an empty shard): zeros still tied to every input, so backward runs
         tie = q.sum() + k.sum() + v.sum() + (0 if rel_pos_bias is None else rel_pos_bias.sum())
@@ -109,7 +102,7 @@ def neighborhood_attention(
         return out.squeeze(1)
     batch, dim = q.shape[0], q.shape[-1]
     scale = dim**-0.5 if scale is None else float(scale)
-    tile = default_tile(kernel, dim) if tile is None else tuple(tile)
+    tile = default_tile(kernel) if tile is None else tuple(tile)
     if chunk_scores is None:  # the defaults count every (batch, head) plane of a chunk
         fwd_chunk = max(1, na_kernel.CHUNK_SCORES // (batch * heads))
         bwd_chunk = max(1, na_kernel.BACKWARD_CHUNK_SCORES // (batch * heads))
@@ -136,13 +129,19 @@ def neighborhood_attention(
         return x.reshape(batch, math.prod(x.shape[1 : 1 + rank]), -1).contiguous()
 
     out_shape = (*q.shape[:-1], -1)
-    if torch.compiler.is_compiling():  # the tables are built inside one registered op (see na_compile)
+    grouped = k.shape[-2] < heads
+    which = None if torch.compiler.is_compiling() else na_dispatch.choose_kernel(q, kernel, grouped)
+    if which == "gemm":  # grouped key/value heads stay grouped: one key tile serves its query heads
+        out = GemmAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads)
+        return out.view(out_shape)
+    if which is None:  # compiling: the tables are built inside one registered op (see na_compile)
         ensure_na_ops()  # registers tplayers::na2d_tiles on first use (nothing at import)
 
         table = rel_pos_bias if rel_pos_bias is not None else q.new_empty(0)
         out = torch.ops.tplayers.na2d_tiles(pixels(q), pixels(k), pixels(v), table, geo, scale, heads)
         return out.view(out_shape)
-    if na_cpu.use_c_kernel(q, merged_kernel(geo)):
+    k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
+    if which == "c":
         out = na_cpu.CAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads)
         return out.view(out_shape)
     plan, plan_bwd = na_kernel.tile_plans(geo, q.device, q.dtype)

@@ -1,0 +1,163 @@
+"""Helpers of ``benchmarks/na.py``: interleaved thread-CPU timing, the same-run matmul rate,
+useful FLOPs, the ISA labels, and the per-shape comparison of the three CPU kernels of
+neighborhood attention (C, GEMM-tiled, tile) against each other and the matmul rate."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from typing import Tuple
+
+import torch
+
+import tplayers
+
+
+def _cpu_times(fns: dict, repeats: int) -> dict:
+    """Per function: (min thread CPU seconds, median wall seconds) over interleaved repeats.
+
+    Thread CPU time does not count the time this thread waits for a core another job holds,
+    so on a shared machine it tracks the work done; the wall median is printed beside it.
+    """
+    for fn in fns.values():
+        fn()
+    cpu, wall = {n: [] for n in fns}, {n: [] for n in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            c0, w0 = time.thread_time(), time.perf_counter()
+            fn()
+            cpu[name].append(time.thread_time() - c0)
+            wall[name].append(time.perf_counter() - w0)
+    return {n: (min(cpu[n]), statistics.median(wall[n])) for n in fns}
+
+
+def matmul_rate(repeats: int = 7, n: int = 1024) -> Tuple[float, float]:
+    """Single-core fp32 ``n x n`` matmul rate in FLOP/s: (from thread CPU time, from wall time)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    cpu, wall = _cpu_times({"mm": lambda: a @ b}, repeats)["mm"]
+    return 2 * n**3 / cpu, 2 * n**3 / wall
+
+
+def useful_flops(batch, size, heads, head_dim, kernel) -> float:
+    """Useful forward FLOPs: every query scores k^2 keys (2*D per score) and sums k^2 values (2*Dv).
+
+    Backward counts twice that: dP = dO V^T, dV = P^T dO, dQ = dS K, dK = dS^T Q (the
+    recomputed scores of the flash-style backward are not counted as useful).
+    """
+    return batch * heads * size * size * kernel**2 * (2 * head_dim + 2 * head_dim)
+
+
+def use_kernel(choice: str) -> None:
+    os.environ["TPLAYERS_NA_KERNEL"] = choice
+
+
+def isa_label() -> str:
+    """``[host avx512 (model); C: avx2 build, 8 fp32 lanes, -march=haswell; torch AVX2]``."""
+    from tplayers.ops import na_cpu
+
+    model = (
+        next(
+            (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+            "unknown CPU",
+        )
+        if os.path.exists("/proc/cpuinfo")
+        else "unknown CPU"
+    )
+    isa = na_cpu.target_isa()
+    march = next((f for f in na_cpu.build_flags(torch.float32, isa) if f.startswith("-march")), "no -march")
+    return (
+        f"[host {na_cpu.host_isa()} ({model}); C: {isa} build, {na_cpu.lanes(torch.float32, isa)} fp32 lanes, "
+        f"{march}; torch {torch.backends.cpu.get_cpu_capability()}]"
+    )
+
+
+def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None, kv_heads=None):
+    """Every CPU kernel against the torch tile kernel (and the GEMM kernel against the C kernel),
+    forward, backward and both, timed interleaved in one run with the same-run matmul rate: the
+    issue-22 ">= 1.0x" check of the default and issue 35's GEMM figures. ``shape`` / ``fn``:
+    another input shape and functional (``na1d`` / ``na3d``); ``kv_heads``: fewer key/value heads (GQA)."""
+    from tplayers.ops import na_dispatch
+
+    shape, fn = shape or (1, size, size, heads, head_dim), fn or tplayers.na2d
+    torch.manual_seed(0)
+    kv_shape = (*shape[:-2], kv_heads or shape[-2], shape[-1])
+    q, k, v = torch.randn(*shape), torch.randn(*kv_shape), torch.randn(*kv_shape)
+    cot = torch.randn_like(q)
+    rank = len(shape) - 3
+    use_kernel("")
+    default = na_dispatch.choose_kernel(q, (1,) * (3 - rank) + (kernel,) * rank, kv_shape[-2] < shape[-2])
+
+    def on(choice, what):
+        grads = [x.clone().requires_grad_() for x in (q, k, v)]
+
+        def run():
+            use_kernel(choice)
+            if what == "fwd":
+                return fn(q, k, v, kernel)
+            for g in grads:
+                g.grad = None
+            (fn(*grads, kernel) * cot).sum().backward()
+
+        return run
+
+    names = ("", "c", "gemm", "torch")
+    fns = {f"{c} {w}": on(c, w) for c in names for w in ("fwd", "both")}
+    fns["mm"] = matmul_ref()
+    t = _cpu_times(fns, repeats)
+    mm = 2 * 1024**3 / t["mm"][0]
+    flops = useful_flops(1, 1, 1, shape[-1], 1) * math.prod(shape[1:-1]) * kernel**rank
+
+    def parts(c):
+        fwd = t[f"{c} fwd"][0]
+        return fwd, t[f"{c} both"][0] - fwd, t[f"{c} both"][0]
+
+    label = "" if size else f"{fn.__name__} {'x'.join(map(str, shape))} k{kernel}: "
+    label += f"(GQA: {kv_shape[-2]} key/value heads) " if kv_heads else ""
+    tile = parts("torch")
+    speed = {c: [a / b for a, b in zip(tile, parts(c))] for c in names}
+    vs_c = [a / b for a, b in zip(parts("c"), parts("gemm"))]
+    print(
+        f"  {label}default kernel here: {default}; speed over the torch tile kernel (same run, interleaved, thread "
+        f"CPU time): forward {speed[''][0]:.2f}x, backward {speed[''][1]:.2f}x, forward+backward {speed[''][2]:.2f}x "
+        f"(target >= 1.0) [{na_cpu_isa()}]"
+    )
+    for c in ("c", "gemm", "torch"):
+        fwd, bwd, _ = parts(c)
+        print(
+            f"    {c:5s} kernel: forward {fwd * 1e3:7.2f} ms = {flops / fwd / mm:.3f} x matmul, backward "
+            f"{bwd * 1e3:7.2f} ms = {2 * flops / bwd / mm:.3f} x matmul; over the tile kernel: forward "
+            f"{speed[c][0]:.2f}x, backward {speed[c][1]:.2f}x"
+        )
+    print(
+        f"    GEMM kernel over the C kernel: forward {vs_c[0]:.2f}x, backward {vs_c[1]:.2f}x, both {vs_c[2]:.2f}x "
+        f"(matmul 1024^3 same run {mm / 1e9:.1f} GFLOP/s)"
+    )
+    use_kernel("")
+
+
+def matmul_ref():
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    return lambda: a @ b
+
+
+def bench_ranks(repeats):
+    """1-D and 3-D: the default against the tile kernel (short and long 1-D windows, a 3-D volume)."""
+    print(f"na1d / na3d, fp32, 1 thread {isa_label()}")
+    for shape, fn, kernel, kv_heads in (
+        ((1, 4096, 4, 32), tplayers.na1d, 7, None),
+        ((1, 4096, 4, 32), tplayers.na1d, 33, None),
+        ((1, 16, 16, 16, 4, 32), tplayers.na3d, 5, None),
+        ((1, 48, 48, 4, 32), tplayers.na2d, 19, None),
+        ((1, 64, 64, 8, 32), tplayers.na2d, 7, 2),
+    ):
+        default_vs_tile(0, 0, 0, kernel, repeats, shape, fn, kv_heads)
+
+
+def na_cpu_isa() -> str:
+    """The short ISA tag printed on each figure: the C build's ISA and lanes, torch's capability."""
+    from tplayers.ops import na_cpu
+
+    isa = na_cpu.target_isa()
+    return f"C {isa} x{na_cpu.lanes(torch.float32, isa)}, torch {torch.backends.cpu.get_cpu_capability()}"

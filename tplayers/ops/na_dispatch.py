@@ -1,0 +1,68 @@
+"""Which CPU/torch kernel runs one neighborhood-attention call, and its default tiles.
+
+Three kernels compute the same thing (NATTEN's window; fp rounding may differ):
+
+* ``"c"``: the compiled C kernel (:mod:`tplayers.ops.na_cpu`), fp32/fp64 CPU tensors, where it
+  builds; its backward is the GEMM kernel's where the C backward is not fused
+  (:func:`~tplayers.ops.na_cpu.backward_is_fused`: wide column windows);
+* ``"gemm"``: the GEMM-tiled torch kernel (:mod:`tplayers.ops.na_gemm`), any device and dtype;
+* ``"torch"``: the torch tile kernel (:mod:`tplayers.ops.na_kernel`), any device and dtype.
+
+``TPLAYERS_NA_KERNEL`` (``c`` / ``gemm`` / ``torch``) forces one (``c`` raises where it cannot
+run). Unset, :func:`choose_kernel` takes the C kernel where it applies (measured 1.3-3.3x the
+torch kernels forward on every shape class of ``benchmarks/na.py``), else the tile kernel: the
+GEMM kernel measured 0.83-0.97x of it forward on every class with as many key heads as query
+heads (same tiles; both are batched small GEMMs), but with grouped key/value heads (GQA/MQA) it
+runs the query heads of a group against one gathered key tile as one taller GEMM and no expanded
+copy of K and V: 1.28-1.31x the tile kernel forward and 1.33x backward (2-D k7, 8 heads over 2
+or 1 key heads), so off the C kernel grouped calls take the GEMM kernel.
+The GEMM kernel is the default in one place: the C kernel's backward where that is not fused
+(wide column windows: 0.99-1.07x the tile kernel's backward at 1-D k33, 1.04-1.24x at 2-D k19). Figures:
+benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Tuple
+
+import torch
+
+from tplayers.ops import na_cpu, na_layout
+
+__all__ = ["choose_kernel", "default_tile"]
+
+
+def choose_kernel(q: torch.Tensor, kernel: Sequence[int], grouped: bool = False) -> str:
+    """``"c"``, ``"gemm"`` or ``"torch"`` for a call on ``q`` with per-axis ``kernel``; ``grouped``:
+    fewer key/value heads than query heads (GQA/MQA). See the module docstring;
+    ``RuntimeError`` from ``TPLAYERS_NA_KERNEL=c`` where C cannot run."""
+    merged = (math.prod(kernel[:-1]), kernel[-1])
+    if na_cpu.use_c_kernel(q, merged):
+        return "c"
+    choice = na_cpu.kernel_choice()
+    if choice in ("gemm", "torch"):
+        return choice
+    return "gemm" if grouped else "torch"
+
+
+def default_tile(kernel: Sequence[int]) -> Tuple[int, ...]:
+    """Queries per tile per axis, for the GEMM kernel and the tile kernel alike (the C kernel
+        ignores them, but its backward may run the GEMM kernel), chosen by measurement
+        (``benchmarks/na.py`` and a sweep of both torch kernels, one core, AVX-512 EPYC).
+
+        A tile of ``t`` queries along an axis scores ``t + k - 1`` keys where each query needs ``k``:
+        small tiles waste fewer scores, large ones make larger matmuls. For 2-D kernel 7, head_dim
+        16-64, 4x4 measured fastest (2x8 and 4x8 close, 8x8 slower); kernels below 5 get 8. In 3-D the
+        leading axis takes 1 (a 4x4 tile of one depth slice already scores ``kD x 10 x 10`` keys at
+        k7; 2x4x4 measured the same). Where every leading kernel is 1 (1-D calls) the column axis takes
+        ``k + 1`` clamped to [16, 32]: at k7 16 measured 1.7x faster than 8 and the tile kernel's former
+    4, at k33 16 and 32 equal (the tile kernel's 1-D forward: 1.7x at k7, 1.5x at k33).
+    """
+    lead = math.prod(kernel[:-1])
+    per_axis = [4 if k >= 5 else na_layout.DEFAULT_TILE for k in kernel]
+    if len(kernel) >= 3:
+        per_axis[: len(kernel) - 2] = [1] * (len(kernel) - 2)
+    if lead == 1:
+        per_axis[-1] = max(16, min(32, kernel[-1] + 1))
+    return tuple(per_axis)
