@@ -103,6 +103,8 @@ class AllToAllDim(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         from_dim, to_dim, from_sizes, to_sizes, group = ctx.args
+        if torch.is_grad_enabled():  # create_graph=True: the reverse move as a node (tplayers.comm.twice)
+            return AllToAllDim.apply(grad, to_dim, from_dim, to_sizes, from_sizes, group), None, None, None, None, None
         back = all_to_all_dim(grad, to_dim, from_dim, to_sizes, from_sizes, group, "repartition.bwd")
         return back, None, None, None, None, None
 

@@ -31,6 +31,7 @@ from functools import lru_cache
 from typing import List, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from tplayers.ops.na_geometry import row_tiles, split_geometry
 from tplayers.ops.na_layout import AxisTiles
@@ -287,6 +288,7 @@ class GemmAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, table, out = ctx.saved_tensors
         want = ctx.needs_input_grad
