@@ -54,11 +54,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from unet import UNet  # noqa: E402
 
 
-def _time(fn, reps: int = 3) -> float:
+def _time(fn, reps: int = 3, cpu: list = None) -> float:
+    """Wall seconds per call of ``fn`` (after a warm-up); ``cpu``: also appends this thread's CPU seconds
+    per call (what the guard's own Python work costs, steadier than wall time on a shared machine)."""
     fn()  # warm-up (layouts cached)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for _ in range(reps):
         fn()
+    if cpu is not None:
+        cpu.append((time.thread_time() - c0) / reps)
     return (time.perf_counter() - t0) / reps
 
 
@@ -233,11 +237,12 @@ def main() -> None:
                 st.append(_time(ser))
             dist.barrier()
         results[name] = (statistics.median(pt), statistics.median(st) if st else float("nan"))
-    guarded, unguarded = [], []
+    guarded, unguarded, guarded_cpu, unguarded_cpu = [], [], [], []
     for _ in range(args.repeats):  # alternating, same run
-        guarded.append(_time(par_unet))
-        unguarded.append(_time(bare_unet))
+        guarded.append(_time(par_unet, cpu=guarded_cpu))
+        unguarded.append(_time(bare_unet, cpu=unguarded_cpu))
     guard_ratio = statistics.median(guarded) / statistics.median(unguarded)
+    guard_cpu_ratio = statistics.median(guarded_cpu) / statistics.median(unguarded_cpu)
 
     floor = None if args.no_floors else floors(serial, ul, tl, t, par_unet, args.repeats)
 
@@ -256,7 +261,8 @@ def main() -> None:
         print(
             f"region guard: U-Net step {statistics.median(guarded) * 1e3:.1f} ms guarded vs "
             f"{statistics.median(unguarded) * 1e3:.1f} ms without it: {100 * (guard_ratio - 1):+.1f}% "
-            f"(target <= +2%; CPU {host_isa()})"
+            f"(target <= +2%; CPU {host_isa()}); main-thread CPU {statistics.median(guarded_cpu) * 1e3:.1f} vs "
+            f"{statistics.median(unguarded_cpu) * 1e3:.1f} ms: {100 * (guard_cpu_ratio - 1):+.1f}%"
         )
         print(f"U-Net step collectives by kind: {log.summary()}")
         print(

@@ -183,7 +183,7 @@ class RegionGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if not _touches(self, args, kwargs):
             return func(*args, **kwargs)
-        if torch.is_grad_enabled():
+        if self.check and torch.is_grad_enabled():  # a partition's first call: later calls run the same code
             self.check_functions(args, kwargs)
         with stepped_aside(self, settle=False):  # an outer guard (a model watch) must not see the handler's own ops
             return handle(self, func, args, kwargs)
@@ -245,7 +245,7 @@ class RegionGuard(TorchFunctionMode):
         """Run a twin with the guard stepped aside; tag its output from its input's layout."""
         x = next((a for a in args if isinstance(a, torch.Tensor)), None)
         layout = self.layout(x)
-        if layout is not None and torch.is_grad_enabled():
+        if layout is not None and self.check and torch.is_grad_enabled():
             self.check_functions(args, kwargs)
         dims = getattr(module, "shard_dims", None)
         name = type(module).__name__

@@ -247,7 +247,12 @@ class DomainRegion:
             before = self._raised.pop() if self._raised else None
             now = sys.exc_info()[1]  # always_call: the forward's exception is being handled here
             wrapped = output
-            if now is None and torch.is_grad_enabled() and isinstance(output, (torch.Tensor, tuple, list)):
+            if (
+                now is None
+                and self._stack[-1].check
+                and torch.is_grad_enabled()
+                and isinstance(output, (torch.Tensor, tuple, list))
+            ):
                 self._stack[-1].check_functions(output if isinstance(output, (tuple, list)) else (output,))
             if self._wraps.pop() and now is None and output is not None:
                 wrapped = wrap_outputs(self._stack[-1], self, output)
