@@ -80,3 +80,28 @@ def _zero_p_trains(rank, world):
 
 def test_zero_attention_dropout_trains():
     assert run_ranks(_zero_p_trains, 2, timeout=120) == [True, True]
+
+
+def _hand_block(rank, world):
+    from gpt_block import Block
+
+    mesh = tplayers.default_mesh()
+    torch.manual_seed(0)
+    serial = Block(8, 2, p=0.1, dtype=torch.float64)
+    base = {r"attn\.c_attn": tplayers.ColumnParallel(), r"attn\.c_proj": tplayers.RowParallel()}
+    plain = tplayers.parallelize_module(copy.deepcopy(serial), dict(base), mesh=mesh)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    with pytest.raises(ValueError) as info:
+        plain(x)
+    sharded = dict(base, **{r"attn\.attn_dropout": tplayers.ShardedDropout(dim=1, full_size=2)})
+    exact = tplayers.parallelize_module(copy.deepcopy(serial), sharded, mesh=mesh)
+    torch.manual_seed(5)
+    want = serial(x)
+    torch.manual_seed(5)
+    torch.testing.assert_close(exact(x), want, **TIGHT)  # the serial mask's slice: not refused
+    return str(info.value)
+
+
+def test_hand_written_attention_dropout_refused_unless_sharded():
+    out = run_ranks(_hand_block, 2, timeout=60)
+    assert out[0] == out[1] and "module attribute attn_dropout=0.1" in out[0] and "'attn'" in out[0]
