@@ -180,3 +180,23 @@ def gemma(kind="gemma2", seed=0, tie=True):
         model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**common))
     assert float(model.model.embed_tokens.embed_scale) == 4.0  # sqrt(hidden): a lost scale shows
     return model.double()
+
+
+def phi3(seed=0, attn="sdpa"):
+    """Phi3: a fused qkv_proj and gate_up_proj whose own plan gathers their outputs
+    (``colwise_gather_output``) and splits the next input locally (``rowwise_split_input``)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.Phi3Config(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=22,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        attn_implementation=attn,
+    )
+    return transformers.Phi3ForCausalLM(config).double()

@@ -37,7 +37,7 @@ _QUERY_NAMES = ("q_proj", "q", "query", "wq", "q_attn", "c_attn", "qkv_proj", "W
 
 def _splits_heads(module: nn.Module) -> bool:
     for name, child in module.named_children():
-        if isinstance(child, ColumnParallelLinear) and child.tp_size > 1:
+        if isinstance(child, ColumnParallelLinear) and child.tp_size > 1 and not child.gather_output:
             if child.head_dim is not None or name in _QUERY_NAMES:
                 return True
     return False

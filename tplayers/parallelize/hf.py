@@ -29,7 +29,7 @@ from tplayers.layers.linear import ColumnParallelLinear
 from tplayers.layers.replicated import DomainReplicated
 from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import resolve_mesh
-from tplayers.parallelize.hf_sequence import SequenceGathered, SequenceGatheredAttention
+from tplayers.parallelize.hf_sequence import SequenceGathered, SequenceGatheredAttention, check_sequence_parallel_style
 from tplayers.parallelize.styles import ColumnParallel, ParallelStyle, RowParallel, key_repr
 
 __all__ = ["plan_from_transformers", "ReplicatedGradSum", "causal_lm_loss", "TRANSFORMERS_STYLES"]
@@ -293,6 +293,8 @@ def plan_from_transformers(
         if not names or style == "replicate":
             continue  # a plan entry for modules this model does not have (transformers skips those too)
         lm_head = head_name is not None and names == [head_name]
+        if sequence_parallel and not lm_head:
+            check_sequence_parallel_style(key, style)
         role = _attention_role(style, names, modules, heads)
         sp = sequence_parallel and role != "in"  # the attention's input is gathered once, see hf_sequence
         value = _map_style(style, key, names, modules, heads, mesh, sp, vocab_parallel and lm_head)
@@ -336,8 +338,9 @@ def _map_style(style, key, names, modules, heads, mesh, sp, local_logits) -> Par
     leaf = leaves.pop() if len(leaves) == 1 else None
     if style in ("colwise", "colwise_rep", "colwise_gather_output"):
         gather = style != "colwise" and not local_logits
-        if heads is not None and leaf in _Q + _KV + _FUSED:
+        if heads is not None and leaf in _Q + _KV + _FUSED and not gather:
             return _attention_column(key, names, modules, heads, mesh, leaf, sp)
+        # gathered (Phi3's qkv_proj): all heads on every rank, head counts stay global
         return ColumnParallel(gather_output=gather, sequence_parallel=sp)
     if style == "rowwise":
         is_out = _attention_role(style, names, modules, heads) == "out"

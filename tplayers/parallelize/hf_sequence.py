@@ -27,7 +27,7 @@ from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh
 from tplayers.parallelize.styles import ParallelStyle, key_repr
 
-__all__ = ["SequenceGathered", "SequenceGatheredAttention"]
+__all__ = ["SequenceGathered", "SequenceGatheredAttention", "check_sequence_parallel_style"]
 
 
 class SequenceGathered(MeshBound, nn.Module):
@@ -109,3 +109,14 @@ class SequenceGatheredAttention(ParallelStyle):
 
     def __hash__(self):  # a dict field: hash by identity
         return id(self)
+
+
+def check_sequence_parallel_style(key: str, style: str) -> None:
+    """``ValueError`` for a transformers style that works on the whole sequence (a gathered output
+    or a locally split input, Phi3's attention and MLP) under ``sequence_parallel=True``."""
+    if style in ("colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep"):
+        raise ValueError(
+            f"plan_from_transformers: sequence_parallel=True is not supported with style {style!r} of tp_plan "
+            f"key {key!r} (a gathered output or a locally split input works on the whole sequence); "
+            "use sequence_parallel=False for this model"
+        )
