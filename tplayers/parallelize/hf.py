@@ -29,6 +29,7 @@ from tplayers.layers.linear import ColumnParallelLinear
 from tplayers.layers.replicated import DomainReplicated
 from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import resolve_mesh
+from tplayers.parallelize.hf_local import cover_local_parameters
 from tplayers.parallelize.hf_sequence import SequenceGathered, SequenceGatheredAttention, check_sequence_parallel_style
 from tplayers.parallelize.styles import ColumnParallel, ParallelStyle, RowParallel, key_repr
 
@@ -308,6 +309,7 @@ def plan_from_transformers(
         plan[re.escape(head_name)] = ColumnParallel(sequence_parallel=sequence_parallel)
     if sequence_parallel:
         _add_sequence_parallel_modules(model, plan)
+    cover_local_parameters(model, plan, ReplicatedGradSum)  # e.g. Apertus' xIELU scalars in the MLP
     return plan
 
 
