@@ -88,7 +88,7 @@ def tiny_model(model_type):
         _shrink(cfg)
     with torch.device("meta"):  # count first: a default sub-config (vision, audio) may be huge
         size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
-    if size > 2_000_000:
+    if size > 5_000_000:
         raise ValueError(f"the tiny config still has {size:,} parameters (a sub-config this recipe leaves alone)")
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config).double().eval()
@@ -105,8 +105,9 @@ def _shrink(config):
     if hasattr(config, "kv_lora_rank") and hasattr(config, "num_key_value_heads"):
         config.num_key_value_heads = config.num_attention_heads  # latent attention: one kv head per query head
     types = getattr(config, "layer_types", None)
-    if isinstance(types, list):
-        config.layer_types = types[: config.num_hidden_layers] if len(types) >= 2 else types
+    if isinstance(types, list) and len(types) >= 2:
+        kinds = list(dict.fromkeys(types))  # one layer of each kind (hybrid models: linear and full attention)
+        config.layer_types = (kinds + types)[: config.num_hidden_layers] if len(kinds) < 2 else kinds[:2]
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(config, key, None), int) and getattr(config, key) >= VOCAB:
             setattr(config, key, 0)

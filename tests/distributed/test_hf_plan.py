@@ -125,10 +125,17 @@ def _errors(rank, world):
         tplayers.plan_from_transformers(model, mesh=mesh, tp_plan={"lm_head": 1})
     with pytest.raises(TypeError, match="sequence_parallel must be a bool, got int"):
         tplayers.VocabParallelEmbedding(10, 4, mesh=mesh, sequence_parallel=1)
-    drop = gpt2()
-    drop.transformer.h[0].mlp.dropout.p = 0.1
-    with pytest.raises(ValueError, match=r"'transformer\.h\.0\.mlp\.dropout' is nn.Dropout\(p=0.1\)"):
+    drop = llama()
+    drop.model.layers[0].mlp.dropout = torch.nn.Dropout(0.1)  # a residual-stream dropout
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.dropout' is nn.Dropout\(p=0.1\)"):
         tplayers.plan_from_transformers(drop, mesh=mesh, sequence_parallel=True)
+    # sequence parallelism refused up front where it cannot work: GPT-2's absolute positions, eager attention
+    with pytest.raises(ValueError, match=r"absolute position embeddings \('transformer\.wpe', Embedding\(64, 12\)\)"):
+        tplayers.plan_from_transformers(gpt2(), mesh=mesh, sequence_parallel=True)
+    eager = llama()
+    eager.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match=r"needs config._attn_implementation='sdpa' .*got 'eager'"):
+        tplayers.plan_from_transformers(eager, mesh=mesh, sequence_parallel=True)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     return messages

@@ -30,7 +30,12 @@ from tplayers.layers.replicated import DomainReplicated
 from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import resolve_mesh
 from tplayers.parallelize.hf_local import cover_local_parameters
-from tplayers.parallelize.hf_sequence import SequenceGathered, SequenceGatheredAttention, check_sequence_parallel_style
+from tplayers.parallelize.hf_sequence import (
+    SequenceGathered,
+    SequenceGatheredAttention,
+    check_sequence_parallel_model,
+    check_sequence_parallel_style,
+)
 from tplayers.parallelize.styles import ColumnParallel, ParallelStyle, RowParallel, key_repr
 
 __all__ = ["plan_from_transformers", "ReplicatedGradSum", "causal_lm_loss", "TRANSFORMERS_STYLES"]
@@ -266,6 +271,8 @@ def plan_from_transformers(
             f"plan_from_transformers: {type(model).__name__} has no tensor-parallel plan "
             "(config.base_model_tp_plan and _tp_plan are empty); pass tp_plan={...}"
         )
+    if sequence_parallel:
+        check_sequence_parallel_model(model, config)
     heads = _heads(config)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
