@@ -17,6 +17,7 @@ from hf_util import gpt2, llama  # noqa: E402
 
 import tplayers  # noqa: E402
 from tplayers.parallelize.hf import _UNSUPPORTED, TRANSFORMERS_STYLES  # noqa: E402
+from tplayers.parallelize.hf_generate import VocabParallelHead  # noqa: E402
 from tplayers.parallelize.hf_sequence import SequenceGatheredAttention  # noqa: E402
 
 
@@ -45,9 +46,8 @@ def _mapping(rank, world):
     assert plan[r"model\.layers\.\d+\.mlp\.down_proj"] == tplayers.RowParallel()
     assert plan[r"model\.embed_tokens"] == tplayers.RowParallel()
     assert plan["lm_head"] == tplayers.ColumnParallel(gather_output=True)  # colwise_gather_output
-    assert (
-        tplayers.plan_from_transformers(model, mesh=mesh, vocab_parallel=True)["lm_head"] == tplayers.ColumnParallel()
-    )
+    head = tplayers.plan_from_transformers(model, mesh=mesh, vocab_parallel=True)["lm_head"]
+    assert isinstance(head, VocabParallelHead) and not head.gather_output  # ColumnParallel, decoding refused
     sp = tplayers.plan_from_transformers(model, mesh=mesh, sequence_parallel=True)
     attn = sp[r"model\.layers\.\d+\.self_attn"]
     assert isinstance(attn, SequenceGatheredAttention) and set(attn.children) == {

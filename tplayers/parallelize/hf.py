@@ -29,6 +29,7 @@ from tplayers.layers.linear import ColumnParallelLinear
 from tplayers.layers.replicated import DomainReplicated
 from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import resolve_mesh
+from tplayers.parallelize.hf_generate import VocabParallelHead
 from tplayers.parallelize.hf_local import cover_local_parameters
 from tplayers.parallelize.hf_sequence import (
     SequenceGathered,
@@ -313,7 +314,7 @@ def plan_from_transformers(
     for parent, children in attention.items():
         plan[parent] = SequenceGatheredAttention(children=children)
     if vocab_parallel and head_name is not None and not any(re.fullmatch(k, head_name) for k in plan):
-        plan[re.escape(head_name)] = ColumnParallel(sequence_parallel=sequence_parallel)
+        plan[re.escape(head_name)] = VocabParallelHead(sequence_parallel=sequence_parallel)
     if sequence_parallel:
         _add_sequence_parallel_modules(model, plan)
     cover_local_parameters(model, plan, ReplicatedGradSum)  # e.g. Apertus' xIELU scalars in the MLP
@@ -347,6 +348,8 @@ def _map_style(style, key, names, modules, heads, mesh, sp, local_logits) -> Par
     leaf = leaves.pop() if len(leaves) == 1 else None
     if style in ("colwise", "colwise_rep", "colwise_gather_output"):
         gather = style != "colwise" and not local_logits
+        if local_logits:  # a vocab-parallel lm_head: decoding with local logits is refused
+            return VocabParallelHead(sequence_parallel=sp)
         if heads is not None and leaf in _Q + _KV + _FUSED and not gather:
             return _attention_column(key, names, modules, heads, mesh, leaf, sp)
         # gathered (Phi3's qkv_proj): all heads on every rank, head counts stay global
