@@ -174,10 +174,26 @@ def verdict(rank, world, model_type):
     return "silent", f"{where} off by {worst:.2e}"
 
 
+#: the refusals, by the part of the message that says why (first match wins)
+REASONS = (
+    ("experts.", "mixture of experts: the plan shards expert parameters (not supported)"),
+    ("moe_tp_experts", "mixture of experts: the plan shards expert parameters (not supported)"),
+    ("mla_kv_a_proj", "multi-head latent attention (`mla_kv_a_proj`, not supported)"),
+    ("names a parameter", "the plan shards a bare parameter (attention sinks, a gate bias)"),
+    ("output features from the config", "projection widths other than the config's heads (gated or mixed attention)"),
+    ("sits beside", "a module with parameters beside a sharded linear that the plan leaves out"),
+)
+
+
+def reason(detail: str) -> str:
+    return next((why for key, why in REASONS if key in detail), detail)
+
+
 def table(results):
-    lines = ["| architecture | verdict | detail |", "| --- | --- | --- |"]
+    lines = ["| architecture | verdict | why / max difference |", "| --- | --- | --- |"]
     for model_type, (v, detail) in results:
-        lines.append(f"| `{model_type}` | {v} | {detail.replace('|', '/')} |")
+        text = reason(detail) if v == "refused" else detail
+        lines.append(f"| `{model_type}` | {v} | {text.replace('|', '/')[:110]} |")
     return "\n".join(lines)
 
 
