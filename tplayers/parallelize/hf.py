@@ -25,14 +25,16 @@ from torch import nn
 
 from tplayers.layers._linear_base import linear_dims
 from tplayers.layers._sections import SectionLayout
-from tplayers.layers.linear import ColumnParallelLinear
 from tplayers.layers.replicated import DomainReplicated
 from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import resolve_mesh
+from tplayers.parallelize.heads import FUSED as _FUSED
+from tplayers.parallelize.heads import KV as _KV
+from tplayers.parallelize.heads import Q as _Q
+from tplayers.parallelize.heads import localize_heads
 from tplayers.parallelize.hf_generate import VocabParallelHead
 from tplayers.parallelize.hf_local import cover_local_parameters
 from tplayers.parallelize.hf_sequence import (
-    SequenceGathered,
     SequenceGatheredAttention,
     check_sequence_parallel_model,
     check_sequence_parallel_style,
@@ -67,9 +69,6 @@ _UNSUPPORTED = {
     "grouped_gemm": "expert parallelism",
     "ep_dispatch_experts": "expert parallelism",
 }
-_Q = ("q_proj", "query", "q_attn")
-_KV = ("k_proj", "v_proj", "key", "value")
-_FUSED = ("c_attn", "qkv_proj", "Wqkv")  # [q | k | v] blocks, one after the other
 # Models whose transformers classes carry no tensor-parallel plan (in base-model names).
 _BUILTIN = {
     "gpt2": {
@@ -129,30 +128,8 @@ class _AttentionColumnParallel(ColumnParallel):
 
     def finalize(self, model, mesh):
         for attn in model.modules():
-            _localize_heads(attn)
+            localize_heads(attn)
         return model
-
-
-def _localize_heads(attn: nn.Module) -> None:
-    kids = dict(attn.named_children())
-    if isinstance(attn, SequenceGathered):
-        attn = attn.module  # its head counts live on the wrapped attention
-    q = next((kids[n] for n in _Q + _FUSED if isinstance(kids.get(n), ColumnParallelLinear)), None)
-    if q is None or q.head_dim is None:
-        return
-    hd, local = q.head_dim, q.local_sections
-    if q.sections is not None and len(local) == 3:  # fused [q | k | v]
-        q_heads, kv_heads = local[0] // hd, local[1] // hd
-    else:
-        k = next((kids[n] for n in _KV if isinstance(kids.get(n), ColumnParallelLinear)), None)
-        q_heads = local[0] // hd
-        kv_heads = k.local_sections[0] // hd if k is not None else q_heads
-    if isinstance(getattr(attn, "num_key_value_groups", None), int) and kv_heads:
-        attn.num_key_value_groups = max(1, q_heads // kv_heads)
-    if isinstance(getattr(attn, "split_size", None), (int, list)) and q.sections is not None and len(local) == 3:
-        attn.split_size = list(local)  # GPT-2: c_attn(x).split(split_size) -> this rank's q, k, v (even if empty)
-    if isinstance(getattr(attn, "num_heads", None), int):
-        attn.num_heads = q_heads
 
 
 def _text_config(model: nn.Module):
