@@ -20,13 +20,13 @@ import tplayers  # noqa: E402
 from tplayers.grad_norm import _sharded_params  # noqa: E402
 
 
-def _clipped_steps(rank, world, norm_type, max_norm, tie):
+def _clipped_steps(rank, world, norm_type, max_norm, tie, sp=False):
     mesh = tplayers.default_mesh()
     serial = llama(tie=tie)
     model = copy.deepcopy(serial)
-    model = tplayers.parallelize_module(
-        model, tplayers.plan_from_transformers(model, mesh=mesh, vocab_parallel=True), mesh=mesh
-    )
+    plan = tplayers.plan_from_transformers(model, mesh=mesh, vocab_parallel=True, sequence_parallel=sp)
+    model = tplayers.parallelize_module(model, plan, mesh=mesh)
+    kw = dict(position_ids=torch.arange(9).unsqueeze(0)) if sp else {}
     opt_s = torch.optim.AdamW(serial.parameters(), lr=0.05)
     opt_p = torch.optim.AdamW(model.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(3)
@@ -35,7 +35,7 @@ def _clipped_steps(rank, world, norm_type, max_norm, tie):
         ids = torch.randint(0, VOCAB, (2, 9), generator=gen)
         logits = serial(ids).logits
         F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
-        tplayers.causal_lm_loss(model(ids).logits, ids, mesh).backward()
+        tplayers.causal_lm_loss(model(ids, **kw).logits, ids, mesh).backward()
         local_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type)))
         ref = torch.nn.utils.clip_grad_norm_(serial.parameters(), max_norm, norm_type)
         logged = tplayers.grad_norm(model, norm_type)
@@ -70,6 +70,10 @@ def test_adamw_with_clipping_equals_serial(world):
 @pytest.mark.parametrize("norm_type", [1.0, math.inf], ids=["p1", "inf"])
 def test_other_norms_and_tied_head(norm_type):
     run_ranks(_clipped_steps, 4, args=(norm_type, 0.1, True), timeout=120)
+
+
+def test_sequence_parallel_norms_counted_once():  # norms on this rank's tokens, gradients summed
+    run_ranks(_clipped_steps, 2, args=(2.0, 0.5, False, True), timeout=120)
 
 
 def _errors(rank, world):
