@@ -133,7 +133,7 @@ def serial_run(model_type):
     return model, logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def verdict(rank, world, model_type):
+def verdict(rank, world, model_type, replicate_experts=False):
     """Run inside a rank: ``(verdict, detail)``."""
     from tplayers.checkpoint.layout import local_tensors
 
@@ -147,7 +147,7 @@ def verdict(rank, world, model_type):
     model.zero_grad(set_to_none=True)
     ids = _ids()
     try:
-        plan = tplayers.plan_from_transformers(model, mesh=mesh)
+        plan = tplayers.plan_from_transformers(model, mesh=mesh, replicate_experts=replicate_experts)
         model = tplayers.parallelize_module(model, plan, mesh=mesh)
         logits = model(ids).logits
         _loss(logits, ids).backward()
@@ -191,9 +191,12 @@ def reason(detail: str) -> str:
 
 def table(results):
     lines = ["| architecture | verdict | why / max difference |", "| --- | --- | --- |"]
-    for model_type, (v, detail) in results:
+    for model_type, (v, detail, *again) in results:
         text = reason(detail) if v == "refused" else detail
-        lines.append(f"| `{model_type}` | {v} | {text.replace('|', '/')[:110]} |")
+        if again:
+            text += f"; with `replicate_experts=True`: {again[0][0]}"
+            text += f" ({reason(again[0][1])})" if again[0][0] == "refused" else ""
+        lines.append(f"| `{model_type}` | {v} | {text.replace('|', '/')[:160]} |")
     return "\n".join(lines)
 
 
@@ -208,6 +211,12 @@ def survey(world=2, only=None, timeout=60):
         except RankFailure as e:
             lines = [line for line in str(e).splitlines() if line.strip()]
             v = ("crash", (lines[-1] if lines else "rank failure")[:160])
+        if v[0] == "refused" and "replicate_experts=True" in v[1]:  # a mixture of experts: its option too
+            try:
+                again = run_ranks(verdict, world, args=(model_type, True), timeout=timeout)[0]
+            except RankFailure as e:
+                again = ("crash", str(e).splitlines()[-1][:160])
+            v = (v[0], v[1], again)
         results.append((model_type, v))
         print(model_type, v, flush=True)
     return results
@@ -218,6 +227,6 @@ if __name__ == "__main__":
     res = survey(only=sys.argv[1:] or None)
     print(table(res))
     counts = {}
-    for _, (v, _) in res:
+    for _, (v, *_) in res:
         counts[v] = counts.get(v, 0) + 1
     print(counts)

@@ -33,7 +33,7 @@ from tplayers.parallelize.heads import KV as _KV
 from tplayers.parallelize.heads import Q as _Q
 from tplayers.parallelize.heads import localize_heads
 from tplayers.parallelize.hf_generate import VocabParallelHead
-from tplayers.parallelize.hf_local import cover_local_parameters
+from tplayers.parallelize.hf_local import EXPERTS_HINT, cover_local_parameters, is_experts_entry
 from tplayers.parallelize.hf_sequence import (
     SequenceGatheredAttention,
     check_sequence_parallel_model,
@@ -180,6 +180,7 @@ def plan_from_transformers(
     tp_plan: Optional[Mapping[str, str]] = None,
     vocab_parallel: bool = False,
     sequence_parallel: bool = False,
+    replicate_experts: bool = False,
 ) -> Dict[str, ParallelStyle]:
     """A tplayers plan for a transformers model, from the model's own tensor-parallel plan.
 
@@ -215,6 +216,9 @@ def plan_from_transformers(
         mesh: a 1-D mesh (``None``: :func:`tplayers.default_mesh`).
         tp_plan: transformers' string plan; default: the model's own.
         vocab_parallel, sequence_parallel: keep the logits vocabulary-sharded; sequence parallelism.
+        replicate_experts: leave a mixture of experts' ``experts`` out of the plan (every rank holds
+            and runs all of them; the router is replicated too): exact, no expert memory saved.
+            Without it their plan entries are refused (no expert or in-expert parallelism yet).
 
     Returns:
         ``{regex: style}``, a plan for :func:`~tplayers.parallelize_module` and :func:`~tplayers.explain`.
@@ -238,7 +242,11 @@ def plan_from_transformers(
         loss = tplayers.causal_lm_loss(model(ids).logits, ids)   # vocab-parallel, never gathered
         torch.testing.assert_close(loss, serial(ids, labels=ids).loss)
     """
-    for arg, value in (("vocab_parallel", vocab_parallel), ("sequence_parallel", sequence_parallel)):
+    for arg, value in (
+        ("vocab_parallel", vocab_parallel),
+        ("sequence_parallel", sequence_parallel),
+        ("replicate_experts", replicate_experts),
+    ):
         if not isinstance(value, bool):
             raise TypeError(f"plan_from_transformers: {arg} must be a bool, got {type(value).__name__}")
     mesh = resolve_mesh(mesh, 1)
@@ -264,17 +272,20 @@ def plan_from_transformers(
             )
         regex = _to_regex(key)
         names = [n for n in modules if re.fullmatch(regex, n)]
+        if replicate_experts and is_experts_entry(key):
+            continue  # every rank keeps the whole experts module
+        hint = EXPERTS_HINT if is_experts_entry(key) else ""
         if style not in TRANSFORMERS_STYLES:
             what = _UNSUPPORTED.get(style)
             reason = f"has no tplayers equivalent ({what})" if what else "is unknown"
             raise ValueError(
                 f"plan_from_transformers: style {style!r} of tp_plan key {key!r} {reason}; "
-                f"supported: {', '.join(TRANSFORMERS_STYLES)}"
+                f"supported: {', '.join(TRANSFORMERS_STYLES)}{hint}"
             )
         if not names and any(re.fullmatch(regex, p) for p in params):
             raise ValueError(
                 f"plan_from_transformers: tp_plan key {key!r} ({style!r}) names a parameter; "
-                "only module entries are supported"
+                f"only module entries are supported{hint}"
             )
         if not names or style == "replicate":
             continue  # a plan entry for modules this model does not have (transformers skips those too)

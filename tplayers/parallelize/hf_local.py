@@ -21,7 +21,15 @@ from torch import nn
 from tplayers.layers._linear_base import linear_dims
 from tplayers.parallelize.styles import ColumnParallel, ParallelStyle
 
-__all__ = ["cover_local_parameters"]
+__all__ = ["cover_local_parameters", "is_experts_entry", "EXPERTS_HINT"]
+
+#: appended to a refusal of a mixture of experts' plan entry
+EXPERTS_HINT = " (a mixture of experts: pass replicate_experts=True to keep the experts whole on every rank, exact)"
+
+
+def is_experts_entry(key: str) -> bool:
+    """Whether a transformers plan key names a mixture of experts' ``experts`` module or its parameters."""
+    return re.search(r"(^|\.)experts(\.|$)", key) is not None
 
 
 def cover_local_parameters(model: nn.Module, plan: Dict[str, ParallelStyle], wrap: Callable[[], ParallelStyle]) -> None:
