@@ -8,6 +8,8 @@ tp 2 against the serial model: forward logits, a loss's every parameter gradient
 - ``silent``: it ran, and differs from the serial model (the worst difference kept);
 - ``no tiny config``: the generic tiny config does not build or run serially (not a tplayers verdict).
 
+A mixture of experts refused for its experts is tried again with ``replicate_experts=True``.
+
 Used by tests/distributed/test_hf_registry.py (one architecture per run of the ranks, so a crash
 that leaves a rank waiting costs only that architecture's timeout) and by
 ``python tests/hf_registry.py`` (prints the markdown table of docs/huggingface.md).
@@ -152,7 +154,8 @@ def verdict(rank, world, model_type, replicate_experts=False):
         logits = model(ids).logits
         _loss(logits, ids).backward()
     except ValueError as e:
-        return "refused", str(e).splitlines()[0][:200]
+        experts = " [experts]" if "replicate_experts=True" in str(e) else ""  # the message names the option
+        return "refused", str(e).splitlines()[0][:200] + experts
     except Exception as e:  # noqa: BLE001 - the verdict records it
         return "crash", f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
     worst = float((logits.detach() - want).abs().max()) if logits.shape == want.shape else float("inf")
@@ -211,7 +214,7 @@ def survey(world=2, only=None, timeout=60):
         except RankFailure as e:
             lines = [line for line in str(e).splitlines() if line.strip()]
             v = ("crash", (lines[-1] if lines else "rank failure")[:160])
-        if v[0] == "refused" and "replicate_experts=True" in v[1]:  # a mixture of experts: its option too
+        if v[0] == "refused" and v[1].endswith("[experts]"):  # a mixture of experts: its option too
             try:
                 again = run_ranks(verdict, world, args=(model_type, True), timeout=timeout)[0]
             except RankFailure as e:
