@@ -72,9 +72,12 @@ def train(model, mesh, gen, args, say):
         inp, target = synthetic_batch(gen, args.batch, args.seq, args.vocab)
         loss = parallel_loss(model(inp), target, mesh, args.smoothing)
         loss.backward()
+        norm = tplayers.clip_grad_norm_(model, 1.0)  # the global norm, the same on every rank
         opt.step()
         opt.zero_grad()
         tokens += inp.numel()
         if step % 5 == 0 or step == args.steps:
             rate = tokens / (time.perf_counter() - t0)
-            say(f"step {step:4d} | loss {loss.item():.4f} | {rate:,.0f} tokens/s on {world} ranks")
+            say(
+                f"step {step:4d} | loss {loss.item():.4f} | grad norm {norm.item():.3f} | {rate:,.0f} tokens/s on {world} ranks"
+            )

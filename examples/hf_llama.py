@@ -115,10 +115,11 @@ def main():
         ids = (start + torch.arange(args.seq)) % args.vocab  # a learnable pattern: counting
         loss = tplayers.causal_lm_loss(forward(model, ids, args.sequence_parallel), ids, mesh)
         loss.backward()
+        norm = tplayers.clip_grad_norm_(model, 1.0)  # the serial model's global norm, on every rank
         opt.step()
         opt.zero_grad()
         if step % 5 == 0 or step == args.steps:
-            say(f"step {step:4d} | loss {loss.item():.4f}")
+            say(f"step {step:4d} | loss {loss.item():.4f} | grad norm {norm.item():.3f}")
 
     # a consolidated file in the serial layout: transformers loads it as it is
     name = torch.zeros(256, dtype=torch.uint8)  # rank 0's temporary directory, sent as bytes (no pickle)

@@ -33,6 +33,7 @@ from tplayers.domain.boundary import (
 from tplayers.domain.moves import repartition
 from tplayers.domain.reductions import domain_mean, domain_sum
 from tplayers.domain.shard import gather, reset_layouts, scatter, shard
+from tplayers.grad_norm import clip_grad_norm_, grad_norm
 from tplayers.layers import (
     ColumnParallelEmbedding,
     ColumnParallelLinear,
@@ -118,6 +119,8 @@ __all__ = [
     "VocabParallelEmbedding",
     "ColumnParallelEmbedding",
     "vocab_parallel_cross_entropy",
+    "grad_norm",
+    "clip_grad_norm_",
     "DistributedConv1d",
     "DistributedConv2d",
     "DistributedConv3d",

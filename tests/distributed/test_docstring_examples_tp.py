@@ -14,6 +14,7 @@ OBJECTS = {
     "ShardedDropout": tplayers.ShardedDropout,
     "RowParallelLinear": tplayers.RowParallelLinear,
     "ColumnParallelLinear": tplayers.ColumnParallelLinear,
+    "clip_grad_norm_": tplayers.clip_grad_norm_,
 }
 
 

@@ -17,6 +17,7 @@ from hf_util import gpt2, llama  # noqa: E402
 
 import tplayers  # noqa: E402
 from tplayers.parallelize.hf import _UNSUPPORTED, TRANSFORMERS_STYLES  # noqa: E402
+from tplayers.parallelize.hf_generate import VocabParallelHead  # noqa: E402
 from tplayers.parallelize.hf_sequence import SequenceGatheredAttention  # noqa: E402
 
 
@@ -45,9 +46,8 @@ def _mapping(rank, world):
     assert plan[r"model\.layers\.\d+\.mlp\.down_proj"] == tplayers.RowParallel()
     assert plan[r"model\.embed_tokens"] == tplayers.RowParallel()
     assert plan["lm_head"] == tplayers.ColumnParallel(gather_output=True)  # colwise_gather_output
-    assert (
-        tplayers.plan_from_transformers(model, mesh=mesh, vocab_parallel=True)["lm_head"] == tplayers.ColumnParallel()
-    )
+    head = tplayers.plan_from_transformers(model, mesh=mesh, vocab_parallel=True)["lm_head"]
+    assert isinstance(head, VocabParallelHead) and not head.gather_output  # ColumnParallel, decoding refused
     sp = tplayers.plan_from_transformers(model, mesh=mesh, sequence_parallel=True)
     attn = sp[r"model\.layers\.\d+\.self_attn"]
     assert isinstance(attn, SequenceGatheredAttention) and set(attn.children) == {
@@ -125,10 +125,17 @@ def _errors(rank, world):
         tplayers.plan_from_transformers(model, mesh=mesh, tp_plan={"lm_head": 1})
     with pytest.raises(TypeError, match="sequence_parallel must be a bool, got int"):
         tplayers.VocabParallelEmbedding(10, 4, mesh=mesh, sequence_parallel=1)
-    drop = gpt2()
-    drop.transformer.h[0].mlp.dropout.p = 0.1
-    with pytest.raises(ValueError, match=r"'transformer\.h\.0\.mlp\.dropout' is nn.Dropout\(p=0.1\)"):
+    drop = llama()
+    drop.model.layers[0].mlp.dropout = torch.nn.Dropout(0.1)  # a residual-stream dropout
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.dropout' is nn.Dropout\(p=0.1\)"):
         tplayers.plan_from_transformers(drop, mesh=mesh, sequence_parallel=True)
+    # sequence parallelism refused up front where it cannot work: GPT-2's absolute positions, eager attention
+    with pytest.raises(ValueError, match=r"absolute position embeddings \('transformer\.wpe', Embedding\(64, 12\)\)"):
+        tplayers.plan_from_transformers(gpt2(), mesh=mesh, sequence_parallel=True)
+    eager = llama()
+    eager.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match=r"needs config._attn_implementation='sdpa' .*got 'eager'"):
+        tplayers.plan_from_transformers(eager, mesh=mesh, sequence_parallel=True)
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     return messages

@@ -314,6 +314,7 @@ def _save_consolidated(model: nn.Module, path: str, rank: int, progress) -> None
     if rank == 0:
         tmp = temp_sibling(path, secrets.token_hex(8))
         try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)  # as the sharded form does
             items = [(k, _real(v).detach().to("cpu").contiguous()) for k, v in full.items()]
             bar = Progress(sum(t.numel() * t.element_size() for _, t in items), f"save {path}", progress)
             write_file(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import nn
@@ -97,6 +97,13 @@ class ShardedModule(RegionAware, MeshBound, nn.Module):
     def shard_specs(self) -> Dict[str, ShardSpec]:  # pragma: no cover - abstract
         """``{local tensor name: ShardSpec}`` for every parameter and buffer."""
         raise NotImplementedError
+
+    def counted_ranges(self, name: str) -> Optional[Tuple[Tuple[int, int], ...]]:
+        """The local ``(start, stop)`` ranges along the sharded dim of tensor ``name`` that this rank
+        counts in a reduction over the serial tensor's elements (a global gradient norm), or ``None``
+        for all of it. Layers where several ranks hold copies of one range (grouped-query key/value
+        heads) count each copy on one rank only."""
+        return None
 
     def _copy_shards_from(self, dense: nn.Module) -> None:
         """Copy this rank's slice of each tensor of the serial module ``dense``."""

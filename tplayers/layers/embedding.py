@@ -94,6 +94,33 @@ class _ParallelEmbedding(ShardedModule):
         layer._copy_shards_from(dense)
         return layer
 
+    def scale_output(self, scale) -> "_ParallelEmbedding":
+        """Multiply every output by ``scale`` after the lookup, as transformers'
+        ``*ScaledWordEmbedding`` (Gemma) do: a 0-d floating tensor is kept as the non-persistent
+        buffer ``embed_scale`` (no ``state_dict`` key; cast to the weight's dtype when used), a
+        number as the attribute ``embed_scale``; ``None`` leaves the layer unscaled. Returns ``self``."""
+        if scale is None:
+            return self
+        if isinstance(scale, torch.Tensor):
+            if scale.dim() != 0 or not scale.is_floating_point():
+                raise ValueError(
+                    f"{type(self).__name__}: scale must be a 0-d floating tensor, got {tuple(scale.shape)} {scale.dtype}"
+                )
+            self.register_buffer("embed_scale", scale.detach().clone().to(self.weight.device), persistent=False)
+        elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(
+                f"{type(self).__name__}: scale must be a number or a 0-d tensor, got {type(scale).__name__}"
+            )
+        else:
+            self.embed_scale = float(scale)
+        return self
+
+    def _scaled(self, y: torch.Tensor) -> torch.Tensor:
+        scale = getattr(self, "embed_scale", None)
+        if scale is None:
+            return y
+        return y * (scale.to(self.weight.dtype) if isinstance(scale, torch.Tensor) else scale)
+
     def _check_ids(self, ids: torch.Tensor) -> None:
         name = type(self).__name__
         if not isinstance(ids, torch.Tensor):
@@ -119,6 +146,7 @@ class _ParallelEmbedding(ShardedModule):
             f"{self.num_embeddings}, {self.embedding_dim}, local_weight={tuple(self.weight.shape)}, "
             f"rank={self.tp_rank}/{self.tp_size}"
             + (f", padding_idx={self.padding_idx}" if self.padding_idx is not None else "")
+            + (f", embed_scale={float(self.embed_scale):g}" if getattr(self, "embed_scale", None) is not None else "")
         )
 
 
@@ -194,7 +222,7 @@ class VocabParallelEmbedding(_ParallelEmbedding):
                 f"got ids of shape {tuple(ids.shape)}"
             )
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight, self.padding_idx)
+            return self._scaled(F.embedding(ids, self.weight, self.padding_idx))
         start, stop = self._rows
         outside = (ids < start) | (ids >= stop)  # ids another rank owns
         local = (ids - start).masked_fill(outside, 0)
@@ -204,8 +232,8 @@ class VocabParallelEmbedding(_ParallelEmbedding):
         else:
             part = F.embedding(local, self.weight, pad).masked_fill(outside.unsqueeze(-1), 0)  # (..., dim) partial
         if self.sequence_parallel:  # (B, S, dim) partial -> (B, S_local, dim) summed; backward all-gather
-            return reduce_scatter_to_sequence_region(part, self.sequence_dim % ids.dim(), self._group)
-        return reduce_from_parallel_region(part, self._group)  # one all-reduce: (..., dim) replicated
+            return self._scaled(reduce_scatter_to_sequence_region(part, self.sequence_dim % ids.dim(), self._group))
+        return self._scaled(reduce_from_parallel_region(part, self._group))  # one all-reduce: (..., dim) replicated
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)``."""
@@ -278,7 +306,7 @@ class ColumnParallelEmbedding(_ParallelEmbedding):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self._check_ids(ids)
-        y = F.embedding(ids, self.weight, self.padding_idx)  # (..., dim_local)
+        y = self._scaled(F.embedding(ids, self.weight, self.padding_idx))  # (..., dim_local)
         if self.gather_output and self.tp_size > 1:
             y = gather_along_dim(y, -1, self._group, self.partition_sizes)  # (..., embedding_dim)
         return y

@@ -136,6 +136,18 @@ class ColumnParallelLinear(ParallelLinearBase):
             specs["bias"] = self._layout.spec((self.out_features,), self.tp_rank)
         return specs
 
+    def counted_ranges(self, name: str):
+        """With blocks replicated in groups (GQA key/value heads), each block range is counted on the
+        lowest rank holding it; otherwise ``None`` (the whole local tensor)."""
+        if self._layout is None or not any(self._layout.replicated):
+            return None
+        table, out, local = self._layout.table, [], 0
+        for j, (a, b) in enumerate(table[self.tp_rank]):
+            if b > a and min(r for r, row in enumerate(table) if row[j] == (a, b)) == self.tp_rank:
+                out.append((local, local + b - a))
+            local += b - a
+        return tuple(out)
+
     @property
     def local_sections(self) -> tuple:
         """This rank's width of each fused block, in order (``(out_local,)`` without ``sections``)."""

@@ -61,6 +61,13 @@ def _role(match) -> Optional[str]:
     style = match.value
     if not isinstance(style, (ColumnParallel, RowParallel)) or not isinstance(match.module, nn.Linear):
         return None
+    if (
+        isinstance(style, ColumnParallel)
+        and style.gather_output
+        or isinstance(style, RowParallel)
+        and not style.input_is_parallel
+    ):
+        return None  # full features on every rank (Phi3's gathered qkv_proj, its split-input o_proj): no heads split
     if style.head_role is not None:
         return style.head_role
     if isinstance(style, ColumnParallel) and style.sections is not None:

@@ -14,7 +14,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.comm.agree import exchange_agreed
 from tplayers.mesh import resolve_mesh
 from tplayers.parallelize.aliases import check_aliases_kept, check_shared_descendants, inside, module_names
+from tplayers.parallelize.attention_dropout import guard_attention_dropout
 from tplayers.parallelize.attention_groups import check_attention_groups
+from tplayers.parallelize.heads import localize_heads
 from tplayers.parallelize.source import (
     check_src_rank,
     partition_inputs,
@@ -268,6 +270,9 @@ def _swap_all(model: nn.Module, matches: List[_Match], mesh: DeviceMesh, ties=()
     styles = {id(m.value): m.value for m in matches if isinstance(m.value, ParallelStyle)}
     for style in styles.values():
         model = style.finalize(model, mesh)
+    for module in model.modules():
+        localize_heads(module)  # split heads: a transformers attention's head counts are this rank's
+    guard_attention_dropout(model)  # split heads: attention dropout in training is refused
     return model, built
 
 

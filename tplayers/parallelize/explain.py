@@ -22,6 +22,22 @@ def _param_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
+def _already_counted(module: nn.Module, new: nn.Module, counted: set) -> Tuple[int, int]:
+    """Bytes of ``module``'s parameters already in the totals (tied to an earlier match), serial
+    and in the twin ``new`` (the same names); the rest of its parameters are marked counted."""
+    before = after = 0
+    for name, p in module.named_parameters():
+        if id(p) in counted:
+            before += p.numel() * p.element_size()
+            try:
+                q = new.get_parameter(name)
+            except AttributeError:
+                q = p  # the twin renames it: count it as kept whole
+            after += q.numel() * q.element_size()
+        counted.add(id(p))
+    return before, after
+
+
 def _collectives(module: nn.Module) -> str:
     """Collectives per step of ``module`` and everything inside it, e.g. ``fwd: all_reduce; bwd: -``."""
     fwd: Dict[str, int] = {}
@@ -141,13 +157,15 @@ def explain(
     check_attention_groups(model, matches, mesh)
     rows = []
     swapped_before = swapped_after = 0
+    counted = set()  # ids of serial parameters already in the totals (a tied matrix counts once)
     for match in matches:
         new = build_match(match, copy.deepcopy(match.module), mesh)
         if isinstance(match.value, ParallelStyle):
             new = match.value.finalize(new, mesh)
         before, after = _param_bytes(match.module), _param_bytes(new)
-        swapped_before += before
-        swapped_after += after
+        shared_before, shared_after = _already_counted(match.module, new, counted)
+        swapped_before += before - shared_before
+        swapped_after += after - shared_after
         rows.append(
             (
                 match.name or "<root>",

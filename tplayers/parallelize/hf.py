@@ -25,11 +25,20 @@ from torch import nn
 
 from tplayers.layers._linear_base import linear_dims
 from tplayers.layers._sections import SectionLayout
-from tplayers.layers.linear import ColumnParallelLinear
 from tplayers.layers.replicated import DomainReplicated
 from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import resolve_mesh
-from tplayers.parallelize.hf_sequence import SequenceGathered, SequenceGatheredAttention
+from tplayers.parallelize.heads import FUSED as _FUSED
+from tplayers.parallelize.heads import KV as _KV
+from tplayers.parallelize.heads import Q as _Q
+from tplayers.parallelize.heads import localize_heads
+from tplayers.parallelize.hf_generate import VocabParallelHead
+from tplayers.parallelize.hf_local import EXPERTS_HINT, cover_local_parameters, is_experts_entry
+from tplayers.parallelize.hf_sequence import (
+    SequenceGatheredAttention,
+    check_sequence_parallel_model,
+    check_sequence_parallel_style,
+)
 from tplayers.parallelize.styles import ColumnParallel, ParallelStyle, RowParallel, key_repr
 
 __all__ = ["plan_from_transformers", "ReplicatedGradSum", "causal_lm_loss", "TRANSFORMERS_STYLES"]
@@ -60,9 +69,6 @@ _UNSUPPORTED = {
     "grouped_gemm": "expert parallelism",
     "ep_dispatch_experts": "expert parallelism",
 }
-_Q = ("q_proj", "query", "q_attn")
-_KV = ("k_proj", "v_proj", "key", "value")
-_FUSED = ("c_attn", "qkv_proj", "Wqkv")  # [q | k | v] blocks, one after the other
 # Models whose transformers classes carry no tensor-parallel plan (in base-model names).
 _BUILTIN = {
     "gpt2": {
@@ -122,30 +128,8 @@ class _AttentionColumnParallel(ColumnParallel):
 
     def finalize(self, model, mesh):
         for attn in model.modules():
-            _localize_heads(attn)
+            localize_heads(attn)
         return model
-
-
-def _localize_heads(attn: nn.Module) -> None:
-    kids = dict(attn.named_children())
-    if isinstance(attn, SequenceGathered):
-        attn = attn.module  # its head counts live on the wrapped attention
-    q = next((kids[n] for n in _Q + _FUSED if isinstance(kids.get(n), ColumnParallelLinear)), None)
-    if q is None or q.head_dim is None:
-        return
-    hd, local = q.head_dim, q.local_sections
-    if q.sections is not None and len(local) == 3:  # fused [q | k | v]
-        q_heads, kv_heads = local[0] // hd, local[1] // hd
-    else:
-        k = next((kids[n] for n in _KV if isinstance(kids.get(n), ColumnParallelLinear)), None)
-        q_heads = local[0] // hd
-        kv_heads = k.local_sections[0] // hd if k is not None else q_heads
-    if isinstance(getattr(attn, "num_key_value_groups", None), int) and kv_heads:
-        attn.num_key_value_groups = max(1, q_heads // kv_heads)
-    if isinstance(getattr(attn, "split_size", None), (int, list)) and q.sections is not None and len(local) == 3:
-        attn.split_size = list(local)  # GPT-2: c_attn(x).split(split_size) -> this rank's q, k, v (even if empty)
-    if isinstance(getattr(attn, "num_heads", None), int):
-        attn.num_heads = q_heads
 
 
 def _text_config(model: nn.Module):
@@ -196,6 +180,7 @@ def plan_from_transformers(
     tp_plan: Optional[Mapping[str, str]] = None,
     vocab_parallel: bool = False,
     sequence_parallel: bool = False,
+    replicate_experts: bool = False,
 ) -> Dict[str, ParallelStyle]:
     """A tplayers plan for a transformers model, from the model's own tensor-parallel plan.
 
@@ -231,6 +216,9 @@ def plan_from_transformers(
         mesh: a 1-D mesh (``None``: :func:`tplayers.default_mesh`).
         tp_plan: transformers' string plan; default: the model's own.
         vocab_parallel, sequence_parallel: keep the logits vocabulary-sharded; sequence parallelism.
+        replicate_experts: leave a mixture of experts' ``experts`` out of the plan (every rank holds
+            and runs all of them; the router is replicated too): exact, no expert memory saved.
+            Without it their plan entries are refused (no expert or in-expert parallelism yet).
 
     Returns:
         ``{regex: style}``, a plan for :func:`~tplayers.parallelize_module` and :func:`~tplayers.explain`.
@@ -254,7 +242,11 @@ def plan_from_transformers(
         loss = tplayers.causal_lm_loss(model(ids).logits, ids)   # vocab-parallel, never gathered
         torch.testing.assert_close(loss, serial(ids, labels=ids).loss)
     """
-    for arg, value in (("vocab_parallel", vocab_parallel), ("sequence_parallel", sequence_parallel)):
+    for arg, value in (
+        ("vocab_parallel", vocab_parallel),
+        ("sequence_parallel", sequence_parallel),
+        ("replicate_experts", replicate_experts),
+    ):
         if not isinstance(value, bool):
             raise TypeError(f"plan_from_transformers: {arg} must be a bool, got {type(value).__name__}")
     mesh = resolve_mesh(mesh, 1)
@@ -265,6 +257,8 @@ def plan_from_transformers(
             f"plan_from_transformers: {type(model).__name__} has no tensor-parallel plan "
             "(config.base_model_tp_plan and _tp_plan are empty); pass tp_plan={...}"
         )
+    if sequence_parallel:
+        check_sequence_parallel_model(model, config)
     heads = _heads(config)
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
@@ -278,21 +272,26 @@ def plan_from_transformers(
             )
         regex = _to_regex(key)
         names = [n for n in modules if re.fullmatch(regex, n)]
+        if replicate_experts and is_experts_entry(key):
+            continue  # every rank keeps the whole experts module
+        hint = EXPERTS_HINT if is_experts_entry(key) else ""
         if style not in TRANSFORMERS_STYLES:
             what = _UNSUPPORTED.get(style)
             reason = f"has no tplayers equivalent ({what})" if what else "is unknown"
             raise ValueError(
                 f"plan_from_transformers: style {style!r} of tp_plan key {key!r} {reason}; "
-                f"supported: {', '.join(TRANSFORMERS_STYLES)}"
+                f"supported: {', '.join(TRANSFORMERS_STYLES)}{hint}"
             )
         if not names and any(re.fullmatch(regex, p) for p in params):
             raise ValueError(
                 f"plan_from_transformers: tp_plan key {key!r} ({style!r}) names a parameter; "
-                "only module entries are supported"
+                f"only module entries are supported{hint}"
             )
         if not names or style == "replicate":
             continue  # a plan entry for modules this model does not have (transformers skips those too)
         lm_head = head_name is not None and names == [head_name]
+        if sequence_parallel and not lm_head:
+            check_sequence_parallel_style(key, style)
         role = _attention_role(style, names, modules, heads)
         sp = sequence_parallel and role != "in"  # the attention's input is gathered once, see hf_sequence
         value = _map_style(style, key, names, modules, heads, mesh, sp, vocab_parallel and lm_head)
@@ -303,9 +302,10 @@ def plan_from_transformers(
     for parent, children in attention.items():
         plan[parent] = SequenceGatheredAttention(children=children)
     if vocab_parallel and head_name is not None and not any(re.fullmatch(k, head_name) for k in plan):
-        plan[re.escape(head_name)] = ColumnParallel(sequence_parallel=sequence_parallel)
+        plan[re.escape(head_name)] = VocabParallelHead(sequence_parallel=sequence_parallel)
     if sequence_parallel:
         _add_sequence_parallel_modules(model, plan)
+    cover_local_parameters(model, plan, ReplicatedGradSum)  # e.g. Apertus' xIELU scalars in the MLP
     return plan
 
 
@@ -336,8 +336,11 @@ def _map_style(style, key, names, modules, heads, mesh, sp, local_logits) -> Par
     leaf = leaves.pop() if len(leaves) == 1 else None
     if style in ("colwise", "colwise_rep", "colwise_gather_output"):
         gather = style != "colwise" and not local_logits
-        if heads is not None and leaf in _Q + _KV + _FUSED:
+        if local_logits:  # a vocab-parallel lm_head: decoding with local logits is refused
+            return VocabParallelHead(sequence_parallel=sp)
+        if heads is not None and leaf in _Q + _KV + _FUSED and not gather:
             return _attention_column(key, names, modules, heads, mesh, leaf, sp)
+        # gathered (Phi3's qkv_proj): all heads on every rank, head counts stay global
         return ColumnParallel(gather_output=gather, sequence_parallel=sp)
     if style == "rowwise":
         is_out = _attention_role(style, names, modules, heads) == "out"

@@ -27,7 +27,12 @@ from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh
 from tplayers.parallelize.styles import ParallelStyle, key_repr
 
-__all__ = ["SequenceGathered", "SequenceGatheredAttention"]
+__all__ = [
+    "SequenceGathered",
+    "SequenceGatheredAttention",
+    "check_sequence_parallel_style",
+    "check_sequence_parallel_model",
+]
 
 
 class SequenceGathered(MeshBound, nn.Module):
@@ -109,3 +114,37 @@ class SequenceGatheredAttention(ParallelStyle):
 
     def __hash__(self):  # a dict field: hash by identity
         return id(self)
+
+
+def check_sequence_parallel_style(key: str, style: str) -> None:
+    """``ValueError`` for a transformers style that works on the whole sequence (a gathered output
+    or a locally split input, Phi3's attention and MLP) under ``sequence_parallel=True``."""
+    if style in ("colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep"):
+        raise ValueError(
+            f"plan_from_transformers: sequence_parallel=True is not supported with style {style!r} of tp_plan "
+            f"key {key!r} (a gathered output or a locally split input works on the whole sequence); "
+            "use sequence_parallel=False for this model"
+        )
+
+
+_POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def check_sequence_parallel_model(model: nn.Module, config) -> None:
+    """``ValueError`` (before anything changes) for a model that sequence parallelism would break:
+    attention other than SDPA (eager builds its mask from this rank's tokens only, a crash), or
+    absolute position embeddings (GPT-2's ``wpe``: looked up from this rank's token count, so
+    either a crash with full ``position_ids`` or silently wrong positions without them)."""
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != "sdpa":
+        raise ValueError(
+            f"plan_from_transformers: sequence_parallel=True needs config._attn_implementation='sdpa' (the "
+            f"attention masks are built from this rank's tokens otherwise), got {impl!r}"
+        )
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding) and name.rpartition(".")[2] in _POSITION_TABLES:
+            raise ValueError(
+                f"plan_from_transformers: sequence_parallel=True is not supported with absolute position "
+                f"embeddings ({name!r}, {type(module).__name__}({module.num_embeddings}, {module.embedding_dim})): "
+                f"the model would look up positions for this rank's tokens only"
+            )

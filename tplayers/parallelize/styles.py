@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.layers._linear_base import transposed_linear_dims
 from tplayers.layers.embedding import ColumnParallelEmbedding, VocabParallelEmbedding
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tplayers.parallelize.subclasses import check_no_forward_override, embedding_scale
 
 __all__ = ["ParallelStyle", "ColumnParallel", "RowParallel", "PartitionFn", "PlanKey", "key_repr"]
 
@@ -72,6 +73,7 @@ def _check_role(key: PlanKey, style: "ParallelStyle", roles: Tuple[str, ...]) ->
 def _check_linear_or_embedding(style: ParallelStyle, key, name: str, module: nn.Module) -> None:
     """``ValueError`` unless ``module`` is an ``nn.Linear``, an ``nn.Embedding`` or a Conv1D-like linear."""
     if isinstance(module, style.accepts) or transposed_linear_dims(module) is not None:
+        check_no_forward_override(key_repr(key), type(style).__name__, name, module)
         return
     raise ValueError(
         f"plan key {key_repr(key)}: {type(style).__name__} expects Linear or Embedding (or a Conv1D-like "
@@ -146,7 +148,8 @@ class ColumnParallel(ParallelStyle):
 
     def build(self, name, module, mesh):
         if isinstance(module, nn.Embedding):
-            return ColumnParallelEmbedding.from_module(module, mesh=mesh, gather_output=self.gather_output)
+            twin = ColumnParallelEmbedding.from_module(module, mesh=mesh, gather_output=self.gather_output)
+            return twin.scale_output(embedding_scale(module))
         return ColumnParallelLinear.from_module(
             module,
             mesh=mesh,
@@ -216,9 +219,10 @@ class RowParallel(ParallelStyle):
 
     def build(self, name, module, mesh):
         if isinstance(module, nn.Embedding):
-            return VocabParallelEmbedding.from_module(
+            twin = VocabParallelEmbedding.from_module(
                 module, mesh=mesh, sequence_parallel=self.sequence_parallel, sequence_dim=self.sequence_dim
             )
+            return twin.scale_output(embedding_scale(module))  # Gemma's scaled embedding keeps its scale
         return RowParallelLinear.from_module(
             module,
             mesh=mesh,
