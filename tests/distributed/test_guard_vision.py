@@ -1,0 +1,245 @@
+"""The region guard on vision ops that are exact on each rank's slice (issue 31): channel dropout,
+pixel shuffle / unshuffle, fresh constants of a sharded tensor's local shape.
+
+Every model runs under ``{"": DomainParallel(shard_dims=...)}`` and is compared with the serial model
+in fp64 at 2 and 3 ranks (uneven partitions) and on a 2x2 mesh: outputs, the input gradient, every
+parameter gradient, after an SGD step, train then eval mode. Dropout masks: the same seed before the
+serial and the parallel call (every rank seeded alike, as tplayers.ParallelDropout needs).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import run_ranks
+from oracle import backward_step_match, local_slice
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+import tplayers
+
+TIGHT = dict(rtol=1e-9, atol=1e-11)
+
+
+class Shuffler(nn.Module):
+    """An ESRGAN-style upsampler with FPN-style channel dropout: conv, Dropout2d, pixel_shuffle, conv,
+    pixel_unshuffle, feature_alpha_dropout, and fresh constants of the local shape (``*_like``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 8, 3, padding=1)
+        self.drop = nn.Dropout2d(0.4)
+        self.shuffle = nn.PixelShuffle(2)
+        self.conv2 = nn.Conv2d(2, 4, 3, padding=1)
+        self.conv3 = nn.Conv2d(16, 2, 3, padding=1)
+        self.gain = nn.Parameter(torch.tensor(0.7, dtype=torch.float64))
+
+    def forward(self, x):
+        h = self.drop(torch.tanh(self.conv1(x)))
+        h = self.conv2(self.shuffle(h))  # (N, 2, 2H, 2W) -> (N, 4, 2H, 2W)
+        h = h + torch.ones_like(h) * self.gain + torch.full_like(h, 0.5) - torch.zeros_like(h)
+        h = F.pixel_unshuffle(h, 2)  # (N, 16, H, W)
+        h = F.feature_alpha_dropout(h, 0.3, self.training)
+        return self.conv3(F.dropout2d(h, 0.25, self.training))
+
+
+class Volume(nn.Module):
+    """3-D: Dropout3d and Dropout1d on a flattened volume."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv3d(2, 4, 3, padding=1)
+        self.drop = nn.Dropout3d(0.5)
+        self.conv2 = nn.Conv3d(4, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = self.drop(torch.relu(self.conv1(x)))
+        h = F.dropout1d(h.flatten(2), 0.3, self.training).view_as(h)
+        return self.conv2(h)
+
+
+def _parity(rank, world, kind, mesh_shape, layouts):
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
+    coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+    dims = tuple(range(2, 2 + mesh.ndim))
+    torch.manual_seed(3)
+    serial = {"shuffler": Shuffler, "volume": Volume}[kind]().double()
+    parallel = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)}, mesh=mesh
+    )
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.05, momentum=0.9)
+    opt_p = torch.optim.SGD(parallel.parameters(), lr=0.05, momentum=0.9)
+    local = lambda t: local_slice(t, dims, layouts, coords)  # noqa: E731
+    spatial = 2 if kind == "shuffler" else 3
+    for step, mode in enumerate(["train", "train", "eval"]):
+        serial.train(mode == "train"), parallel.train(mode == "train")
+        shape = [2, 2] + [sum(layouts[i]) if i < len(dims) else 5 for i in range(spatial)]
+        x = torch.randn(shape, dtype=torch.float64)
+        xs, xl = x.clone().requires_grad_(True), local(x).clone().requires_grad_(True)
+        torch.manual_seed(100 + step)
+        ys = serial(xs)
+        torch.manual_seed(100 + step)
+        yl = parallel(xl)
+        torch.testing.assert_close(yl, local(ys), **TIGHT)
+        after = torch.rand(())  # the generator advanced exactly as the serial model's
+        torch.manual_seed(100 + step)
+        serial(xs.detach())
+        assert torch.equal(after, torch.rand(()))
+        target = torch.randn_like(ys)
+        backward_step_match(
+            F.mse_loss(ys, target),
+            tplayers.domain_mean(F.mse_loss(yl, local(target), reduction="none"), mesh),
+            xs,
+            xl,
+            local,
+            serial,
+            parallel,
+            opt_s,
+            opt_p,
+            **TIGHT,
+        )
+    return True
+
+
+def test_pixel_shuffle_channel_dropout_and_like_constants_are_exact():
+    run_ranks(_parity, 2, args=("shuffler", (2,), [[5, 4]]), timeout=120)
+    run_ranks(_parity, 3, args=("shuffler", (3,), [[4, 3, 2]]), timeout=120)
+    run_ranks(_parity, 4, args=("shuffler", (2, 2), [[5, 4], [4, 3]]), timeout=120)
+
+
+def test_dropout3d_and_dropout1d_on_a_volume_are_exact():
+    run_ranks(_parity, 2, args=("volume", (2,), [[4, 3]]), timeout=120)
+    run_ranks(_parity, 3, args=("volume", (3,), [[3, 2, 2]]), timeout=120)
+    run_ranks(_parity, 4, args=("volume", (2, 2), [[3, 2], [2, 3]]), timeout=120)
+
+
+# ------------------------------------------------------------------ refused
+class Op(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(self.conv(x))
+
+
+def _refused(rank, world, fn, dims, rows, what):
+    model = tplayers.parallelize_module(Op(fn).double(), {"": tplayers.DomainParallel(shard_dims=dims)})
+    x = torch.randn(2, 4, rows[rank], 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match=what) as err:
+        model(x)
+    assert "domain region guard" in str(err.value)
+    return True
+
+
+def test_pixel_unshuffle_of_an_odd_slice_raises_on_every_rank():
+    # rank 0 holds 5 rows (odd), rank 1 holds 4: both raise the same error
+    what = "pixel_unshuffle with factor 2 along sharded dim 2, where this rank holds 5 rows"
+    run_ranks(_refused, 2, args=(lambda h: F.pixel_unshuffle(h, 2), (2,), [5, 4], what), timeout=60)
+
+
+def test_channel_dropout_along_a_sharded_channel_dim_raises():
+    what = "dropout2d with p=0.5 in training, sharded along dim 1"
+    run_ranks(_refused, 2, args=(lambda h: F.dropout2d(h.transpose(1, 2), 0.5), (2,), [5, 4], what), timeout=60)
+
+
+# ------------------------------------------------------------------ reflect / replicate padding
+class Pads(nn.Module):
+    """A CycleGAN-style generator's padding: ReflectionPad2d before unpadded convolutions, ReplicationPad2d,
+    F.pad in reflect mode, asymmetric pads; a global pool and a head (a replicated output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 4, 3, padding=1)
+        self.reflect = nn.ReflectionPad2d((1, 2, 2, 1))
+        self.conv2 = nn.Conv2d(4, 4, 3)
+        self.replicate = nn.ReplicationPad2d(1)
+        self.conv3 = nn.Conv2d(4, 3, 3)
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv1(x))
+        h = torch.tanh(self.conv2(self.reflect(h)))
+        h = self.conv3(self.replicate(h))
+        h = F.pad(h, (1, 1, 1, 1), mode="reflect") * 1.5
+        h = F.pad(h, (0, 2, 1, 0), mode="replicate")
+        return self.head(h.square().mean(dim=(2, 3)))
+
+
+def _pads(rank, world, mesh_shape, layouts):
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
+    coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+    dims = tuple(range(2, 2 + mesh.ndim))
+    torch.manual_seed(5)
+    serial = Pads().double()
+    parallel = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)}, mesh=mesh
+    )
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.05, momentum=0.9)
+    opt_p = torch.optim.SGD(parallel.parameters(), lr=0.05, momentum=0.9)
+    local = lambda t: local_slice(t, dims, layouts, coords)  # noqa: E731
+    for mode in ["train", "eval"]:
+        serial.train(mode == "train"), parallel.train(mode == "train")
+        x = torch.randn([2, 2] + [sum(layouts[i]) if i < len(dims) else 6 for i in range(2)], dtype=torch.float64)
+        xs, xl = x.clone().requires_grad_(True), local(x).clone().requires_grad_(True)
+        ys, yl = serial(xs), parallel(xl)
+        torch.testing.assert_close(yl, ys, **TIGHT)
+        target = torch.randn_like(ys)
+        backward_step_match(
+            F.mse_loss(ys, target), F.mse_loss(yl, target), xs, xl, local, serial, parallel, opt_s, opt_p, **TIGHT
+        )
+    return True
+
+
+def test_reflect_and_replicate_padding_along_sharded_dims_are_exact():
+    run_ranks(_pads, 2, args=((2,), [[5, 4]]), timeout=120)
+    run_ranks(_pads, 3, args=((3,), [[4, 3, 3]]), timeout=120)
+    run_ranks(_pads, 4, args=((2, 2), [[5, 4], [4, 3]]), timeout=120)
+
+
+def test_reflect_padding_wider_than_the_edge_rank_raises_on_every_rank():
+    # rank 0 holds 2 rows and reflect padding 2 reads 3; rank 1 (5 rows) raises the same error
+    what = r"F.pad \(mode 'reflect', pad \(0, 0, 2, 0\)\) along sharded dim 2: this rank is at the domain's edge"
+    run_ranks(_refused, 2, args=(lambda h: F.pad(h, (0, 0, 2, 0), mode="reflect"), (2,), [2, 5], what), timeout=60)
+
+
+def test_circular_padding_along_a_sharded_dim_raises():
+    what = r"F.pad \(mode 'circular'"
+    run_ranks(_refused, 2, args=(lambda h: F.pad(h, (1, 1, 1, 1), mode="circular"), (2,), [5, 4], what), timeout=60)
+
+
+def _circular_module(rank, world):
+    with pytest.raises(ValueError, match="CircularPad2d"):
+        tplayers.parallelize_module(
+            nn.Sequential(nn.Conv2d(2, 2, 3), nn.CircularPad2d(1)), {"": tplayers.DomainParallel(shard_dims=(2,))}
+        )
+    return True
+
+
+def test_circular_pad_module_is_refused_at_plan_time():
+    run_ranks(_circular_module, 2, timeout=60)
+
+
+class Bare(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def _empty_slice(rank, world):
+    model = tplayers.parallelize_module(Bare(nn.Dropout2d(0.5)), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    x = torch.randn(2, 3, [6, 0][rank], 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"dropout2d with p=0.5 in training on an empty slice"):
+        model(x)
+    model.eval()  # no mask drawn: exact on the empty slice too
+    assert torch.equal(model(x), x)
+    return True
+
+
+def test_channel_dropout_on_an_empty_slice_raises_on_every_rank():
+    run_ranks(_empty_slice, 2, timeout=60)
