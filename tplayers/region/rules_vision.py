@@ -18,6 +18,10 @@
   rows) when the edge rank holds more rows than the pad (``reflect``) or at least one
   (``replicate``); else refused on every rank. Constant padding is routed as before
   (:mod:`tplayers.region.rules_route`); circular padding along a sharded dim is refused.
+* ``y.new_zeros(y.shape)`` / ``new_ones`` / ``new_full`` (and ``torch.zeros`` / ``ones`` / ``full``,
+  marked by the guard itself) are fresh constants: one value everywhere, so one of a sharded
+  tensor's local shape is the slice of the serial constant, and it broadcasts against sharded data
+  as a size-1 operand does (``torch.zeros(y.shape) + y``, ``c = y.new_zeros(y.shape); c += y``).
 """
 
 from __future__ import annotations
@@ -146,7 +150,16 @@ def _pad(g, func, args, kwargs):
     return g.mark(out, layout)
 
 
+def _constant(g, func, args, kwargs):
+    """``y.new_zeros(y.shape)``, ``new_ones``, ``new_full`` of a sharded ``y``: a fresh constant (see
+    :meth:`~tplayers.region.guard.RegionGuard.uniform`), replicated."""
+    return g.mark_uniform(func(*args, **kwargs))
+
+
 TABLE = {
+    "new_zeros": _constant,
+    "new_ones": _constant,
+    "new_full": _constant,
     "pad": _pad,
     "dropout1d": _channel_dropout,
     "dropout2d": _channel_dropout,
@@ -157,4 +170,4 @@ TABLE = {
 }
 
 #: rules that never communicate (see tplayers.region.dispatch)
-LOCAL = (_channel_dropout, _pixel_shuffle, _pixel_unshuffle)
+LOCAL = (_channel_dropout, _pixel_shuffle, _pixel_unshuffle, _constant)
