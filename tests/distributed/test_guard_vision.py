@@ -148,7 +148,8 @@ def test_channel_dropout_along_a_sharded_channel_dim_raises():
 # ------------------------------------------------------------------ reflect / replicate padding
 class Pads(nn.Module):
     """A CycleGAN-style generator's padding: ReflectionPad2d before unpadded convolutions, ReplicationPad2d,
-    F.pad in reflect mode, asymmetric pads; a global pool and a head (a replicated output)."""
+    F.pad in reflect mode, CircularPad2d and circular F.pad, asymmetric pads; a global pool and a head
+    (a replicated output)."""
 
     def __init__(self):
         super().__init__()
@@ -157,6 +158,8 @@ class Pads(nn.Module):
         self.conv2 = nn.Conv2d(4, 4, 3)
         self.replicate = nn.ReplicationPad2d(1)
         self.conv3 = nn.Conv2d(4, 3, 3)
+        self.circular = nn.CircularPad2d((2, 1, 1, 2))
+        self.conv4 = nn.Conv2d(3, 3, 3)
         self.head = nn.Linear(3, 3)
 
     def forward(self, x):
@@ -165,6 +168,8 @@ class Pads(nn.Module):
         h = self.conv3(self.replicate(h))
         h = F.pad(h, (1, 1, 1, 1), mode="reflect") * 1.5
         h = F.pad(h, (0, 2, 1, 0), mode="replicate")
+        h = self.conv4(self.circular(h))  # periodic: the first rank's rows come from the last rank
+        h = F.pad(h, (0, 0, 0, 1), mode="circular") + 0.5
         return self.head(h.square().mean(dim=(2, 3)))
 
 
@@ -205,21 +210,10 @@ def test_reflect_padding_wider_than_the_edge_rank_raises_on_every_rank():
     run_ranks(_refused, 2, args=(lambda h: F.pad(h, (0, 0, 2, 0), mode="reflect"), (2,), [2, 5], what), timeout=60)
 
 
-def test_circular_padding_along_a_sharded_dim_raises():
-    what = r"F.pad \(mode 'circular'"
-    run_ranks(_refused, 2, args=(lambda h: F.pad(h, (1, 1, 1, 1), mode="circular"), (2,), [5, 4], what), timeout=60)
-
-
-def _circular_module(rank, world):
-    with pytest.raises(ValueError, match="CircularPad2d"):
-        tplayers.parallelize_module(
-            nn.Sequential(nn.Conv2d(2, 2, 3), nn.CircularPad2d(1)), {"": tplayers.DomainParallel(shard_dims=(2,))}
-        )
-    return True
-
-
-def test_circular_pad_module_is_refused_at_plan_time():
-    run_ranks(_circular_module, 2, timeout=60)
+def test_circular_padding_wider_than_the_edge_rank_raises_on_every_rank():
+    # the last rank holds 2 rows and the first rank's 3 wrapped rows come from it: both ranks raise
+    what = r"F.pad \(mode 'circular', pad \(0, 0, 3, 0\)\) along sharded dim 2: this rank is at the domain's edge"
+    run_ranks(_refused, 2, args=(lambda h: F.pad(h, (0, 0, 3, 0), mode="circular"), (2,), [5, 2], what), timeout=60)
 
 
 class Bare(nn.Module):

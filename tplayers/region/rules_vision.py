@@ -16,8 +16,11 @@
   first rank along the dim pads its slice's near edge, the last rank its far edge, and the others
   nothing: exact (gradients included: the mirrored rows' gradients flow back into the edge rank's
   rows) when the edge rank holds more rows than the pad (``reflect``) or at least one
-  (``replicate``); else refused on every rank. Constant padding is routed as before
-  (:mod:`tplayers.region.rules_route`); circular padding along a sharded dim is refused.
+  (``replicate``); else refused on every rank. ``circular`` (``nn.CircularPad2d``): the first rank's
+  low rows are the last rank's last rows and back, one periodic halo exchange between the two
+  (:class:`~tplayers.comm.halo_grad.HaloExchange1d`, its adjoint in backward; dims one after the
+  other, so corners travel with the later dim), exact when the edge ranks hold the rows they send.
+  Constant padding is routed as before (:mod:`tplayers.region.rules_route`).
 * ``y.new_zeros(y.shape)`` / ``new_ones`` / ``new_full`` (and ``torch.zeros`` / ``ones`` / ``full``,
   marked by the guard itself) are fresh constants: one value everywhere, so one of a sharded
   tensor's local shape is the slice of the serial constant, and it broadcasts against sharded data
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from tplayers.comm.halo_grad import HaloExchange1d
 from tplayers.domain.layout import sharded_dims
 from tplayers.region import rules_route
 from tplayers.region.rules import op_name
@@ -109,12 +113,12 @@ def _pixel_unshuffle(g, func, args, kwargs):
 
 def _pad(g, func, args, kwargs):
     a = _bind(args, kwargs, ("input", "pad", "mode", "value"), {"mode": "constant", "value": None})
-    if a["mode"] not in ("reflect", "replicate"):
+    if a["mode"] not in ("reflect", "replicate", "circular"):
         return rules_route._pad(g, func, args, kwargs)
     x, lay, mode = a["input"], g.layout(a["input"]), a["mode"]
     n, pads = x.dim(), [int(p) for p in a["pad"]]
     local = list(pads)
-    short = []
+    short, wraps = [], []
     g.arm()  # whether the edge rank holds enough rows is read from local sizes
     for d in sharded_dims(lay):
         k = n - 1 - d  # F.pad lists the last dim first
@@ -130,10 +134,16 @@ def _pad(g, func, args, kwargs):
             )
         axis = lay[d][0][1]
         coord, size = g.mesh.get_local_rank(axis), g.mesh.size(axis)
-        local[2 * k] = pads[2 * k] if coord == 0 else 0
-        local[2 * k + 1] = pads[2 * k + 1] if coord == size - 1 else 0
-        need = max(local[2 * k], local[2 * k + 1]) + (1 if mode == "reflect" else 0)
-        if max(local[2 * k], local[2 * k + 1]) and x.shape[d] < max(need, 1):
+        lo, hi = pads[2 * k] if coord == 0 else 0, pads[2 * k + 1] if coord == size - 1 else 0
+        if mode == "circular":  # the first rank's low rows come from the last rank, and back
+            local[2 * k] = local[2 * k + 1] = 0
+            send = (pads[2 * k + 1] if coord == 0 else 0, pads[2 * k] if coord == size - 1 else 0)
+            wraps.append((d, axis, (lo, hi), send))
+            need = max(send)
+        else:
+            local[2 * k], local[2 * k + 1] = lo, hi
+            need = max(lo, hi) + (1 if mode == "reflect" and max(lo, hi) else 0)
+        if x.shape[d] < need:
             short.append((d, int(x.shape[d]), need))
     if short:
         d, have, need = short[0]
@@ -145,7 +155,12 @@ def _pad(g, func, args, kwargs):
                 f"Give the first and last ranks along dim {d} at least {need} rows.",
             )
         )
-    out = F.pad(x, local, mode=mode)
+    out = F.pad(x, local, mode=mode) if any(local) else x
+    if wraps:
+        g.acted = True
+        g.settle()  # before the exchange: a rank that refused above meets the others here
+        for d, axis, recv, send in wraps:
+            out = HaloExchange1d.apply(out, d, g.groups[axis], recv, send, True)
     layout = tuple(((out.shape[d], e[0][1]),) if e is not None and len(e) == 1 else e for d, e in enumerate(lay))
     return g.mark(out, layout)
 
