@@ -295,3 +295,20 @@ def test_a_constant_whose_literal_size_fits_one_rank_only_raises_on_every_rank()
     what = r"rank\(s\) \[1\] raised"
     fn = lambda h: torch.zeros(2, 4, 5, 6, dtype=h.dtype) + h  # noqa: E731
     run_ranks(_refused, 2, args=(fn, (2,), [5, 4], what), timeout=60)
+
+
+def _compiled_pad(rank, world):
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    model = nn.Sequential(nn.Conv2d(2, 2, 3, padding=1), nn.ReflectionPad2d(1), nn.Conv2d(2, 2, 3)).double()
+    par = tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2,))})
+    x = tplayers.shard(torch.randn(1, 2, 9, 6, dtype=torch.float64), 2)
+    par(x)  # eager: the guard pads the edge ranks only
+    with pytest.raises(ValueError, match="route ops through the region guard"):
+        torch.compile(par, backend="aot_eager")(x)
+    return True
+
+
+def test_compile_of_a_region_with_a_mirrored_pad_is_refused_at_trace_time():
+    run_ranks(_compiled_pad, 2, timeout=240)

@@ -115,6 +115,7 @@ def _pad(g, func, args, kwargs):
     a = _bind(args, kwargs, ("input", "pad", "mode", "value"), {"mode": "constant", "value": None})
     if a["mode"] not in ("reflect", "replicate", "circular"):
         return rules_route._pad(g, func, args, kwargs)
+    g.acted = True  # not the plain call's result (which pads every rank's edges): compiling refuses it
     x, lay, mode = a["input"], g.layout(a["input"]), a["mode"]
     n, pads = x.dim(), [int(p) for p in a["pad"]]
     local = list(pads)
@@ -157,7 +158,6 @@ def _pad(g, func, args, kwargs):
         )
     out = F.pad(x, local, mode=mode) if any(local) else x
     if wraps:
-        g.acted = True
         g.settle()  # before the exchange: a rank that refused above meets the others here
         for d, axis, recv, send in wraps:
             out = HaloExchange1d.apply(out, d, g.groups[axis], recv, send, True)
