@@ -282,10 +282,18 @@ def _written(rank, world):
     model = tplayers.parallelize_module(Written().double(), {"": tplayers.DomainParallel(shard_dims=(2,))})
     with pytest.raises(ValueError, match="a replicated operand of shape"):
         model(tplayers.shard(torch.randn(2, 4, 9, 5, dtype=torch.float64), 2))
+    # inference tensors keep no version counter, so no constant is followed there: refused as before
+    torch.manual_seed(0)
+    constants = tplayers.parallelize_module(Constants().double(), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    x = tplayers.shard(torch.randn(2, 2, 9, 5, dtype=torch.float64), 2)
+    with torch.no_grad():
+        constants(x)  # no_grad: followed
+    with torch.inference_mode(), pytest.raises(ValueError, match="a replicated operand of shape"):
+        constants(x)
     return True
 
 
-def test_a_written_constant_is_refused_as_before():
+def test_a_written_constant_or_one_made_in_inference_mode_is_refused_as_before():
     run_ranks(_written, 2, timeout=60)
 
 

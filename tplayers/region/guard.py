@@ -115,12 +115,13 @@ class RegionGuard(TorchFunctionMode):
         ``Tensor.new_zeros`` / ``new_ones`` / ``new_full``), not yet written: one value everywhere, so
         a constant of a sharded tensor's local shape is the slice of the serial model's constant of
         the global shape, and broadcasts against sharded data as a size-1 operand does. Any in-place
-        write (seen by the guard or not: ``c[:, :, 0] = 1``) bumps the tensor's version and ends it."""
+        write (seen by the guard or not: ``c[:, :, 0] = 1``) bumps the tensor's version and ends it.
+        Inference tensors (``torch.inference_mode``) have no version counter: never fresh constants."""
         tag = getattr(t, _UNIFORM, None) if isinstance(t, torch.Tensor) else None
         return tag is not None and tag[0] is self.token and tag[1] == t._version
 
     def mark_uniform(self, t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and not t.is_inference():
             setattr(t, _UNIFORM, (self.token, t._version))
         return t
 
