@@ -207,7 +207,10 @@ class RegionGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if not _touches(self, args, kwargs):
             name = getattr(func, "__name__", None)
-            fresh = name in _CONSTANTS or (args and self.uniform(args[0]) and _keeps_constant(self, name, args, kwargs))
+            first = getattr(args[0], _UNIFORM, None) if args and isinstance(args[0], torch.Tensor) else None
+            fresh = name in _CONSTANTS or (
+                first is not None and self.uniform(args[0]) and _keeps_constant(self, name, args, kwargs)
+            )
             out = func(*args, **kwargs)
             return self.mark_uniform(out) if fresh else out
         if torch.is_grad_enabled():
