@@ -320,3 +320,30 @@ def _compiled_pad(rank, world):
 
 def test_compile_of_a_region_with_a_mirrored_pad_is_refused_at_trace_time():
     run_ranks(_compiled_pad, 2, timeout=240)
+
+
+class PadInPlace(nn.Module):
+    """An in-place op on a pad's result (a middle rank pads nothing): the input stays untouched."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        p = F.pad(h, (0, 0, 1, 1), mode="replicate")
+        p.mul_(2.0)
+        return p.mean(dim=(2, 3)) + h.mean(dim=(2, 3))
+
+
+def _pad_in_place(rank, world):
+    torch.manual_seed(0)
+    serial = PadInPlace().double()
+    parallel = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    x = torch.randn(2, 2, 9, 5, dtype=torch.float64)
+    torch.testing.assert_close(parallel(local_slice(x, (2,), [[3, 3, 3]], [rank])), serial(x), **TIGHT)
+    return True
+
+
+def test_an_in_place_op_on_a_pad_result_leaves_its_input_alone():
+    run_ranks(_pad_in_place, 3, timeout=60)

@@ -156,7 +156,10 @@ def _pad(g, func, args, kwargs):
                 f"Give the first and last ranks along dim {d} at least {need} rows.",
             )
         )
-    out = F.pad(x, local, mode=mode) if any(local) else x
+    if not any(local):
+        out = x.clone()  # a new tensor, as the serial F.pad returns (an in-place op on it leaves x alone)
+    else:  # an empty slice pads to an empty slice whatever the mode (torch's reflect refuses empty dims)
+        out = F.pad(x, local, mode=mode if x.numel() else "constant")
     if wraps:
         g.settle()  # before the exchange: a rank that refused above meets the others here
         for d, axis, recv, send in wraps:
