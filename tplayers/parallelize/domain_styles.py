@@ -82,18 +82,7 @@ SPATIAL_MIXERS_WITHOUT_TWIN: Tuple[type, ...] = (
     nn.LazyConvTranspose3d,
     nn.Fold,
     nn.Unfold,
-    nn.PixelShuffle,
-    nn.PixelUnshuffle,
-    nn.ReflectionPad1d,
-    nn.ReflectionPad2d,
-    nn.ReflectionPad3d,
-    nn.ReplicationPad1d,
-    nn.ReplicationPad2d,
-    nn.ReplicationPad3d,
-    nn.CircularPad1d,
-    nn.CircularPad2d,
-    nn.CircularPad3d,
-)  # zero / constant pads are routed by the region guard (tplayers.functional.pad)
+)  # padding layers (every mode) and pixel (un)shuffle are run by the region guard (tplayers.region)
 
 
 def _twin_of(module: nn.Module):
@@ -130,8 +119,7 @@ class DomainParallel(ParallelStyle):
         ValueError: (from :func:`~tplayers.parallelize_module`, before anything is swapped) the
             subtree holds modules that mix spatial positions and have no twin
             (:data:`SPATIAL_MIXERS_WITHOUT_TWIN`: FractionalMaxPool, LPPool, MaxUnpool,
-            SyncBatchNorm, lazy norms and convolutions, LocalResponseNorm, reflect / replicate /
-            circular padding layers, PixelShuffle, Fold, Unfold), all of them listed; at call
+            SyncBatchNorm, lazy norms and convolutions, LocalResponseNorm, Fold, Unfold), all of them listed; at call
             time, on every rank, an op the guard can neither prove exact nor route.
 
     Example (``torchrun --nproc-per-node 2``, or plain ``python``)::

@@ -1,8 +1,9 @@
 """Which rule handles an op on domain-sharded data: the guard's dispatch table.
 
 The table joins the generic rules (:mod:`tplayers.region.rules`: pointwise, views, reductions
-along dims, values), the op rules (:mod:`tplayers.region.rules_ops`: reductions, norms, cat, ...)
-and the routes (:mod:`tplayers.region.rules_route`: interpolate, pools, pads, attention). An op with
+along dims, values), the op rules (:mod:`tplayers.region.rules_ops`: reductions, norms, cat, ...),
+the routes (:mod:`tplayers.region.rules_route`: interpolate, pools, pads, attention) and the
+vision rules (:mod:`tplayers.region.rules_vision`: channel dropout, pixel shuffle, mirrored pads). An op with
 no rule is refused (deny by default). See ``docs/design.md`` (the region guard).
 """
 
@@ -12,7 +13,7 @@ import functools
 from typing import Any, Dict
 
 from tplayers.domain.layout import LayoutError
-from tplayers.region import rules_fft, rules_ops, rules_route
+from tplayers.region import rules_fft, rules_ops, rules_route, rules_vision
 from tplayers.region.rules import (
     _PASS,
     _PRESERVE,
@@ -41,6 +42,7 @@ def _table() -> Dict[str, Any]:
     table.update(rules_ops.TABLE)
     table.update(rules_route.TABLE)
     table.update(rules_fft.TABLE)
+    table.update(rules_vision.TABLE)
     return table
 
 
@@ -58,6 +60,7 @@ def _local() -> frozenset:
             *VIEWS.values(),
             *ALONG.values(),
             *rules_ops.LOCAL,
+            *rules_vision.LOCAL,
         ]
     )
 

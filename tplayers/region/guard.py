@@ -48,10 +48,17 @@ from tplayers.domain.boundary import ReplicatedToSharded
 from tplayers.domain.layout import Layout, canonical_layout, is_sharded, mesh_dims_of, region_layout, sharded_dims
 from tplayers.layers.norm import _DomainNorm
 from tplayers.region.dispatch import handle
+from tplayers.region.rules import _PRESERVE, _pointwise_names
 
 __all__ = ["RegionGuard", "active_guard", "GuardError"]
 
 _TAG = "_tplayers_domain_tag"
+_UNIFORM = "_tplayers_uniform"  # a fresh constant made in this call (the guard's token)
+#: factories whose result holds one value everywhere (``torch.zeros(y.shape)``): see :meth:`RegionGuard.uniform`
+_CONSTANTS = frozenset(
+    ["zeros", "ones", "full", "new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"]
+)
+_NOT_CONSTANT = frozenset(["rrelu", "rrelu_", "empty_like"])  # random or uninitialised values
 
 
 class GuardError(ValueError):
@@ -99,6 +106,23 @@ class RegionGuard(TorchFunctionMode):
                 setattr(t, _TAG, (self.token, layout))
             elif getattr(t, _TAG, None) is not None:
                 setattr(t, _TAG, None)
+            if getattr(t, _UNIFORM, None) is not None:  # written: no longer a fresh constant
+                setattr(t, _UNIFORM, None)
+        return t
+
+    def uniform(self, t: Any) -> bool:
+        """Whether ``t`` is a fresh constant made in this call (``torch.zeros`` / ``ones`` / ``full``,
+        ``Tensor.new_zeros`` / ``new_ones`` / ``new_full``), not yet written: one value everywhere, so
+        a constant of a sharded tensor's local shape is the slice of the serial model's constant of
+        the global shape, and broadcasts against sharded data as a size-1 operand does. Any in-place
+        write (seen by the guard or not: ``c[:, :, 0] = 1``) bumps the tensor's version and ends it.
+        Inference tensors (``torch.inference_mode``) have no version counter: never fresh constants."""
+        tag = getattr(t, _UNIFORM, None) if isinstance(t, torch.Tensor) else None
+        return tag is not None and tag[0] is self.token and tag[1] == t._version
+
+    def mark_uniform(self, t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter) and not t.is_inference():
+            setattr(t, _UNIFORM, (self.token, t._version))
         return t
 
     def mark_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +206,13 @@ class RegionGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not _touches(self, args, kwargs):
-            return func(*args, **kwargs)
+            name = getattr(func, "__name__", None)
+            first = getattr(args[0], _UNIFORM, None) if args and isinstance(args[0], torch.Tensor) else None
+            fresh = name in _CONSTANTS or (
+                first is not None and self.uniform(args[0]) and _keeps_constant(self, name, args, kwargs)
+            )
+            out = func(*args, **kwargs)
+            return self.mark_uniform(out) if fresh else out
         if self.check and torch.is_grad_enabled():  # a partition's first call: later calls run the same code
             self.check_functions(args, kwargs)
         with stepped_aside(self, settle=False):  # an outer guard (a model watch) must not see the handler's own ops
@@ -303,6 +333,19 @@ def _twin_out_layout(module, out: torch.Tensor, dims: Tuple[int, ...]) -> Layout
     return tuple(
         ((int(out.shape[d]), dims.index(d)),) if d in dims and per[d - 2] != 1 else None for d in range(out.dim())
     )
+
+
+def _keeps_constant(guard: RegionGuard, name, args, kwargs) -> bool:
+    """Whether a pointwise op or a move (``to``, ``clone``) of a fresh constant makes a fresh constant: its
+    other tensor operands are fresh constants or single values (``torch.ones(y.shape) * 0.5``)."""
+    if name in _NOT_CONSTANT or (name not in _PRESERVE and name not in _pointwise_names()):
+        return False
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor) and not guard.uniform(a) and a.numel() > 1:
+            return False
+        if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
+            return False
+    return True
 
 
 def _touches(guard: RegionGuard, args, kwargs) -> bool:

@@ -60,7 +60,13 @@ def _tensors(args, kwargs):
 def run_pointwise(g, func, args, kwargs, tensors=None):
     """Broadcasting op: check the operands' layouts, sum replicated gradients where they meet shards."""
     tensors = _tensors(args, kwargs) if tensors is None else tensors
-    out_layout = broadcast_layouts([t.shape for t in tensors], [g.layout(t) for t in tensors])
+    # a fresh constant (torch.zeros(y.shape)) pairs one value with every row: broadcast like size 1;
+    # its length is a local size (torch's own shape check may fail on some ranks only): agreed
+    fresh = [g.uniform(t) for t in tensors]
+    if any(fresh):
+        g.arm()
+    shapes = [(1,) * t.dim() if u else t.shape for t, u in zip(tensors, fresh)]
+    out_layout = broadcast_layouts(shapes, [g.layout(t) for t in tensors])
     axes = mesh_dims_of(out_layout)
     swap = {id(t): g.bound(t, axes) for t in tensors if g.layout(t) is None}
     # A tensor sharded over some mesh dims only (a reduction's result over a 2-D mesh) is replicated
@@ -75,7 +81,7 @@ def run_pointwise(g, func, args, kwargs, tensors=None):
     args = tuple(swap.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
     kwargs = {k: swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     target = args[0] if args else None
-    in_place = isinstance(target, torch.Tensor) and g.layout(target) is None
+    in_place = isinstance(target, torch.Tensor) and g.layout(target) is None and not g.uniform(target)
     out = func(*args, **kwargs)
     if out is target and in_place and is_sharded(out_layout):
         raise g.error(f"{op_name(func)} writes sharded values into a replicated tensor in place", out_layout)

@@ -1,0 +1,191 @@
+"""Region-guard rules for vision ops that are exact on each rank's slice: channel dropout, pixel shuffle.
+
+* ``F.dropout1d`` / ``dropout2d`` / ``dropout3d`` / ``feature_alpha_dropout`` (``nn.Dropout2d``, ...)
+  draw one mask entry per ``(N, C)``: torch draws it as a ``(N, C, 1, ...)`` tensor whose shape does
+  not depend on the spatial sizes, so with the generator in the same state on every rank (the same
+  ``torch.manual_seed`` everywhere, as :class:`tplayers.ParallelDropout` needs; tplayers advances the
+  generator as the serial model does) every rank draws the serial mask and its slice is exact. The
+  batch and channel dims must be whole. A rank whose slice is empty would skip the draw and fall out
+  of step: refused on every rank (agreed, :meth:`~tplayers.region.guard.RegionGuard.arm`).
+* ``F.pixel_shuffle`` with factor ``r`` maps each local row to ``r`` rows: rank ``k``'s rows
+  ``[s, s + h)`` become the serial output's rows ``[r s, r (s + h))``; the result is tagged with the
+  local lengths times ``r``. ``F.pixel_unshuffle`` is exact when every rank's length along each
+  sharded dim is a multiple of ``r`` (then every start is too); else refused on every rank.
+* ``F.pad`` in ``reflect`` / ``replicate`` mode (``nn.ReflectionPad2d``, ``nn.ReplicationPad2d``, ...)
+  along a sharded dim: both modes are separable by dim and read only rows at the global edge, so the
+  first rank along the dim pads its slice's near edge, the last rank its far edge, and the others
+  nothing: exact (gradients included: the mirrored rows' gradients flow back into the edge rank's
+  rows) when the edge rank holds more rows than the pad (``reflect``) or at least one
+  (``replicate``); else refused on every rank. ``circular`` (``nn.CircularPad2d``): the first rank's
+  low rows are the last rank's last rows and back, one periodic halo exchange between the two
+  (:class:`~tplayers.comm.halo_grad.HaloExchange1d`, its adjoint in backward; dims one after the
+  other, so corners travel with the later dim), exact when the edge ranks hold the rows they send.
+  Constant padding is routed as before (:mod:`tplayers.region.rules_route`).
+* ``y.new_zeros(y.shape)`` / ``new_ones`` / ``new_full`` (and ``torch.zeros`` / ``ones`` / ``full``,
+  marked by the guard itself) are fresh constants: one value everywhere, so one of a sharded
+  tensor's local shape is the slice of the serial constant, and it broadcasts against sharded data
+  as a size-1 operand does (``torch.zeros(y.shape) + y``, ``c = y.new_zeros(y.shape); c += y``).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from tplayers.comm.halo_grad import HaloExchange1d
+from tplayers.domain.layout import sharded_dims
+from tplayers.region import rules_route
+from tplayers.region.rules import op_name
+from tplayers.region.rules_ops import _bind
+
+__all__ = ["TABLE", "LOCAL"]
+
+#: ops whose input has no batch dim at this rank (``dropout1d`` of ``(C, L)``, ``dropout3d`` of ``(C, D, H, W)``)
+_UNBATCHED = {"dropout1d": 2, "dropout3d": 4}
+
+
+def _channel_dropout(g, func, args, kwargs):
+    name = func.__name__
+    training = name != "feature_alpha_dropout"  # F.feature_alpha_dropout's default is training=False
+    a = _bind(args, kwargs, ("input", "p", "training", "inplace"), {"p": 0.5, "training": training})
+    x, lay = a["input"], g.layout(a["input"])
+    out_lay = lay
+    if float(a["p"]) == 0.0 or not a["training"]:
+        return g.mark(func(*args, **kwargs), out_lay)
+    whole = 1 if _UNBATCHED.get(name) == x.dim() else 2  # the dims the mask has one entry along
+    hit = [d for d in sharded_dims(lay) if d < whole]
+    if hit:
+        raise g.error(
+            f"{op_name(func)} with p={a['p']} in training, sharded along dim {hit[0]} (its mask has one entry "
+            "per batch and channel)",
+            lay,
+            "Shard spatial dims only, or use tplayers.ParallelDropout.",
+        )
+    g.arm()  # an empty slice skips the draw on this rank only: agreed on a region's first call
+    if x.numel() == 0 and float(a["p"]) != 1.0:
+        raise g.refuse(
+            g.error(
+                f"{op_name(func)} with p={a['p']} in training on an empty slice (shape {tuple(x.shape)}): "
+                "this rank would not draw the mask and its random generator would fall out of step",
+                lay,
+                "Give every rank at least one row.",
+            )
+        )
+    return g.mark(func(*args, **kwargs), out_lay)
+
+
+def _factor(g, func, args, kwargs, key):
+    a = _bind(args, kwargs, ("input", key), {})
+    x, lay, r = a["input"], g.layout(a["input"]), int(a[key])
+    n = x.dim()
+    for d in sharded_dims(lay):
+        if d == n - 3:
+            raise g.error(f"{op_name(func)} with the channel dim sharded", lay)
+        if d >= n - 2 and len(lay[d]) != 1:
+            raise g.error(f"{op_name(func)} on a dim that merges a sharded dim with others", lay)
+    return x, lay, r, n
+
+
+def _pixel_shuffle(g, func, args, kwargs):
+    x, lay, r, n = _factor(g, func, args, kwargs, "upscale_factor")
+    out = func(*args, **kwargs)
+    layout = tuple(((e[0][0] * r, e[0][1]),) if d >= n - 2 and e is not None else e for d, e in enumerate(lay))
+    return g.mark(out, layout)
+
+
+def _pixel_unshuffle(g, func, args, kwargs):
+    x, lay, r, n = _factor(g, func, args, kwargs, "downscale_factor")
+    g.arm()  # decided from local lengths: agreed on a region's first call
+    for d in sharded_dims(lay):
+        if d >= n - 2 and r > 0 and x.shape[d] % r:
+            raise g.refuse(
+                g.error(
+                    f"{op_name(func)} with factor {r} along sharded dim {d}, where this rank holds "
+                    f"{x.shape[d]} rows (not a multiple of {r}): its output rows would take input rows "
+                    "of two ranks",
+                    lay,
+                    f"Partition dim {d} in multiples of {r} (tplayers.shard_sizes with a multiple of {r} rows per rank).",
+                )
+            )
+    out = func(*args, **kwargs)
+    layout = tuple(((e[0][0] // r, e[0][1]),) if d >= n - 2 and e is not None else e for d, e in enumerate(lay))
+    return g.mark(out, layout)
+
+
+def _pad(g, func, args, kwargs):
+    a = _bind(args, kwargs, ("input", "pad", "mode", "value"), {"mode": "constant", "value": None})
+    if a["mode"] not in ("reflect", "replicate", "circular"):
+        return rules_route._pad(g, func, args, kwargs)
+    g.acted = True  # not the plain call's result (which pads every rank's edges): compiling refuses it
+    x, lay, mode = a["input"], g.layout(a["input"]), a["mode"]
+    n, pads = x.dim(), [int(p) for p in a["pad"]]
+    local = list(pads)
+    short, wraps = [], []
+    g.arm()  # whether the edge rank holds enough rows is read from local sizes
+    for d in sharded_dims(lay):
+        k = n - 1 - d  # F.pad lists the last dim first
+        if 2 * k + 1 >= len(pads) or not (pads[2 * k] or pads[2 * k + 1]):
+            continue
+        if len(lay[d]) != 1 or min(pads[2 * k], pads[2 * k + 1]) < 0:
+            raise g.refuse(
+                g.error(
+                    f"F.pad (mode {mode!r}, pad {tuple(pads)}) along sharded dim {d}, "
+                    + ("negative" if len(lay[d]) == 1 else "a dim merging a sharded dim with others"),
+                    lay,
+                )
+            )
+        axis = lay[d][0][1]
+        coord, size = g.mesh.get_local_rank(axis), g.mesh.size(axis)
+        lo, hi = pads[2 * k] if coord == 0 else 0, pads[2 * k + 1] if coord == size - 1 else 0
+        if mode == "circular":  # the first rank's low rows come from the last rank, and back
+            local[2 * k] = local[2 * k + 1] = 0
+            send = (pads[2 * k + 1] if coord == 0 else 0, pads[2 * k] if coord == size - 1 else 0)
+            wraps.append((d, axis, (lo, hi), send))
+            need = max(send)
+        else:
+            local[2 * k], local[2 * k + 1] = lo, hi
+            need = max(lo, hi) + (1 if mode == "reflect" and max(lo, hi) else 0)
+        if x.shape[d] < need:
+            short.append((d, int(x.shape[d]), need))
+    if short:
+        d, have, need = short[0]
+        raise g.refuse(
+            g.error(
+                f"F.pad (mode {mode!r}, pad {tuple(pads)}) along sharded dim {d}: this rank is at the domain's "
+                f"edge and holds {have} rows, and the {mode} padding reads {need}",
+                lay,
+                f"Give the first and last ranks along dim {d} at least {need} rows.",
+            )
+        )
+    if not any(local):
+        out = x.clone()  # a new tensor, as the serial F.pad returns (an in-place op on it leaves x alone)
+    else:  # an empty slice pads to an empty slice whatever the mode (torch's reflect refuses empty dims)
+        out = F.pad(x, local, mode=mode if x.numel() else "constant")
+    if wraps:
+        g.settle()  # before the exchange: a rank that refused above meets the others here
+        for d, axis, recv, send in wraps:
+            out = HaloExchange1d.apply(out, d, g.groups[axis], recv, send, True)
+    layout = tuple(((out.shape[d], e[0][1]),) if e is not None and len(e) == 1 else e for d, e in enumerate(lay))
+    return g.mark(out, layout)
+
+
+def _constant(g, func, args, kwargs):
+    """``y.new_zeros(y.shape)``, ``new_ones``, ``new_full`` of a sharded ``y``: a fresh constant (see
+    :meth:`~tplayers.region.guard.RegionGuard.uniform`), replicated."""
+    return g.mark_uniform(func(*args, **kwargs))
+
+
+TABLE = {
+    "new_zeros": _constant,
+    "new_ones": _constant,
+    "new_full": _constant,
+    "pad": _pad,
+    "dropout1d": _channel_dropout,
+    "dropout2d": _channel_dropout,
+    "dropout3d": _channel_dropout,
+    "feature_alpha_dropout": _channel_dropout,
+    "pixel_shuffle": _pixel_shuffle,
+    "pixel_unshuffle": _pixel_unshuffle,
+}
+
+#: rules that never communicate (see tplayers.region.dispatch)
+LOCAL = (_channel_dropout, _pixel_shuffle, _pixel_unshuffle, _constant)
