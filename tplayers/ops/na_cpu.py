@@ -50,7 +50,6 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from tplayers.ops.na_gemm import gemm_backward
 from tplayers.ops.na_geometry import kernel_dims, kernel_tables, split_geometry
@@ -62,7 +61,7 @@ __all__ = [
     "cache_dir",
     "c_forward",
     "c_backward",
-    "CAttention",
+    "C_KERNELS",
     "host_isa",
     "target_isa",
     "lanes",
@@ -368,7 +367,7 @@ def backward_is_fused(geo: List[int], dtype: torch.dtype) -> bool:
     (``(kW - 1) * dilation_W`` columns apart) must fit two vectors from the block's first key
     (``(kW - 1) * dW <= lanes``). Otherwise each slot is a read-modify-write of memory, measured
     slower than the tile kernel's backward (wide 2-D kernels, long 1-D ones; ``benchmarks/na.py``),
-    so :class:`CAttention` then runs the GEMM kernel's backward (:mod:`tplayers.ops.na_gemm`; measured
+    so :data:`C_KERNELS` then run the GEMM kernel's backward (:mod:`tplayers.ops.na_gemm`; measured
     faster than the tile kernel's there)."""
     col = split_geometry(geo)[0][-1]
     return (col.kernel - 1) * col.dilation <= lanes(dtype)
@@ -395,30 +394,6 @@ def attention_backward(
     return gemm_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv, want_bias)
 
 
-class CAttention(torch.autograd.Function):
-    """Neighborhood attention on the compiled CPU kernel.
-
-    forward: per (batch, head) plane, ``S = scale Q K^T`` over each query's window (+ bias,
-    -inf outside a causal window), ``O = softmax(S) V`` / backward: ``S`` and ``P`` again per
-    block of queries, ``dP = dO V^T``, ``dS = P (dP - rowsum(dO O))``, ``dQ = scale dS K``,
-    ``dK += scale dS^T Q``, ``dV += P^T dO``, ``dbias += dS`` (the GEMM kernel's backward where the
-    C one is not :func:`backward_is_fused`). Same inputs as
-    :class:`~tplayers.ops.na_kernel.TileAttention` with the :func:`geometry_args` list ``geo``.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, table, geo, scale: float, heads: int):
-        out = c_forward(q, k, v, table, geo, scale, heads)
-        ctx.save_for_backward(q, k, v, table, out)
-        ctx.geo, ctx.scale, ctx.heads = geo, scale, heads
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        q, k, v, table, out = ctx.saved_tensors
-        want = ctx.needs_input_grad
-        dq, dk, dv, dt = attention_backward(
-            grad_out, q, k, v, table, out, ctx.geo, ctx.scale, ctx.heads, want_kv=want[1] or want[2], want_bias=want[3]
-        )
-        return dq, dk, dv, (dt if want[3] else None), None, None, None
+#: The compiled C plane kernels (the GEMM kernel's backward where the C one is not fused), for
+#: :class:`~tplayers.ops.na_gemm.GeoAttention`.
+C_KERNELS = (c_forward, attention_backward)

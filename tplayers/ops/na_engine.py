@@ -24,7 +24,7 @@ import torch
 
 from tplayers.ops import na_cpu, na_dispatch, na_kernel
 from tplayers.ops.na_compile import ensure_na_ops
-from tplayers.ops.na_gemm import GemmAttention
+from tplayers.ops.na_gemm import GEMM_KERNELS, GeoAttention
 from tplayers.ops.na_geometry import Axis, geometry_args
 from tplayers.ops.na_kernel import TileAttention
 
@@ -132,7 +132,7 @@ def neighborhood_attention(
     grouped = k.shape[-2] < heads
     which = None if torch.compiler.is_compiling() else na_dispatch.choose_kernel(q, kernel, grouped)
     if which == "gemm":  # grouped key/value heads stay grouped: one key tile serves its query heads
-        out = GemmAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads)
+        out = GeoAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads, GEMM_KERNELS)
         return out.view(out_shape)
     if which is None:  # compiling: the tables are built inside one registered op (see na_compile)
         ensure_na_ops()  # registers tplayers::na2d_tiles on first use (nothing at import)
@@ -142,7 +142,7 @@ def neighborhood_attention(
         return out.view(out_shape)
     k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
     if which == "c":
-        out = na_cpu.CAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads)
+        out = GeoAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads, na_cpu.C_KERNELS)
         return out.view(out_shape)
     plan, plan_bwd = na_kernel.tile_plans(geo, q.device, q.dtype)
     out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, plan_bwd, scale, heads)

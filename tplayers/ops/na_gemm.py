@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 from tplayers.ops.na_geometry import row_tiles, split_geometry
 from tplayers.ops.na_layout import AxisTiles
 
-__all__ = ["GemmPlan", "gemm_plan", "GemmAttention", "gemm_forward", "gemm_backward"]
+__all__ = ["GemmPlan", "gemm_plan", "GeoAttention", "GEMM_KERNELS", "gemm_forward", "gemm_backward"]
 
 #: scores per forward block, all (batch, head) planes together (1 MiB of fp32)
 CHUNK_SCORES = 1 << 18
@@ -275,16 +275,18 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor, rows: int = 1 << 12) -> torch.Tens
     return out
 
 
-class GemmAttention(torch.autograd.Function):
-    """Neighborhood attention on the GEMM-tiled kernel (same inputs as
-    :class:`~tplayers.ops.na_cpu.CAttention`: pixel-major ``q``, ``k``, ``v``, the bias ``table``
-    or None, the geometry list, the scale, the query heads)."""
+class GeoAttention(torch.autograd.Function):
+    """Neighborhood attention over the geometry list ``geo`` on a pair of plane kernels ``kernels =
+    (forward, backward)``: the GEMM-tiled ones (:data:`GEMM_KERNELS`) or the compiled C ones
+    (:data:`tplayers.ops.na_cpu.C_KERNELS`). Inputs: pixel-major ``q``, ``k``, ``v``, the bias ``table``
+    or None, the geometry list, the scale, the query heads; the backward kernel takes
+    ``(grad_out, q, k, v, table, out, geo, scale, heads, want_kv, want_bias)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, geo, scale: float, heads: int):
-        out = gemm_forward(q, k, v, table, geo, scale, heads)
+    def forward(ctx, q, k, v, table, geo, scale: float, heads: int, kernels):
+        out = kernels[0](q, k, v, table, geo, scale, heads)
         ctx.save_for_backward(q, k, v, table, out)
-        ctx.geo, ctx.scale, ctx.heads = geo, scale, heads
+        ctx.geo, ctx.scale, ctx.heads, ctx.backward_kernel = geo, scale, heads, kernels[1]
         return out
 
     @staticmethod
@@ -292,7 +294,11 @@ class GemmAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, table, out = ctx.saved_tensors
         want = ctx.needs_input_grad
-        dq, dk, dv, dt = gemm_backward(
+        dq, dk, dv, dt = ctx.backward_kernel(
             grad_out, q, k, v, table, out, ctx.geo, ctx.scale, ctx.heads, want[1] or want[2], want[3]
         )
-        return dq, dk, dv, dt, None, None, None
+        return dq, dk, dv, (dt if want[3] else None), None, None, None, None
+
+
+#: The GEMM-tiled plane kernels, for :class:`GeoAttention`.
+GEMM_KERNELS = (gemm_forward, gemm_backward)
