@@ -38,9 +38,8 @@ class Member:
     def call(self, module, call, args, kwargs):
         """A twin of the region called outside the region's call: the call runs as a region call."""
         if torch.compiler.is_compiling():
-            refuse = None if self.region is None else self.region.compile_refusal()
-            if refuse is not None:
-                refuse(self.region.name)
+            if self.region is not None:
+                self.region.check_compilable()
             return call(*args, **kwargs)
         if not self._opens():
             return call(*args, **kwargs)
@@ -54,9 +53,8 @@ class Member:
 
     def pre(self, module, args, kwargs):
         if torch.compiler.is_compiling():
-            refuse = None if self.region is None else self.region.compile_refusal()
-            if refuse is not None:
-                refuse(self.region.name)
+            if self.region is not None:
+                self.region.check_compilable()
             return
         g = active_guard()
         if g is None and not isinstance(module, RegionAware) and self._opens():

@@ -57,16 +57,7 @@ def run_op(region, func, args, kwargs) -> Any:
         g.settle()
     finally:
         g._bounded.clear()
-    return _rewrap(g, region, out)
-
-
-def _rewrap(g: RegionGuard, region, out):
-    if isinstance(out, torch.Tensor) and not isinstance(out, torch.nn.Parameter):
-        lay = g.layout(out)
-        return out if lay is None else wrap(out, region, lay)
-    if type(out) in (list, tuple):
-        return type(out)(_rewrap(g, region, o) for o in out)
-    return out
+    return wrap_outputs(g, region, out)
 
 
 def wrap_outputs(g: RegionGuard, region, output: Any) -> Any:

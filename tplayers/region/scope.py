@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -197,21 +197,18 @@ class DomainRegion:
                 self._checked[guard.scope_key] = self._table
 
     # ------------------------------------------------------------------ hooks
-    def compile_refusal(self) -> Optional[Callable[[str], None]]:
-        """Why this region cannot run under ``torch.compile`` tracing, which the guard does not run in:
-        the raiser to call with the region's name (``None``: it can, an eager call ran through it and
-        needed no guard)."""
+    def check_compilable(self) -> None:
+        """Under ``torch.compile`` tracing, which the guard does not run in: raise ``ValueError`` (on every
+        rank, from a graph break) unless an eager call ran through this region and needed no guard, or
+        the region is plainly twins and local modules (:mod:`tplayers.region.compiled`)."""
         if self.needs_guard:
-            return refuse_routed
-        if not self._checked and not plainly_local(self.root):
-            return refuse_unchecked
-        return None
+            refuse_routed(self.name)
+        elif not self._checked and not plainly_local(self.root):
+            refuse_unchecked(self.name)
 
     def pre_hook(self, module, args, kwargs):
         if torch.compiler.is_compiling():
-            refuse = self.compile_refusal()
-            if refuse is not None:
-                refuse(self.name)
+            self.check_compilable()
             return None
         if any(g is active_guard() for g in self._stack):
             return None  # re-entered inside its own call
