@@ -265,7 +265,8 @@ def test_fresh_constants_of_the_local_shape_are_exact():
 
 
 class Written(nn.Module):
-    """A fresh constant written along a sharded dim before use: no longer a constant (refused as before)."""
+    """A constant of the serial shape written along a sharded dim before use: the serial row 0 is written on
+    the rank that holds it (tplayers.region.rules_slices), so it is exact."""
 
     def __init__(self):
         super().__init__()
@@ -274,14 +275,16 @@ class Written(nn.Module):
     def forward(self, x):
         y = self.conv(x)
         c = torch.zeros(y.shape, dtype=y.dtype)
-        c[:, :, 0] = 1.0  # the first local row of every rank: not the serial first row
+        c[:, :, 0] = 1.0  # the serial first row: on rank 0 only
         return y + c
 
 
 def _written(rank, world):
-    model = tplayers.parallelize_module(Written().double(), {"": tplayers.DomainParallel(shard_dims=(2,))})
-    with pytest.raises(ValueError, match="a replicated operand of shape"):
-        model(tplayers.shard(torch.randn(2, 4, 9, 5, dtype=torch.float64), 2))
+    torch.manual_seed(0)
+    serial = Written().double()
+    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    full = torch.randn(2, 4, 9, 5, dtype=torch.float64)
+    torch.testing.assert_close(model(tplayers.shard(full, 2)), tplayers.shard(serial(full), 2), rtol=1e-12, atol=1e-12)
     # inference tensors keep no version counter, so no constant is followed there: refused as before
     torch.manual_seed(0)
     constants = tplayers.parallelize_module(Constants().double(), {"": tplayers.DomainParallel(shard_dims=(2,))})
@@ -293,7 +296,7 @@ def _written(rank, world):
     return True
 
 
-def test_a_written_constant_or_one_made_in_inference_mode_is_refused_as_before():
+def test_a_written_constant_is_exact_and_one_made_in_inference_mode_is_refused_as_before():
     run_ranks(_written, 2, timeout=60)
 
 

@@ -228,12 +228,12 @@ def test_a_constant_equal_to_every_read_local_length_is_refused_on_every_rank(wo
 
 
 @pytest.mark.parametrize("world,shape", [(2, (2, 2, 12, 6)), (4, (1, 2, 16, 6))])
-def test_a_skip_size_on_an_even_partition_is_refused_and_scale_factor_is_exact(world, shape):
-    """size=skip.shape[2:] with the same share on every rank could be a constant too: refused on every
-    rank; scale_factor=2, the fix the message names, is exact."""
-    msgs = run_ranks(_refused, world, args=((world,), "skip", None, "size", False, shape, AMBIGUOUS), timeout=60)
-    assert all("F.interpolate" in m and "scale_factor=" in m for m in msgs), msgs
-    run_ranks(_exact, world, args=((world,), "skip", None, ("scale",), False, shape), timeout=120)
+def test_a_skip_size_on_an_even_partition_is_exact(world, shape):
+    """size=skip.shape[2:] with the same share on every rank: the lengths read carry their serial value
+    (tplayers.region.lengths), so it is the skip's serial size, as scale_factor=2 is (it used to be refused
+    as ambiguous)."""
+    for how in ("size", "nearest", "scale"):  # different models: each against its serial one
+        run_ranks(_exact, world, args=((world,), "skip", None, (how,), False, shape), timeout=120)
 
 
 def test_sizes_that_are_neither_global_nor_shares_are_refused_on_every_rank():

@@ -71,10 +71,13 @@ def handle(g, func, args, kwargs):
     if name == "__get__":
         if getattr(func.__self__, "__name__", "") == "shape":
             g.note_read(args[0])
+            return g.lengths(args[0], _getter(g, func, args, kwargs))
         return _getter(g, func, args, kwargs)
     if name in ("size", "__len__"):
         dim = 0 if name == "__len__" else kwargs.get("dim", args[1] if len(args) > 1 else None)
         g.note_read(args[0], dim if isinstance(dim, int) else None)
+        if name == "size":
+            return g.lengths(args[0], func(*args, **kwargs), dim)
     handler = _table().get(name)
     if handler is None and name in _pointwise_names():
         handler = run_pointwise

@@ -39,6 +39,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from tplayers.comm.agree import raise_together
@@ -48,7 +49,9 @@ from tplayers.domain.boundary import ReplicatedToSharded
 from tplayers.domain.layout import Layout, canonical_layout, is_sharded, mesh_dims_of, region_layout, sharded_dims
 from tplayers.layers.norm import _DomainNorm
 from tplayers.region.dispatch import handle
+from tplayers.region.lengths import Root, shape_with_lengths
 from tplayers.region.rules import _PRESERVE, _pointwise_names
+from tplayers.region.rules_slices import FACTORIES, factory, has_len
 
 __all__ = ["RegionGuard", "active_guard", "GuardError"]
 
@@ -90,6 +93,7 @@ class RegionGuard(TorchFunctionMode):
         self.pending = 0  # such decisions made since the last collective (settled before the next one)
         self.reads: Dict[int, set] = {}  # mesh dim -> local lengths of sharded dims the code read (note_read)
         self.vetted: set = set()  # autograd nodes of twins' outputs (their custom Functions are the twins')
+        self.roots: Dict[Tuple[int, int], Tuple[torch.Tensor, Root]] = {}  # (id(t), dim) -> lengths' roots
 
     # ----------------------------------------------------------------- tags
     def layout(self, t: Any) -> Optional[Layout]:
@@ -144,6 +148,34 @@ class RegionGuard(TorchFunctionMode):
             for _, axis in entry or ():
                 if axis is not None and (dim is None or d == dim % len(lay)):
                     self.reads.setdefault(axis, set()).add(int(t.shape[d]))
+
+    def root(self, t: torch.Tensor, d: int) -> Optional[Root]:
+        """The :class:`~tplayers.region.lengths.Root` of sharded dim ``d`` of ``t`` (``None`` unless ``d`` is
+        one plain sharded dim: merged dims' lengths stay plain numbers), one per tensor dim and call."""
+        lay = self.layout(t)
+        entry = lay[d] if lay is not None else None
+        if entry is None or len(entry) != 1 or entry[0][1] is None:
+            return None
+        key = (id(t), d)
+        hit = self.roots.get(key)
+        if hit is None or hit[0] is not t:
+            with stepped_aside(self, settle=False):
+                n = int(t.shape[d])
+            hit = (t, Root(n, self.groups[entry[0][1]], entry[0][1]))
+            self.roots[key] = hit
+        return hit[1]
+
+    def lengths(self, t: Any, out: Any, dim: Any = None) -> Any:
+        """``t.shape`` / ``t.size(dim)`` as the region's code reads them: sharded dims' lengths as
+        :class:`~tplayers.region.lengths.ShardLen` (see :mod:`tplayers.region.lengths`)."""
+        if self.layout(t) is None:
+            return out
+        if isinstance(dim, int):
+            r = self.root(t, dim % t.dim())
+            return out if r is None else shape_with_lengths((out,), (r,))[0]
+        if isinstance(out, torch.Size):
+            return shape_with_lengths(out, [self.root(t, d) for d in range(len(out))])
+        return out
 
     # ------------------------------------------------------------ boundary
     def bound(self, t: torch.Tensor, axes: Sequence[int]) -> torch.Tensor:
@@ -207,6 +239,9 @@ class RegionGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if not _touches(self, args, kwargs):
             name = getattr(func, "__name__", None)
+            if name in FACTORIES and has_len(args, kwargs):
+                with stepped_aside(self, settle=False):
+                    return factory(self, func, args, kwargs)
             first = getattr(args[0], _UNIFORM, None) if args and isinstance(args[0], torch.Tensor) else None
             fresh = name in _CONSTANTS or (
                 first is not None and self.uniform(args[0]) and _keeps_constant(self, name, args, kwargs)
@@ -295,6 +330,8 @@ class RegionGuard(TorchFunctionMode):
                 )
             if layout != region_layout(shape, tuple(dims)) and _statistics_twin(module):
                 return self._norm_any_layout(module, call, x, layout, args, kwargs)
+            if layout != region_layout(shape, tuple(dims)) and _pointwise_conv(module) and len(args) == 1:
+                return _conv_fn(module)(x, module.weight, module.bias, 1, 0, 1, module.groups)  # routed: per pixel
             if layout != region_layout(shape, tuple(dims)):
                 raise self.refuse(
                     self.error(
@@ -346,6 +383,21 @@ def _keeps_constant(guard: RegionGuard, name, args, kwargs) -> bool:
         if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
             return False
     return True
+
+
+def _pointwise_conv(module) -> bool:
+    """A convolution twin whose window is one pixel (kernel 1, stride 1, no padding): per pixel on any layout
+    (neuraloperator's ``ChannelMLP`` runs its ``Conv1d`` over flattened pixels)."""
+    k = getattr(module, "kernel_size", None)
+    if not isinstance(k, tuple) or "Transpose" in type(module).__name__ or not hasattr(module, "groups"):
+        return False
+    pad = module.padding
+    pads = (pad,) if isinstance(pad, int) else () if isinstance(pad, str) else tuple(pad)
+    return all(v == 1 for v in k + tuple(module.stride)) and all(p == 0 for p in pads)
+
+
+def _conv_fn(module):
+    return (F.conv1d, F.conv2d, F.conv3d)[len(module.kernel_size) - 1]
 
 
 def _touches(guard: RegionGuard, args, kwargs) -> bool:

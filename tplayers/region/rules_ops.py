@@ -15,6 +15,7 @@ from tplayers.domain import reductions as R
 from tplayers.domain.layout import LayoutError, broadcast_layouts, drop_dims, mesh_dims_of, sharded_dims
 from tplayers.layers._norm_core import DomainNormFn
 from tplayers.region.rules import _mark_all, dims_arg, first_sharded, op_name, run_pointwise
+from tplayers.region.rules_slices import fit
 
 __all__ = ["TABLE", "LOCAL"]
 
@@ -169,7 +170,9 @@ def _einsum(g, func, args, kwargs):
         raise g.error("torch.einsum without an explicit '->' output (or with '...')", first_sharded(g, ops, {})[1])
     ins, out = eq.replace(" ", "").split("->")
     letters: Dict[str, object] = {}
-    for spec, t in zip(ins.split(","), ops):
+    owner: Dict[str, Tuple[torch.Tensor, int]] = {}  # a sharded letter -> an operand and dim holding it
+    specs = ins.split(",")
+    for spec, t in zip(specs, ops):
         lay = g.layout(t)
         for i, c in enumerate(spec):
             e = lay[i] if lay is not None else None
@@ -177,9 +180,19 @@ def _einsum(g, func, args, kwargs):
                 if c in letters and letters[c] not in (None, e):
                     raise g.error("torch.einsum pairing differently sharded dims", lay)
                 letters[c] = e
-            elif letters.get(c) is not None and t.shape[i] != 1:
-                raise g.error(f"torch.einsum: a replicated operand spans sharded dim {c!r}", letters[c])
+                owner.setdefault(c, (t, i))
             letters.setdefault(c, None)
+    ops, done = list(ops), [set() for _ in ops]  # done: mesh dims a cut operand's gradient is summed over
+    for k, (spec, t) in enumerate(zip(specs, ops)):  # a replicated operand with a sharded dim's full length: cut
+        if g.layout(t) is not None:
+            continue
+        for i, c in enumerate(spec):
+            if c in owner and t.shape[i] != 1:
+                cut = fit(g, ops[k], i, *owner[c])
+                if cut is None:
+                    raise g.error(f"torch.einsum: a replicated operand spans sharded dim {c!r}", letters[c])
+                ops[k] = cut
+                done[k].add(g.root(*owner[c]).axis)
     for c, e in letters.items():
         if e is not None and c not in out:
             raise g.error(f"torch.einsum contracting sharded dim {c!r} ({eq})", None)
@@ -191,7 +204,7 @@ def _einsum(g, func, args, kwargs):
             "tokens; use F.scaled_dot_product_attention, which is routed)",
             None,
         )
-    swap = [g.bound(t, sorted(set(axes))) if g.layout(t) is None else t for t in ops]
+    swap = [g.bound(t, sorted(set(axes) - d)) if g.layout(t) is None else t for t, d in zip(ops, done)]
     return g.mark(func(eq, *swap), out_layout)
 
 

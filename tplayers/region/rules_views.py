@@ -23,6 +23,7 @@ from tplayers.domain.layout import (
 )
 from tplayers.region.rules import _mark_all, _preserve, dims_arg, op_name
 from tplayers.region.rules_index import index_layout
+from tplayers.region.rules_slices import fit_operands, getitem, global_index
 
 __all__ = ["VIEWS", "ALONG"]
 
@@ -173,6 +174,9 @@ def _getitem(g, func, args, kwargs):
         raise g.error("indexing with a sharded index tensor", lay)
     new = index_layout(x, lay, args[1])
     if new is None:
+        found = global_index(g, x, args[1])
+        if found is not None:
+            return getitem(g, x, found)
         raise g.error(
             "indexing (a slice, step, integer or index tensor) along a sharded dim",
             lay,
@@ -188,11 +192,35 @@ def _setitem(g, func, args, kwargs):
         raise g.error("assigning sharded values into a replicated tensor", g.layout(value))
     part = index_layout(x, lay, idx)
     if part is None:
-        raise g.error("assignment to a slice along a sharded dim", lay)
+        found = global_index(g, x, idx, gather=False)
+        if found is None:
+            raise g.error("assignment to a slice along a sharded dim", lay)
+        idx, part, _, picks = found
+        if picks and isinstance(value, torch.Tensor) and value.dim():
+            raise g.error(
+                "assignment of a tensor into an integer index along a sharded dim (write x[:, :, i:i+1])", lay
+            )
+        if isinstance(value, torch.Tensor) and g.layout(value) is None:
+            value = _fit_value(g, x, idx, part, value)
+        g.arm()  # the value's rows must be this rank's rows of the slice: a shape error on some ranks only
+        args = (x, idx, value) + tuple(args[3:])
     if isinstance(value, torch.Tensor):
         shape = x[idx].shape
         broadcast_layouts([shape, value.shape], [part, g.layout(value)])
     return func(*args, **kwargs)
+
+
+def _fit_value(g, x, idx, part, value):
+    """A replicated value with the serial slice's length along a sliced sharded dim, cut to this rank's rows."""
+    view = x[idx]
+    g.mark(view, part)
+    cut = fit_operands(g, [view, value])[1]
+    if cut is value:
+        return value
+    k = len(part) - cut.dim()
+    return g.mark(
+        cut, tuple(None if cut.shape[j] == 1 and value.shape[j] == 1 else part[k + j] for j in range(cut.dim()))
+    )
 
 
 def _cat(g, func, args, kwargs):
@@ -205,6 +233,15 @@ def _cat(g, func, args, kwargs):
     d = dim % (len(ref) + (1 if stack else 0))
     if not stack and d in sharded_dims(ref):
         raise g.error(f"{op_name(func)} along sharded dim {d}", ref)
+    if not stack and any(la is None for la in lays):  # a replicated operand of the serial length: cut (a grid)
+        first = tensors[lays.index(ref)]
+        for i, (t, la) in enumerate(zip(tensors, lays)):
+            if la is None:
+                cut = fit_operands(g, [first, t], skip=(d - t.dim(),))[1]
+                if cut is not t:
+                    tensors[i], lays[i] = cut, ref
+        args = (tensors,) + tuple(args[1:]) if args else args
+        kwargs = kwargs if args else {**kwargs, "tensors": tensors}
     for t, la in zip(tensors, lays):
         if la is None or [e for i, e in enumerate(la) if i != d or stack] != [
             e for i, e in enumerate(ref) if i != d or stack

@@ -18,7 +18,11 @@ one small all-gather per mesh dim, so every rank takes the same decision from th
   constant that happens to be so everywhere): the readings differ (``ranks x`` the rows against the
   rows) and cannot be told apart: ``ValueError`` on every rank, naming the op, the size and the fixes.
 
-Recognised arithmetic: the length itself, multiples and fractions of it up to 8x (``h * 2``,
+A size the code derived from a length it read (``skip.shape[2:]``, ``2 * h``, ``h // 2 + 1``) is a
+:class:`~tplayers.region.lengths.ShardLen` that carries its serial value: it is read as that, never
+ambiguous. The table below is for sizes that lost it (``int(h)``, a size computed in numpy).
+
+Recognised arithmetic (for those): the length itself, multiples and fractions of it up to 8x (``h * 2``,
 ``h // 4``); other arithmetic on local lengths that comes out the same on every rank is read as
 global (write ``scale_factor=`` for it).
 """
@@ -30,6 +34,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from tplayers.comm.collectives import exchange_grid_table
+from tplayers.region.lengths import ShardLen, serial
 from tplayers.window_plan import out_partition
 
 __all__ = ["global_sizes"]
@@ -37,9 +42,12 @@ __all__ = ["global_sizes"]
 _NONE = -1  # an adaptive pool's ``None`` (keep the length)
 
 
+def _raw(size, n_sp: int) -> list:
+    return list(size) if isinstance(size, (list, tuple, torch.Size)) else [size] * n_sp
+
+
 def _per_dim(size, n_sp: int) -> List[Optional[int]]:
-    per = list(size) if isinstance(size, (list, tuple, torch.Size)) else [size] * n_sp
-    return [None if s is None else int(s) for s in per]
+    return [None if s is None else int(serial(s)) for s in _raw(size, n_sp)]
 
 
 def _lines(table, axis: int) -> List[list]:
@@ -80,12 +88,13 @@ def global_sizes(g, x: torch.Tensor, dims: Sequence[int], size, what: str) -> Tu
     ``dims[i]`` is the tensor dim sharded over mesh dim ``i``; ``size`` as the op takes it."""
     n_sp = x.dim() - 2
     per = _per_dim(size, n_sp)
+    traced = [isinstance(v, ShardLen) for v in _raw(size, n_sp)]  # carries its serial value: never ambiguous
     if len(per) != n_sp:
         raise g.error(f"{what}: size {size!r} has {len(per)} entries for {n_sp} spatial dims")
     row = []
     for axis, d in enumerate(dims):
         s = per[d - 2]
-        hit = s is not None and any(_derived(s, r) for r in g.reads.get(axis, ()))
+        hit = s is not None and not traced[d - 2] and any(_derived(s, r) for r in g.reads.get(axis, ()))
         row += [_NONE if s is None else s, int(x.shape[d]), int(hit)]
     table = exchange_grid_table(row, g.groups, "region.sizes")
     cells = [r for line in table for r in line]

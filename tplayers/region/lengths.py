@@ -1,0 +1,182 @@
+"""Lengths read from sharded dims inside a region: this rank's number that remembers the serial one.
+
+Inside a domain region ``x.shape[2]`` of an H-sharded ``x`` is this rank's row count, but the model
+was written for the serial tensor, where it is the global length: ``torch.zeros(n, c, x.size(-2),
+x.size(-1) // 2 + 1)`` (an FNO's spectrum), ``center = h // 2`` and ``x_ft[:, :, center - m:
+center + m]``, ``torch.linspace(0, 1, h + 1)`` (a grid of coordinates), ``irfft2(s=x.shape[-2:])``.
+So the guard hands the region's code a :class:`ShardLen` for every length of a sharded dim it reads
+(``x.shape``, ``x.size()``): an ``int`` whose value is the local length (the tensor ops the code runs
+on its local data take it as they always did) and which remembers how it was derived: arithmetic
+with ints (``+ - * // %``, unary ``-``) gives another :class:`ShardLen`, so ``h // 2 + 1`` still
+knows it is ``H // 2 + 1`` serially. Comparisons (``<``, ``==``, ``min``, ``max``) compare the serial
+values, so a branch the model takes on a length is the serial model's branch on every rank; the
+routes that take sizes (factories, slices, ``linspace``, signal and interpolation sizes) read the
+serial value with :func:`serial`.
+
+The serial value needs every rank's local length along the dim's mesh dim: one small all-gather,
+made the first time it is needed and cached per tensor dim and region call (:class:`Root`). Every
+rank runs the same code, so every rank asks at the same point (comparisons are global, so the ranks'
+branches agree). A length used in true division (``/``) or passed through ``int()`` is a plain
+local number again. Lengths of merged dims (``x.flatten(2).shape[2]``) are plain local numbers.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from tplayers.comm.collectives import exchange_grid_table
+from tplayers.domain.active import active_guard, stepped_aside
+
+__all__ = ["Root", "ShardLen", "serial", "is_len", "shape_with_lengths"]
+
+
+class Root:
+    """One sharded tensor dim's local length on this rank, and (once asked) every rank's along its mesh dim."""
+
+    def __init__(self, local: int, group, axis: int):
+        self.local, self.group, self.axis = int(local), group, axis
+        self._sizes: Optional[List[int]] = None
+
+    def sizes(self) -> List[int]:
+        """Every rank's local length along the mesh dim, in mesh order (one all-gather, cached)."""
+        if self._sizes is None:
+            g = active_guard()
+            if g is not None and getattr(g, "pending", 0):
+                g.settle()  # a refusal decided from local sizes meets the other ranks before this collective
+            with stepped_aside(g, settle=False) if g is not None else _nothing():
+                table = exchange_grid_table([self.local], [self.group], "region.lengths")
+            self._sizes = [row[0][0] for row in table]
+        return self._sizes
+
+    def total(self) -> int:
+        return sum(self.sizes())
+
+    def offset(self) -> int:
+        return sum(self.sizes()[: self.group.rank()])
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _ident(v: int) -> int:
+    return v
+
+
+class ShardLen(int):
+    """An ``int`` equal to this rank's length, derived by ``fn`` from the sharded dims ``roots`` (see the
+    module docstring): ``serial(n)`` is ``fn`` of the roots' global lengths."""
+
+    def __new__(cls, value: int, roots: Tuple[Root, ...], fn: Callable[..., int]):
+        obj = int.__new__(cls, int(value))
+        obj.roots, obj.fn = roots, fn
+        return obj
+
+    def __repr__(self) -> str:
+        return f"ShardLen({int(self)})"
+
+    __hash__ = int.__hash__
+
+    # -------------------------------------------------------------- arithmetic keeps the derivation
+    def _bin(self, other, op, reflected=False):
+        if isinstance(other, bool) or not isinstance(other, int):
+            return op(other, int(self)) if reflected else op(int(self), other)
+        a, b = (other, self) if reflected else (self, other)
+        ra, fa = _parts(a)
+        rb, fb = _parts(b)
+        n = len(ra)
+        return ShardLen(op(int(a), int(b)), ra + rb, lambda *v: op(fa(*v[:n]), fb(*v[n:])))
+
+    def __add__(self, o):
+        return self._bin(o, operator.add)
+
+    def __radd__(self, o):
+        return self._bin(o, operator.add, True)
+
+    def __sub__(self, o):
+        return self._bin(o, operator.sub)
+
+    def __rsub__(self, o):
+        return self._bin(o, operator.sub, True)
+
+    def __mul__(self, o):
+        return self._bin(o, operator.mul)
+
+    def __rmul__(self, o):
+        return self._bin(o, operator.mul, True)
+
+    def __floordiv__(self, o):
+        return self._bin(o, operator.floordiv)
+
+    def __rfloordiv__(self, o):
+        return self._bin(o, operator.floordiv, True)
+
+    def __mod__(self, o):
+        return self._bin(o, operator.mod)
+
+    def __rmod__(self, o):
+        return self._bin(o, operator.mod, True)
+
+    def __neg__(self):
+        fn = self.fn
+        return ShardLen(-int(self), self.roots, lambda *v: -fn(*v))
+
+    def __pos__(self):
+        return self
+
+    def __abs__(self):
+        fn = self.fn
+        return ShardLen(abs(int(self)), self.roots, lambda *v: abs(fn(*v)))
+
+    # -------------------------------------------------------------- comparisons are the serial model's
+    def __eq__(self, o):
+        return serial(self) == serial(o) if isinstance(o, int) else NotImplemented
+
+    def __ne__(self, o):
+        return serial(self) != serial(o) if isinstance(o, int) else NotImplemented
+
+    def __lt__(self, o):
+        return serial(self) < serial(o) if isinstance(o, int) else int(self) < o
+
+    def __le__(self, o):
+        return serial(self) <= serial(o) if isinstance(o, int) else int(self) <= o
+
+    def __gt__(self, o):
+        return serial(self) > serial(o) if isinstance(o, int) else int(self) > o
+
+    def __ge__(self, o):
+        return serial(self) >= serial(o) if isinstance(o, int) else int(self) >= o
+
+    def __bool__(self):
+        return serial(self) != 0
+
+
+def _parts(x) -> Tuple[Tuple[Root, ...], Callable[..., int]]:
+    if isinstance(x, ShardLen):
+        return x.roots, x.fn
+    v = int(x)
+    return (), lambda: v
+
+
+def is_len(x: Any) -> bool:
+    return isinstance(x, ShardLen)
+
+
+def serial(x: Any) -> Any:
+    """The serial model's value of ``x``: a :class:`ShardLen`'s derivation at the global lengths, anything
+    else as it is (one all-gather per sharded dim the first time, see :class:`Root`)."""
+    if not isinstance(x, ShardLen):
+        return x
+    return int(x.fn(*[r.total() for r in x.roots]))
+
+
+def shape_with_lengths(shape: Sequence[int], roots: Sequence[Optional[Root]]) -> torch.Size:
+    """``shape`` with the length of every dim that has a root made a :class:`ShardLen` of it."""
+    return torch.Size([int(n) if r is None else ShardLen(int(n), (r,), _ident) for n, r in zip(shape, roots)])
