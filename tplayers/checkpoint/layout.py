@@ -59,6 +59,8 @@ def local_tensors(model: nn.Module, staging: Optional[Staging] = None) -> Dict[s
                 specs[f"{prefix}.{name}" if prefix else name] = spec
     out = {}
     for key, t in model.state_dict(keep_vars=True).items():
+        if not isinstance(t, torch.Tensor):
+            continue  # a model's own non-tensor entry (neuraloperator's ``_metadata``: its constructor arguments)
         spec = specs.get(key) or ShardSpec.replicated(t.shape)
         t = staged_target(t, staging)
         if tuple(t.shape) != spec.local_shape:

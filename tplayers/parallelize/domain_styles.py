@@ -173,8 +173,14 @@ class DomainParallel(ParallelStyle):
             return module if module.mesh is not None else L.ReplicatedBranch(module.module, mesh)
         twin = _twin_of(module)
         spatial = getattr(twin, "spatial", None)
-        if twin is not None and spatial is not None and max(self.shard_dims) >= 2 + spatial:
-            return module  # cannot hold these sharded dims (a BatchNorm1d in a 2-D head): the guard checks its ops
+        if (
+            twin is not None
+            and spatial is not None
+            and (max(self.shard_dims) >= 2 + spatial or min(self.shard_dims) < 2)
+        ):
+            # cannot hold these sharded dims (a BatchNorm1d in a 2-D head, a channels-last region's
+            # (N, X, Y, C) input): the guard checks its ops (a 1x1 conv is per pixel, a wider one refused)
+            return module
         if twin is not None and is_reparametrized(module):  # spectral / weight norm: the same machinery on the twin
             return swap_reparametrized(
                 module, lambda plain: twin.from_module(plain, mesh=mesh, shard_dims=self.shard_dims)

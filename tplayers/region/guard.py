@@ -51,7 +51,7 @@ from tplayers.layers.norm import _DomainNorm
 from tplayers.region.dispatch import handle
 from tplayers.region.lengths import Root, shape_with_lengths
 from tplayers.region.rules import _PRESERVE, _pointwise_names
-from tplayers.region.rules_slices import FACTORIES, factory, has_len
+from tplayers.region.rules_slices import FACTORIES, SHAPED, factory, has_len, serial_args
 
 __all__ = ["RegionGuard", "active_guard", "GuardError"]
 
@@ -242,6 +242,9 @@ class RegionGuard(TorchFunctionMode):
             if name in FACTORIES and has_len(args, kwargs):
                 with stepped_aside(self, settle=False):
                     return factory(self, func, args, kwargs)
+            if name in SHAPED and has_len(args, kwargs):  # a replicated tensor has its serial shape
+                with stepped_aside(self, settle=False):
+                    return func(*serial_args(args), **dict(zip(kwargs, serial_args(kwargs.values()))))
             first = getattr(args[0], _UNIFORM, None) if args and isinstance(args[0], torch.Tensor) else None
             fresh = name in _CONSTANTS or (
                 first is not None and self.uniform(args[0]) and _keeps_constant(self, name, args, kwargs)

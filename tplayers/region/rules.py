@@ -22,6 +22,7 @@ from tplayers.domain.layout import (
     mesh_dims_of,
     permute_layout,
 )
+from tplayers.region.rules_slices import fit_operands, spans
 
 __all__ = ["op_name", "dims_arg", "run_pointwise", "first_sharded"]
 
@@ -60,11 +61,16 @@ def _tensors(args, kwargs):
 def run_pointwise(g, func, args, kwargs, tensors=None):
     """Broadcasting op: check the operands' layouts, sum replicated gradients where they meet shards."""
     tensors = _tensors(args, kwargs) if tensors is None else tensors
+    if spans(g, tensors):  # a replicated operand of a sharded dim's serial length (a grid): cut to the rank's rows
+        cut = dict(zip(map(id, tensors), fit_operands(g, tensors)))
+        args = tuple(cut.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: cut.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        tensors = [cut[id(t)] for t in tensors]
     # a fresh constant (torch.zeros(y.shape)) pairs one value with every row: broadcast like size 1;
     # its length is a local size (torch's own shape check may fail on some ranks only): agreed
     fresh = [g.uniform(t) for t in tensors]
-    if any(fresh):
-        g.arm()
+    if any(fresh) or sum(g.layout(t) is not None for t in tensors) > 1:
+        g.arm()  # sharded operands partitioned differently may have equal local sizes on some ranks only
     shapes = [(1,) * t.dim() if u else t.shape for t, u in zip(tensors, fresh)]
     out_layout = broadcast_layouts(shapes, [g.layout(t) for t in tensors])
     axes = mesh_dims_of(out_layout)

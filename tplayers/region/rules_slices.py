@@ -8,7 +8,7 @@ serial value):
 * **Slices of sharded dims** (``x[:, :, :m]``, ``x_ft[:, :, c - m: c + m]``, ``x[..., :-pad]``,
   steps too, and assignment into them): the slice is taken of the serial tensor, so each rank keeps
   the rows of the serial slice it holds, and the result stays sharded along that dim with those rows
-  (an empty shard where a rank holds none). A slice no longer than the smallest shard (the kept
+  (an empty shard where a rank holds none). A slice no longer than the largest shard (the kept
   modes of a spectral convolution) is all-gathered instead and comes out whole on every rank: only
   its rows travel, the per-mode work on it is replicated, and code that reads its shape in Python
   (``opt_einsum``'s contraction planning in neuraloperator) sees the serial shape; its gradient is
@@ -24,8 +24,10 @@ serial value):
   tensor's own when the length is the one read, else balanced, as a distributed ``rfft`` cuts
   ``W // 2 + 1``). A size mixing two sharded dims is refused.
 * **Grids** (``torch.linspace(0, 1, h + 1)``, ``arange``, ``logspace`` with a ShardLen): the serial
-  grid, whole and replicated on every rank (the coordinates are global). Where it meets sharded data
-  it is cut to the rank's rows (next bullet).
+  grid, whole and replicated on every rank (the coordinates are global); ``view`` / ``reshape`` /
+  ``expand`` / ``repeat`` of a replicated tensor read a ShardLen as its serial value too
+  (``gridx.reshape(1, size_x, 1, 1)``). Where it meets sharded data it is cut to the rank's rows
+  (next bullet).
 * **Replicated operands with a sharded dim's full length** (a grid ``cat`` to the data, a
   per-mode weight in an ``einsum`` with a sliced spectrum, a value assigned into a slice): the
   serial op pairs row ``i`` of the operand with global row ``i`` of the sharded tensor, so each rank
@@ -47,9 +49,27 @@ from tplayers.comm.collectives import GatherAlongDim
 from tplayers.region.lengths import ShardLen, serial
 from tplayers.window_plan import out_partition
 
-__all__ = ["global_index", "getitem", "fit", "fit_operands", "factory", "has_len", "FACTORIES"]
+__all__ = [
+    "global_index",
+    "getitem",
+    "fit",
+    "fit_operands",
+    "spans",
+    "factory",
+    "has_len",
+    "serial_args",
+    "FACTORIES",
+    "SHAPED",
+]
 
 FACTORIES = frozenset(["zeros", "ones", "full", "empty", "linspace", "arange", "logspace", "range"])
+#: ops that take a shape: on a replicated tensor (a grid) a ShardLen in it is its serial value
+SHAPED = frozenset(["view", "reshape", "expand", "repeat", "broadcast_to", "tile"])
+
+
+def serial_args(args) -> list:
+    """``args`` with every :class:`ShardLen` (top level or in a size list) replaced by its serial value."""
+    return [type(a)(serial(b) for b in a) if isinstance(a, (list, tuple)) else serial(a) for a in args]
 
 
 def has_len(args, kwargs) -> bool:
@@ -98,7 +118,7 @@ def global_index(g, x: torch.Tensor, idx, gather: bool = True):
     """``(local index, layout, gathers, picked dims)`` of the serial ``x[idx]`` on this rank, for slices (and whole
     dims, integers, ``None``, ``...`` on whole dims) with slices along plain sharded dims; else ``None``.
     ``gathers``: ``(result dim, mesh dim, every rank's rows)`` of the slices no longer than the
-    smallest shard (with ``gather``): all-gathered by :func:`getitem`, so they come out whole."""
+    largest shard (with ``gather``): all-gathered by :func:`getitem`, so they come out whole."""
     lay = g.layout(x)
     items = _items(x, idx)
     if items is None:
@@ -131,7 +151,7 @@ def global_index(g, x: torch.Tensor, idx, gather: bool = True):
         first, n = counts[root.group.rank()]
         step = serial(item.step) or 1
         local = slice(first, first + (n - 1) * step + 1, step) if n else slice(0, 0)
-        whole = gather and sum(c for _, c in counts) <= min(sizes)
+        whole = gather and sum(c for _, c in counts) <= max(sizes)
         sliced[d] = (local, n, root.axis, [c for _, c in counts], whole)
     orig = idx if isinstance(idx, tuple) else (idx,)
     used = sum(1 for i in orig if i is not None and i is not Ellipsis)
@@ -197,24 +217,49 @@ def fit(g, t: torch.Tensor, d: int, ref: torch.Tensor, rd: int) -> Optional[torc
 def fit_operands(g, tensors: Sequence[torch.Tensor], skip: Sequence[int] = ()) -> List[torch.Tensor]:
     """``tensors`` (broadcast right-aligned, as pointwise ops and ``cat`` pair them) with every replicated
     one that spans a sharded dim of another with its full serial length cut to the rank's rows
-    (:func:`fit`); ``skip``: dims (counted from the right, negative) left alone (a ``cat``'s dim)."""
-    ndim = max(t.dim() for t in tensors)
+    (:func:`fit`) and tagged sharded there; ``skip``: dims (counted from the right, negative) left alone
+    (a ``cat``'s dim)."""
     out = list(tensors)
     for i, t in enumerate(tensors):
-        if g.layout(t) is not None:
+        if g.uniform(t):
             continue
+        own = g.layout(t)
+        entries = list(own) if own is not None else [None] * t.dim()
         for k in range(1, t.dim() + 1):
-            if -k in skip or int(t.shape[-k]) == 1:
+            if -k in skip or int(t.shape[-k]) == 1 or entries[t.dim() - k] is not None:
                 continue
             for ref in tensors:
                 lay = g.layout(ref)
-                if lay is None or k > ref.dim() or lay[-k] is None or ref.dim() > ndim:
+                if lay is None or k > ref.dim() or lay[-k] is None:
                     continue
                 cut = fit(g, out[i], out[i].dim() - k, ref, ref.dim() - k)
                 if cut is not None:
-                    out[i] = cut
+                    out[i], entries[t.dim() - k] = cut, lay[-k]
                 break
+        if out[i] is not t:
+            g.mark(out[i], tuple(entries))
     return out
+
+
+def spans(g, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether an operand (not a fresh constant) is whole, with a length other than 1, along a dim where
+    another is sharded."""
+    for t in tensors:
+        if g.uniform(t):
+            continue
+        own = g.layout(t)
+        for ref in tensors:
+            lay = g.layout(ref)
+            if (
+                lay is not None
+                and ref is not t
+                and any(
+                    lay[-k] is not None and int(t.shape[-k]) != 1 and (own is None or own[-k] is None)
+                    for k in range(1, min(t.dim(), ref.dim()) + 1)
+                )
+            ):
+                return True
+    return False
 
 
 # ----------------------------------------------------------------------------- factories

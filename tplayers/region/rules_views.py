@@ -200,7 +200,7 @@ def _setitem(g, func, args, kwargs):
             raise g.error(
                 "assignment of a tensor into an integer index along a sharded dim (write x[:, :, i:i+1])", lay
             )
-        if isinstance(value, torch.Tensor) and g.layout(value) is None:
+        if isinstance(value, torch.Tensor):
             value = _fit_value(g, x, idx, part, value)
         g.arm()  # the value's rows must be this rank's rows of the slice: a shape error on some ranks only
         args = (x, idx, value) + tuple(args[3:])
@@ -211,16 +211,10 @@ def _setitem(g, func, args, kwargs):
 
 
 def _fit_value(g, x, idx, part, value):
-    """A replicated value with the serial slice's length along a sliced sharded dim, cut to this rank's rows."""
+    """A value whole along a sliced sharded dim with the serial slice's length there, cut to this rank's rows."""
     view = x[idx]
     g.mark(view, part)
-    cut = fit_operands(g, [view, value])[1]
-    if cut is value:
-        return value
-    k = len(part) - cut.dim()
-    return g.mark(
-        cut, tuple(None if cut.shape[j] == 1 and value.shape[j] == 1 else part[k + j] for j in range(cut.dim()))
-    )
+    return fit_operands(g, [view, value])[1]
 
 
 def _cat(g, func, args, kwargs):
