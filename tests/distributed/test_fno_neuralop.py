@@ -69,7 +69,7 @@ def test_neuraloperator_fno_as_written(world, mesh_shape, layouts, shape, n_dims
 
 
 def _input():
-    return torch.randn(2, 2, 16, 10, generator=torch.Generator().manual_seed(3))  # 4 rows a rank at 4 ranks
+    return torch.randn(2, 2, 12, 16, generator=torch.Generator().manual_seed(3))  # W // 2 + 1 = 9 modes: 3 a rank at 4
 
 
 def _model(world):

@@ -45,6 +45,24 @@ class Slices(nn.Module):
         return self.b(out + steps + first + grid * h)
 
 
+class Spectra(nn.Module):
+    """Spectra left sharded where the FFT put them meet the grid again: a per-column statistic over the
+    whole H (length 1 there: gathered) and an inverse transform's result (moved back), both added to the
+    H-sharded data; the inverse of a shifted spectrum with the sizes read."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(2, 3, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        spec = torch.fft.fft2(h)  # sharded along W on a 1-D mesh (one all-to-all, not two)
+        col = spec.abs().mean(dim=2, keepdim=True)  # (N, C, 1, W): W-sharded, length 1 along H
+        shifted = torch.fft.fftshift(torch.fft.rfft2(h, norm="ortho"), dim=2)
+        back = torch.fft.irfft2(torch.fft.ifftshift(shifted, dim=2), s=h.shape[-2:], norm="ortho")
+        return h * col + back + torch.fft.ifft2(spec).real
+
+
 def _parity(rank, world, mesh_shape, layouts, make, shape, dims):
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
     coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
@@ -76,6 +94,11 @@ CASES = [
 @pytest.mark.parametrize("world,mesh_shape,layouts,shape,dims", CASES)
 def test_slices_picks_assignment_and_grids_are_the_serial_ones(world, mesh_shape, layouts, shape, dims):
     run_ranks(_parity, world, args=(mesh_shape, layouts, Slices, shape, dims), timeout=120)
+
+
+@pytest.mark.parametrize("world,mesh_shape,layouts,shape,dims", CASES)
+def test_spectra_sharded_elsewhere_meet_the_grid_again(world, mesh_shape, layouts, shape, dims):
+    run_ranks(_parity, world, args=(mesh_shape, layouts, Spectra, shape, dims), timeout=120)
 
 
 @pytest.mark.parametrize("world,mesh_shape,layouts,shape,dims", CASES)

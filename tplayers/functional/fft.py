@@ -16,6 +16,9 @@ mesh dim (the sharding returns). Pass ``out_shard_dims`` to keep the spectrum wh
 left it: ``rfft2(x, shard_dims=(2,), out_shard_dims=(3,))`` of an H-sharded ``(N, C, H, W)`` is
 sharded along the ``W // 2 + 1`` modes with one all-to-all, and
 ``irfft2(y, s=(H, W), shard_dims=(3,), out_shard_dims=(2,))`` returns the H-sharded image with one.
+``out_shard_dims="leave"`` (and for the shifts) keeps the result where the steps left it on a 1-D mesh
+(:func:`transform_landed` / :func:`shift_landed` say where): what the region guard does for forward
+transforms.
 
 Every call first compares every rank's arguments and local sizes in one small exchange (a
 ``ValueError`` on every rank when they differ). ``norm`` is applied per transformed dim, as the
@@ -40,7 +43,7 @@ Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
 from __future__ import annotations
 
 import contextlib
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -68,9 +71,14 @@ __all__ = [
     "fftshift",
     "ifftshift",
     "transform",
+    "transform_landed",
+    "shift_landed",
+    "LEAVE",
 ]
 
 _NORMS = (None, "backward", "ortho", "forward")
+#: ``out_shard_dims="leave"``: the result sharded where the decomposition left it (fewer all-to-alls)
+LEAVE = "leave"
 # kind -> (the one-dim torch transform of each dim, the transform of the halving dim or None)
 _KINDS = {
     "c2c": (torch.fft.fft, None),
@@ -157,8 +165,25 @@ def plan(kind: str, shape: Sequence[int], dims: Sequence[int], shard_dims: Seque
         steps.append(("move", i, d, targets[0]))
         cur[i] = targets[0]
     spare = sorted((d for d in range(len(shape))), key=lambda d: -shape[d])
+    if out_dims == LEAVE and len(shard_dims) > 1:
+        out_dims = list(shard_dims)  # a 2-D mesh: back where it was (two mesh dims could end up swapped)
+    if out_dims == LEAVE:  # keep each mesh dim's sharding on a transformed dim where the steps left it
+        out_dims = list(cur)
+        for i, d in enumerate(cur):
+            if d not in dims and d != shard_dims[i]:  # parked outside the transform: back to a transformed dim
+                others = out_dims[:i] + out_dims[i + 1 :]
+                out_dims[i] = next((t for t in [shard_dims[i], *dims] if t not in others), shard_dims[i])
     steps += [("move", i, a, b) for i, a, b in plan_moves(cur, out_dims, spare)]
     return steps
+
+
+def landed(src: Sequence[int], steps: Sequence[Step]) -> Tuple[int, ...]:
+    """The sharded dims after ``steps`` (from ``src``)."""
+    cur = list(src)
+    for step in steps:
+        if step[0] == "move":
+            cur[step[1]] = step[3]
+    return tuple(cur)
 
 
 def transform(
@@ -172,20 +197,28 @@ def transform(
     shard_dims=(2,),
     out_shard_dims=None,
     name: str = "fftn",
+    out_sizes: Optional[Dict[int, Sequence[int]]] = None,
 ) -> torch.Tensor:
     """The engine of every function here: ``kind`` is ``"c2c"`` (fft), ``"ic2c"`` (ifft), ``"r2c"``
-    (rfft) or ``"c2r"`` (irfft) over ``dim`` with signal sizes ``s`` (see the module docstring)."""
+    (rfft) or ``"c2r"`` (irfft) over ``dim`` with signal sizes ``s`` (see the module docstring).
+    ``out_sizes``: ``{mesh dim: partition}`` of the result's sharded dims where known (the region
+    guard passes the partition of the tensor a signal size was read from); default as documented."""
+    return transform_landed(x, kind, s, dim, norm, mesh, shard_dims, out_shard_dims, name, out_sizes)[0]
+
+
+def transform_landed(x, kind, s, dim, norm, mesh, shard_dims, out_shard_dims, name, out_sizes=None):
+    """:func:`transform` and the result's sharded dims (where ``out_shard_dims="leave"`` left them)."""
     guard = active_guard()  # called by hand inside a region: run unguarded, tag the result
     with stepped_aside(guard) if guard is not None else contextlib.nullcontext():
         out, dst = _transform(
-            x, kind, s, dim, norm, mesh, shard_dims, out_shard_dims, f"tplayers.functional.fft.{name}"
+            x, kind, s, dim, norm, mesh, shard_dims, out_shard_dims, f"tplayers.functional.fft.{name}", out_sizes
         )
     if guard is not None and hasattr(guard, "mark"):
         guard.mark(out, region_layout(out.shape, dst))
-    return out
+    return out, dst
 
 
-def _transform(x, kind, s, dim, norm, mesh, shard_dims, out_shard_dims, name):
+def _transform(x, kind, s, dim, norm, mesh, shard_dims, out_shard_dims, name, out_sizes=None):
     mesh = resolve_mesh(mesh, (1, 2))
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
     error, src, dst, dims, sizes_s, steps, ndim = None, (), (), (), None, [], -1
@@ -198,12 +231,16 @@ def _transform(x, kind, s, dim, norm, mesh, shard_dims, out_shard_dims, name):
             raise TypeError(f"{name}: expects a real input tensor, got {x.dtype}")
         ndim = x.dim()
         src = _mesh_dims(shard_dims, mesh.ndim, ndim, name, "shard_dims")
-        dst = src if out_shard_dims is None else _mesh_dims(out_shard_dims, mesh.ndim, ndim, name, "out_shard_dims")
+        if out_shard_dims == LEAVE:
+            dst = LEAVE
+        else:
+            dst = src if out_shard_dims is None else _mesh_dims(out_shard_dims, mesh.ndim, ndim, name, "out_shard_dims")
         dims, sizes_s = _norm_dims(dim, s, ndim, name)
         try:
             steps = plan(kind, tuple(x.shape), dims, src, dst)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
+        dst = landed(src, steps)
     except (TypeError, ValueError) as e:
         error = e
     row = [int(x.size(d)) for d in src] if error is None else [0] * mesh.ndim
@@ -220,10 +257,10 @@ def _transform(x, kind, s, dim, norm, mesh, shard_dims, out_shard_dims, name):
     }
     table = exchange_agreed(row, config, groups, name, "fft.layout", error=error)
     sizes = grid_sizes(table, mesh, name)
-    return _run(x, kind, steps, dims, sizes_s, norm, mesh, src, sizes), dst
+    return _run(x, kind, steps, dims, sizes_s, norm, mesh, src, sizes, dst, out_sizes or {}), dst
 
 
-def _run(x, kind, steps, dims, s, norm, mesh, src, sizes) -> torch.Tensor:
+def _run(x, kind, steps, dims, s, norm, mesh, src, sizes, dst=(), out_sizes=None) -> torch.Tensor:
     one, halving = _KINDS[kind]
     ns = dict(zip(dims, s)) if s is not None else {}
     given = [list(v) for v in sizes]  # the input's partition, restored where a dim's sharding returns unchanged
@@ -239,7 +276,13 @@ def _run(x, kind, steps, dims, s, norm, mesh, src, sizes) -> torch.Tensor:
         if group.size() == 1:
             sizes[i] = [x.size(b)]
             continue
-        new = out_partition(given[i], x.size(b)) if b == src[i] else shard_sizes(x.size(b), group.size())
+        want = (out_sizes or {}).get(i)
+        if want is not None and b == dst[i] and sum(want) == x.size(b) and len(want) == group.size():
+            new = list(want)
+        elif b == src[i]:
+            new = out_partition(given[i], x.size(b))
+        else:
+            new = shard_sizes(x.size(b), group.size())
         x = AllToAllDim.apply(x, a, b, sizes[i], new, group)
         sizes[i] = new
     return x
@@ -320,13 +363,8 @@ irfftn = _family("c2r", "irfftn", None, False)
 
 
 def _shift(fn, name: str):
-    def shift(input, dim=None, *, mesh=None, shard_dims=(2,)):
-        guard = active_guard()  # called by hand inside a region: run unguarded, tag the result
-        with stepped_aside(guard) if guard is not None else contextlib.nullcontext():
-            out, src = _shifted(input, fn, dim, mesh, shard_dims, f"tplayers.functional.fft.{name}")
-        if guard is not None and hasattr(guard, "mark"):
-            guard.mark(out, region_layout(out.shape, src))
-        return out
+    def shift(input, dim=None, *, mesh=None, shard_dims=(2,), out_shard_dims=None):
+        return shift_landed(fn, name, input, dim, mesh, shard_dims, out_shard_dims)[0]
 
     shift.__name__ = shift.__qualname__ = name
     shift.__doc__ = f"""``torch.fft.{name}`` over domain-sharded dims: a permutation of the global rows.
@@ -340,6 +378,8 @@ def _shift(fn, name: str):
         dim: as ``torch.fft.{name}`` (``None``: every dim).
         mesh: a 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`).
         shard_dims: the tensor dim sharded over each mesh dim.
+        out_shard_dims: ``None`` (the input's), or ``"leave"``: where the shift moved it (no second
+            all-to-all; :func:`shift_landed` says where).
 
     Returns:
         This rank's slice of ``torch.fft.{name}`` of the gathered input.
@@ -352,7 +392,17 @@ def _shift(fn, name: str):
     return shift
 
 
-def _shifted(x, fn, dim, mesh, shard_dims, name):
+def shift_landed(fn, name, x, dim, mesh, shard_dims, out_shard_dims=None):
+    """A shift and the result's sharded dims (where ``out_shard_dims="leave"`` left them)."""
+    guard = active_guard()  # called by hand inside a region: run unguarded, tag the result
+    with stepped_aside(guard) if guard is not None else contextlib.nullcontext():
+        out, dst = _shifted(x, fn, dim, mesh, shard_dims, f"tplayers.functional.fft.{name}", out_shard_dims == LEAVE)
+    if guard is not None and hasattr(guard, "mark"):
+        guard.mark(out, region_layout(out.shape, dst))
+    return out, dst
+
+
+def _shifted(x, fn, dim, mesh, shard_dims, name, leave=False):
     mesh = resolve_mesh(mesh, (1, 2))
     groups = [mesh.get_group(i) for i in range(mesh.ndim)]
     error, src, dims, moves = None, (), (), []
@@ -382,10 +432,19 @@ def _shifted(x, fn, dim, mesh, shard_dims, name):
             moved[i] = shard_sizes(x.size(b), groups[i].size())
             x = AllToAllDim.apply(x, a, b, sizes[i], moved[i], groups[i])
     x = fn(x, dim=dims)
+    if leave and len(src) == 1 and all(b >= 2 for _, _, b in moves):  # 1-D mesh, not on a batch / channel dim
+        return x, tuple(b for b in _after(src, moves))
     for i, a, b in reversed(moves):
         if groups[i].size() > 1:
             x = AllToAllDim.apply(x, b, a, moved[i], sizes[i], groups[i])
     return x, src
+
+
+def _after(src, moves):
+    cur = list(src)
+    for i, _, b in moves:
+        cur[i] = b
+    return cur
 
 
 fftshift = _shift(torch.fft.fftshift, "fftshift")

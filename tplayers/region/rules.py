@@ -22,6 +22,7 @@ from tplayers.domain.layout import (
     mesh_dims_of,
     permute_layout,
 )
+from tplayers.region.realign import realign
 from tplayers.region.rules_slices import fit_operands, spans
 
 __all__ = ["op_name", "dims_arg", "run_pointwise", "first_sharded"]
@@ -61,6 +62,12 @@ def _tensors(args, kwargs):
 def run_pointwise(g, func, args, kwargs, tensors=None):
     """Broadcasting op: check the operands' layouts, sum replicated gradients where they meet shards."""
     tensors = _tensors(args, kwargs) if tensors is None else tensors
+    moved = realign(g, tensors)  # operands sharded along different dims: one layout first
+    if any(a is not b for a, b in zip(moved, tensors)):
+        swap = dict(zip(map(id, tensors), moved))
+        args = tuple(swap.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
+        kwargs = {k: swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        tensors = moved
     if spans(g, tensors):  # a replicated operand of a sharded dim's serial length (a grid): cut to the rank's rows
         cut = dict(zip(map(id, tensors), fit_operands(g, tensors)))
         args = tuple(cut.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)

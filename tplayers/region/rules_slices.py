@@ -232,6 +232,9 @@ def fit_operands(g, tensors: Sequence[torch.Tensor], skip: Sequence[int] = ()) -
                 lay = g.layout(ref)
                 if lay is None or k > ref.dim() or lay[-k] is None:
                     continue
+                used = {a for e in entries if e for _, a in e}
+                if any(a in used for _, a in lay[-k]):
+                    break  # already sharded over that mesh dim along another dim: not a whole operand
                 cut = fit(g, out[i], out[i].dim() - k, ref, ref.dim() - k)
                 if cut is not None:
                     out[i], entries[t.dim() - k] = cut, lay[-k]
