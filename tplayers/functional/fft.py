@@ -51,6 +51,8 @@ from tplayers.comm.agree import exchange_agreed
 from tplayers.comm.all_to_all import AllToAllDim, grid_sizes, plan_moves
 from tplayers.domain.active import active_guard, stepped_aside
 from tplayers.domain.layout import region_layout
+from tplayers.functional.fft_common import _NORMS, LEAVE, _mesh_dims, _norm_dims
+from tplayers.functional.fft_shift import fftshift, ifftshift, shift_landed
 from tplayers.mesh import resolve_mesh
 from tplayers.sharding import shard_sizes
 from tplayers.window_plan import out_partition
@@ -76,9 +78,6 @@ __all__ = [
     "LEAVE",
 ]
 
-_NORMS = (None, "backward", "ortho", "forward")
-#: ``out_shard_dims="leave"``: the result sharded where the decomposition left it (fewer all-to-alls)
-LEAVE = "leave"
 # kind -> (the one-dim torch transform of each dim, the transform of the halving dim or None)
 _KINDS = {
     "c2c": (torch.fft.fft, None),
@@ -88,42 +87,6 @@ _KINDS = {
 }
 
 Step = Tuple  # ("move", mesh dim, from dim, to dim) or ("fft", dim, last)
-
-
-def _norm_dims(dim, s, ndim: int, name: str) -> Tuple[Tuple[int, ...], Optional[Tuple[int, ...]]]:
-    """The transformed dims (non-negative, in order) and the signal sizes, as ``torch.fft.fftn`` reads them."""
-    if s is not None:
-        s = (s,) if isinstance(s, int) else tuple(s)
-        if any(isinstance(v, bool) or not isinstance(v, int) or (v < 1 and v != -1) for v in s):
-            raise ValueError(f"{name}: s must hold positive ints (or -1), got {s!r}")
-    if dim is None:
-        dims = tuple(range(ndim)) if s is None else tuple(range(ndim - len(s), ndim))
-    else:
-        dims = (dim,) if isinstance(dim, int) else tuple(dim)
-    if any(isinstance(d, bool) or not isinstance(d, int) for d in dims) or not dims:
-        raise TypeError(f"{name}: dim must be an int or a non-empty tuple of ints, got {dim!r}")
-    if any(not -ndim <= d < ndim for d in dims):
-        raise ValueError(f"{name}: dim {dim!r} names a dim outside a {ndim}-D tensor")
-    dims = tuple(d % ndim for d in dims)
-    if len(set(dims)) != len(dims):
-        raise ValueError(f"{name}: dim must name distinct dims, got {dim!r}")
-    if s is not None and len(s) != len(dims):
-        raise ValueError(f"{name}: s needs one size per transformed dim ({len(dims)}), got {s!r}")
-    return dims, s
-
-
-def _mesh_dims(value, mesh_ndim: int, ndim: int, name: str, what: str) -> Tuple[int, ...]:
-    dims = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(dims, (tuple, list)) or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
-        raise TypeError(f"{name}: {what} must be an int or a tuple of ints, got {value!r}")
-    if len(dims) != mesh_ndim or any(not -ndim <= d < ndim for d in dims):
-        raise ValueError(
-            f"{name}: {what} needs one dim of the {ndim}-D input per mesh dim ({mesh_ndim}), got {value!r}"
-        )
-    out = tuple(d % ndim for d in dims)
-    if len(set(out)) != len(out):
-        raise ValueError(f"{name}: {what} must name distinct dims, got {value!r}")
-    return out
 
 
 def plan(kind: str, shape: Sequence[int], dims: Sequence[int], shard_dims: Sequence[int], out_dims) -> List[Step]:
@@ -360,92 +323,3 @@ fftn = _family("c2c", "fftn", None, False)
 ifftn = _family("ic2c", "ifftn", None, False)
 rfftn = _family("r2c", "rfftn", None, False)
 irfftn = _family("c2r", "irfftn", None, False)
-
-
-def _shift(fn, name: str):
-    def shift(input, dim=None, *, mesh=None, shard_dims=(2,), out_shard_dims=None):
-        return shift_landed(fn, name, input, dim, mesh, shard_dims, out_shard_dims)[0]
-
-    shift.__name__ = shift.__qualname__ = name
-    shift.__doc__ = f"""``torch.fft.{name}`` over domain-sharded dims: a permutation of the global rows.
-
-    Each mesh dim sharding a shifted dim hands its sharding to the largest dim that is neither
-    shifted nor sharded (one all-to-all), the shift runs locally, and the sharding returns with the
-    input's partition (one more). The result is sharded like the input.
-
-    Args:
-        input: this rank's slice, sharded along ``shard_dims`` (one tensor dim per mesh dim).
-        dim: as ``torch.fft.{name}`` (``None``: every dim).
-        mesh: a 1-D or 2-D mesh (``None``: :func:`tplayers.default_mesh`).
-        shard_dims: the tensor dim sharded over each mesh dim.
-        out_shard_dims: ``None`` (the input's), or ``"leave"``: where the shift moved it (no second
-            all-to-all; :func:`shift_landed` says where).
-
-    Returns:
-        This rank's slice of ``torch.fft.{name}`` of the gathered input.
-
-    Raises:
-        TypeError: a non-tensor input or non-int dims.
-        ValueError: on every rank, when ranks disagree on the arguments or unsharded sizes, or no
-            dim is left to hold a shifted dim's sharding (``dim=None`` over a sharded tensor).
-    """
-    return shift
-
-
-def shift_landed(fn, name, x, dim, mesh, shard_dims, out_shard_dims=None):
-    """A shift and the result's sharded dims (where ``out_shard_dims="leave"`` left them)."""
-    guard = active_guard()  # called by hand inside a region: run unguarded, tag the result
-    with stepped_aside(guard) if guard is not None else contextlib.nullcontext():
-        out, dst = _shifted(x, fn, dim, mesh, shard_dims, f"tplayers.functional.fft.{name}", out_shard_dims == LEAVE)
-    if guard is not None and hasattr(guard, "mark"):
-        guard.mark(out, region_layout(out.shape, dst))
-    return out, dst
-
-
-def _shifted(x, fn, dim, mesh, shard_dims, name, leave=False):
-    mesh = resolve_mesh(mesh, (1, 2))
-    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
-    error, src, dims, moves = None, (), (), []
-    try:
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: input must be a torch.Tensor, got {type(x).__name__}")
-        src = _mesh_dims(shard_dims, mesh.ndim, x.dim(), name, "shard_dims")
-        dims, _ = _norm_dims(dim, None, x.dim(), name)
-        cur = list(src)
-        for i, d in enumerate(src):
-            if d in dims:
-                free = [t for t in sorted(range(x.dim()), key=lambda t: -x.size(t)) if t not in dims and t not in cur]
-                if not free:
-                    raise ValueError(f"{name}: dim {dim!r} leaves no dim to hold the sharding of dim {d}")
-                moves.append((i, d, free[0]))
-                cur[i] = free[0]
-    except (TypeError, ValueError) as e:
-        error = e
-    ok = error is None
-    row = [int(x.size(d)) for d in src] + [0] * (2 - len(src)) if ok else [0, 0]
-    rest = tuple(-1 if d in src else int(v) for d, v in enumerate(x.shape)) if ok else ()
-    config = {"shard_dims": src, "dim": dims, "dtype": str(getattr(x, "dtype", None)), "other dims": rest}
-    sizes = grid_sizes(exchange_agreed(row, config, groups, name, "fft.layout", error=error), mesh, name)
-    moved = {}
-    for i, a, b in moves:
-        if groups[i].size() > 1:
-            moved[i] = shard_sizes(x.size(b), groups[i].size())
-            x = AllToAllDim.apply(x, a, b, sizes[i], moved[i], groups[i])
-    x = fn(x, dim=dims)
-    if leave and len(src) == 1 and all(b >= 2 for _, _, b in moves):  # 1-D mesh, not on a batch / channel dim
-        return x, tuple(b for b in _after(src, moves))
-    for i, a, b in reversed(moves):
-        if groups[i].size() > 1:
-            x = AllToAllDim.apply(x, b, a, moved[i], sizes[i], groups[i])
-    return x, src
-
-
-def _after(src, moves):
-    cur = list(src)
-    for i, _, b in moves:
-        cur[i] = b
-    return cur
-
-
-fftshift = _shift(torch.fft.fftshift, "fftshift")
-ifftshift = _shift(torch.fft.ifftshift, "ifftshift")
