@@ -111,9 +111,8 @@ def test_the_fno_papers_spectral_conv2d_as_written(world, mesh_shape, layouts, s
     "world,mesh_shape,layouts,shape,dims,padding",
     [
         (2, (2,), [[7, 6]], (2, 13, 10, 1), (1,), 3),
-        # the W dim's partition after irfft2 is the balanced one: padded W (a far-edge pad makes it unbalanced)
-        # would meet the skip in another partition (refused on every rank, see below), so periodic here
-        (4, (2, 2), [[7, 5], [6, 5]], (1, 12, 11, 1), (1, 2), 0),
+        # padded W is unbalanced (6 + 8): irfft2(s=x.size()...) returns it in x's partition, not the balanced one
+        (4, (2, 2), [[7, 5], [6, 5]], (1, 12, 11, 1), (1, 2), 3),
     ],
 )
 def test_the_fno_papers_fno2d_channels_last_with_its_grid_and_padding(world, mesh_shape, layouts, shape, dims, padding):

@@ -131,7 +131,7 @@ def _read_from(seq, dims, shard_dims):
     for d, n in zip(dims, seq):
         if isinstance(n, ShardLen) and len(n.roots) == 1 and n.fn(n.roots[0].local) == int(n):
             root = n.roots[0]
-            if serial(n) == root.total() and d not in out:
+            if serial(n) == root.total() and d not in [o for j, o in enumerate(out) if j != root.axis]:
                 out[root.axis] = d
                 sizes[root.axis] = root.sizes()
     if not sizes:
