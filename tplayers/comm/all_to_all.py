@@ -34,7 +34,15 @@ from tplayers.comm.agree import exchange_agreed
 from tplayers.mesh import resolve_mesh
 from tplayers.sharding import offsets_from_sizes, shard_sizes
 
-__all__ = ["all_to_all_dim", "AllToAllDim", "plan_moves", "grid_sizes", "repartition", "repartition_sized"]
+__all__ = [
+    "all_to_all_dim",
+    "AllToAllDim",
+    "plan_moves",
+    "grid_sizes",
+    "mesh_tensor_dims",
+    "repartition",
+    "repartition_sized",
+]
 
 Dims = Union[int, Sequence[int]]
 # (mesh dim, tensor dim sharded before, tensor dim sharded after): one all-to-all of a plan
@@ -159,18 +167,24 @@ def grid_sizes(table, mesh: DeviceMesh, what: str) -> List[List[int]]:
     return [[line[me1][0] for line in table], [r[1] for r in table[me0]]]
 
 
-def _dims(value, ndim_mesh: int, ndim: int, name: str) -> Tuple[int, ...]:
+def mesh_tensor_dims(value, mesh_ndim: int, ndim: int, label: str) -> Tuple[int, ...]:
+    """``value`` (an int, or one tensor dim per mesh dim) as distinct non-negative dims of an ``ndim``-D
+    tensor; ``label`` names the argument in the errors (``"repartition: from_dims"``)."""
     dims = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
     if not isinstance(dims, (tuple, list)) or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
-        raise TypeError(f"repartition: {name} must be an int or a tuple of ints, got {value!r}")
-    if len(dims) != ndim_mesh:
-        raise ValueError(f"repartition: {name} needs one tensor dim per mesh dim ({ndim_mesh}), got {value!r}")
+        raise TypeError(f"{label} must be an int or a tuple of ints, got {value!r}")
+    if len(dims) != mesh_ndim:
+        raise ValueError(f"{label} needs one tensor dim per mesh dim ({mesh_ndim}), got {value!r}")
     if any(not -ndim <= d < ndim for d in dims):
-        raise ValueError(f"repartition: {name} must name dims of a {ndim}-D tensor, got {value!r}")
+        raise ValueError(f"{label} must name dims of a {ndim}-D tensor, got {value!r}")
     out = tuple(d % ndim for d in dims)
     if len(set(out)) != len(out):
-        raise ValueError(f"repartition: {name} must name distinct dims, got {value!r}")
+        raise ValueError(f"{label} must name distinct dims, got {value!r}")
     return out
+
+
+def _dims(value, ndim_mesh: int, ndim: int, name: str) -> Tuple[int, ...]:
+    return mesh_tensor_dims(value, ndim_mesh, ndim, f"repartition: {name}")
 
 
 def repartition(x: torch.Tensor, mesh: Optional[DeviceMesh], from_dims: Dims, to_dims: Dims) -> torch.Tensor:

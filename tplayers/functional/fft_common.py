@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+from tplayers.comm.all_to_all import mesh_tensor_dims
+
 __all__ = ["LEAVE"]
 
 _NORMS = (None, "backward", "ortho", "forward")
@@ -35,14 +37,4 @@ def _norm_dims(dim, s, ndim: int, name: str) -> Tuple[Tuple[int, ...], Optional[
 
 
 def _mesh_dims(value, mesh_ndim: int, ndim: int, name: str, what: str) -> Tuple[int, ...]:
-    dims = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
-    if not isinstance(dims, (tuple, list)) or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
-        raise TypeError(f"{name}: {what} must be an int or a tuple of ints, got {value!r}")
-    if len(dims) != mesh_ndim or any(not -ndim <= d < ndim for d in dims):
-        raise ValueError(
-            f"{name}: {what} needs one dim of the {ndim}-D input per mesh dim ({mesh_ndim}), got {value!r}"
-        )
-    out = tuple(d % ndim for d in dims)
-    if len(set(out)) != len(out):
-        raise ValueError(f"{name}: {what} must name distinct dims, got {value!r}")
-    return out
+    return mesh_tensor_dims(value, mesh_ndim, ndim, f"{name}: {what}")
