@@ -18,6 +18,9 @@ made the first time it is needed and cached per tensor dim and region call (:cla
 rank runs the same code, so every rank asks at the same point (comparisons are global, so the ranks'
 branches agree). A length used in true division (``/``) or passed through ``int()`` is a plain
 local number again. Lengths of merged dims (``x.flatten(2).shape[2]``) are plain local numbers.
+Every ShardLen hashes alike (equality is serial, and a local hash would make a dict keyed by
+lengths compare, and so exchange, on some ranks only), so it is a valid but slow dict key, and it
+never matches a plain int key.
 """
 
 from __future__ import annotations
@@ -66,6 +69,9 @@ class _nothing:
         return False
 
 
+_HASH = hash("tplayers.ShardLen")
+
+
 def _ident(v: int) -> int:
     return v
 
@@ -82,7 +88,11 @@ class ShardLen(int):
     def __repr__(self) -> str:
         return f"ShardLen({int(self)})"
 
-    __hash__ = int.__hash__
+    def __hash__(self):
+        # Equal objects hash alike, and equality is serial. The local value differs between ranks, so a dict
+        # keyed by it could compare (and exchange) on some ranks only. One hash for all keeps every rank's
+        # lookups alike.
+        return _HASH
 
     # -------------------------------------------------------------- arithmetic keeps the derivation
     def _bin(self, other, op, reflected=False):
