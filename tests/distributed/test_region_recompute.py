@@ -67,14 +67,52 @@ def _vae():
     ).double()
 
 
+def _segformer():
+    from transformers import SegformerConfig, SegformerModel
+
+    torch.manual_seed(0)
+    config = SegformerConfig(
+        num_channels=2,
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[8, 16],
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2],
+        drop_path_rate=0.0,
+    )
+    return SegformerModel(config).double()
+
+
+def _diffusers_switch(model, reentrant):
+    model.enable_gradient_checkpointing(_reentrant if reentrant else None)
+
+
+def _transformers_switch(model, reentrant):
+    # transformers' GradientCheckpointingLayer checkpoints its forward body from inside its call:
+    # tplayers.region_context_fn re-guards the whole recomputed body (use_reentrant=False only)
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": tplayers.region_context_fn}
+    )
+
+
 MODELS = {
-    # name: (build, call, a checkpointed block to watch)
+    # name: (build, call, the package's switch, a checkpointed block to watch)
     "unet": (
         _unet,
         lambda m, x, step: m(x, torch.tensor([3 + step, 17])).sample,
+        _diffusers_switch,
         lambda m: m.down_blocks[0].resnets[0],
     ),
-    "vae": (_vae, lambda m, x, step: m(x).sample, lambda m: m.decoder.up_blocks[0]),
+    "vae": (_vae, lambda m, x, step: m(x).sample, _diffusers_switch, lambda m: m.decoder.up_blocks[0]),
+    "segformer": (
+        _segformer,
+        lambda m, x, step: m(x).last_hidden_state,
+        _transformers_switch,
+        lambda m: m.stages[0].blocks[0].attention,  # the layer checkpoints its forward body
+    ),
 }
 
 
@@ -83,24 +121,23 @@ def _reentrant(module, *args):
 
 
 def _case(rank, world, name, mesh_shape, sizes, reentrant):
-    build, call, block = MODELS[name]
+    build, call, switch, block = MODELS[name]
     mesh, coords, dims = _mesh(world, mesh_shape)
     serial = build()
     parallel = tplayers.parallelize_module(
         copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)}, mesh=mesh
     )
-    parallel.enable_gradient_checkpointing(_reentrant if reentrant else None)  # the package's own switch
+    parallel.train(), serial.train()
+    switch(parallel, reentrant)  # the package's own switch
     runs = []  # (in backward, under a guard) per call of the watched block
     block(parallel).register_forward_pre_hook(
         lambda m, a: runs.append((torch._C._current_graph_task_id() != -1, active_guard() is not None))
     )
     opt_s = torch.optim.SGD(serial.parameters(), lr=0.05, momentum=0.9)
     opt_p = torch.optim.SGD(parallel.parameters(), lr=0.05, momentum=0.9)
-    layouts = [[sizes[0] // mesh_shape[0] + (i < sizes[0] % mesh_shape[0]) for i in range(mesh_shape[0])]]
-    if len(mesh_shape) > 1:
-        layouts.append([sizes[1] // mesh_shape[1] + (i < sizes[1] % mesh_shape[1]) for i in range(mesh_shape[1])])
 
-    def local(t):
+    def local(t):  # this rank's block of a serial tensor: balanced along each sharded dim (tplayers.shard)
+        layouts = [tplayers.shard_sizes(t.shape[d], parts) for d, parts in zip(dims, mesh_shape)]
         return local_slice(t, dims, layouts, coords)
 
     for step in range(2):
@@ -126,6 +163,35 @@ def test_package_checkpointing_is_exact_2_ranks(name, reentrant):
     run_ranks(_case, 2, args=(name, (2,), (16, 8), reentrant), timeout=240)
 
 
+def test_transformers_checkpointing_with_region_context_fn_is_exact_2_ranks():
+    import transformers  # noqa: F401 - the test extra installs it: a missing one fails, never skips
+
+    run_ranks(_case, 2, args=("segformer", (2,), (64, 32), False), timeout=240)
+
+
+def _transformers_plain(rank, world, reentrant):
+    mesh = tplayers.default_mesh()
+    model = tplayers.parallelize_module(_segformer(), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    x = tplayers.shard(torch.randn(1, 2, 64, 32, dtype=torch.float64), 2, mesh).requires_grad_(True)
+    if not reentrant:  # the body's ops are seen in forward, under the checkpoint's hooks
+        with pytest.raises(ValueError, match=r"in a checkpointed function, outside its modules.*region_context_fn"):
+            model(x)
+        return "forward"
+    y = model(x).last_hidden_state  # CheckpointFunction runs the body under no_grad: seen in backward
+    with pytest.raises(ValueError, match=r"inside a checkpointed function that is not its call"):
+        tplayers.domain_sum(y.square()).backward()
+    return "backward"
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_transformers_checkpointing_without_region_context_fn_is_refused_on_every_rank(reentrant):
+    import transformers  # noqa: F401 - the test extra installs it: a missing one fails, never skips
+
+    outs = run_ranks(_transformers_plain, 2, args=(reentrant,), timeout=120)
+    assert outs == ["backward" if reentrant else "forward"] * 2
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("name", ["unet", "vae"])
 def test_package_checkpointing_is_exact_2x2(name, reentrant):
@@ -136,7 +202,8 @@ def test_package_checkpointing_is_exact_2x2(name, reentrant):
 
 class Closure(nn.Module):
     """Blocks checkpointed through a plain function: ``kind`` "seq" only calls modules (timm's
-    ``checkpoint_seq``); "body" also applies a spatial mean to sharded data in the function's body."""
+    ``checkpoint_seq``); "body" also applies a spatial mean to sharded data in the function's body;
+    "context" is "body" checkpointed with ``context_fn=tplayers.region_context_fn``."""
 
     def __init__(self, kind, reentrant):
         super().__init__()
@@ -145,11 +212,14 @@ class Closure(nn.Module):
         self.kind, self.reentrant = kind, reentrant
 
     def run(self, t):
-        if self.kind == "body":
+        if self.kind in ("body", "context"):
             t = t - t.mean(dim=2, keepdim=True)
-        return self.b(self.a(t))
+        y = self.b(self.a(t))
+        return y * t.amax(dim=(2, 3), keepdim=True) if self.kind == "context" else y  # ops after the modules too
 
     def forward(self, x):
+        if self.kind == "context":
+            return checkpoint(self.run, x, use_reentrant=False, context_fn=tplayers.region_context_fn)
         return checkpoint(self.run, x, use_reentrant=self.reentrant)
 
 
@@ -182,7 +252,13 @@ def _closure(rank, world, kind, reentrant):
 
 @pytest.mark.parametrize(
     "kind,reentrant,expected",
-    [("seq", False, "exact"), ("body", False, "refused"), ("seq", True, "refused"), ("body", True, "refused")],
+    [
+        ("seq", False, "exact"),
+        ("body", False, "refused"),
+        ("context", False, "exact"),
+        ("seq", True, "refused"),
+        ("body", True, "refused"),
+    ],
 )
 def test_checkpointed_plain_function_is_exact_or_refused_on_every_rank(kind, reentrant, expected):
     assert run_ranks(_closure, 2, args=(kind, reentrant), timeout=60) == [expected] * 2

@@ -18,8 +18,9 @@ __all__ = ["saved_pack", "is_checkpoint_pack", "BODY_ADVICE"]
 #: the fix a refusal of an op in a checkpointed function's body names
 BODY_ADVICE = (
     "torch.utils.checkpoint recomputes it in backward, where the guard re-enters module calls only "
-    "(tplayers.region.recompute). Checkpoint a module's call, checkpoint(module, x), as diffusers, "
-    "transformers and timm do, or move the op into a module."
+    "(tplayers.region.recompute). Pass context_fn=tplayers.region_context_fn to the checkpoint (for "
+    "transformers: gradient_checkpointing_kwargs={'use_reentrant': False, 'context_fn': "
+    "tplayers.region_context_fn}), or checkpoint a module's call, checkpoint(module, x), as diffusers does."
 )
 
 
