@@ -163,10 +163,11 @@ def test_package_checkpointing_is_exact_2_ranks(name, reentrant):
     run_ranks(_case, 2, args=(name, (2,), (16, 8), reentrant), timeout=240)
 
 
-def test_transformers_checkpointing_with_region_context_fn_is_exact_2_ranks():
+@pytest.mark.parametrize("world,mesh_shape,sizes", [(2, (2,), (64, 32)), (4, (2, 2), (64, 64))], ids=["2", "2x2"])
+def test_transformers_checkpointing_with_region_context_fn_is_exact(world, mesh_shape, sizes):
     import transformers  # noqa: F401 - the test extra installs it: a missing one fails, never skips
 
-    run_ranks(_case, 2, args=("segformer", (2,), (64, 32), False), timeout=240)
+    run_ranks(_case, world, args=("segformer", mesh_shape, sizes, False), timeout=300)
 
 
 def _transformers_plain(rank, world, reentrant):
