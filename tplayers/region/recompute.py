@@ -76,8 +76,8 @@ def _signature(t: torch.Tensor):
 
 
 def _calls(fn: Any, module: Any) -> bool:
-    """Whether ``fn`` is a call of ``module``: the module, its bound ``__call__`` (transformers'
-    ``GradientCheckpointingLayer`` checkpoints ``partial(super().__call__, ...)``), or a partial of them."""
+    """Whether ``fn`` is a call of ``module``: the module, its bound ``__call__`` (the class's, or
+    ``nn.Module``'s that an overriding ``__call__`` reaches with ``super().__call__``), or a partial of them."""
     while isinstance(fn, functools.partial):
         fn = fn.func
     call = getattr(fn, "__func__", None)  # a bound __call__: the module class's, or nn.Module's it wraps
