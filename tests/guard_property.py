@@ -102,7 +102,8 @@ KINDS = [
     "conv3", "conv1", "conv_s2", "convT", "residual", "skip", "bn", "gn", "inorm", "maxpool", "avgpool",
     "upsample", "act", "center", "scale_by_sum", "interp", "interp_size", "tokens", "attention", "flip", "roll",
 ]  # fmt: skip
-WEIGHTS = [1 if k in ("flip", "roll") else 4 for k in KINDS]  # refused ops: rarer, so most graphs run through
+# flip is refused, roll by one row routed (refused where a rank holds no row): rarer, so most graphs run through
+WEIGHTS = [1 if k in ("flip", "roll") else 4 for k in KINDS]
 INLINE = ["center", "scale_by_sum", "interp", "act_inline", "flip"]
 
 

@@ -88,6 +88,7 @@ from tplayers.parallelize import (
     parallelize_module,
 )
 from tplayers.parallelize.hf import ReplicatedGradSum, causal_lm_loss, plan_from_transformers
+from tplayers.region.recompute import region_context_fn
 from tplayers.region.scope import domain_region
 from tplayers.sharding import ShardSpec, shard_range, shard_sizes
 
@@ -104,6 +105,7 @@ __all__ = [
     "gather",
     "reset_layouts",
     "domain_region",
+    "region_context_fn",
     "functional",
     "domain_sum",
     "domain_mean",

@@ -103,7 +103,7 @@ def _region(rank, world):
         yl = F.interpolate(xl - xl.mean(dim=(2, 3), keepdim=True), scale_factor=2, mode="bilinear") * wl[:, None, None]
         loss_p = yl.square().mean()  # routed: the global mean
         with pytest.raises(ValueError, match="roll"):
-            torch.roll(yl, 1, 2)
+            torch.roll(yl, 10, 2)  # more rows than a rank holds (a roll by at most a shard is routed)
     torch.testing.assert_close(loss_p, loss_s, **TIGHT)
     loss_s.backward(), loss_p.backward()
     torch.testing.assert_close(xl.grad, tplayers.shard(x.grad, 2, mesh), **TIGHT)

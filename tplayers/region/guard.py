@@ -36,11 +36,13 @@ the data says so, and every replicated value inside a guarded region is already 
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import CheckpointFunction
 
 from tplayers.comm.agree import raise_together
 from tplayers.comm.buckets import using_buckets
@@ -50,10 +52,11 @@ from tplayers.domain.layout import Layout, canonical_layout, is_sharded, mesh_di
 from tplayers.layers.norm import _DomainNorm
 from tplayers.region.dispatch import handle
 from tplayers.region.lengths import Root, shape_with_lengths
-from tplayers.region.rules import _PRESERVE, _pointwise_names
+from tplayers.region.rules import _PASS, _PRESERVE, _pointwise_names, first_sharded, op_name
 from tplayers.region.rules_slices import FACTORIES, SHAPED, factory, has_len, serial_args
+from tplayers.region.saved_hooks import BODY_ADVICE, is_checkpoint_pack, saved_pack
 
-__all__ = ["RegionGuard", "active_guard", "GuardError"]
+__all__ = ["RegionGuard", "active_guard", "GuardError", "CallToken", "tag_of"]
 
 _TAG = "_tplayers_domain_tag"
 _UNIFORM = "_tplayers_uniform"  # a fresh constant made in this call (the guard's token)
@@ -68,6 +71,22 @@ class GuardError(ValueError):
     """An op on domain-sharded data that the guard cannot prove exact and does not route."""
 
 
+class CallToken:
+    """One call of a region, carried by the tags of the tensors it shards; ``reads``: the local lengths
+    its code read (:meth:`RegionGuard.note_read`), which a recomputation of part of the call under
+    activation checkpointing reads again (:mod:`tplayers.region.recompute`)."""
+
+    __slots__ = ("reads",)
+
+    def __init__(self, reads: Dict[int, set]) -> None:
+        self.reads = reads
+
+
+def tag_of(t: Any) -> Optional[Tuple[CallToken, Layout]]:
+    """``(token, layout)`` of a tensor a region call tagged as sharded (``None``: untagged)."""
+    return getattr(t, _TAG, None) if isinstance(t, torch.Tensor) else None
+
+
 class RegionGuard(TorchFunctionMode):
     """The torch-function mode of one call of a domain region (see the module docstring).
 
@@ -79,11 +98,14 @@ class RegionGuard(TorchFunctionMode):
 
     def __init__(self, mesh, shard_dims: Sequence[int], where: str = "<region>", token: Any = None) -> None:
         super().__init__()
-        self.token = object() if token is None else token  # tags are valid for this call (shared by nested guards)
+        self.reads: Dict[int, set] = {}  # mesh dim -> local lengths of sharded dims the code read (note_read)
+        # tags are valid for this call (the token is shared by nested guards)
+        self.token = CallToken(self.reads) if token is None else token
         self.mesh = mesh
         self.shard_dims = tuple(shard_dims)
         self.groups = [mesh.get_group(i) for i in range(mesh.ndim)]
         self.where = [where]  # module path stack (region hooks push and pop)
+        self.packs = [saved_pack()]  # the saved-tensor hooks in place when each of those calls began
         self._bounded: Dict[Tuple[int, Tuple[int, ...]], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.routes: Dict[Any, Any] = {}  # per call-site routed twins (kept across calls by the region)
         self.acted = False  # whether this call routed an op or summed a replicated gradient
@@ -91,7 +113,6 @@ class RegionGuard(TorchFunctionMode):
         self.agreed = False  # a DomainParallel region call: every rank's partition was compared at entry
         self.check = False  # decisions read from local sizes are agreed (a region's first call of a partition)
         self.pending = 0  # such decisions made since the last collective (settled before the next one)
-        self.reads: Dict[int, set] = {}  # mesh dim -> local lengths of sharded dims the code read (note_read)
         self.vetted: set = set()  # autograd nodes of twins' outputs (their custom Functions are the twins')
         self.roots: Dict[Tuple[int, int], Tuple[torch.Tensor, Root]] = {}  # (id(t), dim) -> lengths' roots
 
@@ -168,7 +189,7 @@ class RegionGuard(TorchFunctionMode):
     def lengths(self, t: Any, out: Any, dim: Any = None) -> Any:
         """``t.shape`` / ``t.size(dim)`` as the region's code reads them: sharded dims' lengths as
         :class:`~tplayers.region.lengths.ShardLen` (see :mod:`tplayers.region.lengths`)."""
-        if self.layout(t) is None:
+        if self.layout(t) is None or _torch_reads():
             return out
         if isinstance(dim, int):
             r = self.root(t, dim % t.dim())
@@ -253,6 +274,12 @@ class RegionGuard(TorchFunctionMode):
             return self.mark_uniform(out) if fresh else out
         if self.check and torch.is_grad_enabled():  # a partition's first call: later calls run the same code
             self.check_functions(args, kwargs)
+        pack = saved_pack()
+        if pack is not self.packs[-1] and is_checkpoint_pack(pack) and getattr(func, "__name__", "") not in _PASS:
+            lay = first_sharded(self, args, kwargs)[1]
+            raise self.refuse(
+                self.error(f"{op_name(func)} in a checkpointed function, outside its modules", lay, BODY_ADVICE)
+            )
         with stepped_aside(self, settle=False):  # an outer guard (a model watch) must not see the handler's own ops
             return handle(self, func, args, kwargs)
 
@@ -276,6 +303,8 @@ class RegionGuard(TorchFunctionMode):
         cls = None if fn is None else getattr(fn, "_forward_cls", None)  # None for torch's own (C++) nodes
         if cls is None or fn in self.vetted or (getattr(cls, "__module__", "") or "").startswith("tplayers."):
             return
+        if cls is CheckpointFunction:  # reentrant checkpointing: its recomputation re-enters the guard (recompute.py)
+            return
         lay = self.layout(t)
         if lay is None:
             return
@@ -285,8 +314,7 @@ class RegionGuard(TorchFunctionMode):
                 lay,
                 "Its backward runs outside the region guard, on each rank's slice of the gradient. Write "
                 "it with torch ops (autograd then differentiates them under the guard), or use tplayers "
-                "twins / tplayers.functional for what needs the whole domain. Activation checkpointing "
-                "(torch.utils.checkpoint) inside a region: checkpoint the region's root module instead.",
+                "twins / tplayers.functional for what needs the whole domain.",
             )
         )
 
@@ -386,6 +414,16 @@ def _keeps_constant(guard: RegionGuard, name, args, kwargs) -> bool:
         if isinstance(a, (list, tuple)) and any(isinstance(b, torch.Tensor) for b in a):
             return False
     return True
+
+
+def _torch_reads() -> bool:
+    """Whether the shape being read is read by torch's own Python (``torch.utils.checkpoint`` records
+    saved tensors' shapes and compares them on recomputation), not by the model's code: torch keeps
+    plain local lengths."""
+    f = sys._getframe(2)
+    while f is not None and f.f_globals.get("__name__", "").startswith(("tplayers.region", "torch.overrides")):
+        f = f.f_back
+    return f is not None and f.f_globals.get("__name__", "").startswith("torch.")
 
 
 def _pointwise_conv(module) -> bool:

@@ -15,6 +15,9 @@ from torch import nn
 
 from tplayers.domain.active import active_guard, in_guarded_call
 from tplayers.layers._common import RegionAware
+from tplayers.region.guard import RegionGuard
+from tplayers.region.recompute import enter_recompute, in_backward
+from tplayers.region.saved_hooks import saved_pack
 from tplayers.region.scope import DomainRegion, first_tensor
 
 __all__ = ["Member", "bind_region", "region_of"]
@@ -41,6 +44,13 @@ class Member:
             if self.region is not None:
                 self.region.check_compilable()
             return call(*args, **kwargs)
+        if not self._opens() and active_guard() is None and in_backward():  # recomputed (checkpointing)
+            guard = enter_recompute(self.region, self.name, module, args, kwargs)
+            if guard is not None:
+                try:
+                    return guard.call_twin(module, call, args, kwargs)
+                finally:
+                    guard.__exit__(None, None, None)
         if not self._opens():
             return call(*args, **kwargs)
         self.region.open(first_tensor(args, kwargs), scope=module)
@@ -61,18 +71,17 @@ class Member:
             self.region.open(first_tensor(args, kwargs), scope=module)
             self._opened.append(True)
             g = active_guard()
-        elif g is None and torch._C._current_graph_task_id() != -1 and not isinstance(module, RegionAware):
+        elif g is None and in_backward() and not isinstance(module, RegionAware):
             # a region's submodule re-run during backward (activation checkpointing inside the region):
-            # the guard is not active there, so routed ops and gradient sums would silently change
-            raise ValueError(
-                f"domain region: module {self.name!r} runs during backward without its region guard "
-                "(activation checkpointing inside a domain region). Checkpoint the whole region's root "
-                "module instead (its recomputation re-enters the guard)"
-            )
+            # it runs under a guard making the forward call's decisions (tplayers.region.recompute)
+            g = enter_recompute(self.region, self.name, module, args, kwargs)
+            self._opened.append(g)
+            return
         else:
             self._opened.append(False)
         if g is not None:
             g.where.append(self.name)
+            g.packs.append(saved_pack())
 
     def post(self, module, args, kwargs, output):
         if torch.compiler.is_compiling():
@@ -80,7 +89,11 @@ class Member:
         g = active_guard()
         if g is not None and len(g.where) > 1 and g.where[-1] == self.name:
             g.where.pop()
-        if self._opened and self._opened.pop():
+            g.packs.pop()
+        opened = self._opened.pop() if self._opened else False
+        if isinstance(opened, RegionGuard):  # a recomputation's guard (pre)
+            opened.__exit__(None, None, None)
+        elif opened:
             return self.region.close(output)
         return None
 

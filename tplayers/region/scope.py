@@ -230,7 +230,7 @@ class DomainRegion:
         if wrap and active_guard() is guard and guard.reads is not outside_guard(self).reads:
             # a call opened from code outside the region (a method): the lengths that code read on the
             # region's DomainTensors count here too (one meaning for a size, tplayers.region.sizes)
-            guard.reads = outside_guard(self).reads
+            guard.reads = guard.token.reads = outside_guard(self).reads  # the call's recomputations read them too
         self._wraps.append(wrap)
 
     def post_hook(self, module, args, kwargs, output):
