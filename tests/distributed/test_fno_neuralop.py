@@ -77,6 +77,8 @@ def _parity(rank, world, mesh_shape, layouts, shape, n_dims, positional):
         (2, (2,), [[9, 7]], (2, 2, 16, 10), 2, "grid"),
         (2, (2,), [[9, 7]], (2, 2, 16, 10), 2, None),  # without the positional embedding
         (2, (2,), [[9, 7]], (2, 2, 16, 10), 2, "blocks"),  # FNOBlocks alone: instance norm, Tucker weights
+        (4, (2, 2), [[9, 7], [6, 5]], (1, 2, 16, 11), 2, None),
+        (4, (2, 2), [[9, 7], [6, 5]], (1, 2, 16, 11), 2, "blocks"),
         (4, (2, 2), [[9, 7], [6, 5]], (1, 2, 16, 11), 2, "grid"),
         (2, (2,), [[5, 4]], (1, 2, 9, 8, 6), 3, "grid"),  # a 3-D FNO
     ],
