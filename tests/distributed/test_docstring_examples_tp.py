@@ -15,6 +15,8 @@ OBJECTS = {
     "RowParallelLinear": tplayers.RowParallelLinear,
     "ColumnParallelLinear": tplayers.ColumnParallelLinear,
     "clip_grad_norm_": tplayers.clip_grad_norm_,
+    "ExpertParallelExperts": tplayers.ExpertParallelExperts,
+    "ExpertParallel": tplayers.ExpertParallel,
 }
 
 

@@ -28,12 +28,13 @@ from tplayers.layers._sections import SectionLayout
 from tplayers.layers.replicated import DomainReplicated
 from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import resolve_mesh
+from tplayers.parallelize.expert_styles import ExpertParallel
 from tplayers.parallelize.heads import FUSED as _FUSED
 from tplayers.parallelize.heads import KV as _KV
 from tplayers.parallelize.heads import Q as _Q
 from tplayers.parallelize.heads import localize_heads
 from tplayers.parallelize.hf_generate import VocabParallelHead
-from tplayers.parallelize.hf_local import EXPERTS_HINT, cover_local_parameters, is_experts_entry
+from tplayers.parallelize.hf_local import EXPERTS_HINT, cover_local_parameters, experts_module_key, is_experts_entry
 from tplayers.parallelize.hf_sequence import (
     SequenceGatheredAttention,
     check_sequence_parallel_model,
@@ -181,6 +182,7 @@ def plan_from_transformers(
     vocab_parallel: bool = False,
     sequence_parallel: bool = False,
     replicate_experts: bool = False,
+    expert_parallel: bool = False,
 ) -> Dict[str, ParallelStyle]:
     """A tplayers plan for a transformers model, from the model's own tensor-parallel plan.
 
@@ -218,7 +220,11 @@ def plan_from_transformers(
         vocab_parallel, sequence_parallel: keep the logits vocabulary-sharded; sequence parallelism.
         replicate_experts: leave a mixture of experts' ``experts`` out of the plan (every rank holds
             and runs all of them; the router is replicated too): exact, no expert memory saved.
-            Without it their plan entries are refused (no expert or in-expert parallelism yet).
+        expert_parallel: expert parallelism over the mesh: every ``experts`` module the plan names
+            (transformers' ``moe_tp_experts`` entry and its ``packed_colwise`` / ``rowwise``
+            parameter entries) gets :class:`~tplayers.ExpertParallel`: each rank holds whole experts
+            and the tokens travel to them by all-to-all; the router stays replicated. Exact.
+            Without either option the experts' entries are refused (no in-expert tensor parallelism).
 
     Returns:
         ``{regex: style}``, a plan for :func:`~tplayers.parallelize_module` and :func:`~tplayers.explain`.
@@ -246,9 +252,16 @@ def plan_from_transformers(
         ("vocab_parallel", vocab_parallel),
         ("sequence_parallel", sequence_parallel),
         ("replicate_experts", replicate_experts),
+        ("expert_parallel", expert_parallel),
     ):
         if not isinstance(value, bool):
             raise TypeError(f"plan_from_transformers: {arg} must be a bool, got {type(value).__name__}")
+    if expert_parallel and (replicate_experts or sequence_parallel):
+        other = "replicate_experts=True" if replicate_experts else "sequence_parallel=True"
+        raise ValueError(
+            f"plan_from_transformers: expert_parallel=True cannot be combined with {other} (the experts are "
+            "either split or replicated; expert parallelism takes replicated tokens, not sequence shards)"
+        )
     mesh = resolve_mesh(mesh, 1)
     config = _text_config(model)
     strings = dict(tp_plan) if tp_plan is not None else _string_plan(model, config)
@@ -274,6 +287,11 @@ def plan_from_transformers(
         names = [n for n in modules if re.fullmatch(regex, n)]
         if replicate_experts and is_experts_entry(key):
             continue  # every rank keeps the whole experts module
+        if expert_parallel and is_experts_entry(key):  # the experts module, whichever entry names it
+            experts = _to_regex(experts_module_key(key))
+            if any(re.fullmatch(experts, n) for n in modules):
+                plan[experts] = ExpertParallel()
+            continue
         hint = EXPERTS_HINT if is_experts_entry(key) else ""
         if style not in TRANSFORMERS_STYLES:
             what = _UNSUPPORTED.get(style)
@@ -299,6 +317,11 @@ def plan_from_transformers(
             attention.setdefault(_to_regex(key.rpartition(".")[0]), {})[key.rpartition(".")[2]] = value
         else:
             plan[regex] = value
+    if expert_parallel and not any(isinstance(v, ExpertParallel) for v in plan.values()):
+        raise ValueError(
+            f"plan_from_transformers: expert_parallel=True, but the plan of {type(model).__name__} names no "
+            "experts module of this model (no mixture of experts to split)"
+        )
     for parent, children in attention.items():
         plan[parent] = SequenceGatheredAttention(children=children)
     if vocab_parallel and head_name is not None and not any(re.fullmatch(k, head_name) for k in plan):
