@@ -10,6 +10,7 @@ expert ids out of range, ranks whose routing differs."""
 
 import copy
 import os
+import pickle
 import textwrap
 
 import pytest
@@ -67,6 +68,8 @@ def _layer_cases(rank, world, cases):
         torch.testing.assert_close(wp.grad, ws.grad, **TIGHT)
         for name, p in ep.named_parameters():
             torch.testing.assert_close(p.grad, ep.shard_specs()[name].take(serial.get_parameter(name).grad), **TIGHT)
+        for twin in (copy.deepcopy(ep), pickle.loads(pickle.dumps(ep))):  # the same experts, the same mesh
+            torch.testing.assert_close(twin(h, ids, w), want, **TIGHT)
     return held
 
 

@@ -115,6 +115,8 @@ class ExpertParallelExperts(ShardedModule):
         torch.testing.assert_close(ep(h, ids, w), serial(h, ids, w))
     """
 
+    _pickle_empty = ("_agreed", "_owners")  # per-shape agreements and per-device tables: rebuilt after unpickling
+
     def __init__(self, experts: nn.Module, *, mesh: Optional[DeviceMesh] = None) -> None:
         super().__init__()
         if not isinstance(experts, nn.Module):
@@ -145,6 +147,7 @@ class ExpertParallelExperts(ShardedModule):
         self._local = (local,)  # a tuple: not a registered child (no state_dict keys of its own)
         self._bound_local()  # drop the serial stacks the copy still points at
         self._agreed = set()
+        self._owners = {}
 
     @classmethod
     def from_module(cls, experts: nn.Module, *, mesh: Optional[DeviceMesh] = None) -> "ExpertParallelExperts":
@@ -198,22 +201,26 @@ class ExpertParallelExperts(ShardedModule):
         n, me, experts = self.tp_size, self.tp_rank, self.num_experts
         k = index.shape[1]
         device = index.device
-        owner = torch.repeat_interleave(
-            torch.arange(n, device=device), torch.tensor(self.expert_counts, device=device)
-        )  # (E,): the rank holding each expert
+        owner = self._owners.get(device)
+        if owner is None:  # (E,): the rank holding each expert
+            owner = torch.repeat_interleave(torch.arange(n), torch.tensor(self.expert_counts)).to(device)
+            self._owners[device] = owner
         source = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(tokens, device=device))
         source = source[:, None].expand(-1, k).reshape(-1)  # (T*k,): the rank whose slice holds each pair
         flat = index.reshape(-1).long()
-        low, high = (int(v) for v in torch.stack([flat.min(), flat.max()]).tolist()) if flat.numel() else (0, 0)
+        dest = owner[flat.clamp(0, experts - 1)]
+        counts = torch.bincount(source * n + dest, minlength=n * n)
+        bounds = torch.stack([flat.min(), flat.max()]) if flat.numel() else flat.new_zeros(2)
+        host = torch.cat([counts, bounds]).tolist()  # one device-to-host copy: the split sizes and the id range
+        low, high = host[-2:]
         if low < 0 or high >= experts:
             raise ValueError(
                 f"{type(self).__name__}: top_k_index must hold expert ids in [0, {experts}), got values in [{low}, {high}]"
             )
-        dest = owner[flat]
-        counts = torch.bincount(source * n + dest, minlength=n * n).view(n, n).tolist()
+        table = [host[q * n : (q + 1) * n] for q in range(n)]  # table[q][d]: pairs from q's slice to rank d
         mine = dest == me
         order = torch.sort(source[mine] * experts + flat[mine], stable=True).values  # by (source rank, expert)
-        return counts[me], [row[me] for row in counts], order % experts - self.first_expert
+        return table[me], [row[me] for row in table], order % experts - self.first_expert
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         self._check(hidden_states, top_k_index, top_k_weights)
