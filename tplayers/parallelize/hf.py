@@ -20,13 +20,11 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
-import torch
 from torch import nn
 
 from tplayers.layers._linear_base import linear_dims
 from tplayers.layers._sections import SectionLayout
 from tplayers.layers.replicated import DomainReplicated
-from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import resolve_mesh
 from tplayers.parallelize.expert_styles import ExpertParallel
 from tplayers.parallelize.heads import FUSED as _FUSED
@@ -35,8 +33,10 @@ from tplayers.parallelize.heads import Q as _Q
 from tplayers.parallelize.heads import localize_heads
 from tplayers.parallelize.hf_generate import VocabParallelHead
 from tplayers.parallelize.hf_local import EXPERTS_HINT, cover_local_parameters, experts_module_key, is_experts_entry
+from tplayers.parallelize.hf_loss import causal_lm_loss
 from tplayers.parallelize.hf_sequence import (
     SequenceGatheredAttention,
+    add_sequence_parallel_modules,
     check_sequence_parallel_model,
     check_sequence_parallel_style,
 )
@@ -327,7 +327,7 @@ def plan_from_transformers(
     if vocab_parallel and head_name is not None and not any(re.fullmatch(k, head_name) for k in plan):
         plan[re.escape(head_name)] = VocabParallelHead(sequence_parallel=sequence_parallel)
     if sequence_parallel:
-        _add_sequence_parallel_modules(model, plan)
+        add_sequence_parallel_modules(model, plan, ReplicatedGradSum)
     cover_local_parameters(model, plan, ReplicatedGradSum)  # e.g. Apertus' xIELU scalars in the MLP
     return plan
 
@@ -405,60 +405,3 @@ def _attention_column(key, names, modules, heads, mesh, leaf, sp) -> ParallelSty
     if role == "fused":
         return _AttentionColumnParallel(sections=sections, head_dim=hd, sequence_parallel=sp)
     return _AttentionColumnParallel(head_dim=hd, sequence_parallel=sp)
-
-
-def _add_sequence_parallel_modules(model: nn.Module, plan: Dict[str, ParallelStyle]) -> None:
-    """The residual stream's modules with parameters (norms) between the swapped linears."""
-    swapped = [n for n, _ in model.named_modules() if any(re.fullmatch(k, n) for k in plan)]
-
-    def inside(name):
-        return any(name == s or name.startswith(s + ".") or s.startswith(name + ".") or s == "" for s in swapped)
-
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Dropout) and module.p > 0:
-            raise ValueError(
-                f"plan_from_transformers: sequence_parallel=True: {name!r} is nn.Dropout(p={module.p}) "
-                "and would draw another mask on the sequence shards; set its p to 0"
-            )
-        own = list(module.named_parameters(recurse=False))
-        if own and not inside(name) and not any(True for _ in module.children()):
-            plan[re.escape(name)] = ReplicatedGradSum()
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, mesh=None, *, ignore_index: int = -100) -> torch.Tensor:
-    """A causal language model's loss from this rank's vocabulary slice of the logits.
-
-    ``logits`` ``(B, S, vocab_local)`` (a ``lm_head`` swapped with ``vocab_parallel=True``),
-    ``labels`` ``(B, S)`` the input ids: position ``t`` predicts ``labels[:, t + 1]``, as
-    transformers' ``ForCausalLMLoss`` shifts them; the mean over positions not equal to
-    ``ignore_index``. Equals ``F.cross_entropy`` on the gathered, shifted logits (value and
-    gradient) without gathering them (:func:`~tplayers.vocab_parallel_cross_entropy`).
-
-    Args:
-        logits: ``(B, S, vocab_local)``, this rank's vocabulary slice.
-        labels: ``(B, S)`` int64 ids, replicated; ``ignore_index``: labels to skip.
-        mesh: the 1-D mesh the vocabulary is split over (``None``: :func:`tplayers.default_mesh`).
-
-    Returns:
-        The mean loss, a 0-d tensor, the same on every rank.
-
-    Raises:
-        ValueError: other shapes (and :func:`~tplayers.vocab_parallel_cross_entropy`'s errors).
-
-    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
-
-        import torch, torch.nn.functional as F, tplayers
-        mesh = tplayers.init_mesh()
-        torch.manual_seed(0)
-        dense = torch.nn.Linear(8, 50)
-        head = tplayers.ColumnParallelLinear.from_module(dense, mesh=mesh)   # a vocab-parallel lm_head
-        h, ids = torch.randn(2, 7, 8), torch.randint(0, 50, (2, 7))
-        loss = tplayers.causal_lm_loss(head(h), ids, mesh)
-        torch.testing.assert_close(loss, F.cross_entropy(dense(h)[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1)))
-    """
-    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(
-            f"causal_lm_loss: expected logits (B, S, vocab_local) and labels (B, S), got "
-            f"{tuple(logits.shape)} and {tuple(labels.shape)}"
-        )
-    return vocab_parallel_cross_entropy(logits[:, :-1], labels[:, 1:], mesh, ignore_index=ignore_index)
