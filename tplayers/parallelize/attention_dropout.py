@@ -144,7 +144,20 @@ class HeadSliceDropout(TorchFunctionMode):
     """While active: ``F.dropout(x, p, training=True)`` on ``x`` ``(B, local_heads, q, k)`` (contiguous)
     returns ``x`` times this rank's heads ``[start, start + local_heads)`` of the mask the serial call
     draws on ``(B, heads, q, k)``; other ``F.dropout`` calls run unchanged; any other random op, and
-    ``F.scaled_dot_product_attention`` with ``dropout_p > 0``, raises ``ValueError`` naming ``where``."""
+    ``F.scaled_dot_product_attention`` with ``dropout_p > 0``, raises ``ValueError`` naming ``where``.
+
+    Example (one process: a rank holding heads 2 and 3 of 5)::
+
+        import torch, torch.nn.functional as F
+        from tplayers.parallelize.attention_dropout import HeadSliceDropout
+        x = torch.rand(2, 2, 3, 3)                          # (B, local heads, q, k) probabilities
+        torch.manual_seed(0)
+        serial = F.dropout(torch.ones(2, 5, 3, 3), 0.1)     # the serial mask (scaled), all heads
+        torch.manual_seed(0)
+        with HeadSliceDropout(heads=5, start=2, local=2, where="example"):
+            y = F.dropout(x, 0.1)
+        torch.testing.assert_close(y, x * serial[:, 2:4])
+    """
 
     def __init__(self, heads: int, start: int, local: int, where: str) -> None:
         super().__init__()

@@ -63,7 +63,23 @@ class _GatherWhenDecoding:
 @dataclass(frozen=True)
 class VocabParallelHead(ColumnParallel):
     """``ColumnParallel()`` on a transformers ``lm_head`` kept vocab-parallel (local logits), whose model
-    gathers the logits of decoding forwards (above)."""
+    gathers the logits of decoding forwards (above).
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import copy, torch, tplayers, transformers
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=2)
+        serial = transformers.LlamaForCausalLM(config).eval()
+        model = copy.deepcopy(serial)
+        model = tplayers.parallelize_module(model, tplayers.plan_from_transformers(model, vocab_parallel=True))
+        ids = torch.randint(1, 50, (2, 4))
+        assert model(ids).logits.shape[-1] == tplayers.shard_sizes(50, tplayers.default_mesh().size())[
+            tplayers.default_mesh().get_local_rank()]                        # a plain forward: local logits
+        kw = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(model.generate(ids, **kw), serial.generate(ids, **kw))   # the serial tokens
+    """
 
     def finalize(self, model, mesh):
         for name, module in model.named_modules():
