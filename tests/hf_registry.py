@@ -8,7 +8,8 @@ tp 2 against the serial model: forward logits, a loss's every parameter gradient
 - ``silent``: it ran, and differs from the serial model (the worst difference kept);
 - ``no tiny config``: the generic tiny config does not build or run serially (not a tplayers verdict).
 
-A mixture of experts refused for its experts is tried again with ``replicate_experts=True``.
+A mixture of experts refused for its experts is tried again with ``replicate_experts=True`` and with
+``expert_parallel=True``.
 
 Used by tests/distributed/test_hf_registry.py (one architecture per run of the ranks, so a crash
 that leaves a rank waiting costs only that architecture's timeout) and by
@@ -135,7 +136,7 @@ def serial_run(model_type):
     return model, logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def verdict(rank, world, model_type, replicate_experts=False):
+def verdict(rank, world, model_type, replicate_experts=False, expert_parallel=False):
     """Run inside a rank: ``(verdict, detail)``."""
     from tplayers.checkpoint.layout import local_tensors
 
@@ -149,7 +150,9 @@ def verdict(rank, world, model_type, replicate_experts=False):
     model.zero_grad(set_to_none=True)
     ids = _ids()
     try:
-        plan = tplayers.plan_from_transformers(model, mesh=mesh, replicate_experts=replicate_experts)
+        plan = tplayers.plan_from_transformers(
+            model, mesh=mesh, replicate_experts=replicate_experts, expert_parallel=expert_parallel
+        )
         model = tplayers.parallelize_module(model, plan, mesh=mesh)
         logits = model(ids).logits
         _loss(logits, ids).backward()
@@ -179,6 +182,11 @@ def verdict(rank, world, model_type, replicate_experts=False):
 
 #: the refusals, by the part of the message that says why (first match wins)
 REASONS = (
+    (
+        "ExpertParallel expects",
+        "an experts module of another interface (not (hidden_states, top_k_index, top_k_weights))",
+    ),
+    ("shared_experts.gate_proj' ('colwise') names a parameter", "the plan shards the shared experts' bare parameters"),
     ("experts.", "mixture of experts: the plan shards expert parameters (not supported)"),
     ("moe_tp_experts", "mixture of experts: the plan shards expert parameters (not supported)"),
     ("mla_kv_a_proj", "multi-head latent attention (`mla_kv_a_proj`, not supported)"),
@@ -196,10 +204,10 @@ def table(results):
     lines = ["| architecture | verdict | why / max difference |", "| --- | --- | --- |"]
     for model_type, (v, detail, *again) in results:
         text = reason(detail) if v == "refused" else detail
-        if again:
-            text += f"; with `replicate_experts=True`: {again[0][0]}"
-            text += f" ({reason(again[0][1])})" if again[0][0] == "refused" else ""
-        lines.append(f"| `{model_type}` | {v} | {text.replace('|', '/')[:160]} |")
+        for option, retry in zip(("replicate_experts", "expert_parallel"), again):
+            text += f"; with `{option}=True`: {retry[0]}"
+            text += f" ({reason(retry[1])})" if retry[0] == "refused" else ""
+        lines.append(f"| `{model_type}` | {v} | {text.replace('|', '/')[:320]} |")
     return "\n".join(lines)
 
 
@@ -214,12 +222,16 @@ def survey(world=2, only=None, timeout=60):
         except RankFailure as e:
             lines = [line for line in str(e).splitlines() if line.strip()]
             v = ("crash", (lines[-1] if lines else "rank failure")[:160])
-        if v[0] == "refused" and v[1].endswith("[experts]"):  # a mixture of experts: its option too
-            try:
-                again = run_ranks(verdict, world, args=(model_type, True), timeout=timeout)[0]
-            except RankFailure as e:
-                again = ("crash", str(e).splitlines()[-1][:160])
-            v = (v[0], v[1], again)
+        if v[0] == "refused" and v[1].endswith("[experts]"):  # a mixture of experts: its options too
+            retries = []
+            for options in ((True, False), (False, True)):  # replicate_experts, expert_parallel
+                try:
+                    out = run_ranks(verdict, world, args=(model_type, *options), timeout=timeout)
+                    retry = out[0] if all(o[0] == out[0][0] for o in out) else ("crash", f"ranks disagree: {out}")
+                except RankFailure as e:
+                    retry = ("crash", str(e).splitlines()[-1][:160])
+                retries.append(retry)
+            v = (v[0], v[1], *retries)
         results.append((model_type, v))
         print(model_type, v, flush=True)
     return results

@@ -110,6 +110,8 @@ def _moe(rank, world, model_type, tmp):
             loss = F.cross_entropy(out.logits[:, :-1].reshape(-1, hf_registry.VOCAB), ids[:, 1:].reshape(-1))
             (loss + 0.1 * out.aux_loss).backward()
         assert_local_slices(model, serial, grads=True, **TIGHT)
+        norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in serial.parameters() if p.grad is not None]))
+        torch.testing.assert_close(tplayers.grad_norm(model), norm, **TIGHT)  # experts' shards summed, once each
         opt_s.step(), opt_p.step()
         opt_s.zero_grad(), opt_p.zero_grad()
         assert_local_slices(model, serial, grads=False, **TIGHT)
@@ -145,6 +147,28 @@ def test_moe_from_its_plan_with_expert_parallel(tmp_path, model_type):
     )
     for key in file:  # the consolidated file holds the gathered (trained) serial tensors, bit for bit
         assert torch.equal(file[key], gathered[key]), key
+
+
+def _reshard(rank, world, tmp, save):
+    """Five experts saved at 2 ranks (3 + 2) load at 3 ranks (2 + 2 + 1) and at 1."""
+    mesh = tplayers.default_mesh()
+    serial = _experts(5)
+    if save:
+        tplayers.save_checkpoint(tplayers.ExpertParallelExperts(copy.deepcopy(serial), mesh=mesh), tmp)
+        return True
+    fresh = _experts(5, seed=1)
+    ep = tplayers.ExpertParallelExperts(fresh, mesh=mesh)
+    tplayers.load_checkpoint(ep, tmp)
+    for name, p in ep.named_parameters():
+        assert torch.equal(p, ep.shard_specs()[name].take(serial.get_parameter(name))), name
+    return ep.expert_counts
+
+
+def test_checkpoint_reshards_to_other_expert_counts(tmp_path):
+    tmp = str(tmp_path / "experts")
+    run_ranks(_reshard, 2, args=(tmp, True), timeout=60)
+    assert run_ranks(_reshard, 3, args=(tmp, False), timeout=60)[0] == (2, 2, 1)
+    assert run_ranks(_reshard, 1, args=(tmp, False), timeout=60)[0] == (5,)
 
 
 def _refusals(rank, world):

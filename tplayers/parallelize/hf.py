@@ -317,10 +317,10 @@ def plan_from_transformers(
             attention.setdefault(_to_regex(key.rpartition(".")[0]), {})[key.rpartition(".")[2]] = value
         else:
             plan[regex] = value
-    if expert_parallel and not any(isinstance(v, ExpertParallel) for v in plan.values()):
+    if expert_parallel and not any(is_experts_entry(k) for k in strings):
         raise ValueError(
             f"plan_from_transformers: expert_parallel=True, but the plan of {type(model).__name__} names no "
-            "experts module of this model (no mixture of experts to split)"
+            "experts module (no mixture of experts to split)"
         )
     for parent, children in attention.items():
         plan[parent] = SequenceGatheredAttention(children=children)
