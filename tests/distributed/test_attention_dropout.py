@@ -173,3 +173,27 @@ def _hand_block(rank, world):
 def test_hand_written_attention_dropout_refused_unless_sharded():
     out = run_ranks(_hand_block, 2, timeout=60)
     assert out[0] == out[1] and "module attribute attn_dropout=0.1" in out[0] and "'attn'" in out[0]
+
+
+def _checkpointed(rank, world, arch):
+    mesh = tplayers.default_mesh()
+    serial = _gpt2("eager") if arch == "gpt2" else _llama("eager")
+    model = copy.deepcopy(serial)
+    model = tplayers.parallelize_module(model, tplayers.plan_from_transformers(model, mesh=mesh), mesh=mesh)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for m in (serial, model):
+        m.train()
+        m.activation_checkpointing_enable()  # the recomputed forward draws the same masks (its RNG state restored)
+        torch.manual_seed(3)
+        outs.append(m(ids, use_cache=False).logits)
+    torch.testing.assert_close(outs[1], outs[0], **TIGHT)
+    for logits in outs:
+        F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
+    assert_local_slices(model, serial, grads=True, **TIGHT)
+    return True
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_eager_attention_dropout_with_activation_checkpointing(arch):
+    assert run_ranks(_checkpointed, 2, args=(arch,), timeout=120) == [True, True]

@@ -149,6 +149,29 @@ def test_moe_from_its_plan_with_expert_parallel(tmp_path, model_type):
         assert torch.equal(file[key], gathered[key]), key
 
 
+def _checkpointed(rank, world):
+    mesh = tplayers.default_mesh()
+    serial = hf_registry.tiny_model("mixtral").train()
+    model = copy.deepcopy(serial)
+    model = tplayers.parallelize_module(
+        model, tplayers.plan_from_transformers(model, mesh=mesh, expert_parallel=True), mesh=mesh
+    )
+    ids = torch.randint(0, hf_registry.VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
+    outs = []
+    for m in (serial, model):
+        m.activation_checkpointing_enable()  # the experts' all-to-alls run again in the recomputed forward
+        outs.append(m(ids, use_cache=False).logits)
+    torch.testing.assert_close(outs[1], outs[0], **TIGHT)
+    for logits in outs:
+        F.cross_entropy(logits[:, :-1].reshape(-1, hf_registry.VOCAB), ids[:, 1:].reshape(-1)).backward()
+    assert_local_slices(model, serial, grads=True, **TIGHT)
+    return True
+
+
+def test_expert_parallel_with_activation_checkpointing():
+    assert run_ranks(_checkpointed, 2, timeout=120) == [True, True]
+
+
 def _reshard(rank, world, tmp, save):
     """Five experts saved at 2 ranks (3 + 2) load at 3 ranks (2 + 2 + 1) and at 1."""
     mesh = tplayers.default_mesh()
