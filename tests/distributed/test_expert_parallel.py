@@ -172,6 +172,29 @@ def test_expert_parallel_with_activation_checkpointing():
     assert run_ranks(_checkpointed, 2, timeout=120) == [True, True]
 
 
+def _generate(rank, world):
+    mesh = tplayers.default_mesh()
+    serial = hf_registry.tiny_model("mixtral")
+    model = copy.deepcopy(serial)
+    plan = tplayers.plan_from_transformers(model, mesh=mesh, expert_parallel=True, vocab_parallel=True)
+    model = tplayers.parallelize_module(model, plan, mesh=mesh)
+    ids = torch.randint(1, hf_registry.VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
+    kw = dict(
+        max_new_tokens=5, min_new_tokens=5, pad_token_id=0
+    )  # (left padding: tests/distributed/test_hf_generate.py)
+    torch.manual_seed(1)
+    want = serial.generate(ids, do_sample=True, **kw)
+    torch.manual_seed(1)
+    got = model.generate(ids, do_sample=True, **kw)  # a new token count per step: each agreed once
+    assert torch.equal(got, want), (got, want)
+    return got.tolist()
+
+
+def test_generate_with_expert_parallel_and_a_vocab_parallel_head():
+    out = run_ranks(_generate, 2, timeout=120)
+    assert out[0] == out[1]
+
+
 def _reshard(rank, world, tmp, save):
     """Five experts saved at 2 ranks (3 + 2) load at 3 ranks (2 + 2 + 1) and at 1."""
     mesh = tplayers.default_mesh()
