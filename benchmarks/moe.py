@@ -13,7 +13,9 @@ top-2 of E experts, each a SwiGLU MLP) on 2 ranks, fp32, the same weights and to
 
 Prints median step times (the max over ranks), the ratio expert-parallel / replicated (< 1: expert
 parallelism is faster), the expert parameter bytes per rank, the collectives and bytes per step,
-and the CPU ISA torch dispatches to. Repeats alternate the two so machine load hits both alike.
+the time of those collectives alone (the same kinds and sizes replayed on plain buffers, timed in
+the same interleaved loop: the communication floor of the expert-parallel step), and the CPU ISA
+torch dispatches to. Repeats alternate the variants so machine load hits them alike.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ import transformers
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
 import tplayers
+
+# torch >= 2.13 names it all_gather_single; all_gather_into_tensor is its deprecated alias.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 SIZES = {
     # name: (hidden, expert intermediate, experts, top-k, tokens, repeats)
@@ -68,6 +73,38 @@ def timed(model, x) -> float:
     return elapsed.item()
 
 
+def replay_plan(records, world):
+    """``[(kind, fp32 elements per rank)]`` of the step's collectives, the largest rank's size each (a2a
+    counts differ by rank; the replay must use one size everywhere)."""
+    sizes = []
+    for rec in records:
+        if rec.kind == "all_to_all":  # bytes sent to other ranks: the whole buffer is world / (world - 1) of it
+            sizes.append(max(world, rec.nbytes * world // (world - 1) // 4 // world * world))
+        else:  # all_gather: bytes of the gathered output
+            sizes.append(max(1, rec.nbytes // 4 // world))
+    agreed = torch.tensor(sizes, dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return [(rec.kind, int(n)) for rec, n in zip(records, agreed.tolist())]
+
+
+def replay(plan, world):
+    """The step's collectives on plain fp32 buffers (no autograd, no routing)."""
+    for kind, n in plan:
+        if kind == "all_to_all":
+            dist.all_to_all_single(torch.empty(n), torch.empty(n))
+        else:
+            _all_gather_single(torch.empty(n * world), torch.empty(n))
+
+
+def timed_replay(records, world) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    replay(records, world)
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
 def bench(rank, world, init_file, threads, quick, impl):
     torch.set_num_threads(threads)
     dist.init_process_group(
@@ -91,11 +128,15 @@ def bench(rank, world, init_file, threads, quick, impl):
             step(ep, x), step(replicated, x)
         with tplayers.count_collectives() as log:
             step(ep, x)
-        times = {"expert-parallel": [], "replicated": []}
+        records = replay_plan([r for r in log.records if r.kind in ("all_to_all", "all_gather")], world)
+        times = {"expert-parallel": [], "replicated": [], "collectives": []}
         for i in range(repeats):
-            order = ("expert-parallel", "replicated") if i % 2 == 0 else ("replicated", "expert-parallel")
-            for name in order:
-                times[name].append(timed(ep if name == "expert-parallel" else replicated, x))
+            order = ("expert-parallel", "replicated", "collectives")
+            for name in order if i % 2 == 0 else order[::-1]:
+                if name == "collectives":
+                    times[name].append(timed_replay(records, world))
+                else:
+                    times[name].append(timed(ep if name == "expert-parallel" else replicated, x))
         if rank == 0:
             med = {name: statistics.median(v) for name, v in times.items()}
             mib = lambda m: sum(p.numel() * p.element_size() for p in m.experts.parameters()) / 2**20  # noqa: E731
@@ -107,6 +148,9 @@ def bench(rank, world, init_file, threads, quick, impl):
                 f"  expert-parallel fwd+bwd median {med['expert-parallel'] * 1e3:9.3f} ms   experts {mib(ep):.2f} MiB/rank;"
                 " collectives/step: "
                 + ", ".join(f"{kind} x{c} ({b / 2**20:.3f} MiB)" for kind, (c, b) in log.summary().items())
+            )
+            print(
+                f"  its collectives alone        {med['collectives'] * 1e3:9.3f} ms   (the same kinds and sizes, replayed)"
             )
             paired = sorted(a / b for a, b in zip(times["expert-parallel"], times["replicated"]))
             print(
