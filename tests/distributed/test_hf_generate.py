@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from hf_util import VOCAB, compare_lm, gpt2, llama, require  # noqa: E402
+from hf_util import TIGHT, VOCAB, compare_lm, gpt2, llama, require  # noqa: E402
 
 require("transformers")
 
@@ -41,7 +41,10 @@ def _generate(rank, world, kind):
     )
     assert not model.lm_head.gather_output
     ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
-    assert model(ids).logits.shape[-1] == tplayers.shard_sizes(VOCAB, world)[rank]  # plain forward: local
+    local = tplayers.shard_sizes(VOCAB, world)[rank]
+    assert model(ids).logits.shape[-1] == local  # a plain forward: the local logits
+    assert model(ids, logits_to_keep=0).logits.shape[-1] == local  # 0 keeps every position: a plain forward
+    torch.testing.assert_close(model(ids, logits_to_keep=1).logits, serial(ids, logits_to_keep=1).logits, **TIGHT)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding on the second row
     base = dict(attention_mask=mask, max_new_tokens=6, min_new_tokens=6, pad_token_id=0)

@@ -5,8 +5,8 @@ vocabulary (the vocab-parallel loss never gathers it). ``generate()`` reads ``ou
 and picks the next token from it (argmax, sampling, beam scores, every logits processor): on a slice
 each rank would pick its own token. The head's style (:class:`VocabParallelHead`) therefore puts a
 forward pre-hook and an always-called forward hook on the model: a forward that decodes (it carries a
-cache, ``past_key_values``, or ``logits_to_keep``, which ``generate()`` passes on every step for every
-transformers causal LM) runs with the head's ``gather_output`` set to ``True`` and restored after.
+cache, ``past_key_values``, or a ``logits_to_keep`` other than 0, which ``generate()`` passes on every
+step for every transformers causal LM) runs with the head's ``gather_output`` set to ``True`` and restored after.
 The head's all-gather (its own visible collective, uneven vocabulary slices included) then gives every
 rank the serial logits of the positions kept (one position per step: ``B x vocab`` values), so greedy
 and, under one seed on every rank, sampled tokens equal the serial model's, with the KV cache and
@@ -26,8 +26,11 @@ __all__ = ["VocabParallelHead", "decodes"]
 
 
 def decodes(kwargs) -> bool:
-    """Whether a transformers forward's keywords are a decoding step's (a cache or ``logits_to_keep``)."""
-    return kwargs.get("past_key_values") is not None or kwargs.get("logits_to_keep") is not None
+    """Whether a transformers forward's keywords are a decoding step's: a cache, or a ``logits_to_keep``
+    other than ``0`` (which keeps every position, as a plain forward does)."""
+    keep = kwargs.get("logits_to_keep")
+    keeps_some = keep is not None and not (isinstance(keep, int) and not isinstance(keep, bool) and keep == 0)
+    return kwargs.get("past_key_values") is not None or keeps_some
 
 
 class _GatherWhenDecoding:
