@@ -58,3 +58,25 @@ def test_architecture_is_exact_or_refused(model_type):
         assert verdict == want.get(model_type, "exact"), f"{model_type}: {verdict}: {detail}"
         if model_type == "mixtral":
             assert [r[0] for r in again] == ["exact", "exact"], again  # experts replicated, or split: exact
+
+
+#: attention dropout 0.1 in training (eager attention, every rank seeded alike), pinned verdicts
+DROPOUT = {
+    "llama": "exact",
+    "qwen2": "exact",
+    "mistral": "exact",
+    "gemma2": "exact",
+    "phi3": "exact",
+    "mixtral": "exact",  # experts replicated
+    "olmo2": "float32-level",
+    "gpt_neox": "refused",  # its fused query_key_value is split without whole-head bookkeeping: refused by name
+    "ernie4_5": "no attention dropout",  # its attention sets the dropout to 0 whatever the config says
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(DROPOUT))
+def test_attention_dropout_is_exact_or_refused(model_type):
+    [(_, (verdict, detail))] = hf_registry.survey(only=[model_type], timeout=120, attention_dropout=0.1)
+    assert verdict == DROPOUT[model_type], f"{model_type}: {verdict}: {detail}"
+    if verdict == "refused":
+        assert "attention dropout in training on split heads" in detail and "config.attention_dropout=0.1" in detail

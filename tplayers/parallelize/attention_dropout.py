@@ -130,13 +130,19 @@ def attention_dropout_refusal(name: str, module: nn.Module) -> Optional[str]:
         return None
     if _transformers_eager(module) and _head_layout(module) is not None:
         return None
+    if _impl(module) == "eager":  # eager, but not transformers' convention or not split by whole heads
+        fix = (
+            "tplayers makes eager attention dropout exact only for a transformers attention (its module defines "
+            "eager_attention_forward) whose query projection the plan splits by whole heads (head_dim)"
+        )
+    else:
+        fix = "use attn_implementation='eager' (whose dropout tplayers makes exact)"
     return (
         f"attention dropout in training on split heads: {type(module).__name__} {name!r} has "
         f"{_where(module, attr, p)} and attention implementation {_impl(module)!r}; its attention function "
         f"draws the dropout mask for this rank's heads only, which is not the serial mask's slice, so the model "
-        f"would be silently wrong. Use attn_implementation='eager' (whose dropout tplayers makes exact), set "
-        f"the attention dropout to 0 before building the model (e.g. config.attention_dropout=0.0 / "
-        f"attn_pdrop=0.0), or run it in eval mode"
+        f"would be silently wrong. {fix[0].upper() + fix[1:]}; or set the attention dropout to 0 before "
+        f"building the model (e.g. config.attention_dropout=0.0 / attn_pdrop=0.0), or run it in eval mode"
     )
 
 
