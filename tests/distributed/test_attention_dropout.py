@@ -128,6 +128,7 @@ def test_head_slice_dropout_mode():
         lambda: torch.rand(3),
         lambda: torch.ones(2).bernoulli_(0.5),
         lambda: F.scaled_dot_product_attention(x, x, x, dropout_p=0.1),
+        lambda: F.dropout(x.transpose(2, 3), 0.1),  # this rank's heads, but not in the serial memory order
     ):
         with HeadSliceDropout(heads=5, start=2, local=2, where="attn"), pytest.raises(ValueError, match="attn"):
             call()

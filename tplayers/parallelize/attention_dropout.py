@@ -176,8 +176,11 @@ class HeadSliceDropout(TorchFunctionMode):
             p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
             training = args[2] if len(args) > 2 else kwargs.get("training", True)
             inplace = args[3] if len(args) > 3 else kwargs.get("inplace", False)
-            heads_first = x.dim() == 4 and x.shape[1] == self.local and x.is_contiguous()
-            if training and p > 0 and heads_first and not inplace:
+            if training and p > 0 and x.dim() == 4 and x.shape[1] == self.local:  # this rank's heads
+                if not x.is_contiguous() or inplace:  # the serial draw follows the memory order: not sliceable
+                    self._refuse(
+                        f"F.dropout(inplace={inplace}) on a non-contiguous or in-place (B, heads, q, k) tensor"
+                    )
                 full = (x.shape[0], self.heads) + tuple(x.shape[2:])
                 return dropout_slice(x, p, True, full, 1, self.start)
             return func(*args, **kwargs)
