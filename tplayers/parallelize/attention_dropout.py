@@ -55,15 +55,14 @@ _RANDOM = frozenset(
 
 def _query(module: nn.Module) -> Optional[ColumnParallelLinear]:
     """The head-split query (or fused q/k/v) projection of ``module``, or ``None`` (its heads are whole)."""
-    found = [
-        (name not in _QUERY_NAMES, child)
-        for name, child in module.named_children()
-        if isinstance(child, ColumnParallelLinear)
-        and child.tp_size > 1
-        and not child.gather_output
-        and (child.head_dim is not None or name in _QUERY_NAMES)
-    ]
-    return min(found, key=lambda pair: pair[0])[1] if found else None  # a query name first
+    other = None
+    for name, child in module.named_children():
+        if isinstance(child, ColumnParallelLinear) and child.tp_size > 1 and not child.gather_output:
+            if name in _QUERY_NAMES:
+                return child  # a query name first
+            if child.head_dim is not None and other is None:
+                other = child
+    return other
 
 
 def _dropout_of(module: nn.Module) -> Optional[Tuple[str, float, bool]]:
