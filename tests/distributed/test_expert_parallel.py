@@ -286,3 +286,24 @@ def _dispatch_example(rank, world):
 
 def test_dispatch_docstring_example_runs():
     run_ranks(_dispatch_example, 2, timeout=60)
+
+
+def _double_backward(rank, world):
+    mesh = tplayers.default_mesh()
+    serial = _experts(5)
+    ep = tplayers.ExpertParallelExperts(copy.deepcopy(serial), mesh=mesh)
+    gen = torch.Generator().manual_seed(8)
+    h = torch.randn(6, 8, dtype=torch.float64, generator=gen)
+    ids = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(6)])
+    w = torch.rand(6, 2, dtype=torch.float64, generator=gen)
+    for module in (serial, ep):  # a gradient penalty: the all-to-alls and the token slice differentiated twice
+        x = h.clone().requires_grad_()
+        (g,) = torch.autograd.grad(module(x, ids, w).pow(2).sum(), x, create_graph=True)
+        g.pow(2).sum().backward()
+    for name, p in ep.named_parameters():
+        torch.testing.assert_close(p.grad, ep.shard_specs()[name].take(serial.get_parameter(name).grad), **TIGHT)
+    return True
+
+
+def test_double_backward():
+    assert run_ranks(_double_backward, 2, timeout=60) == [True, True]

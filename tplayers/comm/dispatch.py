@@ -39,7 +39,7 @@ from tplayers.comm.accounting import record_collective
 from tplayers.comm.collectives import all_gather_along_dim
 from tplayers.sharding import offsets_from_sizes
 
-__all__ = ["AllToAllRows", "SplitRows", "all_to_all_rows", "split_rows", "all_to_all_rows_raw"]
+__all__ = ["AllToAllRows", "SplitRows", "GatherRows", "all_to_all_rows", "split_rows", "all_to_all_rows_raw"]
 
 
 def all_to_all_rows_raw(
@@ -125,6 +125,18 @@ class AllToAllRows(torch.autograd.Function):
         return (None, None, None, None, *_move(grads, recv_counts, send_counts, group, f"{tag}.bwd"))
 
 
+def _gather(tensors, sizes, group) -> List[torch.Tensor]:
+    """Each tensor's rows from every rank (``sizes[r]`` from rank ``r``); one all-gather per dtype."""
+    out: List[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+    for _, idx in _packed(tensors):
+        flat = [_as_rows(tensors[i]) for i in idx]
+        widths = [f.shape[1] for f in flat]
+        whole = all_gather_along_dim(torch.cat(flat, 1) if len(flat) > 1 else flat[0], 0, sizes, group, "rows.gather")
+        for i, piece in zip(idx, torch.split(whole, widths, 1)):
+            out[i] = piece.reshape((whole.shape[0],) + tuple(tensors[i].shape[1:]))
+    return out
+
+
 class SplitRows(torch.autograd.Function):
     """forward: this rank's rows ``[offset, offset + sizes[rank])`` of each replicated tensor (no
     communication) / backward: the all-gather of the gradient slices (one per dtype, packed)."""
@@ -138,18 +150,24 @@ class SplitRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        if torch.is_grad_enabled():  # create_graph=True is not supported through this node
-            raise RuntimeError("SplitRows: double backward (create_graph=True) is not supported")
-        out: List[torch.Tensor] = [None] * len(grads)  # type: ignore[list-item]
-        for _, idx in _packed(grads):
-            flat = [_as_rows(grads[i]) for i in idx]
-            widths = [f.shape[1] for f in flat]
-            whole = all_gather_along_dim(
-                torch.cat(flat, 1) if len(flat) > 1 else flat[0], 0, ctx.sizes, ctx.group, "split_rows.bwd"
-            )
-            for i, piece in zip(idx, torch.split(whole, widths, 1)):
-                out[i] = piece.reshape((whole.shape[0],) + tuple(grads[i].shape[1:]))
-        return (None, None, *out)
+        if torch.is_grad_enabled():  # create_graph=True: the gather as a node, differentiable again
+            return (None, None, *GatherRows.apply(ctx.sizes, ctx.group, *grads))
+        return (None, None, *_gather(grads, ctx.sizes, ctx.group))
+
+
+class GatherRows(torch.autograd.Function):
+    """forward: every rank's rows of each tensor (``sizes[r]`` from rank ``r``), one all-gather per dtype /
+    backward: this rank's slice of the (replicated) gradients: the node a double backward through
+    :class:`SplitRows` differentiates."""
+
+    @staticmethod
+    def forward(ctx, sizes, group, *tensors):
+        ctx.sizes, ctx.group = list(sizes), group
+        return tuple(_gather(tensors, sizes, group))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *SplitRows.apply(ctx.sizes, ctx.group, *grads))
 
 
 def all_to_all_rows(
