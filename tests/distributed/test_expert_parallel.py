@@ -307,3 +307,29 @@ def _double_backward(rank, world):
 
 def test_double_backward():
     assert run_ranks(_double_backward, 2, timeout=60) == [True, True]
+
+
+def _implementation(rank, world, impl):
+    mesh = tplayers.default_mesh()
+    serial = _experts(5, inter=8).float()  # grouped_mm: rows of 16-byte multiples
+    serial.config._experts_implementation = impl  # transformers' batched / grouped kernels (float32 on the CPU)
+    ep = tplayers.ExpertParallelExperts(copy.deepcopy(serial), mesh=mesh)
+    gen = torch.Generator().manual_seed(4)
+    h, w = torch.randn(9, 8, generator=gen), torch.rand(9, 2, generator=gen)
+    ids = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(9)])
+    outs = []
+    for module in (serial, ep):
+        x = h.clone().requires_grad_()
+        y = module(x, ids, w)
+        y.pow(2).sum().backward()
+        outs.append((y, x.grad))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    for name, p in ep.named_parameters():
+        want = ep.shard_specs()[name].take(serial.get_parameter(name).grad)
+        torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-5)
+    return True
+
+
+@pytest.mark.parametrize("impl", ["batched_mm", "grouped_mm"])
+def test_other_experts_implementations(impl):
+    assert run_ranks(_implementation, 2, args=(impl,), timeout=60) == [True, True]
