@@ -8,7 +8,10 @@ tp 2 against the serial model: forward logits, a loss's every parameter gradient
 - ``silent``: it ran, and differs from the serial model (the worst difference kept);
 - ``no tiny config``: the generic tiny config does not build or run serially (not a tplayers verdict).
 
-A mixture of experts refused for its experts is tried again with ``replicate_experts=True``.
+A mixture of experts refused for its experts is tried again with ``replicate_experts=True`` and with
+``expert_parallel=True``. ``attention_dropout=p``: the same in training with the config's attention
+dropout at ``p`` (every rank and the serial run seeded alike; verdict ``no attention dropout`` where
+the model's training forward does not change with it).
 
 Used by tests/distributed/test_hf_registry.py (one architecture per run of the ranks, so a crash
 that leaves a rank waiting costs only that architecture's timeout) and by
@@ -79,8 +82,13 @@ def architectures():
     return out
 
 
-def tiny_model(model_type):
-    """The tiny fp64 model (seeded), or raises."""
+#: config fields holding an attention-probability dropout (set by ``attention_dropout=``)
+DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout")
+
+
+def tiny_model(model_type, attention_dropout=0.0):
+    """The tiny fp64 model (seeded), or raises; ``attention_dropout`` > 0 sets the config's attention
+    dropout fields (eager attention, as always here)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -88,6 +96,9 @@ def tiny_model(model_type):
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for cfg in {id(config): config, id(text): text}.values():
         _shrink(cfg)
+        for field in DROPOUT_FIELDS if attention_dropout else ():
+            if isinstance(getattr(cfg, field, None), (int, float)) and not isinstance(getattr(cfg, field), bool):
+                setattr(cfg, field, attention_dropout)
     with torch.device("meta"):  # count first: a default sub-config (vision, audio) may be huge
         size = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
     if size > 5_000_000:
@@ -126,22 +137,44 @@ def _loss(logits, ids):
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def serial_run(model_type):
-    """``(model, logits, {name: grad})`` of the serial tiny model, or raises."""
-    model = tiny_model(model_type)
+#: the generator seed of every rank and of the serial run before a forward with attention dropout
+DROPOUT_SEED = 7
+
+
+def serial_run(model_type, attention_dropout=0.0):
+    """``(model, logits, {name: grad})`` of the serial tiny model, or raises. With ``attention_dropout``
+    the forward runs in training under :data:`DROPOUT_SEED`."""
+    model = tiny_model(model_type, attention_dropout)
     ids = _ids()
+    if attention_dropout:
+        model.train()
+        torch.manual_seed(DROPOUT_SEED)
     logits = model(ids).logits
     _loss(logits, ids).backward()
     return model, logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def verdict(rank, world, model_type, replicate_experts=False):
-    """Run inside a rank: ``(verdict, detail)``."""
+def _drops(model) -> bool:
+    """Whether the training forward under :data:`DROPOUT_SEED` differs from the evaluation one."""
+    ids = _ids()
+    with torch.no_grad():
+        torch.manual_seed(DROPOUT_SEED)
+        trained = model.train()(ids).logits
+        evaluated = model.eval()(ids).logits
+    model.train()
+    return float((trained - evaluated).abs().max()) > 1e-9
+
+
+def verdict(rank, world, model_type, replicate_experts=False, expert_parallel=False, attention_dropout=0.0):
+    """Run inside a rank: ``(verdict, detail)``. ``attention_dropout`` > 0: both models in training,
+    seeded alike (``no attention dropout``: the model's training forward does not change with it)."""
     from tplayers.checkpoint.layout import local_tensors
 
     warnings.simplefilter("ignore")
     try:
-        serial, want, grads = serial_run(model_type)
+        serial, want, grads = serial_run(model_type, attention_dropout)
+        if attention_dropout and not _drops(serial):
+            return "no attention dropout", "training and evaluation forwards agree"
     except Exception as e:  # noqa: BLE001 - a tiny config this generic recipe cannot build
         return "no tiny config", f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     mesh = tplayers.default_mesh()
@@ -149,8 +182,12 @@ def verdict(rank, world, model_type, replicate_experts=False):
     model.zero_grad(set_to_none=True)
     ids = _ids()
     try:
-        plan = tplayers.plan_from_transformers(model, mesh=mesh, replicate_experts=replicate_experts)
+        plan = tplayers.plan_from_transformers(
+            model, mesh=mesh, replicate_experts=replicate_experts, expert_parallel=expert_parallel
+        )
         model = tplayers.parallelize_module(model, plan, mesh=mesh)
+        if attention_dropout:
+            torch.manual_seed(DROPOUT_SEED)
         logits = model(ids).logits
         _loss(logits, ids).backward()
     except ValueError as e:
@@ -179,6 +216,11 @@ def verdict(rank, world, model_type, replicate_experts=False):
 
 #: the refusals, by the part of the message that says why (first match wins)
 REASONS = (
+    (
+        "ExpertParallel expects",
+        "an experts module of another interface (not (hidden_states, top_k_index, top_k_weights))",
+    ),
+    ("shared_experts.gate_proj' ('colwise') names a parameter", "the plan shards the shared experts' bare parameters"),
     ("experts.", "mixture of experts: the plan shards expert parameters (not supported)"),
     ("moe_tp_experts", "mixture of experts: the plan shards expert parameters (not supported)"),
     ("mla_kv_a_proj", "multi-head latent attention (`mla_kv_a_proj`, not supported)"),
@@ -196,38 +238,50 @@ def table(results):
     lines = ["| architecture | verdict | why / max difference |", "| --- | --- | --- |"]
     for model_type, (v, detail, *again) in results:
         text = reason(detail) if v == "refused" else detail
-        if again:
-            text += f"; with `replicate_experts=True`: {again[0][0]}"
-            text += f" ({reason(again[0][1])})" if again[0][0] == "refused" else ""
-        lines.append(f"| `{model_type}` | {v} | {text.replace('|', '/')[:160]} |")
+        for option, retry in zip(("replicate_experts", "expert_parallel"), again):
+            text += f"; with `{option}=True`: {retry[0]}"
+            text += f" ({reason(retry[1])})" if retry[0] == "refused" else ""
+        lines.append(f"| `{model_type}` | {v} | {text.replace('|', '/')[:320]} |")
     return "\n".join(lines)
 
 
-def survey(world=2, only=None, timeout=60):
+def survey(world=2, only=None, timeout=60, attention_dropout=0.0):
+    """Every architecture's verdict; with ``attention_dropout`` > 0 the training run with that attention
+    dropout (mixtures of experts with ``replicate_experts=True``, no retries)."""
     from harness import RankFailure, run_ranks
 
     results = []
     for model_type in only or architectures():
+        args = (model_type, True, False, attention_dropout) if attention_dropout else (model_type,)
         try:
-            out = run_ranks(verdict, world, args=(model_type,), timeout=timeout)
+            out = run_ranks(verdict, world, args=args, timeout=timeout)
             v = out[0] if all(o[0] == out[0][0] for o in out) else ("crash", f"ranks disagree: {out}")
         except RankFailure as e:
             lines = [line for line in str(e).splitlines() if line.strip()]
             v = ("crash", (lines[-1] if lines else "rank failure")[:160])
-        if v[0] == "refused" and v[1].endswith("[experts]"):  # a mixture of experts: its option too
-            try:
-                again = run_ranks(verdict, world, args=(model_type, True), timeout=timeout)[0]
-            except RankFailure as e:
-                again = ("crash", str(e).splitlines()[-1][:160])
-            v = (v[0], v[1], again)
+        if v[0] == "refused" and v[1].endswith("[experts]"):  # a mixture of experts: its options too
+            retries = []
+            for options in ((True, False), (False, True)):  # replicate_experts, expert_parallel
+                try:
+                    out = run_ranks(verdict, world, args=(model_type, *options), timeout=timeout)
+                    retry = out[0] if all(o[0] == out[0][0] for o in out) else ("crash", f"ranks disagree: {out}")
+                except RankFailure as e:
+                    retry = ("crash", str(e).splitlines()[-1][:160])
+                retries.append(retry)
+            v = (v[0], v[1], *retries)
         results.append((model_type, v))
         print(model_type, v, flush=True)
     return results
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python tests/hf_registry.py [--attention-dropout P] [model_type ...]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    res = survey(only=sys.argv[1:] or None)
+    argv = sys.argv[1:]
+    p = float(argv[argv.index("--attention-dropout") + 1]) if "--attention-dropout" in argv else 0.0
+    names = [
+        a for i, a in enumerate(argv) if not a.startswith("--") and (i == 0 or argv[i - 1] != "--attention-dropout")
+    ]
+    res = survey(only=names or None, attention_dropout=p)
     print(table(res))
     counts = {}
     for _, (v, *_) in res:

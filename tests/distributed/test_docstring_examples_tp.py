@@ -6,6 +6,8 @@ import pytest
 from harness import run_ranks
 
 import tplayers
+from tplayers.parallelize.attention_dropout import HeadSliceDropout
+from tplayers.parallelize.hf_generate import VocabParallelHead
 
 OBJECTS = {
     "parallelize_module": tplayers.parallelize_module,
@@ -15,6 +17,10 @@ OBJECTS = {
     "RowParallelLinear": tplayers.RowParallelLinear,
     "ColumnParallelLinear": tplayers.ColumnParallelLinear,
     "clip_grad_norm_": tplayers.clip_grad_norm_,
+    "ExpertParallelExperts": tplayers.ExpertParallelExperts,
+    "ExpertParallel": tplayers.ExpertParallel,
+    "HeadSliceDropout": HeadSliceDropout,
+    "VocabParallelHead": VocabParallelHead,
 }
 
 

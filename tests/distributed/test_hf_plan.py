@@ -47,7 +47,7 @@ def _mapping(rank, world):
     assert plan[r"model\.embed_tokens"] == tplayers.RowParallel()
     assert plan["lm_head"] == tplayers.ColumnParallel(gather_output=True)  # colwise_gather_output
     head = tplayers.plan_from_transformers(model, mesh=mesh, vocab_parallel=True)["lm_head"]
-    assert isinstance(head, VocabParallelHead) and not head.gather_output  # ColumnParallel, decoding refused
+    assert isinstance(head, VocabParallelHead) and not head.gather_output  # ColumnParallel; decoding gathers
     sp = tplayers.plan_from_transformers(model, mesh=mesh, sequence_parallel=True)
     attn = sp[r"model\.layers\.\d+\.self_attn"]
     assert isinstance(attn, SequenceGatheredAttention) and set(attn.children) == {

@@ -34,7 +34,7 @@ REPRESENTATIVE = [
     "phi3",  # gathered fused qkv
     "apertus",  # xIELU scalars beside the sharded MLP: gradients summed
     "olmo2",  # float32-level
-    "mixtral",  # mixture of experts: refused
+    "mixtral",  # mixture of experts: refused; exact with replicate_experts=True and with expert_parallel=True
     "deepseek_v2",  # latent attention: refused
     "doge",  # a norm beside a sharded linear the plan does not cover: refused
 ]
@@ -51,10 +51,32 @@ def test_architecture_is_exact_or_refused(model_type):
     [(_, (verdict, detail, *again))] = hf_registry.survey(only=[model_type], timeout=120)
     allowed = {"exact", "refused", "no tiny config"} | ({"float32-level"} if model_type in FLOAT32_NORMS else set())
     assert verdict in allowed, f"{model_type}: {verdict}: {detail}"
-    if again:  # a mixture of experts, tried again with replicate_experts=True
-        assert again[0][0] in allowed, f"{model_type} with replicate_experts=True: {again[0]}"
+    for option, retry in zip(("replicate_experts", "expert_parallel"), again):  # a mixture of experts' options
+        assert retry[0] in allowed, f"{model_type} with {option}=True: {retry}"
     if model_type in REPRESENTATIVE:  # pinned: a change of verdict is a change of behaviour
         want = {"olmo2": "float32-level", "mixtral": "refused", "deepseek_v2": "refused", "doge": "refused"}
         assert verdict == want.get(model_type, "exact"), f"{model_type}: {verdict}: {detail}"
         if model_type == "mixtral":
-            assert again and again[0][0] == "exact", again  # its experts replicated: exact
+            assert [r[0] for r in again] == ["exact", "exact"], again  # experts replicated, or split: exact
+
+
+#: attention dropout 0.1 in training (eager attention, every rank seeded alike), pinned verdicts
+DROPOUT = {
+    "llama": "exact",
+    "qwen2": "exact",
+    "mistral": "exact",
+    "gemma2": "exact",
+    "phi3": "exact",
+    "mixtral": "exact",  # experts replicated
+    "olmo2": "float32-level",
+    "gpt_neox": "refused",  # its fused query_key_value is split without whole-head bookkeeping: refused by name
+    "ernie4_5": "no attention dropout",  # its attention sets the dropout to 0 whatever the config says
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(DROPOUT))
+def test_attention_dropout_is_exact_or_refused(model_type):
+    [(_, (verdict, detail))] = hf_registry.survey(only=[model_type], timeout=120, attention_dropout=0.1)
+    assert verdict == DROPOUT[model_type], f"{model_type}: {verdict}: {detail}"
+    if verdict == "refused":
+        assert "attention dropout in training on split heads" in detail and "config.attention_dropout=0.1" in detail

@@ -19,6 +19,7 @@ from tplayers.layers.conv_transpose import (
 )
 from tplayers.layers.dropout import ParallelDropout
 from tplayers.layers.embedding import ColumnParallelEmbedding, VocabParallelEmbedding
+from tplayers.layers.experts import ExpertParallelExperts
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tplayers.layers.neighborhood_attention import (
     NeighborhoodAttention,
@@ -80,6 +81,7 @@ __all__ = [
     "DistributedAdaptiveMaxPool2d",
     "DistributedAdaptiveMaxPool3d",
     "ParallelDropout",
+    "ExpertParallelExperts",
     "DomainReplicated",
     "ReplicatedBranch",
     "NeighborhoodAttention",

@@ -20,6 +20,7 @@ Example (a Megatron MLP; run under ``torchrun`` or plain ``python``)::
 
 from tplayers.parallelize.domain_styles import DomainParallel
 from tplayers.parallelize.engine import parallelize_module
+from tplayers.parallelize.expert_styles import ExpertParallel
 from tplayers.parallelize.explain import Explanation, explain
 from tplayers.parallelize.hf import ReplicatedGradSum, causal_lm_loss, plan_from_transformers
 from tplayers.parallelize.sequence_styles import SequenceParallel, ShardedDropout
@@ -30,6 +31,7 @@ __all__ = [
     "ColumnParallel",
     "RowParallel",
     "DomainParallel",
+    "ExpertParallel",
     "SequenceParallel",
     "ShardedDropout",
     "parallelize_module",

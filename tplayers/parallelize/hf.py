@@ -20,22 +20,23 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Mapping, Optional
 
-import torch
 from torch import nn
 
 from tplayers.layers._linear_base import linear_dims
 from tplayers.layers._sections import SectionLayout
 from tplayers.layers.replicated import DomainReplicated
-from tplayers.losses import vocab_parallel_cross_entropy
 from tplayers.mesh import resolve_mesh
+from tplayers.parallelize.expert_styles import ExpertParallel
 from tplayers.parallelize.heads import FUSED as _FUSED
 from tplayers.parallelize.heads import KV as _KV
 from tplayers.parallelize.heads import Q as _Q
 from tplayers.parallelize.heads import localize_heads
 from tplayers.parallelize.hf_generate import VocabParallelHead
-from tplayers.parallelize.hf_local import EXPERTS_HINT, cover_local_parameters, is_experts_entry
+from tplayers.parallelize.hf_local import EXPERTS_HINT, cover_local_parameters, experts_module_key, is_experts_entry
+from tplayers.parallelize.hf_loss import causal_lm_loss
 from tplayers.parallelize.hf_sequence import (
     SequenceGatheredAttention,
+    add_sequence_parallel_modules,
     check_sequence_parallel_model,
     check_sequence_parallel_style,
 )
@@ -181,6 +182,7 @@ def plan_from_transformers(
     vocab_parallel: bool = False,
     sequence_parallel: bool = False,
     replicate_experts: bool = False,
+    expert_parallel: bool = False,
 ) -> Dict[str, ParallelStyle]:
     """A tplayers plan for a transformers model, from the model's own tensor-parallel plan.
 
@@ -218,7 +220,11 @@ def plan_from_transformers(
         vocab_parallel, sequence_parallel: keep the logits vocabulary-sharded; sequence parallelism.
         replicate_experts: leave a mixture of experts' ``experts`` out of the plan (every rank holds
             and runs all of them; the router is replicated too): exact, no expert memory saved.
-            Without it their plan entries are refused (no expert or in-expert parallelism yet).
+        expert_parallel: expert parallelism over the mesh: every ``experts`` module the plan names
+            (transformers' ``moe_tp_experts`` entry and its ``packed_colwise`` / ``rowwise``
+            parameter entries) gets :class:`~tplayers.ExpertParallel`: each rank holds whole experts
+            and the tokens travel to them by all-to-all; the router stays replicated. Exact.
+            Without either option the experts' entries are refused (no in-expert tensor parallelism).
 
     Returns:
         ``{regex: style}``, a plan for :func:`~tplayers.parallelize_module` and :func:`~tplayers.explain`.
@@ -246,9 +252,16 @@ def plan_from_transformers(
         ("vocab_parallel", vocab_parallel),
         ("sequence_parallel", sequence_parallel),
         ("replicate_experts", replicate_experts),
+        ("expert_parallel", expert_parallel),
     ):
         if not isinstance(value, bool):
             raise TypeError(f"plan_from_transformers: {arg} must be a bool, got {type(value).__name__}")
+    if expert_parallel and (replicate_experts or sequence_parallel):
+        other = "replicate_experts=True" if replicate_experts else "sequence_parallel=True"
+        raise ValueError(
+            f"plan_from_transformers: expert_parallel=True cannot be combined with {other} (the experts are "
+            "either split or replicated; expert parallelism takes replicated tokens, not sequence shards)"
+        )
     mesh = resolve_mesh(mesh, 1)
     config = _text_config(model)
     strings = dict(tp_plan) if tp_plan is not None else _string_plan(model, config)
@@ -274,6 +287,11 @@ def plan_from_transformers(
         names = [n for n in modules if re.fullmatch(regex, n)]
         if replicate_experts and is_experts_entry(key):
             continue  # every rank keeps the whole experts module
+        if expert_parallel and is_experts_entry(key):  # the experts module, whichever entry names it
+            experts = _to_regex(experts_module_key(key))
+            if any(re.fullmatch(experts, n) for n in modules):
+                plan[experts] = ExpertParallel()
+            continue
         hint = EXPERTS_HINT if is_experts_entry(key) else ""
         if style not in TRANSFORMERS_STYLES:
             what = _UNSUPPORTED.get(style)
@@ -299,12 +317,17 @@ def plan_from_transformers(
             attention.setdefault(_to_regex(key.rpartition(".")[0]), {})[key.rpartition(".")[2]] = value
         else:
             plan[regex] = value
+    if expert_parallel and not any(is_experts_entry(k) for k in strings):
+        raise ValueError(
+            f"plan_from_transformers: expert_parallel=True, but the plan of {type(model).__name__} names no "
+            "experts module (no mixture of experts to split)"
+        )
     for parent, children in attention.items():
         plan[parent] = SequenceGatheredAttention(children=children)
     if vocab_parallel and head_name is not None and not any(re.fullmatch(k, head_name) for k in plan):
         plan[re.escape(head_name)] = VocabParallelHead(sequence_parallel=sequence_parallel)
     if sequence_parallel:
-        _add_sequence_parallel_modules(model, plan)
+        add_sequence_parallel_modules(model, plan, ReplicatedGradSum)
     cover_local_parameters(model, plan, ReplicatedGradSum)  # e.g. Apertus' xIELU scalars in the MLP
     return plan
 
@@ -382,60 +405,3 @@ def _attention_column(key, names, modules, heads, mesh, leaf, sp) -> ParallelSty
     if role == "fused":
         return _AttentionColumnParallel(sections=sections, head_dim=hd, sequence_parallel=sp)
     return _AttentionColumnParallel(head_dim=hd, sequence_parallel=sp)
-
-
-def _add_sequence_parallel_modules(model: nn.Module, plan: Dict[str, ParallelStyle]) -> None:
-    """The residual stream's modules with parameters (norms) between the swapped linears."""
-    swapped = [n for n, _ in model.named_modules() if any(re.fullmatch(k, n) for k in plan)]
-
-    def inside(name):
-        return any(name == s or name.startswith(s + ".") or s.startswith(name + ".") or s == "" for s in swapped)
-
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Dropout) and module.p > 0:
-            raise ValueError(
-                f"plan_from_transformers: sequence_parallel=True: {name!r} is nn.Dropout(p={module.p}) "
-                "and would draw another mask on the sequence shards; set its p to 0"
-            )
-        own = list(module.named_parameters(recurse=False))
-        if own and not inside(name) and not any(True for _ in module.children()):
-            plan[re.escape(name)] = ReplicatedGradSum()
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, mesh=None, *, ignore_index: int = -100) -> torch.Tensor:
-    """A causal language model's loss from this rank's vocabulary slice of the logits.
-
-    ``logits`` ``(B, S, vocab_local)`` (a ``lm_head`` swapped with ``vocab_parallel=True``),
-    ``labels`` ``(B, S)`` the input ids: position ``t`` predicts ``labels[:, t + 1]``, as
-    transformers' ``ForCausalLMLoss`` shifts them; the mean over positions not equal to
-    ``ignore_index``. Equals ``F.cross_entropy`` on the gathered, shifted logits (value and
-    gradient) without gathering them (:func:`~tplayers.vocab_parallel_cross_entropy`).
-
-    Args:
-        logits: ``(B, S, vocab_local)``, this rank's vocabulary slice.
-        labels: ``(B, S)`` int64 ids, replicated; ``ignore_index``: labels to skip.
-        mesh: the 1-D mesh the vocabulary is split over (``None``: :func:`tplayers.default_mesh`).
-
-    Returns:
-        The mean loss, a 0-d tensor, the same on every rank.
-
-    Raises:
-        ValueError: other shapes (and :func:`~tplayers.vocab_parallel_cross_entropy`'s errors).
-
-    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
-
-        import torch, torch.nn.functional as F, tplayers
-        mesh = tplayers.init_mesh()
-        torch.manual_seed(0)
-        dense = torch.nn.Linear(8, 50)
-        head = tplayers.ColumnParallelLinear.from_module(dense, mesh=mesh)   # a vocab-parallel lm_head
-        h, ids = torch.randn(2, 7, 8), torch.randint(0, 50, (2, 7))
-        loss = tplayers.causal_lm_loss(head(h), ids, mesh)
-        torch.testing.assert_close(loss, F.cross_entropy(dense(h)[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1)))
-    """
-    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(
-            f"causal_lm_loss: expected logits (B, S, vocab_local) and labels (B, S), got "
-            f"{tuple(logits.shape)} and {tuple(labels.shape)}"
-        )
-    return vocab_parallel_cross_entropy(logits[:, :-1], labels[:, 1:], mesh, ignore_index=ignore_index)

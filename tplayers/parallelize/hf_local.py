@@ -21,15 +21,26 @@ from torch import nn
 from tplayers.layers._linear_base import linear_dims
 from tplayers.parallelize.styles import ColumnParallel, ParallelStyle
 
-__all__ = ["cover_local_parameters", "is_experts_entry", "EXPERTS_HINT"]
+__all__ = ["cover_local_parameters", "is_experts_entry", "experts_module_key", "EXPERTS_HINT"]
 
 #: appended to a refusal of a mixture of experts' plan entry
-EXPERTS_HINT = " (a mixture of experts: pass replicate_experts=True to keep the experts whole on every rank, exact)"
+EXPERTS_HINT = (
+    " (a mixture of experts: pass expert_parallel=True to split the experts over the ranks, whole experts "
+    "per rank, or replicate_experts=True to keep them whole on every rank; both exact)"
+)
 
 
 def is_experts_entry(key: str) -> bool:
     """Whether a transformers plan key names a mixture of experts' ``experts`` module or its parameters."""
     return re.search(r"(^|\.)experts(\.|$)", key) is not None
+
+
+def experts_module_key(key: str) -> str:
+    """The plan key of the ``experts`` module an experts entry names (``layers.*.mlp.experts.down_proj``
+    -> ``layers.*.mlp.experts``)."""
+    match = re.search(r"(^|\.)experts(\.|$)", key)
+    assert match is not None, key
+    return key[: match.end()].rstrip(".")
 
 
 def cover_local_parameters(model: nn.Module, plan: Dict[str, ParallelStyle], wrap: Callable[[], ParallelStyle]) -> None:

@@ -13,8 +13,9 @@ reduce-scatters back to this rank's tokens.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from tplayers.mesh import resolve_mesh
 from tplayers.parallelize.styles import ParallelStyle, key_repr
 
 __all__ = [
+    "add_sequence_parallel_modules",
     "SequenceGathered",
     "SequenceGatheredAttention",
     "check_sequence_parallel_style",
@@ -148,3 +150,23 @@ def check_sequence_parallel_model(model: nn.Module, config) -> None:
                 f"embeddings ({name!r}, {type(module).__name__}({module.num_embeddings}, {module.embedding_dim})): "
                 f"the model would look up positions for this rank's tokens only"
             )
+
+
+def add_sequence_parallel_modules(
+    model: nn.Module, plan: Dict[str, ParallelStyle], wrap: Callable[[], ParallelStyle]
+) -> None:
+    """Add ``wrap()`` for the residual stream's modules with parameters (norms) between the swapped linears."""
+    swapped = [n for n, _ in model.named_modules() if any(re.fullmatch(k, n) for k in plan)]
+
+    def inside(name):
+        return any(name == s or name.startswith(s + ".") or s.startswith(name + ".") or s == "" for s in swapped)
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            raise ValueError(
+                f"plan_from_transformers: sequence_parallel=True: {name!r} is nn.Dropout(p={module.p}) "
+                "and would draw another mask on the sequence shards; set its p to 0"
+            )
+        own = list(module.named_parameters(recurse=False))
+        if own and not inside(name) and not any(True for _ in module.children()):
+            plan[re.escape(name)] = wrap()
