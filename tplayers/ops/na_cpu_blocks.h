@@ -243,31 +243,32 @@ INL void transpose_tile(vt *r) {
 #endif
 }
 
-/* rows [i0, i1) of plane (b, h) of x into dst (i1 - i0, C, pitch), times mul; x has element strides
- * xs = (batch, pixel, head, channel). L x L tiles (pixels x channels) transposed in registers;
- * the rest through a small buffer. */
+/* rows [i0, i1), columns [j_lo, j_lo + n_j) of plane (b, h) of x (rows of W pixels) into dst
+ * (i1 - i0, C, pitch), times mul; x has element strides xs = (batch, pixel, head, channel). L x L
+ * tiles (pixels x channels) transposed in registers; the rest through a small buffer. */
 __attribute__((optimize("no-tree-loop-distribute-patterns"))) /* no memcpy calls per pixel */
-static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, int W, long pitch, int C, T mul,
-                    T *dst) {
+static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, int W, int j_lo, int n_j, long pitch,
+                    int C, T mul, T *dst) {
     const T *src = x + b * xs[0] + h * xs[2];
     T buf[L * C];
     for (int i = i0; i < i1; i++)
-        for (int j0 = 0; j0 < W; j0 += L) {
-            int n = W - j0 < L ? W - j0 : L, c0 = 0;
+        for (int j0 = 0; j0 < n_j; j0 += L) {
+            int n = n_j - j0 < L ? n_j - j0 : L, c0 = 0;
+            long px = (long)i * W + j_lo + j0;
             T *d0 = dst + (size_t)(i - i0) * C * pitch + j0;
             if (n == L && xs[3] == 1)
                 for (; c0 + L <= C; c0 += L) {
                     vt r[L];
                     for (int t = 0; t < L; t++) {
-                        __builtin_prefetch(src + ((long)i * W + j0 + t + L) * xs[1] + c0); /* next tile */
-                        r[t] = ld(src + ((long)i * W + j0 + t) * xs[1] + c0);
+                        __builtin_prefetch(src + (px + t + L) * xs[1] + c0); /* next tile */
+                        r[t] = ld(src + (px + t) * xs[1] + c0);
                     }
                     transpose_tile(r);
                     for (int c = 0; c < L; c++) st(d0 + (size_t)(c0 + c) * pitch, r[c] * mul);
                 }
             if (c0 == C) continue;
             for (int t = 0; t < n; t++) {
-                const T *p = src + ((long)i * W + j0 + t) * xs[1];
+                const T *p = src + (px + t) * xs[1];
                 for (int c = c0; c < C; c++) buf[t * C + c] = p[c * xs[3]];
             }
             for (int c = c0; c < C; c++)
@@ -275,28 +276,34 @@ static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, in
         }
 }
 
-/* rows [i0, i1) of plane (b, h) of contiguous x (B, H*W, heads*C) from src (i1 - i0, C, pitch) */
+/* rows [i0, i1), columns [j_lo, j_lo + n_j) of plane (b, h) of contiguous x (B, H*W, heads*C) from
+ * src (i1 - i0, C, pitch); add: x += src, else x = src */
 __attribute__((optimize("no-tree-loop-distribute-patterns")))
-static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, int W, int C, int i0, int i1, T *x) {
+static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, int W, int C, int i0, int i1,
+                      int j_lo, int n_j, int add, T *x) {
     T *dst = x + (size_t)b * H * W * heads * C + (size_t)h * C;
     T buf[L * C];
     for (int i = i0; i < i1; i++)
-        for (int j0 = 0; j0 < W; j0 += L) {
-            int n = W - j0 < L ? W - j0 : L, c0 = 0;
+        for (int j0 = 0; j0 < n_j; j0 += L) {
+            int n = n_j - j0 < L ? n_j - j0 : L, c0 = 0;
+            size_t px = (size_t)i * W + j_lo + j0;
             const T *s0 = src + (size_t)(i - i0) * C * pitch + j0;
             if (n == L)
                 for (; c0 + L <= C; c0 += L) {
                     vt r[L];
                     for (int c = 0; c < L; c++) r[c] = ld(s0 + (size_t)(c0 + c) * pitch);
                     transpose_tile(r);
-                    for (int t = 0; t < L; t++) st(dst + ((size_t)i * W + j0 + t) * heads * C + c0, r[t]);
+                    for (int t = 0; t < L; t++) {
+                        T *d = dst + (px + t) * heads * C + c0;
+                        st(d, add ? ld(d) + r[t] : r[t]);
+                    }
                 }
             if (c0 == C) continue;
             for (int c = c0; c < C; c++)
                 for (int t = 0; t < n; t++) buf[t * C + c] = s0[(size_t)c * pitch + t];
             for (int t = 0; t < n; t++) {
-                T *p = dst + ((size_t)i * W + j0 + t) * heads * C;
-                for (int c = c0; c < C; c++) p[c] = buf[t * C + c];
+                T *p = dst + (px + t) * heads * C;
+                for (int c = c0; c < C; c++) p[c] = add ? p[c] + buf[t * C + c] : buf[t * C + c];
             }
         }
 }
@@ -316,11 +323,12 @@ static Lanes *row_blocks(const void *gp, int *count, long **bases) {
     return blocks;
 }
 
-/* offset of key (a, b) of query row i in a (Hk, C, Wk) plane, for the block's base columns */
-static void key_offsets(const Geo *g, int i, const long *base, int C, long *off) {
+/* offset of key (a, b) of query row i in a (Hk, C, kp) plane holding key columns from x0, for the
+ * block's base columns */
+static void key_offsets(const Geo *g, int i, const long *base, long x0, int C, long *off) {
     for (int a = 0; a < g->kh; a++)
         for (int b = 0; b < g->kw; b++)
-            off[a * g->kw + b] = (long)g->rows[i * g->kh + a] * C * g->kp + base[b];
+            off[a * g->kw + b] = (long)g->rows[i * g->kh + a] * C * g->kp + base[b] - x0;
     for (int ab = g->nk; ab < g->nkp; ab++) off[ab] = off[0];
 }
 
