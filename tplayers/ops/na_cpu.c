@@ -55,8 +55,8 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
     pl->cb = malloc(sizeof(int) * (nb + 1));
     pl->cx0 = malloc(sizeof(long) * nb);
     pl->cx1 = malloc(sizeof(long) * nb);
-    long rows = (g->Hq < MR ? g->Hq : MR) + g->kh - 1;
-    long col = rows * (g->D + g->Dv) * (long)sizeof(T) * (backward ? 2 : 1), budget = l2_bytes() / 2;
+    long nq = g->Hq < MR ? g->Hq : MR, rows = nq + g->kh - 1;
+    long col = (rows + nq) * (g->D + g->Dv) * (long)sizeof(T) * (backward ? 2 : 1), budget = l2_bytes() / 4;
     long most = budget / col, jb[nb + 1];
     if (most < 4 * L) most = 4 * L;
     for (int bk = 0, j = 0; bk <= nb; bk++) { jb[bk] = j; if (bk < nb) j += pl->blocks[bk].n; }
@@ -118,6 +118,17 @@ long na_scratch(const int64_t *dims, const int32_t *rows, const int32_t *cols, i
     Plan pl;
     make_plan(&g, backward, &pl);
     long n = scratch_of(&g, &pl, backward);
+    free_plan(&pl);
+    return n;
+}
+
+/* column chunks of a call's plan (backward as in na_scratch): more than 1 where the rows' keys
+ * do not fit the cache budget (tests check that path is taken) */
+int na_chunks(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    Plan pl;
+    make_plan(&g, backward, &pl);
+    int n = pl.nc;
     free_plan(&pl);
     return n;
 }

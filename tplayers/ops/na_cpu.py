@@ -207,6 +207,7 @@ def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     ptr, i32, dbl = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     lib.na_scratch.argtypes, lib.na_scratch.restype = [ptr, ptr, ptr, i32], ctypes.c_long
+    lib.na_chunks.argtypes, lib.na_chunks.restype = [ptr, ptr, ptr, i32], ctypes.c_int
     lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, i32, i32]
     lib.na_forward.restype = None
     lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, i32, i32]

@@ -224,15 +224,46 @@ INL vt softmax(int nk, vt *s, const vt *add) {
 }
 
 /* r[0..L) as an L x L tile, transposed in place: log2(L) rounds swapping off-diagonal blocks */
+/* the two-register shuffle masks of transpose_tile's rounds (s = L/2, L/4, ..., 1), as
+ * constants: built at run time they cost more than the shuffles */
+#define TMA(j, s) ((j) & (s) ? L + (j) - (s) : (j))
+#define TMB(j, s) ((j) & (s) ? L + (j) : (j) + (s))
+#define TR2(F, s) F(0, s), F(1, s)
+#define TR4(F, s) TR2(F, s), F(2, s), F(3, s)
+#define TR8(F, s) TR4(F, s), F(4, s), F(5, s), F(6, s), F(7, s)
+#define TR16(F, s) TR8(F, s), F(8, s), F(9, s), F(10, s), F(11, s), F(12, s), F(13, s), F(14, s), F(15, s)
+#if L == 16
+#define TROW(F, s) {TR16(F, s)}
+#define TROUNDS(F) {TROW(F, 8), TROW(F, 4), TROW(F, 2), TROW(F, 1)}
+#define NROUNDS 4
+#elif L == 8
+#define TROW(F, s) {TR8(F, s)}
+#define TROUNDS(F) {TROW(F, 4), TROW(F, 2), TROW(F, 1)}
+#define NROUNDS 3
+#elif L == 4
+#define TROW(F, s) {TR4(F, s)}
+#define TROUNDS(F) {TROW(F, 2), TROW(F, 1)}
+#define NROUNDS 2
+#elif L == 2
+#define TROW(F, s) {TR2(F, s)}
+#define TROUNDS(F) {TROW(F, 1)}
+#define NROUNDS 1
+#endif
+#ifdef NROUNDS
+static const vi TMASK_A[NROUNDS] = TROUNDS(TMA), TMASK_B[NROUNDS] = TROUNDS(TMB);
+#endif
+
 INL void transpose_tile(vt *r) {
-#ifdef __clang__
+#if defined(__clang__) || !defined(NROUNDS)
     T m[L][L];
     for (int i = 0; i < L; i++) for (int j = 0; j < L; j++) m[j][i] = r[i][j];
     for (int i = 0; i < L; i++) memcpy(&r[i], m[i], sizeof(vt));
 #else
-    for (int s = L / 2; s >= 1; s /= 2) {
-        vi ma, mb;
-        for (int j = 0; j < L; j++) { ma[j] = (j & s) ? L + j - s : j; mb[j] = (j & s) ? L + j : j + s; }
+#pragma GCC unroll 8
+    for (int k = 0; k < NROUNDS; k++) {
+        const int s = (L / 2) >> k;
+        vi ma = TMASK_A[k], mb = TMASK_B[k];
+#pragma GCC unroll 16
         for (int i = 0; i < L; i++)
             if (!(i & s)) {
                 vt x = r[i], y = r[i + s];

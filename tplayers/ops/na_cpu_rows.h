@@ -25,7 +25,7 @@
 #if NREG == 32
 #define NA_ROWS 4
 #else
-#define NA_ROWS 2
+#define NA_ROWS 3
 #endif
 #endif
 #define MR NA_ROWS /* query rows per tile */
@@ -144,6 +144,12 @@ static void sc_rows(int mode, int nm, int gb, const Lanes *ln, int C, const T *c
 #if MR >= 4
         SC_GB(0, 4) SC_GB(1, 4)
 #endif
+#if MR >= 5
+        SC_GB(0, 5) SC_GB(1, 5)
+#endif
+#if MR >= 6
+        SC_GB(0, 6) SC_GB(1, 6)
+#endif
         default: abort();
     }
 }
@@ -197,6 +203,12 @@ static void ap_rows(int mode, int nm, const Lanes *ln, int kw, int C, const vt *
 #endif
 #if MR >= 4
         AP_CASE(0, 4) AP_CASE(1, 4)
+#endif
+#if MR >= 5
+        AP_CASE(0, 5) AP_CASE(1, 5)
+#endif
+#if MR >= 6
+        AP_CASE(0, 6) AP_CASE(1, 6)
 #endif
         default: abort();
     }
@@ -253,6 +265,12 @@ static void sl_rows(int nm, int kw, int C, const vt *const *wp, const T *const *
 #endif
 #if MR >= 4
         case 4: sl_kern(4, kw, C, wp, rp, rs, sh, d, ds); return;
+#endif
+#if MR >= 5
+        case 5: sl_kern(5, kw, C, wp, rp, rs, sh, d, ds); return;
+#endif
+#if MR >= 6
+        case 6: sl_kern(6, kw, C, wp, rp, rs, sh, d, ds); return;
 #endif
         default: abort();
     }
