@@ -20,89 +20,20 @@
  * identity in the interior (a plain load) and a shuffle near the borders (windows shifted inside
  * the image: lanes share keys); a block holds as many queries as one shuffle can serve. Forward
  * keeps nothing but the output; backward computes the softmax again per block (flash-style).
+ *
+ * Tiles (issue 35): the work unit is a tile of MR query rows x one block. The rows' windows
+ * overlap in their key rows, so each key vector is loaded once per tile and multiplied into every
+ * row that reads it: register-blocked FMA micro-kernels (na_cpu_rows.h) for S = Q K^T and
+ * dP = dO V^T (rows x slots of accumulators), O = P V and dQ = dS K (rows x channels) and the
+ * dK / dV sums (rows summed per key vector before its shuffle-add). Only the scores a query
+ * needs are computed; the softmax (max, exp, sum) runs over a row's whole window at once (the
+ * scores of a tile fit L1/L2). MR follows the ISA's vector registers (4 rows with 32, 3 with 16).
+ * Rows whose keys would not stay in the cache (long 1-D rows) run in column chunks: each chunk
+ * transposes only its key span (make_plan: a quarter of the L2 size from sysconf).
  */
 #include "na_cpu_blocks.h"
 #include "na_cpu_rows.h"
-#include <unistd.h>
-
-/* The work plan of a call: the column blocks of a row (the same for every row), cut into column
- * chunks whose keys stay in cache (see make_plan), and the tiles of MR query rows with their
- * key rows (na_cpu_rows.h). */
-typedef struct {
-    int nb, nc, nt;
-    Lanes *blocks;
-    long *bases;
-    int *cb;       /* chunk c: blocks [cb[c], cb[c+1]) */
-    long *cx0, *cx1; /* chunk c: key columns [cx0, cx1) transposed */
-    int *order, *ustart;
-    Urow *ur;
-    long qw; /* widest chunk in query columns (row buffers' pitch) */
-} Plan;
-
-static long l2_bytes(void) {
-    long n = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    return n > 0 ? n : 1L << 20;
-}
-
-/* Chunks: all columns at once where the key rows a tile reads ((MR + kH - 1) rows of D + Dv
- * channels, twice that in backward with dK / dV) fit half the L2 cache over the whole row (every
- * 2-D benchmark shape); else runs of column blocks whose key span fits it (long 1-D rows: a row of
- * 4096 keys at d32 is 1 MiB, and its transposed planes fell out of L2 before they were read).
- * Sets g->kp, the key planes' pitch, to the widest span. */
-static void make_plan(Geo *g, int backward, Plan *pl) {
-    pl->blocks = row_blocks(g, &pl->nb, &pl->bases);
-    int nb = pl->nb, kw = g->kw;
-    pl->cb = malloc(sizeof(int) * (nb + 1));
-    pl->cx0 = malloc(sizeof(long) * nb);
-    pl->cx1 = malloc(sizeof(long) * nb);
-    long nq = g->Hq < MR ? g->Hq : MR, rows = nq + g->kh - 1;
-    long col = (rows + nq) * (g->D + g->Dv) * (long)sizeof(T) * (backward ? 2 : 1), budget = l2_bytes() / 4;
-    long most = budget / col, jb[nb + 1];
-    if (most < 4 * L) most = 4 * L;
-    for (int bk = 0, j = 0; bk <= nb; bk++) { jb[bk] = j; if (bk < nb) j += pl->blocks[bk].n; }
-    int nc = 0;
-    if ((long)g->Wk * col <= budget) {
-        pl->cb[0] = 0; pl->cx0[0] = 0; pl->cx1[0] = g->Wk; nc = 1;
-    } else
-        for (int bk = 0; bk < nb;) {
-            long lo = pl->bases[(long)bk * kw], hi = pl->bases[(long)bk * kw + kw - 1] + L;
-            int e = bk + 1;
-            for (; e < nb; e++) {
-                long l2 = pl->bases[(long)e * kw], h2 = pl->bases[(long)e * kw + kw - 1] + L;
-                long nlo = l2 < lo ? l2 : lo, nhi = h2 > hi ? h2 : hi;
-                if (nhi - nlo > most) break;
-                lo = nlo; hi = nhi;
-            }
-            pl->cb[nc] = bk; pl->cx0[nc] = lo; pl->cx1[nc] = hi < g->Wk ? hi : g->Wk; nc++;
-            bk = e;
-        }
-    pl->cb[nc] = nb;
-    pl->nc = nc;
-    long sw = 0, qw = 0;
-    for (int c = 0; c < nc; c++) {
-        sw = pl->cx1[c] - pl->cx0[c] > sw ? pl->cx1[c] - pl->cx0[c] : sw;
-        qw = jb[pl->cb[c + 1]] - jb[pl->cb[c]] > qw ? jb[pl->cb[c + 1]] - jb[pl->cb[c]] : qw;
-    }
-    g->kp = sw;
-    pl->qw = qw;
-    pl->nt = (g->Hq + MR - 1) / MR;
-    pl->order = malloc(sizeof(int) * g->Hq);
-    pl->ustart = malloc(sizeof(int) * (pl->nt + 1));
-    pl->ur = malloc(sizeof(Urow) * (size_t)g->Hq * g->kh);
-    row_order(g, pl->order);
-    plan_tiles(g, pl->order, pl->ur, pl->ustart);
-}
-
-static void free_plan(Plan *pl) {
-    free(pl->blocks); free(pl->bases); free(pl->cb); free(pl->cx0); free(pl->cx1);
-    free(pl->order); free(pl->ustart); free(pl->ur);
-}
-
-/* first query column of each block: jb[nb + 1] */
-static void block_starts(const Plan *pl, long *jb) {
-    jb[0] = 0;
-    for (int bk = 0; bk < pl->nb; bk++) jb[bk + 1] = jb[bk] + pl->blocks[bk].n;
-}
+#include "na_cpu_plan.h"
 
 static long scratch_of(const Geo *g, const Plan *pl, int backward) {
     long pk = (long)g->Hk * g->kp, D = g->D, Dv = g->Dv, qw = pl->qw;
@@ -205,48 +136,13 @@ void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, cons
     free_plan(&pl);
 }
 
-/* the rest of one query row's dK / dV in a block, beyond the row-blocked shuffle sums: with sh
- * (fused), the lanes that share a key with an earlier lane (borders: ex, count then (lane, key
- * lane) pairs) one by one; without (slots too far apart for two registers), every slot's
- * read-modify-write of a shifted (near borders, shuffled) vector. qrow / grow: the row's Q and dO
- * at pitch rs; off / voff: its keys' offsets in the dK / dV planes. */
-INL void kv_rest(int mode, const Geo *g, const Lanes *ln, const T *qrow, const T *grow, long rs, const vt *p,
-                 const vt *ds, T *dkt, T *dvt, const long *off, const long *voff, int fused, const int *ex,
-                 const long *rb) {
-    if (fused) {
-        int dense = g->kw <= L;
-        for (int b = 0; b < g->kw; b++) dense &= rb[b] == b;
-        for (int e = 0; e < ex[0]; e++) {
-            int t = ex[1 + 2 * e], u = ex[2 + 2 * e];
-            for (int a = 0; a < g->kh; a++) {
-                const T *dsa = (const T *)(ds + a * g->kw), *pa = (const T *)(p + a * g->kw);
-                if (dense) { /* slots at consecutive columns: one vector over the slots */
-                    vt dsx = {0}, px = {0};
-                    for (int b = 0; b < g->kw; b++) { dsx[b] = dsa[b * L + t]; px[b] = pa[b * L + t]; }
-                    for (int c = 0; c < g->D; c++) {
-                        T *d = dkt + off[a * g->kw] + (long)c * g->kp + u;
-                        st(d, ld(d) + dsx * qrow[(long)c * rs + t]);
-                    }
-                    for (int c = 0; c < g->Dv; c++) {
-                        T *d = dvt + voff[a * g->kw] + (long)c * g->kp + u;
-                        st(d, ld(d) + px * grow[(long)c * rs + t]);
-                    }
-                    continue;
-                }
-                for (int c = 0; c < g->D; c++) {
-                    T x = qrow[(long)c * rs + t], *d = dkt + off[a * g->kw] + (long)c * g->kp + u;
-                    for (int b = 0; b < g->kw; b++) d[rb[b]] += dsa[b * L + t] * x;
-                }
-                for (int c = 0; c < g->Dv; c++) {
-                    T x = grow[(long)c * rs + t], *d = dvt + voff[a * g->kw] + (long)c * g->kp + u;
-                    for (int b = 0; b < g->kw; b++) d[rb[b]] += pa[b * L + t] * x;
-                }
-            }
-        }
-        return;
-    }
-    /* slots b and b + 1 overlap, so b is the outer loop: an overlapping load comes kH * (D + Dv)
-     * stores after the store it overlaps, not right after it (a partial store-to-load forward stalls) */
+/* one query row's dK / dV in a block whose slots are too far apart for the two-register sums
+ * (unfused): every slot's read-modify-write of a shifted (near borders, shuffled) vector. qrow /
+ * grow: the row's Q and dO at pitch rs; off / voff: its keys' offsets in the dK / dV planes.
+ * Slots b and b + 1 overlap, so b is the outer loop: an overlapping load comes kH * (D + Dv)
+ * stores after the store it overlaps, not right after it (a partial store-to-load forward stalls) */
+INL void kv_slots(int mode, const Geo *g, const Lanes *ln, const T *qrow, const T *grow, long rs, const vt *p,
+                  const vt *ds, T *dkt, T *dvt, const long *off, const long *voff) {
     for (int b = 0; b < g->kw; b++)
         for (int ab = b; ab < g->nk; ab += g->kw) {
             for (int c = 0; c < g->D; c++)
@@ -266,38 +162,8 @@ static void table_grad(const Geo *g, const Lanes *ln, int i, long j0, int h, con
     }
 }
 
-/* per block: fused[bk] when its kW slots' keys lie within 2L columns of slot 0's base, then per
- * slot the two shuffle masks (first lane of each key: shifts, 2 kW per block) and the lanes sharing
- * a key with an earlier one (extra, 2L + 1 per block); rshift: slot b's base minus slot 0's */
-static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *fused, int *extra, long *rshift) {
-    for (int bk = 0; bk < pl->nb; bk++) {
-        const long *base = pl->bases + (long)bk * g->kw;
-        const Lanes *ln = pl->blocks + bk;
-        int first[L], *ex = extra + (2 * L + 1) * bk, maxp = 0;
-        for (int u = 0; u < L; u++) first[u] = -1;
-        ex[0] = 0;
-        for (int t = 0; t < ln->n; t++) {
-            int u = ln->perm[t];
-            maxp = u > maxp ? u : maxp;
-            if (first[u] < 0) first[u] = t;
-            else { ex[1 + 2 * ex[0]] = t; ex[2 + 2 * ex[0]] = u; ex[0]++; }
-        }
-        fused[bk] = 1;
-        for (int b = 0; b < g->kw; b++) {
-            long r = base[b] - base[0];
-            rshift[(long)bk * g->kw + b] = r;
-            if (r < 0 || r + maxp >= 2 * L) { fused[bk] = 0; break; }
-            for (int u = 0; u < L; u++) {
-                long lo = u - r, hi = u + L - r;
-                shifts[2 * (long)bk * g->kw + 2 * b][u] = lo >= 0 && lo < L && first[lo] >= 0 ? first[lo] : L;
-                shifts[2 * (long)bk * g->kw + 2 * b + 1][u] = hi >= 0 && hi < L && first[hi] >= 0 ? first[hi] : L;
-            }
-        }
-    }
-}
-
-/* gradients of na_forward: dq (overwritten), dk and dv (accumulated: the caller zeroes them; both
- * NULL: not wanted) and dtable (accumulated; NULL without a bias). dout has element strides sd
+/* gradients of na_forward: dq, dk and dv (overwritten; dk and dv both NULL: not wanted) and
+ * dtable (accumulated; NULL without a bias). dout has element strides sd
  * (batch, pixel, head, channel). */
 void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const T *v, const T *table, const T *out,
                  T *dq, T *dk, T *dv, T *dtable, const int64_t *dims, const int32_t *rows, const int32_t *cols,
@@ -330,13 +196,17 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
         acc[m] = sbuf + 3L * MR * g.nkp + (long)m * g.D;
     }
     long *off = malloc(sizeof(long) * 2 * g.nkp), *voff = off + g.nkp;
-    vi *shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 2 * g.kw * pl.nb);
-    int *fused = malloc(sizeof(int) * pl.nb), *extra = malloc(sizeof(int) * (2 * L + 1) * pl.nb);
-    long *rshift = malloc(sizeof(long) * g.kw * pl.nb);
-    fuse_tables(&g, &pl, shifts, fused, extra, rshift);
+    vi *shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 2 * g.kw * pl.nb), *folds;
+    int *fused = malloc(sizeof(int) * pl.nb), *fstart = malloc(sizeof(int) * (pl.nb + 1));
+    fuse_tables(&g, &pl, shifts, fused, fstart, &folds);
     (void)dmax;
     for (int pn = p0; pn < p1; pn++) {
         int b = pn / g.heads, h = pn % g.heads;
+        if (kv && pl.nc > 1) /* chunks add into dK / dV (their key spans overlap): zero the plane first */
+            for (long px = 0; px < (long)g.Hk * g.Wk; px++) {
+                memset(dk + ((size_t)b * g.Hk * g.Wk + px) * g.heads * g.D + (size_t)h * g.D, 0, g.D * sizeof(T));
+                memset(dv + ((size_t)b * g.Hk * g.Wk + px) * g.heads * g.Dv + (size_t)h * g.Dv, 0, g.Dv * sizeof(T));
+            }
         for (int ch = 0; ch < pl.nc; ch++) {
             long x0 = pl.cx0[ch], xn = pl.cx1[ch] - x0, jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
             to_rows(k, sk, b, h, 0, g.Hk, g.Wk, x0, xn, g.kp, g.D, 1, kt);
@@ -388,7 +258,8 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
                             memcpy(dqr + (m * g.D + c) * qw + jq, &r, ln->n * sizeof(T));
                         }
                     if (kv && fused[bk]) { /* dK += dS^T Q, dV += P^T dO: a tile's rows summed per key row */
-                        const vi *sh = shifts + 2 * (long)g.kw * bk;
+                        const vi *sh = shifts + 2 * (long)g.kw * bk, *fold = folds + 2 * fstart[bk];
+                        int nf = fstart[bk + 1] - fstart[bk];
                         for (const Urow *u = u0; u < u1; u++) {
                             const vt *wk[MR], *wv[MR];
                             const T *rq[MR], *rg[MR];
@@ -398,22 +269,21 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
                                 rq[j] = xrow[u->m[j]];
                                 rg[j] = grow[u->m[j]];
                             }
-                            sl_rows(u->n, g.kw, g.D, wk, rq, qw, sh, dkt + (long)u->row * g.D * g.kp + base[0] - x0, g.kp);
+                            sl_rows(u->n, g.kw, g.D, wk, rq, qw, sh, dkt + (long)u->row * g.D * g.kp + base[0] - x0, g.kp, nf,
+                                    fold);
                             sl_rows(u->n, g.kw, g.Dv, wv, rg, qw, sh, dvt + (long)u->row * g.Dv * g.kp + base[0] - x0,
-                                    g.kp);
+                                    g.kp, nf, fold);
                         }
                     }
                     for (int m = 0; m < nm; m++) {
                         int i = rowi[m];
-                        if (kv && (!fused[bk] || extra[(2 * L + 1) * bk] > 0)) {
+                        if (kv && !fused[bk]) {
                             key_offsets(&g, i, base, x0, g.D, off);
                             key_offsets(&g, i, base, x0, g.Dv, voff);
                             if (ln->mode == 0)
-                                kv_rest(0, &g, ln, xrow[m], grow[m], qw, p[m], ds[m], dkt, dvt, off, voff, fused[bk],
-                                        extra + (2 * L + 1) * bk, rshift + (long)bk * g.kw);
+                                kv_slots(0, &g, ln, xrow[m], grow[m], qw, p[m], ds[m], dkt, dvt, off, voff);
                             else
-                                kv_rest(1, &g, ln, xrow[m], grow[m], qw, p[m], ds[m], dkt, dvt, off, voff, fused[bk],
-                                        extra + (2 * L + 1) * bk, rshift + (long)bk * g.kw);
+                                kv_slots(1, &g, ln, xrow[m], grow[m], qw, p[m], ds[m], dkt, dvt, off, voff);
                         }
                         if (dtable) table_grad(&g, ln, i, jb[bk], h, ds[m], dtable);
                     }
@@ -431,7 +301,7 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
     free(off);
     free(shifts);
     free(fused);
-    free(extra);
-    free(rshift);
+    free(fstart);
+    free(folds);
     free_plan(&pl);
 }

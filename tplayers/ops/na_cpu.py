@@ -72,7 +72,7 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("na_cpu.c")
 #: every file of the kernel (the hash of the built library covers them all)
-SOURCES = (SOURCE, Path(__file__).with_name("na_cpu_blocks.h"), Path(__file__).with_name("na_cpu_rows.h"))
+SOURCES = (SOURCE, *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "rows", "plan")))
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}
 #: vector width in bits and the ``-march`` that builds for an ISA that is not the host's own
@@ -320,7 +320,7 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
         g4 = grad_out.contiguous().view(batch, q.shape[1], heads, dim_v)
     strides = torch.tensor(g4.stride(), dtype=torch.int64)
     dq = torch.empty_like(q)
-    dk, dv = (torch.zeros_like(k), torch.zeros_like(v)) if want_kv else (None, None)  # accumulated
+    dk, dv = (torch.empty_like(k), torch.empty_like(v)) if want_kv else (None, None)
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
     bounds, size = _split(lib, 1 if want_kv else 2, dims, (rows, cols), planes)

@@ -183,36 +183,6 @@ static int block_add(const Geo *g, int i, int j0, int h, const Lanes *ln, vt *ad
     return 1;
 }
 
-/* s[ab] = sum_c x[c] * y[c][key ab] over C channels; x rows at stride xs, y rows at stride ys */
-INL void scores(int mode, const Lanes *ln, int nkp, int C, const T *x, long xs, const T *y, long ys,
-                const long *off, vt *s) {
-    for (int ab = 0; ab < nkp; ab += G) {
-        vt acc[G] = {0};
-        for (int c = 0; c < C; c++) {
-            vt xv = ld(x + c * xs);
-            for (int q = 0; q < G; q++) acc[q] += xv * kload(y + off[ab + q] + c * ys, mode, ln);
-        }
-        for (int q = 0; q < G; q++) s[ab + q] = acc[q];
-    }
-}
-
-/* out[c] = mul * sum_ab p[ab] * y[c][key ab] for C channels, out rows at stride os; n lanes stored */
-INL void apply(int mode, const Lanes *ln, int nk, int C, const vt *p, const T *y, long ys, const long *off,
-               T *out, long os, vt mul) {
-    for (int c0 = 0; c0 < C; c0 += GV) {
-        vt acc[GV] = {0};
-        long cs[GV];
-        for (int q = 0; q < GV; q++) cs[q] = (c0 + q < C ? c0 + q : C - 1) * ys;
-        for (int ab = 0; ab < nk; ab++)
-            for (int q = 0; q < GV; q++) acc[q] += p[ab] * kload(y + off[ab] + cs[q], mode, ln);
-        for (int q = 0; q < GV && c0 + q < C; q++) {
-            vt r = acc[q] * mul;
-            if (ln->n == L) st(out + (c0 + q) * os, r);
-            else memcpy(out + (c0 + q) * os, &r, ln->n * sizeof(T));
-        }
-    }
-}
-
 /* exp(s - rowmax) in place, over the nk scores of each lane; returns 1 / rowsum */
 INL vt softmax(int nk, vt *s, const vt *add) {
     if (add)

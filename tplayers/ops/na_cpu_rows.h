@@ -215,10 +215,21 @@ static void ap_rows(int mode, int nm, const Lanes *ln, int kw, int C, const vt *
 }
 
 /* dK (or dV) of one key row: for each channel c, x_b = sum_j w_j[b] * row_j[c] (the nm query rows
- * reading this key row), the kW slot vectors moved into two registers by their two-register
- * shuffles sh (the first lane of each key) and added to the 2L key columns from d with one write */
+ * reading this key row), the lanes sharing a key folded into its first lane (nf rounds of fold:
+ * shuffle, mask), the kW slot vectors moved into two registers by their two-register shuffles sh
+ * (the first lane of each key) and added to the 2L key columns from d with one write */
+INL vt shuffle1(vt x, vi m) {
+#ifdef __clang__
+    vt r;
+    for (int u = 0; u < L; u++) r[u] = x[m[u]];
+    return r;
+#else
+    return __builtin_shuffle(x, m);
+#endif
+}
+
 INL void sl_kern(const int nm, int kw, int C, const vt *const *wp, const T *const *rp, long rs, const vi *sh, T *d,
-                 long ds) {
+                 long ds, int nf, const vi *fold) {
     const int CBN = CB_OF(nm);
     for (int c0 = 0; c0 < C; c0 += CBN) {
         vt rv[MR][4], lo[4], hi[4];
@@ -239,6 +250,8 @@ INL void sl_kern(const int nm, int kw, int C, const vt *const *wp, const T *cons
                 vt x = wv[0] * rv[0][q];
 #pragma GCC unroll 8
                 for (int j = 1; j < nm; j++) x += wv[j] * rv[j][q];
+                for (int f = 0; f < nf; f++) /* lanes sharing a key: into its first lane */
+                    x += (vt)((vi)shuffle1(x, fold[2 * f]) & fold[2 * f + 1]);
                 lo[q] += shift2(x, s0);
                 hi[q] += shift2(x, s1);
             }
@@ -254,23 +267,23 @@ INL void sl_kern(const int nm, int kw, int C, const vt *const *wp, const T *cons
 }
 
 static void sl_rows(int nm, int kw, int C, const vt *const *wp, const T *const *rp, long rs, const vi *sh, T *d,
-                    long ds) {
+                    long ds, int nf, const vi *fold) {
     switch (nm) {
-        case 1: sl_kern(1, kw, C, wp, rp, rs, sh, d, ds); return;
+        case 1: sl_kern(1, kw, C, wp, rp, rs, sh, d, ds, nf, fold); return;
 #if MR >= 2
-        case 2: sl_kern(2, kw, C, wp, rp, rs, sh, d, ds); return;
+        case 2: sl_kern(2, kw, C, wp, rp, rs, sh, d, ds, nf, fold); return;
 #endif
 #if MR >= 3
-        case 3: sl_kern(3, kw, C, wp, rp, rs, sh, d, ds); return;
+        case 3: sl_kern(3, kw, C, wp, rp, rs, sh, d, ds, nf, fold); return;
 #endif
 #if MR >= 4
-        case 4: sl_kern(4, kw, C, wp, rp, rs, sh, d, ds); return;
+        case 4: sl_kern(4, kw, C, wp, rp, rs, sh, d, ds, nf, fold); return;
 #endif
 #if MR >= 5
-        case 5: sl_kern(5, kw, C, wp, rp, rs, sh, d, ds); return;
+        case 5: sl_kern(5, kw, C, wp, rp, rs, sh, d, ds, nf, fold); return;
 #endif
 #if MR >= 6
-        case 6: sl_kern(6, kw, C, wp, rp, rs, sh, d, ds); return;
+        case 6: sl_kern(6, kw, C, wp, rp, rs, sh, d, ds, nf, fold); return;
 #endif
         default: abort();
     }
