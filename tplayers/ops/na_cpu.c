@@ -196,7 +196,7 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
         acc[m] = sbuf + 3L * MR * g.nkp + (long)m * g.D;
     }
     long *off = malloc(sizeof(long) * 2 * g.nkp), *voff = off + g.nkp;
-    vi *shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 2 * g.kw * pl.nb), *folds;
+    vi *shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 4 * g.kw * pl.nb), *folds;
     int *fused = malloc(sizeof(int) * pl.nb), *fstart = malloc(sizeof(int) * (pl.nb + 1));
     fuse_tables(&g, &pl, shifts, fused, fstart, &folds);
     (void)dmax;
@@ -258,7 +258,7 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
                             memcpy(dqr + (m * g.D + c) * qw + jq, &r, ln->n * sizeof(T));
                         }
                     if (kv && fused[bk]) { /* dK += dS^T Q, dV += P^T dO: a tile's rows summed per key row */
-                        const vi *sh = shifts + 2 * (long)g.kw * bk, *fold = folds + 2 * fstart[bk];
+                        const vi *sh = shifts + 4 * (long)g.kw * bk, *fold = folds + 2 * fstart[bk];
                         int nf = fstart[bk + 1] - fstart[bk];
                         for (const Urow *u = u0; u < u1; u++) {
                             const vt *wk[MR], *wv[MR];

@@ -85,7 +85,8 @@ static void block_starts(const Plan *pl, long *jb) {
 }
 
 /* per block: fused[bk] when its kW slots' keys lie within 2L columns of slot 0's base, then per
- * slot the two shuffle masks that move each key's first lane into place (shifts, 2 kW per block),
+ * slot the two shuffle masks that move each key's first lane into place, each with the lanes it
+ * fills (shifts, 4 kW per block: index, keep, index, keep),
  * and the folds that first add into that lane the lanes sharing its key (borders: windows shifted
  * inside the image): block bk's rounds are folds[2 fstart[bk] ...) as (shuffle, mask) pairs,
  * fstart[nb] in all (the caller frees *folds) */
@@ -129,8 +130,11 @@ static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *fused, in
             if (r < 0 || r + maxp >= 2 * L) { fused[bk] = 0; break; }
             for (int u = 0; u < L; u++) {
                 long lo = u - r, hi = u + L - r;
-                shifts[2 * (long)bk * g->kw + 2 * b][u] = lo >= 0 && lo < L && first[lo] >= 0 ? first[lo] : L;
-                shifts[2 * (long)bk * g->kw + 2 * b + 1][u] = hi >= 0 && hi < L && first[hi] >= 0 ? first[hi] : L;
+                vi *sh = shifts + 4 * ((long)bk * g->kw + b);
+                sh[0][u] = lo >= 0 && lo < L && first[lo] >= 0 ? first[lo] : L;
+                sh[2][u] = hi >= 0 && hi < L && first[hi] >= 0 ? first[hi] : L;
+                sh[1][u] = sh[0][u] < L ? -1 : 0; /* the lanes a one-register shuffle keeps */
+                sh[3][u] = sh[2][u] < L ? -1 : 0;
             }
         }
     }

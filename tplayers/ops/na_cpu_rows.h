@@ -242,7 +242,7 @@ INL void sl_kern(const int nm, int kw, int C, const vt *const *wp, const T *cons
         }
         for (int b = 0; b < kw; b++) {
             vt wv[MR];
-            vi s0 = sh[2 * b], s1 = sh[2 * b + 1];
+            vi s0 = sh[4 * b], s1 = sh[4 * b + 2];
 #pragma GCC unroll 8
             for (int j = 0; j < nm; j++) wv[j] = wp[j][b];
 #pragma GCC unroll 4
@@ -252,8 +252,13 @@ INL void sl_kern(const int nm, int kw, int C, const vt *const *wp, const T *cons
                 for (int j = 1; j < nm; j++) x += wv[j] * rv[j][q];
                 for (int f = 0; f < nf; f++) /* lanes sharing a key: into its first lane */
                     x += (vt)((vi)shuffle1(x, fold[2 * f]) & fold[2 * f + 1]);
+#if NREG == 32 /* one two-register permute with a zero register */
                 lo[q] += shift2(x, s0);
                 hi[q] += shift2(x, s1);
+#else /* no two-register permute (AVX2 emulates it in ~5 ops): one permute and a mask */
+                lo[q] += (vt)((vi)shuffle1(x, s0) & sh[4 * b + 1]);
+                hi[q] += (vt)((vi)shuffle1(x, s1) & sh[4 * b + 3]);
+#endif
             }
         }
 #pragma GCC unroll 4
