@@ -78,8 +78,8 @@ void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, cons
     Geo g = make_geo(dims, rows, cols, table, scale);
     Plan pl;
     make_plan(&g, 0, &pl);
-    long pk = (long)g.Hk * g.kp, qw = pl.qw, sq[4], sk[4], sv[4], jb[pl.nb + 1];
-    block_starts(&pl, jb);
+    long pk = (long)g.Hk * g.kp, qw = pl.qw, sq[4], sk[4], sv[4];
+    const long *jb = pl.jb;
     dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
     dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
     dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);
@@ -172,9 +172,9 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
     int kv = dk != NULL;
     Plan pl;
     make_plan(&g, kv ? 1 : 2, &pl);
-    long pk = (long)g.Hk * g.kp, qw = pl.qw, jb[pl.nb + 1], sq[4], sk[4], sv[4], so[4];
+    long pk = (long)g.Hk * g.kp, qw = pl.qw, sq[4], sk[4], sv[4], so[4];
+    const long *jb = pl.jb;
     long sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
-    block_starts(&pl, jb);
     dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
     dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
     dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);

@@ -15,6 +15,7 @@ typedef struct {
     int *cb;       /* chunk c: blocks [cb[c], cb[c+1]) */
     long *cx0, *cx1; /* chunk c: key columns [cx0, cx1) transposed */
     int *order, *ustart;
+    long *jb; /* first query column of each block, nb + 1 */
     Urow *ur;
     long qw; /* widest chunk in query columns (row buffers' pitch) */
 } Plan;
@@ -37,7 +38,7 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
     pl->cx1 = malloc(sizeof(long) * nb);
     long nq = g->Hq < MR ? g->Hq : MR, rows = nq + g->kh - 1;
     long col = (rows + nq) * (g->D + g->Dv) * (long)sizeof(T) * (backward ? 2 : 1), budget = l2_bytes() / 4;
-    long most = budget / col, jb[nb + 1];
+    long most = budget / col, *jb = pl->jb = malloc(sizeof(long) * (nb + 1));
     if (most < 4 * L) most = 4 * L;
     for (int bk = 0, j = 0; bk <= nb; bk++) { jb[bk] = j; if (bk < nb) j += pl->blocks[bk].n; }
     int nc = 0;
@@ -75,14 +76,9 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
 
 static void free_plan(Plan *pl) {
     free(pl->blocks); free(pl->bases); free(pl->cb); free(pl->cx0); free(pl->cx1);
-    free(pl->order); free(pl->ustart); free(pl->ur);
+    free(pl->order); free(pl->ustart); free(pl->ur); free(pl->jb);
 }
 
-/* first query column of each block: jb[nb + 1] */
-static void block_starts(const Plan *pl, long *jb) {
-    jb[0] = 0;
-    for (int bk = 0; bk < pl->nb; bk++) jb[bk + 1] = jb[bk] + pl->blocks[bk].n;
-}
 
 /* per block: fused[bk] when its kW slots' keys lie within 2L columns of slot 0's base, then per
  * slot the two shuffle masks that move each key's first lane into place, each with the lanes it

@@ -69,31 +69,43 @@ static void row_order(const Geo *g, int *order) {
 
 /* the Urows of every tile: tiles of MR rows of order; tile t's rows order[t*MR ...], its Urows
  * ur[start[t] .. start[t+1]). ur: Hq * kh entries at most. */
+static int cmp_long(const void *x, const void *y) {
+    long a = *(const long *)x, b = *(const long *)y;
+    return (a > b) - (a < b);
+}
+
 static void plan_tiles(const Geo *g, const int *order, Urow *ur, int *start) {
     int nt = (g->Hq + MR - 1) / MR, ne = 0;
+    long *pairs = malloc(sizeof(long) * MR * g->kh); /* key row << 32 | (m kh + a), sorted */
     for (int t = 0; t < nt; t++) {
         start[t] = ne;
-        int m0 = t * MR, nm = g->Hq - m0 < MR ? g->Hq - m0 : MR;
-        int key[MR * g->kh], pm[MR * g->kh], pa[MR * g->kh], np = 0;
+        int m0 = t * MR, nm = g->Hq - m0 < MR ? g->Hq - m0 : MR, np = 0;
         for (int m = 0; m < nm; m++)
-            for (int a = 0; a < g->kh; a++) {
-                int r = g->rows[order[m0 + m] * g->kh + a], p = np++;
-                while (p > 0 && key[p - 1] > r) { key[p] = key[p - 1]; pm[p] = pm[p - 1]; pa[p] = pa[p - 1]; p--; }
-                key[p] = r; pm[p] = m; pa[p] = a;
+            for (int a = 0; a < g->kh; a++)
+                pairs[np++] = (long)g->rows[order[m0 + m] * g->kh + a] << 32 | (long)(m * g->kh + a);
+        if (np > 256) qsort(pairs, np, sizeof(long), cmp_long);
+        else /* a tile's few pairs: insertion sort (qsort's calls cost more) */
+            for (int p = 1; p < np; p++) {
+                long x = pairs[p];
+                int q = p;
+                for (; q > 0 && pairs[q - 1] > x; q--) pairs[q] = pairs[q - 1];
+                pairs[q] = x;
             }
         for (int p = 0; p < np; p++) {
-            if (p == 0 || key[p] != key[p - 1] || ur[ne - 1].n == MR) {
-                ur[ne].row = key[p];
+            int r = (int)(pairs[p] >> 32), low = (int)(pairs[p] & 0xffffffff);
+            if (p == 0 || r != ur[ne - 1].row || ur[ne - 1].n == MR) {
+                ur[ne].row = r;
                 ur[ne].n = 0;
                 ne++;
             }
             Urow *u = ur + ne - 1;
-            u->m[u->n] = pm[p];
-            u->a[u->n] = pa[p];
+            u->m[u->n] = low / g->kh;
+            u->a[u->n] = low % g->kh;
             u->n++;
         }
     }
     start[nt] = ne;
+    free(pairs);
 }
 
 /* s_j[b] = sum_c q_j[c] * key[c][bo[b] (+ shuffle)] for nm query rows j and gb slots: one load
