@@ -15,10 +15,8 @@ build and torch capped at AVX2 on an AVX-512 CPU), the C kernel is the faster of
 forward and backward, so it is the default wherever it builds (figures:
 docs/neighborhood-attention.md, benchmarks/RESULTS.md).
 
-The kernel runs tiles of query rows (4 with 32 vector registers, 3 with 16) against the key
-rows they share, with register-blocked FMA micro-kernels, and cuts long rows into column chunks
-sized from the L2 cache (see the header of ``na_cpu.c``). The source (``na_cpu.c`` and its
-headers ``na_cpu_blocks.h``, ``na_cpu_rows.h``, ``na_cpu_plan.h``) ships in the package. On the first CPU call
+It runs tiles of query rows against the key rows they share (register-blocked FMA micro-kernels;
+long rows in column chunks sized from the L2 cache; see ``na_cpu.c``), shipped as source. On the first CPU call
 (never at import) it is compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -shared
 -fPIC -DNA_LANES=n`` (:func:`build_flags`), once per element type, into
 ``$TPLAYERS_CACHE`` (else ``~/.cache/tplayers``) under a name hashed from the source, the compiler,
