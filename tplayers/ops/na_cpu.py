@@ -15,10 +15,9 @@ build and torch capped at AVX2 on an AVX-512 CPU), the C kernel is the faster of
 forward and backward, so it is the default wherever it builds (figures:
 docs/neighborhood-attention.md, benchmarks/RESULTS.md).
 
-It runs tiles of query rows against the key rows they share (register-blocked FMA micro-kernels;
-long rows in column chunks sized from the L2 cache; see ``na_cpu.c``), shipped as source. On the first CPU call
-(never at import) it is compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -shared
--fPIC -DNA_LANES=n`` (:func:`build_flags`), once per element type, into
+It runs tiles of query rows against the key rows they share (``na_cpu.c``), shipped as source.
+On the first CPU call (never at import) it is compiled with ``$CC`` (else ``cc``), ``-O3
+-march=native -shared -fPIC -DNA_LANES=n`` (:func:`build_flags`), once per element type, into
 ``$TPLAYERS_CACHE`` (else ``~/.cache/tplayers``) under a name hashed from the source, the compiler,
 its version, the flags and the CPU's model and flags; it is written under a temporary name and
 renamed into place, so processes compiling at once are safe. It is loaded with ``ctypes`` and
