@@ -20,252 +20,288 @@
  * identity in the interior (a plain load) and a shuffle near the borders (windows shifted inside
  * the image: lanes share keys); a block holds as many queries as one shuffle can serve. Forward
  * keeps nothing but the output; backward computes the softmax again per block (flash-style).
+ *
+ * Tiles (issue 35): the work unit is a tile of MR query rows x one block. The rows' windows
+ * overlap in their key rows, so each key vector is loaded once per tile and multiplied into every
+ * row that reads it: register-blocked FMA micro-kernels (na_cpu_rows.h) for S = Q K^T and
+ * dP = dO V^T (rows x slots of accumulators), O = P V and dQ = dS K (rows x channels) and the
+ * dK / dV sums (rows summed per key vector before its shuffle-add). Only the scores a query
+ * needs are computed; the softmax (max, exp, sum) runs over a row's whole window at once (the
+ * scores of a tile fit L1/L2). MR follows the ISA's vector registers (4 rows with 32, 3 with 16).
+ * Rows whose keys would not stay in the cache (long 1-D rows) run in column chunks: each chunk
+ * transposes only its key span (make_plan: a quarter of the L2 size from sysconf).
  */
 #include "na_cpu_blocks.h"
+#include "na_cpu_rows.h"
+#include "na_cpu_plan.h"
+
+static long scratch_of(const Geo *g, const Plan *pl, int backward) {
+    long pk = (long)g->Hk * g->kp, D = g->D, Dv = g->Dv, qw = pl->qw;
+    long fwd = D * pk + PAD + Dv * pk + PAD + MR * D * qw + PAD + MR * Dv * qw + PAD;
+    if (!backward) return fwd;
+    return fwd + MR * Dv * qw + PAD + MR * qw + PAD + MR * D * qw + PAD + (backward == 1 ? D * pk + Dv * pk + 2 * PAD : 0);
+}
 
 /* scratch elements the kernels need (dims as below; the caller allocates them); backward:
  * 0 forward, 1 backward with dk and dv, 2 backward without */
-long na_scratch(const int64_t *dims, int backward) {
-    long pk = dims[4] * key_pitch(dims[5]), D = dims[6], Dv = dims[7], W = dims[3];
-    long fwd = D * W + PAD + D * pk + PAD + Dv * pk + PAD + Dv * W + PAD;
-    if (!backward) return fwd;
-    return fwd + W + PAD + D * W + PAD + Dv * W + PAD + (backward == 1 ? D * pk + Dv * pk + 2 * PAD : 0);
+long na_scratch(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    Plan pl;
+    make_plan(&g, backward, &pl);
+    long n = scratch_of(&g, &pl, backward);
+    free_plan(&pl);
+    return n;
+}
+
+/* column chunks of a call's plan (backward as in na_scratch): more than 1 where the rows' keys
+ * do not fit the cache budget (tests check that path is taken) */
+int na_chunks(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    Plan pl;
+    make_plan(&g, backward, &pl);
+    int n = pl.nc;
+    free_plan(&pl);
+    return n;
 }
 
 static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(T)); *next = p + n + PAD; return p; }
+
+static vt *vec_alloc(long n) {
+    vt *p = aligned_alloc(_Alignof(vt), sizeof(vt) * (n > 0 ? n : 1));
+    memset(p, 0, sizeof(vt) * (n > 0 ? n : 1));
+    return p;
+}
 
 /* dims: B, heads, Hq, Wq, Hk, Wk, D, Dv, kH, kW, bias table rows. Planes [p0, p1) of the B*heads (batch-major). */
 void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, const int64_t *dims,
                 const int32_t *rows, const int32_t *cols, double scale, T *scratch, int p0, int p1) {
     Geo g = make_geo(dims, rows, cols, table, scale);
-    long pk = (long)g.Hk * g.kp, sq[4], sk[4], sv[4];
+    Plan pl;
+    make_plan(&g, 0, &pl);
+    long pk = (long)g.Hk * g.kp, qw = pl.qw, sq[4], sk[4], sv[4];
+    const long *jb = pl.jb;
     dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
     dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
     dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);
     T *next = scratch;
-    T *qrows = carve(&next, g.D * g.Wq), *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
-    T *orow = carve(&next, g.Dv * g.Wq); /* one query row, one output row */
-    vt s[g.nkp], add[g.nkp];
-    long off[g.nkp], voff[g.nkp];
-    int nb;
-    long *bases;
-    Lanes *blocks = row_blocks(&g, &nb, &bases);
-    for (int pl = p0; pl < p1; pl++) {
-        int b = pl / g.heads, h = pl % g.heads;
-        to_rows(k, sk, b, h, 0, g.Hk, g.Wk, g.kp, g.D, 1, kt);
-        to_rows(v, sv, b, h, 0, g.Hk, g.Wk, g.kp, g.Dv, 1, vtp);
-        for (int i = 0; i < g.Hq; i++) {
-            to_rows(q, sq, b, h, i, i + 1, g.Wq, g.Wq, g.D, g.scale, qrows);
-            for (int bk = 0, j0 = 0; bk < nb; j0 += blocks[bk].n, bk++) {
-                const Lanes *ln = blocks + bk;
-                key_offsets(&g, i, bases + (long)bk * g.kw, g.D, off);
-                key_offsets(&g, i, bases + (long)bk * g.kw, g.Dv, voff);
-                const T *qrow = qrows + j0;
-                vt *a = block_add(&g, i, j0, h, ln, add) ? add : NULL;
-                if (ln->mode == 0) {
-                    scores(0, ln, g.nkp, g.D, qrow, g.Wq, kt, g.kp, off, s);
-                    vt inv = softmax(g.nk, s, a);
-                    apply(0, ln, g.nk, g.Dv, s, vtp, g.kp, voff, orow + j0, g.Wq, inv);
-                } else {
-                    scores(1, ln, g.nkp, g.D, qrow, g.Wq, kt, g.kp, off, s);
-                    vt inv = softmax(g.nk, s, a);
-                    apply(1, ln, g.nk, g.Dv, s, vtp, g.kp, voff, orow + j0, g.Wq, inv);
+    T *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
+    T *qr = carve(&next, MR * g.D * qw), *orow = carve(&next, MR * g.Dv * qw);
+    memset(qr, 0, sizeof(T) * MR * g.D * qw);
+    vt *sbuf = vec_alloc(2L * MR * g.nkp + (long)MR * g.Dv), *s[MR], *add[MR], *acc[MR];
+    for (int m = 0; m < MR; m++) {
+        s[m] = sbuf + (long)m * g.nkp;
+        add[m] = sbuf + (long)(MR + m) * g.nkp;
+        acc[m] = sbuf + 2L * MR * g.nkp + (long)m * g.Dv;
+    }
+    for (int pn = p0; pn < p1; pn++) {
+        int b = pn / g.heads, h = pn % g.heads;
+        for (int ch = 0; ch < pl.nc; ch++) {
+            long x0 = pl.cx0[ch], jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
+            to_rows(k, sk, b, h, 0, g.Hk, g.Wk, x0, pl.cx1[ch] - x0, g.kp, g.D, 1, kt);
+            to_rows(v, sv, b, h, 0, g.Hk, g.Wk, x0, pl.cx1[ch] - x0, g.kp, g.Dv, 1, vtp);
+            for (int t = 0; t < pl.nt; t++) {
+                const int *rowi = pl.order + t * MR;
+                int nm = g.Hq - t * MR < MR ? g.Hq - t * MR : MR;
+                const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];
+                for (int m = 0; m < nm; m++)
+                    to_rows(q, sq, b, h, rowi[m], rowi[m] + 1, g.Wq, jlo, jn, qw, g.D, g.scale, qr + m * g.D * qw);
+                for (int bk = pl.cb[ch]; bk < pl.cb[ch + 1]; bk++) {
+                    const Lanes *ln = pl.blocks + bk;
+                    const long *base = pl.bases + (long)bk * g.kw, jq = jb[bk] - jlo;
+                    const T *xrow[MR];
+                    vt *a[MR], inv[MR];
+                    for (int m = 0; m < nm; m++) {
+                        xrow[m] = qr + m * g.D * qw + jq;
+                        a[m] = block_add(&g, rowi[m], jb[bk], h, ln, add[m]) ? add[m] : NULL;
+                    }
+                    tile_scores(&g, ln->mode, ln, u0, u1, g.D, xrow, qw, kt, x0, base, s);
+                    for (int m = 0; m < nm; m++) {
+                        inv[m] = softmax(g.nk, s[m], a[m]);
+                        memset(acc[m], 0, sizeof(vt) * g.Dv);
+                    }
+                    tile_apply(&g, ln->mode, ln, u0, u1, g.Dv, s, vtp, x0, base, acc);
+                    for (int m = 0; m < nm; m++)
+                        for (int c = 0; c < g.Dv; c++) {
+                            vt r = acc[m][c] * inv[m];
+                            memcpy(orow + (m * g.Dv + c) * qw + jq, &r, ln->n * sizeof(T));
+                        }
                 }
+                for (int m = 0; m < nm; m++)
+                    from_rows(orow + m * g.Dv * qw, qw, b, h, g.heads, g.Hq, g.Wq, g.Dv, rowi[m], rowi[m] + 1, jlo, jn, 0,
+                              out);
             }
-            from_rows(orow, g.Wq, b, h, g.heads, g.Hq, g.Wq, g.Dv, i, i + 1, out);
         }
     }
-    free(blocks);
-    free(bases);
+    free(sbuf);
+    free_plan(&pl);
 }
 
-
-/* key row a of one block's dK (or dV): for each of n channels, the kW slot vectors w[a, b] * row[c]
- * summed in two registers (each moved in by its two-register shuffle sh: the first lane of each key)
- * and added to the 2L key columns from d (plus the channel's plane offset) with one write */
-INL void add_slots(const Geo *g, int a, int n, const T *row, const vt *w, const vi *sh, T *d) {
-    for (int c = 0; c < n; c++) {
-        vt rv = ld(row + (long)c * g->Wq), lo = {0}, hi = {0};
-        for (int b = 0; b < g->kw; b++) {
-            vt x = w[a * g->kw + b] * rv;
-            lo += shift2(x, sh[2 * b]);
-            hi += shift2(x, sh[2 * b + 1]);
+/* one query row's dK / dV in a block whose slots are too far apart for the two-register sums
+ * (unfused): every slot's read-modify-write of a shifted (near borders, shuffled) vector. qrow /
+ * grow: the row's Q and dO at pitch rs; off / voff: its keys' offsets in the dK / dV planes.
+ * Slots b and b + 1 overlap, so b is the outer loop: an overlapping load comes kH * (D + Dv)
+ * stores after the store it overlaps, not right after it (a partial store-to-load forward stalls) */
+INL void kv_slots(int mode, const Geo *g, const Lanes *ln, const T *qrow, const T *grow, long rs, const vt *p,
+                  const vt *ds, T *dkt, T *dvt, const long *off, const long *voff) {
+    for (int b = 0; b < g->kw; b++)
+        for (int ab = b; ab < g->nk; ab += g->kw) {
+            for (int c = 0; c < g->D; c++)
+                kadd(dkt + off[ab] + (long)c * g->kp, ds[ab] * ld(qrow + (long)c * rs), mode, ln);
+            for (int c = 0; c < g->Dv; c++)
+                kadd(dvt + voff[ab] + (long)c * g->kp, p[ab] * ld(grow + (long)c * rs), mode, ln);
         }
-        T *dc = d + (long)c * g->kp;
-        st(dc, ld(dc) + lo);
-        st(dc + L, ld(dc + L) + hi);
-    }
 }
 
-
-/* one block's backward (mode constant after inlining) */
-INL void back_block(int mode, const Geo *g, const Lanes *ln, int i, int j0, int h, const vt *a, const T *qt,
-                    const T *kt, const T *vtp, const T *got, const T *delta, T *dqt, T *dkt, T *dvt,
-                    T *dtable, const long *off, const long *voff, vt *p, vt *ds, const vi *sh,
-                    const int *ex, const long *rb) {
-    const T *qrow = qt + j0, *grow = got + j0; /* row buffers of query row i */
-    scores(mode, ln, g->nkp, g->D, qrow, g->Wq, kt, g->kp, off, p);
-    vt inv = softmax(g->nk, p, a);
-    inv = (vt)((vi)inv & ln->live); /* spare lanes: P = 0, so they add nothing below */
-    scores(mode, ln, g->nkp, g->Dv, grow, g->Wq, vtp, g->kp, voff, ds); /* dP = dO . V */
-    vt dl = ld(delta + j0);
+/* dtable[h] += dS of query row i's block at j0 (its n live lanes) */
+static void table_grad(const Geo *g, const Lanes *ln, int i, long j0, int h, const vt *ds, T *dtable) {
+    const int32_t *rr = g->rows + 2 * g->Hq * g->kh, *rc = g->cols + 2 * g->Wq * g->kw;
+    T *tab = dtable + (size_t)h * g->tr * g->tw;
     for (int ab = 0; ab < g->nk; ab++) {
-        p[ab] *= inv;
-        ds[ab] = p[ab] * (ds[ab] - dl);
-    }
-    apply(mode, ln, g->nk, g->D, ds, kt, g->kp, off, dqt + j0, g->Wq, splat(g->scale)); /* dqt: one row */
-    if (!dkt) {
-    } else if (sh) {
-        /* dK, dV: slot b's keys are columns base_0 + r_b + perm[t], so the kW slots of one key
-         * row add into 2L columns from base_0: sum them in two registers (each slot's vector
-         * moved in by a two-register shuffle: the first lane of each key) and write once; lanes
-         * that share a key with an earlier lane (borders) add theirs one by one below */
-        for (int a = 0; a < g->kh; a++) {
-            add_slots(g, a, g->D, qrow, ds, sh, dkt + off[a * g->kw]);  /* dK += dS^T Q */
-            add_slots(g, a, g->Dv, grow, p, sh, dvt + voff[a * g->kw]); /* dV += P^T dO */
-        }
-        int dense = g->kw <= L;
-        for (int b = 0; b < g->kw; b++) dense &= rb[b] == b;
-        for (int e = 0; e < ex[0]; e++) { /* ex: count, then (lane, key lane) pairs */
-            int t = ex[1 + 2 * e], u = ex[2 + 2 * e];
-            for (int a = 0; a < g->kh; a++) {
-                const T *dsa = (const T *)(ds + a * g->kw), *pa = (const T *)(p + a * g->kw);
-                if (dense) { /* slots at consecutive columns: one vector over the slots */
-                    vt dsx = {0}, px = {0};
-                    for (int b = 0; b < g->kw; b++) { dsx[b] = dsa[b * L + t]; px[b] = pa[b * L + t]; }
-                    for (int c = 0; c < g->D; c++) {
-                        T *d = dkt + off[a * g->kw] + (long)c * g->kp + u;
-                        st(d, ld(d) + dsx * qrow[(long)c * g->Wq + t]);
-                    }
-                    for (int c = 0; c < g->Dv; c++) {
-                        T *d = dvt + voff[a * g->kw] + (long)c * g->kp + u;
-                        st(d, ld(d) + px * grow[(long)c * g->Wq + t]);
-                    }
-                    continue;
-                }
-                for (int c = 0; c < g->D; c++) {
-                    T x = qrow[(long)c * g->Wq + t], *d = dkt + off[a * g->kw] + (long)c * g->kp + u;
-                    for (int b = 0; b < g->kw; b++) d[rb[b]] += dsa[b * L + t] * x;
-                }
-                for (int c = 0; c < g->Dv; c++) {
-                    T x = grow[(long)c * g->Wq + t], *d = dvt + voff[a * g->kw] + (long)c * g->kp + u;
-                    for (int b = 0; b < g->kw; b++) d[rb[b]] += pa[b * L + t] * x;
-                }
-            }
-        }
-    } else {
-        /* read-modify-writes of shifted (and, near borders, shuffled) vectors. Slots b and b + 1
-         * overlap, so b is the outer loop: an overlapping load comes kH * (D + Dv) stores after
-         * the store it overlaps, not right after it (a partial store-to-load forward stalls) */
-        for (int b = 0; b < g->kw; b++)
-            for (int ab = b; ab < g->nk; ab += g->kw) {
-                for (int c = 0; c < g->D; c++)
-                    kadd(dkt + off[ab] + (long)c * g->kp, ds[ab] * ld(qrow + (long)c * g->Wq), mode, ln);
-                for (int c = 0; c < g->Dv; c++)
-                    kadd(dvt + voff[ab] + (long)c * g->kp, p[ab] * ld(grow + (long)c * g->Wq), mode, ln);
-            }
-    }
-    if (dtable) {
-        const int32_t *rr = g->rows + 2 * g->Hq * g->kh, *rc = g->cols + 2 * g->Wq * g->kw;
-        T *tab = dtable + (size_t)h * g->tr * g->tw;
-        for (int ab = 0; ab < g->nk; ab++) {
-            int ra = rr[i * g->kh + ab / g->kw] * g->tw, b = ab % g->kw;
-            for (int t = 0; t < ln->n; t++) tab[ra + rc[(j0 + t) * g->kw + b]] += ds[ab][t];
-        }
+        int ra = rr[i * g->kh + ab / g->kw] * g->tw, b = ab % g->kw;
+        for (int t = 0; t < ln->n; t++) tab[ra + rc[(j0 + t) * g->kw + b]] += ds[ab][t];
     }
 }
 
-/* gradients of na_forward: dq (overwritten), dk and dv (overwritten; both NULL: not wanted) and
- * dtable (accumulated; NULL without a bias). dout has element strides sd (batch, pixel, head, channel). */
+/* gradients of na_forward: dq, dk and dv (overwritten; dk and dv both NULL: not wanted) and
+ * dtable (accumulated; NULL without a bias). dout has element strides sd
+ * (batch, pixel, head, channel). */
 void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const T *v, const T *table, const T *out,
                  T *dq, T *dk, T *dv, T *dtable, const int64_t *dims, const int32_t *rows, const int32_t *cols,
                  double scale, T *scratch, int p0, int p1) {
     Geo g = make_geo(dims, rows, cols, table, scale);
-    long pk = (long)g.Hk * g.kp, sq[4], sk[4], sv[4], so[4], sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
+    int kv = dk != NULL;
+    Plan pl;
+    make_plan(&g, kv ? 1 : 2, &pl);
+    long pk = (long)g.Hk * g.kp, qw = pl.qw, sq[4], sk[4], sv[4], so[4];
+    const long *jb = pl.jb;
+    long sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
     dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
     dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
     dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);
     dense_strides(g.Hq, g.Wq, g.heads, g.Dv, so);
-    int kv = dk != NULL;
     T *next = scratch;
-    T *qt = carve(&next, g.D * g.Wq), *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
-    T *got = carve(&next, g.Dv * g.Wq), *delta = carve(&next, g.Wq), *dqrow = carve(&next, g.D * g.Wq);
-    T *orow = carve(&next, g.Dv * g.Wq);
+    T *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
+    T *qr = carve(&next, MR * g.D * qw), *orow = carve(&next, MR * g.Dv * qw);
+    T *gr = carve(&next, MR * g.Dv * qw), *delta = carve(&next, MR * qw), *dqr = carve(&next, MR * g.D * qw);
     T *dkt = kv ? carve(&next, g.D * pk) : NULL, *dvt = kv ? carve(&next, g.Dv * pk) : NULL;
-    vt p[g.nkp], ds[g.nkp], add[g.nkp];
-    long off[g.nkp], voff[g.nkp];
-    int nb;
-    long *bases;
-    Lanes *blocks = row_blocks(&g, &nb, &bases);
-    /* blocks whose kW slots' keys lie within 2L columns of slot 0's base: per slot the shuffle
-     * masks (first lane of each key) and the lanes sharing a key with an earlier one */
-    vi *shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 2 * g.kw * nb);
-    int *fused = malloc(sizeof(int) * nb), *extra = malloc(sizeof(int) * (2 * L + 1) * nb);
-    long *rshift = malloc(sizeof(long) * g.kw * nb);
-    for (int bk = 0; bk < nb; bk++) {
-        const long *base = bases + (long)bk * g.kw;
-        const Lanes *ln = blocks + bk;
-        int first[L], *ex = extra + (2 * L + 1) * bk, maxp = 0;
-        for (int u = 0; u < L; u++) first[u] = -1;
-        ex[0] = 0;
-        for (int t = 0; t < ln->n; t++) {
-            int u = ln->perm[t];
-            maxp = u > maxp ? u : maxp;
-            if (first[u] < 0) first[u] = t;
-            else { ex[1 + 2 * ex[0]] = t; ex[2 + 2 * ex[0]] = u; ex[0]++; }
-        }
-        fused[bk] = 1;
-        for (int b = 0; b < g.kw; b++) {
-            long r = base[b] - base[0];
-            rshift[(long)bk * g.kw + b] = r;
-            if (r < 0 || r + maxp >= 2 * L) { fused[bk] = 0; break; }
-            for (int u = 0; u < L; u++) {
-                long lo = u - r, hi = u + L - r;
-                shifts[2 * (long)bk * g.kw + 2 * b][u] = lo >= 0 && lo < L && first[lo] >= 0 ? first[lo] : L;
-                shifts[2 * (long)bk * g.kw + 2 * b + 1][u] = hi >= 0 && hi < L && first[hi] >= 0 ? first[hi] : L;
+    memset(qr, 0, sizeof(T) * MR * g.D * qw);
+    memset(gr, 0, sizeof(T) * MR * g.Dv * qw);
+    memset(delta, 0, sizeof(T) * MR * qw);
+    long dmax = g.D > g.Dv ? g.D : g.Dv;
+    vt *sbuf = vec_alloc(3L * MR * g.nkp + (long)MR * g.D), *p[MR], *ds[MR], *add[MR], *acc[MR];
+    for (int m = 0; m < MR; m++) {
+        p[m] = sbuf + (long)m * g.nkp;
+        ds[m] = sbuf + (long)(MR + m) * g.nkp;
+        add[m] = sbuf + (long)(2 * MR + m) * g.nkp;
+        acc[m] = sbuf + 3L * MR * g.nkp + (long)m * g.D;
+    }
+    long *off = malloc(sizeof(long) * 2 * g.nkp), *voff = off + g.nkp;
+    vi *shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 4 * g.kw * pl.nb), *folds;
+    int *fused = malloc(sizeof(int) * pl.nb), *fstart = malloc(sizeof(int) * (pl.nb + 1));
+    fuse_tables(&g, &pl, shifts, fused, fstart, &folds);
+    (void)dmax;
+    for (int pn = p0; pn < p1; pn++) {
+        int b = pn / g.heads, h = pn % g.heads;
+        if (kv && pl.nc > 1) /* chunks add into dK / dV (their key spans overlap): zero the plane first */
+            for (long px = 0; px < (long)g.Hk * g.Wk; px++) {
+                memset(dk + ((size_t)b * g.Hk * g.Wk + px) * g.heads * g.D + (size_t)h * g.D, 0, g.D * sizeof(T));
+                memset(dv + ((size_t)b * g.Hk * g.Wk + px) * g.heads * g.Dv + (size_t)h * g.Dv, 0, g.Dv * sizeof(T));
+            }
+        for (int ch = 0; ch < pl.nc; ch++) {
+            long x0 = pl.cx0[ch], xn = pl.cx1[ch] - x0, jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
+            to_rows(k, sk, b, h, 0, g.Hk, g.Wk, x0, xn, g.kp, g.D, 1, kt);
+            to_rows(v, sv, b, h, 0, g.Hk, g.Wk, x0, xn, g.kp, g.Dv, 1, vtp);
+            if (kv) {
+                memset(dkt, 0, g.D * pk * sizeof(T));
+                memset(dvt, 0, g.Dv * pk * sizeof(T));
+            }
+            for (int t = 0; t < pl.nt; t++) {
+                const int *rowi = pl.order + t * MR;
+                int nm = g.Hq - t * MR < MR ? g.Hq - t * MR : MR;
+                const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];
+                for (int m = 0; m < nm; m++) {
+                    int i = rowi[m];
+                    T *qm = qr + m * g.D * qw, *gm = gr + m * g.Dv * qw, *om = orow + m * g.Dv * qw, *dl = delta + m * qw;
+                    to_rows(q, sq, b, h, i, i + 1, g.Wq, jlo, jn, qw, g.D, g.scale, qm);
+                    to_rows(dout, sdo, b, h, i, i + 1, g.Wq, jlo, jn, qw, g.Dv, 1, gm);
+                    to_rows(out, so, b, h, i, i + 1, g.Wq, jlo, jn, qw, g.Dv, 1, om);
+                    for (int j = 0; j < jn; j++) dl[j] = 0; /* rowsum(dO * O) */
+                    for (int c = 0; c < g.Dv; c++)
+                        for (int j = 0; j < jn; j++) dl[j] += gm[c * qw + j] * om[c * qw + j];
+                }
+                for (int bk = pl.cb[ch]; bk < pl.cb[ch + 1]; bk++) {
+                    const Lanes *ln = pl.blocks + bk;
+                    const long *base = pl.bases + (long)bk * g.kw, jq = jb[bk] - jlo;
+                    const T *xrow[MR], *grow[MR];
+                    vt *a[MR];
+                    for (int m = 0; m < nm; m++) {
+                        xrow[m] = qr + m * g.D * qw + jq;
+                        grow[m] = gr + m * g.Dv * qw + jq;
+                        a[m] = block_add(&g, rowi[m], jb[bk], h, ln, add[m]) ? add[m] : NULL;
+                    }
+                    tile_scores(&g, ln->mode, ln, u0, u1, g.D, xrow, qw, kt, x0, base, p);
+                    tile_scores(&g, ln->mode, ln, u0, u1, g.Dv, grow, qw, vtp, x0, base, ds); /* dP = dO . V */
+                    for (int m = 0; m < nm; m++) {
+                        vt inv = softmax(g.nk, p[m], a[m]);
+                        inv = (vt)((vi)inv & ln->live); /* spare lanes: P = 0, so they add nothing below */
+                        vt dl = ld(delta + m * qw + jq);
+                        for (int ab = 0; ab < g.nk; ab++) {
+                            p[m][ab] *= inv;
+                            ds[m][ab] = p[m][ab] * (ds[m][ab] - dl);
+                        }
+                        memset(acc[m], 0, sizeof(vt) * g.D);
+                    }
+                    tile_apply(&g, ln->mode, ln, u0, u1, g.D, ds, kt, x0, base, acc); /* dQ = dS K */
+                    for (int m = 0; m < nm; m++)
+                        for (int c = 0; c < g.D; c++) {
+                            vt r = acc[m][c] * g.scale;
+                            memcpy(dqr + (m * g.D + c) * qw + jq, &r, ln->n * sizeof(T));
+                        }
+                    if (kv && fused[bk]) { /* dK += dS^T Q, dV += P^T dO: a tile's rows summed per key row */
+                        const vi *sh = shifts + 4 * (long)g.kw * bk, *fold = folds + 2 * fstart[bk];
+                        int nf = fstart[bk + 1] - fstart[bk];
+                        for (const Urow *u = u0; u < u1; u++) {
+                            const vt *wk[MR], *wv[MR];
+                            const T *rq[MR], *rg[MR];
+                            for (int j = 0; j < u->n; j++) {
+                                wk[j] = ds[u->m[j]] + u->a[j] * g.kw;
+                                wv[j] = p[u->m[j]] + u->a[j] * g.kw;
+                                rq[j] = xrow[u->m[j]];
+                                rg[j] = grow[u->m[j]];
+                            }
+                            sl_rows(u->n, g.kw, g.D, wk, rq, qw, sh, dkt + (long)u->row * g.D * g.kp + base[0] - x0, g.kp, nf,
+                                    fold);
+                            sl_rows(u->n, g.kw, g.Dv, wv, rg, qw, sh, dvt + (long)u->row * g.Dv * g.kp + base[0] - x0,
+                                    g.kp, nf, fold);
+                        }
+                    }
+                    for (int m = 0; m < nm; m++) {
+                        int i = rowi[m];
+                        if (kv && !fused[bk]) {
+                            key_offsets(&g, i, base, x0, g.D, off);
+                            key_offsets(&g, i, base, x0, g.Dv, voff);
+                            if (ln->mode == 0)
+                                kv_slots(0, &g, ln, xrow[m], grow[m], qw, p[m], ds[m], dkt, dvt, off, voff);
+                            else
+                                kv_slots(1, &g, ln, xrow[m], grow[m], qw, p[m], ds[m], dkt, dvt, off, voff);
+                        }
+                        if (dtable) table_grad(&g, ln, i, jb[bk], h, ds[m], dtable);
+                    }
+                }
+                for (int m = 0; m < nm; m++)
+                    from_rows(dqr + m * g.D * qw, qw, b, h, g.heads, g.Hq, g.Wq, g.D, rowi[m], rowi[m] + 1, jlo, jn, 0, dq);
+            }
+            if (kv) {
+                from_rows(dkt, g.kp, b, h, g.heads, g.Hk, g.Wk, g.D, 0, g.Hk, x0, xn, pl.nc > 1, dk);
+                from_rows(dvt, g.kp, b, h, g.heads, g.Hk, g.Wk, g.Dv, 0, g.Hk, x0, xn, pl.nc > 1, dv);
             }
         }
     }
-    for (int pl = p0; pl < p1; pl++) {
-        int b = pl / g.heads, h = pl % g.heads;
-        to_rows(k, sk, b, h, 0, g.Hk, g.Wk, g.kp, g.D, 1, kt);
-        to_rows(v, sv, b, h, 0, g.Hk, g.Wk, g.kp, g.Dv, 1, vtp);
-        if (kv) {
-            memset(dkt, 0, g.D * pk * sizeof(T));
-            memset(dvt, 0, g.Dv * pk * sizeof(T));
-        }
-        for (int i = 0; i < g.Hq; i++) {
-            to_rows(q, sq, b, h, i, i + 1, g.Wq, g.Wq, g.D, g.scale, qt); /* this query row only */
-            to_rows(dout, sdo, b, h, i, i + 1, g.Wq, g.Wq, g.Dv, 1, got);
-            to_rows(out, so, b, h, i, i + 1, g.Wq, g.Wq, g.Dv, 1, orow);
-            for (int j = 0; j < g.Wq; j++) delta[j] = 0; /* rowsum(dO * O) */
-            for (int c = 0; c < g.Dv; c++)
-                for (int j = 0; j < g.Wq; j++) delta[j] += got[(long)c * g.Wq + j] * orow[(long)c * g.Wq + j];
-            for (int bk = 0, j0 = 0; bk < nb; j0 += blocks[bk].n, bk++) {
-                const Lanes *ln = blocks + bk;
-                key_offsets(&g, i, bases + (long)bk * g.kw, g.D, off);
-                key_offsets(&g, i, bases + (long)bk * g.kw, g.Dv, voff);
-                vt *a = block_add(&g, i, j0, h, ln, add) ? add : NULL;
-                if (ln->mode == 0)
-                    back_block(0, &g, ln, i, j0, h, a, qt, kt, vtp, got, delta, dqrow, dkt, dvt, dtable, off, voff, p, ds,
-                               fused[bk] ? shifts + 2 * g.kw * (long)bk : NULL, extra + (2 * L + 1) * bk,
-                               rshift + (long)bk * g.kw);
-                else
-                    back_block(1, &g, ln, i, j0, h, a, qt, kt, vtp, got, delta, dqrow, dkt, dvt, dtable, off, voff, p, ds,
-                               fused[bk] ? shifts + 2 * g.kw * (long)bk : NULL, extra + (2 * L + 1) * bk,
-                               rshift + (long)bk * g.kw);
-            }
-            from_rows(dqrow, g.Wq, b, h, g.heads, g.Hq, g.Wq, g.D, i, i + 1, dq);
-        }
-        if (kv) {
-            from_rows(dkt, g.kp, b, h, g.heads, g.Hk, g.Wk, g.D, 0, g.Hk, dk);
-            from_rows(dvt, g.kp, b, h, g.heads, g.Hk, g.Wk, g.Dv, 0, g.Hk, dv);
-        }
-    }
-    free(blocks);
-    free(bases);
+    free(sbuf);
+    free(off);
     free(shifts);
     free(fused);
-    free(extra);
-    free(rshift);
+    free(fstart);
+    free(folds);
+    free_plan(&pl);
 }

@@ -15,9 +15,9 @@ build and torch capped at AVX2 on an AVX-512 CPU), the C kernel is the faster of
 forward and backward, so it is the default wherever it builds (figures:
 docs/neighborhood-attention.md, benchmarks/RESULTS.md).
 
-The source (``na_cpu.c`` and ``na_cpu_blocks.h``) ships in the package. On the first CPU call
-(never at import) it is compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -shared
--fPIC -DNA_LANES=n`` (:func:`build_flags`), once per element type, into
+It runs tiles of query rows against the key rows they share (``na_cpu.c``), shipped as source.
+On the first CPU call (never at import) it is compiled with ``$CC`` (else ``cc``), ``-O3
+-march=native -shared -fPIC -DNA_LANES=n`` (:func:`build_flags`), once per element type, into
 ``$TPLAYERS_CACHE`` (else ``~/.cache/tplayers``) under a name hashed from the source, the compiler,
 its version, the flags and the CPU's model and flags; it is written under a temporary name and
 renamed into place, so processes compiling at once are safe. It is loaded with ``ctypes`` and
@@ -72,7 +72,7 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("na_cpu.c")
 #: every file of the kernel (the hash of the built library covers them all)
-SOURCES = (SOURCE, Path(__file__).with_name("na_cpu_blocks.h"))
+SOURCES = (SOURCE, *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "rows", "plan")))
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}
 #: vector width in bits and the ``-march`` that builds for an ISA that is not the host's own
@@ -206,7 +206,8 @@ def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
     ptr, i32, dbl = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
-    lib.na_scratch.argtypes, lib.na_scratch.restype = [ptr, i32], ctypes.c_long
+    lib.na_scratch.argtypes, lib.na_scratch.restype = [ptr, ptr, ptr, i32], ctypes.c_long
+    lib.na_chunks.argtypes, lib.na_chunks.restype = [ptr, ptr, ptr, i32], ctypes.c_int
     lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, i32, i32]
     lib.na_forward.restype = None
     lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, i32, i32]
@@ -262,11 +263,11 @@ def _ptr(t: Optional[torch.Tensor]):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
-def _split(lib, backward: int, dims: torch.Tensor, planes: int):
+def _split(lib, backward: int, dims: torch.Tensor, tables, planes: int):
     """Plane ranges, one per worker thread (``torch.get_num_threads()`` at most), and the scratch
     elements each needs."""
     workers = max(1, min(torch.get_num_threads(), planes))
-    size = lib.na_scratch(_ptr(dims), int(backward))
+    size = lib.na_scratch(_ptr(dims), _ptr(tables[0]), _ptr(tables[1]), int(backward))
     bounds = [(planes * w // workers, planes * (w + 1) // workers) for w in range(workers)]
     return bounds, size
 
@@ -281,7 +282,7 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     out = q.new_empty(batch, q.shape[1], v.shape[-1])
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
-    bounds, size = _split(lib, 0, dims, planes)
+    bounds, size = _split(lib, 0, dims, (rows, cols), planes)
 
     def work(p0, p1):
         scratch = q.new_empty(size)
@@ -322,7 +323,7 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     dk, dv = (torch.empty_like(k), torch.empty_like(v)) if want_kv else (None, None)
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
-    bounds, size = _split(lib, 1 if want_kv else 2, dims, planes)
+    bounds, size = _split(lib, 1 if want_kv else 2, dims, (rows, cols), planes)
     dtabs = [None if tab is None else torch.zeros_like(tab) for _ in bounds]
 
     def work(p0, p1, dtab):

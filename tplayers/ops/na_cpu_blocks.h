@@ -183,36 +183,6 @@ static int block_add(const Geo *g, int i, int j0, int h, const Lanes *ln, vt *ad
     return 1;
 }
 
-/* s[ab] = sum_c x[c] * y[c][key ab] over C channels; x rows at stride xs, y rows at stride ys */
-INL void scores(int mode, const Lanes *ln, int nkp, int C, const T *x, long xs, const T *y, long ys,
-                const long *off, vt *s) {
-    for (int ab = 0; ab < nkp; ab += G) {
-        vt acc[G] = {0};
-        for (int c = 0; c < C; c++) {
-            vt xv = ld(x + c * xs);
-            for (int q = 0; q < G; q++) acc[q] += xv * kload(y + off[ab + q] + c * ys, mode, ln);
-        }
-        for (int q = 0; q < G; q++) s[ab + q] = acc[q];
-    }
-}
-
-/* out[c] = mul * sum_ab p[ab] * y[c][key ab] for C channels, out rows at stride os; n lanes stored */
-INL void apply(int mode, const Lanes *ln, int nk, int C, const vt *p, const T *y, long ys, const long *off,
-               T *out, long os, vt mul) {
-    for (int c0 = 0; c0 < C; c0 += GV) {
-        vt acc[GV] = {0};
-        long cs[GV];
-        for (int q = 0; q < GV; q++) cs[q] = (c0 + q < C ? c0 + q : C - 1) * ys;
-        for (int ab = 0; ab < nk; ab++)
-            for (int q = 0; q < GV; q++) acc[q] += p[ab] * kload(y + off[ab] + cs[q], mode, ln);
-        for (int q = 0; q < GV && c0 + q < C; q++) {
-            vt r = acc[q] * mul;
-            if (ln->n == L) st(out + (c0 + q) * os, r);
-            else memcpy(out + (c0 + q) * os, &r, ln->n * sizeof(T));
-        }
-    }
-}
-
 /* exp(s - rowmax) in place, over the nk scores of each lane; returns 1 / rowsum */
 INL vt softmax(int nk, vt *s, const vt *add) {
     if (add)
@@ -224,15 +194,46 @@ INL vt softmax(int nk, vt *s, const vt *add) {
 }
 
 /* r[0..L) as an L x L tile, transposed in place: log2(L) rounds swapping off-diagonal blocks */
+/* the two-register shuffle masks of transpose_tile's rounds (s = L/2, L/4, ..., 1), as
+ * constants: built at run time they cost more than the shuffles */
+#define TMA(j, s) ((j) & (s) ? L + (j) - (s) : (j))
+#define TMB(j, s) ((j) & (s) ? L + (j) : (j) + (s))
+#define TR2(F, s) F(0, s), F(1, s)
+#define TR4(F, s) TR2(F, s), F(2, s), F(3, s)
+#define TR8(F, s) TR4(F, s), F(4, s), F(5, s), F(6, s), F(7, s)
+#define TR16(F, s) TR8(F, s), F(8, s), F(9, s), F(10, s), F(11, s), F(12, s), F(13, s), F(14, s), F(15, s)
+#if L == 16
+#define TROW(F, s) {TR16(F, s)}
+#define TROUNDS(F) {TROW(F, 8), TROW(F, 4), TROW(F, 2), TROW(F, 1)}
+#define NROUNDS 4
+#elif L == 8
+#define TROW(F, s) {TR8(F, s)}
+#define TROUNDS(F) {TROW(F, 4), TROW(F, 2), TROW(F, 1)}
+#define NROUNDS 3
+#elif L == 4
+#define TROW(F, s) {TR4(F, s)}
+#define TROUNDS(F) {TROW(F, 2), TROW(F, 1)}
+#define NROUNDS 2
+#elif L == 2
+#define TROW(F, s) {TR2(F, s)}
+#define TROUNDS(F) {TROW(F, 1)}
+#define NROUNDS 1
+#endif
+#ifdef NROUNDS
+static const vi TMASK_A[NROUNDS] = TROUNDS(TMA), TMASK_B[NROUNDS] = TROUNDS(TMB);
+#endif
+
 INL void transpose_tile(vt *r) {
-#ifdef __clang__
+#if defined(__clang__) || !defined(NROUNDS)
     T m[L][L];
     for (int i = 0; i < L; i++) for (int j = 0; j < L; j++) m[j][i] = r[i][j];
     for (int i = 0; i < L; i++) memcpy(&r[i], m[i], sizeof(vt));
 #else
-    for (int s = L / 2; s >= 1; s /= 2) {
-        vi ma, mb;
-        for (int j = 0; j < L; j++) { ma[j] = (j & s) ? L + j - s : j; mb[j] = (j & s) ? L + j : j + s; }
+#pragma GCC unroll 8
+    for (int k = 0; k < NROUNDS; k++) {
+        const int s = (L / 2) >> k;
+        vi ma = TMASK_A[k], mb = TMASK_B[k];
+#pragma GCC unroll 16
         for (int i = 0; i < L; i++)
             if (!(i & s)) {
                 vt x = r[i], y = r[i + s];
@@ -243,31 +244,32 @@ INL void transpose_tile(vt *r) {
 #endif
 }
 
-/* rows [i0, i1) of plane (b, h) of x into dst (i1 - i0, C, pitch), times mul; x has element strides
- * xs = (batch, pixel, head, channel). L x L tiles (pixels x channels) transposed in registers;
- * the rest through a small buffer. */
+/* rows [i0, i1), columns [j_lo, j_lo + n_j) of plane (b, h) of x (rows of W pixels) into dst
+ * (i1 - i0, C, pitch), times mul; x has element strides xs = (batch, pixel, head, channel). L x L
+ * tiles (pixels x channels) transposed in registers; the rest through a small buffer. */
 __attribute__((optimize("no-tree-loop-distribute-patterns"))) /* no memcpy calls per pixel */
-static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, int W, long pitch, int C, T mul,
-                    T *dst) {
+static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, int W, int j_lo, int n_j, long pitch,
+                    int C, T mul, T *dst) {
     const T *src = x + b * xs[0] + h * xs[2];
     T buf[L * C];
     for (int i = i0; i < i1; i++)
-        for (int j0 = 0; j0 < W; j0 += L) {
-            int n = W - j0 < L ? W - j0 : L, c0 = 0;
+        for (int j0 = 0; j0 < n_j; j0 += L) {
+            int n = n_j - j0 < L ? n_j - j0 : L, c0 = 0;
+            long px = (long)i * W + j_lo + j0;
             T *d0 = dst + (size_t)(i - i0) * C * pitch + j0;
             if (n == L && xs[3] == 1)
                 for (; c0 + L <= C; c0 += L) {
                     vt r[L];
                     for (int t = 0; t < L; t++) {
-                        __builtin_prefetch(src + ((long)i * W + j0 + t + L) * xs[1] + c0); /* next tile */
-                        r[t] = ld(src + ((long)i * W + j0 + t) * xs[1] + c0);
+                        __builtin_prefetch(src + (px + t + L) * xs[1] + c0); /* next tile */
+                        r[t] = ld(src + (px + t) * xs[1] + c0);
                     }
                     transpose_tile(r);
                     for (int c = 0; c < L; c++) st(d0 + (size_t)(c0 + c) * pitch, r[c] * mul);
                 }
             if (c0 == C) continue;
             for (int t = 0; t < n; t++) {
-                const T *p = src + ((long)i * W + j0 + t) * xs[1];
+                const T *p = src + (px + t) * xs[1];
                 for (int c = c0; c < C; c++) buf[t * C + c] = p[c * xs[3]];
             }
             for (int c = c0; c < C; c++)
@@ -275,28 +277,34 @@ static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, in
         }
 }
 
-/* rows [i0, i1) of plane (b, h) of contiguous x (B, H*W, heads*C) from src (i1 - i0, C, pitch) */
+/* rows [i0, i1), columns [j_lo, j_lo + n_j) of plane (b, h) of contiguous x (B, H*W, heads*C) from
+ * src (i1 - i0, C, pitch); add: x += src, else x = src */
 __attribute__((optimize("no-tree-loop-distribute-patterns")))
-static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, int W, int C, int i0, int i1, T *x) {
+static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, int W, int C, int i0, int i1,
+                      int j_lo, int n_j, int add, T *x) {
     T *dst = x + (size_t)b * H * W * heads * C + (size_t)h * C;
     T buf[L * C];
     for (int i = i0; i < i1; i++)
-        for (int j0 = 0; j0 < W; j0 += L) {
-            int n = W - j0 < L ? W - j0 : L, c0 = 0;
+        for (int j0 = 0; j0 < n_j; j0 += L) {
+            int n = n_j - j0 < L ? n_j - j0 : L, c0 = 0;
+            size_t px = (size_t)i * W + j_lo + j0;
             const T *s0 = src + (size_t)(i - i0) * C * pitch + j0;
             if (n == L)
                 for (; c0 + L <= C; c0 += L) {
                     vt r[L];
                     for (int c = 0; c < L; c++) r[c] = ld(s0 + (size_t)(c0 + c) * pitch);
                     transpose_tile(r);
-                    for (int t = 0; t < L; t++) st(dst + ((size_t)i * W + j0 + t) * heads * C + c0, r[t]);
+                    for (int t = 0; t < L; t++) {
+                        T *d = dst + (px + t) * heads * C + c0;
+                        st(d, add ? ld(d) + r[t] : r[t]);
+                    }
                 }
             if (c0 == C) continue;
             for (int c = c0; c < C; c++)
                 for (int t = 0; t < n; t++) buf[t * C + c] = s0[(size_t)c * pitch + t];
             for (int t = 0; t < n; t++) {
-                T *p = dst + ((size_t)i * W + j0 + t) * heads * C;
-                for (int c = c0; c < C; c++) p[c] = buf[t * C + c];
+                T *p = dst + (px + t) * heads * C;
+                for (int c = c0; c < C; c++) p[c] = add ? p[c] + buf[t * C + c] : buf[t * C + c];
             }
         }
 }
@@ -316,11 +324,12 @@ static Lanes *row_blocks(const void *gp, int *count, long **bases) {
     return blocks;
 }
 
-/* offset of key (a, b) of query row i in a (Hk, C, Wk) plane, for the block's base columns */
-static void key_offsets(const Geo *g, int i, const long *base, int C, long *off) {
+/* offset of key (a, b) of query row i in a (Hk, C, kp) plane holding key columns from x0, for the
+ * block's base columns */
+static void key_offsets(const Geo *g, int i, const long *base, long x0, int C, long *off) {
     for (int a = 0; a < g->kh; a++)
         for (int b = 0; b < g->kw; b++)
-            off[a * g->kw + b] = (long)g->rows[i * g->kh + a] * C * g->kp + base[b];
+            off[a * g->kw + b] = (long)g->rows[i * g->kh + a] * C * g->kp + base[b] - x0;
     for (int ab = g->nk; ab < g->nkp; ab++) off[ab] = off[0];
 }
 

@@ -1,0 +1,61 @@
+"""The C kernel's cache plan (tplayers/ops/na_cpu.c): rows whose keys do not fit the cache budget
+run in column chunks (each chunk transposes its key span; the chunks' dK / dV overlap and add
+up); exact against the brute-force oracle in fp64, forward and every gradient, with dilation,
+causal, bias and a query sub-window, and the chunked path is checked to be the one taken."""
+
+import torch
+from na_cases import na_on_subwindow
+from na_oracle import assert_out_and_grads, brute_na2d
+
+from tplayers.ops import na_cpu
+from tplayers.ops.na_geometry import Axis, geometry_args, kernel_dims, kernel_tables
+
+
+def _chunks(size, kernel, dilation, causal, dim, dim_v, backward):
+    geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
+    lib = na_cpu.load_library(torch.float64)
+    dims = kernel_dims(geo, 1, 2, dim, dim_v)
+    rows, cols = kernel_tables(tuple(geo))
+    ptr = na_cpu._ptr
+    return lib.na_chunks(ptr(dims), ptr(rows), ptr(cols), backward)
+
+
+def _case(size, kernel, dilation, causal, dim, dim_v, box, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, *size, 2, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, *size, 2, dim_v, generator=gen, dtype=torch.float64)
+    rpb = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+    ref = brute_na2d(*ref_in[:3], kernel, dilation, causal, rpb=ref_in[3])
+    ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+    out = na_on_subwindow(ins, size, kernel, dilation, causal, box)
+    q0, q1, c0, c1 = box
+    where = f"size {size} kernel {kernel} dilation {dilation} causal {causal} box {box}"
+    assert_out_and_grads(out, ref[:, q0:q1, c0:c1], ins, ref_in, gen, where, rtol=1e-10, atol=1e-12)
+
+
+def test_long_rows_run_in_chunks_and_match_the_oracle(monkeypatch):
+    """1-D-like rows (one query row of 200 columns, head dims 128: 800 KiB of fp64 keys and
+    queries, over the budget of any L2 below 3 MiB): several chunks forward and backward; a plain
+    window, and dilation 3 with a causal window and a query sub-window."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
+    size, dim, dim_v = (1, 200), 128, 128
+    for kernel, dilation, causal, box in (
+        ((1, 7), (1, 1), (False, False), (0, 1, 0, 200)),
+        ((1, 5), (1, 3), (False, True), (0, 1, 37, 171)),
+    ):
+        for backward in (0, 1):
+            got = _chunks(size, kernel, dilation, causal, dim, dim_v, backward)
+            assert got > 1, f"expected column chunks at {size} d{dim}, got {got}"
+        _case(size, kernel, dilation, causal, dim, dim_v, box, seed=kernel[1])
+
+
+def test_wide_2d_rows_run_in_chunks_and_match_the_oracle(monkeypatch):
+    """2-D, a wide image (tiles of several rows, each chunk reading all key rows of its column
+    span): dilation along the rows, causal columns, the bias and a row sub-window."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
+    size, kernel, dilation, causal, dim = (5, 60), (2, 5), (2, 1), (False, True), 128
+    assert _chunks(size, kernel, dilation, causal, dim, dim, 1) > 1
+    _case(size, kernel, dilation, causal, dim, dim, (1, 4, 0, 60), seed=5)

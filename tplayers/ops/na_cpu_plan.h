@@ -1,0 +1,141 @@
+/* The work plan of one na_cpu.c call (included by it after na_cpu_rows.h): the column blocks
+ * of a row, their column chunks (sized from the L2 cache), the tiles of query rows with the key
+ * rows each reads, and the backward's per-block shuffle tables. */
+#ifndef NA_CPU_PLAN_H
+#define NA_CPU_PLAN_H
+#include <unistd.h>
+
+/* The work plan of a call: the column blocks of a row (the same for every row), cut into column
+ * chunks whose keys stay in cache (see make_plan), and the tiles of MR query rows with their
+ * key rows (na_cpu_rows.h). */
+typedef struct {
+    int nb, nc, nt;
+    Lanes *blocks;
+    long *bases;
+    int *cb;       /* chunk c: blocks [cb[c], cb[c+1]) */
+    long *cx0, *cx1; /* chunk c: key columns [cx0, cx1) transposed */
+    int *order, *ustart;
+    long *jb; /* first query column of each block, nb + 1 */
+    Urow *ur;
+    long qw; /* widest chunk in query columns (row buffers' pitch) */
+} Plan;
+
+static long l2_bytes(void) {
+    long n = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return n > 0 ? n : 1L << 20;
+}
+
+/* Chunks: all columns at once where the key rows a tile reads ((MR + kH - 1) rows of D + Dv
+ * channels, twice that in backward with dK / dV) fit half the L2 cache over the whole row (every
+ * 2-D benchmark shape); else runs of column blocks whose key span fits it (long 1-D rows: a row of
+ * 4096 keys at d32 is 1 MiB, and its transposed planes fell out of L2 before they were read).
+ * Sets g->kp, the key planes' pitch, to the widest span. */
+static void make_plan(Geo *g, int backward, Plan *pl) {
+    pl->blocks = row_blocks(g, &pl->nb, &pl->bases);
+    int nb = pl->nb, kw = g->kw;
+    pl->cb = malloc(sizeof(int) * (nb + 1));
+    pl->cx0 = malloc(sizeof(long) * nb);
+    pl->cx1 = malloc(sizeof(long) * nb);
+    long nq = g->Hq < MR ? g->Hq : MR, rows = nq + g->kh - 1;
+    long col = (rows + nq) * (g->D + g->Dv) * (long)sizeof(T) * (backward ? 2 : 1), budget = l2_bytes() / 4;
+    long most = budget / col, *jb = pl->jb = malloc(sizeof(long) * (nb + 1));
+    if (most < 4 * L) most = 4 * L;
+    for (int bk = 0, j = 0; bk <= nb; bk++) { jb[bk] = j; if (bk < nb) j += pl->blocks[bk].n; }
+    int nc = 0;
+    if ((long)g->Wk * col <= budget) {
+        pl->cb[0] = 0; pl->cx0[0] = 0; pl->cx1[0] = g->Wk; nc = 1;
+    } else
+        for (int bk = 0; bk < nb;) {
+            long lo = pl->bases[(long)bk * kw], hi = pl->bases[(long)bk * kw + kw - 1] + L;
+            int e = bk + 1;
+            for (; e < nb; e++) {
+                long l2 = pl->bases[(long)e * kw], h2 = pl->bases[(long)e * kw + kw - 1] + L;
+                long nlo = l2 < lo ? l2 : lo, nhi = h2 > hi ? h2 : hi;
+                if (nhi - nlo > most) break;
+                lo = nlo; hi = nhi;
+            }
+            pl->cb[nc] = bk; pl->cx0[nc] = lo; pl->cx1[nc] = hi < g->Wk ? hi : g->Wk; nc++;
+            bk = e;
+        }
+    pl->cb[nc] = nb;
+    pl->nc = nc;
+    long sw = 0, qw = 0;
+    for (int c = 0; c < nc; c++) {
+        sw = pl->cx1[c] - pl->cx0[c] > sw ? pl->cx1[c] - pl->cx0[c] : sw;
+        qw = jb[pl->cb[c + 1]] - jb[pl->cb[c]] > qw ? jb[pl->cb[c + 1]] - jb[pl->cb[c]] : qw;
+    }
+    g->kp = sw;
+    pl->qw = qw;
+    pl->nt = (g->Hq + MR - 1) / MR;
+    pl->order = malloc(sizeof(int) * g->Hq);
+    pl->ustart = malloc(sizeof(int) * (pl->nt + 1));
+    pl->ur = malloc(sizeof(Urow) * (size_t)g->Hq * g->kh);
+    row_order(g, pl->order);
+    plan_tiles(g, pl->order, pl->ur, pl->ustart);
+}
+
+static void free_plan(Plan *pl) {
+    free(pl->blocks); free(pl->bases); free(pl->cb); free(pl->cx0); free(pl->cx1);
+    free(pl->order); free(pl->ustart); free(pl->ur); free(pl->jb);
+}
+
+
+/* per block: fused[bk] when its kW slots' keys lie within 2L columns of slot 0's base, then per
+ * slot the two shuffle masks that move each key's first lane into place, each with the lanes it
+ * fills (shifts, 4 kW per block: index, keep, index, keep),
+ * and the folds that first add into that lane the lanes sharing its key (borders: windows shifted
+ * inside the image): block bk's rounds are folds[2 fstart[bk] ...) as (shuffle, mask) pairs,
+ * fstart[nb] in all (the caller frees *folds) */
+static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *fused, int *fstart, vi **folds) {
+    int total = 0, cap = pl->nb + L;
+    vi *pool = aligned_alloc(_Alignof(vi), sizeof(vi) * 2 * cap);
+    for (int bk = 0; bk < pl->nb; bk++) {
+        const long *base = pl->bases + (long)bk * g->kw;
+        const Lanes *ln = pl->blocks + bk;
+        int first[L], count[L], maxp = 0, rounds = 0;
+        for (int u = 0; u < L; u++) first[u] = -1, count[u] = 0;
+        fstart[bk] = total;
+        for (int t = 0; t < ln->n; t++) {
+            int u = ln->perm[t];
+            maxp = u > maxp ? u : maxp;
+            if (first[u] < 0) first[u] = t;
+            count[u]++;
+            rounds = count[u] - 1 > rounds ? count[u] - 1 : rounds;
+        }
+        if (total + rounds > cap) {
+            cap = 2 * (total + rounds);
+            vi *grown = aligned_alloc(_Alignof(vi), sizeof(vi) * 2 * cap);
+            memcpy(grown, pool, sizeof(vi) * 2 * total);
+            free(pool);
+            pool = grown;
+        }
+        for (int r = 0; r < rounds; r++) { /* round r: lane first[u] takes the (r + 1)-th lane of key u */
+            vi dup = {0}, mask = {0};
+            for (int u = 0; u < L; u++) {
+                int seen = 0;
+                for (int t = 0; t < ln->n && first[u] >= 0; t++)
+                    if (ln->perm[t] == u && seen++ == r + 1) { dup[first[u]] = t; mask[first[u]] = -1; }
+            }
+            pool[2 * (total + r)] = dup;
+            pool[2 * (total + r) + 1] = mask;
+        }
+        total += rounds;
+        fused[bk] = 1;
+        for (int b = 0; b < g->kw; b++) {
+            long r = base[b] - base[0];
+            if (r < 0 || r + maxp >= 2 * L) { fused[bk] = 0; break; }
+            for (int u = 0; u < L; u++) {
+                long lo = u - r, hi = u + L - r;
+                vi *sh = shifts + 4 * ((long)bk * g->kw + b);
+                sh[0][u] = lo >= 0 && lo < L && first[lo] >= 0 ? first[lo] : L;
+                sh[2][u] = hi >= 0 && hi < L && first[hi] >= 0 ? first[hi] : L;
+                sh[1][u] = sh[0][u] < L ? -1 : 0; /* the lanes a one-register shuffle keeps */
+                sh[3][u] = sh[2][u] < L ? -1 : 0;
+            }
+        }
+    }
+    fstart[pl->nb] = total;
+    *folds = pool;
+}
+
+#endif

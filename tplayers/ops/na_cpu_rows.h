@@ -1,0 +1,338 @@
+/* Row-blocked micro-kernels of na_cpu.c (included by it after na_cpu_blocks.h): a tile is up to
+ * MR query rows x one block of L query columns. The rows' windows overlap in their key rows (in the
+ * interior of a 2-D image with kernel 7, 4 consecutive rows read 10 key rows, not 28), so each
+ * key vector loaded from a key row (the shifted load of slot b) is multiplied into the scores of
+ * every row of the tile that reads that key row: register-blocked FMAs, nm rows x gb slots of
+ * accumulators per pass over the channels, the same for P.V (nm rows x GV channels) and for the
+ * dK / dV sums of the backward (nm rows summed per key vector before its shuffle-add). Only the
+ * scores a query needs are computed (no union waste): a tile's key rows are listed with, per row,
+ * the (query row, slot) pairs that read it (Urow), built once per call from the window tables.
+ * The register blocks follow the vector registers of the ISA (32 with AVX-512, else 16). */
+#ifndef NA_CPU_ROWS_H
+#define NA_CPU_ROWS_H
+
+#ifdef NA_DOUBLE
+#define VBYTES (NA_LANES * 8)
+#else
+#define VBYTES (NA_LANES * 4)
+#endif
+#if VBYTES >= 64
+#define NREG 32
+#else
+#define NREG 16
+#endif
+#ifndef NA_ROWS
+#if NREG == 32
+#define NA_ROWS 4
+#else
+#define NA_ROWS 3
+#endif
+#endif
+#define MR NA_ROWS /* query rows per tile */
+#define GBMAX 8    /* score slots per register block at most */
+
+/* slots per score pass for nm rows: nm * gb accumulators + nm query vectors + a key vector */
+static int gb_max(int nm) {
+    int g = (NREG - 2 - nm) / nm;
+    return g > GBMAX ? GBMAX : g < 1 ? 1 : g;
+}
+/* channels per P.V pass and per dK / dV pass for nm rows (compile-time after inlining) */
+#define GV_OF(nm) ((nm) <= 2 && NREG == 32 ? 8 : (nm) == 1 ? 8 : 4)
+#define CB_OF(nm) (NREG == 32 ? ((nm) <= 2 ? 4 : 3) : ((nm) == 1 ? 3 : 2))
+
+/* one key row of a tile: the n (query row m[j], slot row a[j]) pairs that read it */
+typedef struct {
+    int row, n;
+    int m[MR], a[MR];
+} Urow;
+
+static int gcd(int a, int b) {
+    while (b) { int t = a % b; a = b; b = t; }
+    return a;
+}
+
+/* query rows in tile order: rows with the same key-row residue (dilation group) together, so a
+ * tile's rows share key rows; order[Hq] */
+static void row_order(const Geo *g, int *order) {
+    int dd = 0;
+    for (int i = 0; i < g->Hq; i++)
+        for (int a = 1; a < g->kh; a++) {
+            int d = g->rows[i * g->kh + a] - g->rows[i * g->kh + a - 1];
+            if (d > 0) dd = gcd(dd, d);
+        }
+    if (dd < 1) dd = 1;
+    int n = 0;
+    for (int r = 0; r < dd; r++)
+        for (int i = 0; i < g->Hq; i++)
+            if (((g->rows[i * g->kh] % dd) + dd) % dd == r) order[n++] = i;
+}
+
+/* the Urows of every tile: tiles of MR rows of order; tile t's rows order[t*MR ...], its Urows
+ * ur[start[t] .. start[t+1]). ur: Hq * kh entries at most. */
+static int cmp_long(const void *x, const void *y) {
+    long a = *(const long *)x, b = *(const long *)y;
+    return (a > b) - (a < b);
+}
+
+static void plan_tiles(const Geo *g, const int *order, Urow *ur, int *start) {
+    int nt = (g->Hq + MR - 1) / MR, ne = 0;
+    long *pairs = malloc(sizeof(long) * MR * g->kh); /* key row << 32 | (m kh + a), sorted */
+    for (int t = 0; t < nt; t++) {
+        start[t] = ne;
+        int m0 = t * MR, nm = g->Hq - m0 < MR ? g->Hq - m0 : MR, np = 0;
+        for (int m = 0; m < nm; m++)
+            for (int a = 0; a < g->kh; a++)
+                pairs[np++] = (long)g->rows[order[m0 + m] * g->kh + a] << 32 | (long)(m * g->kh + a);
+        if (np > 256) qsort(pairs, np, sizeof(long), cmp_long);
+        else /* a tile's few pairs: insertion sort (qsort's calls cost more) */
+            for (int p = 1; p < np; p++) {
+                long x = pairs[p];
+                int q = p;
+                for (; q > 0 && pairs[q - 1] > x; q--) pairs[q] = pairs[q - 1];
+                pairs[q] = x;
+            }
+        for (int p = 0; p < np; p++) {
+            int r = (int)(pairs[p] >> 32), low = (int)(pairs[p] & 0xffffffff);
+            if (p == 0 || r != ur[ne - 1].row || ur[ne - 1].n == MR) {
+                ur[ne].row = r;
+                ur[ne].n = 0;
+                ne++;
+            }
+            Urow *u = ur + ne - 1;
+            u->m[u->n] = low / g->kh;
+            u->a[u->n] = low % g->kh;
+            u->n++;
+        }
+    }
+    start[nt] = ne;
+    free(pairs);
+}
+
+/* s_j[b] = sum_c q_j[c] * key[c][bo[b] (+ shuffle)] for nm query rows j and gb slots: one load
+ * of each key vector per channel serves nm rows */
+INL void sc_kern(const int mode, const int nm, const int gb, const Lanes *ln, int C, const T *const *qp, long qs,
+                 const T *kr, const long *bo, long ks, vt *const *sp) {
+    vt acc[MR][GBMAX];
+#pragma GCC unroll 8
+    for (int j = 0; j < nm; j++)
+#pragma GCC unroll 8
+        for (int b = 0; b < gb; b++) acc[j][b] = (vt){0};
+    const T *k0[GBMAX];
+#pragma GCC unroll 8
+    for (int b = 0; b < gb; b++) k0[b] = kr + bo[b];
+    for (int c = 0; c < C; c++) {
+        vt qv[MR];
+#pragma GCC unroll 8
+        for (int j = 0; j < nm; j++) qv[j] = ld(qp[j] + c * qs);
+#pragma GCC unroll 8
+        for (int b = 0; b < gb; b++) {
+            vt kv = kload(k0[b] + c * ks, mode, ln);
+#pragma GCC unroll 8
+            for (int j = 0; j < nm; j++) acc[j][b] += qv[j] * kv;
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < nm; j++)
+#pragma GCC unroll 8
+        for (int b = 0; b < gb; b++) sp[j][b] = acc[j][b];
+}
+
+#define SC_CASE(MODE, NM, GB) \
+    case (MODE) * 256 + (NM) * 16 + (GB): sc_kern(MODE, NM, GB, ln, C, qp, qs, kr, bo, ks, sp); return;
+#define SC_GB(MODE, NM) \
+    SC_CASE(MODE, NM, 1) SC_CASE(MODE, NM, 2) SC_CASE(MODE, NM, 3) SC_CASE(MODE, NM, 4) \
+    SC_CASE(MODE, NM, 5) SC_CASE(MODE, NM, 6) SC_CASE(MODE, NM, 7) SC_CASE(MODE, NM, 8)
+
+static void sc_rows(int mode, int nm, int gb, const Lanes *ln, int C, const T *const *qp, long qs, const T *kr,
+                    const long *bo, long ks, vt *const *sp) {
+    switch (mode * 256 + nm * 16 + gb) {
+        SC_GB(0, 1) SC_GB(1, 1)
+#if MR >= 2
+        SC_GB(0, 2) SC_GB(1, 2)
+#endif
+#if MR >= 3
+        SC_GB(0, 3) SC_GB(1, 3)
+#endif
+#if MR >= 4
+        SC_GB(0, 4) SC_GB(1, 4)
+#endif
+#if MR >= 5
+        SC_GB(0, 5) SC_GB(1, 5)
+#endif
+#if MR >= 6
+        SC_GB(0, 6) SC_GB(1, 6)
+#endif
+        default: abort();
+    }
+}
+
+/* o_j[c] += sum_b p_j[b] * val[c][bo[b] (+ shuffle)] for nm rows, kw slots, C channels (the
+ * o_j are full-vector accumulators, one per channel) */
+INL void ap_kern(const int mode, const int nm, const Lanes *ln, int kw, int C, const vt *const *pp, const T *vr,
+                 const long *bo, long vs, vt *const *op) {
+    const int GVN = GV_OF(nm);
+    for (int c0 = 0; c0 < C; c0 += GVN) {
+        vt acc[MR][8];
+        long cs[8];
+#pragma GCC unroll 8
+        for (int q = 0; q < GVN; q++) cs[q] = (c0 + q < C ? c0 + q : C - 1) * vs;
+#pragma GCC unroll 8
+        for (int j = 0; j < nm; j++)
+#pragma GCC unroll 8
+            for (int q = 0; q < GVN; q++) acc[j][q] = (vt){0};
+        for (int b = 0; b < kw; b++) {
+            vt pv[MR];
+            const T *v0 = vr + bo[b];
+#pragma GCC unroll 8
+            for (int j = 0; j < nm; j++) pv[j] = pp[j][b];
+#pragma GCC unroll 8
+            for (int q = 0; q < GVN; q++) {
+                vt vv = kload(v0 + cs[q], mode, ln);
+#pragma GCC unroll 8
+                for (int j = 0; j < nm; j++) acc[j][q] += pv[j] * vv;
+            }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < nm; j++)
+#pragma GCC unroll 8
+            for (int q = 0; q < GVN; q++)
+                if (c0 + q < C) op[j][c0 + q] += acc[j][q];
+    }
+}
+
+#define AP_CASE(MODE, NM) \
+    case (MODE) * 16 + (NM): ap_kern(MODE, NM, ln, kw, C, pp, vr, bo, vs, op); return;
+
+static void ap_rows(int mode, int nm, const Lanes *ln, int kw, int C, const vt *const *pp, const T *vr, const long *bo,
+                    long vs, vt *const *op) {
+    switch (mode * 16 + nm) {
+        AP_CASE(0, 1) AP_CASE(1, 1)
+#if MR >= 2
+        AP_CASE(0, 2) AP_CASE(1, 2)
+#endif
+#if MR >= 3
+        AP_CASE(0, 3) AP_CASE(1, 3)
+#endif
+#if MR >= 4
+        AP_CASE(0, 4) AP_CASE(1, 4)
+#endif
+#if MR >= 5
+        AP_CASE(0, 5) AP_CASE(1, 5)
+#endif
+#if MR >= 6
+        AP_CASE(0, 6) AP_CASE(1, 6)
+#endif
+        default: abort();
+    }
+}
+
+/* dK (or dV) of one key row: for each channel c, x_b = sum_j w_j[b] * row_j[c] (the nm query rows
+ * reading this key row), the lanes sharing a key folded into its first lane (nf rounds of fold:
+ * shuffle, mask), the kW slot vectors moved into two registers by their two-register shuffles sh
+ * (the first lane of each key) and added to the 2L key columns from d with one write */
+INL vt shuffle1(vt x, vi m) {
+#ifdef __clang__
+    vt r;
+    for (int u = 0; u < L; u++) r[u] = x[m[u]];
+    return r;
+#else
+    return __builtin_shuffle(x, m);
+#endif
+}
+
+INL void sl_kern(const int nm, int kw, int C, const vt *const *wp, const T *const *rp, long rs, const vi *sh, T *d,
+                 long ds, int nf, const vi *fold) {
+    const int CBN = CB_OF(nm);
+    for (int c0 = 0; c0 < C; c0 += CBN) {
+        vt rv[MR][4], lo[4], hi[4];
+#pragma GCC unroll 4
+        for (int q = 0; q < CBN; q++) {
+            long c = c0 + q < C ? c0 + q : C - 1;
+            lo[q] = hi[q] = (vt){0};
+#pragma GCC unroll 8
+            for (int j = 0; j < nm; j++) rv[j][q] = ld(rp[j] + c * rs);
+        }
+        for (int b = 0; b < kw; b++) {
+            vt wv[MR];
+            vi s0 = sh[4 * b], s1 = sh[4 * b + 2];
+#pragma GCC unroll 8
+            for (int j = 0; j < nm; j++) wv[j] = wp[j][b];
+#pragma GCC unroll 4
+            for (int q = 0; q < CBN; q++) {
+                vt x = wv[0] * rv[0][q];
+#pragma GCC unroll 8
+                for (int j = 1; j < nm; j++) x += wv[j] * rv[j][q];
+                for (int f = 0; f < nf; f++) /* lanes sharing a key: into its first lane */
+                    x += (vt)((vi)shuffle1(x, fold[2 * f]) & fold[2 * f + 1]);
+#if NREG == 32 /* one two-register permute with a zero register */
+                lo[q] += shift2(x, s0);
+                hi[q] += shift2(x, s1);
+#else /* no two-register permute (AVX2 emulates it in ~5 ops): one permute and a mask */
+                lo[q] += (vt)((vi)shuffle1(x, s0) & sh[4 * b + 1]);
+                hi[q] += (vt)((vi)shuffle1(x, s1) & sh[4 * b + 3]);
+#endif
+            }
+        }
+#pragma GCC unroll 4
+        for (int q = 0; q < CBN; q++)
+            if (c0 + q < C) {
+                T *dc = d + (c0 + q) * ds;
+                st(dc, ld(dc) + lo[q]);
+                st(dc + L, ld(dc + L) + hi[q]);
+            }
+    }
+}
+
+static void sl_rows(int nm, int kw, int C, const vt *const *wp, const T *const *rp, long rs, const vi *sh, T *d,
+                    long ds, int nf, const vi *fold) {
+    switch (nm) {
+        case 1: sl_kern(1, kw, C, wp, rp, rs, sh, d, ds, nf, fold); return;
+#if MR >= 2
+        case 2: sl_kern(2, kw, C, wp, rp, rs, sh, d, ds, nf, fold); return;
+#endif
+#if MR >= 3
+        case 3: sl_kern(3, kw, C, wp, rp, rs, sh, d, ds, nf, fold); return;
+#endif
+#if MR >= 4
+        case 4: sl_kern(4, kw, C, wp, rp, rs, sh, d, ds, nf, fold); return;
+#endif
+#if MR >= 5
+        case 5: sl_kern(5, kw, C, wp, rp, rs, sh, d, ds, nf, fold); return;
+#endif
+#if MR >= 6
+        case 6: sl_kern(6, kw, C, wp, rp, rs, sh, d, ds, nf, fold); return;
+#endif
+        default: abort();
+    }
+}
+
+/* scores of one tile: s[m] (nkp vectors per row) = x_m . y over C channels for every Urow */
+static void tile_scores(const Geo *g, int mode, const Lanes *ln, const Urow *u0, const Urow *u1, int C,
+                        const T *const *xrow, long xs, const T *y, long x0, const long *base, vt *const *s) {
+    for (const Urow *u = u0; u < u1; u++) {
+        const T *kr = y + (long)u->row * C * g->kp - x0;
+        const T *qp[MR];
+        for (int j = 0; j < u->n; j++) qp[j] = xrow[u->m[j]];
+        int gm = gb_max(u->n), ng = (g->kw + gm - 1) / gm;
+        for (int k = 0, b0 = 0; k < ng; k++) {
+            int gb = (g->kw - b0) / (ng - k);
+            vt *sp[MR];
+            for (int j = 0; j < u->n; j++) sp[j] = s[u->m[j]] + u->a[j] * g->kw + b0;
+            sc_rows(mode, u->n, gb, ln, C, qp, xs, kr, base + b0, g->kp, sp);
+            b0 += gb;
+        }
+    }
+}
+
+/* o[m][c] += sum over the tile's keys of p[m] * y (C channels) for every Urow */
+static void tile_apply(const Geo *g, int mode, const Lanes *ln, const Urow *u0, const Urow *u1, int C,
+                       vt *const *p, const T *y, long x0, const long *base, vt *const *o) {
+    for (const Urow *u = u0; u < u1; u++) {
+        const vt *pp[MR];
+        vt *op[MR];
+        for (int j = 0; j < u->n; j++) { pp[j] = p[u->m[j]] + u->a[j] * g->kw; op[j] = o[u->m[j]]; }
+        ap_rows(mode, u->n, ln, g->kw, C, pp, y + (long)u->row * C * g->kp - x0, base, g->kp, op);
+    }
+}
+
+#endif
