@@ -3,7 +3,8 @@
 The table joins the generic rules (:mod:`tplayers.region.rules`: pointwise, views, reductions
 along dims, values), the op rules (:mod:`tplayers.region.rules_ops`: reductions, norms, cat, ...),
 the routes (:mod:`tplayers.region.rules_route`: interpolate, pools, pads, attention) and the
-vision rules (:mod:`tplayers.region.rules_vision`: channel dropout, pixel shuffle, mirrored pads). An op with
+vision rules (:mod:`tplayers.region.rules_vision`: channel dropout, pixel shuffle, mirrored pads) and
+the per-pixel rules (:mod:`tplayers.region.rules_pixels`: ``cdist`` against a codebook, embedding lookups). An op with
 no rule is refused (deny by default). See ``docs/design.md`` (the region guard).
 """
 
@@ -13,7 +14,7 @@ import functools
 from typing import Any, Dict
 
 from tplayers.domain.layout import LayoutError
-from tplayers.region import rules_fft, rules_ops, rules_route, rules_vision
+from tplayers.region import rules_fft, rules_ops, rules_pixels, rules_route, rules_vision
 from tplayers.region.rules import (
     _PASS,
     _PRESERVE,
@@ -43,6 +44,7 @@ def _table() -> Dict[str, Any]:
     table.update(rules_route.TABLE)
     table.update(rules_fft.TABLE)
     table.update(rules_vision.TABLE)
+    table.update(rules_pixels.TABLE)
     return table
 
 
@@ -61,6 +63,7 @@ def _local() -> frozenset:
             *ALONG.values(),
             *rules_ops.LOCAL,
             *rules_vision.LOCAL,
+            *rules_pixels.LOCAL,
         ]
     )
 
