@@ -49,6 +49,7 @@ from tplayers.domain.layout import Layout, canonical_layout, is_sharded, mesh_di
 from tplayers.layers.norm import _DomainNorm
 from tplayers.region.dispatch import handle
 from tplayers.region.rules import _PRESERVE, _pointwise_names
+from tplayers.region.rules_broadcast import broadcast_interpolate
 
 __all__ = ["RegionGuard", "active_guard", "GuardError"]
 
@@ -90,6 +91,7 @@ class RegionGuard(TorchFunctionMode):
         self.pending = 0  # such decisions made since the last collective (settled before the next one)
         self.reads: Dict[int, set] = {}  # mesh dim -> local lengths of sharded dims the code read (note_read)
         self.vetted: set = set()  # autograd nodes of twins' outputs (their custom Functions are the twins')
+        self.in_module = 0  # inside a twin's serial module on replicated data (rules_broadcast)
 
     # ----------------------------------------------------------------- tags
     def layout(self, t: Any) -> Optional[Layout]:
@@ -207,6 +209,10 @@ class RegionGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if not _touches(self, args, kwargs):
             name = getattr(func, "__name__", None)
+            if name == "interpolate" and not self.in_module:  # a replicated 1 x 1 map broadcast to a local size
+                out = broadcast_interpolate(self, func, args, kwargs)
+                if out is not None:
+                    return out
             first = getattr(args[0], _UNIFORM, None) if args and isinstance(args[0], torch.Tensor) else None
             fresh = name in _CONSTANTS or (
                 first is not None and self.uniform(args[0]) and _keeps_constant(self, name, args, kwargs)
@@ -285,7 +291,11 @@ class RegionGuard(TorchFunctionMode):
             if layout is None and getattr(module, "_serial", None) is not None:
                 serial = module._serial[0]  # replicated data: the serial module, same tensors
                 serial.train(module.training)
-                return serial(*args, **kwargs)
+                self.in_module += 1  # its sizes are global (nn.Upsample(size=)): no broadcast reading
+                try:
+                    return serial(*args, **kwargs)
+                finally:
+                    self.in_module -= 1
             if layout is None:
                 raise self.refuse(
                     self.error(
