@@ -4,7 +4,8 @@ The table joins the generic rules (:mod:`tplayers.region.rules`: pointwise, view
 along dims, values), the op rules (:mod:`tplayers.region.rules_ops`: reductions, norms, cat, ...),
 the routes (:mod:`tplayers.region.rules_route`: interpolate, pools, pads, attention) and the
 vision rules (:mod:`tplayers.region.rules_vision`: channel dropout, pixel shuffle, mirrored pads) and
-the per-pixel rules (:mod:`tplayers.region.rules_pixels`: ``cdist`` against a codebook, embedding lookups). An op with
+the per-pixel rules (:mod:`tplayers.region.rules_pixels`: ``cdist`` against a codebook, embedding lookups)
+and functional convolutions routed to the window core (:mod:`tplayers.region.rules_conv`). An op with
 no rule is refused (deny by default). See ``docs/design.md`` (the region guard).
 """
 
@@ -14,7 +15,7 @@ import functools
 from typing import Any, Dict
 
 from tplayers.domain.layout import LayoutError
-from tplayers.region import rules_fft, rules_ops, rules_pixels, rules_route, rules_vision
+from tplayers.region import rules_conv, rules_fft, rules_ops, rules_pixels, rules_route, rules_vision
 from tplayers.region.rules import (
     _PASS,
     _PRESERVE,
@@ -45,6 +46,7 @@ def _table() -> Dict[str, Any]:
     table.update(rules_fft.TABLE)
     table.update(rules_vision.TABLE)
     table.update(rules_pixels.TABLE)
+    table.update(rules_conv.TABLE)
     return table
 
 
