@@ -5,7 +5,8 @@ along dims, values), the op rules (:mod:`tplayers.region.rules_ops`: reductions,
 the routes (:mod:`tplayers.region.rules_route`: interpolate, pools, pads, attention) and the
 vision rules (:mod:`tplayers.region.rules_vision`: channel dropout, pixel shuffle, mirrored pads) and
 the per-pixel rules (:mod:`tplayers.region.rules_pixels`: ``cdist`` against a codebook, embedding lookups)
-and functional convolutions routed to the window core (:mod:`tplayers.region.rules_conv`). An op with
+functional convolutions routed to the window core (:mod:`tplayers.region.rules_conv`) and prefix
+tokens before sharded pixel tokens (:mod:`tplayers.region.rules_tokens`: a ViT's CLS token). An op with
 no rule is refused (deny by default). See ``docs/design.md`` (the region guard).
 """
 
@@ -15,7 +16,7 @@ import functools
 from typing import Any, Dict
 
 from tplayers.domain.layout import LayoutError
-from tplayers.region import rules_conv, rules_fft, rules_ops, rules_pixels, rules_route, rules_vision
+from tplayers.region import rules_conv, rules_fft, rules_ops, rules_pixels, rules_route, rules_tokens, rules_vision
 from tplayers.region.rules import (
     _PASS,
     _PRESERVE,
@@ -47,6 +48,7 @@ def _table() -> Dict[str, Any]:
     table.update(rules_vision.TABLE)
     table.update(rules_pixels.TABLE)
     table.update(rules_conv.TABLE)
+    table.update(rules_tokens.TABLE)  # prefix tokens first; the rest goes on to rules_views
     return table
 
 
@@ -66,6 +68,7 @@ def _local() -> frozenset:
             *rules_ops.LOCAL,
             *rules_vision.LOCAL,
             *rules_pixels.LOCAL,
+            *rules_tokens.LOCAL,
         ]
     )
 

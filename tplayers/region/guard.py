@@ -144,7 +144,7 @@ class RegionGuard(TorchFunctionMode):
         lay = self.layout(t)
         for d, entry in enumerate(lay or ()):
             for _, axis in entry or ():
-                if axis is not None and (dim is None or d == dim % len(lay)):
+                if axis is not None and axis >= 0 and (dim is None or d == dim % len(lay)):  # not a PREFIX
                     self.reads.setdefault(axis, set()).add(int(t.shape[d]))
 
     # ------------------------------------------------------------ boundary

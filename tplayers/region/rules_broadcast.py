@@ -1,4 +1,5 @@
-"""A replicated map of size 1 along the sharded dims interpolated back to a local size (issue 31).
+"""A replicated map interpolated to the ranks' shares of a sharded size (issue 31): DeepLab's ASPP
+pooled branch, a ViT's ``interpolate_pos_encoding``.
 
 DeepLabV3's ASPP pooling branch (segmentation_models_pytorch, torchvision), PSPNet's pyramid level 1
 and squeeze-style global-context blocks pool the whole domain to ``1 x 1`` (a global reduction: the
@@ -8,17 +9,26 @@ value at every output row, whatever the mode (nearest, linear, bilinear, bicubic
 ``align_corners`` either way), so the serial result is a per-channel constant over the global rows,
 and this rank's slice of it is the same constant over its own rows.
 
+A ViT's ``interpolate_pos_encoding`` (transformers' ViT, DeiT, DINOv2, ...) resizes its replicated
+grid of learned position embeddings, ``(1, D, sqrt(N), sqrt(N))``, to ``size=(height // patch, width
+// patch)``, read from the pixels' shape: the local rows under sharding. The serial result's rows for
+this rank are those of the interpolation to the *global* size: every rank computes that (a small
+replicated grid) and keeps its rows, sharded, the grid's gradient summed over the mesh.
+
 The op itself touches no sharded tensor (its input is replicated and its size is a tuple), so the
-guard's ``__torch_function__`` hands every ``F.interpolate`` of a replicated input of size 1 along
-each of the region's sharded dims to :func:`broadcast_interpolate` (a decision read from the
-replicated input alone: the same on every rank). Which size is meant is decided as
+guard's ``__torch_function__`` hands every ``F.interpolate`` of a replicated input with a ``size``
+and the region's sharded dims (spatial) to :func:`broadcast_interpolate` (a decision read from the
+replicated input and the call alone: the same on every rank). A map of length 1 along the sharded
+dims is interpolated to the local size directly (a constant: no global map is made); any other is
+interpolated to the global size and sliced. Which size is meant is decided as
 :mod:`tplayers.region.sizes` decides it for a sharded input, from every rank's requested length and
 whether it is a local length the region's code read (``x.shape``), in one small all-gather per mesh
 dim (after settling the armed decisions):
 
-* the ranks ask for different lengths: their shares of the global rows (any partition): the result
-  is sharded along that dim with this rank's length, and the input's gradient is summed over the
-  mesh (every rank's rows add theirs, as the serial backward sums all rows);
+* the ranks ask for different lengths: their shares of the global rows (any partition, the global
+  length their sum): the result is this rank's rows of the serial one, sharded along that dim, and
+  the input's gradient is summed over the mesh (every rank's rows add theirs, as the serial
+  backward sums all rows);
 * the same length on every rank, and on some rank not a local length the code read: the global
   size, the plain call (a replicated map of the global length, as in the serial model);
 * the same length on every rank that is a local length the code read on every rank (an even
@@ -44,21 +54,19 @@ _ARGS = ("input", "size", "scale_factor", "mode", "align_corners", "recompute_sc
 
 
 def _candidate(g, args, kwargs) -> Optional[dict]:
-    """The bound arguments when ``F.interpolate(args, kwargs)`` broadcasts a replicated map of size 1
-    along every sharded dim of the region to a given size; else ``None`` (decided from the replicated
-    input and the presence of ``size``: the same on every rank)."""
+    """The bound arguments when ``F.interpolate(args, kwargs)`` resizes a replicated map with the region's
+    sharded dims to a given size; else ``None`` (decided from the replicated input and the presence of
+    ``size``: the same on every rank)."""
     a = _bind(args, kwargs, _ARGS, {"size": None, "scale_factor": None})
     x, dims = a.get("input"), g.shard_dims
     if not isinstance(x, torch.Tensor) or a["size"] is None or min(dims) < 2 or x.dim() <= max(dims):
-        return None
-    if any(int(x.shape[d]) != 1 for d in dims):
         return None
     return a
 
 
 def broadcast_interpolate(g, func, args, kwargs):
-    """``F.interpolate`` of a replicated ``(N, C, 1, ...)`` map to a size inside a region (see the module
-    docstring): the routed result, or ``None`` when the call is not such a broadcast (run it plainly)."""
+    """``F.interpolate`` of a replicated ``(N, C, ...)`` map to a size inside a region (see the module
+    docstring): the routed result, or ``None`` when the call is not such a resize (run it plainly)."""
     a = _candidate(g, args, kwargs)
     if a is None:
         return None
@@ -83,10 +91,11 @@ def broadcast_interpolate(g, func, args, kwargs):
             shares.append(True)
         elif read_everywhere:
             raise g.error(
-                f"F.interpolate of a replicated map of length 1 along sharded dim {d} to size {tuple(per)}: "
-                f"{per[d - 2]} is the same on every rank and a local length along that dim that this region's "
-                f"code read (x.shape) on every rank, so it may mean this rank's rows (a per-channel constant "
-                f"broadcast back onto the local features) or the global size; the two cannot be told apart",
+                f"F.interpolate of a replicated map of length {x.shape[d]} along sharded dim {d} to size "
+                f"{tuple(per)}: {per[d - 2]} is the same on every rank and a local length along that dim that "
+                f"this region's code read (x.shape) on every rank, so it may mean this rank's rows (a pooled "
+                f"map broadcast back onto the local features, position embeddings resized to the local "
+                f"patches) or the global size; the two cannot be told apart",
                 advice="Give that dim shares that differ between ranks at this resolution (read as shares), or "
                 "in your own code add the (N, C, 1, 1) map to the features directly (a size-1 operand "
                 "broadcasts against sharded data) instead of interpolating it.",
@@ -98,15 +107,29 @@ def broadcast_interpolate(g, func, args, kwargs):
             return func(*args, **kwargs)
     if not all(shares):
         raise g.error(
-            f"F.interpolate of a replicated map of length 1 to size {tuple(per)}: the ranks' shares along "
+            f"F.interpolate of a replicated map to size {tuple(per)}: the ranks' shares along "
             "some sharded dims and a global size along others"
         )
     g.acted = True
     axes = tuple(range(len(g.groups)))
     call = dict(a)
     call["input"] = g.bound(x, axes)
+    constant = all(int(x.shape[d]) == 1 for d in g.shard_dims)
+    if not constant:  # the global size; this rank's rows are sliced below
+        coords = [g.mesh.get_local_rank(i) for i in axes] + [0] * (2 - len(axes))
+        spans = []
+        for axis, d in enumerate(g.shard_dims):
+            line = [table[c][coords[1]] if axis == 0 else table[coords[0]][c] for c in range(g.groups[axis].size())]
+            shares = [r[2 * axis] for r in line]
+            spans.append((d, sum(shares[: coords[axis]]), shares[coords[axis]], sum(shares)))
+            per[d - 2] = sum(shares)
+        call["size"] = tuple(per)
     with stepped_aside(g, settle=False):
         out = func(**call)
+        if not constant:
+            for d, start, length, _ in spans:
+                out = out.narrow(d, start, length)
+            out = out.contiguous()  # as the serial result is (a later .view of it must work alike)
     layout = [None] * out.dim()
     for axis, d in enumerate(g.shard_dims):
         layout[d] = ((int(out.shape[d]), axis),)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import tplayers.functional as TF
-from tplayers.domain.layout import mesh_dims_of, region_layout, sharded_dims
+from tplayers.domain.layout import mesh_dims_of, prefix_of, region_layout, sharded_dims
 from tplayers.region.rules import op_name
 from tplayers.region.rules_ops import _bind, _simple
 from tplayers.region.sizes import global_sizes
@@ -111,6 +111,11 @@ def _token_info(g, t, dim, what):
 
 
 def _positions(g, factors):
+    if prefix_of(factors):
+        raise g.error(
+            "attention with a mask or is_causal over tokens with a prefix (a CLS token before sharded pixels)",
+            advice="Unmasked attention over such tokens is routed.",
+        )
     return TF.token_positions([s for s, _ in factors], [a for _, a in factors], g.mesh)
 
 
