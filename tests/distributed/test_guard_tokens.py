@@ -211,3 +211,101 @@ def _refused(rank, world, fn, what):
 )
 def test_unsupported_uses_of_prefix_tokens_raise_on_every_rank(name, fn, what):
     run_ranks(_refused, 2, args=(fn, what), timeout=60)
+
+
+# ------------------------------------------------------------------ full-size replicated operands
+class TimmViTish(nn.Module):
+    """timm's ViT pattern (``_pos_embed``): the CLS token concatenated first, then the full-size learned
+    position table ``(1, 1 + N, D)`` added as it is; a learned full-size bias map ``(1, C, H, W)`` added
+    to the pixels first; mean pooling over the patch tokens ``x[:, 1:]`` beside the CLS head."""
+
+    def __init__(self, side=20, dim=8):
+        super().__init__()
+        n = (side // PATCH) ** 2
+        self.bias_map = nn.Parameter(0.1 * torch.randn(1, 2, side, side))
+        self.patch = nn.Conv2d(2, dim, PATCH, stride=PATCH)
+        self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
+        self.pos_embed = nn.Parameter(torch.randn(1, 1 + n, dim))
+        self.norm = nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.head = nn.Linear(2 * dim, 3)
+
+    def forward(self, x):
+        n = x.shape[0]
+        t = self.patch(x + self.bias_map).flatten(2).transpose(1, 2)
+        t = torch.cat((self.cls_token.expand(n, -1, -1), t), dim=1) + self.pos_embed
+        q, k, v = self.qkv(self.norm(t)).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)
+        t = t + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+        return self.head(torch.cat((t[:, 0], t[:, 1:].mean(dim=1)), dim=-1))
+
+
+def _monai_vit():
+    from monai.networks.nets import ViT
+
+    torch.manual_seed(0)
+    model = ViT(
+        in_channels=2,
+        img_size=(20, 20),
+        patch_size=(PATCH, PATCH),
+        hidden_size=16,
+        mlp_dim=24,
+        num_layers=2,
+        num_heads=2,
+        classification=True,
+        num_classes=3,
+        spatial_dims=2,
+        dropout_rate=0.0,
+    ).double()
+    for block in model.blocks:  # its SDPA path (the default einsum scores over sharded tokens are refused)
+        block.attn.use_flash_attention = True
+    return model
+
+
+def _full_size(rank, world, kind, mesh_shape, layouts):
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
+    coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+    dims = tuple(range(2, 2 + mesh.ndim))
+    if kind == "monai_vit":
+        require("monai")
+        serial, call = _monai_vit(), lambda m, x: m(x)[0]  # noqa: E731
+    else:
+        torch.manual_seed(0)
+        serial, call = TimmViTish().double(), lambda m, x: m(x)  # noqa: E731
+    parallel = tplayers.parallelize_module(
+        copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)}, mesh=mesh
+    )
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.05, momentum=0.9)
+    opt_p = torch.optim.SGD(parallel.parameters(), lr=0.05, momentum=0.9)
+    local = lambda t: local_slice(t, dims, layouts, coords)  # noqa: E731
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(2, 2, 20, 20, dtype=torch.float64, generator=gen)
+        xs, xl = x.clone().requires_grad_(True), local(x).clone().requires_grad_(True)
+        ys, yl = call(serial, xs), call(parallel, xl)
+        torch.testing.assert_close(yl, ys, **TIGHT)
+        target = torch.randn(ys.shape, dtype=torch.float64, generator=gen)
+        backward_step_match(
+            F.mse_loss(ys, target), F.mse_loss(yl, target), xs, xl, local, serial, parallel, opt_s, opt_p, **TIGHT
+        )
+    return True
+
+
+# position tables at their global size: each rank takes its tokens' rows; any partition of whole patch rows
+@pytest.mark.parametrize("kind", ["timm_vit", "monai_vit"])
+def test_full_size_position_tables_are_sliced_and_exact(kind):
+    run_ranks(_full_size, 2, args=(kind, (2,), [[12, 8]]), timeout=180)
+    run_ranks(_full_size, 2, args=(kind, (2,), [[8, 12]]), timeout=180)
+    run_ranks(_full_size, 4, args=(kind, (2, 2), [[12, 8], [8, 12]]), timeout=240)
+
+
+def _wrong_length(rank, world):
+    fn = lambda t: t + torch.randn(1, 7, 4, dtype=t.dtype)  # noqa: E731 - 7 rows: neither 1 nor the 11 tokens
+    model = tplayers.parallelize_module(Op(fn).double(), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    x = torch.randn(2, 2, [12, 8][rank], 8, dtype=torch.float64)  # 3 + 2 patch rows of 2: 1 + 6 and 4 tokens
+    with pytest.raises(ValueError, match="a replicated operand of shape"):
+        model(x)
+    return True
+
+
+def test_a_replicated_operand_of_neither_size_one_nor_the_global_length_raises_on_every_rank():
+    run_ranks(_wrong_length, 2, timeout=60)

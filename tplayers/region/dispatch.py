@@ -85,7 +85,7 @@ def handle(g, func, args, kwargs):
         g.note_read(args[0], dim if isinstance(dim, int) else None)
     handler = _table().get(name)
     if handler is None and name in _pointwise_names():
-        handler = run_pointwise
+        handler = rules_tokens.pointwise  # run_pointwise, full-size replicated operands sliced first
     if handler is None:
         t, lay = first_sharded(g, args, kwargs)
         raise g.refuse(

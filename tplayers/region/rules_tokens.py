@@ -19,6 +19,10 @@ token; registers) before them, runs attention over all tokens and pools with ``x
   reaches the first rank's tokens once; the others' zeros are made from their slice, so their
   backward runs too and receives what attention sends them); ``x[:, k:]`` drops the prefix (the
   pixel tokens, sharded);
+* a replicated operand of a pointwise op spanning a sharded dim at its *global* length (learned
+  position embeddings ``(1, 1 + N, D)`` added after the CLS ``cat``, as timm's ViT does, or
+  ``(1, N, D)`` added to the patch tokens, as MONAI's ``PatchEmbeddingBlock`` does) is sliced to this
+  rank's elements first (:func:`pointwise`);
 * anything else indexing a prefixed dim, a mask or ``is_causal`` over prefixed tokens, and a view
   merging the token dim with others are refused on every rank (decided from layouts alone).
 
@@ -29,12 +33,13 @@ from __future__ import annotations
 
 import torch
 
+from tplayers.attention.sdpa import token_positions
 from tplayers.domain.boundary import ShardedToReplicated
 from tplayers.domain.layout import add_prefix, drop_prefix, mesh_dims_of, prefix_of, sharded_dims
 from tplayers.region import rules_views
-from tplayers.region.rules import op_name
+from tplayers.region.rules import op_name, run_pointwise
 
-__all__ = ["TABLE"]
+__all__ = ["TABLE", "LOCAL", "pointwise"]
 
 
 def _first(g, axes) -> bool:
@@ -94,7 +99,7 @@ def _items_by_dim(x, idx):
     return out
 
 
-def idx_items(idx) -> tuple:
+def _idx_items(idx) -> tuple:
     return idx if isinstance(idx, tuple) else (idx,)
 
 
@@ -108,7 +113,7 @@ def _getitem(g, func, args, kwargs):
     full = lambda i: isinstance(i, slice) and i == slice(None)  # noqa: E731
     if by_dim is not None and full(by_dim.get(d, slice(None))):  # the token dim untouched: as any layout
         return rules_views.VIEWS["__getitem__"](g, func, args, kwargs)
-    plain = by_dim is not None and all(full(i) for j, i in by_dim.items() if j != d) and None not in idx_items(idx)
+    plain = by_dim is not None and all(full(i) for j, i in by_dim.items() if j != d) and None not in _idx_items(idx)
     hit = (d, by_dim[d]) if plain else None
     k = prefix_of(lay[d])
     axes = mesh_dims_of(lay, (d,))
@@ -147,7 +152,68 @@ def _getitem(g, func, args, kwargs):
     return out if keep else out.squeeze(d)
 
 
+def _entry_positions(g, entry):
+    """Global indices of this rank's elements along a dim with layout ``entry`` and the global length
+    (one small all-gather: :func:`~tplayers.attention.sdpa.token_positions`)."""
+    k = prefix_of(entry)
+    plain = drop_prefix(entry)
+    pos, total = token_positions([s for s, _ in plain], [a for _, a in plain], g.mesh)
+    if k:
+        pos = pos + k
+        if _first(g, mesh_dims_of((plain,))):
+            pos = torch.cat((torch.arange(k, dtype=pos.dtype, device=pos.device), pos))
+    return pos, total + k
+
+
+def pointwise(g, func, args, kwargs):
+    """A pointwise op (:func:`~tplayers.region.rules.run_pointwise`) whose replicated operands may span a
+    sharded dim at its *global* length (learned position embeddings ``(1, N, D)`` added to tokens
+    sharded along the flattened pixels, timm's ``x + pos_embed`` after the CLS ``cat``, a full-size
+    bias map): each rank takes its rows of such an operand (``index_select`` by the global positions
+    of its elements, the operand's gradient summed over the mesh), so the serial pairing is kept.
+    Which operands are looked at is read from shapes of replicated tensors and from layouts (the same
+    on every rank); their global lengths are exchanged (one small all-gather per such dim and call).
+    An operand whose length is neither 1 nor the global one is refused as before."""
+    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    sharded = [(t, g.layout(t)) for t in tensors if g.layout(t) is not None]
+    written = args[0] if args and getattr(func, "__name__", "").endswith("_") else None
+    todo = []
+    for t in tensors:
+        if not sharded or g.layout(t) is not None or t is written or t.dim() == 0 or g.uniform(t):
+            continue
+        dims = {}
+        for ref, lay in sharded:
+            for d in sharded_dims(lay):
+                k = d - (ref.dim() - t.dim())
+                if k >= 0 and int(t.shape[k]) != 1:
+                    dims.setdefault(k, lay[d])
+        if dims:
+            todo.append((t, dims))
+    if not todo:
+        return run_pointwise(g, func, args, kwargs)
+    g.settle()  # before the exchanges (this rule is listed as local otherwise)
+    g.arm()  # a "replicated" operand of a local shape (a written constant) may match on some ranks only
+    swap = {}
+    for t, dims in todo:
+        picked, layout = t, [None] * t.dim()
+        for k, entry in sorted(dims.items()):
+            pos, total = _entry_positions(g, entry)
+            if int(t.shape[k]) != total:
+                picked = None  # neither 1 nor the global length: refused by the usual check
+                break
+            if picked is t:
+                picked = g.bound(t, mesh_dims_of(tuple(dims.values())))
+            picked = picked.index_select(k, pos.to(t.device))
+            layout[k] = entry
+        if picked is not None:
+            g.acted = True
+            swap[id(t)] = g.mark(picked, tuple(layout))
+    args = tuple(swap.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
+    kwargs = {n: swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for n, v in kwargs.items()}
+    return run_pointwise(g, func, args, kwargs)
+
+
 TABLE = {"cat": _cat, "concat": _cat, "concatenate": _cat, "__getitem__": _getitem}
 
-#: rules the dispatch treats as local (``_getitem`` settles itself before its one all-reduce)
-LOCAL = (_cat, _getitem)
+#: rules the dispatch treats as local (``_getitem`` and ``pointwise`` settle themselves before communicating)
+LOCAL = (_cat, _getitem, pointwise)
