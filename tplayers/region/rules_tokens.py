@@ -174,12 +174,16 @@ def pointwise(g, func, args, kwargs):
     Which operands are looked at is read from shapes of replicated tensors and from layouts (the same
     on every rank); their global lengths are exchanged (one small all-gather per such dim and call).
     An operand whose length is neither 1 nor the global one is refused as before."""
-    tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-    sharded = [(t, g.layout(t)) for t in tensors if g.layout(t) is not None]
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    lays = [g.layout(t) for t in tensors]
+    reps = [t for t, la in zip(tensors, lays) if la is None and t.dim() and max(t.shape) > 1]
+    if not reps:  # the common case: replicated operands of size 1 along every dim that could matter
+        return run_pointwise(g, func, args, kwargs, tensors)
+    sharded = [(t, la) for t, la in zip(tensors, lays) if la is not None]
     written = args[0] if args and getattr(func, "__name__", "").endswith("_") else None
     todo = []
-    for t in tensors:
-        if not sharded or g.layout(t) is not None or t is written or t.dim() == 0 or g.uniform(t):
+    for t in reps:
+        if t is written or g.uniform(t):
             continue
         dims = {}
         for ref, lay in sharded:
