@@ -188,6 +188,17 @@ def test_same_padding_recognised_by_behaviour_not_name():
     assert same_padding_twin(ScaledStdConv2d(2, 3, 3)) is None
     assert same_padding_twin(nn.Conv2d(2, 3, 3)) is None
 
+    class Conv1dSame(nn.Conv1d):  # the 1-D form of the same forward
+        def forward(self, x):
+            total = get_same_padding(x.shape[-1], self.kernel_size[0], self.stride[0], self.dilation[0])
+            x = F.pad(x, (total // 2, total - total // 2))
+            return F.conv1d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+    from tplayers.layers.conv_same import DistributedConv1dSame
+
+    assert same_padding_twin(Conv1dSame(2, 3, 4, stride=3)) is DistributedConv1dSame
+    assert same_padding_twin(Conv1dSame(2, 3, 4, stride=3, padding=1)) is None  # built with padding: not "SAME"
+
 
 # ------------------------------------------------------------------ refused
 class Op(nn.Module):
@@ -244,3 +255,38 @@ def _local_pad(rank, world):
 
 def test_pad_amounts_computed_from_local_lengths_raise_on_every_rank():
     run_ranks(_local_pad, 2, timeout=60)
+
+
+class Conv1dSame(nn.Conv1d):
+    """A 1-D "SAME" convolution (the 1-D form of timm's forward)."""
+
+    def forward(self, x):
+        total = get_same_padding(x.shape[-1], self.kernel_size[0], self.stride[0], self.dilation[0])
+        x = F.pad(x, (total // 2, total - total // 2))
+        return F.conv1d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+def _one_d(rank, world):
+    from tplayers.layers.conv_same import DistributedConv1dSame
+
+    mesh = tplayers.default_mesh()
+    torch.manual_seed(0)
+    serial = nn.Sequential(Conv1dSame(2, 4, 4, stride=3), nn.Tanh(), Conv1dSame(4, 2, 5, stride=2, dilation=2)).double()
+    parallel = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    assert all(isinstance(parallel[i], DistributedConv1dSame) for i in (0, 2))
+    x = torch.randn(2, 2, 23, dtype=torch.float64)
+    layouts = [[13, 10]]
+    xs, xl = x.clone().requires_grad_(True), local_slice(x, (2,), layouts, [rank]).clone().requires_grad_(True)
+    ys, yl = serial(xs), parallel(xl)
+    torch.testing.assert_close(tplayers.gather(yl, 2, mesh), ys, **TIGHT)
+    ys.square().sum().backward()
+    tplayers.domain_sum(yl.square(), mesh).backward()
+    torch.testing.assert_close(xl.grad, local_slice(xs.grad, (2,), layouts, [rank]), **TIGHT)
+    for (n, p), q in zip(parallel.named_parameters(), serial.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **TIGHT, msg=lambda m: f"{n}: {m}")
+    return True
+
+
+def test_one_d_same_padding_subclass_is_exact():
+    # 23 samples: "SAME" pads 2 at stride 3 / k 4 globally, 3 from either local length (the twin pads by 2)
+    run_ranks(_one_d, 2, timeout=60)

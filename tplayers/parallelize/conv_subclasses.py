@@ -65,7 +65,7 @@ def same_padding_twin(module: nn.Module) -> Optional[type]:
                 lengths = [span[i] + module.stride[i] + r % module.stride[i] for i in range(n)]
                 x = torch.randn([1, module.in_channels] + lengths, generator=gen, dtype=w.dtype, device=w.device)
                 try:
-                    got = module(x)
+                    got = module.forward(x)  # not module(x): the user's hooks never see the probes
                 except Exception:  # noqa: BLE001 - not a convolution of this shape: not recognised
                     return None
                 want = _reference(module, x)
