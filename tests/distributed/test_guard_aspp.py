@@ -156,20 +156,49 @@ def test_deeplab_aspp_pooled_branch_is_exact_on_a_2x2_mesh(plus):
     run_ranks(_parity, 4, args=(plus, (2, 2), [[20, 20], [12, 12]], None), timeout=240)
 
 
-# ------------------------------------------------------------------ refused / left alone
-def _even(rank, world):
-    torch.manual_seed(3)
-    model = tplayers.parallelize_module(DeepLab().double(), {"": tplayers.DomainParallel(shard_dims=(2,))})
-    x = torch.randn(2, 2, 32, 16, dtype=torch.float64)  # 32 rows: 2 + 2 at stride 8, equal shares
-    what = r"F.interpolate of a replicated map of length 1 along sharded dim 2 to size \(2, 2\)"
-    with pytest.raises(ValueError, match=what) as err:
-        model(tplayers.shard(x, 2))
-    assert "cannot be told apart" in str(err.value)
+# ------------------------------------------------------------------ equal shares, refused, left alone
+@pytest.mark.parametrize("plus", [False, True], ids=["v3", "v3plus"])
+def test_deeplab_with_equal_shares_at_the_pooled_resolution_is_exact(plus):
+    # 32 rows: 16 + 16 at stride 2, 8 + 8 at 4, 2 + 2 where ASPP pools: the size is the same on every rank
+    # and a local length the code read, so the interpolation alone cannot tell; the cat with the sharded
+    # branches decides it is this rank's rows
+    run_ranks(_parity, 2, args=(plus, (2,), [[16, 16]], 16), timeout=180)
+
+
+class Undecided(nn.Module):
+    """A pooled map interpolated to x.shape[-2:] (equal shares) and then used on its own (a sum over its
+    rows): under the two readings it sums the local rows or all rows; refused."""
+
+    def __init__(self, use):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.use = use
+
+    def forward(self, x):
+        h = self.conv(x)
+        up = F.interpolate(h.mean((2, 3), keepdim=True), size=h.shape[-2:], mode="bilinear")
+        return self.use(h, up)
+
+
+def _undecided(rank, world, use, what):
+    model = tplayers.parallelize_module(Undecided(use).double(), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    x = torch.randn(2, 2, 8, 6, dtype=torch.float64)  # 4 + 4 rows
+    with pytest.raises(ValueError, match="cannot tell") as err:
+        model(x)
+    assert what in str(err.value), str(err.value)
     return True
 
 
-def test_equal_shares_cannot_be_told_from_a_global_size_and_raise_on_every_rank():
-    run_ranks(_even, 2, timeout=120)
+@pytest.mark.parametrize(
+    "use,what",
+    [
+        (lambda h, up: h + up.sum(dim=(2, 3), keepdim=True), "(sum)"),
+        (lambda h, up: h * up.contiguous(), "(contiguous)"),
+    ],
+    ids=["sum", "contiguous"],
+)
+def test_an_undecided_broadcast_used_otherwise_raises_on_every_rank(use, what):
+    run_ranks(_undecided, 2, args=(use, what), timeout=60)
 
 
 class GlobalSize(nn.Module):

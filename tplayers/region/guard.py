@@ -49,7 +49,7 @@ from tplayers.domain.layout import Layout, canonical_layout, is_sharded, mesh_di
 from tplayers.layers.norm import _DomainNorm
 from tplayers.region.dispatch import handle
 from tplayers.region.rules import _PRESERVE, _pointwise_names
-from tplayers.region.rules_broadcast import broadcast_interpolate
+from tplayers.region.rules_broadcast import broadcast_interpolate, either_use
 
 __all__ = ["RegionGuard", "active_guard", "GuardError"]
 
@@ -60,6 +60,7 @@ _CONSTANTS = frozenset(
     ["zeros", "ones", "full", "new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"]
 )
 _NOT_CONSTANT = frozenset(["rrelu", "rrelu_", "empty_like"])  # random or uninitialised values
+_CATS = frozenset(["cat", "concat", "concatenate"])
 
 
 class GuardError(ValueError):
@@ -92,6 +93,7 @@ class RegionGuard(TorchFunctionMode):
         self.reads: Dict[int, set] = {}  # mesh dim -> local lengths of sharded dims the code read (note_read)
         self.vetted: set = set()  # autograd nodes of twins' outputs (their custom Functions are the twins')
         self.in_module = 0  # inside a twin's serial module on replicated data (rules_broadcast)
+        self.either = 0  # maps whose reading the first op using them decides (rules_broadcast._either)
 
     # ----------------------------------------------------------------- tags
     def layout(self, t: Any) -> Optional[Layout]:
@@ -209,6 +211,8 @@ class RegionGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if not _touches(self, args, kwargs):
             name = getattr(func, "__name__", None)
+            if self.either:  # an undecided broadcast map (rules_broadcast): no op on replicated data decides it
+                either_use(self, name, args, kwargs, False)
             if name == "interpolate" and not self.in_module:  # a replicated 1 x 1 map broadcast to a local size
                 out = broadcast_interpolate(self, func, args, kwargs)
                 if out is not None:
@@ -221,6 +225,9 @@ class RegionGuard(TorchFunctionMode):
             return self.mark_uniform(out) if fresh else out
         if self.check and torch.is_grad_enabled():  # a partition's first call: later calls run the same code
             self.check_functions(args, kwargs)
+        if self.either:
+            name = getattr(func, "__name__", "")
+            either_use(self, name, args, kwargs, name in _CATS or name in _pointwise_names())
         with stepped_aside(self, settle=False):  # an outer guard (a model watch) must not see the handler's own ops
             return handle(self, func, args, kwargs)
 

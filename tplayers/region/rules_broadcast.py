@@ -32,8 +32,12 @@ dim (after settling the armed decisions):
 * the same length on every rank, and on some rank not a local length the code read: the global
   size, the plain call (a replicated map of the global length, as in the serial model);
 * the same length on every rank that is a local length the code read on every rank (an even
-  partition: ``size=x.shape[-2:]`` with equal shares): the two readings cannot be told apart, so it
-  is a ``ValueError`` on every rank naming the fixes (as for a sharded input);
+  partition: ``size=x.shape[-2:]`` with equal shares): for a map of length 1 both readings hold the
+  same local values, so the plain result is returned carrying the shares reading, and the first op
+  using it decides (:func:`_either`): a ``cat`` or a pointwise op with sharded data takes the
+  shares reading, any other op is a ``ValueError`` on every rank; for a longer map (a position
+  grid) the readings differ in value, so the call itself is a ``ValueError`` on every rank naming
+  the fixes (as for a sharded input);
 * shares along one sharded dim and a global size along another: ``ValueError`` on every rank.
 """
 
@@ -84,11 +88,14 @@ def broadcast_interpolate(g, func, args, kwargs):
         table = exchange_grid_table(row, g.groups, "region.sizes")
     cells = [r for line in table for r in line]
     shares = []
+    constant = all(int(x.shape[d]) == 1 for d in g.shard_dims)
     for axis, d in enumerate(g.shard_dims):
         wants = {r[2 * axis] for r in cells}
         read_everywhere = all(r[2 * axis + 1] for r in cells)
         if len(wants) > 1 or g.groups[axis].size() == 1:
             shares.append(True)
+        elif read_everywhere and constant:
+            shares.append(None)  # either: decided by the first op that uses it (see _either)
         elif read_everywhere:
             raise g.error(
                 f"F.interpolate of a replicated map of length {x.shape[d]} along sharded dim {d} to size "
@@ -96,12 +103,14 @@ def broadcast_interpolate(g, func, args, kwargs):
                 f"this region's code read (x.shape) on every rank, so it may mean this rank's rows (a pooled "
                 f"map broadcast back onto the local features, position embeddings resized to the local "
                 f"patches) or the global size; the two cannot be told apart",
-                advice="Give that dim shares that differ between ranks at this resolution (read as shares), or "
-                "in your own code add the (N, C, 1, 1) map to the features directly (a size-1 operand "
-                "broadcasts against sharded data) instead of interpolating it.",
+                advice="Give that dim shares that differ between ranks at this resolution (read as shares: for "
+                "a ViT, patch rows that do not split evenly over the ranks), or add the table at its full "
+                "size (x + pos_embed: each rank takes its rows) instead of interpolating it.",
             )
         else:
             shares.append(False)
+    if None in shares and False not in shares:
+        return _either(g, func, a, args, kwargs, per)
     if not any(shares):
         with stepped_aside(g, settle=False):
             return func(*args, **kwargs)
@@ -114,7 +123,6 @@ def broadcast_interpolate(g, func, args, kwargs):
     axes = tuple(range(len(g.groups)))
     call = dict(a)
     call["input"] = g.bound(x, axes)
-    constant = all(int(x.shape[d]) == 1 for d in g.shard_dims)
     if not constant:  # the global size; this rank's rows are sliced below
         coords = [g.mesh.get_local_rank(i) for i in axes] + [0] * (2 - len(axes))
         spans = []
@@ -134,3 +142,63 @@ def broadcast_interpolate(g, func, args, kwargs):
     for axis, d in enumerate(g.shard_dims):
         layout[d] = ((int(out.shape[d]), axis),)
     return g.mark(out, tuple(layout))
+
+
+_EITHER = "_tplayers_either"  # (guard token, the shares reading, the refusal message)
+
+
+def _either(g, func, a, args, kwargs, per):
+    """Equal shares of a constant broadcast: both readings hold the same local values (the map's value
+    at every row) and differ only in what they are. Returned: the plain call (the global reading,
+    replicated), carrying the shares reading (sharded, the map's gradient summed). The first op that
+    uses it decides (:func:`either_use`): a ``cat`` or a pointwise op with sharded data takes the
+    shares reading, which is then the only one under which the serial model runs (a map of the local
+    length beside data of the global length, broadcast against it unless it is 1 row, where both
+    readings agree); any other op on it is refused on every rank with the ambiguity."""
+    g.acted = True
+    call = dict(a)
+    call["input"] = g.bound(a["input"], tuple(range(len(g.groups))))
+    with stepped_aside(g, settle=False):
+        plain = func(*args, **kwargs)
+        sharded = func(**call)
+    layout = [None] * sharded.dim()
+    for axis, d in enumerate(g.shard_dims):
+        layout[d] = ((int(sharded.shape[d]), axis),)
+    g.mark(sharded, tuple(layout))
+    message = (
+        f"F.interpolate of a replicated map of length 1 along the sharded dims to size {tuple(per)}, the same "
+        "on every rank and a local length the region's code read on every rank: a pooled map broadcast back "
+        "onto this rank's rows, or a map of that global size. Concatenated with or added to sharded data it "
+        "is the former; this op cannot tell"
+    )
+    setattr(plain, _EITHER, (g.token, sharded, message))
+    g.either += 1
+    return plain
+
+
+def either_of(g, t):
+    """The shares reading carried by ``t`` (:func:`_either`), or ``None``."""
+    tag = getattr(t, _EITHER, None) if isinstance(t, torch.Tensor) else None
+    return tag[1] if tag is not None and tag[0] is g.token else None
+
+
+def either_use(g, name: str, args, kwargs, allowed: bool) -> None:
+    """Refuse an op on a map whose reading is undecided (:func:`_either`) unless ``allowed`` (a ``cat`` or
+    a pointwise op with sharded data, which takes the shares reading); metadata queries pass."""
+    if allowed or name in _METADATA:
+        return
+    for v in (*args, *kwargs.values()):
+        for t in v if isinstance(v, (list, tuple)) else (v,):
+            tag = getattr(t, _EITHER, None) if isinstance(t, torch.Tensor) else None
+            if tag is not None and tag[0] is g.token:
+                raise g.error(
+                    f"{tag[2]} ({name})",
+                    advice="Use the map in a cat or a sum with the sharded features (read as this rank's "
+                    "rows), or give that dim shares that differ between ranks.",
+                )
+
+
+_METADATA = frozenset(
+    ["__get__", "size", "dim", "numel", "__len__", "is_floating_point", "is_contiguous", "stride", "__repr__",
+     "__format__", "__str__", "data_ptr", "element_size", "get_device", "ndimension", "nelement"]
+)  # fmt: skip

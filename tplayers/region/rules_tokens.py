@@ -38,6 +38,7 @@ from tplayers.domain.boundary import ShardedToReplicated
 from tplayers.domain.layout import add_prefix, drop_prefix, mesh_dims_of, prefix_of, sharded_dims
 from tplayers.region import rules_views
 from tplayers.region.rules import op_name, run_pointwise
+from tplayers.region.rules_broadcast import either_of
 
 __all__ = ["TABLE", "LOCAL", "pointwise"]
 
@@ -51,7 +52,18 @@ def _groups(g, axes):
     return [g.groups[a] for a in axes if g.groups[a].size() > 1]
 
 
+def _decided(g, args, kwargs):
+    """``args`` / ``kwargs`` with every undecided broadcast map (``F.interpolate`` of a pooled map to equal
+    local shares, :func:`~tplayers.region.rules_broadcast.either_of`) replaced by its shares reading."""
+    if not g.either:
+        return args, kwargs
+    pick = lambda t: either_of(g, t) if either_of(g, t) is not None else t  # noqa: E731
+    swap = lambda v: type(v)(pick(t) for t in v) if isinstance(v, (list, tuple)) else pick(v)  # noqa: E731
+    return tuple(swap(v) for v in args), {k: swap(v) for k, v in kwargs.items()}
+
+
 def _cat(g, func, args, kwargs):
+    args, kwargs = _decided(g, args, kwargs)
     tensors = list(args[0]) if args else list(kwargs.get("tensors"))
     dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
     lays = [g.layout(t) for t in tensors]
@@ -174,6 +186,7 @@ def pointwise(g, func, args, kwargs):
     Which operands are looked at is read from shapes of replicated tensors and from layouts (the same
     on every rank); their global lengths are exchanged (one small all-gather per such dim and call).
     An operand whose length is neither 1 nor the global one is refused as before."""
+    args, kwargs = _decided(g, args, kwargs)
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     lays = [g.layout(t) for t in tensors]
     reps = [t for t, la in zip(tensors, lays) if la is None and t.dim() and max(t.shape) > 1]
