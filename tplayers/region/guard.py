@@ -60,7 +60,6 @@ _CONSTANTS = frozenset(
     ["zeros", "ones", "full", "new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like"]
 )
 _NOT_CONSTANT = frozenset(["rrelu", "rrelu_", "empty_like"])  # random or uninitialised values
-_CATS = frozenset(["cat", "concat", "concatenate"])
 
 
 class GuardError(ValueError):
@@ -211,8 +210,11 @@ class RegionGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if not _touches(self, args, kwargs):
             name = getattr(func, "__name__", None)
-            if self.either:  # an undecided broadcast map (rules_broadcast): no op on replicated data decides it
-                either_use(self, name, args, kwargs, False)
+            if self.either:  # an undecided resized map (rules_broadcast): carried along, or refused
+                with stepped_aside(self, settle=False):
+                    carried = either_use(self, func, name, args, kwargs, False, handle)
+                if carried is not None:
+                    return carried
             if name == "interpolate" and not self.in_module:  # a replicated 1 x 1 map broadcast to a local size
                 out = broadcast_interpolate(self, func, args, kwargs)
                 if out is not None:
@@ -225,9 +227,8 @@ class RegionGuard(TorchFunctionMode):
             return self.mark_uniform(out) if fresh else out
         if self.check and torch.is_grad_enabled():  # a partition's first call: later calls run the same code
             self.check_functions(args, kwargs)
-        if self.either:
-            name = getattr(func, "__name__", "")
-            either_use(self, name, args, kwargs, name in _CATS or name in _pointwise_names())
+        if self.either:  # a cat / pointwise op decides an undecided resized map (rules_tokens), others may not
+            either_use(self, func, getattr(func, "__name__", ""), args, kwargs, True, handle)
         with stepped_aside(self, settle=False):  # an outer guard (a model watch) must not see the handler's own ops
             return handle(self, func, args, kwargs)
 

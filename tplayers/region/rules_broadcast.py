@@ -29,15 +29,15 @@ dim (after settling the armed decisions):
   length their sum): the result is this rank's rows of the serial one, sharded along that dim, and
   the input's gradient is summed over the mesh (every rank's rows add theirs, as the serial
   backward sums all rows);
-* the same length on every rank, and on some rank not a local length the code read: the global
-  size, the plain call (a replicated map of the global length, as in the serial model);
-* the same length on every rank that is a local length the code read on every rank (an even
-  partition: ``size=x.shape[-2:]`` with equal shares): for a map of length 1 both readings hold the
-  same local values, so the plain result is returned carrying the shares reading, and the first op
-  using it decides (:func:`_either`): a ``cat`` or a pointwise op with sharded data takes the
-  shares reading, any other op is a ``ValueError`` on every rank; for a longer map (a position
-  grid) the readings differ in value, so the call itself is a ``ValueError`` on every rank naming
-  the fixes (as for a sharded input);
+* the same length on every rank: the plain call (the global reading, a replicated map), carrying
+  the shares reading (made only when needed), and the op that uses it decides (:func:`_either`): a
+  ``cat`` or a pointwise op with sharded data takes the shares reading (the only one under which
+  the serial model runs: a map of that length beside data of the global length would not
+  broadcast, unless 1 row, where the readings agree in value); views and a ``cat`` with replicated
+  tensors (ViT's ``cat((class_pos, patch_pos))``) carry both readings along; any other op takes the
+  plain result when the size is not a local length the code read on some rank (a global size, as
+  :mod:`tplayers.region.sizes` reads it), and is a ``ValueError`` on every rank when it is one on
+  every rank (an even partition: the readings cannot be told apart there);
 * shares along one sharded dim and a global size along another: ``ValueError`` on every rank.
 """
 
@@ -49,6 +49,7 @@ import torch
 
 from tplayers.comm.collectives import exchange_grid_table
 from tplayers.domain.active import stepped_aside
+from tplayers.region.rules import _pointwise_names
 from tplayers.region.rules_ops import _bind
 from tplayers.region.sizes import _derived
 
@@ -87,38 +88,33 @@ def broadcast_interpolate(g, func, args, kwargs):
     with stepped_aside(g, settle=False):
         table = exchange_grid_table(row, g.groups, "region.sizes")
     cells = [r for line in table for r in line]
-    shares = []
+    kinds = []  # per mesh dim: "shares" (differ), "ambiguous" (equal, read everywhere), "global" (equal)
     constant = all(int(x.shape[d]) == 1 for d in g.shard_dims)
     for axis, d in enumerate(g.shard_dims):
         wants = {r[2 * axis] for r in cells}
-        read_everywhere = all(r[2 * axis + 1] for r in cells)
         if len(wants) > 1 or g.groups[axis].size() == 1:
-            shares.append(True)
-        elif read_everywhere and constant:
-            shares.append(None)  # either: decided by the first op that uses it (see _either)
-        elif read_everywhere:
-            raise g.error(
-                f"F.interpolate of a replicated map of length {x.shape[d]} along sharded dim {d} to size "
-                f"{tuple(per)}: {per[d - 2]} is the same on every rank and a local length along that dim that "
-                f"this region's code read (x.shape) on every rank, so it may mean this rank's rows (a pooled "
-                f"map broadcast back onto the local features, position embeddings resized to the local "
-                f"patches) or the global size; the two cannot be told apart",
-                advice="Give that dim shares that differ between ranks at this resolution (read as shares: for "
-                "a ViT, patch rows that do not split evenly over the ranks), or add the table at its full "
-                "size (x + pos_embed: each rank takes its rows) instead of interpolating it.",
-            )
+            kinds.append("shares")
+        elif all(r[2 * axis + 1] for r in cells):
+            kinds.append("ambiguous")
         else:
-            shares.append(False)
-    if None in shares and False not in shares:
-        return _either(g, func, a, args, kwargs, per)
-    if not any(shares):
-        with stepped_aside(g, settle=False):
-            return func(*args, **kwargs)
-    if not all(shares):
+            kinds.append("global")
+    if all(k == "shares" for k in kinds):
+        return _as_shares(g, func, a, table, list(per), constant)
+    if "shares" in kinds:
         raise g.error(
             f"F.interpolate of a replicated map to size {tuple(per)}: the ranks' shares along "
             "some sharded dims and a global size along others"
         )
+    # the same size on every rank: the plain call (the global reading), carrying the shares reading for
+    # the op that uses it to decide (_either); with a size read from local lengths, no other op may use it
+    return _either(g, func, args, kwargs, lambda: _as_shares(g, func, a, table, list(per), constant), per,
+                   "ambiguous" in kinds)  # fmt: skip
+
+
+def _as_shares(g, func, a, table, per, constant):
+    """This rank's rows of the serial resize, reading each rank's size as its share (the global length
+    their sum): a constant map is interpolated to the local size, any other to the global size and sliced."""
+    x = a["input"]
     g.acted = True
     axes = tuple(range(len(g.groups)))
     call = dict(a)
@@ -144,58 +140,96 @@ def broadcast_interpolate(g, func, args, kwargs):
     return g.mark(out, tuple(layout))
 
 
-_EITHER = "_tplayers_either"  # (guard token, the shares reading, the refusal message)
+_EITHER = "_tplayers_either"  # (guard token, [the shares reading or a maker of it], message, refuse other uses)
+
+#: ops that carry an undecided reading along (both readings computed, the shares one lazily)
+_CARRY = frozenset(
+    ["permute", "view", "reshape", "flatten", "unflatten", "transpose", "contiguous", "clone", "to", "unsqueeze",
+     "cat", "concat", "concatenate", "type_as", "double", "float", "movedim"]
+)  # fmt: skip
 
 
-def _either(g, func, a, args, kwargs, per):
-    """Equal shares of a constant broadcast: both readings hold the same local values (the map's value
-    at every row) and differ only in what they are. Returned: the plain call (the global reading,
-    replicated), carrying the shares reading (sharded, the map's gradient summed). The first op that
-    uses it decides (:func:`either_use`): a ``cat`` or a pointwise op with sharded data takes the
-    shares reading, which is then the only one under which the serial model runs (a map of the local
-    length beside data of the global length, broadcast against it unless it is 1 row, where both
-    readings agree); any other op on it is refused on every rank with the ambiguity."""
-    g.acted = True
-    call = dict(a)
-    call["input"] = g.bound(a["input"], tuple(range(len(g.groups))))
+def _either(g, func, args, kwargs, make, per, ambiguous: bool):
+    """A replicated map resized to a size that is the same on every rank: the plain call's result (the
+    global reading), carrying the shares reading (made when needed). The op that uses it decides
+    (:func:`either_use`): a ``cat`` or a pointwise op with sharded data takes the shares reading, the
+    only one under which the serial model runs (a map of this length beside data of the global length
+    would not broadcast, unless 1 row, where both readings agree in value); views and ``cat`` of
+    replicated tensors carry both readings along; any other op takes the plain result, or, when the
+    size is a local length the code read on every rank (``ambiguous``), is refused on every rank."""
     with stepped_aside(g, settle=False):
         plain = func(*args, **kwargs)
-        sharded = func(**call)
-    layout = [None] * sharded.dim()
-    for axis, d in enumerate(g.shard_dims):
-        layout[d] = ((int(sharded.shape[d]), axis),)
-    g.mark(sharded, tuple(layout))
     message = (
-        f"F.interpolate of a replicated map of length 1 along the sharded dims to size {tuple(per)}, the same "
-        "on every rank and a local length the region's code read on every rank: a pooled map broadcast back "
-        "onto this rank's rows, or a map of that global size. Concatenated with or added to sharded data it "
-        "is the former; this op cannot tell"
+        f"F.interpolate of a replicated map to size {tuple(per)}, the same on every rank and a local length "
+        "the region's code read on every rank: this rank's rows of a map broadcast onto the local features, "
+        "or a map of that global size. Concatenated with or added to sharded data it is the former; this op "
+        "cannot tell"
     )
-    setattr(plain, _EITHER, (g.token, sharded, message))
-    g.either += 1
-    return plain
+    return _carry(g, plain, [make], message, ambiguous)
+
+
+def _carry(g, out, box, message, ambiguous):
+    if isinstance(out, torch.Tensor):
+        setattr(out, _EITHER, (g.token, box, message, ambiguous))
+        g.either += 1
+    return out
+
+
+def _tag(g, t):
+    tag = getattr(t, _EITHER, None) if isinstance(t, torch.Tensor) else None
+    return tag if tag is not None and tag[0] is g.token else None
 
 
 def either_of(g, t):
-    """The shares reading carried by ``t`` (:func:`_either`), or ``None``."""
-    tag = getattr(t, _EITHER, None) if isinstance(t, torch.Tensor) else None
-    return tag[1] if tag is not None and tag[0] is g.token else None
+    """The shares reading carried by ``t`` (made now if not yet), or ``None``."""
+    tag = _tag(g, t)
+    if tag is None:
+        return None
+    box = tag[1]
+    if callable(box[0]):
+        box[0] = box[0]()
+    return box[0]
 
 
-def either_use(g, name: str, args, kwargs, allowed: bool) -> None:
-    """Refuse an op on a map whose reading is undecided (:func:`_either`) unless ``allowed`` (a ``cat`` or
-    a pointwise op with sharded data, which takes the shares reading); metadata queries pass."""
-    if allowed or name in _METADATA:
-        return
+def _tags(g, args, kwargs):
+    out = []
     for v in (*args, *kwargs.values()):
         for t in v if isinstance(v, (list, tuple)) else (v,):
-            tag = getattr(t, _EITHER, None) if isinstance(t, torch.Tensor) else None
-            if tag is not None and tag[0] is g.token:
-                raise g.error(
-                    f"{tag[2]} ({name})",
-                    advice="Use the map in a cat or a sum with the sharded features (read as this rank's "
-                    "rows), or give that dim shares that differ between ranks.",
-                )
+            tag = _tag(g, t)
+            if tag is not None:
+                out.append(tag)
+    return out
+
+
+def either_use(g, func, name: str, args, kwargs, touching: bool, handle):
+    """An op on maps whose reading is undecided (:func:`_either`): ``None`` to run it as usual (metadata, a
+    ``cat`` / pointwise op with sharded data, which takes the shares reading, or an op on the plain result
+    of an unambiguous size), the result of carrying both readings (views, ``cat`` of replicated tensors),
+    or a ``ValueError`` on every rank (any other op on an ambiguous one)."""
+    tags = _tags(g, args, kwargs)
+    if not tags or name in _METADATA:
+        return None
+    if touching and (name in ("cat", "concat", "concatenate") or name in _pointwise_names()):
+        return None  # rules_tokens swaps in the shares reading
+    if not touching and name in _CARRY:
+        with stepped_aside(g, settle=False):
+            out = func(*args, **kwargs)
+        if any(out is a for a in args):  # x.contiguous() of a contiguous map: itself, already carrying both
+            return out
+
+        def make():
+            pick = lambda t: either_of(g, t) if _tag(g, t) is not None else t  # noqa: E731
+            alt = tuple(type(v)(pick(t) for t in v) if isinstance(v, (list, tuple)) else pick(v) for v in args)
+            return handle(g, func, alt, {k: pick(v) for k, v in kwargs.items()})
+
+        return _carry(g, out, [make], tags[0][2], any(t[3] for t in tags))
+    if any(t[3] for t in tags):
+        raise g.error(
+            f"{tags[0][2]} ({name})",
+            advice="Use the map in a cat or a sum with the sharded features (read as this rank's rows), or give "
+            "that dim shares that differ between ranks.",
+        )
+    return None
 
 
 _METADATA = frozenset(
