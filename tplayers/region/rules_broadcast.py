@@ -38,7 +38,8 @@ dim (after settling the armed decisions):
   plain result when the size is not a local length the code read on some rank (a global size, as
   :mod:`tplayers.region.sizes` reads it), and is a ``ValueError`` on every rank when it is one on
   every rank (an even partition: the readings cannot be told apart there);
-* shares along one sharded dim and a global size along another: ``ValueError`` on every rank.
+* shares along one sharded dim and the same size everywhere along another: carried as above, and
+  any use other than a ``cat`` / pointwise op with sharded data is refused.
 """
 
 from __future__ import annotations
@@ -100,15 +101,11 @@ def broadcast_interpolate(g, func, args, kwargs):
             kinds.append("global")
     if all(k == "shares" for k in kinds):
         return _as_shares(g, func, a, table, list(per), constant)
-    if "shares" in kinds:
-        raise g.error(
-            f"F.interpolate of a replicated map to size {tuple(per)}: the ranks' shares along "
-            "some sharded dims and a global size along others"
-        )
-    # the same size on every rank: the plain call (the global reading), carrying the shares reading for
-    # the op that uses it to decide (_either); with a size read from local lengths, no other op may use it
+    # a size the same on every rank along some dim: the plain call (the global reading), carrying the shares
+    # reading for the op that uses it to decide (_either); with a size read from local lengths, or shares
+    # along another dim (no global reading then), no other op may use it
     return _either(g, func, args, kwargs, lambda: _as_shares(g, func, a, table, list(per), constant), per,
-                   "ambiguous" in kinds)  # fmt: skip
+                   "ambiguous" in kinds or "shares" in kinds)  # fmt: skip
 
 
 def _as_shares(g, func, a, table, per, constant):
