@@ -46,8 +46,14 @@ class Step(nn.Module):
             self.mix = nn.Conv2d(2 * C, C, 1)
         if kind == "convT":
             self.conv = nn.ConvTranspose2d(C, C, 2, stride=2)
-        if kind in ("tokens", "attention"):
-            self.proj = nn.Linear(C, C if kind == "tokens" else 3 * C)
+        if kind in ("tokens", "attention", "cls_tokens"):
+            self.proj = nn.Linear(C, 3 * C if kind == "attention" else C)
+        if kind == "cls_tokens":
+            self.cls = nn.Parameter(torch.randn(1, 1, C))
+        if kind == "aspp":  # DeepLab's pooled branch: global pool, 1x1 conv, interpolated back, cat
+            self.pool_conv, self.mix = nn.Conv2d(C, C, 1), nn.Conv2d(2 * C, C, 1)
+        if kind == "fconv":  # a functional 3x3 convolution with a computed weight (ScaledStdConv2d-like)
+            self.conv = nn.Conv2d(C, C, 3, padding=1)
         self.mod = {
             "bn": lambda: nn.BatchNorm2d(C),
             "gn": lambda: nn.GroupNorm(2, C),
@@ -91,6 +97,19 @@ def functional(kind: str, x, step=None):
         q, k_, v = step.proj(x.flatten(2).transpose(1, 2)).chunk(3, dim=-1)
         o = F.scaled_dot_product_attention(q[:, None], k_[:, None], v[:, None])[:, 0]
         return x + o.transpose(1, 2).reshape(n, c, h, w)
+    if kind == "cls_tokens":  # a CLS token before the pixel tokens, attention over all, x[:, :1] and x[:, 1:]
+        n, c, h, w = x.shape
+        t = torch.cat((step.cls.expand(n, -1, -1), x.flatten(2).transpose(1, 2)), dim=1)
+        t = step.proj(t)
+        o = F.scaled_dot_product_attention(t[:, None], t[:, None], t[:, None])[:, 0]
+        return x + (o[:, 1:] * torch.tanh(o[:, :1])).transpose(1, 2).reshape(n, c, h, w)
+    if kind == "aspp":
+        p = step.pool_conv(x.mean(dim=(2, 3), keepdim=True))
+        up = F.interpolate(p, size=x.shape[-2:], mode="bilinear", align_corners=False)
+        return step.mix(torch.cat([x, up], dim=1))
+    if kind == "fconv":
+        w = step.conv.weight / (1 + step.conv.weight.abs().mean())
+        return F.conv2d(x, w, step.conv.bias, 1, 1)
     if kind == "flip":  # no rule proves it exact along a sharded dim
         return torch.flip(x, dims=(2,))
     if kind == "roll":
@@ -101,6 +120,7 @@ def functional(kind: str, x, step=None):
 KINDS = [
     "conv3", "conv1", "conv_s2", "convT", "residual", "skip", "bn", "gn", "inorm", "maxpool", "avgpool",
     "upsample", "act", "center", "scale_by_sum", "interp", "interp_size", "tokens", "attention", "flip", "roll",
+    "cls_tokens", "aspp", "fconv",
 ]  # fmt: skip
 # flip is refused, roll by one row routed (refused where a rank holds no row): rarer, so most graphs run through
 WEIGHTS = [1 if k in ("flip", "roll") else 4 for k in KINDS]

@@ -1,9 +1,11 @@
 """tplayers.region.lengths.ShardLen: local value for torch, serial value for Python logic (no process group:
 the roots' partitions are set by hand)."""
 
+import math
+
 import torch
 
-from tplayers.region.lengths import Root, ShardLen, serial, shape_with_lengths
+from tplayers.region.lengths import Root, ShardFloat, ShardLen, serial, shape_with_lengths
 
 
 class _Group:
@@ -32,7 +34,10 @@ def test_comparisons_are_serial_and_plain_conversions_are_local():
     h = shape_with_lengths((9,), (_root([9, 7]),))[0]
     assert h == 16 and h != 9 and 12 < h and min(h, 12) == 12 and max(h, 12) is h
     assert bool(h) and int(h) == 9 and range(h) == range(9) and float(h) == 9.0
-    assert isinstance(h / 3, float) and h / 3 == 3.0  # true division: a plain local number
+    third = h / 3  # true division: a float that keeps the derivation
+    assert isinstance(third, ShardFloat) and float(third) == 3.0 and serial(third) == 16 / 3
+    up = math.ceil(third)  # timm's "same" padding: math.ceil(ih / stride)
+    assert isinstance(up, ShardLen) and int(up) == 3 and serial(up) == 6 and serial(round(h / 5)) == 3
     assert hash(h) == hash(shape_with_lengths((7,), (_root([7, 9]),))[0])  # one hash: rank-alike dict lookups
 
 

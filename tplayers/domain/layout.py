@@ -10,6 +10,17 @@ strided. Layouts are canonical (:func:`canonical_layout`): whole factors of size
 channel dim of size 1) are dropped and adjacent whole factors merged, so two layouts describing the
 same sharding compare equal. Everything here is arithmetic on Python ints: no communication, no
 torch calls.
+
+*Prefix tokens* (a ViT's CLS token, DeiT's distillation token, registers): ``cat((cls, tokens), 1)``
+of ``k`` replicated tokens before tokens sharded along the flattened pixels. In the serial model
+the token dim is ``[k prefix tokens, then the pixels in row-major order]``; the prefix tokens live
+on the *first* rank (coordinate 0 along every mesh dim of the entry's sharded factors), before its
+own pixels, so every token lives on exactly one rank. The entry is then
+``((k, PREFIX), *factors)``: its local length is ``k + prod(factors)`` on the first rank and
+``prod(factors)`` on the others (the prefix factor adds, the others multiply). A prefixed dim is
+moved by views as a whole (:func:`reshape_layout` splits and merges the other dims around it) and
+never merged with another dim; :func:`prefix_of` / :func:`drop_prefix` / :func:`add_prefix` read and
+build such entries, and :func:`mesh_dims_of` never lists ``PREFIX``.
 """
 
 from __future__ import annotations
@@ -35,7 +46,14 @@ __all__ = [
     "broadcast_layouts",
     "drop_dims",
     "insert_dim",
+    "PREFIX",
+    "prefix_of",
+    "drop_prefix",
+    "add_prefix",
 ]
+
+#: the mesh dim of a prefix factor ``(k, PREFIX)``: ``k`` tokens held by the entry's first rank (module docstring)
+PREFIX = -1
 
 
 class LayoutError(ValueError):
@@ -55,7 +73,50 @@ def sharded_dims(layout: Layout) -> Tuple[int, ...]:
 def mesh_dims_of(layout: Layout, dims: Optional[Sequence[int]] = None) -> Tuple[int, ...]:
     """Mesh dims the given tensor dims (default all) are sharded over, sorted."""
     dims = range(len(layout)) if dims is None else dims
-    return tuple(sorted({a for d in dims if layout[d] for _, a in layout[d] if a is not None}))
+    return tuple(sorted({a for d in dims if layout[d] for _, a in layout[d] if a is not None and a != PREFIX}))
+
+
+def prefix_of(entry) -> int:
+    """The number of prefix tokens of a layout entry (0 for a plain or whole entry)."""
+    return int(entry[0][0]) if entry and entry[0][1] == PREFIX else 0
+
+
+def drop_prefix(entry):
+    """``entry`` without its prefix factor (the sharded pixel tokens alone)."""
+    return tuple(entry[1:]) if prefix_of(entry) else entry
+
+
+def add_prefix(entry, k: int):
+    """The entry of ``k`` replicated tokens concatenated before tokens of the sharded ``entry``."""
+    if prefix_of(entry) or not entry or not any(a is not None for _, a in entry):
+        raise LayoutError("prefix tokens go before a sharded entry without a prefix")
+    return ((int(k), PREFIX),) + tuple(entry)
+
+
+def _opaque(layout: Layout, shape: Sequence[int]):
+    """``layout`` with each prefixed entry replaced by one sharded factor of a unique placeholder mesh dim
+    (so views move it as a whole), and the map back."""
+    back, out = {}, []
+    for d, e in enumerate(layout):
+        if prefix_of(e):
+            axis = -100 - d
+            back[axis] = e
+            out.append(((int(shape[d]), axis),))
+        else:
+            out.append(e)
+    return tuple(out), back
+
+
+def _restore(layout: Layout, back) -> Layout:
+    out = []
+    for e in layout:
+        hits = [a for _, a in e or () if a in back]
+        if hits and len(e) != 1:
+            raise LayoutError(
+                "a view merges the token dim holding prefix tokens (a CLS token) with other dims; keep it whole"
+            )
+        out.append(back[hits[0]] if hits else e)
+    return tuple(out)
 
 
 def is_sharded(layout: Optional[Layout]) -> bool:
@@ -122,6 +183,9 @@ def reshape_layout(shape: Sequence[int], layout: Layout, new_shape: Sequence[int
     (:func:`flatten_layout`, :func:`unflatten_layout`).
     """
     new_shape = [int(s) for s in new_shape]
+    if any(prefix_of(e) for e in layout):  # a prefixed dim moves as a whole
+        surrogate, back = _opaque(layout, shape)
+        return _restore(reshape_layout(shape, surrogate, new_shape), back)
     if -1 in new_shape:
         known = 1
         for s in new_shape:
@@ -189,6 +253,8 @@ def flatten_layout(shape: Sequence[int], layout: Layout, start: int, end: int) -
     start, end = start % n, end % n
     if start > end:
         raise LayoutError(f"flatten: start_dim {start} after end_dim {end}")
+    if start < end and any(prefix_of(layout[d]) for d in range(start, end + 1)):
+        raise LayoutError("flatten merges the token dim holding prefix tokens (a CLS token) with other dims")
     merged: List[Factor] = []
     for d in range(start, end + 1):
         merged.extend(layout[d] if layout[d] else ((int(shape[d]), None),))

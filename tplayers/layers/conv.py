@@ -327,8 +327,13 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
 
     # ----------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # under torch.autocast: compute (and exchange halos) in the autocast dtype, as nn.ConvNd does
         (weight, bias), reduce = region_params(self.weight, self.bias)  # a region's buckets may sum the grads
+        return self.convolve(x, weight, bias, reduce)
+
+    def convolve(self, x: torch.Tensor, weight, bias, reduce: bool = True) -> torch.Tensor:
+        """This layer's convolution of ``x`` by ``weight`` / ``bias`` of its shapes (a computed weight:
+        the region guard's functional ``F.conv*d``); ``reduce=False`` leaves their gradients partial."""
+        # under torch.autocast: compute (and exchange halos) in the autocast dtype, as nn.ConvNd does
         x, weight, bias = autocast_inputs(x, weight, bias)
         first, _, specs = self._layout(x, weight)  # validated on every rank before any halo traffic
         out_format = serial_format(x, weight, self.spatial, self.padding_mode)  # the output's layout is nn.ConvNd's

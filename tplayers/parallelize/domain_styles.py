@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import tplayers.layers as L
 from tplayers.layers._common import ShardedModule
 from tplayers.layers.neighborhood_attention import NeighborhoodAttention
+from tplayers.parallelize.conv_subclasses import same_padding_twin
 from tplayers.parallelize.reparam import base_type, is_reparametrized, swap_reparametrized
 from tplayers.parallelize.styles import ParallelStyle
 from tplayers.region.members import bind_region, region_of
@@ -185,6 +186,8 @@ class DomainParallel(ParallelStyle):
             return swap_reparametrized(
                 module, lambda plain: twin.from_module(plain, mesh=mesh, shard_dims=self.shard_dims)
             )
+        if twin is None and not is_reparametrized(module):  # a conv subclass padding to TF "SAME" (timm Conv2dSame)
+            twin = same_padding_twin(module)
         if twin is not None:
             new = twin.from_module(module, mesh=mesh, shard_dims=self.shard_dims)
             new.attach_serial(module)  # runs the serial module where the data is replicated (a pooled SE branch)

@@ -4,7 +4,10 @@ The table joins the generic rules (:mod:`tplayers.region.rules`: pointwise, view
 along dims, values), the op rules (:mod:`tplayers.region.rules_ops`: reductions, norms, cat, ...),
 the routes (:mod:`tplayers.region.rules_route`: interpolate, pools, pads, attention) and the
 vision rules (:mod:`tplayers.region.rules_vision`: channel dropout, pixel shuffle, mirrored pads), ``torch.roll``
-(:mod:`tplayers.region.rules_roll`). An op with
+(:mod:`tplayers.region.rules_roll`), the per-pixel rules (:mod:`tplayers.region.rules_pixels`: ``cdist``
+against a codebook, embedding lookups), functional convolutions routed to the window core
+(:mod:`tplayers.region.rules_conv`) and prefix tokens before sharded pixel tokens
+(:mod:`tplayers.region.rules_tokens`: a ViT's CLS token). An op with
 no rule is refused (deny by default). See ``docs/design.md`` (the region guard).
 """
 
@@ -14,7 +17,16 @@ import functools
 from typing import Any, Dict
 
 from tplayers.domain.layout import LayoutError
-from tplayers.region import rules_fft, rules_ops, rules_roll, rules_route, rules_vision
+from tplayers.region import (
+    rules_conv,
+    rules_fft,
+    rules_ops,
+    rules_pixels,
+    rules_roll,
+    rules_route,
+    rules_tokens,
+    rules_vision,
+)
 from tplayers.region.rules import (
     _PASS,
     _PRESERVE,
@@ -45,6 +57,9 @@ def _table() -> Dict[str, Any]:
     table.update(rules_fft.TABLE)
     table.update(rules_vision.TABLE)
     table.update(rules_roll.TABLE)
+    table.update(rules_pixels.TABLE)
+    table.update(rules_conv.TABLE)
+    table.update(rules_tokens.TABLE)  # prefix tokens first; the rest goes on to rules_views
     return table
 
 
@@ -63,6 +78,8 @@ def _local() -> frozenset:
             *ALONG.values(),
             *rules_ops.LOCAL,
             *rules_vision.LOCAL,
+            *rules_pixels.LOCAL,
+            *rules_tokens.LOCAL,
         ]
     )
 
@@ -82,7 +99,7 @@ def handle(g, func, args, kwargs):
             return g.lengths(args[0], func(*args, **kwargs), dim)
     handler = _table().get(name)
     if handler is None and name in _pointwise_names():
-        handler = run_pointwise
+        handler = rules_tokens.pointwise  # run_pointwise, full-size replicated operands sliced first
     if handler is None:
         t, lay = first_sharded(g, args, kwargs)
         raise g.refuse(

@@ -53,6 +53,7 @@ from tplayers.layers.norm import _DomainNorm
 from tplayers.region.dispatch import handle
 from tplayers.region.lengths import Root, shape_with_lengths
 from tplayers.region.rules import _PASS, _PRESERVE, _pointwise_names, first_sharded, op_name
+from tplayers.region.rules_broadcast import broadcast_interpolate, either_use
 from tplayers.region.rules_slices import FACTORIES, SHAPED, factory, has_len, serial_args
 from tplayers.region.saved_hooks import BODY_ADVICE, is_checkpoint_pack, saved_pack
 
@@ -115,6 +116,8 @@ class RegionGuard(TorchFunctionMode):
         self.pending = 0  # such decisions made since the last collective (settled before the next one)
         self.vetted: set = set()  # autograd nodes of twins' outputs (their custom Functions are the twins')
         self.roots: Dict[Tuple[int, int], Tuple[torch.Tensor, Root]] = {}  # (id(t), dim) -> lengths' roots
+        self.in_module = 0  # inside a twin's serial module on replicated data (rules_broadcast)
+        self.either = 0  # maps whose reading the first op using them decides (rules_broadcast._either)
 
     # ----------------------------------------------------------------- tags
     def layout(self, t: Any) -> Optional[Layout]:
@@ -167,7 +170,7 @@ class RegionGuard(TorchFunctionMode):
         lay = self.layout(t)
         for d, entry in enumerate(lay or ()):
             for _, axis in entry or ():
-                if axis is not None and (dim is None or d == dim % len(lay)):
+                if axis is not None and axis >= 0 and (dim is None or d == dim % len(lay)):  # not a PREFIX
                     self.reads.setdefault(axis, set()).add(int(t.shape[d]))
 
     def root(self, t: torch.Tensor, d: int) -> Optional[Root]:
@@ -266,6 +269,15 @@ class RegionGuard(TorchFunctionMode):
             if name in SHAPED and has_len(args, kwargs):  # a replicated tensor has its serial shape
                 with stepped_aside(self, settle=False):
                     return func(*serial_args(args), **dict(zip(kwargs, serial_args(kwargs.values()))))
+            if self.either:  # an undecided resized map (rules_broadcast): carried along, or refused
+                with stepped_aside(self, settle=False):
+                    carried = either_use(self, func, name, args, kwargs, False, handle)
+                if carried is not None:
+                    return carried
+            if name == "interpolate" and not self.in_module:  # a replicated 1 x 1 map broadcast to a local size
+                out = broadcast_interpolate(self, func, args, kwargs)
+                if out is not None:
+                    return out
             first = getattr(args[0], _UNIFORM, None) if args and isinstance(args[0], torch.Tensor) else None
             fresh = name in _CONSTANTS or (
                 first is not None and self.uniform(args[0]) and _keeps_constant(self, name, args, kwargs)
@@ -280,6 +292,8 @@ class RegionGuard(TorchFunctionMode):
             raise self.refuse(
                 self.error(f"{op_name(func)} in a checkpointed function, outside its modules", lay, BODY_ADVICE)
             )
+        if self.either:  # a cat / pointwise op decides an undecided resized map (rules_tokens), others may not
+            either_use(self, func, getattr(func, "__name__", ""), args, kwargs, True, handle)
         with stepped_aside(self, settle=False):  # an outer guard (a model watch) must not see the handler's own ops
             return handle(self, func, args, kwargs)
 
@@ -351,7 +365,11 @@ class RegionGuard(TorchFunctionMode):
             if layout is None and getattr(module, "_serial", None) is not None:
                 serial = module._serial[0]  # replicated data: the serial module, same tensors
                 serial.train(module.training)
-                return serial(*args, **kwargs)
+                self.in_module += 1  # its sizes are global (nn.Upsample(size=)): no broadcast reading
+                try:
+                    return serial(*args, **kwargs)
+                finally:
+                    self.in_module -= 1
             if layout is None:
                 raise self.refuse(
                     self.error(

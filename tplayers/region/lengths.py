@@ -16,7 +16,9 @@ serial value with :func:`serial`.
 The serial value needs every rank's local length along the dim's mesh dim: one small all-gather,
 made the first time it is needed and cached per tensor dim and region call (:class:`Root`). Every
 rank runs the same code, so every rank asks at the same point (comparisons are global, so the ranks'
-branches agree). A length used in true division (``/``) or passed through ``int()`` is a plain
+branches agree). True division gives a :class:`ShardFloat`, which keeps the derivation through
+float arithmetic and comes back a ShardLen through ``math.ceil`` / ``floor`` / ``round`` (timm's
+"same" padding: ``math.ceil(ih / s)``). A length passed through ``int()`` / ``float()`` is a plain
 local number again. Lengths of merged dims (``x.flatten(2).shape[2]``) are plain local numbers.
 Every ShardLen hashes alike (equality is serial, and a local hash would make a dict keyed by
 lengths compare, and so exchange, on some ranks only), so it is a valid but slow dict key, and it
@@ -25,6 +27,7 @@ never matches a plain int key.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -33,7 +36,7 @@ import torch
 from tplayers.comm.collectives import exchange_grid_table
 from tplayers.domain.active import active_guard, stepped_aside
 
-__all__ = ["Root", "ShardLen", "serial", "is_len", "shape_with_lengths"]
+__all__ = ["Root", "ShardLen", "ShardFloat", "serial", "is_len", "shape_with_lengths"]
 
 
 class Root:
@@ -96,6 +99,8 @@ class ShardLen(int):
 
     # -------------------------------------------------------------- arithmetic keeps the derivation
     def _bin(self, other, op, reflected=False):
+        if isinstance(other, (float, ShardFloat)) and not isinstance(other, bool):
+            return _float(other, self, op) if reflected else _float(self, other, op)
         if isinstance(other, bool) or not isinstance(other, int):
             return op(other, int(self)) if reflected else op(int(self), other)
         a, b = (other, self) if reflected else (self, other)
@@ -134,6 +139,12 @@ class ShardLen(int):
     def __rmod__(self, o):
         return self._bin(o, operator.mod, True)
 
+    def __truediv__(self, o):
+        return _float(self, o, operator.truediv)
+
+    def __rtruediv__(self, o):
+        return _float(o, self, operator.truediv)
+
     def __neg__(self):
         fn = self.fn
         return ShardLen(-int(self), self.roots, lambda *v: -fn(*v))
@@ -168,11 +179,99 @@ class ShardLen(int):
         return serial(self) != 0
 
 
-def _parts(x) -> Tuple[Tuple[Root, ...], Callable[..., int]]:
-    if isinstance(x, ShardLen):
+def _parts(x) -> Tuple[Tuple[Root, ...], Callable[..., Any]]:
+    if isinstance(x, (ShardLen, ShardFloat)):
         return x.roots, x.fn
-    v = int(x)
+    v = x
     return (), lambda: v
+
+
+class ShardFloat(float):
+    """A :class:`ShardLen` through true division (``h / 2``, ``math.ceil(h / s)`` in a "same" padding):
+    a ``float`` with the local value that keeps the derivation through ``+ - * /`` and comes back a
+    :class:`ShardLen` through ``math.ceil`` / ``floor`` / ``trunc`` / ``round``. Comparisons are serial."""
+
+    def __new__(cls, value: float, roots: Tuple[Root, ...], fn: Callable[..., float]):
+        obj = float.__new__(cls, float(value))
+        obj.roots, obj.fn = roots, fn
+        return obj
+
+    def __hash__(self):
+        return _HASH
+
+    def _bin(self, other, op, reflected=False):
+        if isinstance(other, bool) or not isinstance(other, (int, float)):
+            return NotImplemented
+        return _float(other, self, op) if reflected else _float(self, other, op)
+
+    def __add__(self, o):
+        return self._bin(o, operator.add)
+
+    def __radd__(self, o):
+        return self._bin(o, operator.add, True)
+
+    def __sub__(self, o):
+        return self._bin(o, operator.sub)
+
+    def __rsub__(self, o):
+        return self._bin(o, operator.sub, True)
+
+    def __mul__(self, o):
+        return self._bin(o, operator.mul)
+
+    def __rmul__(self, o):
+        return self._bin(o, operator.mul, True)
+
+    def __truediv__(self, o):
+        return self._bin(o, operator.truediv)
+
+    def __rtruediv__(self, o):
+        return self._bin(o, operator.truediv, True)
+
+    def _int(self, fn):
+        f = self.fn
+        return ShardLen(fn(float(self)), self.roots, lambda *v: fn(f(*v)))
+
+    def __ceil__(self):
+        return self._int(math.ceil)
+
+    def __floor__(self):
+        return self._int(math.floor)
+
+    def __trunc__(self):
+        return self._int(math.trunc)
+
+    def __round__(self, ndigits=None):
+        return self._int(round) if ndigits is None else round(float(self), ndigits)
+
+    def __eq__(self, o):
+        return serial(self) == serial(o) if isinstance(o, (int, float)) else NotImplemented
+
+    def __ne__(self, o):
+        return serial(self) != serial(o) if isinstance(o, (int, float)) else NotImplemented
+
+    def __lt__(self, o):
+        return serial(self) < serial(o)
+
+    def __le__(self, o):
+        return serial(self) <= serial(o)
+
+    def __gt__(self, o):
+        return serial(self) > serial(o)
+
+    def __ge__(self, o):
+        return serial(self) >= serial(o)
+
+
+def _float(a, b, op) -> Any:
+    ra, fa = _parts(a)
+    rb, fb = _parts(b)
+    n = len(ra)
+    return ShardFloat(op(_local(a), _local(b)), ra + rb, lambda *v: op(fa(*v[:n]), fb(*v[n:])))
+
+
+def _local(x):
+    return float(x) if isinstance(x, ShardFloat) else int(x) if isinstance(x, ShardLen) else x
 
 
 def is_len(x: Any) -> bool:
@@ -182,6 +281,8 @@ def is_len(x: Any) -> bool:
 def serial(x: Any) -> Any:
     """The serial model's value of ``x``: a :class:`ShardLen`'s derivation at the global lengths, anything
     else as it is (one all-gather per sharded dim the first time, see :class:`Root`)."""
+    if isinstance(x, ShardFloat):
+        return float(x.fn(*[r.total() for r in x.roots]))
     if not isinstance(x, ShardLen):
         return x
     return int(x.fn(*[r.total() for r in x.roots]))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 import tplayers.functional as TF
-from tplayers.domain.layout import mesh_dims_of, region_layout, sharded_dims
+from tplayers.domain.layout import mesh_dims_of, prefix_of, region_layout, sharded_dims
+from tplayers.region.lengths import serial
 from tplayers.region.rules import op_name
 from tplayers.region.rules_ops import _bind, _simple
 from tplayers.region.sizes import global_sizes
@@ -74,7 +75,7 @@ def _pad(g, func, args, kwargs):
     a = _bind(args, kwargs, ("input", "pad", "mode", "value"), {"mode": "constant", "value": None})
     x, lay = a["input"], g.layout(a["input"])
     n = x.dim()
-    pads = [int(p) for p in a["pad"]]
+    pads = [int(serial(p)) for p in a["pad"]]  # amounts derived from lengths read: their serial values
     for d in sharded_dims(lay):
         k = n - 1 - d
         if 2 * k + 1 < len(pads) and (pads[2 * k] or pads[2 * k + 1]):
@@ -111,6 +112,11 @@ def _token_info(g, t, dim, what):
 
 
 def _positions(g, factors):
+    if prefix_of(factors):
+        raise g.error(
+            "attention with a mask or is_causal over tokens with a prefix (a CLS token before sharded pixels)",
+            advice="Unmasked attention over such tokens is routed.",
+        )
     return TF.token_positions([s for s, _ in factors], [a for _, a in factors], g.mesh)
 
 

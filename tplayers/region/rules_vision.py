@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
+from tplayers.comm.collectives import exchange_grid_table
 from tplayers.comm.halo_grad import HaloExchange1d
+from tplayers.domain.active import stepped_aside
 from tplayers.domain.layout import sharded_dims
 from tplayers.region import rules_route
+from tplayers.region.lengths import serial
 from tplayers.region.rules import op_name
 from tplayers.region.rules_ops import _bind
 
@@ -111,13 +114,45 @@ def _pixel_unshuffle(g, func, args, kwargs):
     return g.mark(out, layout)
 
 
+def _agree_amounts(g, x, pads) -> None:
+    """On a partition's first call, every rank's constant-pad amounts along the sharded dims must be the
+    same: amounts that differ were computed from local lengths (timm's ``pad_same`` of ``x.size()``) and
+    would pad the global edges by a rank's own amount. One small all-gather per mesh dim, first calls
+    only (later calls with the partition make the same decisions); ``ValueError`` on every rank."""
+    lay = g.layout(x)
+    if not g.check or lay is None:
+        return
+    row = [-1] * (2 * len(g.groups))
+    n = x.dim()
+    for d in sharded_dims(lay):
+        k = n - 1 - d
+        if len(lay[d]) == 1 and 2 * k + 1 < len(pads):
+            axis = lay[d][0][1]
+            row[2 * axis : 2 * axis + 2] = pads[2 * k], pads[2 * k + 1]
+    with stepped_aside(g, settle=False):
+        table = exchange_grid_table(row, g.groups, "region.pad")
+    cells = [r for line in table for r in line]
+    for axis in range(len(g.groups)):
+        seen = sorted({tuple(r[2 * axis : 2 * axis + 2]) for r in cells})
+        if len(seen) > 1:
+            raise g.error(
+                f"F.pad (constant) along the dim sharded over mesh dim {axis} by amounts that differ between "
+                f"ranks {seen}: they were computed from local lengths (x.size() is this rank's slice), so no "
+                "rank pads the serial model's amount",
+                lay,
+                "Compute the padding from the global length, or use a convolution twin's padding (an "
+                "nn.ConvNd subclass padding to TensorFlow 'SAME' is swapped for DistributedConv2dSame).",
+            )
+
+
 def _pad(g, func, args, kwargs):
     a = _bind(args, kwargs, ("input", "pad", "mode", "value"), {"mode": "constant", "value": None})
     if a["mode"] not in ("reflect", "replicate", "circular"):
+        _agree_amounts(g, a["input"], [int(serial(p)) for p in a["pad"]])  # derived from lengths: serial
         return rules_route._pad(g, func, args, kwargs)
     g.acted = True  # not the plain call's result (which pads every rank's edges): compiling refuses it
     x, lay, mode = a["input"], g.layout(a["input"]), a["mode"]
-    n, pads = x.dim(), [int(p) for p in a["pad"]]
+    n, pads = x.dim(), [int(serial(p)) for p in a["pad"]]
     local = list(pads)
     short, wraps = [], []
     g.arm()  # whether the edge rank holds enough rows is read from local sizes
