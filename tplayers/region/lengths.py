@@ -79,35 +79,17 @@ def _ident(v: int) -> int:
     return v
 
 
-class ShardLen(int):
-    """An ``int`` equal to this rank's length, derived by ``fn`` from the sharded dims ``roots`` (see the
-    module docstring): ``serial(n)`` is ``fn`` of the roots' global lengths."""
+class _Derived:
+    """What :class:`ShardLen` and :class:`ShardFloat` share: ``roots`` and ``fn`` (the derivation),
+    arithmetic that keeps it (each class's ``_bin``), serial comparisons, and one hash for all
+    (equality is serial, and a local hash would make a dict keyed by lengths compare, and so
+    exchange, on some ranks only)."""
 
-    def __new__(cls, value: int, roots: Tuple[Root, ...], fn: Callable[..., int]):
-        obj = int.__new__(cls, int(value))
-        obj.roots, obj.fn = roots, fn
-        return obj
-
-    def __repr__(self) -> str:
-        return f"ShardLen({int(self)})"
+    roots: Tuple[Root, ...]
+    fn: Callable[..., Any]
 
     def __hash__(self):
-        # Equal objects hash alike, and equality is serial. The local value differs between ranks, so a dict
-        # keyed by it could compare (and exchange) on some ranks only. One hash for all keeps every rank's
-        # lookups alike.
         return _HASH
-
-    # -------------------------------------------------------------- arithmetic keeps the derivation
-    def _bin(self, other, op, reflected=False):
-        if isinstance(other, (float, ShardFloat)) and not isinstance(other, bool):
-            return _float(other, self, op) if reflected else _float(self, other, op)
-        if isinstance(other, bool) or not isinstance(other, int):
-            return op(other, int(self)) if reflected else op(int(self), other)
-        a, b = (other, self) if reflected else (self, other)
-        ra, fa = _parts(a)
-        rb, fb = _parts(b)
-        n = len(ra)
-        return ShardLen(op(int(a), int(b)), ra + rb, lambda *v: op(fa(*v[:n]), fb(*v[n:])))
 
     def __add__(self, o):
         return self._bin(o, operator.add)
@@ -126,6 +108,60 @@ class ShardLen(int):
 
     def __rmul__(self, o):
         return self._bin(o, operator.mul, True)
+
+    def __truediv__(self, o):
+        return _float(self, o, operator.truediv) if _number(o) else NotImplemented
+
+    def __rtruediv__(self, o):
+        return _float(o, self, operator.truediv) if _number(o) else NotImplemented
+
+    def __eq__(self, o):
+        return serial(self) == serial(o) if _number(o) else NotImplemented
+
+    def __ne__(self, o):
+        return serial(self) != serial(o) if _number(o) else NotImplemented
+
+    def __lt__(self, o):
+        return serial(self) < serial(o) if _number(o) else NotImplemented
+
+    def __le__(self, o):
+        return serial(self) <= serial(o) if _number(o) else NotImplemented
+
+    def __gt__(self, o):
+        return serial(self) > serial(o) if _number(o) else NotImplemented
+
+    def __ge__(self, o):
+        return serial(self) >= serial(o) if _number(o) else NotImplemented
+
+
+def _number(o) -> bool:
+    return isinstance(o, (int, float)) and not isinstance(o, bool)
+
+
+class ShardLen(_Derived, int):
+    """An ``int`` equal to this rank's length, derived by ``fn`` from the sharded dims ``roots`` (see the
+    module docstring): ``serial(n)`` is ``fn`` of the roots' global lengths."""
+
+    __hash__ = _Derived.__hash__
+
+    def __new__(cls, value: int, roots: Tuple[Root, ...], fn: Callable[..., int]):
+        obj = int.__new__(cls, int(value))
+        obj.roots, obj.fn = roots, fn
+        return obj
+
+    def __repr__(self) -> str:
+        return f"ShardLen({int(self)})"
+
+    def _bin(self, other, op, reflected=False):
+        if isinstance(other, float) and not isinstance(other, bool):
+            return _float(other, self, op) if reflected else _float(self, other, op)
+        if isinstance(other, bool) or not isinstance(other, int):
+            return NotImplemented
+        a, b = (other, self) if reflected else (self, other)
+        ra, fa = _parts(a)
+        rb, fb = _parts(b)
+        n = len(ra)
+        return ShardLen(op(int(a), int(b)), ra + rb, lambda *v: op(fa(*v[:n]), fb(*v[n:])))
 
     def __floordiv__(self, o):
         return self._bin(o, operator.floordiv)
@@ -139,12 +175,6 @@ class ShardLen(int):
     def __rmod__(self, o):
         return self._bin(o, operator.mod, True)
 
-    def __truediv__(self, o):
-        return _float(self, o, operator.truediv)
-
-    def __rtruediv__(self, o):
-        return _float(o, self, operator.truediv)
-
     def __neg__(self):
         fn = self.fn
         return ShardLen(-int(self), self.roots, lambda *v: -fn(*v))
@@ -156,77 +186,33 @@ class ShardLen(int):
         fn = self.fn
         return ShardLen(abs(int(self)), self.roots, lambda *v: abs(fn(*v)))
 
-    # -------------------------------------------------------------- comparisons are the serial model's
-    def __eq__(self, o):
-        return serial(self) == serial(o) if isinstance(o, int) else NotImplemented
-
-    def __ne__(self, o):
-        return serial(self) != serial(o) if isinstance(o, int) else NotImplemented
-
-    def __lt__(self, o):
-        return serial(self) < serial(o) if isinstance(o, int) else int(self) < o
-
-    def __le__(self, o):
-        return serial(self) <= serial(o) if isinstance(o, int) else int(self) <= o
-
-    def __gt__(self, o):
-        return serial(self) > serial(o) if isinstance(o, int) else int(self) > o
-
-    def __ge__(self, o):
-        return serial(self) >= serial(o) if isinstance(o, int) else int(self) >= o
-
     def __bool__(self):
         return serial(self) != 0
 
 
 def _parts(x) -> Tuple[Tuple[Root, ...], Callable[..., Any]]:
-    if isinstance(x, (ShardLen, ShardFloat)):
+    if isinstance(x, _Derived):
         return x.roots, x.fn
     v = x
     return (), lambda: v
 
 
-class ShardFloat(float):
+class ShardFloat(_Derived, float):
     """A :class:`ShardLen` through true division (``h / 2``, ``math.ceil(h / s)`` in a "same" padding):
     a ``float`` with the local value that keeps the derivation through ``+ - * /`` and comes back a
     :class:`ShardLen` through ``math.ceil`` / ``floor`` / ``trunc`` / ``round``. Comparisons are serial."""
+
+    __hash__ = _Derived.__hash__
 
     def __new__(cls, value: float, roots: Tuple[Root, ...], fn: Callable[..., float]):
         obj = float.__new__(cls, float(value))
         obj.roots, obj.fn = roots, fn
         return obj
 
-    def __hash__(self):
-        return _HASH
-
     def _bin(self, other, op, reflected=False):
-        if isinstance(other, bool) or not isinstance(other, (int, float)):
+        if not _number(other):
             return NotImplemented
         return _float(other, self, op) if reflected else _float(self, other, op)
-
-    def __add__(self, o):
-        return self._bin(o, operator.add)
-
-    def __radd__(self, o):
-        return self._bin(o, operator.add, True)
-
-    def __sub__(self, o):
-        return self._bin(o, operator.sub)
-
-    def __rsub__(self, o):
-        return self._bin(o, operator.sub, True)
-
-    def __mul__(self, o):
-        return self._bin(o, operator.mul)
-
-    def __rmul__(self, o):
-        return self._bin(o, operator.mul, True)
-
-    def __truediv__(self, o):
-        return self._bin(o, operator.truediv)
-
-    def __rtruediv__(self, o):
-        return self._bin(o, operator.truediv, True)
 
     def _int(self, fn):
         f = self.fn
@@ -243,24 +229,6 @@ class ShardFloat(float):
 
     def __round__(self, ndigits=None):
         return self._int(round) if ndigits is None else round(float(self), ndigits)
-
-    def __eq__(self, o):
-        return serial(self) == serial(o) if isinstance(o, (int, float)) else NotImplemented
-
-    def __ne__(self, o):
-        return serial(self) != serial(o) if isinstance(o, (int, float)) else NotImplemented
-
-    def __lt__(self, o):
-        return serial(self) < serial(o)
-
-    def __le__(self, o):
-        return serial(self) <= serial(o)
-
-    def __gt__(self, o):
-        return serial(self) > serial(o)
-
-    def __ge__(self, o):
-        return serial(self) >= serial(o)
 
 
 def _float(a, b, op) -> Any:
