@@ -40,22 +40,20 @@ import sys
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointFunction
 
 from tplayers.comm.agree import raise_together
-from tplayers.comm.buckets import using_buckets
 from tplayers.domain.active import active_guard, stepped_aside
 from tplayers.domain.boundary import ReplicatedToSharded
-from tplayers.domain.layout import Layout, canonical_layout, is_sharded, mesh_dims_of, region_layout, sharded_dims
-from tplayers.layers.norm import _DomainNorm
+from tplayers.domain.layout import Layout, canonical_layout, is_sharded, region_layout, sharded_dims
 from tplayers.region.dispatch import handle
 from tplayers.region.lengths import Root, shape_with_lengths
 from tplayers.region.rules import _PASS, _PRESERVE, _pointwise_names, first_sharded, op_name
 from tplayers.region.rules_broadcast import broadcast_interpolate, either_use
 from tplayers.region.rules_slices import FACTORIES, SHAPED, factory, has_len, serial_args
 from tplayers.region.saved_hooks import BODY_ADVICE, is_checkpoint_pack, saved_pack
+from tplayers.region.twin_calls import call_twin
 
 __all__ = ["RegionGuard", "active_guard", "GuardError", "CallToken", "tag_of"]
 
@@ -332,93 +330,11 @@ class RegionGuard(TorchFunctionMode):
             )
         )
 
-    def _norm_any_layout(self, module, call, x, layout, args, kwargs):
-        """A norm twin on sharded data of another layout (diffusers' attention normalises ``(N, C, H*W)``):
-        its statistics run over every dim after the channels, so it sees the input as ``(N, C, L, 1...)``."""
-        dims = tuple(module.shard_dims)
-        nd = 2 + (module.spatial or len(dims))
-        if (
-            set(sharded_dims(layout)) & {0, 1}
-            or mesh_dims_of(layout) != tuple(range(len(self.groups)))
-            or dims != tuple(range(2, 2 + len(dims)))
-            or len(args) != 1
-            or kwargs
-        ):
-            raise self.refuse(self.error(f"{type(module).__name__} on a tensor sharded as {layout}", layout))
-        with stepped_aside(self):
-            flat = x.reshape(x.shape[0], x.shape[1], -1, *([1] * (nd - 3)))
-            out = call(flat).reshape(x.shape)
-        return self.mark(out, layout)
-
     # ---------------------------------------------------------------- twins
     def call_twin(self, module, call: Callable, args, kwargs):
-        """Run a twin with the guard stepped aside; tag its output from its input's layout."""
-        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        layout = self.layout(x)
-        if layout is not None and self.check and torch.is_grad_enabled():
-            self.check_functions(args, kwargs)
-        dims = getattr(module, "shard_dims", None)
-        name = type(module).__name__
-        with stepped_aside(self, settle=False):  # the guard's own reads are not the code's (note_read)
-            shape = None if x is None else x.shape
-        if dims is not None and x is not None:
-            if layout is None and getattr(module, "_serial", None) is not None:
-                serial = module._serial[0]  # replicated data: the serial module, same tensors
-                serial.train(module.training)
-                self.in_module += 1  # its sizes are global (nn.Upsample(size=)): no broadcast reading
-                try:
-                    return serial(*args, **kwargs)
-                finally:
-                    self.in_module -= 1
-            if layout is None:
-                raise self.refuse(
-                    self.error(
-                        f"{name} (a domain twin) applied to a replicated tensor of shape {tuple(shape)}",
-                        advice="Twins take this rank's slice of a sharded tensor.",
-                    )
-                )
-            if layout != region_layout(shape, tuple(dims)) and _statistics_twin(module):
-                return self._norm_any_layout(module, call, x, layout, args, kwargs)
-            if layout != region_layout(shape, tuple(dims)) and _pointwise_conv(module) and len(args) == 1:
-                return _conv_fn(module)(x, module.weight, module.bias, 1, 0, 1, module.groups)  # routed: per pixel
-            if layout != region_layout(shape, tuple(dims)):
-                raise self.refuse(
-                    self.error(
-                        f"{name} shards dims {tuple(dims)} but its input is sharded as {layout}",
-                        layout,
-                        "Keep the spatial layout (N, C, *spatial) that the region's input had.",
-                    )
-                )
-
-        with stepped_aside(self), using_buckets(self.buckets):
-            out = call(*args, **kwargs)
-        first = out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else out
-        if isinstance(first, torch.Tensor) and getattr(first.grad_fn, "_forward_cls", None) is not None:
-            self.vetted.add(first.grad_fn)
-        if isinstance(first, torch.Tensor) and layout is not None:
-            if dims is not None:
-                self.mark(first, _twin_out_layout(module, first, tuple(dims)))
-            elif first.dim() == x.dim() and x.dim() - 1 not in sharded_dims(layout):
-                self.mark(first, layout[:-1] + (None,))  # a feature-dim layer (attention, tensor-parallel linear)
-            else:
-                raise self.error(f"{name} applied to domain-sharded data", layout)
-        return out
-
-
-def _statistics_twin(module) -> bool:
-    return isinstance(module, _DomainNorm)
-
-
-def _twin_out_layout(module, out: torch.Tensor, dims: Tuple[int, ...]) -> Layout:
-    """A twin's output keeps its sharded dims, except an adaptive pool's dims of output size 1 (global
-    reductions, replicated along them)."""
-    size = getattr(module, "output_size", None)
-    if size is None:
-        return region_layout(out.shape, dims)
-    per = list(size) if isinstance(size, (tuple, list)) else [size] * (out.dim() - 2)
-    return tuple(
-        ((int(out.shape[d]), dims.index(d)),) if d in dims and per[d - 2] != 1 else None for d in range(out.dim())
-    )
+        """Run a twin with the guard stepped aside; tag its output from its input's layout
+        (:func:`tplayers.region.twin_calls.call_twin`)."""
+        return call_twin(self, module, call, args, kwargs)
 
 
 def _keeps_constant(guard: RegionGuard, name, args, kwargs) -> bool:
@@ -442,21 +358,6 @@ def _torch_reads() -> bool:
     while f is not None and f.f_globals.get("__name__", "").startswith(("tplayers.region", "torch.overrides")):
         f = f.f_back
     return f is not None and f.f_globals.get("__name__", "").startswith("torch.")
-
-
-def _pointwise_conv(module) -> bool:
-    """A convolution twin whose window is one pixel (kernel 1, stride 1, no padding): per pixel on any layout
-    (neuraloperator's ``ChannelMLP`` runs its ``Conv1d`` over flattened pixels)."""
-    k = getattr(module, "kernel_size", None)
-    if not isinstance(k, tuple) or "Transpose" in type(module).__name__ or not hasattr(module, "groups"):
-        return False
-    pad = module.padding
-    pads = (pad,) if isinstance(pad, int) else () if isinstance(pad, str) else tuple(pad)
-    return all(v == 1 for v in k + tuple(module.stride)) and all(p == 0 for p in pads)
-
-
-def _conv_fn(module):
-    return (F.conv1d, F.conv2d, F.conv3d)[len(module.kernel_size) - 1]
 
 
 def _touches(guard: RegionGuard, args, kwargs) -> bool:
