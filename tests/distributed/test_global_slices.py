@@ -143,6 +143,17 @@ class Shifted(nn.Module):
         return x[:, :, 1:] * x[:, :, :-1]
 
 
+class InPlaceGrid(nn.Module):
+    """Sharded values written in place into a whole grid of the serial length: the grid's other references
+    would keep the rows the other ranks wrote, so it is refused (not cut to this rank's rows)."""
+
+    def forward(self, x):
+        grid = torch.linspace(0, 1, x.shape[2], dtype=x.dtype).reshape(1, 1, -1, 1).repeat(1, 2, 1, x.shape[3])
+        alias = grid
+        grid += x
+        return alias + x
+
+
 class IndexTensor(nn.Module):
     def forward(self, x):
         return x[:, :, torch.tensor([0, 2])]
@@ -166,6 +177,7 @@ def _refused(rank, world, make, mesh_shape, match):
         (NumpyGrid, 2, (2,), "replicated operand"),
         (Mixed, 4, (2, 2), "mixes lengths of different sharded dims"),
         (IndexTensor, 2, (2,), "indexing"),
+        (InPlaceGrid, 2, (2,), "replicated operand of shape"),
         (Shifted, 2, (2,), "must match"),  # a ValueError on every rank (the rows are not realigned yet)
     ],
 )

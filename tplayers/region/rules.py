@@ -68,8 +68,10 @@ def run_pointwise(g, func, args, kwargs, tensors=None):
         args = tuple(swap.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: swap.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         tensors = moved
+    written = args[0] if args and getattr(func, "__name__", "").endswith("_") else None
     if spans(g, tensors):  # a replicated operand of a sharded dim's serial length (a grid): cut to the rank's rows
-        cut = dict(zip(map(id, tensors), fit_operands(g, tensors)))
+        # never the in-place target: its other references would keep the rows the other ranks wrote
+        cut = dict(zip(map(id, tensors), fit_operands(g, tensors, keep=(written,))))
         args = tuple(cut.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: cut.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         tensors = [cut[id(t)] for t in tensors]
@@ -85,7 +87,6 @@ def run_pointwise(g, func, args, kwargs, tensors=None):
     # A tensor sharded over some mesh dims only (a reduction's result over a 2-D mesh) is replicated
     # along the others: where it meets data sharded along those, its gradient is summed over them too.
     if len(axes) > 1:  # only a 2-D mesh has tensors sharded over part of it
-        written = args[0] if args and getattr(func, "__name__", "").endswith("_") else None
         for t in tensors:
             lay = g.layout(t)
             missing = tuple(a for a in axes if lay is not None and a not in mesh_dims_of(lay))

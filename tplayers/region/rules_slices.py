@@ -214,14 +214,14 @@ def fit(g, t: torch.Tensor, d: int, ref: torch.Tensor, rd: int) -> Optional[torc
     return whole.narrow(d, sum(sizes[:r]), sizes[r])
 
 
-def fit_operands(g, tensors: Sequence[torch.Tensor], skip: Sequence[int] = ()) -> List[torch.Tensor]:
+def fit_operands(g, tensors: Sequence[torch.Tensor], skip: Sequence[int] = (), keep=()) -> List[torch.Tensor]:
     """``tensors`` (broadcast right-aligned, as pointwise ops and ``cat`` pair them) with every replicated
     one that spans a sharded dim of another with its full serial length cut to the rank's rows
     (:func:`fit`) and tagged sharded there; ``skip``: dims (counted from the right, negative) left alone
-    (a ``cat``'s dim)."""
+    (a ``cat``'s dim); ``keep``: tensors never cut (an in-place op's target)."""
     out = list(tensors)
     for i, t in enumerate(tensors):
-        if g.uniform(t):
+        if g.uniform(t) or any(t is k for k in keep):
             continue
         own = g.layout(t)
         entries = list(own) if own is not None else [None] * t.dim()
