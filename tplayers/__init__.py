@@ -22,7 +22,7 @@ and ``gather`` move between global and local tensors, and
 """
 
 from tplayers import functional
-from tplayers.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
+from tplayers.checkpoint import gather_grads, gather_state_dict, load_checkpoint, save_checkpoint
 from tplayers.comm import CommLog, count_collectives
 from tplayers.domain.boundary import (
     ReplicatedToSharded,
@@ -170,6 +170,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "gather_state_dict",
+    "gather_grads",
     "na1d",
     "na2d",
     "na3d",

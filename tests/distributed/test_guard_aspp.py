@@ -111,7 +111,7 @@ def _parity(rank, world, plus, mesh_shape, layouts, width):
     coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
     dims = tuple(range(2, 2 + mesh.ndim))
     torch.manual_seed(3)
-    # aspp_dropout=0 (smp's default 0.5 is an element-wise nn.Dropout: refused in training, as everywhere)
+    # aspp_dropout=0 here (smp's default 0.5, an element-wise nn.Dropout, is exact too: the zoo runs smp's own)
     serial = DeepLab(plus=plus, dropout=0.0).double()
     parallel = tplayers.parallelize_module(
         copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)}, mesh=mesh

@@ -15,8 +15,8 @@ Offline: ``python -m tplayers.checkpoint {inspect,merge,reshard} ...``.
 """
 
 from tplayers.checkpoint.format import CheckpointError
-from tplayers.checkpoint.gather import gather_state_dict
+from tplayers.checkpoint.gather import gather_grads, gather_state_dict
 from tplayers.checkpoint.load import LoadResult, load_checkpoint
 from tplayers.checkpoint.save import save_checkpoint
 
-__all__ = ["save_checkpoint", "load_checkpoint", "gather_state_dict", "LoadResult", "CheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "gather_state_dict", "gather_grads", "LoadResult", "CheckpointError"]

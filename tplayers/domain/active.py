@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-__all__ = ["active_guard", "stepped_aside", "partition_agreed", "in_guarded_call"]
+__all__ = ["active_guard", "stepped_aside", "partition_agreed", "partition_checked", "in_guarded_call"]
 
 # The guards stepped aside for the code now running, innermost last: per thread and context, as the
 # torch-function mode stack it mirrors is.
@@ -50,6 +50,16 @@ def partition_agreed() -> bool:
     if guard is None:
         guard = next((g for g in reversed(_ASIDE.get()) if g is not None), None)
     return bool(getattr(guard, "agreed", False))
+
+
+def partition_checked() -> bool:
+    """Whether the code now running is inside a ``DomainParallel`` region call whose partition a
+    previous call already ran through (not the partition's first, checking call): only then may a
+    twin reuse a layout it cached by its local shape (see ``tplayers.layers._common.layout_cached``)."""
+    guard = active_guard()
+    if guard is None:
+        guard = next((g for g in reversed(_ASIDE.get()) if g is not None), None)
+    return bool(getattr(guard, "agreed", False)) and not getattr(guard, "check", True)
 
 
 def in_guarded_call() -> bool:

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.utils import parametrize
 
 from tplayers.comm.agree import exchange_agreed, value_fingerprints
-from tplayers.domain.active import active_guard, in_guarded_call, partition_agreed
+from tplayers.domain.active import active_guard, in_guarded_call, partition_agreed, partition_checked
 from tplayers.layers._copy import MeshBound
 from tplayers.mesh import resolve_mesh
 from tplayers.sharding import ShardSpec
@@ -87,7 +87,37 @@ class ShardedModule(RegionAware, MeshBound, nn.Module):
             ranks=self.mesh.mesh.reshape(-1).tolist(),
         )
         self._values_checked = True
+        if partition_agreed() and not partition_checked():
+            self._note_rows(table)
         return table
+
+    def _layout_cached(self) -> bool:
+        """Whether a layout cached by this rank's local shape may be reused without an exchange: while
+        compiling, or in a region call whose partition was run through before, unless this twin took two
+        tensors whose local shapes coincide on some rank but not on others (a pooled pyramid's 2- and
+        3-row maps are 1 + 1 and 2 + 1 rows: the second rank would reuse the first map's plan while the
+        first rank exchanged). The region resets twins when its partition changes (``reset_layout``)."""
+        if torch.compiler.is_compiling():
+            return True
+        return partition_checked() and not self.__dict__.get("_ambiguous", False)
+
+    def _note_rows(self, table) -> None:
+        """In a partition's checking call: remember the whole table each rank's row came with; a row seen
+        with two different tables marks this twin ambiguous (identically on every rank: every rank sees
+        every table)."""
+        seen = self.__dict__.setdefault("_row_tables", {})
+        whole = repr(table)
+        stack = [table]
+        while stack:
+            item = stack.pop()
+            if item and isinstance(item[0], list):
+                stack.extend(item)
+            elif seen.setdefault(repr(item), whole) != whole:
+                self._ambiguous = True
+
+    def _forget_rows(self) -> None:
+        self.__dict__.pop("_row_tables", None)
+        self.__dict__.pop("_ambiguous", None)
 
     def _bind_mesh(self, mesh: Optional[DeviceMesh], ndim=1) -> DeviceMesh:
         mesh = resolve_mesh(mesh, ndim)

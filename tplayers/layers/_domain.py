@@ -31,7 +31,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from tplayers.domain.active import partition_agreed
 from tplayers.layers._common import ShardedModule
 from tplayers.sharding import ShardSpec
 
@@ -120,6 +119,7 @@ class DomainLayer(ShardedModule):
         its twins when its partition changes, and twins called elsewhere agree on it every call."""
         self._layouts.clear()
         self._tables.clear()
+        self._forget_rows()
 
     def _group_of(self, d: int) -> dist.ProcessGroup:
         return self._groups[self.shard_dims.index(d)]
@@ -150,7 +150,7 @@ class DomainLayer(ShardedModule):
                 None if ref is None else ref.dtype,
             )
         key = (tuple(x.shape), x.dtype, x.device) if is_tensor else None  # a bad input still joins the exchange
-        cached = torch.compiler.is_compiling() or partition_agreed()  # else: exchanged every call (module docstring)
+        cached = self._layout_cached()  # else: exchanged (module docstring)
         if cached and key in self._layouts:
             return self._layouts[key]
         ref = self._param_dtype() if ref is None else ref

@@ -35,7 +35,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_many_to_parallel_region
-from tplayers.domain.active import partition_agreed
 from tplayers.domain.window import gather_windows
 from tplayers.layers._common import ShardedModule, autocast_dtype_ok
 from tplayers.layers._domain import layout_priming, priming
@@ -214,6 +213,7 @@ class NeighborhoodAttention(ShardedModule):
         its layers when its partition changes, and a layer called elsewhere agrees on it every call."""
         self._layouts.clear()
         self._tables.clear()
+        self._forget_rows()
 
     # ------------------------------------------------------------------ layout
     def _check_local(self, x: torch.Tensor) -> bool:
@@ -240,7 +240,7 @@ class NeighborhoodAttention(ShardedModule):
                 tuple(int(s) for s in x.shape), x.dtype, x.device
             )  # the exchange stays out of the graph (int(): shapes specialised, never symbolic)
         key = tuple(x.shape) if isinstance(x, torch.Tensor) else None  # a bad input still joins the exchange
-        cached = torch.compiler.is_compiling() or partition_agreed()  # else exchanged every call (as DomainLayer's)
+        cached = self._layout_cached()  # else exchanged (as DomainLayer's)
         if cached and key in self._layouts:
             # Cached layout: every rank skips the exchange alike; the per-call checks stay local
             # (a dtype or device change must not reach the halo traffic with mismatched buffers).

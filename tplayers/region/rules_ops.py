@@ -401,7 +401,6 @@ TABLE.update(
         "group_norm": _domain_norm,
         "batch_norm": _domain_norm,
         "instance_norm": _domain_norm,
-        "dropout": _dropout,
         "dropout1d": _dropout,
         "dropout2d": _dropout,
         "dropout3d": _dropout,

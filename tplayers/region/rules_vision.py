@@ -1,5 +1,13 @@
-"""Region-guard rules for vision ops that are exact on each rank's slice: channel dropout, pixel shuffle.
+"""Region-guard rules for vision ops: dropout (element-wise and per channel), pixel shuffle, mirrored pads.
 
+* ``F.dropout`` (``nn.Dropout``, ``torch.dropout``) on sharded data in training draws the serial mask:
+  torch's CPU dropout is ``x * empty_like(x).bernoulli_(1 - p).div_(1 - p)``, so every rank (the
+  generator in the same state everywhere, as for the channel masks below) draws the noise of the
+  serial tensor's shape and strides and multiplies its slice of it: exact, gradients included, and
+  the generator advances as the serial model's. The cost is one serial-size noise tensor while the
+  call runs; :class:`tplayers.ParallelDropout` draws only the local mask (the same distribution, a
+  different model). ``p == 1`` draws nothing (torch multiplies by zero); a dim sharded over several
+  mesh dims is refused.
 * ``F.dropout1d`` / ``dropout2d`` / ``dropout3d`` / ``feature_alpha_dropout`` (``nn.Dropout2d``, ...)
   draw one mask entry per ``(N, C)``: torch draws it as a ``(N, C, 1, ...)`` tensor whose shape does
   not depend on the spatial sizes, so with the generator in the same state on every rank (the same
@@ -29,6 +37,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from tplayers.comm.collectives import exchange_grid_table
@@ -74,6 +83,45 @@ def _channel_dropout(g, func, args, kwargs):
             )
         )
     return g.mark(func(*args, **kwargs), out_lay)
+
+
+def _noise_like(x: torch.Tensor, shape) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` laid out as ``empty_like(x)`` lays out one of ``x``'s shape:
+    ``x``'s stride order when ``x`` is dense, else its suggested memory format."""
+    order = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    dense = all(x.stride(order[i]) == x.stride(order[i + 1]) * x.shape[order[i + 1]] for i in range(x.dim() - 1))
+    if x.dim() and dense and x.stride(order[-1]) == 1:
+        base = torch.empty([shape[d] for d in order], dtype=x.dtype, device=x.device)
+        return base.permute([order.index(d) for d in range(x.dim())])
+    fmt = torch.contiguous_format
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        fmt = torch.channels_last
+    elif x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d):
+        fmt = torch.channels_last_3d
+    return torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+
+
+def _dropout(g, func, args, kwargs):
+    a = _bind(args, kwargs, ("input", "p", "training", "inplace"), {"p": 0.5, "training": True, "inplace": False})
+    if func is torch.dropout or func is torch.dropout_:  # torch.dropout(input, p, train)
+        a["training"] = args[2] if len(args) > 2 else kwargs.get("train", True)
+        a["inplace"] = func is torch.dropout_
+    x, lay, p = a["input"], g.layout(a["input"]), float(a["p"])
+    if p == 0.0 or not a["training"] or lay is None or p == 1.0:  # p == 1: torch multiplies by zero, no draw
+        return g.mark(func(*args, **kwargs), lay)
+    roots = {d: g.root(x, d) for d in sharded_dims(lay)}
+    if any(r is None for r in roots.values()):
+        raise g.error(
+            f"{op_name(func)} with p={p} in training on a dim sharded over several mesh dims",
+            lay,
+            "Use tplayers.ParallelDropout.",
+        )
+    shape = [roots[d].total() if d in roots else x.shape[d] for d in range(x.dim())]
+    with torch.no_grad():
+        noise = _noise_like(x, shape).bernoulli_(1 - p).div_(1 - p)
+    for d, r in roots.items():
+        noise = noise.narrow(d, r.offset(), r.local)
+    return g.mark(x.mul_(noise) if a["inplace"] else x * noise, lay)
 
 
 def _factor(g, func, args, kwargs, key):
@@ -210,6 +258,7 @@ def _constant(g, func, args, kwargs):
 
 
 TABLE = {
+    "dropout": _dropout,
     "new_zeros": _constant,
     "new_ones": _constant,
     "new_full": _constant,
