@@ -117,6 +117,26 @@ def _monai(name, **kw):
     return _seeded(fn)
 
 
+def _unetr():
+    """MONAI's UNETR (2-D, patch 16, its 12-layer ViT) with its blocks' SDPA attention switched on (the
+    default einsum attention pairs sharded tokens in a matmul: refused, naming SDPA)."""
+    from monai.networks.nets import UNETR
+
+    model = UNETR(
+        in_channels=3,
+        out_channels=2,
+        img_size=(64, 64),
+        feature_size=4,
+        hidden_size=16,
+        mlp_dim=16,
+        num_heads=2,
+        spatial_dims=2,
+    )
+    for block in model.vit.blocks:
+        block.attn.use_flash_attention = True
+    return model
+
+
 def _hf(config_name, model_name, sdpa=False, **kw):
     def fn():
         import transformers
@@ -206,6 +226,7 @@ ZOO = {
         32,
         "image",
     ),
+    "monai UNETR": Entry("monai", _seeded(_unetr), 64, "image"),
     # transformers (vision)
     "transformers ResNetForImageClassification": Entry(
         "transformers",
