@@ -46,6 +46,18 @@ def _timm(name, **kw):
     return _seeded(fn)
 
 
+def _checkpointed(build):
+    """``build``'s model with its own activation checkpointing switched on (timm's
+    ``set_grad_checkpointing()``): every block recomputed in backward, inside the region."""
+
+    def fn():
+        model = build()
+        model.set_grad_checkpointing(True)
+        return model
+
+    return fn
+
+
 def _smp(arch, **kw):
     def fn():
         import segmentation_models_pytorch as smp
@@ -166,6 +178,10 @@ ZOO = {
     "timm regnetx_002": Entry("timm", _timm("regnetx_002"), 64, "vector"),
     "timm ghostnet_050": Entry("timm", _timm("ghostnet_050"), 64, "vector"),
     "timm densenet121": Entry("timm", _timm("densenet121"), 64, "vector"),
+    "timm test_efficientnet (checkpointing)": Entry("timm", _checkpointed(_timm("test_efficientnet")), 64, "vector"),
+    "timm test_resnet (checkpointing)": Entry("timm", _checkpointed(_timm("test_resnet")), 64, "vector"),
+    "timm test_convnext (checkpointing)": Entry("timm", _checkpointed(_timm("test_convnext")), 64, "vector"),
+    "timm mobilevit_xxs": Entry("timm", _timm("mobilevit_xxs"), 64, "vector"),
     "timm test_vit": Entry("timm", _timm("test_vit", img_size=32, patch_size=4), 32, "vector"),
     # segmentation_models_pytorch on timm's tiny ResNet encoder
     "smp Unet": Entry("smp", _smp("Unet", encoder_depth=4, decoder_channels=(16, 8, 8, 8)), 64, "image"),

@@ -150,10 +150,14 @@ class DomainNormFn(torch.autograd.Function):
     per mesh dim of the statistic sums and the affine-parameter gradients.
 
     Returns ``(y, mean, unbiased var, count)``; the last three (fp64, detached) feed running stats.
+    ``on_stats(mean, unbiased var, count)``, if given, runs inside forward, before autograd packs the
+    saved tensors: a non-reentrant activation checkpoint stops its recomputation at the last packed
+    tensor it needs, and torch's own norms update their running stats before that point, so updates
+    made after ``apply`` returned would be skipped in the recomputation (the serial model makes them).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, num_groups: int, per_channel: bool, eps: float, groups):
+    def forward(ctx, x, weight, bias, num_groups: int, per_channel: bool, eps: float, groups, on_stats=None):
         acc = acc_dtype(x)
         x4 = _view(x, num_groups).to(acc)
         count, mean, m2 = global_moments(x4, per_channel, groups)
@@ -175,6 +179,9 @@ class DomainNormFn(torch.autograd.Function):
         ctx.info = (num_groups, per_channel, groups, bias is not None)
         unbiased = m2 / (count - 1).clamp(min=1)
         ctx.mark_non_differentiable(mean, unbiased, count)
+        if on_stats is not None:
+            with torch.no_grad():
+                on_stats(mean, unbiased, count)
         return (
             (y if y.dtype == x.dtype and y.shape == x.shape else y.reshape(x.shape).to(x.dtype)),
             mean,
@@ -229,4 +236,4 @@ class DomainNormFn(torch.autograd.Function):
             offset += c
         if has_bias:
             db = flat[offset : offset + c].to(weight.dtype if weight is not None else x.dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None

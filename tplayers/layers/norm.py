@@ -115,8 +115,8 @@ class _DomainNorm(ShardedModule):
         if x.size(1) != channels:
             raise ValueError(f"{name}: expected {channels} channels (dim 1), got shape {tuple(x.shape)}")
 
-    def _stats(self, x, num_groups: int, per_channel: bool):
-        return DomainNormFn.apply(x, self.weight, self.bias, num_groups, per_channel, self.eps, self._groups)
+    def _stats(self, x, num_groups: int, per_channel: bool, on_stats=None):
+        return DomainNormFn.apply(x, self.weight, self.bias, num_groups, per_channel, self.eps, self._groups, on_stats)
 
     def _per_pixel(self, x: torch.Tensor) -> torch.Tensor:
         """Eval with running stats: a per-pixel affine map; replicated parameter grads summed."""
@@ -145,12 +145,15 @@ class _DistributedBatchNorm(_DomainNorm):
         self._check(x, self.num_features)
         if not (self.training or self.running_mean is None):
             return self._per_pixel(x)
-        y, mean, var, _ = self._stats(x, x.size(1), True)
+        update = None
         if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-            self._update(mean, var, factor)
-        return y
+
+            def update(mean, var, _count):  # inside the statistics' forward (see DomainNormFn)
+                self.num_batches_tracked.add_(1)
+                factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+                self._update(mean, var, factor)
+
+        return self._stats(x, x.size(1), True, update)[0]
 
 
 class _DistributedInstanceNorm(_DomainNorm):
@@ -158,10 +161,13 @@ class _DistributedInstanceNorm(_DomainNorm):
         self._check(x, self.num_features)
         if not (self.training or not self.track_running_stats):
             return self._per_pixel(x)
-        y, mean, var, _ = self._stats(x, x.size(1), False)
+        update = None
         if self.running_mean is not None:  # as F.instance_norm: the batch's instances averaged in
-            self._update(mean.mean(0), var.mean(0), self.momentum if self.momentum is not None else 0.0)
-        return y
+
+            def update(mean, var, _count):  # inside the statistics' forward (see DomainNormFn)
+                self._update(mean.mean(0), var.mean(0), self.momentum if self.momentum is not None else 0.0)
+
+        return self._stats(x, x.size(1), False, update)[0]
 
 
 def _doc(nn_name: str, shape: str, ctor: str) -> str:

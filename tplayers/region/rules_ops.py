@@ -308,17 +308,18 @@ def _domain_norm(g, func, args, kwargs):
                 call[key] = g.bound(call[key], axes)
         return g.mark(func(**call), lay)
     per_channel = name == "batch_norm"
-    y, mean, var, _ = DomainNormFn.apply(
-        x, a["weight"], a["bias"], x.shape[1] if not per_channel else x.shape[1], per_channel, float(a["eps"]), groups
-    )
     rm, rv, mom = a["running_mean"], a["running_var"], a["momentum"]
+    update = None
     if rm is not None and rv is not None:
-        with torch.no_grad():
+
+        def update(mean, var, _count):  # inside the statistics' forward, as torch's kernel (DomainNormFn)
             if not per_channel:
                 mean, var = mean.reshape(x.shape[0], -1).mean(0), var.reshape(x.shape[0], -1).mean(0)
             f = 0.0 if mom is None else float(mom)
             rm.mul_(1 - f).add_(mean.reshape(-1).to(rm.dtype), alpha=f)
             rv.mul_(1 - f).add_(var.reshape(-1).to(rv.dtype), alpha=f)
+
+    y = DomainNormFn.apply(x, a["weight"], a["bias"], x.shape[1], per_channel, float(a["eps"]), groups, update)[0]
     return g.mark(y, lay)
 
 
