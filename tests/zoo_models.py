@@ -181,7 +181,6 @@ ZOO = {
     "timm test_efficientnet (checkpointing)": Entry("timm", _checkpointed(_timm("test_efficientnet")), 64, "vector"),
     "timm test_resnet (checkpointing)": Entry("timm", _checkpointed(_timm("test_resnet")), 64, "vector"),
     "timm test_convnext (checkpointing)": Entry("timm", _checkpointed(_timm("test_convnext")), 64, "vector"),
-    "timm mobilevit_xxs": Entry("timm", _timm("mobilevit_xxs"), 64, "vector"),
     "timm test_vit": Entry("timm", _timm("test_vit", img_size=32, patch_size=4), 32, "vector"),
     # segmentation_models_pytorch on timm's tiny ResNet encoder
     "smp Unet": Entry("smp", _smp("Unet", encoder_depth=4, decoder_channels=(16, 8, 8, 8)), 64, "image"),
