@@ -1,6 +1,7 @@
 """Per-block activation checkpointing inside a domain region: peak bytes per rank of a training step.
 
     torchrun --nproc-per-node 2 benchmarks/region_recompute.py [--size 128 --width 16] [--batch 1] [--frozen]
+        [--models vae unet efficientnet convnext]
 
 diffusers' ``UNet2DModel`` and ``AutoencoderKL`` under ``parallelize_module(m, {"": DomainParallel(...)})``
 on an H-sharded input, one training step each (forward, ``domain_mean`` MSE loss, backward), with the
@@ -61,10 +62,17 @@ class Bytes(TorchDispatchMode):
         return sum(n for _, n in self.live.values())
 
 
+TIMM = {"efficientnet": "efficientnet_b0", "convnext": "convnext_atto"}
+
+
 def build(kind: str, width: int, size: int):
+    torch.manual_seed(0)
+    if kind in TIMM:
+        import timm
+
+        return timm.create_model(TIMM[kind], pretrained=False, num_classes=10)
     import diffusers
 
-    torch.manual_seed(0)
     if kind == "unet":
         return diffusers.UNet2DModel(
             sample_size=size,
@@ -94,6 +102,15 @@ def _reentrant(module, *args):
     return checkpoint(module.__call__, *args, use_reentrant=True)
 
 
+def _switch_on(model, mode):
+    """The package's own switch: timm's ``set_grad_checkpointing()``, diffusers'
+    ``enable_gradient_checkpointing()`` (``use_reentrant=True`` through its checkpointing function)."""
+    if hasattr(model, "set_grad_checkpointing"):
+        model.set_grad_checkpointing(True)
+    else:
+        model.enable_gradient_checkpointing(_reentrant if mode == "reentrant" else None)
+
+
 def step(model, kind, x, target, mesh):
     """One step under the byte counter: (peak bytes, bytes held after forward, the gradients)."""
     model.zero_grad(set_to_none=True)
@@ -102,9 +119,14 @@ def step(model, kind, x, target, mesh):
     if mesh is not None:
         dist.barrier()
     with Bytes() as b:
-        y = (model(x, t) if kind == "unet" else model(x)).sample
-        err = F.mse_loss(y, target, reduction="none")
-        loss = tplayers.domain_mean(err, mesh) if mesh is not None else err.mean()
+        if kind in TIMM:  # logits: the same on every rank
+            y = model(x)
+            err = F.mse_loss(y, target, reduction="none")
+            loss = err.mean()
+        else:
+            y = (model(x, t) if kind == "unet" else model(x)).sample
+            err = F.mse_loss(y, target, reduction="none")
+            loss = tplayers.domain_mean(err, mesh) if mesh is not None else err.mean()
         del y, err
         held = b.now()
         loss.backward()
@@ -117,6 +139,7 @@ def main():
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--frozen", action="store_true", help="parameters frozen: activation bytes only")
+    ap.add_argument("--models", nargs="+", default=["vae", "unet", "efficientnet", "convnext"])
     args = ap.parse_args()
     mesh = tplayers.init_mesh()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -129,31 +152,32 @@ def main():
             if args.frozen
             else "# a full training step: parameter gradients included"
         )
-    for kind in ("vae", "unet"):
+    for kind in args.models:
         serial = build(kind, args.width, args.size)
         serial.requires_grad_(not args.frozen)
         torch.manual_seed(1)
         full = torch.randn(args.batch, 3, args.size, args.size)
-        target = torch.randn_like(full)
-        x, tgt = tplayers.shard(full, 2, mesh), tplayers.shard(target, 2, mesh)
+        target = torch.randn(args.batch, 10) if kind in TIMM else torch.randn_like(full)
+        x, tgt = tplayers.shard(full, 2, mesh), target if kind in TIMM else tplayers.shard(target, 2, mesh)
+        modes = ("off", "non-reentrant") if kind in TIMM else ("off", "non-reentrant", "reentrant")
         rows = {}
-        for mode in ("off", "non-reentrant", "reentrant"):
+        for mode in modes:
             par = tplayers.parallelize_module(
                 copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh
             )
             if mode != "off":
-                par.enable_gradient_checkpointing(_reentrant if mode == "reentrant" else None)
+                _switch_on(par, mode)
             step(par, kind, x, tgt, mesh)  # warm-up: the first call of a partition agrees on its decisions
             rows[mode] = step(par, kind, x, tgt, mesh)
-        for mode in ("non-reentrant", "reentrant"):  # exact: the same gradients with checkpointing
+        for mode in modes[1:]:  # exact: the same gradients with checkpointing
             for g, r in zip(rows[mode][2], rows["off"][2]):
                 torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
         ser = {}
         if rank == 0:
-            for mode in ("off", "non-reentrant", "reentrant"):
+            for mode in modes:
                 m = copy.deepcopy(serial)
                 if mode != "off":
-                    m.enable_gradient_checkpointing(_reentrant if mode == "reentrant" else None)
+                    _switch_on(m, mode)
                 ser[mode] = step(m, kind, full, target, None)
         dist.barrier()
         peaks = torch.tensor([[r[0], r[1]] for r in rows.values()], dtype=torch.float64)
