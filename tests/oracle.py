@@ -121,13 +121,18 @@ def backward_step_match(loss_s, loss_p, xs, xl, local, serial, parallel, opt_s, 
             torch.testing.assert_close(b, r, msg=lambda m: f"buffer {n}: {m}", **tol)
 
 
-def edge_convs(model: torch.nn.Module) -> int:
+def edge_convs(model: torch.nn.Module, halo_only: bool = True) -> int:
     """The convolution twins in ``model`` whose cached layouts take the main-plus-strips strategy
-    (``ConvSpec.strips``, :func:`tplayers.layers.conv.halo_conv`)."""
+    (``ConvSpec.strips``, :func:`tplayers.layers.conv.halo_conv`); with ``halo_only`` those with a halo
+    (strips), not the convolutions that need none (one-pixel kernels), which take it on any slab."""
     from tplayers.layers.conv import _DistributedConvNd
 
     return sum(
-        any(s.strips is not None for entry in m._layouts.values() for s in entry[2].values())
+        any(
+            s.strips is not None and (s.strips.pad > 0 or not halo_only)
+            for entry in m._layouts.values()
+            for s in entry[2].values()
+        )
         for m in model.modules()
         if isinstance(m, _DistributedConvNd)
     )

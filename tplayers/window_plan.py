@@ -250,13 +250,14 @@ def uniform_geometry(
     ``sizes`` rows) follows the main-plus-strips rule: zero padding ``r`` on both sides
     (``zero_padded``), each side filled by exactly ``r`` halo rows or ``r`` boundary zeros, nothing
     trimmed, output rows everywhere; else ``None``. Decided from every shard's plan, so that every
-    rank takes the same path (the same messages).
+    rank takes the same path (the same messages). ``r = 0`` (a one-pixel convolution, patches that stay
+    inside every shard): no halo and no strips, the main convolution of the local input alone.
 
     >>> plans = plan_windows([5, 3], 8, conv_window(3, 1, 1, 1), mode="zeros", what="dim 2")
     >>> uniform_geometry(plans, [5, 3], 1, 1, 3, 1, True)
     EdgeGeometry(pad=1, lo=(3,), hi=None)
     """
-    if not zero_padded or r <= 0:
+    if not zero_padded or r < 0:
         return None
     out, last = [], len(plans) - 1
     for c, (p, n) in enumerate(zip(plans, sizes)):

@@ -6,7 +6,10 @@
    (checked on the layer's cached spec) in most of them;
 2. every rank takes the same path: :func:`uniform_geometry` decides from every shard's plan;
 3. the same messages as the halo-padded path, and activation checkpointing recomputes nothing;
-4. the size threshold: a small slab takes the halo-padded path, a slab of ``EDGE_MIN_ELEMENTS`` the edges.
+4. the size threshold: a small slab takes the halo-padded path, a slab of ``EDGE_MIN_ELEMENTS`` the edges;
+5. a convolution that needs no halo (a one-pixel kernel, patches aligned with the shards) takes the path on
+   any slab and saves the local input itself, no padded copy (a copy duplicated the input wherever another
+   op also kept it: a U-Net's 1x1 shortcut beside its norm); patches that straddle a shard do not.
 """
 
 import random
@@ -190,6 +193,42 @@ def _threshold(rank, world):
 
 def test_threshold():
     run_ranks(_threshold, 2, timeout=60)
+
+
+def _no_halo(rank, world):
+    mesh = tplayers.default_mesh()
+    cases = [  # (conv arguments, rows per rank, takes the path)
+        (dict(kernel_size=1), [5, 3], True),
+        (dict(kernel_size=2, stride=2), [6, 4], True),
+        (dict(kernel_size=2, stride=2), [5, 5], False),  # rank 1's first patch needs rank 0's last row
+    ]
+    for args, sizes, path in cases:
+        torch.manual_seed(0)
+        serial = nn.Conv2d(3, 4, **args).double()
+        layer = tplayers.DistributedConv2d.from_module(serial, mesh=mesh)
+        x = torch.randn(2, 3, sum(sizes), 6, dtype=torch.float64)
+        xp = x.narrow(2, offsets_from_sizes(sizes)[rank], sizes[rank]).clone().requires_grad_(True)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = layer(xp)
+        assert bool(edge_convs(layer, halo_only=False)) == path, (args, sizes)
+        copies = [t for t in saved if t.numel() >= xp.numel() and t.data_ptr() != xp.data_ptr()]
+        assert (not copies) == path, (args, sizes, [tuple(t.shape) for t in copies])  # the padded path copies
+        xs = x.clone().requires_grad_(True)
+        ys = serial(xs)
+        yg = tplayers.gather(y, (2,), mesh)
+        torch.testing.assert_close(yg, ys, **TIGHT)
+        cot = torch.randn(ys.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        (ys * cot).sum().backward()
+        (yg * cot).sum().backward()
+        torch.testing.assert_close(tplayers.gather(xp.grad, (2,), mesh), xs.grad, **TIGHT)
+        torch.testing.assert_close(layer.weight.grad, serial.weight.grad, **TIGHT)
+        torch.testing.assert_close(layer.bias.grad, serial.bias.grad, **TIGHT)
+    return True
+
+
+def test_no_halo_takes_the_path_without_a_copy():
+    run_ranks(_no_halo, 2, timeout=60)
 
 
 def test_module_doctests():

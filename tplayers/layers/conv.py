@@ -17,7 +17,9 @@ exchange with the convolution by one of two strategies, chosen per layout here. 
 (the convolution of the local input itself, padded by the halo width, while the halo flies, plus
 thin strips for the halo rows; no halo-padded copy, the same messages) where every shard's plan is
 a zero-padded "same"-like one (:func:`~tplayers.window_plan.uniform_geometry`, so every rank agrees)
-and either the slab is large (:data:`EDGE_MIN_ELEMENTS`) or ``overlap_halo=True``; else
+and either the slab is large (:data:`EDGE_MIN_ELEMENTS`), ``overlap_halo=True``, or no halo is
+needed at all (padding 0 along the last sharded dim and every window inside its shard: a one-pixel
+convolution, patches aligned with the shards; the local input is convolved and saved as it is); else
 halo-padded (exchange, then one convolution; its backward overlaps the parameter-gradient sum with
 the adjoint halo messages), which is faster on small slabs on the CPU with gloo, where the strips'
 extra calls cost more than the copy saves (``benchmarks/conv_halo.py`` times both).
@@ -285,11 +287,13 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
             else:
                 conv_pad.append(0)
                 extra.append((2 + i, lo, hi))
-        # the main-plus-strips strategy where every shard's plan allows it and the slab is large (or overlap_halo)
+        # the main-plus-strips strategy where every shard's plan allows it and the slab is large (or overlap_halo);
+        # with no halo at all (padding 0 and windows inside every shard: no strips) on any slab, as it copies nothing
         i = last - 2
         slab = math.prod(shape[:2]) * math.prod(sum(sizes[d]) if d in sizes else shape[d] for d in range(2, len(shape)))
         strips, zero_padded = None, self.padding_mode == "zeros" and not extra and self._pads[i][0] == self._pads[i][1]
-        if self.overlap_halo or slab // math.prod(len(sizes[d]) for d in sizes) >= EDGE_MIN_ELEMENTS:  # per rank
+        no_halo = tuple(self._pads[i]) == (0, 0)
+        if self.overlap_halo or no_halo or slab // math.prod(len(sizes[d]) for d in sizes) >= EDGE_MIN_ELEMENTS:
             strips = uniform_geometry(
                 every[last],
                 sizes[last],
@@ -404,7 +408,9 @@ class DistributedConv2d(_DistributedConvNd):
             backward likewise) for every zero-padded "same"-like plan (any stride, dilation, groups,
             uneven partitions; decided from every shard's plan, so every rank agrees), the halo-padded
             one elsewhere and while compiling. By default only slabs of at least
-            ``EDGE_MIN_ELEMENTS`` elements per rank take main-plus-strips. Same values either way.
+            ``EDGE_MIN_ELEMENTS`` elements per rank take main-plus-strips, and convolutions that need
+            no halo (a one-pixel kernel, patches aligned with the shards), which then convolve and
+            save the local input itself, no padded copy. Same values either way.
 
     Shapes: ``weight`` ``(out_channels, in_channels // groups, kH, kW)`` and ``bias`` are replicated,
     their gradients summed over the domain; input ``(N, C_in, H_local, W_local)`` (this rank's slice
