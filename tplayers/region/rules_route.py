@@ -16,6 +16,7 @@ from tplayers.domain.layout import mesh_dims_of, prefix_of, region_layout, shard
 from tplayers.region.lengths import serial
 from tplayers.region.rules import op_name
 from tplayers.region.rules_ops import _bind, _simple
+from tplayers.region.rules_window_attn import window_sdpa
 from tplayers.region.sizes import global_sizes
 
 __all__ = ["TABLE"]
@@ -121,6 +122,9 @@ def _positions(g, factors):
 
 
 def _sdpa(g, func, args, kwargs):
+    local = window_sdpa(g, args, kwargs)  # windows folded into the batch: attention per window is local
+    if local is not None:
+        return local
     g.acted = True
     a = _bind(
         args,

@@ -268,7 +268,7 @@ def spans(g, tensors: Sequence[torch.Tensor]) -> bool:
 # ----------------------------------------------------------------------------- factories
 def _dim_of(g, s: ShardLen, what: str):
     axes = {r.axis for r in s.roots}
-    if len(axes) != 1:
+    if len(axes) != 1 or any(getattr(r, "folded", False) for r in s.roots):
         raise g.error(f"{what}: a size that mixes lengths of different sharded dims ({s.roots and axes})")
     root = s.roots[0]
     total = serial(s)

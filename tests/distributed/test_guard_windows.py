@@ -1,0 +1,194 @@
+"""Window-partitioned vision transformers under ``{"": DomainParallel(...)}`` (issue 31), their package's code
+unchanged: timm's Swin (its default eager attention and its fused SDPA path), transformers' ``SwinModel`` and
+MONAI's ``SwinUNETR`` without shifted windows, exact in fp64 against the serial model at 2 ranks (H) and 2x2
+(outputs, input gradient, every parameter gradient, and the outputs again after an SGD step). Refused on
+every rank: windows that would cross two ranks (naming the multiple), MONAI's shifted windows (its mask is
+built from ``int(np.ceil(h / ws))``, a local number), a length a factory cannot read.
+"""
+
+import copy
+
+import pytest
+import torch
+from harness import run_ranks
+from oracle import local_slice
+from torch.distributed.device_mesh import DeviceMesh
+
+import tplayers
+
+TIGHT = dict(rtol=1e-10, atol=1e-10)
+
+
+def _timm(hw, batch, fused=False):
+    import timm
+
+    timm.layers.set_fused_attn(fused, experimental=fused)  # fused=True: timm's experimental SDPA path
+    model = timm.create_model(
+        "swin_tiny_patch4_window7_224",
+        pretrained=False,
+        img_size=hw,
+        window_size=4,
+        embed_dim=8,
+        depths=(2, 2),
+        num_heads=(1, 2),
+        num_classes=3,
+        in_chans=2,
+        drop_path_rate=0.0,
+    ).double()
+    return model, torch.randn(batch, 2, *hw, dtype=torch.float64), lambda y: y  # logits: replicated
+
+
+def _hf(hw, batch):
+    from transformers import SwinConfig, SwinModel
+
+    config = SwinConfig(
+        image_size=hw[0],
+        patch_size=4,
+        num_channels=2,
+        embed_dim=8,
+        depths=[2, 2],
+        num_heads=[1, 2],
+        window_size=4,
+        drop_path_rate=0.0,
+    )
+    model = SwinModel(config).double()
+    return model, torch.randn(batch, 2, *hw, dtype=torch.float64), lambda y: y.pooler_output
+
+
+def _monai(hw, batch, depths=(1, 1, 1, 1), window=2):
+    from monai.networks.nets import SwinUNETR
+
+    model = SwinUNETR(
+        in_channels=1,
+        out_channels=2,
+        feature_size=12,
+        depths=depths,
+        num_heads=(1, 1, 1, 1),
+        window_size=window,
+        spatial_dims=len(hw),
+    ).double()
+    return model, torch.randn(batch, 1, *hw, dtype=torch.float64), None  # a segmentation: sharded like the input
+
+
+BUILD = {"timm": _timm, "timm_fused": lambda hw, b: _timm(hw, b, True), "hf": _hf, "monai": _monai}
+
+
+def _exact(rank, world, which, mesh_shape, hw, batch):
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
+    dims = (2,) if len(mesh_shape) == 1 else (2, 3)
+    torch.manual_seed(0)
+    serial, x, pick = BUILD[which](hw, batch)
+    par = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)}, mesh=mesh)
+    coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+    layouts = [[hw[i] // mesh_shape[i]] * mesh_shape[i] for i in range(len(dims))]
+    local = lambda t: local_slice(t, dims, layouts, coords)  # noqa: E731
+    xl = local(x).clone().requires_grad_(True)
+    xs = x.clone().requires_grad_(True)
+    for step in range(2):
+        y, ys = par(xl), serial(xs)
+        if pick is None:  # sharded output: this rank's rows, and this rank's part of the serial loss
+            torch.testing.assert_close(y, local(ys), **TIGHT)
+            w = torch.randn_like(ys)
+            loss_p, loss_s = (y * local(w)).sum(), (ys * w).sum()
+        else:
+            y, ys = pick(y), pick(ys)
+            torch.testing.assert_close(y, ys, **TIGHT)  # replicated: the whole result on every rank
+            w = torch.randn_like(ys)
+            loss_p, loss_s = (y * w).sum(), (ys * w).sum()
+        if step:
+            return True
+        loss_p.backward()
+        loss_s.backward()
+        torch.testing.assert_close(xl.grad, local(xs.grad), **TIGHT)
+        for (n, p), (_, q) in zip(par.named_parameters(), serial.named_parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, **TIGHT, msg=lambda m, n=n: f"{n}: {m}")
+        with torch.no_grad():  # one SGD step on both, then the outputs again
+            for p, q in zip(par.parameters(), serial.parameters()):
+                if q.grad is not None:
+                    p -= 0.1 * p.grad
+                    q -= 0.1 * q.grad
+    return True
+
+
+CASES = [
+    ("timm", 2, (2,), (64, 32), 1),
+    ("timm", 2, (2,), (64, 32), 2),  # a batch equal to the ranks: the window count is not the local batch
+    ("timm", 4, (2, 2), (64, 64), 2),
+    ("timm_fused", 2, (2,), (64, 32), 2),
+    ("hf", 2, (2,), (64, 64), 2),
+    ("hf", 4, (2, 2), (64, 64), 1),
+    ("monai", 2, (2,), (64, 32), 1),
+    ("monai", 4, (2, 2), (64, 64), 1),
+]
+
+
+@pytest.mark.parametrize(
+    "which,world,mesh_shape,hw,batch", CASES, ids=[f"{c[0]}_{'x'.join(map(str, c[2]))}_b{c[4]}" for c in CASES]
+)
+def test_window_transformers_are_exact(which, world, mesh_shape, hw, batch):
+    import monai  # noqa: F401 - the test extra installs them: a missing one fails, never skips
+    import timm  # noqa: F401
+    import transformers  # noqa: F401
+
+    assert run_ranks(_exact, world, args=(which, mesh_shape, hw, batch), timeout=240) == [True] * world
+
+
+def _refused(rank, world, which, hw, match):
+    torch.manual_seed(0)
+    if which == "monai_shifted":
+        model, x, _ = _monai(hw, 1, depths=(2, 2, 2, 2), window=16)
+    else:
+        model, x, _ = _timm(hw, 1)
+    model = tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2,))})
+    with pytest.raises(ValueError, match=match) as info:
+        model(tplayers.shard(x, 2))
+    return str(info.value).split("Rank 0: ")[-1]
+
+
+REFUSED = {
+    # 6 patch rows per rank: windows of 4 rows would cross the ranks
+    "crossing": ("timm", (48, 32), r"window would cross two ranks.*multiple of 4 rows"),
+    # one window per rank in the first stage, the mask MONAI builds from the local height
+    "monai_shifted": ("monai_shifted", (64, 32), r"built after numpy.ceil of a length.*swin_unetr.py.*shifted-window"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED))
+def test_window_refusals_are_raised_on_every_rank(key):
+    import monai  # noqa: F401
+    import timm  # noqa: F401
+
+    outs = run_ranks(_refused, 2, args=REFUSED[key], timeout=120)
+    assert outs[0] == outs[1], outs
+
+
+class _Tokens(torch.nn.Module):
+    """Pixels as tokens and back with the lengths as read (``ShardLen``s), around two convolutions."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2 = torch.nn.Conv2d(2, 4, 3, padding=1), torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv1(x)
+        n, c, rows, w = h.shape
+        h = h.view(n, c, rows * w).view(n, c, rows, w)
+        return self.conv2(torch.relu(h))
+
+
+def _one_row(rank, world, sizes):
+    torch.manual_seed(0)
+    serial = _Tokens().double()
+    par = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    x = torch.randn(1, 2, sum(sizes), 6, dtype=torch.float64)
+    xl = x.narrow(2, sum(sizes[:rank]), sizes[rank])
+    torch.testing.assert_close(par(xl), serial(x).narrow(2, sum(sizes[:rank]), sizes[rank]), **TIGHT)
+    return True
+
+
+def test_views_of_a_single_row_shard_with_read_lengths_are_exact():
+    # x.view(n, c, h * w) of a 1-row shard is ambiguous from local shapes (refused with plain sizes:
+    # test_guard_agreed.py); with h read from the tensor (a ShardLen) it is read as the serial view
+    assert run_ranks(_one_row, 3, args=([3, 1, 2],), timeout=60) == [True] * 3
