@@ -73,14 +73,14 @@ def _monai(hw, batch, depths=(1, 1, 1, 1), window=2):
 BUILD = {"timm": _timm, "timm_fused": lambda hw, b: _timm(hw, b, True), "hf": _hf, "monai": _monai}
 
 
-def _exact(rank, world, which, mesh_shape, hw, batch):
+def _exact(rank, world, which, mesh_shape, hw, batch, rows=None):
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
     dims = (2,) if len(mesh_shape) == 1 else (2, 3)
     torch.manual_seed(0)
     serial, x, pick = BUILD[which](hw, batch)
     par = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=dims)}, mesh=mesh)
     coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
-    layouts = [[hw[i] // mesh_shape[i]] * mesh_shape[i] for i in range(len(dims))]
+    layouts = rows or [[hw[i] // mesh_shape[i]] * mesh_shape[i] for i in range(len(dims))]
     local = lambda t: local_slice(t, dims, layouts, coords)  # noqa: E731
     xl = local(x).clone().requires_grad_(True)
     xs = x.clone().requires_grad_(True)
@@ -116,26 +116,36 @@ CASES = [
     ("timm", 2, (2,), (64, 32), 1),
     ("timm", 2, (2,), (64, 32), 2),  # a batch equal to the ranks: the window count is not the local batch
     ("timm", 4, (2, 2), (64, 64), 2),
+    ("timm", 2, (2,), (96, 32), 1, [[64, 32]]),  # uneven: 24 patch rows, balanced 12 + 12 after the patch
+    # embedding: moved to whole windows (16 + 8) at each partition and back at each reverse
+    ("timm", 2, (2,), (48, 32), 2),  # 6 + 6 patch rows: windows of 4 moved to 8 + 4; stage 2 padded 6 -> 8
     ("timm_fused", 2, (2,), (64, 32), 2),
     ("hf", 2, (2,), (64, 64), 2),
     ("hf", 4, (2, 2), (64, 64), 1),
+    ("hf", 2, (2,), (48, 48), 1),  # windows moved to whole-window shares, as for timm
+    ("timm", 4, (2, 2), (48, 48), 1),
     ("monai", 2, (2,), (64, 32), 1),
     ("monai", 4, (2, 2), (64, 64), 1),
 ]
 
 
 @pytest.mark.parametrize(
-    "which,world,mesh_shape,hw,batch", CASES, ids=[f"{c[0]}_{'x'.join(map(str, c[2]))}_b{c[4]}" for c in CASES]
+    "case",
+    CASES,
+    ids=[
+        f"{c[0]}_{'x'.join(map(str, c[2]))}_{c[3][0]}x{c[3][1]}_b{c[4]}{'_uneven' if len(c) > 5 else ''}" for c in CASES
+    ],
 )
-def test_window_transformers_are_exact(which, world, mesh_shape, hw, batch):
+def test_window_transformers_are_exact(case):
     import monai  # noqa: F401 - the test extra installs them: a missing one fails, never skips
     import timm  # noqa: F401
     import transformers  # noqa: F401
 
-    assert run_ranks(_exact, world, args=(which, mesh_shape, hw, batch), timeout=240) == [True] * world
+    which, world = case[0], case[1]
+    assert run_ranks(_exact, world, args=(which, *case[2:]), timeout=240) == [True] * world
 
 
-def _refused(rank, world, which, hw, match):
+def _refused(rank, world, which, hw, match, ranks=2):
     torch.manual_seed(0)
     if which == "monai_shifted":
         model, x, _ = _monai(hw, 1, depths=(2, 2, 2, 2), window=16)
@@ -148,8 +158,8 @@ def _refused(rank, world, which, hw, match):
 
 
 REFUSED = {
-    # 6 patch rows per rank: windows of 4 rows would cross the ranks
-    "crossing": ("timm", (48, 32), r"window would cross two ranks.*multiple of 4 rows"),
+    # 8 patch rows at 3 ranks: 2 windows of 4 rows cannot give each rank one
+    "crossing": ("timm", (32, 32), r"2 windows cannot give each of 3 ranks one.*multiple of 4 rows", 3),
     # one window per rank in the first stage, the mask MONAI builds from the local height
     "monai_shifted": ("monai_shifted", (64, 32), r"built after numpy.ceil of a length.*swin_unetr.py.*shifted-window"),
 }
@@ -160,8 +170,9 @@ def test_window_refusals_are_raised_on_every_rank(key):
     import monai  # noqa: F401
     import timm  # noqa: F401
 
-    outs = run_ranks(_refused, 2, args=REFUSED[key], timeout=120)
-    assert outs[0] == outs[1], outs
+    args = REFUSED[key]
+    outs = run_ranks(_refused, args[3] if len(args) > 3 else 2, args=args, timeout=120)
+    assert len(set(outs)) == 1, outs
 
 
 class _Tokens(torch.nn.Module):

@@ -24,7 +24,7 @@ from tplayers.domain.layout import (
 from tplayers.region.rules import _mark_all, _preserve, dims_arg, op_name
 from tplayers.region.rules_index import index_layout
 from tplayers.region.rules_slices import fit_operands, getitem, global_index
-from tplayers.region.rules_windows import serial_view, wants_serial
+from tplayers.region.rules_windows import move_windows, serial_view, wants_serial
 
 __all__ = ["VIEWS", "ALONG"]
 
@@ -48,23 +48,10 @@ def _reshape(g, func, args, kwargs):
     if name in ("view", "reshape") and wants_serial(g, lay, shape):  # windows: the serial view (rules_windows)
         found = serial_view(g, x, lay, shape)
         if found is not None:
-            local, layout = found
-            out = func(*args, **kwargs) if _resolved(x, shape) == local else func(x, local)
-            return g.mark(out, layout)
+            return g.mark(move_windows(g, func, args, kwargs, x, shape, *found), found[1])
     g.arm()  # decided from local sizes (a 1-row or empty shard): agreed on a region's first call
     new = reshape_layout(x.shape, lay, shape)
     return g.mark(func(*args, **kwargs), new)
-
-
-def _resolved(x, shape) -> tuple:
-    """``shape`` as a local ``x.view(shape)`` resolves it (``-1`` filled in)."""
-    shape = [int(s) for s in shape]
-    if -1 in shape:
-        known = 1
-        for s in shape:
-            known *= s if s != -1 else 1
-        shape[shape.index(-1)] = x.numel() // known if known else 0
-    return tuple(shape)
 
 
 def _flatten(g, func, args, kwargs):

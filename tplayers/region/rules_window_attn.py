@@ -34,8 +34,8 @@ def window_sdpa(g, args, kwargs):
     mask = a.get("attn_mask")
     axes = tuple(sorted({x for e in lay if e for _, x in e if x is not None}))
     if isinstance(mask, torch.Tensor) and g.layout(mask) is None:
+        mask = g.bound(mask, axes) if mask.is_floating_point() else mask  # summed at its full size, then cut
         mask = _cut(g, mask, q, lay)
-        mask = g.bound(mask, axes) if mask.is_floating_point() else mask
     elif isinstance(mask, torch.Tensor) and g.layout(mask)[:-2] != lay[len(lay) - mask.dim() : -2]:
         raise g.error("F.scaled_dot_product_attention with an attn_mask sharded unlike the windows", lay)
     g.acted = True

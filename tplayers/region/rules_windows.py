@@ -31,14 +31,15 @@ sharded dim again (a contiguous block per rank: the window rows merged back).
 from __future__ import annotations
 
 import itertools
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 from tplayers.comm.collectives import exchange_grid_table
+from tplayers.comm.reshard import ReshardAlongDim
 from tplayers.domain.active import stepped_aside
 from tplayers.domain.layout import Layout, LayoutError, prefix_of
 from tplayers.region.lengths import MeshRoot, Root, ShardLen, is_read, serial
 
-__all__ = ["wants_serial", "serial_view", "folded", "folded_root"]
+__all__ = ["wants_serial", "serial_view", "move_windows", "folded", "folded_root"]
 
 
 def folded(entry) -> bool:
@@ -111,53 +112,88 @@ def _along(g, table, axis: int, j: int) -> List[int]:
     return [table[me[0]][c][j] for c in range(len(table[0]))]
 
 
-def serial_view(g, x, lay: Layout, shape: Sequence) -> Optional[Tuple[Tuple[int, ...], Layout]]:
-    """``(local shape, layout)`` of the serial ``x.view(shape)`` on this rank, or ``None`` when the sizes do
-    not make a serial view of ``x`` (then the local reading decides). Raises :class:`LayoutError` (the same
-    on every rank) when windows would cross shard boundaries."""
+def serial_view(g, x, lay: Layout, shape: Sequence):
+    """The serial ``x.view(shape)`` on this rank: ``(local shape, layout, before, after)``, or ``None`` when the
+    sizes do not make a serial view of ``x`` (then the local reading decides). ``before``: ``(tensor dim,
+    mesh dim, old sizes, new sizes)`` moves of ``x`` to a partition of whole windows first; ``after``: ``(dim,
+    mesh dim, sizes, sizes)`` moves of the result back to the partition of the length the code read (window
+    rows merged back). Raises :class:`LayoutError` (the same on every rank) when windows cannot be given
+    whole to the ranks."""
     local = [int(s) for s in x.shape]
-    factors = []  # (local size, axis) in row-major order, whole size-1 factors dropped
-    for size, entry in zip(local, lay):
+    factors, dims = [], []  # (local size, axis) in row-major order (whole size-1 factors dropped), tensor dim
+    for d, (size, entry) in enumerate(zip(local, lay)):
         for s, a in entry if entry else ((size, None),):
             if a is None and int(s) == 1:
                 continue
             factors.append((int(s), a))
+            dims.append(d if entry is not None and len(entry) == 1 else None)  # a plain sharded dim: movable
     sharded = [i for i, (_, a) in enumerate(factors) if a is not None]
-    # a plain size equal to the local length of a dim merging factors sharded over two mesh dims, on every
-    # rank, is that length as read (other dims' lengths read as ShardLens: folded_root)
-    entries = [(int(n), e) for n, e in zip(local, lay) if e is not None and len({a for _, a in e} - {None}) > 1]
+    # Every length read from x is a ShardLen (folded_root). A plain size equal to the local length of a
+    # sharded dim of x, on every rank, may be one that model code made a plain number (g.lost): tried both
+    # ways then, else a plain size is the serial model's
+    entries = [(int(n), e) for n, e in zip(local, lay) if e is not None and any(a is not None for _, a in e)]
     reads = [
-        1 if not isinstance(s, ShardLen) and int(s) != -1 and any(int(s) == n for n, _ in entries) else 0 for s in shape
+        1 if g.lost and not isinstance(s, ShardLen) and int(s) != -1 and any(int(s) == n for n, _ in entries) else 0
+        for s in shape
     ]
     table = _exchange(g, [factors[i][0] for i in sharded] + reads)
     sizes = {i: _along(g, table, factors[i][1], k) for k, i in enumerate(sharded)}
     rows = [r for plane in table for r in plane]
-    read_all = [all(r[len(sharded) + k] for r in rows) for k in range(len(shape))]
+    flagged = [k for k in range(len(shape)) if all(r[len(sharded) + k] for r in rows)]
     total = 1
     for i, (s, _) in enumerate(factors):
         total *= sum(sizes[i]) if i in sizes else s
+    me = {a: g.mesh.get_local_rank(a) for a in range(g.mesh.ndim)}
     wanted = _resolved(local, shape)
-    flagged = [k for k, r in enumerate(read_all) if r]
-    found = None
-    for n in range(len(flagged), -1, -1):  # lengths as read (most first), else as written
+    matching, plain = [], None
+    for n in range(len(flagged) + 1):
         for keep in itertools.combinations(flagged, n):
             read = [k in keep for k in range(len(shape))]
             new = _serial_shape(shape, read, entries, factors, sizes, total)
-            out, split = (None, False) if new is None else _place(factors, sizes, new)
-            if out is None:
+            placed = None if new is None else _place(factors, sizes, new, dims, me)
+            if placed is None:
                 continue
-            reading = (tuple(_prod(s for s, _ in e) if e else 1 for e in out), _layout(out, shape), split)
-            if reading[0] == wanted:  # the reading under which the code's own local call is the serial one
-                found = reading
-                break
-            if n == 0:  # no reading makes the local call: sizes of the serial model (timm's num_win)
-                found = reading
-        if found is not None and found[0] == wanted:
-            break
+            out, every, moves, split = placed
+            layout, after = _layout(out, every, shape)
+            reading = (tuple(_prod(s for s, _ in e) if e else 1 for e in out), layout, moves, after, split)
+            if reading[0] == wanted and not moves:  # the code's own local call is the serial one
+                matching.append(reading)
+            elif n == 0:
+                plain = reading
+    if len({r[1] for r in matching}) > 1:
+        raise LayoutError(
+            f"view {tuple(int(v) for v in shape)} of a tensor holding windows is ambiguous: a size equal to this "
+            f"rank's length is a number the model made local ({g.lost}) or the serial model's; keep the length "
+            "as read (x.shape, no int())"
+        )
+    # no reading makes the local call: the serial model's sizes (timm's num_win), unless a plain size may
+    # be a number the model made local
+    found = matching[0] if matching else plain if not flagged else None
     if found is None:
         return None
-    g.windows = g.windows or found[2]  # windows fold into the batch from here on: every view is read serially
-    return found[0], found[1]
+    shape_l, layout, moves, after, split = found
+    before = [(dims[i], factors[i][1], sizes[i], new) for i, new in moves]
+    g.windows = g.windows or split  # windows fold into the batch from here on: every view is read serially
+    return shape_l, layout, before, after
+
+
+def move_windows(g, func, args, kwargs, x, shape, local, layout, before, after):
+    """Run a view read by :func:`serial_view`: ``x`` moved to whole-window shares first (``before``), the view
+    with this rank's serial sizes, the result moved back to the partition the code read (``after``); each
+    move one all-gather of the dim (:class:`~tplayers.comm.reshard.ReshardAlongDim`), its adjoint in backward."""
+    if before or after:
+        g.acted = True
+        g.settle()
+    with stepped_aside(g, settle=False):
+        for d, axis, old, new in before:
+            x = ReshardAlongDim.apply(x, d, old, new, g.groups[axis])
+        if not before and _resolved([int(v) for v in x.shape], shape) == tuple(local):
+            out = func(*args, **kwargs)
+        else:
+            out = x.reshape(local) if func.__name__ == "reshape" else x.view(local)
+        for d, axis, old, new in after:
+            out = ReshardAlongDim.apply(out, d, old, new, g.groups[axis])
+    return out
 
 
 def _resolved(local, shape) -> tuple:
@@ -169,17 +205,24 @@ def _resolved(local, shape) -> tuple:
     return tuple(shape)
 
 
-def _layout(out, shape) -> Layout:
-    layout = []
+def _layout(out, every, shape):
+    """``(layout, after)`` of a placement: a dim whose size is a length read as is from a plain sharded dim and
+    whose factors are a sharded factor followed by whole ones is that sharded dim again (the window rows
+    merged back); ``after`` lists the moves back to the partition of the length read where the windows
+    were moved to whole-window shares (:func:`_place`)."""
+    layout, after = [], []
     for k, e in enumerate(out):
         s = shape[k]
         if e and e[0][1] is not None and all(a is None for _, a in e[1:]) and len(e) > 1:
-            if (
-                is_read(s) and s.roots[0].axis == e[0][1] and not getattr(s.roots[0], "folded", False)
-            ):  # the window rows merged back: the sharded dim again
-                e = [(_prod(n for n, _ in e), e[0][1])]
+            root = s.roots[0] if is_read(s) else None
+            if root is not None and root.axis == e[0][1] and not getattr(root, "folded", False):
+                inner = _prod(n for n, _ in e[1:])
+                held = [c * inner for c in every[k]]
+                if held != root.sizes():  # whole-window shares: back to the partition the code read
+                    after.append((k, e[0][1], held, root.sizes()))
+                e = [(int(s), e[0][1])]
         layout.append(tuple(e) if any(a is not None for _, a in e) else None)
-    return tuple(layout)
+    return tuple(layout), after
 
 
 def _serial_shape(shape, read, entries, factors, sizes, total) -> Optional[List[int]]:
@@ -209,13 +252,13 @@ def _serial_shape(shape, read, entries, factors, sizes, total) -> Optional[List[
 
 
 def _serial_len(entry, factors, sizes) -> int:
-    """The serial length of a folded entry of the input (the same factors, in order, as in ``factors``)."""
+    """The serial length of a sharded entry of the input (its sharded factors, in order, are in ``factors``)."""
     n, j = 1, 0
     for s, a in entry:
         if a is None:
             n *= int(s)
             continue
-        while factors[j][1] is None or factors[j][0] != int(s) or j not in sizes:
+        while factors[j] != (int(s), a) or j not in sizes:
             j += 1
         n *= sum(sizes[j])
         j += 1
@@ -229,33 +272,38 @@ def _prod(vals) -> int:
     return n
 
 
-def _place(factors, sizes, new: List[int]):
-    """``(each new dim's factors, whether a sharded factor was split)``: factors ``(local size, axis)``: whole runs cut at the new dims' bounds, a sharded factor
-    placed in the one new dim that holds it, or split into (sharded outer, whole inner) when the inner part
-    fills whole new dims; ``(None, False)`` when the serial sizes do not fit the factors."""
+def _place(factors, sizes, new: List[int], dims, me):
+    """``(each new dim's factors, each new dim's sharded factor's sizes on every rank, moves, split)`` or
+    ``None`` when the serial sizes do not fit the factors. Factors ``(local size, axis)``: whole runs cut at
+    the new dims' bounds, a sharded factor placed in the one new dim that holds it, or split into (sharded
+    outer, whole inner) when the inner part fills whole new dims. When the inner part does not divide every
+    rank's length (a window across two ranks), the factor's dim (a plain sharded dim: ``dims``) is moved to
+    whole-window shares first (``moves``: ``(factor index, new sizes)``, balanced in windows)."""
     bounds = [1]
     for t in new:
         bounds.append(bounds[-1] * t)
     n = len(new)
     out: List[list] = [[] for _ in range(n)]
-    pos, run, split = 1, 1, False
+    every_out: List[Optional[List[int]]] = [None] * n
+    moves, split = [], False
+    pos, run = 1, 1
     items = []
     for i, (s, a) in enumerate(factors):  # merge adjacent whole factors (whole dims split and merge freely)
         if a is None:
             run *= s
             continue
         if run > 1:
-            items.append((run, None, None))
+            items.append((run, None, None, None))
         run = 1
-        items.append((s, a, sizes[i]))
+        items.append((s, a, sizes[i], i))
     if run > 1:
-        items.append((run, None, None))
-    for s, a, every in items:
+        items.append((run, None, None, None))
+    for s, a, every, i in items:
         glob = s if a is None else sum(every)
         end = pos * glob
         if a is None:
             if not _whole(out, bounds, pos, end):
-                return None, False
+                return None
             pos = end
             continue
         cands = [
@@ -265,32 +313,45 @@ def _place(factors, sizes, new: List[int]):
         ]
         if len(cands) == 1:
             out[cands[0]].append((s, a))
+            every_out[cands[0]] = list(every)
         elif cands:
-            return None, False
+            return None
         else:
             k = next((k for k in range(n) if bounds[k] <= pos < bounds[k + 1]), None)
             if k is None or pos % bounds[k] or bounds[k + 1] % pos:
-                return None, False
+                return None
             outer = bounds[k + 1] // pos
             if outer <= 1 or glob % outer:
-                return None, False
+                return None
             inner = glob // outer
             if bounds[k + 1] * inner not in bounds:
-                return None, False  # the rows of a window must fill whole new dims
-            bad = [c for c in every if c % inner]
-            if bad:
-                raise LayoutError(
-                    f"a window partition splits a sharded dim of length {glob} into {outer} windows of {inner} rows, "
-                    f"but the ranks hold {every} rows: a window would cross two ranks. Give every rank a multiple of "
-                    f"{inner} rows along this dim (an input length per rank that is a multiple of {inner} times the "
-                    "downsampling before this op: the patch size, patch merging), or use fewer ranks"
-                )
+                return None  # the rows of a window must fill whole new dims
+            if any(c % inner for c in every):
+                every = _whole_windows(every, outer, inner, dims[i])
+                moves.append((i, every))
+                s = every[me[a]]
             out[k].append((s // inner, a))
+            every_out[k] = [c // inner for c in every]
             split = True
             if not _whole(out, bounds, bounds[k + 1], bounds[k + 1] * inner):
-                return None, False
+                return None
         pos = end
-    return out, split
+    return out, every_out, moves, split
+
+
+def _whole_windows(every, windows: int, inner: int, dim) -> List[int]:
+    """Every rank's rows when ``windows`` windows of ``inner`` rows are shared out as evenly as possible (the
+    first ranks one more); a :class:`LayoutError` when a rank would hold none or the dim merges others."""
+    ranks = len(every)
+    if dim is None or windows < ranks:
+        raise LayoutError(
+            f"a window partition splits a sharded dim of length {sum(every)} into {windows} windows of {inner} rows, "
+            f"but the ranks hold {list(every)} rows: a window would cross two ranks"
+            + (f", and {windows} windows cannot give each of {ranks} ranks one" if dim is not None else "")
+            + f". Give every rank a multiple of {inner} rows along this dim (a length per rank that is a multiple "
+            f"of {inner} times the downsampling before this op: the patch size, patch merging), or use fewer ranks"
+        )
+    return [(windows // ranks + (1 if r < windows % ranks else 0)) * inner for r in range(ranks)]
 
 
 def _whole(out, bounds, pos: int, end: int) -> bool:
