@@ -1,9 +1,11 @@
 """Window-partitioned vision transformers under ``{"": DomainParallel(...)}`` (issue 31), their package's code
-unchanged: timm's Swin (its default eager attention and its fused SDPA path), transformers' ``SwinModel`` and
-MONAI's ``SwinUNETR`` without shifted windows, exact in fp64 against the serial model at 2 ranks (H) and 2x2
-(outputs, input gradient, every parameter gradient, and the outputs again after an SGD step). Refused on
-every rank: windows that would cross two ranks (naming the multiple), MONAI's shifted windows (its mask is
-built from ``int(np.ceil(h / ws))``, a local number), a length a factory cannot read.
+unchanged: timm's Swin (its default eager attention and its fused SDPA path; windows aligned with the shards,
+and windows moved to whole-window shares where the balanced partition would cut them), transformers'
+``SwinModel``, MONAI's ``SwinUNETR`` without shifted windows and timm's MobileViT, exact in fp64 against the
+serial model at 2 ranks (H) and 2x2 (outputs, input gradient, every parameter gradient, and the outputs
+again after an SGD step). Refused on every rank: fewer windows than ranks (naming the multiple), MONAI's
+shifted windows (its mask is built from ``int(np.ceil(h / ws))``, a local number, naming the line). And a
+1-row shard's views with lengths as read, exact.
 """
 
 import copy
@@ -70,7 +72,20 @@ def _monai(hw, batch, depths=(1, 1, 1, 1), window=2):
     return model, torch.randn(batch, 1, *hw, dtype=torch.float64), None  # a segmentation: sharded like the input
 
 
-BUILD = {"timm": _timm, "timm_fused": lambda hw, b: _timm(hw, b, True), "hf": _hf, "monai": _monai}
+def _mobilevit(hw, batch):
+    import timm
+
+    model = timm.create_model("mobilevit_xxs", pretrained=False, num_classes=3, in_chans=2).double()
+    return model, torch.randn(batch, 2, *hw, dtype=torch.float64), lambda y: y  # attention across patches
+
+
+BUILD = {
+    "timm": _timm,
+    "timm_fused": lambda hw, b: _timm(hw, b, True),
+    "hf": _hf,
+    "monai": _monai,
+    "mobilevit": _mobilevit,
+}
 
 
 def _exact(rank, world, which, mesh_shape, hw, batch, rows=None):
@@ -126,6 +141,8 @@ CASES = [
     ("timm", 4, (2, 2), (48, 48), 1),
     ("monai", 2, (2,), (64, 32), 1),
     ("monai", 4, (2, 2), (64, 64), 1),
+    ("mobilevit", 2, (2,), (128, 64), 1),
+    ("mobilevit", 4, (2, 2), (128, 128), 1),
 ]
 
 
@@ -133,7 +150,7 @@ CASES = [
     "case",
     CASES,
     ids=[
-        f"{c[0]}_{'x'.join(map(str, c[2]))}_{c[3][0]}x{c[3][1]}_b{c[4]}{'_uneven' if len(c) > 5 else ''}" for c in CASES
+        f"{c[0]}_{'x'.join(map(str, c[2]))}_{'x'.join(map(str, c[3]))}_b{c[4]}{'_uneven' * (len(c) > 5)}" for c in CASES
     ],
 )
 def test_window_transformers_are_exact(case):

@@ -266,6 +266,7 @@ class RegionGuard(TorchFunctionMode):
         kwargs = kwargs or {}
         if getattr(func, "__name__", None) in _pointwise_names() and lengths_in(args, kwargs):
             args, kwargs = values_of(args, kwargs)  # a length as a value (h_idx >= h - ws): the serial one
+            self.acted = True  # not what the code's local call computes: compiling refuses the region
         if not _touches(self, args, kwargs):
             name = getattr(func, "__name__", None)
             if name in FACTORIES and has_len(args, kwargs):

@@ -182,16 +182,17 @@ def move_windows(g, func, args, kwargs, x, shape, local, layout, before, after):
     with this rank's serial sizes, the result moved back to the partition the code read (``after``); each
     move one all-gather of the dim (:class:`~tplayers.comm.reshard.ReshardAlongDim`), its adjoint in backward."""
     if before or after:
-        g.acted = True
         g.settle()
     with stepped_aside(g, settle=False):
         for d, axis, old, new in before:
             x = ReshardAlongDim.apply(x, d, old, new, g.groups[axis])
         if not before and _resolved([int(v) for v in x.shape], shape) == tuple(local):
             out = func(*args, **kwargs)
-        else:
+        else:  # not the code's own call: a compiled region (no guard) would make the code's, so refused there
+            g.acted = True
             out = x.reshape(local) if func.__name__ == "reshape" else x.view(local)
         for d, axis, old, new in after:
+            g.acted = True
             out = ReshardAlongDim.apply(out, d, old, new, g.groups[axis])
     return out
 
