@@ -40,6 +40,12 @@ def _timm(hw, batch, fused=False):
     return model, torch.randn(batch, 2, *hw, dtype=torch.float64), lambda y: y  # logits: replicated
 
 
+def _timm_checkpointed(hw, batch):
+    model, x, pick = _timm(hw, batch)
+    model.set_grad_checkpointing(True)  # timm's own per-block activation checkpointing, recomputed under the guard
+    return model, x, pick
+
+
 def _hf(hw, batch):
     from transformers import SwinConfig, SwinModel
 
@@ -82,6 +88,7 @@ def _mobilevit(hw, batch):
 BUILD = {
     "timm": _timm,
     "timm_fused": lambda hw, b: _timm(hw, b, True),
+    "timm_checkpointed": _timm_checkpointed,
     "hf": _hf,
     "monai": _monai,
     "mobilevit": _mobilevit,
@@ -131,10 +138,11 @@ CASES = [
     ("timm", 2, (2,), (64, 32), 1),
     ("timm", 2, (2,), (64, 32), 2),  # a batch equal to the ranks: the window count is not the local batch
     ("timm", 4, (2, 2), (64, 64), 2),
-    ("timm", 2, (2,), (96, 32), 1, [[64, 32]]),  # uneven: 24 patch rows, balanced 12 + 12 after the patch
-    # embedding: moved to whole windows (16 + 8) at each partition and back at each reverse
+    ("timm", 2, (2,), (96, 32), 1, [[64, 32]]),  # an uneven input (64 + 32 rows); the patch embedding's output
+    # is balanced (12 + 12 patch rows: whole windows)
     ("timm", 2, (2,), (48, 32), 2),  # 6 + 6 patch rows: windows of 4 moved to 8 + 4; stage 2 padded 6 -> 8
     ("timm_fused", 2, (2,), (64, 32), 2),
+    ("timm_checkpointed", 2, (2,), (48, 32), 1),  # windows moved to whole-window shares, recomputed in backward
     ("hf", 2, (2,), (64, 64), 2),
     ("hf", 4, (2, 2), (64, 64), 1),
     ("hf", 2, (2,), (48, 48), 1),  # windows moved to whole-window shares, as for timm
