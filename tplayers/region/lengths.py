@@ -296,17 +296,16 @@ def _local(x):
 def lost(how: str, depth: int = 1) -> None:
     """Model code (not tplayers', torch's or numpy's own) made a plain local number of a length read from a
     sharded dim (``int(h)``, ``np.ceil(h / ws)``): noted on the active region guard (``lost``), which
-    then follows the replicated tensors built from that point on (:mod:`tplayers.region.rules_windows`)."""
-    g = active_guard()
-    if g is None or getattr(g, "lost", None) is None:
-        return
+    then follows the replicated tensors built from that point on (:mod:`tplayers.region.taint`)."""
     f = sys._getframe(depth)
     while f is not None and f.f_globals.get("__name__", "").startswith(("numpy", "torch.overrides")):
         f = f.f_back
     name = "" if f is None else f.f_globals.get("__name__", "")
     if f is None or name.startswith(("tplayers.", "torch.", "numpy")):
-        return
-    g.lost = f"{how} of a length read from a sharded dim at {f.f_code.co_filename}:{f.f_lineno}"
+        return  # the library's own int() of a length (the layout code reads sizes): nothing lost
+    g = active_guard()
+    if g is not None and getattr(g, "lost", None) is not None:
+        g.lost = f"{how} of a length read from a sharded dim at {f.f_code.co_filename}:{f.f_lineno}"
 
 
 def is_len(x: Any) -> bool:

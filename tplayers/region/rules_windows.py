@@ -14,18 +14,22 @@ Local shapes alone cannot read such views: a rank holding exactly one window row
 local call as one inserting a size-1 dim, and a size the model computes from the serial window count
 (timm: ``attn.view(-1, num_win, heads, N, N)`` with ``num_win`` the global number of windows, its
 shift mask's length) is not this rank's. So a view whose sizes hold a length read from a sharded dim
-(:class:`~tplayers.region.lengths.ShardLen`), or of a tensor with a folded entry, is read here as
-the serial view: the input's serial shape (every sharded factor at its global length, one small
-all-gather), the serial sizes (a ShardLen's serial value; a plain int as written, except one equal to
-a folded entry's local length on every rank, which is that entry's length as read), placed factor by
-factor as :func:`~tplayers.domain.layout.reshape_layout` does, and a sharded factor that spans several
-new dims split into (sharded outer, whole inner) when the inner part fills whole new dims and divides
-every rank's length (else a ``ValueError`` on every rank naming the multiple). The local call is then
-the serial one with every sharded factor at its local length. A reading that does not fit (sizes
-computed from local numbers: ``int(h)``) falls back to the local reading of
-:mod:`tplayers.region.rules_views`. A dim whose size is a length read as is (``view(-1, H, W, C)``
-in ``window_reverse``) and whose factors are a sharded factor followed by whole ones is that
-sharded dim again (a contiguous block per rank: the window rows merged back).
+(:class:`~tplayers.region.lengths.ShardLen`), and every view after a window partition in the same call
+(``g.windows``), is read here as the serial view: the input's serial shape (every sharded factor at its
+global length, one small all-gather), the serial sizes (a ShardLen's serial value, a plain int as
+written; after model code made a length a plain number, ``g.lost``, a plain int equal to a sharded
+dim's local length on every rank is also tried as that length), placed factor by factor as
+:func:`~tplayers.domain.layout.reshape_layout` does, and a sharded factor that spans several new dims
+split into (sharded outer, whole inner) when the inner part fills whole new dims. Of the readings that
+fit, the one under which the code's own local call is the serial one; else the serial sizes. Where the
+inner part does not divide every rank's length (a window across two ranks), the dim is moved to
+whole-window shares first (:func:`move_windows`, :class:`~tplayers.comm.reshard.ReshardAlongDim`);
+fewer windows than ranks is a ``ValueError`` on every rank naming the multiple. A reading that does not
+fit falls back to the local reading of :mod:`tplayers.region.rules_views`. A dim whose size is a length
+read as is (``view(-1, H, W, C)`` in ``window_reverse``) and whose factors are a sharded factor followed
+by whole ones is that sharded dim again (the window rows merged back), moved back to the partition of
+that length where the windows were moved. The length of a merged dim holding sharded factors reads as
+a ShardLen of its serial length (:func:`folded_root`).
 """
 
 from __future__ import annotations
@@ -39,18 +43,7 @@ from tplayers.domain.active import stepped_aside
 from tplayers.domain.layout import Layout, LayoutError, prefix_of
 from tplayers.region.lengths import MeshRoot, Root, ShardLen, is_read, serial
 
-__all__ = ["wants_serial", "serial_view", "move_windows", "folded", "folded_root"]
-
-
-def folded(entry) -> bool:
-    """Whether a layout entry folds a whole factor (of size > 1) before a sharded one (windows in the batch)."""
-    seen_whole = False
-    for size, axis in entry or ():
-        if axis is None:
-            seen_whole = seen_whole or int(size) > 1
-        elif seen_whole:
-            return True
-    return False
+__all__ = ["wants_serial", "serial_view", "move_windows", "folded_root"]
 
 
 def wants_serial(g, lay: Layout, shape: Sequence) -> bool:
