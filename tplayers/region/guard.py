@@ -289,7 +289,7 @@ class RegionGuard(TorchFunctionMode):
                 first is not None and self.uniform(args[0]) and _keeps_constant(self, name, args, kwargs)
             )
             out = func(*args, **kwargs)
-            if self.lost:  # replicated tensors built after a length became a local number (rules_windows)
+            if self.lost:  # replicated tensors built after a length became a local number (region/taint.py)
                 taint(self, name, args, kwargs, out)
             return self.mark_uniform(out) if fresh else out
         if self.lost and self.windows:

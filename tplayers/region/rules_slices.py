@@ -269,7 +269,13 @@ def spans(g, tensors: Sequence[torch.Tensor]) -> bool:
 # ----------------------------------------------------------------------------- factories
 def _dim_of(g, s: ShardLen, what: str):
     axes = {r.axis for r in s.roots}
-    if len(axes) != 1 or any(getattr(r, "folded", False) for r in s.roots):
+    if any(getattr(r, "folded", False) for r in s.roots):
+        raise g.error(
+            f"{what}: a size read from a dim that merges a sharded dim with others (windows folded into the "
+            "batch, flattened pixels)",
+            advice="Size it by a plain sharded dim's length, or make it with *_like of the tensor.",
+        )
+    if len(axes) != 1:
         raise g.error(f"{what}: a size that mixes lengths of different sharded dims ({s.roots and axes})")
     root = s.roots[0]
     total = serial(s)
