@@ -228,3 +228,18 @@ def test_views_of_a_single_row_shard_with_read_lengths_are_exact():
     # x.view(n, c, h * w) of a 1-row shard is ambiguous from local shapes (refused with plain sizes:
     # test_guard_agreed.py); with h read from the tensor (a ShardLen) it is read as the serial view
     assert run_ranks(_one_row, 3, args=([3, 1, 2],), timeout=60) == [True] * 3
+
+
+def _merged_factory(rank, world):
+    mesh = tplayers.default_mesh()
+    x = tplayers.shard(torch.randn(1, 2, 8, 4, dtype=torch.float64), 2, mesh)
+    with pytest.raises(ValueError, match=r"a size read from a dim that merges a sharded dim with others") as info:
+        with tplayers.domain_region(mesh, (2,), inputs=(x,)):
+            tokens = x.flatten(2)  # (1, 2, H * W): a merged dim, its length a ShardLen of the serial 32
+            torch.zeros(tokens.shape[2])
+    return str(info.value)
+
+
+def test_a_factory_sized_by_a_merged_length_is_refused_on_every_rank():
+    outs = run_ranks(_merged_factory, 2, timeout=60)
+    assert outs[0] == outs[1], outs
