@@ -22,10 +22,12 @@ SECONDS = 5  # a refusal reaches every rank at once; a hang would take the harne
 
 class Tokens(nn.Module):
     """Pixels as tokens and back: ``view`` merging the sharded H with W (diffusers' and SegFormer's
-    attention do this), ambiguous on a 1-row shard and refused on an empty one."""
+    attention do this) with sizes made plain local numbers (``int``), ambiguous on a 1-row shard and
+    refused on an empty one. (With the lengths as read, ``ShardLen``s, the views are read as the serial
+    views and are exact: ``test_guard_windows.py``.)"""
 
     def forward(self, h):
-        n, c, rows, w = h.shape
+        n, c, rows, w = (int(s) for s in h.shape)
         return h.view(n, c, rows * w).view(n, c, rows, w)
 
 

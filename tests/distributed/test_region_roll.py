@@ -91,37 +91,3 @@ def _merged(rank, world):
 
 def test_roll_along_a_merged_dim_is_refused():
     assert run_ranks(_merged, 2, timeout=60) == [True, True]
-
-
-def _swin(rank, world, which):
-    """transformers' SwinModel and MONAI's SwinUNETR: the roll is routed, the window partition view
-    that follows is refused on every rank (docs/region-guard.md, Swin-style windows: what they need)."""
-    torch.manual_seed(0)
-    if which == "hf":
-        from transformers import SwinConfig, SwinModel
-
-        config = SwinConfig(
-            image_size=64, patch_size=4, num_channels=2, embed_dim=8, depths=[2, 2], num_heads=[1, 2], window_size=4
-        )
-        model, x = SwinModel(config).double(), torch.randn(1, 2, 64, 64, dtype=torch.float64)
-    else:
-        from monai.networks.nets import SwinUNETR
-
-        model = SwinUNETR(
-            in_channels=1, out_channels=2, feature_size=12, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), window_size=2
-        ).double()
-        x = torch.randn(1, 1, 64, 32, 32, dtype=torch.float64)  # MONAI checks the local D: 32 rows per rank
-    mesh = tplayers.default_mesh()
-    model = tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2,))}, mesh=mesh)
-    with pytest.raises(ValueError, match=r"Tensor.view: reshape .* splits a sharded dim") as info:
-        model(tplayers.shard(x, 2, mesh))
-    return str(info.value).split("Rank 0: ")[-1]
-
-
-@pytest.mark.parametrize("which", ["hf", "monai"])
-def test_swin_window_partition_is_refused_on_every_rank(which):
-    import monai  # noqa: F401 - the test extra installs them: a missing one fails, never skips
-    import transformers  # noqa: F401
-
-    outs = run_ranks(_swin, 2, args=(which,), timeout=120)
-    assert outs[0] == outs[1], outs

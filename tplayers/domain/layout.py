@@ -50,6 +50,7 @@ __all__ = [
     "prefix_of",
     "drop_prefix",
     "add_prefix",
+    "contiguous_blocks",
 ]
 
 #: the mesh dim of a prefix factor ``(k, PREFIX)``: ``k`` tokens held by the entry's first rank (module docstring)
@@ -267,6 +268,21 @@ def unflatten_layout(shape: Sequence[int], layout: Layout, dim: int, sizes: Sequ
     dim = dim % len(shape)
     part = reshape_layout((int(shape[dim]),), (layout[dim],), sizes)
     return tuple(layout[:dim]) + part + tuple(layout[dim + 1 :])
+
+
+def contiguous_blocks(layout: Optional[Layout]) -> Optional[Layout]:
+    """``layout`` with every entry made of one sharded factor followed by whole factors only, ``((s, a), (w,
+    None), ...)``, written as the one sharded factor ``((s * w * ..., a),)``: the rank holds a contiguous
+    block of the merged dim's rows either way (the whole factors are the same on every rank), so a twin that
+    shards a plain dim takes it (flattened pixels pooled over, the window rows merged back)."""
+    if layout is None:
+        return None
+    out = []
+    for e in layout:
+        if e and len(e) > 1 and e[0][1] is not None and e[0][1] != PREFIX and all(a is None for _, a in e[1:]):
+            e = ((_size(e), e[0][1]),)
+        out.append(e)
+    return tuple(out)
 
 
 def permute_layout(layout: Layout, order: Sequence[int]) -> Layout:

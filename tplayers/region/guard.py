@@ -52,7 +52,9 @@ from tplayers.region.lengths import Root, shape_with_lengths
 from tplayers.region.rules import _PASS, _PRESERVE, _pointwise_names, first_sharded, op_name
 from tplayers.region.rules_broadcast import broadcast_interpolate, either_use
 from tplayers.region.rules_slices import FACTORIES, SHAPED, factory, has_len, serial_args
+from tplayers.region.rules_windows import folded_root
 from tplayers.region.saved_hooks import BODY_ADVICE, is_checkpoint_pack, saved_pack
+from tplayers.region.taint import lengths_in, refuse_tainted, taint, values_of
 from tplayers.region.twin_calls import call_twin
 
 __all__ = ["RegionGuard", "active_guard", "GuardError", "CallToken", "tag_of"]
@@ -116,6 +118,8 @@ class RegionGuard(TorchFunctionMode):
         self.roots: Dict[Tuple[int, int], Tuple[torch.Tensor, Root]] = {}  # (id(t), dim) -> lengths' roots
         self.in_module = 0  # inside a twin's serial module on replicated data (rules_broadcast)
         self.either = 0  # maps whose reading the first op using them decides (rules_broadcast._either)
+        self.windows = False  # a view split a sharded dim into windows: later views read serially (rules_windows)
+        self.lost = ""  # where model code made a plain local number of a read length (lengths.lost)
 
     # ----------------------------------------------------------------- tags
     def layout(self, t: Any) -> Optional[Layout]:
@@ -173,7 +177,8 @@ class RegionGuard(TorchFunctionMode):
 
     def root(self, t: torch.Tensor, d: int) -> Optional[Root]:
         """The :class:`~tplayers.region.lengths.Root` of sharded dim ``d`` of ``t`` (``None`` unless ``d`` is
-        one plain sharded dim: merged dims' lengths stay plain numbers), one per tensor dim and call."""
+        one plain sharded dim; merged dims' lengths: :func:`~tplayers.region.rules_windows.folded_root`), one per
+        tensor dim and call."""
         lay = self.layout(t)
         entry = lay[d] if lay is not None else None
         if entry is None or len(entry) != 1 or entry[0][1] is None:
@@ -193,10 +198,10 @@ class RegionGuard(TorchFunctionMode):
         if self.layout(t) is None or _torch_reads():
             return out
         if isinstance(dim, int):
-            r = self.root(t, dim % t.dim())
+            r = self.root(t, dim % t.dim()) or folded_root(self, t, dim % t.dim())
             return out if r is None else shape_with_lengths((out,), (r,))[0]
         if isinstance(out, torch.Size):
-            return shape_with_lengths(out, [self.root(t, d) for d in range(len(out))])
+            return shape_with_lengths(out, [self.root(t, d) or folded_root(self, t, d) for d in range(len(out))])
         return out
 
     # ------------------------------------------------------------ boundary
@@ -259,6 +264,9 @@ class RegionGuard(TorchFunctionMode):
     # -------------------------------------------------------- torch function
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _pointwise_names() and lengths_in(args, kwargs):
+            args, kwargs = values_of(args, kwargs)  # a length as a value (h_idx >= h - ws): the serial one
+            self.acted = True  # not what the code's local call computes: compiling refuses the region
         if not _touches(self, args, kwargs):
             name = getattr(func, "__name__", None)
             if name in FACTORIES and has_len(args, kwargs):
@@ -281,7 +289,11 @@ class RegionGuard(TorchFunctionMode):
                 first is not None and self.uniform(args[0]) and _keeps_constant(self, name, args, kwargs)
             )
             out = func(*args, **kwargs)
+            if self.lost:  # replicated tensors built after a length became a local number (region/taint.py)
+                taint(self, name, args, kwargs, out)
             return self.mark_uniform(out) if fresh else out
+        if self.lost and self.windows:
+            refuse_tainted(self, func, args, kwargs)
         if self.check and torch.is_grad_enabled():  # a partition's first call: later calls run the same code
             self.check_functions(args, kwargs)
         pack = saved_pack()

@@ -19,7 +19,9 @@ rank runs the same code, so every rank asks at the same point (comparisons are g
 branches agree). True division gives a :class:`ShardFloat`, which keeps the derivation through
 float arithmetic and comes back a ShardLen through ``math.ceil`` / ``floor`` / ``round`` (timm's
 "same" padding: ``math.ceil(ih / s)``). A length passed through ``int()`` / ``float()`` is a plain
-local number again. Lengths of merged dims (``x.flatten(2).shape[2]``) are plain local numbers.
+local number again, and the region notes where model code did so (:func:`lost`). Lengths of merged
+dims holding sharded factors (windows folded into the batch) have a root too
+(:func:`tplayers.region.rules_windows.folded_root`).
 Every ShardLen hashes alike (equality is serial, and a local hash would make a dict keyed by
 lengths compare, and so exchange, on some ranks only), so it is a valid but slow dict key, and it
 never matches a plain int key.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -36,7 +39,7 @@ import torch
 from tplayers.comm.collectives import exchange_grid_table
 from tplayers.domain.active import active_guard, stepped_aside
 
-__all__ = ["Root", "ShardLen", "ShardFloat", "serial", "is_len", "shape_with_lengths"]
+__all__ = ["Root", "MeshRoot", "ShardLen", "ShardFloat", "serial", "is_len", "is_read", "lost", "shape_with_lengths"]
 
 
 class Root:
@@ -62,6 +65,31 @@ class Root:
 
     def offset(self) -> int:
         return sum(self.sizes()[: self.group.rank()])
+
+
+class MeshRoot(Root):
+    """The local length of a dim merging factors sharded over every mesh dim (windows folded into the batch on
+    a 2-D mesh): its serial length is the sum of every rank's local length (each rank holds one block of
+    the grid of factors). Only :meth:`total` has a meaning; ``axis`` and ``group`` are ``None``."""
+
+    folded = True
+
+    def __init__(self, local: int, groups):
+        super().__init__(local, None, None)
+        self.groups = list(groups)
+
+    def sizes(self) -> List[int]:
+        if self._sizes is None:
+            g = active_guard()
+            if g is not None and getattr(g, "pending", 0):
+                g.settle()
+            with stepped_aside(g, settle=False) if g is not None else _nothing():
+                table = exchange_grid_table([self.local], self.groups, "region.lengths")
+            self._sizes = [row[0] for plane in table for row in plane]
+        return self._sizes
+
+    def offset(self) -> int:  # pragma: no cover - the rank's elements are strided: no offset
+        raise ValueError("a length merging dims sharded over every mesh dim has no offset")
 
 
 class _nothing:
@@ -133,6 +161,13 @@ class _Derived:
     def __ge__(self, o):
         return serial(self) >= serial(o) if _number(o) else NotImplemented
 
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        """numpy on a length (``np.ceil(h / ws)``): the local number, and the region notes that model code
+        turned a length read from a sharded dim into a plain local number (:func:`lost`)."""
+        lost(f"numpy.{getattr(ufunc, '__name__', ufunc)}", 2)
+        plain = [_local(v) for v in inputs]
+        return getattr(ufunc, method)(*plain, **kwargs)
+
 
 def _number(o) -> bool:
     return isinstance(o, (int, float)) and not isinstance(o, bool)
@@ -189,6 +224,14 @@ class ShardLen(_Derived, int):
     def __bool__(self):
         return serial(self) != 0
 
+    def __int__(self):
+        lost("int()", 2)
+        return int.__int__(self)
+
+    def __float__(self):
+        lost("float()", 2)
+        return int.__float__(self)
+
 
 def _parts(x) -> Tuple[Tuple[Root, ...], Callable[..., Any]]:
     if isinstance(x, _Derived):
@@ -213,6 +256,14 @@ class ShardFloat(_Derived, float):
         if not _number(other):
             return NotImplemented
         return _float(other, self, op) if reflected else _float(self, other, op)
+
+    def __int__(self):
+        lost("int()", 2)
+        return float.__int__(self)
+
+    def __float__(self):
+        lost("float()", 2)
+        return float.__float__(self)
 
     def _int(self, fn):
         f = self.fn
@@ -239,11 +290,31 @@ def _float(a, b, op) -> Any:
 
 
 def _local(x):
-    return float(x) if isinstance(x, ShardFloat) else int(x) if isinstance(x, ShardLen) else x
+    return float.__float__(x) if isinstance(x, ShardFloat) else int.__int__(x) if isinstance(x, ShardLen) else x
+
+
+def lost(how: str, depth: int = 1) -> None:
+    """Model code (not tplayers', torch's or numpy's own) made a plain local number of a length read from a
+    sharded dim (``int(h)``, ``np.ceil(h / ws)``): noted on the active region guard (``lost``), which
+    then follows the replicated tensors built from that point on (:mod:`tplayers.region.taint`)."""
+    f = sys._getframe(depth)
+    while f is not None and f.f_globals.get("__name__", "").startswith(("numpy", "torch.overrides")):
+        f = f.f_back
+    name = "" if f is None else f.f_globals.get("__name__", "")
+    if f is None or name.startswith(("tplayers.", "torch.", "numpy")):
+        return  # the library's own int() of a length (the layout code reads sizes): nothing lost
+    g = active_guard()
+    if g is not None and getattr(g, "lost", None) is not None:
+        g.lost = f"{how} of a length read from a sharded dim at {f.f_code.co_filename}:{f.f_lineno}"
 
 
 def is_len(x: Any) -> bool:
     return isinstance(x, ShardLen)
+
+
+def is_read(x: Any) -> bool:
+    """Whether ``x`` is a length read as is from one sharded dim (``x.shape[d]``: no arithmetic on it)."""
+    return isinstance(x, ShardLen) and len(x.roots) == 1 and x.fn is _ident
 
 
 def serial(x: Any) -> Any:

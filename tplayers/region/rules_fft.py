@@ -129,7 +129,12 @@ def _read_from(seq, dims, shard_dims):
     mesh dims stay where the input has them (``None`` when no size was read)."""
     out, sizes = list(shard_dims), {}
     for d, n in zip(dims, seq):
-        if isinstance(n, ShardLen) and len(n.roots) == 1 and n.fn(n.roots[0].local) == int(n):
+        if (
+            isinstance(n, ShardLen)
+            and len(n.roots) == 1
+            and not getattr(n.roots[0], "folded", False)
+            and n.fn(n.roots[0].local) == int(n)
+        ):
             root = n.roots[0]
             if serial(n) == root.total() and d not in [o for j, o in enumerate(out) if j != root.axis]:
                 out[root.axis] = d

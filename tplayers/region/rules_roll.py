@@ -79,7 +79,7 @@ def _roll(g, func, args, kwargs):
             out = HaloExchange1d.apply(out, d, group, (0, k), (k, 0), True).narrow(d, k, n)
     if out is x:
         out = x.clone()  # a new tensor, as torch.roll returns
-    return g.mark(out, lay)
+    return g.mark(out.contiguous(), lay)  # contiguous, as torch.roll returns (code views it: HF's Swin)
 
 
 TABLE = {"roll": _roll}

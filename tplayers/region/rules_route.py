@@ -15,7 +15,8 @@ import tplayers.functional as TF
 from tplayers.domain.layout import mesh_dims_of, prefix_of, region_layout, sharded_dims
 from tplayers.region.lengths import serial
 from tplayers.region.rules import op_name
-from tplayers.region.rules_ops import _bind, _simple
+from tplayers.region.rules_ops import _bind, _reduction, _simple
+from tplayers.region.rules_window_attn import window_sdpa
 from tplayers.region.sizes import global_sizes
 
 __all__ = ["TABLE"]
@@ -56,6 +57,9 @@ def _pool(g, func, args, kwargs):
     g.acted = True
     name = func.__name__.replace("_with_indices", "").lstrip("_")
     x, lay = args[0], g.layout(args[0])
+    if name.startswith("adaptive_avg_pool") and _to_one(args, kwargs, int(name[-2])):  # a mean: any layout
+        nd = int(name[-2])  # (flattened tokens pooled by HF's Swin: a dim merging two sharded dims)
+        return _reduction(g, torch.mean, (x, tuple(range(x.dim() - nd, x.dim())), True), {})
     dims = _spatial(g, x, lay, op_name(func))
     fn = getattr(TF, name, None)
     if fn is None:
@@ -68,6 +72,13 @@ def _pool(g, func, args, kwargs):
     out = fn(x, size, **a, mesh=g.mesh, shard_dims=dims, cache=g.routes)
     kept = tuple(d for d in dims if size[d - 2] != 1)  # size 1 along a sharded dim: a global reduction
     return g.mark(out, tuple(((out.shape[d], dims.index(d)),) if d in kept else None for d in range(out.dim())))
+
+
+def _to_one(args, kwargs, nd: int) -> bool:
+    """Whether an adaptive pool's ``output_size`` is 1 along every pooled dim."""
+    size = kwargs.get("output_size", args[1] if len(args) > 1 else None)
+    size = (size,) * nd if isinstance(size, int) else tuple(size or ())
+    return len(size) == nd and all(s == 1 for s in size)
 
 
 def _pad(g, func, args, kwargs):
@@ -121,6 +132,9 @@ def _positions(g, factors):
 
 
 def _sdpa(g, func, args, kwargs):
+    local = window_sdpa(g, args, kwargs)  # windows folded into the batch: attention per window is local
+    if local is not None:
+        return local
     g.acted = True
     a = _bind(
         args,

@@ -8,10 +8,11 @@ serial value):
 * **Slices of sharded dims** (``x[:, :, :m]``, ``x_ft[:, :, c - m: c + m]``, ``x[..., :-pad]``,
   steps too, and assignment into them): the slice is taken of the serial tensor, so each rank keeps
   the rows of the serial slice it holds, and the result stays sharded along that dim with those rows
-  (an empty shard where a rank holds none). A slice no longer than the largest shard (the kept
-  modes of a spectral convolution) is all-gathered instead and comes out whole on every rank: only
-  its rows travel, the per-mode work on it is replicated, and code that reads its shape in Python
-  (``opt_einsum``'s contraction planning in neuraloperator) sees the serial shape; its gradient is
+  (an empty shard where a rank holds none). A contiguous slice no longer than the largest shard (the
+  kept modes of a spectral convolution; a strided one, a patch merging's ``x[:, 0::2]``, stays
+  sharded) is all-gathered instead and comes out whole on every rank: only its rows travel, the
+  per-mode work on it is replicated, and code that reads its shape in Python (``opt_einsum``'s
+  contraction planning in neuraloperator) sees the serial shape; its gradient is
   this rank's rows of the (replicated) gradient. An integer index picks one serial row the same way
   (gathered, its dim gone: ``x[:, :, 0]`` is the serial first row on every rank); assigning into it
   (``c[:, :, 0] = 1``) writes on the rank that holds it. ``out[idx] = v`` writes ``v``'s rows into this rank's
@@ -151,7 +152,7 @@ def global_index(g, x: torch.Tensor, idx, gather: bool = True):
         first, n = counts[root.group.rank()]
         step = serial(item.step) or 1
         local = slice(first, first + (n - 1) * step + 1, step) if n else slice(0, 0)
-        whole = gather and sum(c for _, c in counts) <= max(sizes)
+        whole = gather and step == 1 and sum(c for _, c in counts) <= max(sizes)  # strided: kept sharded
         sliced[d] = (local, n, root.axis, [c for _, c in counts], whole)
     orig = idx if isinstance(idx, tuple) else (idx,)
     used = sum(1 for i in orig if i is not None and i is not Ellipsis)
@@ -268,6 +269,12 @@ def spans(g, tensors: Sequence[torch.Tensor]) -> bool:
 # ----------------------------------------------------------------------------- factories
 def _dim_of(g, s: ShardLen, what: str):
     axes = {r.axis for r in s.roots}
+    if any(getattr(r, "folded", False) for r in s.roots):
+        raise g.error(
+            f"{what}: a size read from a dim that merges a sharded dim with others (windows folded into the "
+            "batch, flattened pixels)",
+            advice="Size it by a plain sharded dim's length, or make it with *_like of the tensor.",
+        )
     if len(axes) != 1:
         raise g.error(f"{what}: a size that mixes lengths of different sharded dims ({s.roots and axes})")
     root = s.roots[0]

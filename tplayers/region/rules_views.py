@@ -9,10 +9,11 @@ is refused. The guard's table (:mod:`tplayers.region.dispatch`) takes :data:`VIE
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tplayers.domain.layout import (
-    _prod,
     broadcast_layouts,
     drop_dims,
     flatten_layout,
@@ -23,10 +24,11 @@ from tplayers.domain.layout import (
     sharded_dims,
     unflatten_layout,
 )
-from tplayers.region.lengths import Root, ShardLen
+from tplayers.region.lengths import ShardLen
 from tplayers.region.rules import _mark_all, _preserve, dims_arg, op_name
 from tplayers.region.rules_index import index_layout
 from tplayers.region.rules_slices import fit_operands, getitem, global_index
+from tplayers.region.rules_windows import move_windows, serial_view, wants_serial
 
 __all__ = ["VIEWS", "ALONG"]
 
@@ -47,55 +49,25 @@ def _reshape(g, func, args, kwargs):
         return _preserve(g, func, args, kwargs)
     else:
         shape = _shape_args(args) if len(args) > 1 else tuple(kwargs.get("shape", kwargs.get("size", ())))
-    serial_read = _serial_view(g, x, lay, shape)
-    if serial_read is not None:
-        local, new = serial_read
-        return g.mark(func(x, local), new)
+    if name in ("view", "reshape") and (wants_serial(g, lay, shape) or _serial_count(x, lay, shape)):  # rules_windows
+        found = serial_view(g, x, lay, shape)
+        if found is not None:
+            return g.mark(move_windows(g, func, args, kwargs, x, shape, *found), found[1])
     g.arm()  # decided from local sizes (a 1-row or empty shard): agreed on a region's first call
     new = reshape_layout(x.shape, lay, shape)
     return g.mark(func(*args, **kwargs), new)
 
 
-def _serial_view(g, x, lay, shape):
-    """``x.view(shape)`` with ``shape`` the serial tensor's (MONAI UNETR's ``proj_feat`` views its tokens
-    with the configured global grid, ``x.view(B, H/p, W/p, hidden)``): when ``shape`` has no ``-1`` and
-    not this rank's element count, every sharded factor's serial length is gathered; if the serial
-    tensor has ``prod(shape)`` elements, the serial result's layout places each sharded factor, whose
-    dim keeps this rank's length. ``(local shape, layout)``, or ``None`` when the shape is not a serial
-    one (then read locally, as before). A rank holding every row of a dim (the others none) matches
-    its own count and reads locally while the others gather: give every rank rows."""
+def _serial_count(x, lay, shape) -> bool:
+    """Whether plain sizes that do not give this rank's element count are the serial tensor's view (MONAI
+    UNETR's ``proj_feat`` views its tokens with the configured global grid, ``x.view(B, H/p, W/p, hidden)``):
+    read as the serial view (:func:`~tplayers.region.rules_windows.serial_view`), each sharded factor keeping
+    this rank's rows. A rank holding every row of a dim (the others none) matches its own count and reads
+    locally while the others gather: give every rank rows."""
     if any(prefix_of(e) for e in lay) or any(isinstance(s, ShardLen) for s in shape):
-        return None
-    shape = [int(s) for s in shape]
-    if -1 in shape or _prod(shape) == x.numel():
-        return None
-    local, serial_shape, serial_lay = {}, [], []
-    for size, entry in zip(x.shape, lay):
-        if not entry:
-            serial_shape.append(int(size))
-            serial_lay.append(None)
-            continue
-        factors = []
-        for n, axis in entry:
-            if axis is not None:
-                local[axis] = int(n)
-                n = Root(n, g.groups[axis], axis).total()  # one small all-gather per sharded factor
-            factors.append((n, axis))
-        serial_shape.append(_prod(n for n, _ in factors))
-        serial_lay.append(tuple(factors))
-    if _prod(shape) != _prod(serial_shape):
-        return None
-    out = reshape_layout(serial_shape, tuple(serial_lay), shape)
-    local_shape, local_lay = list(shape), []
-    for k, entry in enumerate(out):
-        if not entry:
-            local_lay.append(None)
-            continue
-        for n, axis in entry:
-            if axis is not None:
-                local_shape[k] = local_shape[k] // n * local[axis]
-        local_lay.append(tuple((local[a], a) if a is not None else (n, a) for n, a in entry))
-    return tuple(local_shape), tuple(local_lay)
+        return False
+    sizes = [int(s) for s in shape]
+    return -1 not in sizes and math.prod(sizes) != x.numel()
 
 
 def _flatten(g, func, args, kwargs):

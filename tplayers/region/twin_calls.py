@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from tplayers.comm.buckets import using_buckets
 from tplayers.domain.active import stepped_aside
-from tplayers.domain.layout import Layout, mesh_dims_of, region_layout, sharded_dims
+from tplayers.domain.layout import Layout, contiguous_blocks, mesh_dims_of, region_layout, sharded_dims
 from tplayers.layers.norm import _DomainNorm
 
 __all__ = ["call_twin"]
@@ -62,6 +62,9 @@ def call_twin(g, module, call: Callable, args, kwargs):
                     advice="Twins take this rank's slice of a sharded tensor.",
                 )
             )
+        if layout != region_layout(shape, tuple(dims)) and contiguous_blocks(layout) == region_layout(shape, dims):
+            layout = contiguous_blocks(layout)  # the same rows as one sharded factor
+            g.mark(x, layout)
         if layout != region_layout(shape, tuple(dims)) and _statistics_twin(module):
             return _norm_any_layout(g, module, call, x, layout, args, kwargs)
         if layout != region_layout(shape, tuple(dims)) and _pointwise_conv(module) and len(args) == 1:
