@@ -53,6 +53,14 @@ long na_scratch(const int64_t *dims, const int32_t *rows, const int32_t *cols, i
     return n;
 }
 
+/* the scratch elements of a call on plan pl (na_plan) */
+long na_plan_scratch(const int64_t *dims, const void *pl) {
+    Geo g = make_geo(dims, NULL, NULL, NULL, 1.0);
+    const Plan *p = pl;
+    g.kp = p->kp;
+    return scratch_of(&g, p, p->backward);
+}
+
 /* column chunks of a call's plan (backward as in na_scratch): more than 1 where the rows' keys
  * do not fit the cache budget (tests check that path is taken) */
 int na_chunks(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
@@ -74,10 +82,10 @@ static vt *vec_alloc(long n) {
 
 /* dims: B, heads, Hq, Wq, Hk, Wk, D, Dv, kH, kW, bias table rows. Planes [p0, p1) of the B*heads (batch-major). */
 void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, const int64_t *dims,
-                const int32_t *rows, const int32_t *cols, double scale, T *scratch, int p0, int p1) {
+                const int32_t *rows, const int32_t *cols, double scale, const void *plan, T *scratch, int p0, int p1) {
     Geo g = make_geo(dims, rows, cols, table, scale);
-    Plan pl;
-    make_plan(&g, 0, &pl);
+    const Plan pl = *(const Plan *)plan;
+    g.kp = pl.kp;
     long pk = (long)g.Hk * g.kp, qw = pl.qw, sq[4], sk[4], sv[4];
     const long *jb = pl.jb;
     dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
@@ -123,7 +131,8 @@ void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, cons
                     for (int m = 0; m < nm; m++)
                         for (int c = 0; c < g.Dv; c++) {
                             vt r = acc[m][c] * inv[m];
-                            memcpy(orow + (m * g.Dv + c) * qw + jq, &r, ln->n * sizeof(T));
+                            if (ln->n == L) st(orow + (m * g.Dv + c) * qw + jq, r); /* no memcpy call */
+                            else memcpy(orow + (m * g.Dv + c) * qw + jq, &r, ln->n * sizeof(T));
                         }
                 }
                 for (int m = 0; m < nm; m++)
@@ -133,7 +142,6 @@ void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, cons
         }
     }
     free(sbuf);
-    free_plan(&pl);
 }
 
 /* one query row's dK / dV in a block whose slots are too far apart for the two-register sums
@@ -167,11 +175,11 @@ static void table_grad(const Geo *g, const Lanes *ln, int i, long j0, int h, con
  * (batch, pixel, head, channel). */
 void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const T *v, const T *table, const T *out,
                  T *dq, T *dk, T *dv, T *dtable, const int64_t *dims, const int32_t *rows, const int32_t *cols,
-                 double scale, T *scratch, int p0, int p1) {
+                 double scale, const void *plan, T *scratch, int p0, int p1) {
     Geo g = make_geo(dims, rows, cols, table, scale);
     int kv = dk != NULL;
-    Plan pl;
-    make_plan(&g, kv ? 1 : 2, &pl);
+    const Plan pl = *(const Plan *)plan; /* a backward plan (na_plan with backward 1 or 2) */
+    g.kp = pl.kp;
     long pk = (long)g.Hk * g.kp, qw = pl.qw, sq[4], sk[4], sv[4], so[4];
     const long *jb = pl.jb;
     long sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
@@ -196,9 +204,8 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
         acc[m] = sbuf + 3L * MR * g.nkp + (long)m * g.D;
     }
     long *off = malloc(sizeof(long) * 2 * g.nkp), *voff = off + g.nkp;
-    vi *shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 4 * g.kw * pl.nb), *folds;
-    int *fused = malloc(sizeof(int) * pl.nb), *fstart = malloc(sizeof(int) * (pl.nb + 1));
-    fuse_tables(&g, &pl, shifts, fused, fstart, &folds);
+    const vi *shifts = pl.shifts, *folds = pl.folds;
+    const int *fused = pl.fused, *fstart = pl.fstart, *shix = pl.shix;
     (void)dmax;
     for (int pn = p0; pn < p1; pn++) {
         int b = pn / g.heads, h = pn % g.heads;
@@ -255,10 +262,11 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
                     for (int m = 0; m < nm; m++)
                         for (int c = 0; c < g.D; c++) {
                             vt r = acc[m][c] * g.scale;
-                            memcpy(dqr + (m * g.D + c) * qw + jq, &r, ln->n * sizeof(T));
+                            if (ln->n == L) st(dqr + (m * g.D + c) * qw + jq, r);
+                            else memcpy(dqr + (m * g.D + c) * qw + jq, &r, ln->n * sizeof(T));
                         }
                     if (kv && fused[bk]) { /* dK += dS^T Q, dV += P^T dO: a tile's rows summed per key row */
-                        const vi *sh = shifts + 4 * (long)g.kw * bk, *fold = folds + 2 * fstart[bk];
+                        const vi *sh = shifts + 4 * (long)g.kw * shix[bk], *fold = folds + 2 * fstart[bk];
                         int nf = fstart[bk + 1] - fstart[bk];
                         for (const Urow *u = u0; u < u1; u++) {
                             const vt *wk[MR], *wv[MR];
@@ -299,9 +307,4 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
     }
     free(sbuf);
     free(off);
-    free(shifts);
-    free(fused);
-    free(fstart);
-    free(folds);
-    free_plan(&pl);
 }

@@ -51,6 +51,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from tplayers.ops import na_cpu_plans
 from tplayers.ops.na_gemm import gemm_backward
 from tplayers.ops.na_geometry import kernel_dims, kernel_tables, split_geometry
 
@@ -208,10 +209,11 @@ def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
     ptr, i32, dbl = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     lib.na_scratch.argtypes, lib.na_scratch.restype = [ptr, ptr, ptr, i32], ctypes.c_long
     lib.na_chunks.argtypes, lib.na_chunks.restype = [ptr, ptr, ptr, i32], ctypes.c_int
-    lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, i32, i32]
+    lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32]
     lib.na_forward.restype = None
-    lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, i32, i32]
+    lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32]
     lib.na_backward.restype = None
+    na_cpu_plans.declare(lib)
     return lib
 
 
@@ -263,13 +265,14 @@ def _ptr(t: Optional[torch.Tensor]):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
-def _split(lib, backward: int, dims: torch.Tensor, tables, planes: int):
-    """Plane ranges, one per worker thread (``torch.get_num_threads()`` at most), and the scratch
-    elements each needs."""
+def _split(lib, backward: int, dims: torch.Tensor, tables, planes: int, key):
+    """Plane ranges, one per worker thread (``torch.get_num_threads()`` at most), and the call's
+    plan (its ``scratch``: elements each worker needs; ``key``: what ``dims`` and the tables are
+    made from)."""
     workers = max(1, min(torch.get_num_threads(), planes))
-    size = lib.na_scratch(_ptr(dims), _ptr(tables[0]), _ptr(tables[1]), int(backward))
+    plan = na_cpu_plans.plan(lib, key, dims, tables[0], tables[1], backward)
     bounds = [(planes * w // workers, planes * (w + 1) // workers) for w in range(workers)]
-    return bounds, size
+    return bounds, plan
 
 
 def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch.Tensor:
@@ -282,10 +285,10 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     out = q.new_empty(batch, q.shape[1], v.shape[-1])
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
-    bounds, size = _split(lib, 0, dims, (rows, cols), planes)
+    bounds, plan = _split(lib, 0, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
 
     def work(p0, p1):
-        scratch = q.new_empty(size)
+        scratch = q.new_empty(plan.scratch)
         lib.na_forward(
             _ptr(q),
             _ptr(k),
@@ -296,6 +299,7 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
             _ptr(rows),
             _ptr(cols),
             scale,
+            plan.ptr,
             _ptr(scratch),
             p0,
             p1,
@@ -323,11 +327,11 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     dk, dv = (torch.empty_like(k), torch.empty_like(v)) if want_kv else (None, None)
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
-    bounds, size = _split(lib, 1 if want_kv else 2, dims, (rows, cols), planes)
+    bounds, plan = _split(lib, 1 if want_kv else 2, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
     dtabs = [None if tab is None else torch.zeros_like(tab) for _ in bounds]
 
     def work(p0, p1, dtab):
-        scratch = q.new_empty(size)
+        scratch = q.new_empty(plan.scratch)
         lib.na_backward(
             _ptr(g4),
             _ptr(strides),
@@ -344,6 +348,7 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
             _ptr(rows),
             _ptr(cols),
             scale,
+            plan.ptr,
             _ptr(scratch),
             p0,
             p1,

@@ -18,6 +18,11 @@ typedef struct {
     long *jb; /* first query column of each block, nb + 1 */
     Urow *ur;
     long qw; /* widest chunk in query columns (row buffers' pitch) */
+    long kp; /* the key planes' pitch (Geo.kp of the calls on this plan) */
+    int backward; /* 0 forward, 1 backward with dK / dV, 2 without */
+    /* backward: the fuse tables (see fuse_tables) */
+    vi *shifts, *folds;
+    int *shix, *fused, *fstart;
 } Plan;
 
 static long l2_bytes(void) {
@@ -64,8 +69,11 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
         sw = pl->cx1[c] - pl->cx0[c] > sw ? pl->cx1[c] - pl->cx0[c] : sw;
         qw = jb[pl->cb[c + 1]] - jb[pl->cb[c]] > qw ? jb[pl->cb[c + 1]] - jb[pl->cb[c]] : qw;
     }
-    g->kp = sw;
+    g->kp = pl->kp = sw;
     pl->qw = qw;
+    pl->backward = backward;
+    pl->shifts = pl->folds = NULL;
+    pl->shix = pl->fused = pl->fstart = NULL;
     pl->nt = (g->Hq + MR - 1) / MR;
     pl->order = malloc(sizeof(int) * g->Hq);
     pl->ustart = malloc(sizeof(int) * (pl->nt + 1));
@@ -75,6 +83,8 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
 }
 
 static void free_plan(Plan *pl) {
+    free(pl->shifts); free(pl->folds); free(pl->shix); free(pl->fused); free(pl->fstart);
+    for (int bk = 0; bk < pl->nb; bk++) free(pl->blocks[bk].inv);
     free(pl->blocks); free(pl->bases); free(pl->cb); free(pl->cx0); free(pl->cx1);
     free(pl->order); free(pl->ustart); free(pl->ur); free(pl->jb);
 }
@@ -86,7 +96,18 @@ static void free_plan(Plan *pl) {
  * and the folds that first add into that lane the lanes sharing its key (borders: windows shifted
  * inside the image): block bk's rounds are folds[2 fstart[bk] ...) as (shuffle, mask) pairs,
  * fstart[nb] in all (the caller frees *folds) */
-static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *fused, int *fstart, vi **folds) {
+static int same_shifts(const Geo *g, const Plan *pl, int x, int y) {
+    const Lanes *a = pl->blocks + x, *b = pl->blocks + y;
+    if (a->mode || b->mode || a->n != b->n) return 0;
+    const long *ba = pl->bases + (long)x * g->kw, *bb = pl->bases + (long)y * g->kw;
+    for (int s = 1; s < g->kw; s++)
+        if (ba[s] - ba[0] != bb[s] - bb[0]) return 0;
+    return 1;
+}
+
+/* shix[bk]: the block whose shift tables block bk uses (the interior blocks of a row share one;
+ * only the tables of distinct blocks are written: a long 1-D row has 256 blocks) */
+static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *shix, int *fused, int *fstart, vi **folds) {
     int total = 0, cap = pl->nb + L;
     vi *pool = aligned_alloc(_Alignof(vi), sizeof(vi) * 2 * cap);
     for (int bk = 0; bk < pl->nb; bk++) {
@@ -95,6 +116,12 @@ static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *fused, in
         int first[L], count[L], maxp = 0, rounds = 0;
         for (int u = 0; u < L; u++) first[u] = -1, count[u] = 0;
         fstart[bk] = total;
+        shix[bk] = bk;
+        if (bk > 0 && same_shifts(g, pl, shix[bk - 1], bk)) { /* mode 0: no folds either */
+            shix[bk] = shix[bk - 1];
+            fused[bk] = fused[bk - 1];
+            continue;
+        }
         for (int t = 0; t < ln->n; t++) {
             int u = ln->perm[t];
             maxp = u > maxp ? u : maxp;
@@ -136,6 +163,28 @@ static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *fused, in
     }
     fstart[pl->nb] = total;
     *folds = pool;
+}
+
+/* the plan of a call (dims, rows, cols as na_forward's; backward as na_scratch's), with the
+ * backward's fuse tables; built once per shape by the caller (na_cpu.py caches it), freed by
+ * na_plan_free */
+void *na_plan(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    Plan *pl = malloc(sizeof(Plan));
+    make_plan(&g, backward, pl);
+    if (backward) {
+        pl->shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 4 * g.kw * pl->nb);
+        pl->fused = malloc(sizeof(int) * pl->nb);
+        pl->fstart = malloc(sizeof(int) * (pl->nb + 1));
+        pl->shix = malloc(sizeof(int) * pl->nb);
+        fuse_tables(&g, pl, pl->shifts, pl->shix, pl->fused, pl->fstart, &pl->folds);
+    }
+    return pl;
+}
+
+void na_plan_free(void *pl) {
+    free_plan(pl);
+    free(pl);
 }
 
 #endif
