@@ -68,6 +68,7 @@ __all__ = [
     "lanes",
     "build_flags",
     "backward_is_fused",
+    "backward_in_c",
     "attention_backward",
 ]
 
@@ -371,31 +372,29 @@ def _parallel(work, jobs) -> None:
 def backward_is_fused(geo: List[int], dtype: torch.dtype) -> bool:
     """Whether the C backward sums a block's dK/dV in registers: the ``kW`` slots of one key row
     (``(kW - 1) * dilation_W`` columns apart) must fit two vectors from the block's first key
-    (``(kW - 1) * dW <= lanes``). Otherwise each slot is a read-modify-write of memory, measured
-    slower than the tile kernel's backward (wide 2-D kernels, long 1-D ones; ``benchmarks/na.py``),
-    so :data:`C_KERNELS` then run the GEMM kernel's backward (:mod:`tplayers.ops.na_gemm`; measured
-    faster than the tile kernel's there)."""
+    (``(kW - 1) * dW <= lanes``)."""
     col = split_geometry(geo)[0][-1]
     return (col.kernel - 1) * col.dilation <= lanes(dtype)
 
 
-def attention_backward(
-    grad_out,
-    q,
-    k,
-    v,
-    table,
-    out,
-    geo: List[int],
-    scale: float,
-    heads: int,
-    want_kv: bool = True,
-    want_bias: bool = True,
-):
-    """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_is_fused`,
+def backward_in_c(geo: List[int], dtype: torch.dtype) -> bool:
+    """Whether :data:`C_KERNELS` run the C backward: where it is fused (:func:`backward_is_fused`)
+    or where most query columns are interior (stride 1 and at least ``2 (kW - 1) dW + lanes``
+    columns): wider windows sum dK/dV key-centrically there (``key_sums`` in ``na_cpu.c``: 2.0x
+    the GEMM kernel's backward at 1-D 4096 k33, 1.05x at 2-D 48x48 k19, one AVX-512 core), while
+    near borders each slot is a read-modify-write of memory (0.3-0.85x the tile kernel's backward:
+    ``benchmarks/na.py``), so elsewhere the GEMM kernel's backward runs
+    (:mod:`tplayers.ops.na_gemm`)."""
+    col = split_geometry(geo)[0][-1]
+    wide_ok = col.stride == 1 and col.q_count >= 2 * (col.kernel - 1) * col.dilation + lanes(dtype)
+    return backward_is_fused(geo, dtype) or wide_ok
+
+
+def attention_backward(grad_out, q, k, v, table, out, geo: List[int], scale, heads, want_kv=True, want_bias=True):
+    """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_in_c`,
     else the GEMM kernel's (:func:`~tplayers.ops.na_gemm.gemm_backward`; same values up to fp
     rounding)."""
-    if backward_is_fused(geo, q.dtype):
+    if backward_in_c(geo, q.dtype):
         return c_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=want_kv)
     return gemm_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv, want_bias)
 

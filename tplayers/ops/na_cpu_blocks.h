@@ -31,6 +31,9 @@ typedef IT vi __attribute__((vector_size(L * sizeof(IT))));
 #define G 8  /* score accumulators per pass (keys at a time) */
 #define GV 8 /* output-channel accumulators per pass (8 measured ~10% faster than 4) */
 #define INL static inline __attribute__((always_inline))
+#ifndef NA_PREFETCH
+#define NA_PREFETCH L /* pixels ahead that to_rows prefetches (DRAM latency: several tiles) */
+#endif
 
 INL vt ld(const T *p) { vt v; memcpy(&v, p, sizeof v); return v; }
 INL void st(T *p, vt v) { memcpy(p, &v, sizeof v); }
@@ -269,7 +272,7 @@ static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, in
                 for (; c0 + L <= C; c0 += L) {
                     vt r[L];
                     for (int t = 0; t < L; t++) {
-                        __builtin_prefetch(src + (px + t + L) * xs[1] + c0); /* next tile */
+                        __builtin_prefetch(src + (px + t + NA_PREFETCH) * xs[1] + c0); /* tiles ahead */
                         r[t] = ld(src + (px + t) * xs[1] + c0);
                     }
                     transpose_tile(r);

@@ -23,6 +23,11 @@ typedef struct {
     /* backward: the fuse tables (see fuse_tables) */
     vi *shifts, *folds;
     int *shix, *fused, *fstart;
+    /* backward, key-centric dK / dV (unfused blocks, see key_sums in na_cpu.c): keyc[bk] when
+     * block bk's slot b reads key column jb[bk] + relpat[b] + lane (one pattern for the row);
+     * kpad: zero columns on each side of the row buffers those sums read (0: no such block) */
+    int *keyc;
+    long *relpat, kpad;
 } Plan;
 
 static long l2_bytes(void) {
@@ -43,7 +48,9 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
     pl->cx1 = malloc(sizeof(long) * nb);
     long nq = g->Hq < MR ? g->Hq : MR, rows = nq + g->kh - 1;
     long col = (rows + nq) * (g->D + g->Dv) * (long)sizeof(T) * (backward ? 2 : 1), budget = l2_bytes() / 4;
-    long most = budget / col, *jb = pl->jb = malloc(sizeof(long) * (nb + 1));
+    /* chunked rows: the calls run a chunk's heads in turn, so a chunk's columns of every head
+     * (whole cache lines of the pixel-major tensors) share the budget */
+    long most = budget / (col * (backward ? 1 : g->heads)), *jb = pl->jb = malloc(sizeof(long) * (nb + 1));
     if (most < 4 * L) most = 4 * L;
     for (int bk = 0, j = 0; bk <= nb; bk++) { jb[bk] = j; if (bk < nb) j += pl->blocks[bk].n; }
     int nc = 0;
@@ -73,7 +80,9 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
     pl->qw = qw;
     pl->backward = backward;
     pl->shifts = pl->folds = NULL;
-    pl->shix = pl->fused = pl->fstart = NULL;
+    pl->shix = pl->fused = pl->fstart = pl->keyc = NULL;
+    pl->relpat = NULL;
+    pl->kpad = 0;
     pl->nt = (g->Hq + MR - 1) / MR;
     pl->order = malloc(sizeof(int) * g->Hq);
     pl->ustart = malloc(sizeof(int) * (pl->nt + 1));
@@ -84,6 +93,7 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
 
 static void free_plan(Plan *pl) {
     free(pl->shifts); free(pl->folds); free(pl->shix); free(pl->fused); free(pl->fstart);
+    free(pl->keyc); free(pl->relpat);
     for (int bk = 0; bk < pl->nb; bk++) free(pl->blocks[bk].inv);
     free(pl->blocks); free(pl->bases); free(pl->cb); free(pl->cx0); free(pl->cx1);
     free(pl->order); free(pl->ustart); free(pl->ur); free(pl->jb);
@@ -165,6 +175,32 @@ static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *shix, int
     *folds = pool;
 }
 
+/* the blocks whose dK / dV run as key-centric sums (unfused and unshuffled, all with the slot
+ * offsets of one interior block; the others keep kv_slots) and the row buffers' padding */
+static void key_blocks(const Geo *g, Plan *pl) {
+    int nb = pl->nb, kw = g->kw, ref = -1;
+    pl->keyc = calloc(nb, sizeof(int));
+    pl->relpat = malloc(sizeof(long) * kw);
+    for (int bk = nb / 2; bk < nb && ref < 0; bk++)
+        if (!pl->fused[bk] && pl->blocks[bk].mode == 0) ref = bk;
+    for (int bk = 0; bk < nb / 2 && ref < 0; bk++)
+        if (!pl->fused[bk] && pl->blocks[bk].mode == 0) ref = bk;
+    if (ref < 0) return;
+    long lo = 0, hi = 0;
+    for (int b = 0; b < kw; b++) pl->relpat[b] = pl->bases[(long)ref * kw + b] - pl->jb[ref];
+    for (int bk = 0; bk < nb; bk++) {
+        int same = !pl->fused[bk] && pl->blocks[bk].mode == 0;
+        for (int b = 0; b < kw; b++) {
+            long rel = pl->bases[(long)bk * kw + b] - pl->jb[bk];
+            same &= rel == pl->relpat[b];
+            lo = rel < lo ? rel : lo;
+            hi = rel > hi ? rel : hi;
+        }
+        pl->keyc[bk] = same;
+    }
+    pl->kpad = (hi - lo + 3 * L - 1) / L * L; /* >= the offsets' span + 2L (see key_sums) */
+}
+
 /* the plan of a call (dims, rows, cols as na_forward's; backward as na_scratch's), with the
  * backward's fuse tables; built once per shape by the caller (na_cpu.py caches it), freed by
  * na_plan_free */
@@ -178,6 +214,7 @@ void *na_plan(const int64_t *dims, const int32_t *rows, const int32_t *cols, int
         pl->fstart = malloc(sizeof(int) * (pl->nb + 1));
         pl->shix = malloc(sizeof(int) * pl->nb);
         fuse_tables(&g, pl, pl->shifts, pl->shix, pl->fused, pl->fstart, &pl->folds);
+        key_blocks(&g, pl);
     }
     return pl;
 }
