@@ -32,6 +32,17 @@ ROOT = Path(__file__).resolve().parent.parent
 _LIBS: dict = {}
 
 
+def _source(name: str) -> bytes:
+    """One file of the old kernel: from ``$TPLAYERS_NA_REFERENCE_DIR`` (a copy, for a checkout without
+    the git history) or ``git show``."""
+    folder = os.environ.get("TPLAYERS_NA_REFERENCE_DIR")
+    if folder:
+        return Path(folder, Path(name).name).read_bytes()
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{COMMIT}:{name}"], capture_output=True, check=True, timeout=60
+    ).stdout
+
+
 def reference_library(dtype: torch.dtype = torch.float32) -> Optional[ctypes.CDLL]:
     """The old kernel for ``dtype``, built on first use; None (and a printed reason) when the git
     history or the compiler is missing."""
@@ -41,10 +52,7 @@ def reference_library(dtype: torch.dtype = torch.float32) -> Optional[ctypes.CDL
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for name in FILES:
-                text = subprocess.run(
-                    ["git", "-C", str(ROOT), "show", f"{COMMIT}:{name}"], capture_output=True, check=True, timeout=60
-                ).stdout
-                Path(tmp, Path(name).name).write_bytes(text)
+                Path(tmp, Path(name).name).write_bytes(_source(name))
             target = Path(tmp, "ref.so")
             flags = na_cpu.build_flags(dtype)
             cc = os.environ.get("CC") or "cc"

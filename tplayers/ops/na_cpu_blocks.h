@@ -32,7 +32,7 @@ typedef IT vi __attribute__((vector_size(L * sizeof(IT))));
 #define GV 8 /* output-channel accumulators per pass (8 measured ~10% faster than 4) */
 #define INL static inline __attribute__((always_inline))
 #ifndef NA_PREFETCH
-#define NA_PREFETCH L /* pixels ahead that to_rows prefetches (DRAM latency: several tiles) */
+#define NA_PREFETCH L /* pixels ahead that to_rows prefetches (the next tile; 4 tiles measured the same) */
 #endif
 
 INL vt ld(const T *p) { vt v; memcpy(&v, p, sizeof v); return v; }
