@@ -379,14 +379,14 @@ def backward_is_fused(geo: List[int], dtype: torch.dtype) -> bool:
 
 def backward_in_c(geo: List[int], dtype: torch.dtype) -> bool:
     """Whether :data:`C_KERNELS` run the C backward: where it is fused (:func:`backward_is_fused`)
-    or where most query columns are interior (stride 1 and at least ``2 (kW - 1) dW + lanes``
-    columns): wider windows sum dK/dV key-centrically there (``key_sums`` in ``na_cpu.c``: 2.0x
-    the GEMM kernel's backward at 1-D 4096 k33, 1.05x at 2-D 48x48 k19, one AVX-512 core), while
-    near borders each slot is a read-modify-write of memory (0.3-0.85x the tile kernel's backward:
-    ``benchmarks/na.py``), so elsewhere the GEMM kernel's backward runs
-    (:mod:`tplayers.ops.na_gemm`)."""
+    or where nearly all query columns are interior (stride 1 and at least ``4 (kW - 1) dW + 2
+    lanes`` columns): wider windows sum dK/dV key-centrically there (``key_sums`` in ``na_cpu.c``;
+    1-D 4096 k33: 1.3-2.0x the tile kernel's backward, ``benchmarks/na.py``), while in the blocks
+    near the borders each slot is a read-modify-write of memory (2-D 48x48 k19, where they are 2 of
+    3 blocks (AVX-512) or 4 of 6 (AVX2): 1.0x and 0.48x of the tile kernel's backward), so
+    elsewhere the GEMM kernel's backward runs (:mod:`tplayers.ops.na_gemm`)."""
     col = split_geometry(geo)[0][-1]
-    wide_ok = col.stride == 1 and col.q_count >= 2 * (col.kernel - 1) * col.dilation + lanes(dtype)
+    wide_ok = col.stride == 1 and col.q_count >= 4 * (col.kernel - 1) * col.dilation + 2 * lanes(dtype)
     return backward_is_fused(geo, dtype) or wide_ok
 
 
