@@ -214,6 +214,20 @@ static void key_sums(const Geo *g, const Plan *pl, const Urow *u, const T *w, co
     }
 }
 
+/* chunk ch's dK (or dV) plane of (b, h) into x: the columns an earlier chunk wrote are added to,
+ * the others written; columns no chunk reads are zeroed (no zero-filled tensor beforehand: the
+ * chunks of a long row overlap only by their windows' span) */
+static void key_planes_out(const Geo *g, const Plan *pl, int ch, int b, int h, const T *src, int C, T *x) {
+    long done = 0, x0 = pl->cx0[ch], x1 = pl->cx1[ch]; /* columns [0, done) written by chunks < ch */
+    for (int c = 0; c < ch; c++) done = pl->cx1[c] > done ? pl->cx1[c] : done;
+    for (long j = done; j < x0; j++) zero_cols(x, b, h, g, C, j);
+    long ov = done < x0 ? x0 : done < x1 ? done : x1;
+    if (ov > x0) from_rows(src, g->kp, b, h, g->heads, g->Hk, g->Wk, C, 0, g->Hk, x0, ov - x0, 1, x);
+    if (x1 > ov) from_rows(src + (ov - x0), g->kp, b, h, g->heads, g->Hk, g->Wk, C, 0, g->Hk, ov, x1 - ov, 0, x);
+    if (ch == pl->nc - 1)
+        for (long j = x1 > done ? x1 : done; j < g->Wk; j++) zero_cols(x, b, h, g, C, j);
+}
+
 /* dtable[h] += dS of query row i's block at j0 (its n live lanes) */
 static void table_grad(const Geo *g, const Lanes *ln, int i, long j0, int h, const vt *ds, T *dtable) {
     const int32_t *rr = g->rows + 2 * g->Hq * g->kh, *rc = g->cols + 2 * g->Wq * g->kw;
@@ -268,13 +282,6 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
     const vi *shifts = pl.shifts, *folds = pl.folds;
     const int *fused = pl.fused, *fstart = pl.fstart, *shix = pl.shix;
     (void)dmax;
-    for (int pn = p0; pn < p1 && kv && pl.nc > 1; pn++) {
-        int b = pn / g.heads, h = pn % g.heads; /* chunks add into dK / dV (their key spans overlap): zero first */
-        for (long px = 0; px < (long)g.Hk * g.Wk; px++) {
-            memset(dk + ((size_t)b * g.Hk * g.Wk + px) * g.heads * g.D + (size_t)h * g.D, 0, g.D * sizeof(T));
-            memset(dv + ((size_t)b * g.Hk * g.Wk + px) * g.heads * g.Dv + (size_t)h * g.Dv, 0, g.Dv * sizeof(T));
-        }
-    }
     for (int ch = 0; ch < pl.nc; ch++) { /* chunk-major, as in na_forward */
         for (int pn = p0; pn < p1; pn++) {
             int b = pn / g.heads, h = pn % g.heads;
@@ -377,8 +384,8 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
                     from_rows(dqr + m * g.D * qw, qw, b, h, g.heads, g.Hq, g.Wq, g.D, rowi[m], rowi[m] + 1, jlo, jn, 0, dq);
             }
             if (kv) {
-                from_rows(dkt, g.kp, b, h, g.heads, g.Hk, g.Wk, g.D, 0, g.Hk, x0, xn, pl.nc > 1, dk);
-                from_rows(dvt, g.kp, b, h, g.heads, g.Hk, g.Wk, g.Dv, 0, g.Hk, x0, xn, pl.nc > 1, dv);
+                key_planes_out(&g, &pl, ch, b, h, dkt, g.D, dk);
+                key_planes_out(&g, &pl, ch, b, h, dvt, g.Dv, dv);
             }
         }
     }

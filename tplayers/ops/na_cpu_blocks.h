@@ -320,6 +320,12 @@ static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, 
         }
 }
 
+/* column j of every row of plane (b, h) of contiguous x (B, Hk*Wk, heads*C), set to 0 */
+static void zero_cols(T *x, int b, int h, const Geo *g, int C, long j) {
+    for (int i = 0; i < g->Hk; i++)
+        memset(x + (((size_t)b * g->Hk + i) * g->Wk + j) * g->heads * C + (size_t)h * C, 0, C * sizeof(T));
+}
+
 static void dense_strides(int H, int W, int heads, int C, long *st) {
     st[0] = (long)H * W * heads * C; st[1] = (long)heads * C; st[2] = C; st[3] = 1;
 }
