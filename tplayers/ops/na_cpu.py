@@ -8,22 +8,19 @@ kernel, ``=gemm`` for the GEMM-tiled kernel (:mod:`tplayers.ops.na_gemm`), ``=c`
 (an error when it cannot be built or does not apply).
 
 The vector width follows the host (:func:`host_isa`): on AVX-512 CPUs the kernel is built with 16
-fp32 / 8 fp64 lanes, on AVX2 ones 8 / 4, elsewhere 4 / 2, so every vector is one register (16
-lanes on an AVX2-only CPU made it slower than the tile kernel: each op split in two, each
-shuffle a permute network). Measured with ``benchmarks/na.py`` (and ``--isa avx2``, the AVX2
-build and torch capped at AVX2 on an AVX-512 CPU), the C kernel is the faster of the two on both,
-forward and backward, so it is the default wherever it builds (figures:
-docs/neighborhood-attention.md, benchmarks/RESULTS.md).
+fp32 / 8 fp64 lanes, on AVX2 ones 8 / 4, elsewhere 4 / 2, so every vector is one register. It
+is the default wherever it builds (faster than the torch kernels on both ISAs, forward and
+backward: ``benchmarks/na.py``, docs/neighborhood-attention.md, benchmarks/RESULTS.md).
 
-It runs tiles of query rows against the key rows they share (``na_cpu.c``), shipped as source.
-On the first CPU call (never at import) it is compiled with ``$CC`` (else ``cc``), ``-O3
--march=native -shared -fPIC -DNA_LANES=n`` (:func:`build_flags`), once per element type, into
-``$TPLAYERS_CACHE`` (else ``~/.cache/tplayers``) under a name hashed from the source, the compiler,
-its version, the flags and the CPU's model and flags; it is written under a temporary name and
-renamed into place, so processes compiling at once are safe. It is loaded with ``ctypes`` and
-called on the tensors' data pointers. The kernel is single-threaded; with
-``torch.get_num_threads() > 1`` the (batch, head) planes are split over that many Python
-threads (``ctypes`` releases the GIL during the call).
+It runs tiles of query rows against the key rows they share (``na_cpu.c``, shipped as source;
+plans cached by :mod:`tplayers.ops.na_cpu_plans`). On the first CPU call (never at import) it is
+compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -shared -fPIC -DNA_LANES=n``
+(:func:`build_flags`), once per element type, into ``$TPLAYERS_CACHE`` (else
+``~/.cache/tplayers``) under a name hashed from the source, the compiler, its version, the flags
+and the CPU's model and flags, written under a temporary name and renamed into place (concurrent
+builds are safe); loaded with ``ctypes`` and called on the tensors' data pointers. With
+``torch.get_num_threads() > 1`` the (batch, head) planes are split over that many Python threads
+(``ctypes`` releases the GIL during the call).
 
 Example::
 
@@ -391,9 +388,8 @@ def backward_in_c(geo: List[int], dtype: torch.dtype) -> bool:
 
 
 def attention_backward(grad_out, q, k, v, table, out, geo: List[int], scale, heads, want_kv=True, want_bias=True):
-    """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_in_c`,
-    else the GEMM kernel's (:func:`~tplayers.ops.na_gemm.gemm_backward`; same values up to fp
-    rounding)."""
+    """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_in_c`, else
+    :func:`~tplayers.ops.na_gemm.gemm_backward` (same values up to fp rounding)."""
     if backward_in_c(geo, q.dtype):
         return c_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=want_kv)
     return gemm_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv, want_bias)
