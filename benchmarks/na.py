@@ -330,11 +330,17 @@ def main():
         help="run as a CPU of this ISA would (narrower than the host's: see the module docstring)",
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory figures")
+    parser.add_argument(
+        "--ranks-only", action="store_true", help="only the na1d / na3d / wide / GQA shapes (with issue 35's reference)"
+    )
     args = parser.parse_args()
     if args.isa:
         restart_capped(args.isa)
     torch.set_num_threads(1)  # the rate is per core: matmul reference and na2d on one thread
     start_choice = os.environ.get("TPLAYERS_NA_KERNEL", "")
+    if args.ranks_only:
+        bench_ranks(args.repeats)
+        return
     build_time()
     shapes = [(args.size, args.heads, args.head_dim), (96, 2, 16)]
     for size, heads, head_dim in shapes:

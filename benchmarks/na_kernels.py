@@ -11,6 +11,7 @@ import time
 from typing import Tuple
 
 import torch
+from na_reference import COMMIT, OLD_KERNELS, old_fused, plane_fn, reference_library
 
 import tplayers
 
@@ -73,7 +74,7 @@ def isa_label() -> str:
     )
 
 
-def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None, kv_heads=None):
+def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None, kv_heads=None, with_reference=True):
     """Every CPU kernel against the torch tile kernel (and the GEMM kernel against the C kernel),
     forward, backward and both, timed interleaved in one run with the same-run matmul rate: the
     issue-22 ">= 1.0x" check of the default and issue 35's GEMM figures. ``shape`` / ``fn``:
@@ -104,6 +105,17 @@ def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None,
 
     names = ("", "c", "gemm", "torch")
     fns = {f"{c} {w}": on(c, w) for c in names for w in ("fwd", "both")}
+    old = reference_library() if with_reference and not kv_heads else None
+    if old is not None:  # issue 35's reference: the C kernel at its filing, same run
+        ref = plane_fn(shape, kernel, OLD_KERNELS)
+        grads_ref = [x.clone().requires_grad_() for x in (q, k, v)]
+
+        def ref_both():
+            for g in grads_ref:
+                g.grad = None
+            (ref(*grads_ref).view_as(cot) * cot).sum().backward()
+
+        fns["old fwd"], fns["old both"] = (lambda: ref(q, k, v)), ref_both
     fns["mm"] = matmul_ref()
     t = _cpu_times(fns, repeats)
     mm = 2 * 1024**3 / t["mm"][0]
@@ -134,6 +146,18 @@ def default_vs_tile(size, heads, head_dim, kernel, repeats, shape=None, fn=None,
         f"    GEMM kernel over the C kernel: forward {vs_c[0]:.2f}x, backward {vs_c[1]:.2f}x, both {vs_c[2]:.2f}x "
         f"(matmul 1024^3 same run {mm / 1e9:.1f} GFLOP/s)"
     )
+    if old is not None:
+        ref_f, ref_b, _ = parts("old")
+        # the old routing ran the tile kernel's backward where its C backward was unfused
+        ref_route = ref_b if old_fused(kernel) else tile[1]
+        now_f, now_b, _ = parts("c")  # the default here; "c" and "old" both follow a fwd+bwd on these inputs
+        print(
+            f"    issue 35 reference, the C kernel at its filing ({COMMIT}, same build flags, same run): forward "
+            f"{ref_f * 1e3:7.2f} ms = {flops / ref_f / mm:.3f} x matmul, its own C backward {ref_b * 1e3:7.2f} ms; "
+            f"the C kernel now over it: forward {ref_f / now_f:.2f}x, backward {ref_route / now_b:.2f}x over its "
+            f"routed backward ({'C' if old_fused(kernel) else 'the tile kernel, today'}), {ref_b / now_b:.2f}x over "
+            f"its C backward (target >= 2.0) [{na_cpu_isa()}; load {os.getloadavg()[0]:.1f}]"
+        )
     use_kernel("")
 
 

@@ -59,3 +59,28 @@ def test_wide_2d_rows_run_in_chunks_and_match_the_oracle(monkeypatch):
     size, kernel, dilation, causal, dim = (5, 60), (2, 5), (2, 1), (False, True), 128
     assert _chunks(size, kernel, dilation, causal, dim, dim, 1) > 1
     _case(size, kernel, dilation, causal, dim, dim, (1, 4, 0, 60), seed=5)
+
+
+def test_wide_windows_on_long_rows_run_the_c_backward_and_match_the_oracle(monkeypatch):
+    """Windows wider than two vectors ((kW - 1) * dW > lanes: not fused) on rows with an interior:
+    the C backward sums dK / dV key-centrically (its interior blocks) and per slot (its border
+    blocks); every gradient exact against the oracle with dilation, causal, the bias and a query
+    sub-window, and C_KERNELS pick the C backward there (the GEMM kernel's on short rows)."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
+    n = na_cpu.lanes(torch.float64)
+    calls = []
+    real = na_cpu.gemm_backward
+    monkeypatch.setattr(na_cpu, "gemm_backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    width = 6 * n + 40
+    for size, kernel, dilation, causal, box in (
+        ((1, width), (1, n + 9), (1, 1), (False, False), (0, 1, 0, width)),
+        ((1, width), (1, n // 2 + 3), (1, 2), (False, True), (0, 1, 5, width - 3)),
+        ((3, width), (3, n + 3), (1, 1), (False, False), (0, 3, 0, width)),
+    ):
+        geo = geometry_args([Axis(s, k, 1, d, int(c)) for s, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
+        assert not na_cpu.backward_is_fused(geo, torch.float64) and na_cpu.backward_in_c(geo, torch.float64)
+        _case(size, kernel, dilation, causal, 8, 8, box, seed=kernel[1])
+    assert not calls, "the C backward applies on these rows"
+    short = geometry_args([Axis(1, 1), Axis(2 * n, n + 9)], 1, 1)
+    assert not na_cpu.backward_in_c(short, torch.float64)

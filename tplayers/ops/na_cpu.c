@@ -39,19 +39,30 @@ static long scratch_of(const Geo *g, const Plan *pl, int backward) {
     long pk = (long)g->Hk * g->kp, D = g->D, Dv = g->Dv, qw = pl->qw;
     long fwd = D * pk + PAD + Dv * pk + PAD + MR * D * qw + PAD + MR * Dv * qw + PAD;
     if (!backward) return fwd;
-    return fwd + MR * Dv * qw + PAD + MR * qw + PAD + MR * D * qw + PAD + (backward == 1 ? D * pk + Dv * pk + 2 * PAD : 0);
+    long qp = qw + 2 * pl->kpad; /* the backward's Q and dO rows: padded for key_sums */
+    long keys = pl->kpad ? 2 * (MR * g->nk * qp + PAD) : 0;
+    return D * pk + PAD + Dv * pk + PAD + MR * D * qp + PAD + MR * Dv * qw + PAD + MR * Dv * qp + PAD + MR * qw + PAD +
+           MR * D * qw + PAD + (backward == 1 ? D * pk + Dv * pk + 2 * PAD + keys : 0);
+}
+
+/* the scratch elements of a call on plan pl (na_plan) */
+long na_plan_scratch(const int64_t *dims, const void *pl) {
+    Geo g = make_geo(dims, NULL, NULL, NULL, 1.0);
+    const Plan *p = pl;
+    g.kp = p->kp;
+    return scratch_of(&g, p, p->backward);
 }
 
 /* scratch elements the kernels need (dims as below; the caller allocates them); backward:
  * 0 forward, 1 backward with dk and dv, 2 backward without */
 long na_scratch(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
-    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
-    Plan pl;
-    make_plan(&g, backward, &pl);
-    long n = scratch_of(&g, &pl, backward);
-    free_plan(&pl);
+    void *pl = na_plan(dims, rows, cols, backward);
+    long n = na_plan_scratch(dims, pl);
+    na_plan_free(pl);
     return n;
 }
+
+
 
 /* column chunks of a call's plan (backward as in na_scratch): more than 1 where the rows' keys
  * do not fit the cache budget (tests check that path is taken) */
@@ -74,10 +85,10 @@ static vt *vec_alloc(long n) {
 
 /* dims: B, heads, Hq, Wq, Hk, Wk, D, Dv, kH, kW, bias table rows. Planes [p0, p1) of the B*heads (batch-major). */
 void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, const int64_t *dims,
-                const int32_t *rows, const int32_t *cols, double scale, T *scratch, int p0, int p1) {
+                const int32_t *rows, const int32_t *cols, double scale, const void *plan, T *scratch, int p0, int p1) {
     Geo g = make_geo(dims, rows, cols, table, scale);
-    Plan pl;
-    make_plan(&g, 0, &pl);
+    const Plan pl = *(const Plan *)plan;
+    g.kp = pl.kp;
     long pk = (long)g.Hk * g.kp, qw = pl.qw, sq[4], sk[4], sv[4];
     const long *jb = pl.jb;
     dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
@@ -93,9 +104,9 @@ void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, cons
         add[m] = sbuf + (long)(MR + m) * g.nkp;
         acc[m] = sbuf + 2L * MR * g.nkp + (long)m * g.Dv;
     }
-    for (int pn = p0; pn < p1; pn++) {
-        int b = pn / g.heads, h = pn % g.heads;
-        for (int ch = 0; ch < pl.nc; ch++) {
+    for (int ch = 0; ch < pl.nc; ch++) { /* chunk-major: a chunk's heads while its pixels are in cache */
+        for (int pn = p0; pn < p1; pn++) {
+            int b = pn / g.heads, h = pn % g.heads;
             long x0 = pl.cx0[ch], jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
             to_rows(k, sk, b, h, 0, g.Hk, g.Wk, x0, pl.cx1[ch] - x0, g.kp, g.D, 1, kt);
             to_rows(v, sv, b, h, 0, g.Hk, g.Wk, x0, pl.cx1[ch] - x0, g.kp, g.Dv, 1, vtp);
@@ -123,7 +134,8 @@ void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, cons
                     for (int m = 0; m < nm; m++)
                         for (int c = 0; c < g.Dv; c++) {
                             vt r = acc[m][c] * inv[m];
-                            memcpy(orow + (m * g.Dv + c) * qw + jq, &r, ln->n * sizeof(T));
+                            if (ln->n == L) st(orow + (m * g.Dv + c) * qw + jq, r); /* no memcpy call */
+                            else memcpy(orow + (m * g.Dv + c) * qw + jq, &r, ln->n * sizeof(T));
                         }
                 }
                 for (int m = 0; m < nm; m++)
@@ -133,7 +145,6 @@ void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, cons
         }
     }
     free(sbuf);
-    free_plan(&pl);
 }
 
 /* one query row's dK / dV in a block whose slots are too far apart for the two-register sums
@@ -152,6 +163,71 @@ INL void kv_slots(int mode, const Geo *g, const Lanes *ln, const T *qrow, const 
         }
 }
 
+/* zeros after column jn of tile row m's Q / dO rows and its key_sums weights (pitch qp, data
+ * from kpad): key_sums reads up to kpad columns past them */
+static void key_tails(int m, int nk, int D, int Dv, long jn, long qw, long qp, T *qm, T *gm, T *dsk, T *pk_, long kpad) {
+    long n = qp - kpad - jn;
+    for (int c = 0; c < D; c++) memset(qm + c * qp + jn, 0, n * sizeof(T));
+    for (int c = 0; c < Dv; c++) memset(gm + c * qp + jn, 0, n * sizeof(T));
+    for (int ab = 0; ab < nk; ab++) {
+        memset(dsk + (m * nk + ab) * qp + kpad + jn, 0, n * sizeof(T));
+        memset(pk_ + (m * nk + ab) * qp + kpad + jn, 0, n * sizeof(T));
+    }
+    (void)qw;
+}
+
+#define KC 8 /* channels per key_sums pass */
+/* key-centric dK (or dV) of key row u->row over a chunk's key columns [x0, x0 + xn): for each
+ * vector of L keys, d[c][keys] += sum over the Urow's (query row m, slot row a) and slots b of
+ * w[m][a kW + b][queries] * x[m][c][queries], where query = key - relpat[b] (the affine key
+ * of the key-centric blocks; the other blocks' weights are zero): plain (unaligned) loads, no
+ * shuffles, every key's sum in a register (kv_slots' per-slot read-modify-writes of
+ * overlapping vectors stalled on partial store forwards). w: (MR, nk, qp) and x: (MR, C, qp),
+ * both with data from column kpad of their rows (zeros around) */
+static void key_sums(const Geo *g, const Plan *pl, const Urow *u, const T *w, const T *x, long qp, int C, T *d, long x0,
+                     long xn, long jlo) {
+    const long *rel = pl->relpat;
+    for (int c0 = 0; c0 < C; c0 += KC) {
+        long cs[KC];
+        for (int q = 0; q < KC; q++) cs[q] = (c0 + q < C ? c0 + q : C - 1) * qp;
+        for (long U = 0; U < xn; U += L) {
+            vt acc[KC];
+#pragma GCC unroll 8
+            for (int q = 0; q < KC; q++) acc[q] = (vt){0};
+            for (int j = 0; j < u->n; j++) {
+                int m = u->m[j];
+                const T *wr = w + (m * g->nk + u->a[j] * g->kw) * qp, *xr = x + (long)m * C * qp;
+                for (int b = 0; b < g->kw; b++) {
+                    long jj = x0 + U - rel[b] - jlo; /* query column of lane 0 (>= -kpad) */
+                    vt wv = ld(wr + b * qp + pl->kpad + jj);
+#pragma GCC unroll 8
+                    for (int q = 0; q < KC; q++) acc[q] += wv * ld(xr + cs[q] + jj);
+                }
+            }
+#pragma GCC unroll 8
+            for (int q = 0; q < KC; q++)
+                if (c0 + q < C) { /* lanes past the chunk add zeros (into the next row or the pad) */
+                    T *dc = d + (c0 + q) * g->kp + U;
+                    st(dc, ld(dc) + acc[q]);
+                }
+        }
+    }
+}
+
+/* chunk ch's dK (or dV) plane of (b, h) into x: the columns an earlier chunk wrote are added to,
+ * the others written; columns no chunk reads are zeroed (no zero-filled tensor beforehand: the
+ * chunks of a long row overlap only by their windows' span) */
+static void key_planes_out(const Geo *g, const Plan *pl, int ch, int b, int h, const T *src, int C, T *x) {
+    long done = 0, x0 = pl->cx0[ch], x1 = pl->cx1[ch]; /* columns [0, done) written by chunks < ch */
+    for (int c = 0; c < ch; c++) done = pl->cx1[c] > done ? pl->cx1[c] : done;
+    for (long j = done; j < x0; j++) zero_cols(x, b, h, g, C, j);
+    long ov = done < x0 ? x0 : done < x1 ? done : x1;
+    if (ov > x0) from_rows(src, g->kp, b, h, g->heads, g->Hk, g->Wk, C, 0, g->Hk, x0, ov - x0, 1, x);
+    if (x1 > ov) from_rows(src + (ov - x0), g->kp, b, h, g->heads, g->Hk, g->Wk, C, 0, g->Hk, ov, x1 - ov, 0, x);
+    if (ch == pl->nc - 1)
+        for (long j = x1 > done ? x1 : done; j < g->Wk; j++) zero_cols(x, b, h, g, C, j);
+}
+
 /* dtable[h] += dS of query row i's block at j0 (its n live lanes) */
 static void table_grad(const Geo *g, const Lanes *ln, int i, long j0, int h, const vt *ds, T *dtable) {
     const int32_t *rr = g->rows + 2 * g->Hq * g->kh, *rc = g->cols + 2 * g->Wq * g->kw;
@@ -167,12 +243,13 @@ static void table_grad(const Geo *g, const Lanes *ln, int i, long j0, int h, con
  * (batch, pixel, head, channel). */
 void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const T *v, const T *table, const T *out,
                  T *dq, T *dk, T *dv, T *dtable, const int64_t *dims, const int32_t *rows, const int32_t *cols,
-                 double scale, T *scratch, int p0, int p1) {
+                 double scale, const void *plan, T *scratch, int p0, int p1) {
     Geo g = make_geo(dims, rows, cols, table, scale);
     int kv = dk != NULL;
-    Plan pl;
-    make_plan(&g, kv ? 1 : 2, &pl);
+    const Plan pl = *(const Plan *)plan; /* a backward plan (na_plan with backward 1 or 2) */
+    g.kp = pl.kp;
     long pk = (long)g.Hk * g.kp, qw = pl.qw, sq[4], sk[4], sv[4], so[4];
+    long kpad = kv ? pl.kpad : 0, qp = qw + 2 * kpad; /* Q and dO rows: pitch qp, data from kpad */
     const long *jb = pl.jb;
     long sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
     dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
@@ -181,11 +258,17 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
     dense_strides(g.Hq, g.Wq, g.heads, g.Dv, so);
     T *next = scratch;
     T *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
-    T *qr = carve(&next, MR * g.D * qw), *orow = carve(&next, MR * g.Dv * qw);
-    T *gr = carve(&next, MR * g.Dv * qw), *delta = carve(&next, MR * qw), *dqr = carve(&next, MR * g.D * qw);
+    T *qr0 = carve(&next, MR * g.D * qp), *orow = carve(&next, MR * g.Dv * qw);
+    T *gr0 = carve(&next, MR * g.Dv * qp), *delta = carve(&next, MR * qw), *dqr = carve(&next, MR * g.D * qw);
     T *dkt = kv ? carve(&next, g.D * pk) : NULL, *dvt = kv ? carve(&next, g.Dv * pk) : NULL;
-    memset(qr, 0, sizeof(T) * MR * g.D * qw);
-    memset(gr, 0, sizeof(T) * MR * g.Dv * qw);
+    T *dsk = kpad ? carve(&next, MR * g.nk * qp) : NULL, *pk_ = kpad ? carve(&next, MR * g.nk * qp) : NULL;
+    T *qr = qr0 + kpad, *gr = gr0 + kpad;
+    memset(qr0, 0, sizeof(T) * MR * g.D * qp);
+    memset(gr0, 0, sizeof(T) * MR * g.Dv * qp);
+    if (kpad) {
+        memset(dsk, 0, sizeof(T) * MR * g.nk * qp);
+        memset(pk_, 0, sizeof(T) * MR * g.nk * qp);
+    }
     memset(delta, 0, sizeof(T) * MR * qw);
     long dmax = g.D > g.Dv ? g.D : g.Dv;
     vt *sbuf = vec_alloc(3L * MR * g.nkp + (long)MR * g.D), *p[MR], *ds[MR], *add[MR], *acc[MR];
@@ -196,18 +279,12 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
         acc[m] = sbuf + 3L * MR * g.nkp + (long)m * g.D;
     }
     long *off = malloc(sizeof(long) * 2 * g.nkp), *voff = off + g.nkp;
-    vi *shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 4 * g.kw * pl.nb), *folds;
-    int *fused = malloc(sizeof(int) * pl.nb), *fstart = malloc(sizeof(int) * (pl.nb + 1));
-    fuse_tables(&g, &pl, shifts, fused, fstart, &folds);
+    const vi *shifts = pl.shifts, *folds = pl.folds;
+    const int *fused = pl.fused, *fstart = pl.fstart, *shix = pl.shix;
     (void)dmax;
-    for (int pn = p0; pn < p1; pn++) {
-        int b = pn / g.heads, h = pn % g.heads;
-        if (kv && pl.nc > 1) /* chunks add into dK / dV (their key spans overlap): zero the plane first */
-            for (long px = 0; px < (long)g.Hk * g.Wk; px++) {
-                memset(dk + ((size_t)b * g.Hk * g.Wk + px) * g.heads * g.D + (size_t)h * g.D, 0, g.D * sizeof(T));
-                memset(dv + ((size_t)b * g.Hk * g.Wk + px) * g.heads * g.Dv + (size_t)h * g.Dv, 0, g.Dv * sizeof(T));
-            }
-        for (int ch = 0; ch < pl.nc; ch++) {
+    for (int ch = 0; ch < pl.nc; ch++) { /* chunk-major, as in na_forward */
+        for (int pn = p0; pn < p1; pn++) {
+            int b = pn / g.heads, h = pn % g.heads;
             long x0 = pl.cx0[ch], xn = pl.cx1[ch] - x0, jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
             to_rows(k, sk, b, h, 0, g.Hk, g.Wk, x0, xn, g.kp, g.D, 1, kt);
             to_rows(v, sv, b, h, 0, g.Hk, g.Wk, x0, xn, g.kp, g.Dv, 1, vtp);
@@ -221,13 +298,15 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
                 const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];
                 for (int m = 0; m < nm; m++) {
                     int i = rowi[m];
-                    T *qm = qr + m * g.D * qw, *gm = gr + m * g.Dv * qw, *om = orow + m * g.Dv * qw, *dl = delta + m * qw;
-                    to_rows(q, sq, b, h, i, i + 1, g.Wq, jlo, jn, qw, g.D, g.scale, qm);
-                    to_rows(dout, sdo, b, h, i, i + 1, g.Wq, jlo, jn, qw, g.Dv, 1, gm);
+                    T *qm = qr + m * g.D * qp, *gm = gr + m * g.Dv * qp, *om = orow + m * g.Dv * qw, *dl = delta + m * qw;
+                    to_rows(q, sq, b, h, i, i + 1, g.Wq, jlo, jn, qp, g.D, g.scale, qm);
+                    to_rows(dout, sdo, b, h, i, i + 1, g.Wq, jlo, jn, qp, g.Dv, 1, gm);
                     to_rows(out, so, b, h, i, i + 1, g.Wq, jlo, jn, qw, g.Dv, 1, om);
                     for (int j = 0; j < jn; j++) dl[j] = 0; /* rowsum(dO * O) */
                     for (int c = 0; c < g.Dv; c++)
-                        for (int j = 0; j < jn; j++) dl[j] += gm[c * qw + j] * om[c * qw + j];
+                        for (int j = 0; j < jn; j++) dl[j] += gm[c * qp + j] * om[c * qw + j];
+                    if (kpad) /* key_sums reads past jn: zeros there (a wider chunk's rows were here) */
+                        key_tails(m, g.nk, g.D, g.Dv, jn, qw, qp, qm, gm, dsk, pk_, kpad);
                 }
                 for (int bk = pl.cb[ch]; bk < pl.cb[ch + 1]; bk++) {
                     const Lanes *ln = pl.blocks + bk;
@@ -235,12 +314,12 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
                     const T *xrow[MR], *grow[MR];
                     vt *a[MR];
                     for (int m = 0; m < nm; m++) {
-                        xrow[m] = qr + m * g.D * qw + jq;
-                        grow[m] = gr + m * g.Dv * qw + jq;
+                        xrow[m] = qr + m * g.D * qp + jq;
+                        grow[m] = gr + m * g.Dv * qp + jq;
                         a[m] = block_add(&g, rowi[m], jb[bk], h, ln, add[m]) ? add[m] : NULL;
                     }
-                    tile_scores(&g, ln->mode, ln, u0, u1, g.D, xrow, qw, kt, x0, base, p);
-                    tile_scores(&g, ln->mode, ln, u0, u1, g.Dv, grow, qw, vtp, x0, base, ds); /* dP = dO . V */
+                    tile_scores(&g, ln->mode, ln, u0, u1, g.D, xrow, qp, kt, x0, base, p);
+                    tile_scores(&g, ln->mode, ln, u0, u1, g.Dv, grow, qp, vtp, x0, base, ds); /* dP = dO . V */
                     for (int m = 0; m < nm; m++) {
                         vt inv = softmax(g.nk, p[m], a[m]);
                         inv = (vt)((vi)inv & ln->live); /* spare lanes: P = 0, so they add nothing below */
@@ -255,10 +334,11 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
                     for (int m = 0; m < nm; m++)
                         for (int c = 0; c < g.D; c++) {
                             vt r = acc[m][c] * g.scale;
-                            memcpy(dqr + (m * g.D + c) * qw + jq, &r, ln->n * sizeof(T));
+                            if (ln->n == L) st(dqr + (m * g.D + c) * qw + jq, r);
+                            else memcpy(dqr + (m * g.D + c) * qw + jq, &r, ln->n * sizeof(T));
                         }
                     if (kv && fused[bk]) { /* dK += dS^T Q, dV += P^T dO: a tile's rows summed per key row */
-                        const vi *sh = shifts + 4 * (long)g.kw * bk, *fold = folds + 2 * fstart[bk];
+                        const vi *sh = shifts + 4 * (long)g.kw * shix[bk], *fold = folds + 2 * fstart[bk];
                         int nf = fstart[bk + 1] - fstart[bk];
                         for (const Urow *u = u0; u < u1; u++) {
                             const vt *wk[MR], *wv[MR];
@@ -269,39 +349,46 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
                                 rq[j] = xrow[u->m[j]];
                                 rg[j] = grow[u->m[j]];
                             }
-                            sl_rows(u->n, g.kw, g.D, wk, rq, qw, sh, dkt + (long)u->row * g.D * g.kp + base[0] - x0, g.kp, nf,
+                            sl_rows(u->n, g.kw, g.D, wk, rq, qp, sh, dkt + (long)u->row * g.D * g.kp + base[0] - x0, g.kp, nf,
                                     fold);
-                            sl_rows(u->n, g.kw, g.Dv, wv, rg, qw, sh, dvt + (long)u->row * g.Dv * g.kp + base[0] - x0,
+                            sl_rows(u->n, g.kw, g.Dv, wv, rg, qp, sh, dvt + (long)u->row * g.Dv * g.kp + base[0] - x0,
                                     g.kp, nf, fold);
                         }
                     }
+                    if (kpad) /* key_sums' weights: this block's P and dS, or zeros (kv_slots adds it) */
+                        for (int m = 0; m < nm; m++)
+                            for (int ab = 0; ab < g.nk; ab++) {
+                                T *wd = dsk + (m * g.nk + ab) * qp + kpad + jq, *wp = pk_ + (m * g.nk + ab) * qp + kpad + jq;
+                                if (pl.keyc[bk]) { st(wd, ds[m][ab]); st(wp, p[m][ab]); } /* mode 0: n == L */
+                                else { memset(wd, 0, ln->n * sizeof(T)); memset(wp, 0, ln->n * sizeof(T)); }
+                            }
                     for (int m = 0; m < nm; m++) {
                         int i = rowi[m];
-                        if (kv && !fused[bk]) {
+                        if (kv && !fused[bk] && !(kpad && pl.keyc[bk])) {
                             key_offsets(&g, i, base, x0, g.D, off);
                             key_offsets(&g, i, base, x0, g.Dv, voff);
                             if (ln->mode == 0)
-                                kv_slots(0, &g, ln, xrow[m], grow[m], qw, p[m], ds[m], dkt, dvt, off, voff);
+                                kv_slots(0, &g, ln, xrow[m], grow[m], qp, p[m], ds[m], dkt, dvt, off, voff);
                             else
-                                kv_slots(1, &g, ln, xrow[m], grow[m], qw, p[m], ds[m], dkt, dvt, off, voff);
+                                kv_slots(1, &g, ln, xrow[m], grow[m], qp, p[m], ds[m], dkt, dvt, off, voff);
                         }
                         if (dtable) table_grad(&g, ln, i, jb[bk], h, ds[m], dtable);
                     }
                 }
+                if (kpad) /* dK += dS^T Q, dV += P^T dO of the key-centric blocks, per key row */
+                    for (const Urow *u = u0; u < u1; u++) {
+                        key_sums(&g, &pl, u, dsk, qr, qp, g.D, dkt + (long)u->row * g.D * g.kp, x0, xn, jlo);
+                        key_sums(&g, &pl, u, pk_, gr, qp, g.Dv, dvt + (long)u->row * g.Dv * g.kp, x0, xn, jlo);
+                    }
                 for (int m = 0; m < nm; m++)
                     from_rows(dqr + m * g.D * qw, qw, b, h, g.heads, g.Hq, g.Wq, g.D, rowi[m], rowi[m] + 1, jlo, jn, 0, dq);
             }
             if (kv) {
-                from_rows(dkt, g.kp, b, h, g.heads, g.Hk, g.Wk, g.D, 0, g.Hk, x0, xn, pl.nc > 1, dk);
-                from_rows(dvt, g.kp, b, h, g.heads, g.Hk, g.Wk, g.Dv, 0, g.Hk, x0, xn, pl.nc > 1, dv);
+                key_planes_out(&g, &pl, ch, b, h, dkt, g.D, dk);
+                key_planes_out(&g, &pl, ch, b, h, dvt, g.Dv, dv);
             }
         }
     }
     free(sbuf);
     free(off);
-    free(shifts);
-    free(fused);
-    free(fstart);
-    free(folds);
-    free_plan(&pl);
 }

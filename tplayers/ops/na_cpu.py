@@ -8,22 +8,19 @@ kernel, ``=gemm`` for the GEMM-tiled kernel (:mod:`tplayers.ops.na_gemm`), ``=c`
 (an error when it cannot be built or does not apply).
 
 The vector width follows the host (:func:`host_isa`): on AVX-512 CPUs the kernel is built with 16
-fp32 / 8 fp64 lanes, on AVX2 ones 8 / 4, elsewhere 4 / 2, so every vector is one register (16
-lanes on an AVX2-only CPU made it slower than the tile kernel: each op split in two, each
-shuffle a permute network). Measured with ``benchmarks/na.py`` (and ``--isa avx2``, the AVX2
-build and torch capped at AVX2 on an AVX-512 CPU), the C kernel is the faster of the two on both,
-forward and backward, so it is the default wherever it builds (figures:
-docs/neighborhood-attention.md, benchmarks/RESULTS.md).
+fp32 / 8 fp64 lanes, on AVX2 ones 8 / 4, elsewhere 4 / 2, so every vector is one register. It
+is the default wherever it builds (faster than the torch kernels on both ISAs, forward and
+backward: ``benchmarks/na.py``, docs/neighborhood-attention.md, benchmarks/RESULTS.md).
 
-It runs tiles of query rows against the key rows they share (``na_cpu.c``), shipped as source.
-On the first CPU call (never at import) it is compiled with ``$CC`` (else ``cc``), ``-O3
--march=native -shared -fPIC -DNA_LANES=n`` (:func:`build_flags`), once per element type, into
-``$TPLAYERS_CACHE`` (else ``~/.cache/tplayers``) under a name hashed from the source, the compiler,
-its version, the flags and the CPU's model and flags; it is written under a temporary name and
-renamed into place, so processes compiling at once are safe. It is loaded with ``ctypes`` and
-called on the tensors' data pointers. The kernel is single-threaded; with
-``torch.get_num_threads() > 1`` the (batch, head) planes are split over that many Python
-threads (``ctypes`` releases the GIL during the call).
+It runs tiles of query rows against the key rows they share (``na_cpu.c``, shipped as source;
+plans cached by :mod:`tplayers.ops.na_cpu_plans`). On the first CPU call (never at import) it is
+compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -shared -fPIC -DNA_LANES=n``
+(:func:`build_flags`), once per element type, into ``$TPLAYERS_CACHE`` (else
+``~/.cache/tplayers``) under a name hashed from the source, the compiler, its version, the flags
+and the CPU's model and flags, written under a temporary name and renamed into place (concurrent
+builds are safe); loaded with ``ctypes`` and called on the tensors' data pointers. With
+``torch.get_num_threads() > 1`` the (batch, head) planes are split over that many Python threads
+(``ctypes`` releases the GIL during the call).
 
 Example::
 
@@ -51,6 +48,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from tplayers.ops import na_cpu_plans
 from tplayers.ops.na_gemm import gemm_backward
 from tplayers.ops.na_geometry import kernel_dims, kernel_tables, split_geometry
 
@@ -67,6 +65,7 @@ __all__ = [
     "lanes",
     "build_flags",
     "backward_is_fused",
+    "backward_in_c",
     "attention_backward",
 ]
 
@@ -208,10 +207,11 @@ def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
     ptr, i32, dbl = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     lib.na_scratch.argtypes, lib.na_scratch.restype = [ptr, ptr, ptr, i32], ctypes.c_long
     lib.na_chunks.argtypes, lib.na_chunks.restype = [ptr, ptr, ptr, i32], ctypes.c_int
-    lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, i32, i32]
+    lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32]
     lib.na_forward.restype = None
-    lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, i32, i32]
+    lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32]
     lib.na_backward.restype = None
+    na_cpu_plans.declare(lib)
     return lib
 
 
@@ -263,13 +263,14 @@ def _ptr(t: Optional[torch.Tensor]):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
-def _split(lib, backward: int, dims: torch.Tensor, tables, planes: int):
-    """Plane ranges, one per worker thread (``torch.get_num_threads()`` at most), and the scratch
-    elements each needs."""
+def _split(lib, backward: int, dims: torch.Tensor, tables, planes: int, key):
+    """Plane ranges, one per worker thread (``torch.get_num_threads()`` at most), and the call's
+    plan (its ``scratch``: elements each worker needs; ``key``: what ``dims`` and the tables are
+    made from)."""
     workers = max(1, min(torch.get_num_threads(), planes))
-    size = lib.na_scratch(_ptr(dims), _ptr(tables[0]), _ptr(tables[1]), int(backward))
+    plan = na_cpu_plans.plan(lib, key, dims, tables[0], tables[1], backward)
     bounds = [(planes * w // workers, planes * (w + 1) // workers) for w in range(workers)]
-    return bounds, size
+    return bounds, plan
 
 
 def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch.Tensor:
@@ -282,10 +283,10 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     out = q.new_empty(batch, q.shape[1], v.shape[-1])
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
-    bounds, size = _split(lib, 0, dims, (rows, cols), planes)
+    bounds, plan = _split(lib, 0, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
 
     def work(p0, p1):
-        scratch = q.new_empty(size)
+        scratch = q.new_empty(plan.scratch)
         lib.na_forward(
             _ptr(q),
             _ptr(k),
@@ -296,6 +297,7 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
             _ptr(rows),
             _ptr(cols),
             scale,
+            plan.ptr,
             _ptr(scratch),
             p0,
             p1,
@@ -323,11 +325,11 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     dk, dv = (torch.empty_like(k), torch.empty_like(v)) if want_kv else (None, None)
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
-    bounds, size = _split(lib, 1 if want_kv else 2, dims, (rows, cols), planes)
+    bounds, plan = _split(lib, 1 if want_kv else 2, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
     dtabs = [None if tab is None else torch.zeros_like(tab) for _ in bounds]
 
     def work(p0, p1, dtab):
-        scratch = q.new_empty(size)
+        scratch = q.new_empty(plan.scratch)
         lib.na_backward(
             _ptr(g4),
             _ptr(strides),
@@ -344,6 +346,7 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
             _ptr(rows),
             _ptr(cols),
             scale,
+            plan.ptr,
             _ptr(scratch),
             p0,
             p1,
@@ -366,31 +369,28 @@ def _parallel(work, jobs) -> None:
 def backward_is_fused(geo: List[int], dtype: torch.dtype) -> bool:
     """Whether the C backward sums a block's dK/dV in registers: the ``kW`` slots of one key row
     (``(kW - 1) * dilation_W`` columns apart) must fit two vectors from the block's first key
-    (``(kW - 1) * dW <= lanes``). Otherwise each slot is a read-modify-write of memory, measured
-    slower than the tile kernel's backward (wide 2-D kernels, long 1-D ones; ``benchmarks/na.py``),
-    so :data:`C_KERNELS` then run the GEMM kernel's backward (:mod:`tplayers.ops.na_gemm`; measured
-    faster than the tile kernel's there)."""
+    (``(kW - 1) * dW <= lanes``)."""
     col = split_geometry(geo)[0][-1]
     return (col.kernel - 1) * col.dilation <= lanes(dtype)
 
 
-def attention_backward(
-    grad_out,
-    q,
-    k,
-    v,
-    table,
-    out,
-    geo: List[int],
-    scale: float,
-    heads: int,
-    want_kv: bool = True,
-    want_bias: bool = True,
-):
-    """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_is_fused`,
-    else the GEMM kernel's (:func:`~tplayers.ops.na_gemm.gemm_backward`; same values up to fp
-    rounding)."""
-    if backward_is_fused(geo, q.dtype):
+def backward_in_c(geo: List[int], dtype: torch.dtype) -> bool:
+    """Whether :data:`C_KERNELS` run the C backward: where it is fused (:func:`backward_is_fused`)
+    or where nearly all query columns are interior (stride 1 and at least ``4 (kW - 1) dW + 2
+    lanes`` columns): wider windows sum dK/dV key-centrically there (``key_sums`` in ``na_cpu.c``;
+    1-D 4096 k33: 1.3-2.0x the tile kernel's backward, ``benchmarks/na.py``), while in the blocks
+    near the borders each slot is a read-modify-write of memory (2-D 48x48 k19, where they are 2 of
+    3 blocks (AVX-512) or 4 of 6 (AVX2): 1.0x and 0.48x of the tile kernel's backward), so
+    elsewhere the GEMM kernel's backward runs (:mod:`tplayers.ops.na_gemm`)."""
+    col = split_geometry(geo)[0][-1]
+    wide_ok = col.stride == 1 and col.q_count >= 4 * (col.kernel - 1) * col.dilation + 2 * lanes(dtype)
+    return backward_is_fused(geo, dtype) or wide_ok
+
+
+def attention_backward(grad_out, q, k, v, table, out, geo: List[int], scale, heads, want_kv=True, want_bias=True):
+    """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_in_c`, else
+    :func:`~tplayers.ops.na_gemm.gemm_backward` (same values up to fp rounding)."""
+    if backward_in_c(geo, q.dtype):
         return c_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=want_kv)
     return gemm_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv, want_bias)
 

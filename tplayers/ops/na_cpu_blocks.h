@@ -31,6 +31,9 @@ typedef IT vi __attribute__((vector_size(L * sizeof(IT))));
 #define G 8  /* score accumulators per pass (keys at a time) */
 #define GV 8 /* output-channel accumulators per pass (8 measured ~10% faster than 4) */
 #define INL static inline __attribute__((always_inline))
+#ifndef NA_PREFETCH
+#define NA_PREFETCH L /* pixels ahead that to_rows prefetches (the next tile; 4 tiles measured the same) */
+#endif
 
 INL vt ld(const T *p) { vt v; memcpy(&v, p, sizeof v); return v; }
 INL void st(T *p, vt v) { memcpy(p, &v, sizeof v); }
@@ -71,8 +74,11 @@ INL vt vexp(vt x) {
  * mode 1: a shuffle of the L columns from base_b. */
 typedef struct {
     int mode, n, layers; /* layers: scatter-add rounds (mode 1): lanes sharing a key add in turn */
+    int masked;          /* some lane's column slot is invalid (causal): block_add cannot skip it */
     vi perm, live;       /* live: -1 on the n real lanes */
-    vi inv[L], has[L];   /* round r: key lane u takes lane inv[r][u] where has[r][u] is -1 */
+    vi *inv;             /* mode 1 only (else NULL): 2 * layers vectors, round r: key lane u takes
+                          * lane inv[r][u] where inv[layers + r][u] is -1; small blocks (a row of 4096
+                          * keys has 256), touched on every call: no per-block 2 KiB tables */
 } Lanes;
 
 INL vt kload(const T *p, int mode, const Lanes *ln) {
@@ -107,7 +113,7 @@ INL void kadd(T *p, vt x, int mode, const Lanes *ln) {
 #else
         vt y = __builtin_shuffle(x, ln->inv[r]);
 #endif
-        acc += (vt)((vi)y & ln->has[r]);
+        acc += (vt)((vi)y & ln->inv[ln->layers + r]);
     }
     st(p, acc);
 }
@@ -148,15 +154,22 @@ static void block_lanes(const Geo *g, int j0, Lanes *ln, long *base) {
     for (int b = 0; b < g->kw; b++) base[b] = kc[j0 * g->kw + b] + mn;
     ln->mode = ident ? 0 : 1;
     ln->layers = 0;
+    ln->inv = NULL;
+    ln->masked = 0;
+    for (int t = 0; t < n; t++)
+        for (int b = 0; b < g->kw; b++) ln->masked |= !g->cols[g->Wq * g->kw + (j0 + t) * g->kw + b];
     if (!ident) { /* round r takes the r-th live lane of each key lane u */
-        int count[L] = {0};
-        for (int r = 0; r < L; r++) { ln->inv[r] = (vi){0}; ln->has[r] = (vi){0}; }
+        int count[L] = {0}, layers = 0;
+        for (int t = 0; t < n; t++) layers = ++count[ln->perm[t]] > layers ? count[ln->perm[t]] : layers;
+        ln->inv = aligned_alloc(_Alignof(vi), sizeof(vi) * 2 * layers);
+        for (int r = 0; r < 2 * layers; r++) ln->inv[r] = (vi){0};
+        for (int u = 0; u < L; u++) count[u] = 0;
         for (int t = 0; t < n; t++) {
             int u = ln->perm[t], r = count[u]++;
             ln->inv[r][u] = t;
-            ln->has[r][u] = -1;
-            if (r + 1 > ln->layers) ln->layers = r + 1;
+            ln->inv[layers + r][u] = -1;
         }
+        ln->layers = layers;
     }
 }
 
@@ -164,10 +177,8 @@ static void block_lanes(const Geo *g, int j0, Lanes *ln, long *base) {
 static int block_add(const Geo *g, int i, int j0, int h, const Lanes *ln, vt *add) {
     const int32_t *vr = g->rows + g->Hq * g->kh, *rr = g->rows + 2 * g->Hq * g->kh;
     const int32_t *vc = g->cols + g->Wq * g->kw, *rc = g->cols + 2 * g->Wq * g->kw;
-    int any = g->table != NULL;
+    int any = g->table != NULL || ln->masked;
     for (int a = 0; a < g->kh && !any; a++) any = !vr[i * g->kh + a];
-    for (int t = 0; t < ln->n && !any; t++)
-        for (int b = 0; b < g->kw; b++) any |= !vc[(j0 + t) * g->kw + b];
     if (!any) return 0;
     const T *tab = g->table ? g->table + (size_t)h * g->tr * g->tw : NULL;
     for (int a = 0; a < g->kh; a++)
@@ -261,7 +272,7 @@ static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, in
                 for (; c0 + L <= C; c0 += L) {
                     vt r[L];
                     for (int t = 0; t < L; t++) {
-                        __builtin_prefetch(src + (px + t + L) * xs[1] + c0); /* next tile */
+                        __builtin_prefetch(src + (px + t + NA_PREFETCH) * xs[1] + c0); /* tiles ahead */
                         r[t] = ld(src + (px + t) * xs[1] + c0);
                     }
                     transpose_tile(r);
@@ -309,6 +320,12 @@ static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, 
         }
 }
 
+/* column j of every row of plane (b, h) of contiguous x (B, Hk*Wk, heads*C), set to 0 */
+static void zero_cols(T *x, int b, int h, const Geo *g, int C, long j) {
+    for (int i = 0; i < g->Hk; i++)
+        memset(x + (((size_t)b * g->Hk + i) * g->Wk + j) * g->heads * C + (size_t)h * C, 0, C * sizeof(T));
+}
+
 static void dense_strides(int H, int W, int heads, int C, long *st) {
     st[0] = (long)H * W * heads * C; st[1] = (long)heads * C; st[2] = C; st[3] = 1;
 }
@@ -316,10 +333,20 @@ static void dense_strides(int H, int W, int heads, int C, long *st) {
 /* the blocks of a row (the same for every row): at most Wq of them, malloc'd */
 static Lanes *row_blocks(const void *gp, int *count, long **bases) {
     const Geo *g = gp;
-    Lanes *blocks = aligned_alloc(_Alignof(Lanes), sizeof(Lanes) * g->Wq); /* vector members */
-    *bases = malloc(sizeof(long) * g->Wq * g->kw);
-    int nb = 0;
-    for (int j0 = 0; j0 < g->Wq; j0 += blocks[nb].n, nb++) block_lanes(g, j0, blocks + nb, *bases + (long)nb * g->kw);
+    int cap = g->Wq / L + 8, nb = 0; /* grown by need: a row of Wq columns has about Wq / L blocks */
+    Lanes *blocks = aligned_alloc(_Alignof(Lanes), sizeof(Lanes) * cap); /* vector members */
+    *bases = malloc(sizeof(long) * cap * g->kw);
+    for (int j0 = 0; j0 < g->Wq; j0 += blocks[nb].n, nb++) {
+        if (nb == cap) {
+            Lanes *grown = aligned_alloc(_Alignof(Lanes), sizeof(Lanes) * 2 * cap);
+            memcpy(grown, blocks, sizeof(Lanes) * cap);
+            free(blocks);
+            blocks = grown;
+            cap *= 2;
+            *bases = realloc(*bases, sizeof(long) * cap * g->kw);
+        }
+        block_lanes(g, j0, blocks + nb, *bases + (long)nb * g->kw);
+    }
     *count = nb;
     return blocks;
 }

@@ -18,6 +18,16 @@ typedef struct {
     long *jb; /* first query column of each block, nb + 1 */
     Urow *ur;
     long qw; /* widest chunk in query columns (row buffers' pitch) */
+    long kp; /* the key planes' pitch (Geo.kp of the calls on this plan) */
+    int backward; /* 0 forward, 1 backward with dK / dV, 2 without */
+    /* backward: the fuse tables (see fuse_tables) */
+    vi *shifts, *folds;
+    int *shix, *fused, *fstart;
+    /* backward, key-centric dK / dV (unfused blocks, see key_sums in na_cpu.c): keyc[bk] when
+     * block bk's slot b reads key column jb[bk] + relpat[b] + lane (one pattern for the row);
+     * kpad: zero columns on each side of the row buffers those sums read (0: no such block) */
+    int *keyc;
+    long *relpat, kpad;
 } Plan;
 
 static long l2_bytes(void) {
@@ -38,7 +48,9 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
     pl->cx1 = malloc(sizeof(long) * nb);
     long nq = g->Hq < MR ? g->Hq : MR, rows = nq + g->kh - 1;
     long col = (rows + nq) * (g->D + g->Dv) * (long)sizeof(T) * (backward ? 2 : 1), budget = l2_bytes() / 4;
-    long most = budget / col, *jb = pl->jb = malloc(sizeof(long) * (nb + 1));
+    /* chunked rows: the calls run a chunk's heads in turn, so a chunk's columns of every head
+     * (whole cache lines of the pixel-major tensors) share the budget */
+    long most = budget / (col * (backward ? 1 : g->heads)), *jb = pl->jb = malloc(sizeof(long) * (nb + 1));
     if (most < 4 * L) most = 4 * L;
     for (int bk = 0, j = 0; bk <= nb; bk++) { jb[bk] = j; if (bk < nb) j += pl->blocks[bk].n; }
     int nc = 0;
@@ -64,8 +76,13 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
         sw = pl->cx1[c] - pl->cx0[c] > sw ? pl->cx1[c] - pl->cx0[c] : sw;
         qw = jb[pl->cb[c + 1]] - jb[pl->cb[c]] > qw ? jb[pl->cb[c + 1]] - jb[pl->cb[c]] : qw;
     }
-    g->kp = sw;
+    g->kp = pl->kp = sw;
     pl->qw = qw;
+    pl->backward = backward;
+    pl->shifts = pl->folds = NULL;
+    pl->shix = pl->fused = pl->fstart = pl->keyc = NULL;
+    pl->relpat = NULL;
+    pl->kpad = 0;
     pl->nt = (g->Hq + MR - 1) / MR;
     pl->order = malloc(sizeof(int) * g->Hq);
     pl->ustart = malloc(sizeof(int) * (pl->nt + 1));
@@ -75,6 +92,9 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
 }
 
 static void free_plan(Plan *pl) {
+    free(pl->shifts); free(pl->folds); free(pl->shix); free(pl->fused); free(pl->fstart);
+    free(pl->keyc); free(pl->relpat);
+    for (int bk = 0; bk < pl->nb; bk++) free(pl->blocks[bk].inv);
     free(pl->blocks); free(pl->bases); free(pl->cb); free(pl->cx0); free(pl->cx1);
     free(pl->order); free(pl->ustart); free(pl->ur); free(pl->jb);
 }
@@ -86,7 +106,18 @@ static void free_plan(Plan *pl) {
  * and the folds that first add into that lane the lanes sharing its key (borders: windows shifted
  * inside the image): block bk's rounds are folds[2 fstart[bk] ...) as (shuffle, mask) pairs,
  * fstart[nb] in all (the caller frees *folds) */
-static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *fused, int *fstart, vi **folds) {
+static int same_shifts(const Geo *g, const Plan *pl, int x, int y) {
+    const Lanes *a = pl->blocks + x, *b = pl->blocks + y;
+    if (a->mode || b->mode || a->n != b->n) return 0;
+    const long *ba = pl->bases + (long)x * g->kw, *bb = pl->bases + (long)y * g->kw;
+    for (int s = 1; s < g->kw; s++)
+        if (ba[s] - ba[0] != bb[s] - bb[0]) return 0;
+    return 1;
+}
+
+/* shix[bk]: the block whose shift tables block bk uses (the interior blocks of a row share one;
+ * only the tables of distinct blocks are written: a long 1-D row has 256 blocks) */
+static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *shix, int *fused, int *fstart, vi **folds) {
     int total = 0, cap = pl->nb + L;
     vi *pool = aligned_alloc(_Alignof(vi), sizeof(vi) * 2 * cap);
     for (int bk = 0; bk < pl->nb; bk++) {
@@ -95,6 +126,12 @@ static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *fused, in
         int first[L], count[L], maxp = 0, rounds = 0;
         for (int u = 0; u < L; u++) first[u] = -1, count[u] = 0;
         fstart[bk] = total;
+        shix[bk] = bk;
+        if (bk > 0 && same_shifts(g, pl, shix[bk - 1], bk)) { /* mode 0: no folds either */
+            shix[bk] = shix[bk - 1];
+            fused[bk] = fused[bk - 1];
+            continue;
+        }
         for (int t = 0; t < ln->n; t++) {
             int u = ln->perm[t];
             maxp = u > maxp ? u : maxp;
@@ -136,6 +173,55 @@ static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *fused, in
     }
     fstart[pl->nb] = total;
     *folds = pool;
+}
+
+/* the blocks whose dK / dV run as key-centric sums (unfused and unshuffled, all with the slot
+ * offsets of one interior block; the others keep kv_slots) and the row buffers' padding */
+static void key_blocks(const Geo *g, Plan *pl) {
+    int nb = pl->nb, kw = g->kw, ref = -1;
+    pl->keyc = calloc(nb, sizeof(int));
+    pl->relpat = malloc(sizeof(long) * kw);
+    for (int bk = nb / 2; bk < nb && ref < 0; bk++)
+        if (!pl->fused[bk] && pl->blocks[bk].mode == 0) ref = bk;
+    for (int bk = 0; bk < nb / 2 && ref < 0; bk++)
+        if (!pl->fused[bk] && pl->blocks[bk].mode == 0) ref = bk;
+    if (ref < 0) return;
+    long lo = 0, hi = 0;
+    for (int b = 0; b < kw; b++) pl->relpat[b] = pl->bases[(long)ref * kw + b] - pl->jb[ref];
+    for (int bk = 0; bk < nb; bk++) {
+        int same = !pl->fused[bk] && pl->blocks[bk].mode == 0;
+        for (int b = 0; b < kw; b++) {
+            long rel = pl->bases[(long)bk * kw + b] - pl->jb[bk];
+            same &= rel == pl->relpat[b];
+            lo = rel < lo ? rel : lo;
+            hi = rel > hi ? rel : hi;
+        }
+        pl->keyc[bk] = same;
+    }
+    pl->kpad = (hi - lo + 3 * L - 1) / L * L; /* >= the offsets' span + 2L (see key_sums) */
+}
+
+/* the plan of a call (dims, rows, cols as na_forward's; backward as na_scratch's), with the
+ * backward's fuse tables; built once per shape by the caller (na_cpu.py caches it), freed by
+ * na_plan_free */
+void *na_plan(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    Plan *pl = malloc(sizeof(Plan));
+    make_plan(&g, backward, pl);
+    if (backward) {
+        pl->shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 4 * g.kw * pl->nb);
+        pl->fused = malloc(sizeof(int) * pl->nb);
+        pl->fstart = malloc(sizeof(int) * (pl->nb + 1));
+        pl->shix = malloc(sizeof(int) * pl->nb);
+        fuse_tables(&g, pl, pl->shifts, pl->shix, pl->fused, pl->fstart, &pl->folds);
+        key_blocks(&g, pl);
+    }
+    return pl;
+}
+
+void na_plan_free(void *pl) {
+    free_plan(pl);
+    free(pl);
 }
 
 #endif

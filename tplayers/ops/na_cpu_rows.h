@@ -30,6 +30,7 @@
 #endif
 #define MR NA_ROWS /* query rows per tile */
 #define GBMAX 8    /* score slots per register block at most */
+#define NFMAX 3    /* border folds held in registers by the dK / dV kernel (more: from memory) */
 
 /* slots per score pass for nm rows: nm * gb accumulators + nm query vectors + a key vector */
 static int gb_max(int nm) {
@@ -166,6 +167,15 @@ static void sc_rows(int mode, int nm, int gb, const Lanes *ln, int C, const T *c
     }
 }
 
+/* x, kept in a register: GCC otherwise folds a loaded weight into each FMA that uses it as a
+ * memory operand (one load per FMA: P.V ran at half the speed of the scores in 3-D) */
+INL vt in_reg(vt x) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    __asm__("" : "+v"(x));
+#endif
+    return x;
+}
+
 /* o_j[c] += sum_b p_j[b] * val[c][bo[b] (+ shuffle)] for nm rows, kw slots, C channels (the
  * o_j are full-vector accumulators, one per channel) */
 INL void ap_kern(const int mode, const int nm, const Lanes *ln, int kw, int C, const vt *const *pp, const T *vr,
@@ -184,7 +194,7 @@ INL void ap_kern(const int mode, const int nm, const Lanes *ln, int kw, int C, c
             vt pv[MR];
             const T *v0 = vr + bo[b];
 #pragma GCC unroll 8
-            for (int j = 0; j < nm; j++) pv[j] = pp[j][b];
+            for (int j = 0; j < nm; j++) pv[j] = in_reg(pp[j][b]);
 #pragma GCC unroll 8
             for (int q = 0; q < GVN; q++) {
                 vt vv = kload(v0 + cs[q], mode, ln);
@@ -241,8 +251,11 @@ INL vt shuffle1(vt x, vi m) {
 }
 
 INL void sl_kern(const int nm, int kw, int C, const vt *const *wp, const T *const *rp, long rs, const vi *sh, T *d,
-                 long ds, int nf, const vi *fold) {
+                 long ds, const int nf, const vi *fold) {
     const int CBN = CB_OF(nm);
+    vi fs[NFMAX], fm[NFMAX]; /* the folds in registers (nf is a constant here, see sl_rows) */
+#pragma GCC unroll 4
+    for (int f = 0; f < nf && f < NFMAX; f++) { fs[f] = fold[2 * f]; fm[f] = fold[2 * f + 1]; }
     for (int c0 = 0; c0 < C; c0 += CBN) {
         vt rv[MR][4], lo[4], hi[4];
 #pragma GCC unroll 4
@@ -256,13 +269,16 @@ INL void sl_kern(const int nm, int kw, int C, const vt *const *wp, const T *cons
             vt wv[MR];
             vi s0 = sh[4 * b], s1 = sh[4 * b + 2];
 #pragma GCC unroll 8
-            for (int j = 0; j < nm; j++) wv[j] = wp[j][b];
+            for (int j = 0; j < nm; j++) wv[j] = in_reg(wp[j][b]);
 #pragma GCC unroll 4
             for (int q = 0; q < CBN; q++) {
                 vt x = wv[0] * rv[0][q];
 #pragma GCC unroll 8
                 for (int j = 1; j < nm; j++) x += wv[j] * rv[j][q];
-                for (int f = 0; f < nf; f++) /* lanes sharing a key: into its first lane */
+#pragma GCC unroll 4
+                for (int f = 0; f < nf && f < NFMAX; f++) /* lanes sharing a key: into its first lane */
+                    x += (vt)((vi)shuffle1(x, fs[f]) & fm[f]);
+                for (int f = NFMAX; f < nf; f++) /* more (windows far inside the image): from memory */
                     x += (vt)((vi)shuffle1(x, fold[2 * f]) & fold[2 * f + 1]);
 #if NREG == 32 /* one two-register permute with a zero register */
                 lo[q] += shift2(x, s0);
@@ -283,8 +299,27 @@ INL void sl_kern(const int nm, int kw, int C, const vt *const *wp, const T *cons
     }
 }
 
+#define SL_CASE(NM, NF) \
+    case (NM) * 8 + (NF): sl_kern(NM, kw, C, wp, rp, rs, sh, d, ds, NF, fold); return;
+
 static void sl_rows(int nm, int kw, int C, const vt *const *wp, const T *const *rp, long rs, const vi *sh, T *d,
                     long ds, int nf, const vi *fold) {
+    /* nm rows and nf folds as constants (0-2 folds: the interior and 2-D / 3-D borders; more
+     * run the generic loop) */
+    int key = nm * 8 + (nf < NFMAX ? nf : 7);
+    switch (key) {
+        SL_CASE(1, 0) SL_CASE(1, 1) SL_CASE(1, 2)
+#if MR >= 2
+        SL_CASE(2, 0) SL_CASE(2, 1) SL_CASE(2, 2)
+#endif
+#if MR >= 3
+        SL_CASE(3, 0) SL_CASE(3, 1) SL_CASE(3, 2)
+#endif
+#if MR >= 4
+        SL_CASE(4, 0) SL_CASE(4, 1) SL_CASE(4, 2)
+#endif
+        default: break;
+    }
     switch (nm) {
         case 1: sl_kern(1, kw, C, wp, rp, rs, sh, d, ds, nf, fold); return;
 #if MR >= 2

@@ -3,8 +3,8 @@
 Three kernels compute the same thing (NATTEN's window; fp rounding may differ):
 
 * ``"c"``: the compiled C kernel (:mod:`tplayers.ops.na_cpu`), fp32/fp64 CPU tensors, where it
-  builds; its backward is the GEMM kernel's where the C backward is not fused
-  (:func:`~tplayers.ops.na_cpu.backward_is_fused`: wide column windows);
+  builds; its backward is the GEMM kernel's where the C backward does not apply
+  (:func:`~tplayers.ops.na_cpu.backward_in_c`: wide column windows on short rows);
 * ``"gemm"``: the GEMM-tiled torch kernel (:mod:`tplayers.ops.na_gemm`), any device and dtype;
 * ``"torch"``: the torch tile kernel (:mod:`tplayers.ops.na_kernel`), any device and dtype.
 
