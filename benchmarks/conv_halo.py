@@ -261,35 +261,11 @@ def speed_table(mesh, rank, world, repeats, st):
 
 
 def triton_table(rank):
-    if rank != 0:
-        return
-    print("\n## Triton halo pack/unpack vs device-to-device copy")
-    if not torch.cuda.is_available():
-        print("skipped: no CUDA")
-        return
-    from tplayers.ops import pack_faces, triton_available, unpack_faces
+    if rank == 0:
+        from halo_pack_gpu import triton_table as table  # benchmarks/halo_pack_gpu.py (run as a script: on sys.path)
 
-    if not triton_available():
-        print("skipped: Triton not importable")
-        return
-    x = torch.randn(8, 64, 1024, 1024, device="cuda").to(memory_format=torch.channels_last)
-    faces = [(0, 3), (1021, 3)]
-    buf = pack_faces(x, 2, faces)
-    nbytes = 2 * buf.numel() * buf.element_size()  # read + write
-    dst = torch.empty_like(buf)
-    for label, fn in (
-        ("pack", lambda: pack_faces(x, 2, faces)),
-        ("unpack", lambda: unpack_faces(buf, x, 2, faces)),
-        ("d2d copy", lambda: dst.copy_(buf)),
-    ):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(100):
-            fn()
-        torch.cuda.synchronize()
-        dt = (time.perf_counter() - t0) / 100
-        print(f"{label:10s} {nbytes / dt / 1e9:8.1f} GB/s")
+        print()
+        table()
 
 
 def main():

@@ -170,7 +170,16 @@ def build(kind: str, args):
     if kind == "swinunetr":
         from monai.networks.nets import SwinUNETR
 
-        m = SwinUNETR(in_channels=1, out_channels=2, feature_size=12, spatial_dims=3, use_flash_attention=True)
+        # depths (1, 1, 1, 1): no shifted windows (MONAI builds the shift mask from int(np.ceil(h / ws)), a local
+        # number: refused on every rank; docs/region-guard.md)
+        m = SwinUNETR(
+            in_channels=1,
+            out_channels=2,
+            feature_size=12,
+            spatial_dims=3,
+            depths=(1, 1, 1, 1),
+            use_flash_attention=True,
+        )
         return m, lambda m, x: m(x), [args.swin_size >> k for k in range(6)], 1
     raise ValueError(f"model: expected unet, vae, vit or swinunetr, got {kind!r}")
 

@@ -81,14 +81,24 @@ def test_front_door_routes_to_triton_when_forced(monkeypatch):
     import tplayers.ops.halo as front
 
     monkeypatch.setenv("TPLAYERS_HALO_BACKEND", "triton")
-    x = torch.arange(60, dtype=torch.float64).reshape(3, 4, 5).transpose(1, 2)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors: Triton's interpreter (set above)
+    x = torch.arange(60, dtype=torch.float64, device=device).reshape(3, 4, 5).transpose(1, 2)
     faces = [(0, 2), (2, 1), (1, 2)]
     assert front._use_triton(x)
     assert torch.equal(front.pack_faces(x, 2, faces), pack_faces_reference(x, 2, faces))
-    out = torch.zeros(3, 5, 4, dtype=torch.float64)
-    buf = torch.arange(75, dtype=torch.float64)
+    out = torch.zeros(3, 5, 4, dtype=torch.float64, device=device)
+    buf = torch.arange(75, dtype=torch.float64, device=device)
     expect = unpack_faces_reference(buf, out.clone(), 2, faces, True)  # overlapping rows add up
     assert torch.equal(front.unpack_faces(buf, out, 2, faces, accumulate=True), expect)
+
+
+def test_forcing_triton_on_cpu_tensors_outside_the_interpreter_raises(monkeypatch):
+    import tplayers.ops.halo as front
+
+    monkeypatch.setenv("TPLAYERS_HALO_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"TRITON_INTERPRET=1\); got a tensor on cpu"):
+        front.pack_faces(torch.zeros(2, 3, 4), 2, [(0, 1)])
 
 
 @pytest.mark.parametrize(

@@ -58,6 +58,11 @@ def _use_triton(x: torch.Tensor) -> bool:
     if mode == "triton":
         if not triton_available():
             raise RuntimeError("TPLAYERS_HALO_BACKEND=triton but Triton cannot be imported; pip install triton")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "TPLAYERS_HALO_BACKEND=triton: Triton's kernels take CUDA tensors (CPU tensors only in its "
+                f"interpreter, TRITON_INTERPRET=1); got a tensor on {x.device}"
+            )
         return True
     return x.is_cuda and triton_available()
 
