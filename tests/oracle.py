@@ -123,7 +123,7 @@ def backward_step_match(loss_s, loss_p, xs, xl, local, serial, parallel, opt_s, 
 
 def edge_convs(model: torch.nn.Module, halo_only: bool = True) -> int:
     """The convolution twins in ``model`` whose cached layouts take the main-plus-strips strategy
-    (``ConvSpec.strips``, :func:`tplayers.layers.conv.halo_conv`); with ``halo_only`` those with a halo
+    (``ConvSpec.strips``, :func:`tplayers.layers._conv_run.halo_conv`); with ``halo_only`` those with a halo
     (strips), not the convolutions that need none (one-pixel kernels), which take it on any slab."""
     from tplayers.layers.conv import _DistributedConvNd
 

@@ -203,7 +203,7 @@ def plan_ranges(
 
 class EdgeGeometry(NamedTuple):
     """Where the halo rows meet the output along the exchanged dim of a main-plus-strips convolution
-    (:func:`tplayers.layers.conv.halo_conv`; Python ints).
+    (:func:`tplayers.layers._conv_run.halo_conv`; Python ints).
 
     ``pad``: the halo width ``r`` on each side (the main convolution's padding there);
     ``lo``: ``(strip rows,)`` of the low strip, whose outputs are rows ``[0, m)``, or ``None``;

@@ -1,5 +1,5 @@
 """The ``DistributedConvNd`` twins' convolution: the last sharded dim's halo exchange fused with the
-local convolution. One entry (:func:`tplayers.layers.conv.halo_conv`), two strategies chosen by
+local convolution. One entry (:func:`tplayers.layers._conv_run.halo_conv`), two strategies chosen by
 ``ConvSpec.strips``: halo-padded (here, with what both share: :class:`ConvSpec`, the parameter-gradient
 packing and sums) and main-plus-strips (:mod:`tplayers.layers._conv_strips`).
 

@@ -38,10 +38,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm.buckets import region_params
-from tplayers.domain.window import edge_pad, gather_rows, pad_arg, pad_dim
+from tplayers.domain.window import gather_rows
 from tplayers.layers._common import autocast_inputs
-from tplayers.layers._conv_fn import ConvSpec, HaloConvFunction, _ConvCompute, conv_order
-from tplayers.layers._conv_strips import EdgeConvCompute, EdgeConvSave
+from tplayers.layers._conv_fn import ConvSpec, conv_order
+from tplayers.layers._conv_run import _CL, _prepare, halo_conv, serial_format
 from tplayers.layers._domain import ConvParameters, DomainLayer, ntuple
 from tplayers.window_plan import PADDING_MODES, conv_out_len, conv_window, plan_windows, uniform_geometry
 
@@ -54,63 +54,6 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 # Slabs (elements per rank, on average) at least this large take it by default (``overlap_halo=True``:
 # at any size); the measurements behind the threshold are in benchmarks/RESULTS.md (conv_halo).
 EDGE_MIN_ELEMENTS = 1 << 21
-_CL = {2: torch.channels_last, 3: torch.channels_last_3d}
-
-
-def _is_cl(t: torch.Tensor) -> bool:
-    """Whether PyTorch suggests channels-last for ``t``: its strides read as ``suggest_memory_format``
-    reads them (C, then the spatial dims last to first, then N, non-decreasing; ambiguous cases
-    such as a trivial C default to contiguous), except that an empty shard (0 local rows) is read by
-    its strides alone, as the non-empty tensor it was cut from (the serial layer sees that one)."""
-    sizes, strides = t.shape, t.stride()
-    if strides[1] == 0:
-        return False
-    low = 0
-    for d in (1,) + tuple(range(t.dim() - 1, 1, -1)) + (0,):
-        if strides[d] < low or (d == 0 and low == strides[1]):
-            return False
-        low = strides[d] * max(sizes[d], 1)
-    return True
-
-
-def serial_format(x: torch.Tensor, weight: torch.Tensor, spatial: int, padding_mode: str) -> torch.memory_format:
-    """The layout ``nn.ConvNd`` gives its output for ``x`` and ``weight``: channels-last (2-D / 3-D)
-    when either is channels-last, else contiguous. As there: circular padding hands the
-    convolution a contiguous padded input (only the weight counts), and the CPU's 3-D kernel for
-    other dtypes than float32 / bfloat16 / float16 (no oneDNN) returns contiguous in any case."""
-    if spatial == 1 or not ((padding_mode != "circular" and _is_cl(x)) or _is_cl(weight)):
-        return torch.contiguous_format
-    if spatial == 3 and x.device.type == "cpu" and x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return torch.contiguous_format
-    return _CL[spatial]
-
-
-def halo_conv(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], spec: ConvSpec, reduce: bool = True
-) -> torch.Tensor:
-    """The distributed convolution of ``x`` (this rank's rows) by ``spec``'s strategy (:mod:`tplayers.layers._conv_fn`).
-
-    Halo-padded (``spec.strips`` None, or while compiling): :class:`HaloConvFunction` (exchange, save,
-    the whole backward) then :class:`_ConvCompute` (the local convolution, nothing saved).
-    Main-plus-strips: :class:`EdgeConvSave` (saves the input and the weight, the whole backward) then
-    :class:`EdgeConvCompute` (the exchange in flight behind the main convolution, then the strips; it
-    hands the received halo rows, the weight gradient's strips, to :class:`EdgeConvSave`'s context).
-    Two Functions so that activation checkpointing (``use_reentrant=False``) can stop its
-    recomputation before the convolution: it stops once every saved tensor is back, and a custom
-    Function registers its saved tensors only when its forward returns, so saving and computing in
-    one Function would recompute the region's last convolution for nothing.
-    ``reduce=False``: the weight and bias gradients are returned as this rank's partial sums (a
-    region's gradient buckets sum them, :mod:`tplayers.comm.buckets`).
-    """
-    if spec.strips is not None and not torch.compiler.is_compiling():
-        x = x.contiguous(memory_format=spec.memory_format)  # the layout the plan convolves in
-        halos: dict = {}  # filled by EdgeConvCompute: the received halo rows, for the weight gradient
-        token = EdgeConvSave.apply(x, weight, bias, spec, halos, reduce)
-        return EdgeConvCompute.apply(
-            token, x.detach(), weight.detach(), None if bias is None else bias.detach(), spec, halos
-        )
-    token, xp = HaloConvFunction.apply(x, weight, bias, spec, reduce)
-    return _ConvCompute.apply(token, xp, weight, bias, spec)
 
 
 class _DistributedConvNd(ConvParameters, DomainLayer):
@@ -358,15 +301,6 @@ class _DistributedConvNd(ConvParameters, DomainLayer):
             f"padding={self.padding!r}, dilation={self.dilation}, groups={self.groups}, "
             f"bias={self.bias is not None}, padding_mode={self.padding_mode!r}, shard_dims={self.shard_dims}"
         )
-
-
-def _prepare(xp: torch.Tensor, *, dim: int, plan, mode: str, extra) -> torch.Tensor:
-    """The fused dim's boundary padding and trim, then padding of unsharded dims the convolution
-    cannot do itself (``extra``: (dim, lo, hi); asymmetric "same" zeros, circular / reflect / replicate)."""
-    x = edge_pad(xp, dim, plan, mode)
-    for d, lo, hi in extra:
-        x = F.pad(x, pad_arg(x.dim(), d, lo, hi)) if mode == "zeros" else pad_dim(x, d, lo, hi, mode)
-    return x
 
 
 class DistributedConv1d(_DistributedConvNd):

@@ -62,11 +62,12 @@ def call_twin(g, module, call: Callable, args, kwargs):
                     advice="Twins take this rank's slice of a sharded tensor.",
                 )
             )
+        # norms run on any layout and keep it (a flattened map normalised, then viewed back with view_as)
+        if layout != region_layout(shape, tuple(dims)) and _statistics_twin(module):
+            return _norm_any_layout(g, module, call, x, layout, args, kwargs)
         if layout != region_layout(shape, tuple(dims)) and contiguous_blocks(layout) == region_layout(shape, dims):
             layout = contiguous_blocks(layout)  # the same rows as one sharded factor
             g.mark(x, layout)
-        if layout != region_layout(shape, tuple(dims)) and _statistics_twin(module):
-            return _norm_any_layout(g, module, call, x, layout, args, kwargs)
         if layout != region_layout(shape, tuple(dims)) and _pointwise_conv(module) and len(args) == 1:
             return _conv_fn(module)(x, module.weight, module.bias, 1, 0, 1, module.groups)  # routed: per pixel
         if layout != region_layout(shape, tuple(dims)):
