@@ -2,8 +2,9 @@
 ``nn.Dropout(0.5)``): every rank draws the serial mask and multiplies its slice, so the model equals the
 serial one in fp64 with every rank seeded alike: outputs, input gradient, every parameter gradient, after
 an SGD step, and the generator advanced as the serial model's (the next draw agrees). ``F.dropout``,
-``nn.Dropout(inplace=True)`` and ``torch.dropout`` on contiguous and channels-last slabs, 2 and 3 ranks
-with uneven rows and a 2x2 mesh.
+``nn.Dropout(inplace=True)`` and ``torch.dropout`` on contiguous and channels-last slabs and on flattened
+pixels (tokens), 2 and 3 ranks with uneven rows and a 2x2 mesh; prefix tokens (a CLS token before the
+patches) refused on every rank.
 """
 
 import copy
@@ -36,6 +37,10 @@ class Dropped(nn.Module):
             h = F.dropout(h, p=0.3, training=self.training)
         elif self.kind == "module_inplace":
             h = self.drop(h * 1.0)
+        elif self.kind == "tokens":  # flattened pixels (B, H*W, C): one contiguous block of tokens per rank
+            n, c, hh, ww = h.shape
+            tokens = F.dropout(h.flatten(2).transpose(1, 2), p=0.3, training=self.training)
+            h = tokens.transpose(1, 2).reshape(n, c, hh, ww)
         else:
             h = torch.dropout(h, 0.3, self.training)
         return self.b(h)
@@ -84,7 +89,7 @@ def _parity(rank, world, kind, channels_last, mesh_shape, layouts):
     return True
 
 
-@pytest.mark.parametrize("kind", ["functional", "module_inplace", "torch_dropout"])
+@pytest.mark.parametrize("kind", ["functional", "module_inplace", "torch_dropout", "tokens"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
 def test_elementwise_dropout_draws_the_serial_mask(kind, channels_last):
     run_ranks(_parity, 2, args=(kind, channels_last, (2,), [[5, 3]]), timeout=60)
@@ -93,3 +98,29 @@ def test_elementwise_dropout_draws_the_serial_mask(kind, channels_last):
 def test_elementwise_dropout_on_3_ranks_and_a_2x2_mesh():
     run_ranks(_parity, 3, args=("functional", False, (3,), [[4, 2, 3]]), timeout=60)
     run_ranks(_parity, 4, args=("module_inplace", True, (2, 2), [[5, 3], [2, 5]]), timeout=60)
+
+
+class PrefixTokens(nn.Module):
+    """A CLS token before the flattened pixels, then dropout: a rank's tokens are not one block of the serial
+    sequence (the prefix sits on every rank): refused on every rank, naming ParallelDropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = nn.Conv2d(2, 4, 1)
+        self.cls = nn.Parameter(torch.zeros(1, 1, 4))
+
+    def forward(self, x):
+        t = self.patch(x).flatten(2).transpose(1, 2)
+        t = torch.cat((self.cls.expand(t.shape[0], -1, -1), t), dim=1)
+        return F.dropout(t, p=0.1, training=True)
+
+
+def _prefix(rank, world):
+    model = tplayers.parallelize_module(PrefixTokens().double(), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    with pytest.raises(ValueError, match=r"not one contiguous block per rank \(prefix tokens"):
+        model(torch.randn(2, 2, [5, 3][rank], 4, dtype=torch.float64))
+    return True
+
+
+def test_dropout_of_prefix_tokens_raises_on_every_rank():
+    assert run_ranks(_prefix, 2, timeout=60) == [True, True]

@@ -6,8 +6,9 @@
   serial tensor's shape and strides and multiplies its slice of it: exact, gradients included, and
   the generator advances as the serial model's. The cost is one serial-size noise tensor while the
   call runs; :class:`tplayers.ParallelDropout` draws only the local mask (the same distribution, a
-  different model). ``p == 1`` draws nothing (torch multiplies by zero); a dim sharded over several
-  mesh dims is refused.
+  different model). ``p == 1`` draws nothing (torch multiplies by zero). Flattened pixels (a merged dim
+  whose sharded factor leads) are one contiguous block per rank and take the same route; prefix tokens
+  and dims merging factors of several mesh dims are refused.
 * ``F.dropout1d`` / ``dropout2d`` / ``dropout3d`` / ``feature_alpha_dropout`` (``nn.Dropout2d``, ...)
   draw one mask entry per ``(N, C)``: torch draws it as a ``(N, C, 1, ...)`` tensor whose shape does
   not depend on the spatial sizes, so with the generator in the same state on every rank (the same
@@ -43,9 +44,9 @@ import torch.nn.functional as F
 from tplayers.comm.collectives import exchange_grid_table
 from tplayers.comm.halo_grad import HaloExchange1d
 from tplayers.domain.active import stepped_aside
-from tplayers.domain.layout import sharded_dims
+from tplayers.domain.layout import contiguous_blocks, sharded_dims
 from tplayers.region import rules_route
-from tplayers.region.lengths import serial
+from tplayers.region.lengths import Root, serial
 from tplayers.region.rules import op_name
 from tplayers.region.rules_ops import _bind
 
@@ -109,13 +110,18 @@ def _dropout(g, func, args, kwargs):
     x, lay, p = a["input"], g.layout(a["input"]), float(a["p"])
     if p == 0.0 or not a["training"] or lay is None or p == 1.0:  # p == 1: torch multiplies by zero, no draw
         return g.mark(func(*args, **kwargs), lay)
-    roots = {d: g.root(x, d) for d in sharded_dims(lay)}
-    if any(r is None for r in roots.values()):
-        raise g.error(
-            f"{op_name(func)} with p={p} in training on a dim sharded over several mesh dims",
-            lay,
-            "Use tplayers.ParallelDropout.",
-        )
+    blocks, roots = contiguous_blocks(lay), {}
+    for d in sharded_dims(lay):  # a merged dim whose sharded factor leads (flattened pixels): one block per rank
+        entry = blocks[d]
+        if len(entry) != 1 or entry[0][1] is None or entry[0][1] < 0:
+            raise g.error(
+                f"{op_name(func)} with p={p} in training along dim {d}, whose rows are not one contiguous block "
+                "per rank (prefix tokens, or factors of several mesh dims)",
+                lay,
+                "Use tplayers.ParallelDropout.",
+            )
+        axis = entry[0][1]
+        roots[d] = g.root(x, d) if len(lay[d]) == 1 else Root(int(x.shape[d]), g.groups[axis], axis)
     shape = [roots[d].total() if d in roots else x.shape[d] for d in range(x.dim())]
     with torch.no_grad():
         noise = _noise_like(x, shape).bernoulli_(1 - p).div_(1 - p)
