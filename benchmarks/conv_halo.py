@@ -37,6 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from halo_pack_gpu import triton_table as halo_pack_table  # benchmarks/: on sys.path when run as a script
 from torch import nn
 
 import tplayers
@@ -262,10 +263,8 @@ def speed_table(mesh, rank, world, repeats, st):
 
 def triton_table(rank):
     if rank == 0:
-        from halo_pack_gpu import triton_table as table  # benchmarks/halo_pack_gpu.py (run as a script: on sys.path)
-
         print()
-        table()
+        halo_pack_table()
 
 
 def main():

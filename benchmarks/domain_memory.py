@@ -51,6 +51,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from region_recompute import build as build_diffusers  # benchmarks/: on sys.path when run as a script
 from torch.distributed.device_mesh import DeviceMesh
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -119,36 +120,9 @@ def build(kind: str, args):
     """(model, forward call, resolutions of its sharded extents (rows, cols), halo rows per side)."""
     torch.manual_seed(0)
     s, w = args.size, args.width
-    if kind == "unet":
-        import diffusers
-
-        m = diffusers.UNet2DModel(
-            sample_size=s,
-            in_channels=3,
-            out_channels=3,
-            layers_per_block=2,
-            block_out_channels=(w, 2 * w, 2 * w),
-            norm_num_groups=8,
-            attention_head_dim=8,
-            down_block_types=("DownBlock2D", "DownBlock2D", "AttnDownBlock2D"),
-            up_block_types=("AttnUpBlock2D", "UpBlock2D", "UpBlock2D"),
-        )
-        return m, lambda m, x: m(x, torch.tensor([7])).sample, [s, s // 2, s // 4], 1
-    if kind == "vae":
-        import diffusers
-
-        m = diffusers.AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 3,
-            up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(w, 2 * w, 2 * w),
-            latent_channels=4,
-            norm_num_groups=8,
-            layers_per_block=2,
-            sample_size=s,
-        )
-        return m, lambda m, x: m(x).sample, [s, s // 2, s // 4], 1
+    if kind in ("unet", "vae"):  # region_recompute.py's models
+        call = (lambda m, x: m(x, torch.tensor([7])).sample) if kind == "unet" else (lambda m, x: m(x).sample)
+        return build_diffusers(kind, w, s), call, [s, s // 2, s // 4], 1
     if kind == "vit":
         import transformers
 

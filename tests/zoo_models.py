@@ -165,6 +165,21 @@ def _t(x, *_):
     return x
 
 
+_VIT = _hf(
+    "ViTConfig",
+    "ViTForImageClassification",
+    sdpa=True,
+    image_size=32,
+    patch_size=4,
+    hidden_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=24,
+    num_labels=3,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
+
 ZOO = {
     # timm: its own test-sized models and tiny configs of real families
     "timm test_resnet": Entry("timm", _timm("test_resnet"), 64, "vector"),
@@ -295,40 +310,14 @@ ZOO = {
     ),
     "transformers ViTForImageClassification": Entry(
         "transformers",
-        _hf(
-            "ViTConfig",
-            "ViTForImageClassification",
-            sdpa=True,
-            image_size=32,
-            patch_size=4,
-            hidden_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=24,
-            num_labels=3,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        ),
+        _VIT,
         32,
         "vector",
         lambda m, x: m(x, interpolate_pos_encoding=True).logits,
     ),
     "transformers ViTForImageClassification (fixed size)": Entry(
         "transformers",
-        _hf(
-            "ViTConfig",
-            "ViTForImageClassification",
-            sdpa=True,
-            image_size=32,
-            patch_size=4,
-            hidden_size=16,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            intermediate_size=24,
-            num_labels=3,
-            hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0,
-        ),
+        _VIT,
         32,
         "vector",
         lambda m, x: m(x).logits,

@@ -27,11 +27,19 @@ from torch.autograd.function import once_differentiable
 
 from tplayers.comm.collectives import all_gather_along_dim, all_reduce_sum
 
-__all__ = ["DomainNormFn", "merge_moments"]
+__all__ = ["DomainNormFn", "merge_moments", "update_running"]
 
 
 def acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def update_running(running_mean: torch.Tensor, running_var: torch.Tensor, mean, var, factor: float) -> None:
+    """``running = (1 - factor) * running + factor * batch``, in place, in the buffers' dtype (the nn
+    norms' update; ``var`` unbiased)."""
+    with torch.no_grad():
+        running_mean.mul_(1 - factor).add_(mean.reshape(-1).to(running_mean.dtype), alpha=factor)
+        running_var.mul_(1 - factor).add_(var.reshape(-1).to(running_var.dtype), alpha=factor)
 
 
 def _view(x: torch.Tensor, groups: int) -> torch.Tensor:

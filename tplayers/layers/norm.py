@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.comm import copy_many_to_parallel_region
 from tplayers.layers._common import ShardedModule
-from tplayers.layers._norm_core import DomainNormFn
+from tplayers.layers._norm_core import DomainNormFn, update_running
 from tplayers.sharding import ShardSpec
 
 __all__ = [
@@ -127,9 +127,7 @@ class _DomainNorm(ShardedModule):
         return F.batch_norm(x, self.running_mean, self.running_var, w, b, False, 0.0, self.eps)
 
     def _update(self, mean: torch.Tensor, var: torch.Tensor, factor: float) -> None:
-        with torch.no_grad():
-            self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
-            self.running_var.mul_(1 - factor).add_(var.to(self.running_var.dtype), alpha=factor)
+        update_running(self.running_mean, self.running_var, mean, var, factor)
 
     def collectives(self):
         """Collectives per step: ``(forward list, backward list)`` (training statistics)."""

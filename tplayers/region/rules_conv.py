@@ -25,16 +25,12 @@ import tplayers.layers as L
 from tplayers.domain.layout import mesh_dims_of, region_layout, sharded_dims
 from tplayers.region import rules_ops
 from tplayers.region.rules import op_name
-from tplayers.region.rules_ops import _bind
+from tplayers.region.rules_ops import _bind, per_dim
 from tplayers.region.rules_route import _spatial
 
 __all__ = ["TABLE"]
 
 _TWINS: Dict[str, type] = {"conv1d": L.DistributedConv1d, "conv2d": L.DistributedConv2d, "conv3d": L.DistributedConv3d}
-
-
-def _per(v, n):
-    return v if isinstance(v, str) else (int(v),) * n if isinstance(v, int) else tuple(int(i) for i in v)
 
 
 def _conv(g, func, args, kwargs):
@@ -47,7 +43,7 @@ def _conv(g, func, args, kwargs):
     x, w, b = a["input"], a["weight"], a["bias"]
     lay = g.layout(x)
     n = w.dim() - 2
-    k, s, p = tuple(w.shape[2:]), _per(a["stride"], n), _per(a["padding"], n)
+    k, s, p = tuple(w.shape[2:]), per_dim(a["stride"], n), per_dim(a["padding"], n)
     cls = _TWINS.get(func.__name__)
     windows = [
         d
@@ -62,7 +58,7 @@ def _conv(g, func, args, kwargs):
         raise g.error(f"{op_name(func)} over a sharded channel dim", lay)
     dims = _spatial(g, x, lay, op_name(func))
     groups = int(a["groups"])
-    config = (int(w.shape[1]) * groups, int(w.shape[0]), k, s, p, _per(a["dilation"], n), groups, b is not None)
+    config = (int(w.shape[1]) * groups, int(w.shape[0]), k, s, p, per_dim(a["dilation"], n), groups, b is not None)
     key = ("functional conv", cls, config, w.dtype, dims)
     twin = g.routes.get(key)
     if twin is None:

@@ -13,7 +13,7 @@ import torch
 
 from tplayers.domain import reductions as R
 from tplayers.domain.layout import LayoutError, broadcast_layouts, drop_dims, mesh_dims_of, sharded_dims
-from tplayers.layers._norm_core import DomainNormFn
+from tplayers.layers._norm_core import DomainNormFn, update_running
 from tplayers.region.rules import _mark_all, dims_arg, first_sharded, op_name, run_pointwise
 from tplayers.region.rules_slices import fit
 
@@ -209,6 +209,11 @@ def _einsum(g, func, args, kwargs):
 
 
 # ------------------------------------------------------------------ conv / norms / dropout
+def per_dim(v, n: int):
+    """A convolution's ``stride`` / ``padding`` / ``dilation`` argument per spatial dim (a padding string as is)."""
+    return v if isinstance(v, str) else (int(v),) * n if isinstance(v, int) else tuple(int(i) for i in v)
+
+
 def _conv(g, func, args, kwargs):
     a = _bind(
         args,
@@ -218,8 +223,7 @@ def _conv(g, func, args, kwargs):
     )
     x, lay, w = a["input"], g.layout(a["input"]), a["weight"]
     n = w.dim() - 2
-    per = lambda v: (v,) * n if isinstance(v, int) else tuple(v) if not isinstance(v, str) else v  # noqa: E731
-    k, s, p = tuple(w.shape[2:]), per(a["stride"]), per(a["padding"])
+    k, s, p = tuple(w.shape[2:]), per_dim(a["stride"], n), per_dim(a["padding"], n)
     for d in sharded_dims(lay):
         i = d - 2
         if i < 0 or k[i] != 1 or s[i] != 1 or (not isinstance(p, str) and p[i] != 0) or "transpose" in func.__name__:
@@ -315,9 +319,7 @@ def _domain_norm(g, func, args, kwargs):
         def update(mean, var, _count):  # inside the statistics' forward, as torch's kernel (DomainNormFn)
             if not per_channel:
                 mean, var = mean.reshape(x.shape[0], -1).mean(0), var.reshape(x.shape[0], -1).mean(0)
-            f = 0.0 if mom is None else float(mom)
-            rm.mul_(1 - f).add_(mean.reshape(-1).to(rm.dtype), alpha=f)
-            rv.mul_(1 - f).add_(var.reshape(-1).to(rv.dtype), alpha=f)
+            update_running(rm, rv, mean, var, 0.0 if mom is None else float(mom))
 
     y = DomainNormFn.apply(x, a["weight"], a["bias"], x.shape[1], per_channel, float(a["eps"]), groups, update)[0]
     return g.mark(y, lay)
