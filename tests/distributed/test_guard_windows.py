@@ -1,7 +1,8 @@
 """Window-partitioned vision transformers under ``{"": DomainParallel(...)}`` (issue 31), their package's code
 unchanged: timm's Swin (its default eager attention and its fused SDPA path; windows aligned with the shards,
 and windows moved to whole-window shares where the balanced partition would cut them), transformers'
-``SwinModel``, MONAI's ``SwinUNETR`` without shifted windows and timm's MobileViT, exact in fp64 against the
+``SwinModel`` (also with ``gradient_checkpointing_enable()``: nested checkpoints), MONAI's ``SwinUNETR``
+without shifted windows and timm's MobileViT, exact in fp64 against the
 serial model at 2 ranks (H) and 2x2 (outputs, input gradient, every parameter gradient, and the outputs
 again after an SGD step). Refused on every rank: fewer windows than ranks (naming the multiple), MONAI's
 shifted windows (its mask is built from ``int(np.ceil(h / ws))``, a local number, naming the line). And a
@@ -63,6 +64,15 @@ def _hf(hw, batch):
     return model, torch.randn(batch, 2, *hw, dtype=torch.float64), lambda y: y.pooler_output
 
 
+def _hf_checkpointed(hw, batch):
+    model, x, pick = _hf(hw, batch)
+    # nested checkpoints (SwinStage and SwinLayer), each body re-guarded by region_context_fn
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": tplayers.region_context_fn}
+    )
+    return model.train(), x, pick
+
+
 def _monai(hw, batch, depths=(1, 1, 1, 1), window=2):
     from monai.networks.nets import SwinUNETR
 
@@ -90,6 +100,7 @@ BUILD = {
     "timm_fused": lambda hw, b: _timm(hw, b, True),
     "timm_checkpointed": _timm_checkpointed,
     "hf": _hf,
+    "hf_checkpointed": _hf_checkpointed,
     "monai": _monai,
     "mobilevit": _mobilevit,
 }
@@ -146,6 +157,8 @@ CASES = [
     ("hf", 2, (2,), (64, 64), 2),
     ("hf", 4, (2, 2), (64, 64), 1),
     ("hf", 2, (2,), (48, 48), 1),  # windows moved to whole-window shares, as for timm
+    ("hf_checkpointed", 2, (2,), (48, 48), 1),  # nested checkpoints recomputed from detached copies, windows moved
+    ("hf_checkpointed", 4, (2, 2), (64, 64), 1),
     ("timm", 4, (2, 2), (48, 48), 1),
     ("monai", 2, (2,), (64, 32), 1),
     ("monai", 4, (2, 2), (64, 64), 1),

@@ -47,6 +47,7 @@ from tplayers.comm.agree import raise_together
 from tplayers.domain.active import active_guard, stepped_aside
 from tplayers.domain.boundary import ReplicatedToSharded
 from tplayers.domain.layout import Layout, canonical_layout, is_sharded, region_layout, sharded_dims
+from tplayers.region.aliases import Aliases, recover
 from tplayers.region.dispatch import handle
 from tplayers.region.lengths import Root, shape_with_lengths
 from tplayers.region.rules import _PASS, _PRESERVE, _pointwise_names, first_sharded, op_name
@@ -120,6 +121,8 @@ class RegionGuard(TorchFunctionMode):
         self.either = 0  # maps whose reading the first op using them decides (rules_broadcast._either)
         self.windows = False  # a view split a sharded dim into windows: later views read serially (rules_windows)
         self.lost = ""  # where model code made a plain local number of a read length (lengths.lost)
+        self.aliases: Optional[Aliases] = None  # the region's record of tags made in recomputations
+        self.recomputing = False  # a recomputation guard (region/recompute.py): its tags are recorded
 
     # ----------------------------------------------------------------- tags
     def layout(self, t: Any) -> Optional[Layout]:
@@ -134,6 +137,8 @@ class RegionGuard(TorchFunctionMode):
             layout = canonical_layout(layout)
             if layout is not None and is_sharded(layout):
                 setattr(t, _TAG, (self.token, layout))
+                if self.recomputing:  # torch's detached copies of it are the same slice (region/aliases.py)
+                    self.aliases.remember(t, self.token, layout)
             elif getattr(t, _TAG, None) is not None:
                 setattr(t, _TAG, None)
             if getattr(t, _UNIFORM, None) is not None:  # written: no longer a fresh constant
@@ -264,6 +269,8 @@ class RegionGuard(TorchFunctionMode):
     # -------------------------------------------------------- torch function
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.recomputing:
+            recover(self, args, kwargs)
         if getattr(func, "__name__", None) in _pointwise_names() and lengths_in(args, kwargs):
             args, kwargs = values_of(args, kwargs)  # a length as a value (h_idx >= h - ws): the serial one
             self.acted = True  # not what the code's local call computes: compiling refuses the region
@@ -373,22 +380,15 @@ def _torch_reads() -> bool:
 
 
 def _touches(guard: RegionGuard, args, kwargs) -> bool:
-    """Whether any tensor argument (top level, or inside a list/tuple) is sharded in this call."""
+    """Whether any tensor argument (top level, or inside a list/tuple; keyword: top level) is sharded in this call."""
     token = guard.token
     for a in args:
-        if isinstance(a, torch.Tensor):
-            tag = getattr(a, _TAG, None)
+        for b in a if isinstance(a, (list, tuple)) else (a,):
+            tag = getattr(b, _TAG, None) if isinstance(b, torch.Tensor) else None
             if tag is not None and tag[0] is token:
                 return True
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    tag = getattr(b, _TAG, None)
-                    if tag is not None and tag[0] is token:
-                        return True
     for a in kwargs.values():
-        if isinstance(a, torch.Tensor):
-            tag = getattr(a, _TAG, None)
-            if tag is not None and tag[0] is token:
-                return True
+        tag = getattr(a, _TAG, None) if isinstance(a, torch.Tensor) else None
+        if tag is not None and tag[0] is token:
+            return True
     return False

@@ -122,9 +122,12 @@ def enter_recompute(region: Any, name: str, module: Any, args, kwargs) -> Option
     copies = [] if token is not None else _from_saved(name, module, tensors)
     if copies:
         token = copies[0][1][0]
+    if token is None:  # a nested checkpoint's detached copies of tensors its parent's recomputation tagged
+        token = next(filter(None, map(region.aliases.token_of, tensors)), None)
     if token is None:
         return None
     guard = RegionGuard(region.mesh, region.shard_dims, name, token=token)
+    guard.aliases, guard.recomputing = region.aliases, True
     for t, (_, layout) in copies:
         guard.mark(t, layout)  # the detached copy of a tagged tensor: the same slice, the same layout
     guard.routes = region.routes
@@ -157,11 +160,13 @@ class _Recompute:
 
     def __init__(self, guard: RegionGuard) -> None:
         self.args = (guard.mesh, guard.shard_dims, guard.where[-1], guard.token, guard.routes, guard.reads)
+        self.aliases = guard.aliases
         self.pushed: list = []
 
     def __enter__(self) -> None:
         mesh, shard_dims, name, token, routes, reads = self.args
         guard = RegionGuard(mesh, shard_dims, name, token=token)
+        guard.aliases, guard.recomputing = self.aliases, self.aliases is not None  # nested checkpoints
         guard.routes, guard.reads, guard.agreed = routes, reads, True
         guard.__enter__()
         self.pushed.append(guard)

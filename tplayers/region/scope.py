@@ -39,6 +39,7 @@ from tplayers.domain.shard import reset_layouts
 from tplayers.domain.tensor import plain
 from tplayers.layers._common import replicated_tensors
 from tplayers.mesh import resolve_mesh
+from tplayers.region.aliases import Aliases
 from tplayers.region.compiled import plainly_local, refuse_routed, refuse_unchecked
 from tplayers.region.guard import RegionGuard, active_guard
 from tplayers.region.outside import outside_guard, run_op, wrap_outputs
@@ -75,6 +76,7 @@ class DomainRegion:
         self.nested = False  # a region inside an outer region (whose model code may call it from a method)
         self._wraps: List[bool] = []  # per open call: whether its sharded outputs leave as DomainTensor
         self._outside = None  # the guard of this region's data outside its calls (tplayers.region.outside)
+        self.aliases = Aliases()  # tags made while its calls are recomputed (nested checkpoints)
 
     @property
     def root(self) -> Optional[nn.Module]:
@@ -166,6 +168,9 @@ class DomainRegion:
         guard = RegionGuard(self.mesh, self.shard_dims, self.name, token=None if outer is None else outer.token)
         guard.routes = self.routes
         guard.agreed = agreed
+        guard.aliases = self.aliases
+        if outer is not None and outer.recomputing:  # a nested region recomputed: the same record
+            guard.aliases, guard.recomputing = outer.aliases, True
         scope = self.root if scope is None else scope
         guard.scope_key = id(scope)
         guard.check = not agreed or self._table != self._checked.get(guard.scope_key)
