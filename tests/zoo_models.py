@@ -129,9 +129,9 @@ def _monai(name, **kw):
     return _seeded(fn)
 
 
-def _unetr():
-    """MONAI's UNETR (2-D, patch 16, its 12-layer ViT) with its blocks' SDPA attention switched on (the
-    default einsum attention pairs sharded tokens in a matmul: refused, naming SDPA)."""
+def _unetr(flash=True):
+    """MONAI's UNETR (2-D, patch 16, its 12-layer ViT), its blocks' attention through SDPA (``flash``: routed
+    to the full-attention core) or its default einsum scores (keys and values gathered whole)."""
     from monai.networks.nets import UNETR
 
     model = UNETR(
@@ -145,7 +145,7 @@ def _unetr():
         spatial_dims=2,
     )
     for block in model.vit.blocks:
-        block.attn.use_flash_attention = True
+        block.attn.use_flash_attention = flash
     return model
 
 
@@ -257,6 +257,7 @@ ZOO = {
         "image",
     ),
     "monai UNETR": Entry("monai", _seeded(_unetr), 64, "image"),
+    "monai UNETR (einsum attention)": Entry("monai", _seeded(lambda: _unetr(flash=False)), 64, "image"),
     # transformers (vision)
     "transformers ResNetForImageClassification": Entry(
         "transformers",

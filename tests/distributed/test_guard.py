@@ -154,9 +154,10 @@ class Op(nn.Module):
         return self.fn(self.conv(x))
 
 
-def _flat_matmul(h):
-    t = h.flatten(2)  # (N, C, H*W): tokens
-    return t.transpose(1, 2) @ t  # (N, HW, HW): scores over sharded tokens
+def _prefix_scores(h):
+    t = h.flatten(2)  # (N, C, H*W): tokens (scores over them are gathered: test_guard_eager_attention.py)
+    t = torch.cat([torch.zeros(t.shape[0], t.shape[1], 1, dtype=t.dtype), t], dim=2)  # a CLS token first
+    return t.transpose(1, 2) @ t  # (N, 1 + HW, 1 + HW): scores pairing prefix tokens
 
 
 REFUSED = {
@@ -165,7 +166,7 @@ REFUSED = {
     r"indexing \(a slice, step": lambda h: h[:, :, torch.tensor([0, 2])],  # slices, integers: test_global_slices
     "unfold": lambda h: F.unfold(h, 3),
     "cumsum": lambda h: torch.cumsum(h, 2),
-    "both operands' sharded rows meet": _flat_matmul,
+    "pairs tokens with a prefix": _prefix_scores,
 }
 
 

@@ -102,6 +102,9 @@ BUILD = {
     "hf": _hf,
     "hf_checkpointed": _hf_checkpointed,
     "monai": _monai,
+    # 3-D, windows of 4: the deepest stage's window covers its whole sharded depth (keys and values gathered
+    # for MONAI's eager window attention), its bias table sliced [:n, :n] by a length read: the serial one
+    "monai3d": lambda hw, b: _monai(hw, b, window=4),
     "mobilevit": _mobilevit,
 }
 
@@ -162,6 +165,7 @@ CASES = [
     ("timm", 4, (2, 2), (48, 48), 1),
     ("monai", 2, (2,), (64, 32), 1),
     ("monai", 4, (2, 2), (64, 64), 1),
+    ("monai3d", 2, (2,), (64, 32, 32), 1),
     ("mobilevit", 2, (2,), (128, 64), 1),
     ("mobilevit", 4, (2, 2), (128, 128), 1),
 ]
@@ -187,6 +191,8 @@ def _refused(rank, world, which, hw, match, ranks=2):
     torch.manual_seed(0)
     if which == "monai_shifted":
         model, x, _ = _monai(hw, 1, depths=(2, 2, 2, 2), window=16)
+    elif which == "monai_window7":
+        model, x, _ = _monai(hw, 1, window=7)
     else:
         model, x, _ = _timm(hw, 1)
     model = tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2,))})
@@ -200,6 +206,9 @@ REFUSED = {
     "crossing": ("timm", (32, 32), r"2 windows cannot give each of 3 ranks one.*multiple of 4 rows", 3),
     # one window per rank in the first stage, the mask MONAI builds from the local height
     "monai_shifted": ("monai_shifted", (64, 32), r"built after numpy.ceil of a length.*swin_unetr.py.*shifted-window"),
+    # windows of 7 over an 8-deep stage: one rank would hold a whole window, the other none (it was a gloo
+    # collective mismatch: the ranks read the view differently and went on to different collectives)
+    "monai_window7": ("monai_window7", (64, 32, 32), r"reads differently on different ranks.*window multiples"),
 }
 
 

@@ -2,7 +2,7 @@
 
 The table joins the generic rules (:mod:`tplayers.region.rules`: pointwise, views, reductions
 along dims, values), the op rules (:mod:`tplayers.region.rules_ops`: reductions, norms, cat, ...),
-the routes (:mod:`tplayers.region.rules_route`: interpolate, pools, pads, attention) and the
+linear algebra (:mod:`tplayers.region.rules_linalg`: products, hand-written attention gathered), the routes (:mod:`tplayers.region.rules_route`: interpolate, pools, pads, attention) and the
 vision rules (:mod:`tplayers.region.rules_vision`: channel dropout, pixel shuffle, mirrored pads), ``torch.roll``
 (:mod:`tplayers.region.rules_roll`), the per-pixel rules (:mod:`tplayers.region.rules_pixels`: ``cdist``
 against a codebook, embedding lookups), functional convolutions routed to the window core
@@ -20,6 +20,7 @@ from tplayers.domain.layout import LayoutError
 from tplayers.region import (
     rules_conv,
     rules_fft,
+    rules_linalg,
     rules_ops,
     rules_pixels,
     rules_roll,
@@ -53,6 +54,7 @@ def _table() -> Dict[str, Any]:
     table.update(VIEWS)
     table.update(ALONG)
     table.update(rules_ops.TABLE)
+    table.update(rules_linalg.TABLE)
     table.update(rules_route.TABLE)
     table.update(rules_fft.TABLE)
     table.update(rules_vision.TABLE)
@@ -77,6 +79,7 @@ def _local() -> frozenset:
             *VIEWS.values(),
             *ALONG.values(),
             *rules_ops.LOCAL,
+            *rules_linalg.LOCAL,
             *rules_vision.LOCAL,
             *rules_pixels.LOCAL,
             *rules_tokens.LOCAL,

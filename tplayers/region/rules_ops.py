@@ -12,10 +12,9 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from tplayers.domain import reductions as R
-from tplayers.domain.layout import LayoutError, broadcast_layouts, drop_dims, mesh_dims_of, sharded_dims
+from tplayers.domain.layout import drop_dims, mesh_dims_of, sharded_dims
 from tplayers.layers._norm_core import DomainNormFn, update_running
-from tplayers.region.rules import _mark_all, dims_arg, first_sharded, op_name, run_pointwise
-from tplayers.region.rules_slices import fit
+from tplayers.region.rules import _mark_all, dims_arg, op_name, run_pointwise
 
 __all__ = ["TABLE", "LOCAL"]
 
@@ -118,94 +117,31 @@ def _reduction(g, func, args, kwargs):
     return _mark_all(g, out, out_layout)
 
 
-# ------------------------------------------------------------------ linear algebra
-def _linear(g, func, args, kwargs):
-    a = _bind(args, kwargs, ("input", "weight", "bias"), {"bias": None})
+def _softmax(g, func, args, kwargs):
+    """``softmax`` / ``log_softmax`` along a sharded dim (smp MAnet's softmax over every pixel pair): the
+    global maximum (no gradient: the result does not depend on it) and the global sum of exponentials,
+    each one all-reduce; along a whole dim, local."""
+    torch_style = (
+        func in (torch.softmax, torch.log_softmax)
+        or not isinstance(args[0], torch.Tensor)
+        or (getattr(func, "__module__", "") or "").startswith("torch._C")
+    )
+    names = ("input", "dim", "dtype") if torch_style else ("input", "dim", "_stacklevel", "dtype")
+    a = _bind(args, kwargs, names, {"dim": None, "dtype": None})
     x, lay = a["input"], g.layout(a["input"])
-    if lay is None or x.dim() - 1 in sharded_dims(lay) or g.layout(a["weight"]) is not None:
-        raise g.error("F.linear contracting a sharded dim", lay or g.layout(a["weight"]))
-    axes = mesh_dims_of(lay)
-    w = g.bound(a["weight"], axes)
-    b = None if a["bias"] is None else g.bound(a["bias"], axes)
-    return g.mark(func(x, w, b), lay[:-1] + (None,))
-
-
-def _matmul_layout(g, func, la, lb, sa, sb):
-    if len(sa) < 2 or len(sb) < 2:
-        raise LayoutError("a 1-D operand")
-    if (la and la[-1]) or (lb and lb[-2]):
-        raise LayoutError("it contracts a sharded dim (a matmul over flattened pixels)")
-    row = la[-2] if la else None
-    col = lb[-1] if lb else None
-    if row is not None and col is not None:
-        raise LayoutError(
-            "both operands' sharded rows meet (attention scores over sharded tokens; "
-            "use F.scaled_dot_product_attention, which is routed)"
-        )
-    batch = broadcast_layouts([sa[:-2], sb[:-2]], [la[:-2] if la else None, lb[:-2] if lb else None])
-    return tuple(batch) + (row, col)
-
-
-def _matmul(g, func, args, kwargs):
-    name = func.__name__
-    if name in ("baddbmm", "addmm", "addbmm"):
-        inp, a, b = args[0], args[1], args[2]
-    else:
-        inp, (a, b) = None, args[:2]
-    la, lb = g.layout(a), g.layout(b)
-    out_layout = _matmul_layout(g, func, la, lb, a.shape, b.shape)
-    if inp is not None:
-        shape = tuple(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])) + (a.shape[-2], b.shape[-1])
-        out_layout = broadcast_layouts([inp.shape, shape], [g.layout(inp), out_layout])
-    axes = mesh_dims_of(out_layout)
-    swap = {id(t): g.bound(t, axes) for t in (inp, a, b) if isinstance(t, torch.Tensor) and g.layout(t) is None}
-    args = tuple(swap.get(id(t), t) if isinstance(t, torch.Tensor) else t for t in args)
-    return g.mark(func(*args, **kwargs), out_layout)
-
-
-def _einsum(g, func, args, kwargs):
-    eq = args[0]
-    ops = list(args[1]) if len(args) == 2 and isinstance(args[1], (list, tuple)) else list(args[1:])
-    if "..." in eq or "->" not in eq:
-        raise g.error("torch.einsum without an explicit '->' output (or with '...')", first_sharded(g, ops, {})[1])
-    ins, out = eq.replace(" ", "").split("->")
-    letters: Dict[str, object] = {}
-    owner: Dict[str, Tuple[torch.Tensor, int]] = {}  # a sharded letter -> an operand and dim holding it
-    specs = ins.split(",")
-    for spec, t in zip(specs, ops):
-        lay = g.layout(t)
-        for i, c in enumerate(spec):
-            e = lay[i] if lay is not None else None
-            if e is not None:
-                if c in letters and letters[c] not in (None, e):
-                    raise g.error("torch.einsum pairing differently sharded dims", lay)
-                letters[c] = e
-                owner.setdefault(c, (t, i))
-            letters.setdefault(c, None)
-    ops, done = list(ops), [set() for _ in ops]  # done: mesh dims a cut operand's gradient is summed over
-    for k, (spec, t) in enumerate(zip(specs, ops)):  # a replicated operand with a sharded dim's full length: cut
-        if g.layout(t) is not None:
-            continue
-        for i, c in enumerate(spec):
-            if c in owner and t.shape[i] != 1:
-                cut = fit(g, ops[k], i, *owner[c])
-                if cut is None:
-                    raise g.error(f"torch.einsum: a replicated operand spans sharded dim {c!r}", letters[c])
-                ops[k] = cut
-                done[k].add(g.root(*owner[c]).axis)
-    for c, e in letters.items():
-        if e is not None and c not in out:
-            raise g.error(f"torch.einsum contracting sharded dim {c!r} ({eq})", None)
-    out_layout = tuple(letters[c] for c in out)
-    axes = [a for e in out_layout if e for _, a in e if a is not None]
-    if len(axes) != len(set(axes)):
-        raise g.error(
-            f"torch.einsum '{eq}' pairs sharded rows of two operands (a score matrix over sharded "
-            "tokens; use F.scaled_dot_product_attention, which is routed)",
-            None,
-        )
-    swap = [g.bound(t, sorted(set(axes) - d)) if g.layout(t) is None else t for t, d in zip(ops, done)]
-    return g.mark(func(eq, *swap), out_layout)
+    if a["dim"] is None or int(a["dim"]) % x.dim() not in sharded_dims(lay):
+        return g.mark(func(*args, **kwargs), lay)
+    d = int(a["dim"]) % x.dim()
+    axes = mesh_dims_of(lay, (d,))
+    groups = _groups(g, axes)
+    g.acted = True
+    y = x if a["dtype"] is None else x.to(a["dtype"])
+    with torch.no_grad():
+        top = R.extreme_over(y, (d,), True, groups, True)
+    shifted = y - top.masked_fill(~torch.isfinite(top), 0.0)
+    total = g.bound(R.sum_over(shifted.exp(), (d,), True, groups), axes)  # meets every rank's rows: summed
+    out = shifted - total.log() if func.__name__ == "log_softmax" else shifted.exp() / total
+    return g.mark(out, lay)
 
 
 # ------------------------------------------------------------------ conv / norms / dropout
@@ -351,7 +287,7 @@ def _prelu(g, func, args, kwargs):
 
 
 #: rules that never communicate (a guard settles before the others; see tplayers.region.dispatch)
-LOCAL = (_linear, _matmul, _einsum, _conv, _layer_norm, _dropout, _where, _prelu)
+LOCAL = (_conv, _layer_norm, _dropout, _where, _prelu)
 
 TABLE = {
     n: _reduction
@@ -385,14 +321,6 @@ TABLE = {
 }
 TABLE.update(
     {
-        "linear": _linear,
-        "matmul": _matmul,
-        "__matmul__": _matmul,
-        "mm": _matmul,
-        "bmm": _matmul,
-        "baddbmm": _matmul,
-        "addmm": _matmul,
-        "einsum": _einsum,
         "conv1d": _conv,
         "conv2d": _conv,
         "conv3d": _conv,
@@ -410,6 +338,8 @@ TABLE.update(
         "alpha_dropout": _dropout,
         "feature_alpha_dropout": _dropout,
         "where": _where,
+        "softmax": _softmax,
+        "log_softmax": _softmax,
         "prelu": _prelu,
     }
 )

@@ -64,21 +64,36 @@ __all__ = [
 ]
 
 FACTORIES = frozenset(["zeros", "ones", "full", "empty", "linspace", "arange", "logspace", "range"])
-#: ops that take a shape: on a replicated tensor (a grid) a ShardLen in it is its serial value
-SHAPED = frozenset(["view", "reshape", "expand", "repeat", "broadcast_to", "tile"])
+#: ops that take a shape (or an index: ``table[:n, :n]``): on a replicated tensor (a grid, a table of the
+#: serial model's size) a ShardLen in it is its serial value
+SHAPED = frozenset(["view", "reshape", "expand", "repeat", "broadcast_to", "tile", "__getitem__"])
+
+
+def _serial_item(b):
+    if isinstance(b, slice):
+        return slice(serial(b.start), serial(b.stop), serial(b.step))
+    return serial(b)
 
 
 def serial_args(args) -> list:
-    """``args`` with every :class:`ShardLen` (top level or in a size list) replaced by its serial value."""
-    return [type(a)(serial(b) for b in a) if isinstance(a, (list, tuple)) else serial(a) for a in args]
+    """``args`` with every :class:`ShardLen` (top level, in a size list, or a slice bound) replaced by its
+    serial value."""
+    return [type(a)(_serial_item(b) for b in a) if isinstance(a, (list, tuple)) else _serial_item(a) for a in args]
+
+
+def _is_len(b) -> bool:
+    if isinstance(b, slice):
+        return any(isinstance(v, ShardLen) for v in (b.start, b.stop, b.step))
+    return isinstance(b, ShardLen)
 
 
 def has_len(args, kwargs) -> bool:
-    """Whether a factory's size arguments hold a :class:`ShardLen` (top level or in a size list)."""
+    """Whether a factory's size arguments (or an index) hold a :class:`ShardLen` (top level, in a size list,
+    or a slice bound)."""
     for a in list(args) + list(kwargs.values()):
-        if isinstance(a, ShardLen):
+        if _is_len(a):
             return True
-        if isinstance(a, (list, tuple)) and any(isinstance(b, ShardLen) for b in a):
+        if isinstance(a, (list, tuple)) and any(_is_len(b) for b in a):
             return True
     return False
 

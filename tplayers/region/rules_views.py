@@ -55,6 +55,19 @@ def _reshape(g, func, args, kwargs):
             return g.mark(move_windows(g, func, args, kwargs, x, shape, *found), found[1])
     g.arm()  # decided from local sizes (a 1-row or empty shard): agreed on a region's first call
     new = reshape_layout(x.shape, lay, shape)
+    for i, s in enumerate(shape):  # a length read from a sharded dim must stay sharded: else the serial
+        if isinstance(s, ShardLen) and new[i] is None and any(r.group is None or r.group.size() > 1 for r in s.roots):
+            raise g.refuse(  # reshape puts other elements there (MAnet's (B, HW, C) -> (B, C, H, W))
+                g.error(
+                    f"{op_name(func)} {tuple(int(n) for n in x.shape)} -> {tuple(int(n) for n in shape)}: the "
+                    f"length {int(s)} read from a sharded dim sizes dim {i}, which the reshape of this rank's "
+                    "elements leaves whole: the serial reshape places other elements there (rows of the "
+                    "serial tensor move across ranks, e.g. tokens into channels)",
+                    lay,
+                    "Permute the sharded rows to where the new shape puts them before reshaping "
+                    "(x.transpose(1, 2).reshape(...)).",
+                )
+            )
     return g.mark(func(*args, **kwargs), new)
 
 

@@ -38,13 +38,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from tplayers.comm.collectives import exchange_grid_table
 from tplayers.comm.halo_grad import HaloExchange1d
 from tplayers.domain.active import stepped_aside
-from tplayers.domain.layout import contiguous_blocks, sharded_dims
+from tplayers.domain.layout import prefix_of, sharded_dims
 from tplayers.region import rules_route
 from tplayers.region.lengths import Root, serial
 from tplayers.region.rules import op_name
@@ -110,23 +112,31 @@ def _dropout(g, func, args, kwargs):
     x, lay, p = a["input"], g.layout(a["input"]), float(a["p"])
     if p == 0.0 or not a["training"] or lay is None or p == 1.0:  # p == 1: torch multiplies by zero, no draw
         return g.mark(func(*args, **kwargs), lay)
-    blocks, roots = contiguous_blocks(lay), {}
-    for d in sharded_dims(lay):  # a merged dim whose sharded factor leads (flattened pixels): one block per rank
-        entry = blocks[d]
-        if len(entry) != 1 or entry[0][1] is None or entry[0][1] < 0:
+    cuts = {}  # sharded dim -> per factor (serial length, this rank's offset, local length)
+    for d in sharded_dims(lay):
+        if prefix_of(lay[d]):
             raise g.error(
-                f"{op_name(func)} with p={p} in training along dim {d}, whose rows are not one contiguous block "
-                "per rank (prefix tokens, or factors of several mesh dims)",
+                f"{op_name(func)} with p={p} in training along dim {d}, which holds prefix tokens (a CLS token "
+                "before sharded pixels)",
                 lay,
                 "Use tplayers.ParallelDropout.",
             )
-        axis = entry[0][1]
-        roots[d] = g.root(x, d) if len(lay[d]) == 1 else Root(int(x.shape[d]), g.groups[axis], axis)
-    shape = [roots[d].total() if d in roots else x.shape[d] for d in range(x.dim())]
+        roots = (
+            [g.root(x, d)]
+            if len(lay[d]) == 1
+            else [None if a is None else Root(int(s), g.groups[a], a) for s, a in lay[d]]
+        )
+        cuts[d] = [
+            (int(s), 0, int(s)) if r is None else (r.total(), r.offset(), r.local) for (s, _), r in zip(lay[d], roots)
+        ]
+    shape = [math.prod(n for n, _, _ in cuts[d]) if d in cuts else x.shape[d] for d in range(x.dim())]
     with torch.no_grad():
         noise = _noise_like(x, shape).bernoulli_(1 - p).div_(1 - p)
-    for d, r in roots.items():
-        noise = noise.narrow(d, r.offset(), r.local)
+    for d in sorted(cuts, reverse=True):  # flattened factors (pixels of a 2x2 mesh): each factor's block
+        noise = noise.unflatten(d, [n for n, _, _ in cuts[d]]) if len(cuts[d]) > 1 else noise
+        for i, (_, offset, local) in enumerate(cuts[d]):
+            noise = noise.narrow(d + i, offset, local)
+        noise = noise.flatten(d, d + len(cuts[d]) - 1) if len(cuts[d]) > 1 else noise
     return g.mark(x.mul_(noise) if a["inplace"] else x * noise, lay)
 
 

@@ -106,6 +106,33 @@ def _along(g, table, axis: int, j: int) -> List[int]:
 
 
 def serial_view(g, x, lay: Layout, shape: Sequence):
+    """:func:`_serial_view`, its outcome (no serial view, a serial view, refused) agreed by every rank on a
+    partition's first call: it reads this rank's place in the grid of windows, and ranks that read the view
+    differently would go on to different collectives (one moving windows, one refusing). A split outcome
+    is refused on every rank (one small all-gather, first calls only: later calls decide the same)."""
+    try:
+        found, code = _serial_view(g, x, lay, shape), 1
+        code = 0 if found is None else 1
+    except LayoutError as e:
+        found, code = e, 2
+    if g.check:
+        codes = sorted(set(_flat(_exchange(g, [code]))))
+        if len(codes) > 1:
+            raise LayoutError(
+                f"a view of a tensor holding windows reads differently on different ranks (outcomes {codes}: 0 "
+                "local, 1 serial, 2 refused): windows cannot be given whole to every rank with this partition; "
+                "use a partition whose shares are window multiples"
+            )
+    if code == 2:
+        raise found
+    return found
+
+
+def _flat(table) -> List[int]:
+    return [v for t in table for v in _flat(t)] if isinstance(table, (list, tuple)) else [int(table)]
+
+
+def _serial_view(g, x, lay: Layout, shape: Sequence):
     """The serial ``x.view(shape)`` on this rank: ``(local shape, layout, before, after)``, or ``None`` when the
     sizes do not make a serial view of ``x`` (then the local reading decides). ``before``: ``(tensor dim,
     mesh dim, old sizes, new sizes)`` moves of ``x`` to a partition of whole windows first; ``after``: ``(dim,
