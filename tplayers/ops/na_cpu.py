@@ -231,32 +231,31 @@ def _build_failure_on(dtype: torch.dtype, isa: str) -> Optional[str]:
     return None
 
 
-def use_c_kernel(q: torch.Tensor, kernel: Tuple[int, int] = (1, 1)) -> bool:
-    """Whether na2d runs the C kernel for ``q`` (see the module docstring for the rule).
+def use_c_kernel(q: torch.Tensor, kernel: Tuple[int, int] = (1, 1), dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether na2d runs the C kernel for ``q`` (see the module docstring for the rule), computing
+    in ``dtype`` (default ``q``'s; bf16 / fp16 inputs are computed in fp32).
 
     ``TPLAYERS_NA_KERNEL=c`` raises ``RuntimeError`` where the C kernel does not apply or cannot
     be built, instead of falling back."""
     choice = kernel_choice()
     if choice in ("torch", "gemm"):
         return False
+    dtype = q.dtype if dtype is None else dtype
     applies = (
-        q.device.type == "cpu"
-        and q.dtype in _DTYPES
-        and max(kernel) <= MAX_KERNEL
-        and kernel[0] * kernel[1] <= MAX_SLOTS
+        q.device.type == "cpu" and dtype in _DTYPES and max(kernel) <= MAX_KERNEL and kernel[0] * kernel[1] <= MAX_SLOTS
     )
     if not applies:
         if choice == "c":
             raise RuntimeError(
                 f"TPLAYERS_NA_KERNEL=c: the C na2d kernel runs fp32/fp64 CPU tensors with kernel "
-                f"<= {MAX_KERNEL} and <= {MAX_SLOTS} window slots, got {q.dtype} on {q.device}, "
+                f"<= {MAX_KERNEL} and <= {MAX_SLOTS} window slots, got {dtype} on {q.device}, "
                 f"kernel {kernel}"
             )
         return False
     if choice == "c":
-        load_library(q.dtype)  # raises, saying why
+        load_library(dtype)  # raises, saying why
         return True
-    return _build_failure(q.dtype) is None
+    return _build_failure(dtype) is None
 
 
 def _ptr(t: Optional[torch.Tensor]):
