@@ -16,8 +16,10 @@ Routes, all on the same inputs (bf16 ones rounded from the fp32 ones):
     python benchmarks/na_bf16.py [--repeats 7] [--isa avx2]
 
 ``--isa avx2`` builds the C kernel for AVX2 and restarts with torch capped at AVX2 (as
-``benchmarks/na.py``). Rates: useful FLOPs over thread CPU time (minimum of the interleaved
-repeats) over the fp32 matmul's; "x fp32": speed over the fp32 C kernel in the same run.
+``benchmarks/na.py``). Every timed call follows a 1024^3 fp32 matmul (its operands evict the
+inputs: the same, cold, cache state for every route) and the order of the calls rotates each
+repeat (:func:`na_kernels.rotated_times`). Rates: useful FLOPs over thread CPU time (minimum over
+the repeats) over the fp32 matmul's; "x fp32": speed over the fp32 C kernel in the same run.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import os
 
 import torch
 from na import restart_capped
-from na_kernels import _cpu_times, isa_label, matmul_ref, na_cpu_isa, use_kernel
+from na_kernels import isa_label, matmul_ref, na_cpu_isa, rotated_times, use_kernel
 from na_reference import plane_fn
 
 import tplayers
@@ -72,10 +74,10 @@ def bench(shape, fn, kernel, repeats):
         "bf16 GEMM native": (plane_fn(shape, kernel, GEMM_KERNELS), low[:3], low[3], ""),
     }
     fns = {f"{name} {w}": _step(f, ins, c, w, ch) for name, (f, ins, c, ch) in routes.items() for w in ("fwd", "both")}
-    fns["mm"] = matmul_ref()
+    mm_fn = matmul_ref()
+    t = {n: (v,) for n, v in rotated_times(fns, mm_fn, repeats).items()}
     a16, b16 = torch.randn(1024, 1024).bfloat16(), torch.randn(1024, 1024).bfloat16()
-    fns["mm bf16"] = lambda: a16 @ b16
-    t = _cpu_times(fns, repeats)
+    t.update({n: (v,) for n, v in rotated_times({"mm": mm_fn, "mm bf16": lambda: a16 @ b16}, lambda: None, 3).items()})
     use_kernel("")
     mm = 2 * 1024**3 / t["mm"][0]
     flops = 4 * shape[-1] * math.prod(shape[1:-1]) * kernel ** (len(shape) - 3)

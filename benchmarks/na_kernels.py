@@ -34,6 +34,24 @@ def _cpu_times(fns: dict, repeats: int) -> dict:
     return {n: (min(cpu[n]), statistics.median(wall[n])) for n in fns}
 
 
+def rotated_times(fns: dict, evict, repeats: int) -> dict:
+    """Per function: the minimum thread CPU seconds over ``repeats`` rounds, every call after
+    ``evict()`` (the same cache state for each), the order of the functions rotated by one each
+    round (no function always follows the same one: :func:`_cpu_times`' fixed order biased an A/A
+    pair of identical kernels by 1.03-1.14x)."""
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    out = {n: [] for n in names}
+    for r in range(repeats):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            evict()
+            t0 = time.thread_time()
+            fns[n]()
+            out[n].append(time.thread_time() - t0)
+    return {n: min(v) for n, v in out.items()}
+
+
 def matmul_rate(repeats: int = 7, n: int = 1024) -> Tuple[float, float]:
     """Single-core fp32 ``n x n`` matmul rate in FLOP/s: (from thread CPU time, from wall time)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
