@@ -137,3 +137,25 @@ def test_table_of_another_dtype_is_used_in_the_compute_dtype(na_kernel):
     assert torch.equal(a, b)
     a.sum().backward(), b.sum().backward()
     assert table.grad.dtype == torch.float64 and torch.equal(table.grad, table32.grad.double())
+
+
+@pytest.mark.parametrize("case", ["1d", "2d", "3d"])
+def test_bf16_whole_vectors_equal_fp32_rounded(case, na_kernel):
+    """Head dims of whole vectors (16, 32: the C kernel widens bf16 as it loads and transposes them,
+    no fp32 copy of q, k, v), a long row, GQA: bit for bit the fp32 result, rounded."""
+    gen = torch.Generator().manual_seed(11)
+    fn, shape, kv, kernel = {
+        "1d": (tplayers.na1d, (1, 700, 4, 32), 2, 9),
+        "2d": (tplayers.na2d, (1, 20, 33, 2, 16), 1, 5),
+        "3d": (tplayers.na3d, (1, 5, 6, 19, 2, 32), 2, 3),
+    }[case]
+    q = torch.randn(*shape, generator=gen).bfloat16()
+    k, v = (torch.randn(*shape[:-2], kv, shape[-1], generator=gen).bfloat16() for _ in range(2))
+    cot = torch.randn(*shape, generator=gen).bfloat16()
+    out, grads = _grads(lambda *t: fn(*t, kernel, is_causal=case == "1d"), [q, k, v], cot)
+    out32, grads32 = _grads(
+        lambda *t: fn(*(x.float() for x in t), kernel, is_causal=case == "1d"), [q, k, v], cot.float()
+    )
+    assert out.dtype == torch.bfloat16 and torch.equal(out, out32.to(torch.bfloat16))
+    for name, g, g32 in zip("qkv", grads, grads32):
+        assert g.dtype == torch.bfloat16 and torch.equal(g, g32.to(torch.bfloat16)), name

@@ -207,9 +207,9 @@ def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
     ptr, i32, dbl = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     lib.na_scratch.argtypes, lib.na_scratch.restype = [ptr, ptr, ptr, i32], ctypes.c_long
     lib.na_chunks.argtypes, lib.na_chunks.restype = [ptr, ptr, ptr, i32], ctypes.c_int
-    lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32]
+    lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32, i32]
     lib.na_forward.restype = None
-    lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32]
+    lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32, i32]
     lib.na_backward.restype = None
     na_cpu_plans.declare(lib)
     return lib
@@ -272,20 +272,27 @@ def _split(lib, backward: int, dims: torch.Tensor, tables, planes: int, key):
     return bounds, plan
 
 
+def _kernel_dtype(q: torch.Tensor) -> torch.dtype:
+    """The build that runs ``q``: bf16 inputs are read by the fp32 kernel (widened as it loads them)."""
+    return torch.float32 if q.dtype == torch.bfloat16 else q.dtype
+
+
 def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch.Tensor:
     """Forward on the C kernel: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) contiguous,
-    ``table`` (heads, 2kH-1, 2kW-1) or None -> (B, Pq, heads*Dv)."""
-    lib = load_library(q.dtype)
+    ``table`` (heads, 2kH-1, 2kW-1) or None -> (B, Pq, heads*Dv). bf16 ``q``, ``k``, ``v`` run the
+    fp32 kernel (read as bf16, computed in fp32; the output and ``table`` fp32)."""
+    dtype = _kernel_dtype(q)
+    lib = load_library(dtype)
     batch = q.shape[0]
     dims = kernel_dims(geo, batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
     rows, cols = kernel_tables(tuple(geo))
-    out = q.new_empty(batch, q.shape[1], v.shape[-1])
+    out = q.new_empty(batch, q.shape[1], v.shape[-1], dtype=dtype)
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
     bounds, plan = _split(lib, 0, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
 
     def work(p0, p1):
-        scratch = q.new_empty(plan.scratch)
+        scratch = q.new_empty(plan.scratch, dtype=dtype)
         lib.na_forward(
             _ptr(q),
             _ptr(k),
@@ -300,6 +307,7 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
             _ptr(scratch),
             p0,
             p1,
+            int(q.dtype == torch.bfloat16),
         )
 
     _parallel(work, bounds)
@@ -309,8 +317,11 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
 def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, heads: int, want_kv: bool = True):
     """``(dq, dk, dv, dtable)`` of :func:`c_forward`; ``dk``/``dv`` None unless ``want_kv``,
     ``dtable`` None without a table. ``grad_out`` may have any strides (an expanded gradient
-    of ``.sum()`` is read in place)."""
-    lib = load_library(q.dtype)
+    of ``.sum()`` is read in place). bf16 ``q``, ``k``, ``v``: ``grad_out``, ``out`` and the
+    gradients are fp32."""
+    dtype = _kernel_dtype(q)
+    lib = load_library(dtype)
+    grad_out = grad_out.to(dtype)
     batch = q.shape[0]
     dim_v = v.shape[-1] // heads
     dims = kernel_dims(geo, batch, heads, q.shape[-1] // heads, dim_v)
@@ -320,15 +331,15 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     except RuntimeError:
         g4 = grad_out.contiguous().view(batch, q.shape[1], heads, dim_v)
     strides = torch.tensor(g4.stride(), dtype=torch.int64)
-    dq = torch.empty_like(q)
-    dk, dv = (torch.empty_like(k), torch.empty_like(v)) if want_kv else (None, None)
+    dq = torch.empty_like(q, dtype=dtype)
+    dk, dv = (torch.empty_like(k, dtype=dtype), torch.empty_like(v, dtype=dtype)) if want_kv else (None, None)
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
     bounds, plan = _split(lib, 1 if want_kv else 2, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
     dtabs = [None if tab is None else torch.zeros_like(tab) for _ in bounds]
 
     def work(p0, p1, dtab):
-        scratch = q.new_empty(plan.scratch)
+        scratch = q.new_empty(plan.scratch, dtype=dtype)
         lib.na_backward(
             _ptr(g4),
             _ptr(strides),
@@ -349,6 +360,7 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
             _ptr(scratch),
             p0,
             p1,
+            int(q.dtype == torch.bfloat16),
         )
 
     _parallel(work, [(p0, p1, d) for (p0, p1), d in zip(bounds, dtabs)])
@@ -388,9 +400,12 @@ def backward_in_c(geo: List[int], dtype: torch.dtype) -> bool:
 
 def attention_backward(grad_out, q, k, v, table, out, geo: List[int], scale, heads, want_kv=True, want_bias=True):
     """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_in_c`, else
-    :func:`~tplayers.ops.na_gemm.gemm_backward` (same values up to fp rounding)."""
-    if backward_in_c(geo, q.dtype):
+    :func:`~tplayers.ops.na_gemm.gemm_backward` (same values up to fp rounding; bf16 ``q``, ``k``,
+    ``v`` widened to fp32 for it)."""
+    dtype = _kernel_dtype(q)
+    if backward_in_c(geo, dtype):
         return c_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=want_kv)
+    q, k, v, grad_out = (x.to(dtype) for x in (q, k, v, grad_out))
     return gemm_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv, want_bias)
 
 

@@ -32,22 +32,25 @@ from tplayers.ops.na_kernel import TileAttention
 __all__ = ["neighborhood_attention", "default_tile", "expand_kv_heads", "fp32_kernels"]
 
 
-def fp32_kernels(kernels, expand: bool = False):
+def fp32_kernels(kernels, expand: bool = False, convert: bool = True):
     """A pair of plane kernels for :class:`~tplayers.ops.na_gemm.GeoAttention` (``(forward,
     backward)``) run on bf16 / fp16 ``q``, ``k``, ``v`` in fp32: the forward converts them, runs
     ``kernels[0]`` and returns its fp32 output (the caller rounds it); the backward converts them
     again (only the low-precision inputs are saved between the passes), runs ``kernels[1]`` on the
     fp32 output gradient and output and returns ``dq``, ``dk``, ``dv`` in the inputs' dtype and the
     table's gradient in the table's (fp32). ``expand``: grouped key/value heads are expanded to the
-    query heads after the conversion, and their gradients summed back in fp32 before rounding."""
+    query heads after the conversion, and their gradients summed back in fp32 before rounding.
+    ``convert=False``: the kernels take the low-precision tensors as they are (the C kernel reads
+    bf16 itself, widening exactly as it loads them) and return fp32."""
     forward, backward = kernels
 
     def up(q, k, v, heads):
         kv_heads = k.shape[-1] * heads // q.shape[-1]
-        k, v = k.float(), v.float()
+        if convert:
+            q, k, v = q.float(), k.float(), v.float()
         if expand:
             k, v = expand_heads(k, kv_heads, heads), expand_heads(v, kv_heads, heads)
-        return q.float(), k, v, kv_heads
+        return q, k, v, kv_heads
 
     def run_forward(q, k, v, table, geo, scale, heads):
         return forward(*up(q, k, v, heads)[:3], table, geo, scale, heads)
@@ -171,7 +174,8 @@ def neighborhood_attention(
     if which in ("c", "gemm"):
         kernels = na_cpu.C_KERNELS if which == "c" else GEMM_KERNELS
         if low is not None:  # converted inside: the low-precision inputs are what is saved
-            kernels = fp32_kernels(kernels, expand=which == "c")
+            # bf16 on the C kernel: read as it is (no fp32 copies of q, k, v); fp16: converted
+            kernels = fp32_kernels(kernels, expand=which == "c", convert=not (which == "c" and low == torch.bfloat16))
         elif which == "c":  # the C kernel reads as many key/value heads as query heads
             k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
         out = GeoAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads, kernels)
