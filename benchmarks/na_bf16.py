@@ -5,8 +5,13 @@ matmul rate and the ISA printed.
 Routes, all on the same inputs (bf16 ones rounded from the fp32 ones):
 
 * ``fp32 C``: fp32 q, k, v on the default kernel (the compiled C kernel);
-* ``bf16 default``: bf16 q, k, v on the default route, the C kernel computing in fp32 (converted
-  on the way in, the output rounded to bf16; what ``tplayers.na2d`` does with bf16 now);
+* ``bf16 default``: bf16 q, k, v on the default route (what ``tplayers.na2d`` does with bf16): the
+  fp32 C kernel reads them as bf16, widening them as its transposes load them, computes in fp32, and
+  the output is rounded to bf16;
+* ``bf16 C reads bf16`` / ``bf16 C converted``: the fair pair of the two C routes, both called the
+  same way (the autograd function on pixel-major tensors, no engine; output rounded to bf16): the
+  kernel reading bf16 itself (the default's route), and fp32 copies of q, k, v made first (the
+  route before the kernel read bf16);
 * ``bf16 GEMM fp32``: the same conversion around the GEMM-tiled torch kernel (``TPLAYERS_NA_KERNEL=gemm``);
 * ``bf16 GEMM native``: the GEMM-tiled kernel run directly on bf16 tensors: bf16 ``baddbmm`` /
   ``bmm`` (oneDNN, ``avx512_bf16`` where the CPU has it), softmax and ``index_add_`` in bf16 (not
@@ -34,6 +39,8 @@ from na_kernels import isa_label, matmul_ref, na_cpu_isa, rotated_times, use_ker
 from na_reference import plane_fn
 
 import tplayers
+from tplayers.ops import na_cpu
+from tplayers.ops.na_engine import fp32_kernels
 from tplayers.ops.na_gemm import GEMM_KERNELS
 
 SHAPES = (
@@ -43,6 +50,10 @@ SHAPES = (
     ((1, 4096, 4, 32), tplayers.na1d, 33),
     ((1, 16, 16, 16, 4, 32), tplayers.na3d, 5),
 )
+
+
+def _rounded(fn):
+    return lambda *t: fn(*t).to(torch.bfloat16)
 
 
 def _step(fn, ins, cot, what, choice=""):
@@ -70,6 +81,13 @@ def bench(shape, fn, kernel, repeats):
     routes = {
         "fp32 C": (call, (q, k, v), cot, ""),
         "bf16 default": (call, low[:3], low[3], ""),
+        "bf16 C reads bf16": (
+            _rounded(plane_fn(shape, kernel, fp32_kernels(na_cpu.C_KERNELS, convert=False))),
+            low[:3],
+            low[3],
+            "",
+        ),
+        "bf16 C converted": (_rounded(plane_fn(shape, kernel, fp32_kernels(na_cpu.C_KERNELS))), low[:3], low[3], ""),
         "bf16 GEMM fp32": (call, low[:3], low[3], "gemm"),
         "bf16 GEMM native": (plane_fn(shape, kernel, GEMM_KERNELS), low[:3], low[3], ""),
     }
