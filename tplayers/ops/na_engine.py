@@ -58,10 +58,13 @@ def fp32_kernels(kernels, expand: bool = False, convert: bool = True):
     def run_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=True, want_bias=True):
         q32, k32, v32, kv_heads = up(q, k, v, heads)
         dq, dk, dv, dt = backward(grad_out.float(), q32, k32, v32, table, out, geo, scale, heads, want_kv, want_bias)
-        if dk is not None and expand:
-            dk, dv = fold_heads(dk, kv_heads, heads), fold_heads(dv, kv_heads, heads)
         low = q.dtype
-        return dq.to(low), (None if dk is None else dk.to(low)), (None if dv is None else dv.to(low)), dt
+        del q32, k32, v32
+        dq = dq.to(low)  # each fp32 gradient freed as its rounded copy is made (peak memory)
+        if dk is not None:
+            dk = (fold_heads(dk, kv_heads, heads) if expand else dk).to(low)
+            dv = (fold_heads(dv, kv_heads, heads) if expand else dv).to(low)
+        return dq, dk, dv, dt
 
     return run_forward, run_backward
 
