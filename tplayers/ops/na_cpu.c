@@ -33,6 +33,7 @@
  * transposes only its key span (make_plan: a quarter of the L2 size from sysconf).
  */
 #include "na_cpu_blocks.h"
+#include "na_cpu_io.h"
 #include "na_cpu_rows.h"
 #include "na_cpu_plan.h"
 

@@ -71,7 +71,7 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("na_cpu.c")
 #: every file of the kernel (the hash of the built library covers them all)
-SOURCES = (SOURCE, *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "rows", "plan")))
+SOURCES = (SOURCE, *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "io", "rows", "plan")))
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}
 #: vector width in bits and the ``-march`` that builds for an ISA that is not the host's own
@@ -293,22 +293,8 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
 
     def work(p0, p1):
         scratch = q.new_empty(plan.scratch, dtype=dtype)
-        lib.na_forward(
-            _ptr(q),
-            _ptr(k),
-            _ptr(v),
-            _ptr(tab),
-            _ptr(out),
-            _ptr(dims),
-            _ptr(rows),
-            _ptr(cols),
-            scale,
-            plan.ptr,
-            _ptr(scratch),
-            p0,
-            p1,
-            int(q.dtype == torch.bfloat16),
-        )
+        tensors = (q, k, v, tab, out, dims, rows, cols)
+        lib.na_forward(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, int(q.dtype == torch.bfloat16))
 
     _parallel(work, bounds)
     return out
@@ -340,28 +326,8 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
 
     def work(p0, p1, dtab):
         scratch = q.new_empty(plan.scratch, dtype=dtype)
-        lib.na_backward(
-            _ptr(g4),
-            _ptr(strides),
-            _ptr(q),
-            _ptr(k),
-            _ptr(v),
-            _ptr(tab),
-            _ptr(out),
-            _ptr(dq),
-            _ptr(dk),
-            _ptr(dv),
-            _ptr(dtab),
-            _ptr(dims),
-            _ptr(rows),
-            _ptr(cols),
-            scale,
-            plan.ptr,
-            _ptr(scratch),
-            p0,
-            p1,
-            int(q.dtype == torch.bfloat16),
-        )
+        tensors = (g4, strides, q, k, v, tab, out, dq, dk, dv, dtab, dims, rows, cols)
+        lib.na_backward(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, int(q.dtype == torch.bfloat16))
 
     _parallel(work, [(p0, p1, d) for (p0, p1), d in zip(bounds, dtabs)])
     dtable = None if tab is None else sum(dtabs[1:], dtabs[0])
