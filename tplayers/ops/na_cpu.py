@@ -3,7 +3,8 @@
 :func:`use_c_kernel` decides per call whether :func:`~tplayers.ops.na_engine.neighborhood_attention`
 runs the C kernel or one of the torch kernels (:mod:`tplayers.ops.na_dispatch`); all compute
 NATTEN's exact window (fp rounding may differ). The C kernel is used for CPU tensors of fp32 /
-fp64 when the system C compiler can build it; ``TPLAYERS_NA_KERNEL=torch`` asks for the tile
+fp64 when the system C compiler can build it (bf16 ones run the fp32 build, which reads them as
+bf16; fp16 ones are converted to fp32 by the engine); ``TPLAYERS_NA_KERNEL=torch`` asks for the tile
 kernel, ``=gemm`` for the GEMM-tiled kernel (:mod:`tplayers.ops.na_gemm`), ``=c`` for the C kernel
 (an error when it cannot be built or does not apply).
 
