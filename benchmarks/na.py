@@ -21,7 +21,9 @@ and the matmul reference run the narrower instructions.
 Rates are useful FLOPs (every query's k^2 scores and k^2 value sums; backward twice the
 forward) over thread CPU time (the minimum over interleaved repeats: the machine may be
 shared), divided by a 1024^3 fp32 matmul timed the same way in the same run; wall-time
-medians are printed beside them. One thread per process. natten (optional) runs its CPU
+medians are printed beside them (the order of the calls is fixed per repeat, which favours some
+kernels by a few percent: an A/A pair of identical builds read 1.03-1.14x apart; issue 35's ratio to
+the filing-time kernel is measured in balanced order by ``benchmarks/na_target.py``). One thread per process. natten (optional) runs its CPU
 path (the Flex backend without compilation, forward only: natten has no CPU backward).
 """
 
