@@ -9,6 +9,7 @@ forward peer (``benchmarks/na_flex.py``; no CPU backward in torch 2.13).
     python benchmarks/na.py                # 1x64x64, 4 heads, head_dim 32 and 1x96x96, 2 heads, head_dim 16; kernel 7
     python benchmarks/na.py --repeats 9 --no-domain
     python benchmarks/na.py --isa avx2     # on an AVX-512 CPU: as an AVX2-only CPU would run it
+    python benchmarks/na.py --table-only [--isa avx2]   # the kernel table alone, with the 2x-target ceiling lines
 
 Every figure is printed with the ISA it ran on: the host's, the one the C kernel was built for
 (its vector lanes and ``-march``) and torch's CPU capability. ``--isa avx2`` (or ``base``) on a
@@ -20,7 +21,9 @@ and the matmul reference run the narrower instructions.
 Rates are useful FLOPs (every query's k^2 scores and k^2 value sums; backward twice the
 forward) over thread CPU time (the minimum over interleaved repeats: the machine may be
 shared), divided by a 1024^3 fp32 matmul timed the same way in the same run; wall-time
-medians are printed beside them. One thread per process. natten (optional) runs its CPU
+medians are printed beside them (the order of the calls is fixed per repeat, which favours some
+kernels by a few percent: an A/A pair of identical builds read 1.03-1.14x apart; issue 35's ratio to
+the filing-time kernel is measured in balanced order by ``benchmarks/na_target.py``). One thread per process. natten (optional) runs its CPU
 path (the Flex backend without compilation, forward only: natten has no CPU backward).
 """
 
@@ -333,12 +336,21 @@ def main():
     parser.add_argument(
         "--ranks-only", action="store_true", help="only the na1d / na3d / wide / GQA shapes (with issue 35's reference)"
     )
+    parser.add_argument(
+        "--table-only",
+        action="store_true",
+        help="the kernel comparison alone (the two 2-D shapes, then the --ranks-only shapes), each with issue "
+        "35's reference and the 2x target against the machine's matmul rates (torch.mm, oneDNN, FMA peak)",
+    )
     args = parser.parse_args()
     if args.isa:
         restart_capped(args.isa)
     torch.set_num_threads(1)  # the rate is per core: matmul reference and na2d on one thread
     start_choice = os.environ.get("TPLAYERS_NA_KERNEL", "")
-    if args.ranks_only:
+    if args.ranks_only or args.table_only:
+        for size, heads, head_dim in ((args.size, args.heads, args.head_dim), (96, 2, 16)) if args.table_only else ():
+            print(f"na2d 1x{size}x{size}, {heads} heads, d{head_dim}, k{args.kernel} {isa_label()}")
+            default_vs_tile(size, heads, head_dim, args.kernel, args.repeats)
         bench_ranks(args.repeats)
         return
     build_time()

@@ -221,3 +221,37 @@ def _run_example(rank, world):
 
 def test_example_runs_with_parity_on_2_ranks():
     run_ranks(_run_example, 2, timeout=120)
+
+
+def _bf16(rank, world):
+    """The layer in bf16 (no autocast: a module moved with ``.to(torch.bfloat16)``): the attention
+    computed in fp32 on every shard; output, input and parameter gradients bf16 and within bf16
+    rounding of the single-device bf16 module's (the linear layers round per shard)."""
+    torch.manual_seed(0)
+    serial = tplayers.NeighborhoodAttention(8, 2, (3, 5), (1, 2), (True, False), rel_pos_bias=True)
+    serial = serial.to(torch.bfloat16)
+    mesh = tplayers.default_mesh()
+    parallel = tplayers.NeighborhoodAttention.from_module(serial, mesh=mesh, shard_dims=(1,))
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 4 * world + 1, 11, 8, generator=gen).to(torch.bfloat16)
+    cot = torch.randn(2, 4 * world + 1, 11, 8, generator=gen).to(torch.bfloat16)
+    xs, xp = x.clone().requires_grad_(), tplayers.shard(x, 1, mesh).requires_grad_()
+    ys, yp = serial(xs), parallel(xp)
+    assert ys.dtype == yp.dtype == torch.bfloat16
+    (ys.float() * cot.float()).sum().backward()
+    (yp.float() * tplayers.shard(cot, 1, mesh).float()).sum().backward()
+    assert xp.grad.dtype == torch.bfloat16
+    worst = []
+    for name, a, b in (("out", yp, tplayers.shard(ys, 1, mesh)), ("dx", xp.grad, tplayers.shard(xs.grad, 1, mesh))):
+        err = float((a.float() - b.float()).abs().max() / b.float().abs().max())
+        worst.append((name, err))
+        assert err < 2**-6, (name, err)
+    for name, p in parallel.named_parameters():
+        assert p.grad.dtype == torch.bfloat16, name
+    assert_params_match(parallel, serial, grads=True, rtol=2**-6, atol=0.02)  # bf16 partial sums reduced
+    return worst
+
+
+def test_bf16_layer_on_2_ranks():
+    worst = run_ranks(_bf16, 2, timeout=60)
+    print(f"bf16 NeighborhoodAttention on 2 ranks: worst |error| / max {worst}")

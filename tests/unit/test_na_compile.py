@@ -42,3 +42,27 @@ def test_compiled_na2d_is_bitwise_eager(seed, na_kernel):
         results.append([out.detach()] + list(torch.autograd.grad(out, leaves, cot)))
     for name, a, b in zip(("out", "dq", "dk", "dv", "drpb"), *results):
         assert torch.equal(a, b), name
+
+
+def test_compiled_bf16_gqa_is_bitwise_eager(na_kernel):
+    """bf16 with one key/value head (head_dim 1: the expanded heads of the compiled op must be a
+    contiguous copy) and an fp32 table: compiled equals eager bit for bit, dtypes kept."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 7, 6, 4, 1, generator=gen).bfloat16()
+    k, v = (torch.randn(1, 7, 6, 1, 1, generator=gen).bfloat16() for _ in range(2))  # MQA
+    rpb = torch.randn(4, 5, 5, generator=gen)
+
+    def f(q, k, v, rpb):
+        return neighborhood_attention(q, k, v, (3, 3), (1, 1), (False, True), global_size=(7, 6), rel_pos_bias=rpb)
+
+    dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    cot = torch.randn(1, 7, 6, 4, 1, generator=gen).bfloat16()
+    results = []
+    for fn in (f, compiled):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, rpb)]
+        out = fn(*leaves)
+        results.append([out.detach()] + list(torch.autograd.grad(out, leaves, cot)))
+    assert [t.dtype for t in results[1]] == [torch.bfloat16] * 4 + [torch.float32]
+    for name, a, b in zip(("out", "dq", "dk", "dv", "drpb"), *results):
+        assert torch.equal(a, b), name

@@ -124,13 +124,15 @@ def test_switch_values_and_errors(monkeypatch):
     assert not na_cpu.use_c_kernel(q, (3, 3))
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "C ")
     assert na_cpu.use_c_kernel(q, (3, 3))
-    with pytest.raises(RuntimeError, match="TPLAYERS_NA_KERNEL=c.*float16"):
-        tplayers.na2d(q.half(), q.half(), q.half(), 3)
+    with pytest.raises(RuntimeError, match=r"TPLAYERS_NA_KERNEL=c.*got torch.float32 on cpu, kernel \(65, 65\)"):
+        na_cpu.use_c_kernel(q, (65, 65))  # more window slots than the kernel holds
+    assert na_cpu.use_c_kernel(q.half(), (3, 3), torch.float32)  # fp16 / bf16 run the fp32 kernel
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "gemm")
     assert not na_cpu.use_c_kernel(q, (3, 3))
     assert na_dispatch.choose_kernel(q, (3, 3)) == "gemm"
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "")
-    assert na_dispatch.choose_kernel(q.half(), (3, 3)) == "torch"  # off the C kernel: the tile kernel
+    assert na_dispatch.choose_kernel(q, (65, 65)) == "torch"  # off the C kernel: the tile kernel
+    assert na_dispatch.choose_kernel(q.bfloat16(), (3, 3)) == "c"  # computed in fp32 on the C kernel
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "fast")
     with pytest.raises(ValueError, match="TPLAYERS_NA_KERNEL must be 'c', 'gemm', 'torch' or unset, got 'fast'"):
         tplayers.na2d(q, q, q, 3)

@@ -117,8 +117,8 @@ def test_dispatch_rule(monkeypatch):
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "torch")
     assert na_dispatch.choose_kernel(q, (3, 3)) == "torch"
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "")
-    assert na_dispatch.choose_kernel(q.half(), (1, 3)) == "torch"  # off the C kernel: the tile kernel
-    assert na_dispatch.choose_kernel(q.half(), (3, 3), grouped=True) == "gemm"  # ... but GQA: the GEMM kernel
+    assert na_dispatch.choose_kernel(q, (1, 300)) == "torch"  # off the C kernel (kernel > 255): the tile kernel
+    assert na_dispatch.choose_kernel(q, (1, 300), grouped=True) == "gemm"  # ... but GQA: the GEMM kernel
     assert na_dispatch.choose_kernel(q, (3, 3), grouped=True) == na_dispatch.choose_kernel(q, (3, 3))  # C first
     assert na_dispatch.default_tile((1, 7)) == (8, 16) and na_dispatch.default_tile((33,)) == (32,)
     assert na_dispatch.default_tile((5, 7, 7)) == (1, 4, 4)

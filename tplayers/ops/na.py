@@ -21,6 +21,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
+from tplayers.ops.na_dispatch import check_dtype
 from tplayers.ops.na_engine import neighborhood_attention
 
 __all__ = [
@@ -90,7 +91,8 @@ def check_window_fits(kernel: Sequence[int], dilation: Sequence[int], size: Sequ
 
 def check_qkv(q, k, v, rank: int, who: str) -> None:
     """Types, ranks and agreeing shapes of ``q``, ``k``, ``v`` (``(B, *S, heads|kv_heads, D|Dv)``);
-    ``kv_heads`` must divide ``heads``. ``TypeError`` / ``ValueError`` naming the argument."""
+    ``kv_heads`` must divide ``heads``; ``q``'s dtype one of float32, float64, bfloat16, float16 and
+    ``k``'s and ``v``'s the same. ``TypeError`` / ``ValueError`` naming the argument."""
     names = ", ".join(AXIS_NAMES[rank])
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -101,6 +103,7 @@ def check_qkv(q, k, v, rank: int, who: str) -> None:
         raise ValueError(f"{who}: k and v must agree on (B, {names}, heads), got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"{who}: q and k must agree on batch and head_dim, got {tuple(q.shape)} and {tuple(k.shape)}")
+    check_dtype(q, who)
     heads, kv_heads = q.shape[-2], k.shape[-2]
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(
@@ -115,12 +118,14 @@ def check_qkv(q, k, v, rank: int, who: str) -> None:
 
 
 def check_bias(rpb: Optional[torch.Tensor], heads: int, kernel: Sequence[int], stride: Sequence[int], who: str):
-    """``rel_pos_bias`` must be ``(heads, 2*k_1 - 1, ..., 2*k_n - 1)`` of the inputs' dtype, and
-    needs stride 1 (a strided query's keys lie outside the table's ``2k - 1`` offsets)."""
+    """``rel_pos_bias`` must be ``(heads, 2*k_1 - 1, ..., 2*k_n - 1)`` of a floating dtype (it is
+    added in the compute dtype: the inputs', fp32 for bf16 / fp16 inputs; its gradient comes back in
+    its own), and needs stride 1 (a strided query's keys lie outside the table's ``2k - 1`` offsets)."""
     if rpb is None:
         return
     if not isinstance(rpb, torch.Tensor):
         raise TypeError(f"{who}: rel_pos_bias must be a torch.Tensor or None, got {type(rpb).__name__}")
+    check_dtype(rpb, who, "rel_pos_bias")
     expect = (heads, *(2 * kk - 1 for kk in kernel))
     if tuple(rpb.shape) != expect:
         raise ValueError(

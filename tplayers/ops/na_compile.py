@@ -31,7 +31,7 @@ from tplayers.ops.na_geometry import split_geometry
 from tplayers.ops.na_kernel import TileAttention, tile_backward, tile_plans
 from tplayers.ops.registry import OpSpec, register
 
-__all__ = ["na2d_tiles", "ensure_na_ops"]
+__all__ = ["na2d_tiles", "ensure_na_ops", "expand_heads", "fold_heads"]
 
 
 def _table(table: torch.Tensor) -> Optional[torch.Tensor]:
@@ -47,16 +47,19 @@ def _which(q: torch.Tensor, k: torch.Tensor, geo: List[int], heads: int) -> str:
     return na_dispatch.choose_kernel(q, kernel, grouped=_kv_heads(q, k, heads) < heads)
 
 
-def _expand(x: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
-    """(B, P, kv_heads*D) -> (B, P, heads*D): GQA's query head ``h`` reads ``h // (heads // kv_heads)``."""
+def expand_heads(x: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
+    """(B, P, kv_heads*D) -> (B, P, heads*D): GQA's query head ``h`` reads ``h // (heads // kv_heads)``.
+    A contiguous copy (at ``D = 1`` the reshape alone is a view with a zero stride, which the C
+    kernel, reading raw pointers, must not get)."""
     if kv_heads == heads:
         return x
     b, p = x.shape[:2]
-    return x.view(b, p, kv_heads, 1, -1).expand(-1, -1, -1, heads // kv_heads, -1).reshape(b, p, -1)
+    expanded = x.view(b, p, kv_heads, 1, -1).expand(-1, -1, -1, heads // kv_heads, -1)
+    return expanded.reshape(b, p, -1).contiguous()
 
 
-def _fold(grad: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
-    """The adjoint of :func:`_expand`: each key head's gradient summed over its query heads."""
+def fold_heads(grad: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:
+    """The adjoint of :func:`expand_heads`: each key head's gradient summed over its query heads."""
     if kv_heads == heads:
         return grad
     b, p = grad.shape[:2]
@@ -72,7 +75,7 @@ def na2d_tiles(
     which = _which(q, k, geo, heads)
     if which != "gemm":
         kv_heads = _kv_heads(q, k, heads)
-        k, v = _expand(k, kv_heads, heads), _expand(v, kv_heads, heads)
+        k, v = expand_heads(k, kv_heads, heads), expand_heads(v, kv_heads, heads)
     if which == "c":
         return na_cpu.c_forward(q, k, v, _table(table), geo, scale, heads)
     if which == "gemm":
@@ -106,13 +109,13 @@ def na2d_tiles_backward(
         dq, dk, dv, dt = gemm_backward(grad_out, q, k, v, tab, out, geo, scale, heads)
         return dq, dk, dv, (dt if tab is not None else table.new_empty(0))
     kv_heads = _kv_heads(q, k, heads)
-    k, v = _expand(k, kv_heads, heads), _expand(v, kv_heads, heads)
+    k, v = expand_heads(k, kv_heads, heads), expand_heads(v, kv_heads, heads)
     if which == "c":
         dq, dk, dv, dt = na_cpu.attention_backward(grad_out, q, k, v, tab, out, geo, scale, heads)
     else:
         _, plan_bwd = tile_plans(geo, q.device, q.dtype)
         dq, dk, dv, dt = tile_backward(grad_out, q, k, v, tab, out, plan_bwd, scale, heads, True, True, tab is not None)
-    dk, dv = _fold(dk, kv_heads, heads), _fold(dv, kv_heads, heads)
+    dk, dv = fold_heads(dk, kv_heads, heads), fold_heads(dv, kv_heads, heads)
     return dq, dk, dv, (dt if tab is not None else table.new_empty(0))
 
 

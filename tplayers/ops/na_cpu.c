@@ -7,7 +7,8 @@
  * No torch headers, no intrinsics: GCC vector extensions, lowered to whatever -march offers.
  *
  * Inputs are pixel-major, as tplayers passes them: q (B, Hq*Wq, heads*D), k (B, Hk*Wk, heads*D),
- * v (B, Hk*Wk, heads*Dv). Per (batch, head) plane the keys and values are transposed into
+ * v (B, Hk*Wk, heads*Dv); q, k and v may be bf16 in the fp32 build (bf = 1: widened exactly as the
+ * transposes read them; everything else, the output and the gradients included, is fp32). Per (batch, head) plane the keys and values are transposed into
  * scratch laid out (row, channel, column), the queries one row at a time (the output and dq are
  * written back a row at a time), so that L consecutive queries of one row are one vector, and so are the
  * L keys they meet at one window offset (a shifted load): every score is a vertical FMA, no
@@ -32,6 +33,7 @@
  * transposes only its key span (make_plan: a quarter of the L2 size from sysconf).
  */
 #include "na_cpu_blocks.h"
+#include "na_cpu_io.h"
 #include "na_cpu_rows.h"
 #include "na_cpu_plan.h"
 
@@ -84,8 +86,9 @@ static vt *vec_alloc(long n) {
 }
 
 /* dims: B, heads, Hq, Wq, Hk, Wk, D, Dv, kH, kW, bias table rows. Planes [p0, p1) of the B*heads (batch-major). */
-void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, const int64_t *dims,
-                const int32_t *rows, const int32_t *cols, double scale, const void *plan, T *scratch, int p0, int p1) {
+void na_forward(const void *q, const void *k, const void *v, const T *table, T *out, const int64_t *dims,
+                const int32_t *rows, const int32_t *cols, double scale, const void *plan, T *scratch, int p0, int p1,
+                int bf) {
     Geo g = make_geo(dims, rows, cols, table, scale);
     const Plan pl = *(const Plan *)plan;
     g.kp = pl.kp;
@@ -108,14 +111,14 @@ void na_forward(const T *q, const T *k, const T *v, const T *table, T *out, cons
         for (int pn = p0; pn < p1; pn++) {
             int b = pn / g.heads, h = pn % g.heads;
             long x0 = pl.cx0[ch], jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
-            to_rows(k, sk, b, h, 0, g.Hk, g.Wk, x0, pl.cx1[ch] - x0, g.kp, g.D, 1, kt);
-            to_rows(v, sv, b, h, 0, g.Hk, g.Wk, x0, pl.cx1[ch] - x0, g.kp, g.Dv, 1, vtp);
+            to_rows_x(k, bf, sk, b, h, 0, g.Hk, g.Wk, x0, pl.cx1[ch] - x0, g.kp, g.D, 1, kt);
+            to_rows_x(v, bf, sv, b, h, 0, g.Hk, g.Wk, x0, pl.cx1[ch] - x0, g.kp, g.Dv, 1, vtp);
             for (int t = 0; t < pl.nt; t++) {
                 const int *rowi = pl.order + t * MR;
                 int nm = g.Hq - t * MR < MR ? g.Hq - t * MR : MR;
                 const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];
                 for (int m = 0; m < nm; m++)
-                    to_rows(q, sq, b, h, rowi[m], rowi[m] + 1, g.Wq, jlo, jn, qw, g.D, g.scale, qr + m * g.D * qw);
+                    to_rows_x(q, bf, sq, b, h, rowi[m], rowi[m] + 1, g.Wq, jlo, jn, qw, g.D, g.scale, qr + m * g.D * qw);
                 for (int bk = pl.cb[ch]; bk < pl.cb[ch + 1]; bk++) {
                     const Lanes *ln = pl.blocks + bk;
                     const long *base = pl.bases + (long)bk * g.kw, jq = jb[bk] - jlo;
@@ -241,9 +244,9 @@ static void table_grad(const Geo *g, const Lanes *ln, int i, long j0, int h, con
 /* gradients of na_forward: dq, dk and dv (overwritten; dk and dv both NULL: not wanted) and
  * dtable (accumulated; NULL without a bias). dout has element strides sd
  * (batch, pixel, head, channel). */
-void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const T *v, const T *table, const T *out,
-                 T *dq, T *dk, T *dv, T *dtable, const int64_t *dims, const int32_t *rows, const int32_t *cols,
-                 double scale, const void *plan, T *scratch, int p0, int p1) {
+void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k, const void *v, const T *table,
+                 const T *out, T *dq, T *dk, T *dv, T *dtable, const int64_t *dims, const int32_t *rows,
+                 const int32_t *cols, double scale, const void *plan, T *scratch, int p0, int p1, int bf) {
     Geo g = make_geo(dims, rows, cols, table, scale);
     int kv = dk != NULL;
     const Plan pl = *(const Plan *)plan; /* a backward plan (na_plan with backward 1 or 2) */
@@ -286,8 +289,8 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
         for (int pn = p0; pn < p1; pn++) {
             int b = pn / g.heads, h = pn % g.heads;
             long x0 = pl.cx0[ch], xn = pl.cx1[ch] - x0, jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
-            to_rows(k, sk, b, h, 0, g.Hk, g.Wk, x0, xn, g.kp, g.D, 1, kt);
-            to_rows(v, sv, b, h, 0, g.Hk, g.Wk, x0, xn, g.kp, g.Dv, 1, vtp);
+            to_rows_x(k, bf, sk, b, h, 0, g.Hk, g.Wk, x0, xn, g.kp, g.D, 1, kt);
+            to_rows_x(v, bf, sv, b, h, 0, g.Hk, g.Wk, x0, xn, g.kp, g.Dv, 1, vtp);
             if (kv) {
                 memset(dkt, 0, g.D * pk * sizeof(T));
                 memset(dvt, 0, g.Dv * pk * sizeof(T));
@@ -299,7 +302,7 @@ void na_backward(const T *dout, const int64_t *sd, const T *q, const T *k, const
                 for (int m = 0; m < nm; m++) {
                     int i = rowi[m];
                     T *qm = qr + m * g.D * qp, *gm = gr + m * g.Dv * qp, *om = orow + m * g.Dv * qw, *dl = delta + m * qw;
-                    to_rows(q, sq, b, h, i, i + 1, g.Wq, jlo, jn, qp, g.D, g.scale, qm);
+                    to_rows_x(q, bf, sq, b, h, i, i + 1, g.Wq, jlo, jn, qp, g.D, g.scale, qm);
                     to_rows(dout, sdo, b, h, i, i + 1, g.Wq, jlo, jn, qp, g.Dv, 1, gm);
                     to_rows(out, so, b, h, i, i + 1, g.Wq, jlo, jn, qw, g.Dv, 1, om);
                     for (int j = 0; j < jn; j++) dl[j] = 0; /* rowsum(dO * O) */

@@ -3,7 +3,8 @@
 :func:`use_c_kernel` decides per call whether :func:`~tplayers.ops.na_engine.neighborhood_attention`
 runs the C kernel or one of the torch kernels (:mod:`tplayers.ops.na_dispatch`); all compute
 NATTEN's exact window (fp rounding may differ). The C kernel is used for CPU tensors of fp32 /
-fp64 when the system C compiler can build it; ``TPLAYERS_NA_KERNEL=torch`` asks for the tile
+fp64 when the system C compiler can build it (bf16 ones run the fp32 build, which reads them as
+bf16; fp16 ones are converted to fp32 by the engine); ``TPLAYERS_NA_KERNEL=torch`` asks for the tile
 kernel, ``=gemm`` for the GEMM-tiled kernel (:mod:`tplayers.ops.na_gemm`), ``=c`` for the C kernel
 (an error when it cannot be built or does not apply).
 
@@ -71,7 +72,7 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("na_cpu.c")
 #: every file of the kernel (the hash of the built library covers them all)
-SOURCES = (SOURCE, *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "rows", "plan")))
+SOURCES = (SOURCE, *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "io", "rows", "plan")))
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}
 #: vector width in bits and the ``-march`` that builds for an ISA that is not the host's own
@@ -207,9 +208,9 @@ def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
     ptr, i32, dbl = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     lib.na_scratch.argtypes, lib.na_scratch.restype = [ptr, ptr, ptr, i32], ctypes.c_long
     lib.na_chunks.argtypes, lib.na_chunks.restype = [ptr, ptr, ptr, i32], ctypes.c_int
-    lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32]
+    lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32, i32]
     lib.na_forward.restype = None
-    lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32]
+    lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32, i32]
     lib.na_backward.restype = None
     na_cpu_plans.declare(lib)
     return lib
@@ -231,32 +232,31 @@ def _build_failure_on(dtype: torch.dtype, isa: str) -> Optional[str]:
     return None
 
 
-def use_c_kernel(q: torch.Tensor, kernel: Tuple[int, int] = (1, 1)) -> bool:
-    """Whether na2d runs the C kernel for ``q`` (see the module docstring for the rule).
+def use_c_kernel(q: torch.Tensor, kernel: Tuple[int, int] = (1, 1), dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether na2d runs the C kernel for ``q`` (see the module docstring for the rule), computing
+    in ``dtype`` (default ``q``'s; bf16 / fp16 inputs are computed in fp32).
 
     ``TPLAYERS_NA_KERNEL=c`` raises ``RuntimeError`` where the C kernel does not apply or cannot
     be built, instead of falling back."""
     choice = kernel_choice()
     if choice in ("torch", "gemm"):
         return False
+    dtype = q.dtype if dtype is None else dtype
     applies = (
-        q.device.type == "cpu"
-        and q.dtype in _DTYPES
-        and max(kernel) <= MAX_KERNEL
-        and kernel[0] * kernel[1] <= MAX_SLOTS
+        q.device.type == "cpu" and dtype in _DTYPES and max(kernel) <= MAX_KERNEL and kernel[0] * kernel[1] <= MAX_SLOTS
     )
     if not applies:
         if choice == "c":
             raise RuntimeError(
                 f"TPLAYERS_NA_KERNEL=c: the C na2d kernel runs fp32/fp64 CPU tensors with kernel "
-                f"<= {MAX_KERNEL} and <= {MAX_SLOTS} window slots, got {q.dtype} on {q.device}, "
+                f"<= {MAX_KERNEL} and <= {MAX_SLOTS} window slots, got {dtype} on {q.device}, "
                 f"kernel {kernel}"
             )
         return False
     if choice == "c":
-        load_library(q.dtype)  # raises, saying why
+        load_library(dtype)  # raises, saying why
         return True
-    return _build_failure(q.dtype) is None
+    return _build_failure(dtype) is None
 
 
 def _ptr(t: Optional[torch.Tensor]):
@@ -273,35 +273,29 @@ def _split(lib, backward: int, dims: torch.Tensor, tables, planes: int, key):
     return bounds, plan
 
 
+def _kernel_dtype(q: torch.Tensor) -> torch.dtype:
+    """The build that runs ``q``: bf16 inputs are read by the fp32 kernel (widened as it loads them)."""
+    return torch.float32 if q.dtype == torch.bfloat16 else q.dtype
+
+
 def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch.Tensor:
     """Forward on the C kernel: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) contiguous,
-    ``table`` (heads, 2kH-1, 2kW-1) or None -> (B, Pq, heads*Dv)."""
-    lib = load_library(q.dtype)
+    ``table`` (heads, 2kH-1, 2kW-1) or None -> (B, Pq, heads*Dv). bf16 ``q``, ``k``, ``v`` run the
+    fp32 kernel (read as bf16, computed in fp32; the output and ``table`` fp32)."""
+    dtype = _kernel_dtype(q)
+    lib = load_library(dtype)
     batch = q.shape[0]
     dims = kernel_dims(geo, batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
     rows, cols = kernel_tables(tuple(geo))
-    out = q.new_empty(batch, q.shape[1], v.shape[-1])
+    out = q.new_empty(batch, q.shape[1], v.shape[-1], dtype=dtype)
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
     bounds, plan = _split(lib, 0, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
 
     def work(p0, p1):
-        scratch = q.new_empty(plan.scratch)
-        lib.na_forward(
-            _ptr(q),
-            _ptr(k),
-            _ptr(v),
-            _ptr(tab),
-            _ptr(out),
-            _ptr(dims),
-            _ptr(rows),
-            _ptr(cols),
-            scale,
-            plan.ptr,
-            _ptr(scratch),
-            p0,
-            p1,
-        )
+        scratch = q.new_empty(plan.scratch, dtype=dtype)
+        tensors = (q, k, v, tab, out, dims, rows, cols)
+        lib.na_forward(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, int(q.dtype == torch.bfloat16))
 
     _parallel(work, bounds)
     return out
@@ -310,8 +304,11 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
 def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, heads: int, want_kv: bool = True):
     """``(dq, dk, dv, dtable)`` of :func:`c_forward`; ``dk``/``dv`` None unless ``want_kv``,
     ``dtable`` None without a table. ``grad_out`` may have any strides (an expanded gradient
-    of ``.sum()`` is read in place)."""
-    lib = load_library(q.dtype)
+    of ``.sum()`` is read in place). bf16 ``q``, ``k``, ``v``: ``grad_out``, ``out`` and the
+    gradients are fp32."""
+    dtype = _kernel_dtype(q)
+    lib = load_library(dtype)
+    grad_out = grad_out.to(dtype)
     batch = q.shape[0]
     dim_v = v.shape[-1] // heads
     dims = kernel_dims(geo, batch, heads, q.shape[-1] // heads, dim_v)
@@ -321,36 +318,17 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     except RuntimeError:
         g4 = grad_out.contiguous().view(batch, q.shape[1], heads, dim_v)
     strides = torch.tensor(g4.stride(), dtype=torch.int64)
-    dq = torch.empty_like(q)
-    dk, dv = (torch.empty_like(k), torch.empty_like(v)) if want_kv else (None, None)
+    dq = torch.empty_like(q, dtype=dtype)
+    dk, dv = (torch.empty_like(k, dtype=dtype), torch.empty_like(v, dtype=dtype)) if want_kv else (None, None)
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
     bounds, plan = _split(lib, 1 if want_kv else 2, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
     dtabs = [None if tab is None else torch.zeros_like(tab) for _ in bounds]
 
     def work(p0, p1, dtab):
-        scratch = q.new_empty(plan.scratch)
-        lib.na_backward(
-            _ptr(g4),
-            _ptr(strides),
-            _ptr(q),
-            _ptr(k),
-            _ptr(v),
-            _ptr(tab),
-            _ptr(out),
-            _ptr(dq),
-            _ptr(dk),
-            _ptr(dv),
-            _ptr(dtab),
-            _ptr(dims),
-            _ptr(rows),
-            _ptr(cols),
-            scale,
-            plan.ptr,
-            _ptr(scratch),
-            p0,
-            p1,
-        )
+        scratch = q.new_empty(plan.scratch, dtype=dtype)
+        tensors = (g4, strides, q, k, v, tab, out, dq, dk, dv, dtab, dims, rows, cols)
+        lib.na_backward(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, int(q.dtype == torch.bfloat16))
 
     _parallel(work, [(p0, p1, d) for (p0, p1), d in zip(bounds, dtabs)])
     dtable = None if tab is None else sum(dtabs[1:], dtabs[0])
@@ -389,9 +367,12 @@ def backward_in_c(geo: List[int], dtype: torch.dtype) -> bool:
 
 def attention_backward(grad_out, q, k, v, table, out, geo: List[int], scale, heads, want_kv=True, want_bias=True):
     """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_in_c`, else
-    :func:`~tplayers.ops.na_gemm.gemm_backward` (same values up to fp rounding)."""
-    if backward_in_c(geo, q.dtype):
+    :func:`~tplayers.ops.na_gemm.gemm_backward` (same values up to fp rounding; bf16 ``q``, ``k``,
+    ``v`` widened to fp32 for it)."""
+    dtype = _kernel_dtype(q)
+    if backward_in_c(geo, dtype):
         return c_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=want_kv)
+    q, k, v, grad_out = (x.to(dtype) for x in (q, k, v, grad_out))
     return gemm_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv, want_bias)
 
 

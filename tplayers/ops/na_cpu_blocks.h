@@ -259,35 +259,6 @@ INL void transpose_tile(vt *r) {
  * (i1 - i0, C, pitch), times mul; x has element strides xs = (batch, pixel, head, channel). L x L
  * tiles (pixels x channels) transposed in registers; the rest through a small buffer. */
 __attribute__((optimize("no-tree-loop-distribute-patterns"))) /* no memcpy calls per pixel */
-static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, int W, int j_lo, int n_j, long pitch,
-                    int C, T mul, T *dst) {
-    const T *src = x + b * xs[0] + h * xs[2];
-    T buf[L * C];
-    for (int i = i0; i < i1; i++)
-        for (int j0 = 0; j0 < n_j; j0 += L) {
-            int n = n_j - j0 < L ? n_j - j0 : L, c0 = 0;
-            long px = (long)i * W + j_lo + j0;
-            T *d0 = dst + (size_t)(i - i0) * C * pitch + j0;
-            if (n == L && xs[3] == 1)
-                for (; c0 + L <= C; c0 += L) {
-                    vt r[L];
-                    for (int t = 0; t < L; t++) {
-                        __builtin_prefetch(src + (px + t + NA_PREFETCH) * xs[1] + c0); /* tiles ahead */
-                        r[t] = ld(src + (px + t) * xs[1] + c0);
-                    }
-                    transpose_tile(r);
-                    for (int c = 0; c < L; c++) st(d0 + (size_t)(c0 + c) * pitch, r[c] * mul);
-                }
-            if (c0 == C) continue;
-            for (int t = 0; t < n; t++) {
-                const T *p = src + (px + t) * xs[1];
-                for (int c = c0; c < C; c++) buf[t * C + c] = p[c * xs[3]];
-            }
-            for (int c = c0; c < C; c++)
-                for (int t = 0; t < n; t++) d0[(size_t)c * pitch + t] = buf[t * C + c] * mul;
-        }
-}
-
 /* rows [i0, i1), columns [j_lo, j_lo + n_j) of plane (b, h) of contiguous x (B, H*W, heads*C) from
  * src (i1 - i0, C, pitch); add: x += src, else x = src */
 __attribute__((optimize("no-tree-loop-distribute-patterns")))

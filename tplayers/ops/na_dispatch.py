@@ -30,15 +30,36 @@ import torch
 
 from tplayers.ops import na_cpu, na_layout
 
-__all__ = ["choose_kernel", "default_tile"]
+__all__ = ["choose_kernel", "default_tile", "compute_dtype", "DTYPES", "check_dtype"]
+
+#: the element types neighborhood attention takes; bf16 / fp16 run in fp32 (:func:`compute_dtype`)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The element type the kernels compute in for inputs of ``dtype``: bf16 and fp16 inputs run
+    the fp32 kernels (the C kernel reads bf16 itself, the others convert on the way in; the output
+    rounded back: fp32 scores, softmax state and accumulation, gradients summed in fp32), measured
+    1.6-3.8x faster forward than the GEMM kernel's native bf16 matmuls and 0.95-1.08x the fp32 C
+    kernel itself (``benchmarks/na_bf16.py``); fp32 and fp64 run as they are."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def check_dtype(q: torch.Tensor, who: str, name: str = "q") -> None:
+    """``TypeError`` naming ``name`` unless ``q`` has one of :data:`DTYPES`."""
+    if q.dtype not in DTYPES:
+        raise TypeError(
+            f"{who}: {name} must be float32, float64, bfloat16 or float16 (bf16 / fp16 computed in fp32), got {q.dtype}"
+        )
 
 
 def choose_kernel(q: torch.Tensor, kernel: Sequence[int], grouped: bool = False) -> str:
-    """``"c"``, ``"gemm"`` or ``"torch"`` for a call on ``q`` with per-axis ``kernel``; ``grouped``:
-    fewer key/value heads than query heads (GQA/MQA). See the module docstring;
-    ``RuntimeError`` from ``TPLAYERS_NA_KERNEL=c`` where C cannot run."""
+    """``"c"``, ``"gemm"`` or ``"torch"`` for a call on ``q`` with per-axis ``kernel``, computed in
+    :func:`compute_dtype` of ``q``'s; ``grouped``: fewer key/value heads than query heads
+    (GQA/MQA). See the module docstring; ``RuntimeError`` from ``TPLAYERS_NA_KERNEL=c`` where C
+    cannot run."""
     merged = (math.prod(kernel[:-1]), kernel[-1])
-    if na_cpu.use_c_kernel(q, merged):
+    if na_cpu.use_c_kernel(q, merged, compute_dtype(q.dtype)):
         return "c"
     choice = na_cpu.kernel_choice()
     if choice in ("gemm", "torch"):

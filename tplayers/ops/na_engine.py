@@ -7,7 +7,8 @@ domain-parallel shard) and the keys/values those queries read, per axis the wind
 key/value heads (GQA/MQA). The geometry (:mod:`tplayers.ops.na_geometry`) merges the leading
 spatial axes into one row axis, so the two 2-D kernels serve 1-D, 2-D and 3-D alike:
 
-* the compiled C kernel (:mod:`tplayers.ops.na_cpu`) for fp32/fp64 CPU tensors where it builds;
+* the compiled C kernel (:mod:`tplayers.ops.na_cpu`) for fp32/fp64 CPU tensors where it builds
+  (bf16 / fp16 ones are computed in fp32: :func:`~tplayers.ops.na_dispatch.compute_dtype`);
 * the GEMM-tiled torch kernel (:mod:`tplayers.ops.na_gemm`) or the torch tile kernel
   (:mod:`tplayers.ops.na_kernel`) elsewhere (any device), in blocks, nothing score-sized kept for
   backward; memory is bounded by ``B*heads*L*k`` (never ``L^2``).
@@ -23,12 +24,49 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from tplayers.ops import na_cpu, na_dispatch, na_kernel
-from tplayers.ops.na_compile import ensure_na_ops
+from tplayers.ops.na_compile import ensure_na_ops, expand_heads, fold_heads
 from tplayers.ops.na_gemm import GEMM_KERNELS, GeoAttention
 from tplayers.ops.na_geometry import Axis, geometry_args
 from tplayers.ops.na_kernel import TileAttention
 
-__all__ = ["neighborhood_attention", "default_tile", "expand_kv_heads"]
+__all__ = ["neighborhood_attention", "default_tile", "expand_kv_heads", "fp32_kernels"]
+
+
+def fp32_kernels(kernels, expand: bool = False, convert: bool = True):
+    """A pair of plane kernels for :class:`~tplayers.ops.na_gemm.GeoAttention` (``(forward,
+    backward)``) run on bf16 / fp16 ``q``, ``k``, ``v`` in fp32: the forward converts them, runs
+    ``kernels[0]`` and returns its fp32 output (the caller rounds it); the backward converts them
+    again (only the low-precision inputs are saved between the passes), runs ``kernels[1]`` on the
+    fp32 output gradient and output and returns ``dq``, ``dk``, ``dv`` in the inputs' dtype and the
+    table's gradient in the table's (fp32). ``expand``: grouped key/value heads are expanded to the
+    query heads after the conversion, and their gradients summed back in fp32 before rounding.
+    ``convert=False``: the kernels take the low-precision tensors as they are (the C kernel reads
+    bf16 itself, widening exactly as it loads them) and return fp32."""
+    forward, backward = kernels
+
+    def up(q, k, v, heads):
+        kv_heads = k.shape[-1] * heads // q.shape[-1]
+        if convert:
+            q, k, v = q.float(), k.float(), v.float()
+        if expand:
+            k, v = expand_heads(k, kv_heads, heads), expand_heads(v, kv_heads, heads)
+        return q, k, v, kv_heads
+
+    def run_forward(q, k, v, table, geo, scale, heads):
+        return forward(*up(q, k, v, heads)[:3], table, geo, scale, heads)
+
+    def run_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=True, want_bias=True):
+        q32, k32, v32, kv_heads = up(q, k, v, heads)
+        dq, dk, dv, dt = backward(grad_out.float(), q32, k32, v32, table, out, geo, scale, heads, want_kv, want_bias)
+        low = q.dtype
+        del q32, k32, v32
+        dq = dq.to(low)  # each fp32 gradient freed as its rounded copy is made (peak memory)
+        if dk is not None:
+            dk = (fold_heads(dk, kv_heads, heads) if expand else dk).to(low)
+            dv = (fold_heads(dv, kv_heads, heads) if expand else dv).to(low)
+        return dq, dk, dv, dt
+
+    return run_forward, run_backward
 
 
 def default_tile(kernel: Sequence[int], head_dim: int = 0) -> Tuple[int, ...]:
@@ -73,6 +111,7 @@ def neighborhood_attention(
     per tile per axis) and ``chunk_scores`` (score elements per (batch, head) plane per chunk)
     tune the tile kernel; any positive values give the same result. Returns ``(B, *Sq, heads, Dv)``.
     """
+    na_dispatch.check_dtype(q, "neighborhood_attention")
     rank = q.dim() - 3
     heads = q.shape[-2]
     stride = (1,) * rank if stride is None else tuple(stride)
@@ -102,6 +141,9 @@ def neighborhood_attention(
         return out.squeeze(1)
     batch, dim = q.shape[0], q.shape[-1]
     scale = dim**-0.5 if scale is None else float(scale)
+    compute = na_dispatch.compute_dtype(q.dtype)  # bf16 / fp16 run in fp32 (rounded back at the end)
+    if rel_pos_bias is not None and rel_pos_bias.dtype != compute:  # e.g. an fp32 table under bf16 autocast
+        rel_pos_bias = rel_pos_bias.to(compute)
     tile = default_tile(kernel) if tile is None else tuple(tile)
     if chunk_scores is None:  # the defaults count every (batch, head) plane of a chunk
         fwd_chunk = max(1, na_kernel.CHUNK_SCORES // (batch * heads))
@@ -129,21 +171,27 @@ def neighborhood_attention(
         return x.reshape(batch, math.prod(x.shape[1 : 1 + rank]), -1).contiguous()
 
     out_shape = (*q.shape[:-1], -1)
+    low = q.dtype if compute != q.dtype else None
     grouped = k.shape[-2] < heads
     which = None if torch.compiler.is_compiling() else na_dispatch.choose_kernel(q, kernel, grouped)
-    if which == "gemm":  # grouped key/value heads stay grouped: one key tile serves its query heads
-        out = GeoAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads, GEMM_KERNELS)
-        return out.view(out_shape)
+    if which in ("c", "gemm"):
+        kernels = na_cpu.C_KERNELS if which == "c" else GEMM_KERNELS
+        if low is not None:  # converted inside: the low-precision inputs are what is saved
+            # bf16 on the C kernel: read as it is (no fp32 copies of q, k, v); fp16: converted
+            kernels = fp32_kernels(kernels, expand=which == "c", convert=not (which == "c" and low == torch.bfloat16))
+        elif which == "c":  # the C kernel reads as many key/value heads as query heads
+            k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
+        out = GeoAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads, kernels)
+        return (out if low is None else out.to(low)).view(out_shape)
+    if low is not None:  # the tile kernel and the compiled op run fp32 copies
+        q, k, v = q.to(compute), k.to(compute), v.to(compute)
     if which is None:  # compiling: the tables are built inside one registered op (see na_compile)
         ensure_na_ops()  # registers tplayers::na2d_tiles on first use (nothing at import)
 
         table = rel_pos_bias if rel_pos_bias is not None else q.new_empty(0)
         out = torch.ops.tplayers.na2d_tiles(pixels(q), pixels(k), pixels(v), table, geo, scale, heads)
-        return out.view(out_shape)
-    k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
-    if which == "c":
-        out = GeoAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads, na_cpu.C_KERNELS)
-        return out.view(out_shape)
-    plan, plan_bwd = na_kernel.tile_plans(geo, q.device, q.dtype)
-    out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, plan_bwd, scale, heads)
-    return out.view(out_shape)
+    else:
+        k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
+        plan, plan_bwd = na_kernel.tile_plans(geo, q.device, q.dtype)
+        out = TileAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, plan, plan_bwd, scale, heads)
+    return (out if low is None else out.to(low)).view(out_shape)
