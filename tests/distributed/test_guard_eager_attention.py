@@ -112,19 +112,21 @@ def _manet(rank, world):
     model = smp.MAnet(
         "tu-test_resnet", encoder_weights=None, classes=2, encoder_depth=4, decoder_channels=(16, 8, 8, 8)
     )
-    model = tplayers.parallelize_module(model.double(), {"": tplayers.DomainParallel(shard_dims=(2,))})
-    x = tplayers.shard(torch.randn(1, 3, 64, 64, dtype=torch.float64), 2)
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(2, 2))
+    model = tplayers.parallelize_module(model.double(), {"": tplayers.DomainParallel(shard_dims=(2, 3))}, mesh=mesh)
+    coords = [mesh.get_local_rank(i) for i in range(2)]
+    x = local_slice(torch.randn(1, 3, 64, 64, dtype=torch.float64), (2, 3), [[32, 32], [32, 32]], coords)
     with pytest.raises(ValueError, match=r"in module 'decoder.center'") as err:
         model(x)
     return str(err.value).split("Rank 0: ")[-1]
 
 
-def test_manet_position_attention_reshape_is_refused_on_every_rank():
-    """smp's MAnet: its position attention (a softmax over every pixel pair, the scores gathered) is routed;
-    ``reshape(B, C, H, W)`` of the ``(B, HW, C)`` result is the serial view (rows of channels per rank,
-    exact: the PAB block alone with 4 channels is exact, the block's sum with its input realigned), but
-    with 192 channels split 96 + 96 as merged factors the sum with the input is refused on every rank."""
-    outs = run_ranks(_manet, 2, timeout=120)
+def test_manet_on_a_2x2_mesh_is_refused_on_every_rank():
+    """smp's MAnet: its position attention (a softmax over every pixel pair, the scores gathered) is routed,
+    and ``reshape(B, C, H, W)`` of the ``(B, HW, C)`` result is the serial view: channels sharded, moved
+    back to the input's rows for the sum with it (exact at 2 ranks: the zoo). On a 2x2 mesh the channels
+    are not one contiguous block per rank: the sum is refused on every rank."""
+    outs = run_ranks(_manet, 4, timeout=120)
     assert len(set(outs)) == 1, outs
 
 

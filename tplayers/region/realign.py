@@ -8,7 +8,8 @@ the layout of a reference operand (the one sharded like the region's input when 
 the first), one all-to-all per mesh dim (``tplayers.comm.all_to_all.AllToAllDim``, its reverse in
 backward), with the reference's partition. An operand with length 1 where the reference is sharded
 (a broadcast) is all-gathered along its sharded dim instead; its gradient is summed over that mesh
-dim where it meets the reference's rows. Only plain layouts (one tensor dim per mesh dim) are moved.
+dim where it meets the reference's rows. Only plain layouts (one tensor dim per mesh dim) are moved; a
+merged dim whose sharded factor leads (one contiguous block per rank) counts as plain.
 The decision reads which dims are sharded and the lengths of whole dims, the same on every rank.
 """
 
@@ -20,6 +21,7 @@ import torch
 
 from tplayers.comm.all_to_all import AllToAllDim
 from tplayers.comm.collectives import GatherAlongDim
+from tplayers.domain.layout import contiguous_blocks
 
 __all__ = ["realign"]
 
@@ -36,9 +38,19 @@ def _plain(t: torch.Tensor, lay) -> Optional[Dict[int, int]]:
     return out
 
 
+def _blocks(g, t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a view of it tagged with its layout's contiguous blocks written as plain sharded dims (a
+    merged dim whose sharded factor leads: :func:`~tplayers.domain.layout.contiguous_blocks`)."""
+    lay = g.layout(t)
+    plain = contiguous_blocks(lay)
+    return t if plain == lay else g.mark(t.view(t.shape), plain)
+
+
 def realign(g, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     """``tensors`` with every sharded one moved to the reference operand's sharded dims (see the module docstring)."""
-    sharded = [(i, t, _plain(t, g.layout(t))) for i, t in enumerate(tensors) if g.layout(t) is not None]
+    sharded = [
+        (i, t, _plain(t, contiguous_blocks(g.layout(t)))) for i, t in enumerate(tensors) if g.layout(t) is not None
+    ]
     if len(sharded) < 2 or any(m is None for _, _, m in sharded):
         return list(tensors)
     region = {i: d for i, d in enumerate(g.shard_dims)}
@@ -52,9 +64,11 @@ def realign(g, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
     ):
         return list(tensors)
     out = list(tensors)
+    rt = _blocks(g, rt)
     for i, t, m in sharded:
-        if t is rt:
+        if t is ref[1]:
             continue
+        t = _blocks(g, t)
         lay = list(g.layout(t))
         for axis, want in rmap.items():
             have = m.get(axis)
