@@ -65,6 +65,21 @@ def _bind_gathered(g, gathered, out_layout) -> Dict[int, torch.Tensor]:
     return out
 
 
+def _axes(entry) -> tuple:
+    """A layout entry's structure: the mesh dim (or ``None``) of each factor, not its local sizes (which
+    differ between ranks, so a decision read from them is not the same everywhere)."""
+    return tuple(a for _, a in entry)
+
+
+def _same_rows(g, func, ea, eb, lay) -> None:
+    """Operands pairing a dim sharded alike must hold the same rows of it: decided from local sizes, so
+    agreed on a region's first call (a rank whose sizes differ refuses, and every rank with it)."""
+    g.arm()
+    if ea != eb:
+        name = func if isinstance(func, str) else op_name(func)
+        raise g.refuse(g.error(f"{name} pairing a dim two operands hold different rows of ({ea} and {eb})", lay))
+
+
 def _summed(g, out: torch.Tensor, axes) -> torch.Tensor:
     """Partial products over this rank's rows of a contracted dim, summed over mesh dims ``axes``."""
     for a in sorted(set(axes)):
@@ -108,7 +123,8 @@ def _matmul(g, func, args, kwargs):
     gathered: List[tuple] = []
     if inp is None and a.dim() >= 2 and b.dim() >= 2 and (la or lb):
         ka, kb = la[-1] if la else None, lb[-2] if lb else None
-        if ka is not None and ka == kb:  # the same rows of the contracted dim: partial products, summed
+        if ka is not None and kb is not None and _axes(ka) == _axes(kb):  # the same rows: partial products, summed
+            _same_rows(g, func, ka, kb, la)
             lay = tuple(broadcast_layouts([a.shape[:-2], b.shape[:-2]], [la[:-2], lb[:-2]])) + (la[-2], lb[-1])
             if mesh_dims_of(lay):
                 raise g.error(f"{op_name(func)} contracting a sharded dim of operands sharded along other dims", la)
@@ -162,8 +178,10 @@ def _einsum_gathers(g, specs, out, ops) -> List[Tuple[int, int]]:
         occ = [(k, i) for k, spec in enumerate(specs) for i, x in enumerate(spec) if x == c and (k, i) in entry]
         sharded = [p for p in occ if entry[p] is not None]
         whole_tagged = any(entry[p] is None and lays[p[0]] is not None for p in occ)
-        if sharded and (whole_tagged or len({entry[p] for p in sharded}) > 1):
+        if sharded and (whole_tagged or len({_axes(entry[p]) for p in sharded}) > 1):
             take.update(sharded)
+        elif len({entry[p] for p in sharded}) > 1:  # one structure, other local sizes: decided from them
+            _same_rows(g, "torch.einsum", entry[sharded[0]], entry[sharded[1]], lays[sharded[0][0]])
 
     def axes_of(c):
         return {
