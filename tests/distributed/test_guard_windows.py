@@ -15,6 +15,7 @@ import pytest
 import torch
 from harness import run_ranks
 from oracle import local_slice
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import tplayers
@@ -265,3 +266,32 @@ def _merged_factory(rank, world):
 def test_a_factory_sized_by_a_merged_length_is_refused_on_every_rank():
     outs = run_ranks(_merged_factory, 2, timeout=60)
     assert outs[0] == outs[1], outs
+
+
+class GridView(nn.Module):
+    """Tokens viewed with the configured global grid (MONAI UNETR's ``proj_feat``: plain sizes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 1)
+
+    def forward(self, x):
+        t = self.conv(x).flatten(2).transpose(1, 2)  # (B, HW, C)
+        return t.view(2, 4, 5, 3).permute(0, 3, 1, 2) * 2
+
+
+def _grid_view(rank, world, rows):
+    torch.manual_seed(0)
+    serial = GridView().double()
+    model = tplayers.parallelize_module(copy.deepcopy(serial), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    x = torch.randn(2, 2, 4, 5, dtype=torch.float64)
+    start = sum(rows[:rank])
+    torch.testing.assert_close(model(x[:, :, start : start + rows[rank]]), serial(x)[:, :, start : start + rows[rank]])
+    return True
+
+
+@pytest.mark.parametrize("rows", [[2, 2], [3, 1], [4, 0]], ids=["even", "uneven", "all_on_rank_0"])
+def test_a_view_with_the_global_grid_is_exact_when_one_rank_holds_every_row(rows):
+    """The plain sizes give every rank but the one holding all rows another count than its own: that rank
+    reads the view serially too (it was read locally there while the others gathered: a collective mismatch)."""
+    assert run_ranks(_grid_view, 2, args=(rows,), timeout=60) == [True, True]

@@ -49,7 +49,7 @@ def _reshape(g, func, args, kwargs):
         return _preserve(g, func, args, kwargs)
     else:
         shape = _shape_args(args) if len(args) > 1 else tuple(kwargs.get("shape", kwargs.get("size", ())))
-    if name in ("view", "reshape") and (wants_serial(g, lay, shape) or _serial_count(x, lay, shape)):  # rules_windows
+    if name in ("view", "reshape") and (wants_serial(g, lay, shape) or _serial_count(g, x, lay, shape)):  # rules_windows
         found = serial_view(g, x, lay, shape)
         if found is not None:
             return g.mark(move_windows(g, func, args, kwargs, x, shape, *found), found[1])
@@ -71,16 +71,19 @@ def _reshape(g, func, args, kwargs):
     return g.mark(func(*args, **kwargs), new)
 
 
-def _serial_count(x, lay, shape) -> bool:
-    """Whether plain sizes that do not give this rank's element count are the serial tensor's view (MONAI
-    UNETR's ``proj_feat`` views its tokens with the configured global grid, ``x.view(B, H/p, W/p, hidden)``):
-    read as the serial view (:func:`~tplayers.region.rules_windows.serial_view`), each sharded factor keeping
-    this rank's rows. A rank holding every row of a dim (the others none) matches its own count and reads
-    locally while the others gather: give every rank rows."""
+def _serial_count(g, x, lay, shape) -> bool:
+    """Whether plain sizes are the serial tensor's view (MONAI UNETR's ``proj_feat`` views its tokens with the
+    configured global grid, ``x.view(B, H/p, W/p, hidden)``): read as the serial view
+    (:func:`~tplayers.region.rules_windows.serial_view`), each sharded factor keeping this rank's rows. Their
+    product is the serial element count; it is this rank's count too only where the rank holds every row
+    (the others none: they read the view serially, and so must this rank, to meet them in its collective)
+    or where model code made the sizes from local numbers (``g.lost``: read locally on every rank)."""
     if any(prefix_of(e) for e in lay) or any(isinstance(s, ShardLen) for s in shape):
         return False
     sizes = [int(s) for s in shape]
-    return -1 not in sizes and math.prod(sizes) != x.numel()
+    if -1 in sizes:
+        return False
+    return math.prod(sizes) != x.numel() or not g.lost
 
 
 def _flatten(g, func, args, kwargs):
