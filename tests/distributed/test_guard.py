@@ -154,19 +154,12 @@ class Op(nn.Module):
         return self.fn(self.conv(x))
 
 
-def _prefix_scores(h):
-    t = h.flatten(2)  # (N, C, H*W): tokens (scores over them are gathered: test_guard_eager_attention.py)
-    t = torch.cat([torch.zeros(t.shape[0], t.shape[1], 1, dtype=t.dtype), t], dim=2)  # a CLS token first
-    return t.transpose(1, 2) @ t  # (N, 1 + HW, 1 + HW): scores pairing prefix tokens
-
-
 REFUSED = {
     "fft_hfft": lambda h: torch.fft.hfft(h, dim=2),  # the other torch.fft calls are routed (test_fft_region)
     "roll": lambda h: torch.roll(h, 5, dims=2),  # more rows than rank 1 holds (a smaller roll is routed)
     r"indexing \(a slice, step": lambda h: h[:, :, torch.tensor([0, 2])],  # slices, integers: test_global_slices
     "unfold": lambda h: F.unfold(h, 3),
     "cumsum": lambda h: torch.cumsum(h, 2),
-    "pairs tokens with a prefix": _prefix_scores,
 }
 
 

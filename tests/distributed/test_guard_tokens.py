@@ -264,7 +264,7 @@ class TimmViTish(nn.Module):
         return self.head(torch.cat((t[:, 0], t[:, 1:].mean(dim=1)), dim=-1))
 
 
-def _monai_vit():
+def _monai_vit(flash=True):
     from monai.networks.nets import ViT
 
     torch.manual_seed(0)
@@ -281,8 +281,8 @@ def _monai_vit():
         spatial_dims=2,
         dropout_rate=0.0,
     ).double()
-    for block in model.blocks:  # its SDPA path (the default einsum scores over sharded tokens are refused)
-        block.attn.use_flash_attention = True
+    for block in model.blocks:  # its SDPA path, or its default einsum scores (keys and values gathered, CLS too)
+        block.attn.use_flash_attention = flash
     return model
 
 
@@ -290,9 +290,9 @@ def _full_size(rank, world, kind, mesh_shape, layouts):
     mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
     coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
     dims = tuple(range(2, 2 + mesh.ndim))
-    if kind == "monai_vit":
+    if kind.startswith("monai_vit"):
         require("monai")
-        serial, call = _monai_vit(), lambda m, x: m(x)[0]  # noqa: E731
+        serial, call = _monai_vit(kind == "monai_vit"), lambda m, x: m(x)[0]  # noqa: E731
     else:
         torch.manual_seed(0)
         serial, call = TimmViTish().double(), lambda m, x: m(x)  # noqa: E731
@@ -321,6 +321,27 @@ def test_full_size_position_tables_are_sliced_and_exact(kind):
     run_ranks(_full_size, 2, args=(kind, (2,), [[12, 8]]), timeout=180)
     run_ranks(_full_size, 2, args=(kind, (2,), [[8, 12]]), timeout=180)
     run_ranks(_full_size, 4, args=(kind, (2, 2), [[12, 8], [8, 12]]), timeout=240)
+
+
+def test_monai_vit_with_its_default_einsum_attention_is_exact():
+    """MONAI's ViT (a CLS token) with its default einsum scores: keys and values gathered whole, the CLS token
+    with the first rank's rows (tplayers/region/rules_linalg.py); on 2x2 (CLS before pixels sharded over both
+    mesh dims) refused on every rank, naming SDPA."""
+    run_ranks(_full_size, 2, args=("monai_vit_einsum", (2,), [[12, 8]]), timeout=180)
+    run_ranks(_full_size, 2, args=("monai_vit_einsum", (2,), [[8, 12]]), timeout=180)
+    outs = run_ranks(_vit_einsum_2x2, 4, timeout=180)
+    assert len(set(outs)) == 1, outs
+
+
+def _vit_einsum_2x2(rank, world):
+    require("monai")
+    mesh = DeviceMesh("cpu", torch.arange(world).reshape(2, 2))
+    model = tplayers.parallelize_module(_monai_vit(False), {"": tplayers.DomainParallel(shard_dims=(2, 3))}, mesh=mesh)
+    coords = [mesh.get_local_rank(i) for i in range(2)]
+    x = local_slice(torch.randn(2, 2, 20, 20, dtype=torch.float64), (2, 3), [[12, 8], [8, 12]], coords)
+    with pytest.raises(ValueError, match=r"prefix \(a CLS token\) before pixels sharded over both mesh dims") as err:
+        model(x)
+    return str(err.value).split("Rank 0: ")[-1]
 
 
 def _wrong_length(rank, world):

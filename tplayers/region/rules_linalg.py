@@ -12,7 +12,8 @@ and cut back to this rank's rows), so each rank computes its rows of the serial 
 memory of this rank's rows of the serial scores plus the whole keys and values. Where both operands
 hold the same rows of a contracted dim (a Gram matrix over pixels, ``x.flatten(2) @ x.flatten(2).mT``),
 each rank multiplies its own rows and the partial products are summed over the mesh (identity in
-backward). Prefix tokens (a CLS token before sharded pixels) are not gathered: refused, naming SDPA.
+backward). Prefix tokens (a CLS token before sharded pixels, on the first rank) are gathered with the
+pixels when one mesh dim shards them; over a 2x2 mesh they are refused, naming SDPA.
 """
 
 from __future__ import annotations
@@ -40,17 +41,22 @@ def gather_serial(g, t: torch.Tensor, dim: int) -> Tuple[torch.Tensor, Optional[
     lay = g.layout(t)
     dim = dim % t.dim()
     entry = lay[dim]
-    if prefix_of(entry):
-        raise LayoutError(
-            "it pairs tokens with a prefix (a CLS token before sharded pixels) that would be gathered; use "
-            "F.scaled_dot_product_attention, which is routed"
-        )
+    rest = lay[:dim] + (None,) + lay[dim + 1 :]
+    if prefix_of(entry):  # the prefix on the first rank, before its pixel rows: rank order is the serial order
+        pixels = entry[1:]
+        if not pixels or pixels[0][1] is None or any(a is not None for _, a in pixels[1:]):
+            raise LayoutError(
+                "it pairs tokens with a prefix (a CLS token) before pixels sharded over both mesh dims, which "
+                "would be gathered; use F.scaled_dot_product_attention, which is routed"
+            )
+        a = pixels[0][1]
+        x = gather_along_dim(t, dim, g.groups[a], Root(int(t.shape[dim]), g.groups[a], a).sizes())
+        return x, (rest if sharded_dims(rest) else None)
     x = t.unflatten(dim, [int(s) for s, _ in entry]) if len(entry) > 1 else t
     for i, (s, a) in enumerate(entry):
         if a is not None:
             x = gather_along_dim(x, dim + i, g.groups[a], Root(int(s), g.groups[a], a).sizes())
     x = x.flatten(dim, dim + len(entry) - 1) if len(entry) > 1 else x
-    rest = lay[:dim] + (None,) + lay[dim + 1 :]
     return x, (rest if sharded_dims(rest) else None)
 
 

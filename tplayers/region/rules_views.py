@@ -49,7 +49,9 @@ def _reshape(g, func, args, kwargs):
         return _preserve(g, func, args, kwargs)
     else:
         shape = _shape_args(args) if len(args) > 1 else tuple(kwargs.get("shape", kwargs.get("size", ())))
-    if name in ("view", "reshape") and (wants_serial(g, lay, shape) or _serial_count(g, x, lay, shape)):  # rules_windows
+    if name in ("view", "reshape") and (
+        wants_serial(g, lay, shape) or _serial_count(g, x, lay, shape)
+    ):  # rules_windows
         found = serial_view(g, x, lay, shape)
         if found is not None:
             return g.mark(move_windows(g, func, args, kwargs, x, shape, *found), found[1])
