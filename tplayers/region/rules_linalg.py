@@ -12,8 +12,7 @@ and cut back to this rank's rows), so each rank computes its rows of the serial 
 memory of this rank's rows of the serial scores plus the whole keys and values. Where both operands
 hold the same rows of a contracted dim (a Gram matrix over pixels, ``x.flatten(2) @ x.flatten(2).mT``),
 each rank multiplies its own rows and the partial products are summed over the mesh (identity in
-backward). Prefix tokens (a CLS token before sharded pixels, on the first rank) are gathered with the
-pixels when one mesh dim shards them; over a 2x2 mesh they are refused, naming SDPA.
+backward). Prefix tokens (a CLS token before sharded pixels, on the first rank) are gathered with them.
 """
 
 from __future__ import annotations
@@ -36,28 +35,34 @@ def gather_serial(g, t: torch.Tensor, dim: int) -> Tuple[torch.Tensor, Optional[
     """``t`` with its sharded dim ``dim`` gathered whole in the serial order, and the layout left (``None``:
     nothing sharded). A dim merging factors (flattened pixels ``H*W``, sharded over one or two mesh
     dims) is unflattened into its factors, each sharded factor all-gathered over its mesh dim, and
-    flattened back: the serial row-major order. The gradient keeps this rank's rows (sum it over the
-    mesh first: :meth:`~tplayers.region.guard.RegionGuard.bound`)."""
+    flattened back: the serial row-major order. Prefix tokens (a CLS token), held by the first rank along
+    the entry's mesh dims, are gathered from it and put first. The gradient keeps this rank's rows (sum it
+    over the mesh first: :meth:`~tplayers.region.guard.RegionGuard.bound`)."""
     lay = g.layout(t)
     dim = dim % t.dim()
     entry = lay[dim]
     rest = lay[:dim] + (None,) + lay[dim + 1 :]
-    if prefix_of(entry):  # the prefix on the first rank, before its pixel rows: rank order is the serial order
+    k = prefix_of(entry)
+    if k:
         pixels = entry[1:]
-        if not pixels or pixels[0][1] is None or any(a is not None for _, a in pixels[1:]):
-            raise LayoutError(
-                "it pairs tokens with a prefix (a CLS token) before pixels sharded over both mesh dims, which "
-                "would be gathered; use F.scaled_dot_product_attention, which is routed"
-            )
-        a = pixels[0][1]
-        x = gather_along_dim(t, dim, g.groups[a], Root(int(t.shape[dim]), g.groups[a], a).sizes())
-        return x, (rest if sharded_dims(rest) else None)
-    x = t.unflatten(dim, [int(s) for s, _ in entry]) if len(entry) > 1 else t
-    for i, (s, a) in enumerate(entry):
+        axes = [a for _, a in pixels if a is not None]
+        pre = k if all(g.mesh.get_local_rank(a) == 0 for a in axes) else 0  # the first rank holds the prefix
+        head, body = t.narrow(dim, 0, pre), t.narrow(dim, pre, int(t.shape[dim]) - pre)
+        for a in axes:  # from the first rank to every rank, one mesh dim at a time
+            head = gather_along_dim(head, dim, g.groups[a], Root(int(head.shape[dim]), g.groups[a], a).sizes())
+        x = torch.cat([head, _gather_grid(g, body, dim, pixels)], dim)
+    else:
+        x = _gather_grid(g, t, dim, entry)
+    return x, (rest if sharded_dims(rest) else None)
+
+
+def _gather_grid(g, t: torch.Tensor, dim: int, factors) -> torch.Tensor:
+    """``t``'s dim ``dim`` (row-major ``factors``, each ``(local size, mesh dim or None)``) gathered whole."""
+    x = t.unflatten(dim, [int(s) for s, _ in factors]) if len(factors) > 1 else t
+    for i, (s, a) in enumerate(factors):
         if a is not None:
             x = gather_along_dim(x, dim + i, g.groups[a], Root(int(s), g.groups[a], a).sizes())
-    x = x.flatten(dim, dim + len(entry) - 1) if len(entry) > 1 else x
-    return x, (rest if sharded_dims(rest) else None)
+    return x.flatten(dim, dim + len(factors) - 1) if len(factors) > 1 else x
 
 
 def _bind_gathered(g, gathered, out_layout) -> Dict[int, torch.Tensor]:
