@@ -36,6 +36,7 @@
 #include "na_cpu_io.h"
 #include "na_cpu_rows.h"
 #include "na_cpu_plan.h"
+#include "na_cpu_direct.h"
 
 static long scratch_of(const Geo *g, const Plan *pl, int backward) {
     long pk = (long)g->Hk * g->kp, D = g->D, Dv = g->Dv, qw = pl->qw;

@@ -1,0 +1,168 @@
+/* The 1-D forward on the user's layout (issue 35; included by na_cpu.c after na_cpu_io.h): q, k, v
+ * read where they lie, (B, L, heads, D) (D, Dv multiples of the lanes), the output written where
+ * it goes; no planes, no transposes. Per query (all heads in turn: the pixel's heads are adjacent
+ * in memory) the window's keys are rows of heads*D elements, one vector per L channels:
+ *   scores: per slot a vector of channel products (q times the key, summed over the channel
+ *   vectors), then L such vectors summed across their lanes at once (hsum_tree: log2(L) rounds of
+ *   two shuffles and an add, transpose_tile's masks), giving one vector of L slots' scores;
+ *   softmax over the window's slots (vexp on whole vectors, -inf on invalid slots and spare lanes);
+ *   output: sum over slots of the weight (a broadcast) times the value vectors, times 1 / sum.
+ * Same window tables (cols), scale (multiplies q) and bias indexing as na_forward. */
+#ifndef NA_CPU_DIRECT_H
+#define NA_CPU_DIRECT_H
+#include "na_cpu_io.h"
+
+#define DMAX 16 /* channel vectors per row at most (D <= 16 L); the caller checks */
+#define MAX_DIRECT_SLOTS 256 /* window slots at most (the kernel's MAX_KERNEL is 255) */
+
+/* p[0..L): lane t of the result is the sum of p[t]'s lanes (p is overwritten): round s adds
+ * p[j] and p[j + s] lane-pairwise, the lanes with bit s set carrying p[j + s]'s sums */
+INL vt hsum_tree(vt *p) {
+#if defined(__clang__) || !defined(NROUNDS)
+    vt r;
+    for (int t = 0; t < L; t++) {
+        T s = 0;
+        for (int u = 0; u < L; u++) s += p[t][u];
+        r[t] = s;
+    }
+    return r;
+#else
+#pragma GCC unroll 8
+    for (int k = 0; k < NROUNDS; k++) {
+        const int s = (L / 2) >> k;
+        vi ma = TMASK_A[k], mb = TMASK_B[k];
+#pragma GCC unroll 16
+        for (int i = 0; i < L; i += 2 * s)
+            for (int j = i; j < i + s; j++)
+                p[j] = __builtin_shuffle(p[j], p[j + s], ma) + __builtin_shuffle(p[j], p[j + s], mb);
+    }
+    return p[0];
+#endif
+}
+
+INL vt ldx(const void *x, int bf, long e) { return bf ? ld_h((const uint16_t *)x + e) : ld((const T *)x + e); }
+
+/* lane j ^ s: the partner lanes of the segmented max / sum rounds */
+#define TMX(j, s) ((j) ^ (s))
+#ifdef NROUNDS
+static const vi XMASK[NROUNDS] = TROUNDS(TMX);
+#endif
+/* every lane: the max (op 0) or sum (op 1) over its aligned segment of P lanes (P a power of 2) */
+INL vt seg_reduce(vt x, int P, int op) {
+#if defined(__clang__) || !defined(NROUNDS)
+    vt r;
+    for (int t = 0; t < L; t++) {
+        int s0 = t / P * P;
+        T a = x[s0];
+        for (int u = s0 + 1; u < s0 + P; u++) a = op ? a + x[u] : (x[u] > a ? x[u] : a);
+        r[t] = a;
+    }
+    return r;
+#else
+    for (int k = 0; k < NROUNDS; k++) {
+        if (((L / 2) >> k) >= P) continue;
+        vt y = __builtin_shuffle(x, XMASK[k]);
+        x = op ? x + y : vmax(x, y);
+    }
+    return x;
+#endif
+}
+
+/* U heads (h0 .. h0 + nh - 1) of one query, their windows packed into segments of P lanes (U P =
+ * L, one vector of scores) or, U = 1, one head's window over nch vectors (P = L). qe / oe: the
+ * query's and output's element offsets of head h0; koff[s]: slot s's key pixel times heads;
+ * add[c]: mask / bias of chunk c (segments in head order). */
+INL void heads_query(const void *q, const void *k, const void *v, int bf, T sc_, int nd, int ndv, int n, int P, int h0, int nh,
+                     int D, int Dv, long qe, const long *koff, const vt *add, int nch, T *out) {
+    vt sc[(MAX_DIRECT_SLOTS + L - 1) / L], mx;
+    T w[MAX_DIRECT_SLOTS + L], inv[L];
+    for (int c = 0; c < nch; c++) {
+        vt p[L];
+        for (int t = 0; t < L; t++) p[t] = (vt){0};
+        for (int u = 0; u < nh; u++) {
+            vt qv[DMAX];
+            for (int d = 0; d < nd; d++) qv[d] = ldx(q, bf, qe + (long)u * D + (long)d * L) * sc_;
+            int lim = n - c * L < P ? n - c * L : P;
+            for (int t = 0; t < lim; t++) {
+                long e = (koff[c * L + t] + h0 + u) * D;
+                vt a = qv[0] * ldx(k, bf, e);
+                for (int d = 1; d < nd; d++) a += qv[d] * ldx(k, bf, e + (long)d * L);
+                p[u * P + t] = a;
+            }
+        }
+        sc[c] = hsum_tree(p) + add[c];
+        mx = c ? vmax(mx, sc[c]) : sc[c];
+    }
+    mx = seg_reduce(mx, P, 0);
+    vt tot = {0};
+    for (int c = 0; c < nch; c++) {
+        vt e = vexp(sc[c] - mx);
+        tot += e;
+        st(w + c * L, e);
+    }
+    st(inv, 1 / seg_reduce(tot, P, 1));
+    for (int u = 0; u < nh; u++) {
+        vt acc[DMAX];
+        for (int d = 0; d < ndv; d++) acc[d] = (vt){0};
+        for (int s = 0; s < n; s++) {
+            vt ws = splat(w[u * P + s]);
+            long e = (koff[s] + h0 + u) * Dv;
+            for (int d = 0; d < ndv; d++) acc[d] += ws * ldx(v, bf, e + (long)d * L);
+        }
+        for (int d = 0; d < ndv; d++) st(out + (long)u * Dv + d * L, acc[d] * inv[u * P]);
+    }
+}
+
+/* nd / ndv as constants for the common head sizes (the channel loops unrolled) */
+#define HEADS_QUERY(ND, NDV) heads_query(q, k, v, bf, sc, ND, NDV, n, P, h0, nh, D, Dv, qe, koff, ad, nch, o)
+
+/* queries [i0, i1) of the flattened (batch, query column) range, every head; dims and tables as
+ * na_forward (1-D: one query row, one key row, kh 1) */
+void na_forward_1d(const void *q, const void *k, const void *v, const T *table, T *out, const int64_t *dims,
+                   const int32_t *rows, const int32_t *cols, double scale, long i0, long i1, int bf) {
+    const int heads = (int)dims[1], Wq = (int)dims[3], Wk = (int)dims[5], D = (int)dims[6], Dv = (int)dims[7];
+    const int n = (int)dims[9], tw = 2 * n - 1, nd = D / L, ndv = Dv / L;
+    int P = 1;
+    while (P < n) P *= 2;
+    if (2 * n > L) P = L; /* one head per vector of scores, its window over nch vectors */
+    const int U = L / P, nch = (n + L - 1) / L;
+    const T sc = (T)scale;
+    const int32_t *ki = cols, *ok = cols + (long)Wq * n, *rel = cols + 2L * (long)Wq * n;
+    const int row_ok = rows[1], row_rel = rows[2]; /* rows (3, 1, 1) */
+    long koff[MAX_DIRECT_SLOTS];
+    vt base[(MAX_DIRECT_SLOTS + L - 1) / L], add[(MAX_DIRECT_SLOTS + L - 1) / L];
+    for (long iq = i0; iq < i1; iq++) {
+        long b = iq / Wq;
+        int i = (int)(iq % Wq);
+        for (int s = 0; s < n; s++) koff[s] = (b * Wk + ki[i * n + s]) * heads;
+        for (int c = 0; c < nch; c++)
+            for (int t = 0; t < L; t++) {
+                int s = U > 1 ? t % P : c * L + t;
+                base[c][t] = s < n && row_ok && ok[i * n + s] ? 0 : -INFINITY;
+            }
+        for (int h0 = 0; h0 < heads; h0 += U) {
+            int nh = heads - h0 < U ? heads - h0 : U;
+            const vt *ad = base;
+            if (table) {
+                for (int c = 0; c < nch; c++) {
+                    add[c] = base[c];
+                    for (int t = 0; t < L; t++) {
+                        int u = U > 1 ? t / P : 0, s = U > 1 ? t % P : c * L + t;
+                        if (s < n && u < nh)
+                            add[c][t] += table[((long)(h0 + u) * (2 * 1 - 1) + row_rel) * tw + rel[i * n + s]];
+                    }
+                }
+                ad = add;
+            }
+            long qe = ((b * Wq + i) * heads + h0) * D;
+            T *o = out + ((b * Wq + i) * heads + h0) * Dv;
+            if (nd == 2 && ndv == 2) HEADS_QUERY(2, 2);
+            else if (nd == 4 && ndv == 4) HEADS_QUERY(4, 4);
+            else if (nd == 1 && ndv == 1) HEADS_QUERY(1, 1);
+            else if (nd == 8 && ndv == 8) HEADS_QUERY(8, 8);
+            else HEADS_QUERY(nd, ndv);
+        }
+    }
+}
+
+#endif
