@@ -68,53 +68,73 @@ INL vt seg_reduce(vt x, int P, int op) {
 #endif
 }
 
-/* U heads (h0 .. h0 + nh - 1) of one query, their windows packed into segments of P lanes (U P =
- * L, one vector of scores) or, U = 1, one head's window over nch vectors (P = L). qe / oe: the
- * query's and output's element offsets of head h0; koff[s]: slot s's key pixel times heads;
- * add[c]: mask / bias of chunk c (segments in head order). */
-INL void heads_query(const void *q, const void *k, const void *v, int bf, T sc_, int nd, int ndv, int n, int P, int h0, int nh,
-                     int D, int Dv, long qe, const long *koff, const vt *add, int nch, T *out) {
-    vt sc[(MAX_DIRECT_SLOTS + L - 1) / L], mx;
-    T w[MAX_DIRECT_SLOTS + L], inv[L];
-    for (int c = 0; c < nch; c++) {
-        vt p[L];
-        for (int t = 0; t < L; t++) p[t] = (vt){0};
-        for (int u = 0; u < nh; u++) {
-            vt qv[DMAX];
-            for (int d = 0; d < nd; d++) qv[d] = ldx(q, bf, qe + (long)u * D + (long)d * L) * sc_;
+#define NG 4 /* head groups of a query in flight at once: their softmax chains overlap */
+
+/* the heads [h0, h0 + NG U) of one query (fewer at the end), U = L / P heads a group: with P = L / 2
+ * two heads' windows share one vector of scores (segments of P lanes), with P = L one head's window
+ * spans nch vectors. qe / oe: the query's and output's element offsets of head 0; koff[s]: slot
+ * s's key pixel times heads; add[g as + c]: mask / bias of group g's chunk c. The three phases
+ * (scores, softmax, P V) each run over all the groups, so that their dependency chains overlap. */
+INL void query_heads(const void *q, const void *k, const void *v, int bf, T sc_, int nd, int ndv, int n, int P,
+                     int h0, int heads, int D, int Dv, long qe, const long *koff, const vt *add, int as, int nch, T *out) {
+    const int U = L / P;
+    int ng = (heads - h0 + U - 1) / U;
+    ng = ng < NG ? ng : NG;
+    vt S[NG * ((MAX_DIRECT_SLOTS + L - 1) / L)];
+    T w[NG][MAX_DIRECT_SLOTS + L], inv[NG][L];
+    for (int g = 0; g < ng; g++) {
+        int hg = h0 + g * U, nh = heads - hg < U ? heads - hg : U;
+        for (int c = 0; c < nch; c++) {
+            vt p[L];
             int lim = n - c * L < P ? n - c * L : P;
-            for (int t = 0; t < lim; t++) {
-                long e = (koff[c * L + t] + h0 + u) * D;
-                vt a = qv[0] * ldx(k, bf, e);
-                for (int d = 1; d < nd; d++) a += qv[d] * ldx(k, bf, e + (long)d * L);
-                p[u * P + t] = a;
+#pragma GCC unroll 16
+            for (int u = 0; u < L / P; u++) {
+                vt qv[DMAX];
+                for (int d = 0; d < nd; d++)
+                    qv[d] = u < nh ? ldx(q, bf, qe + (long)(hg + u) * D + (long)d * L) * sc_ : (vt){0};
+#pragma GCC unroll 16
+                for (int t = 0; t < P; t++) { /* P constant: p stays in registers */
+                    vt a = {0};
+                    if (t < lim && u < nh) {
+                        long e = (koff[c * L + t] + hg + u) * D;
+                        a = qv[0] * ldx(k, bf, e);
+                        for (int d = 1; d < nd; d++) a += qv[d] * ldx(k, bf, e + (long)d * L);
+                    }
+                    p[u * P + t] = a;
+                }
             }
+            S[g * nch + c] = hsum_tree(p) + add[g * as + c];
         }
-        sc[c] = hsum_tree(p) + add[c];
-        mx = c ? vmax(mx, sc[c]) : sc[c];
     }
-    mx = seg_reduce(mx, P, 0);
-    vt tot = {0};
-    for (int c = 0; c < nch; c++) {
-        vt e = vexp(sc[c] - mx);
-        tot += e;
-        st(w + c * L, e);
-    }
-    st(inv, 1 / seg_reduce(tot, P, 1));
-    for (int u = 0; u < nh; u++) {
-        vt acc[DMAX];
-        for (int d = 0; d < ndv; d++) acc[d] = (vt){0};
-        for (int s = 0; s < n; s++) {
-            vt ws = splat(w[u * P + s]);
-            long e = (koff[s] + h0 + u) * Dv;
-            for (int d = 0; d < ndv; d++) acc[d] += ws * ldx(v, bf, e + (long)d * L);
+    for (int g = 0; g < ng; g++) {
+        vt mx = S[g * nch];
+        for (int c = 1; c < nch; c++) mx = vmax(mx, S[g * nch + c]);
+        mx = seg_reduce(mx, P, 0);
+        vt tot = {0};
+        for (int c = 0; c < nch; c++) {
+            vt e = vexp(S[g * nch + c] - mx);
+            tot += e;
+            st(w[g] + c * L, e);
         }
-        for (int d = 0; d < ndv; d++) st(out + (long)u * Dv + d * L, acc[d] * inv[u * P]);
+        st(inv[g], 1 / seg_reduce(tot, P, 1));
+    }
+    for (int g = 0; g < ng; g++) {
+        int hg = h0 + g * U, nh = heads - hg < U ? heads - hg : U;
+        for (int u = 0; u < nh; u++) {
+            vt acc[DMAX];
+            for (int d = 0; d < ndv; d++) acc[d] = (vt){0};
+            for (int s = 0; s < n; s++) {
+                vt ws = splat(w[g][u * P + s]);
+                long e = (koff[s] + hg + u) * Dv;
+                for (int d = 0; d < ndv; d++) acc[d] += ws * ldx(v, bf, e + (long)d * L);
+            }
+            for (int d = 0; d < ndv; d++) st(out + (long)(hg + u) * Dv + d * L, acc[d] * inv[g][u * P]);
+        }
     }
 }
 
-/* nd / ndv as constants for the common head sizes (the channel loops unrolled) */
-#define HEADS_QUERY(ND, NDV) heads_query(q, k, v, bf, sc, ND, NDV, n, P, h0, nh, D, Dv, qe, koff, ad, nch, o)
+/* P, nd, ndv as constants for the common head sizes (the loops unrolled, p in registers) */
+#define QUERY_HEADS(PP, ND, NDV) query_heads(q, k, v, bf, sc, ND, NDV, n, PP, h0, heads, D, Dv, qe, koff, ad, ad == base ? 0 : nch, nch, o)
 
 /* queries [i0, i1) of the flattened (batch, query column) range, every head; dims and tables as
  * na_forward (1-D: one query row, one key row, kh 1) */
@@ -122,15 +142,13 @@ void na_forward_1d(const void *q, const void *k, const void *v, const T *table, 
                    const int32_t *rows, const int32_t *cols, double scale, long i0, long i1, int bf) {
     const int heads = (int)dims[1], Wq = (int)dims[3], Wk = (int)dims[5], D = (int)dims[6], Dv = (int)dims[7];
     const int n = (int)dims[9], tw = 2 * n - 1, nd = D / L, ndv = Dv / L;
-    int P = 1;
-    while (P < n) P *= 2;
-    if (2 * n > L) P = L; /* one head per vector of scores, its window over nch vectors */
+    const int P = 2 * n <= L ? L / 2 : L; /* two heads per vector of scores, else one over nch vectors */
     const int U = L / P, nch = (n + L - 1) / L;
     const T sc = (T)scale;
     const int32_t *ki = cols, *ok = cols + (long)Wq * n, *rel = cols + 2L * (long)Wq * n;
     const int row_ok = rows[1], row_rel = rows[2]; /* rows (3, 1, 1) */
     long koff[MAX_DIRECT_SLOTS];
-    vt base[(MAX_DIRECT_SLOTS + L - 1) / L], add[(MAX_DIRECT_SLOTS + L - 1) / L];
+    vt base[(MAX_DIRECT_SLOTS + L - 1) / L], add[NG * ((MAX_DIRECT_SLOTS + L - 1) / L)];
     for (long iq = i0; iq < i1; iq++) {
         long b = iq / Wq;
         int i = (int)(iq % Wq);
@@ -140,27 +158,28 @@ void na_forward_1d(const void *q, const void *k, const void *v, const T *table, 
                 int s = U > 1 ? t % P : c * L + t;
                 base[c][t] = s < n && row_ok && ok[i * n + s] ? 0 : -INFINITY;
             }
-        for (int h0 = 0; h0 < heads; h0 += U) {
-            int nh = heads - h0 < U ? heads - h0 : U;
+        for (int h0 = 0; h0 < heads; h0 += NG * U) {
             const vt *ad = base;
             if (table) {
-                for (int c = 0; c < nch; c++) {
-                    add[c] = base[c];
-                    for (int t = 0; t < L; t++) {
-                        int u = U > 1 ? t / P : 0, s = U > 1 ? t % P : c * L + t;
-                        if (s < n && u < nh)
-                            add[c][t] += table[((long)(h0 + u) * (2 * 1 - 1) + row_rel) * tw + rel[i * n + s]];
+                for (int g = 0; g < NG; g++)
+                    for (int c = 0; c < nch; c++) {
+                        vt x = base[c];
+                        for (int t = 0; t < L; t++) {
+                            int h = h0 + g * U + (U > 1 ? t / P : 0), s = U > 1 ? t % P : c * L + t;
+                            if (s < n && h < heads) x[t] += table[((long)h * (2 * 1 - 1) + row_rel) * tw + rel[i * n + s]];
+                        }
+                        add[g * nch + c] = x;
                     }
-                }
                 ad = add;
             }
-            long qe = ((b * Wq + i) * heads + h0) * D;
-            T *o = out + ((b * Wq + i) * heads + h0) * Dv;
-            if (nd == 2 && ndv == 2) HEADS_QUERY(2, 2);
-            else if (nd == 4 && ndv == 4) HEADS_QUERY(4, 4);
-            else if (nd == 1 && ndv == 1) HEADS_QUERY(1, 1);
-            else if (nd == 8 && ndv == 8) HEADS_QUERY(8, 8);
-            else HEADS_QUERY(nd, ndv);
+            long qe = (b * Wq + i) * heads * D;
+            T *o = out + (b * Wq + i) * heads * Dv;
+            if (P == L / 2 && nd == 2 && ndv == 2) QUERY_HEADS(L / 2, 2, 2);
+            else if (P == L / 2 && nd == 4 && ndv == 4) QUERY_HEADS(L / 2, 4, 4);
+            else if (P == L / 2) QUERY_HEADS(L / 2, nd, ndv);
+            else if (nd == 2 && ndv == 2) QUERY_HEADS(L, 2, 2);
+            else if (nd == 4 && ndv == 4) QUERY_HEADS(L, 4, 4);
+            else QUERY_HEADS(L, nd, ndv);
         }
     }
 }
