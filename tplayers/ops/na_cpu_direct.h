@@ -15,9 +15,10 @@
 #define DMAX 16 /* channel vectors per row at most (D <= 16 L); the caller checks */
 #define MAX_DIRECT_SLOTS 256 /* window slots at most (the kernel's MAX_KERNEL is 255) */
 
-/* p[0..L): lane t of the result is the sum of p[t]'s lanes (p is overwritten): round s adds
- * p[j] and p[j + s] lane-pairwise, the lanes with bit s set carrying p[j + s]'s sums */
-INL vt hsum_tree(vt *p) {
+/* p[0..L): lane t of the result is the sum of p[t]'s lanes (p is overwritten; p[live..L) are
+ * zero): round s adds p[j] and p[j + s] (j < s) lane-pairwise, the lanes with bit s set carrying
+ * p[j + s]'s sums; L - 1 pair sums at most, fewer where inputs are zero */
+INL vt hsum_tree(vt *p, int live) {
 #if defined(__clang__) || !defined(NROUNDS)
     vt r;
     for (int t = 0; t < L; t++) {
@@ -25,6 +26,7 @@ INL vt hsum_tree(vt *p) {
         for (int u = 0; u < L; u++) s += p[t][u];
         r[t] = s;
     }
+    (void)live;
     return r;
 #else
 #pragma GCC unroll 8
@@ -32,9 +34,9 @@ INL vt hsum_tree(vt *p) {
         const int s = (L / 2) >> k;
         vi ma = TMASK_A[k], mb = TMASK_B[k];
 #pragma GCC unroll 16
-        for (int i = 0; i < L; i += 2 * s)
-            for (int j = i; j < i + s; j++)
-                p[j] = __builtin_shuffle(p[j], p[j + s], ma) + __builtin_shuffle(p[j], p[j + s], mb);
+        for (int j = 0; j < s; j++)
+            if (j < live) p[j] = __builtin_shuffle(p[j], p[j + s], ma) + __builtin_shuffle(p[j], p[j + s], mb);
+        live = live < s ? live : s;
     }
     return p[0];
 #endif
@@ -68,6 +70,7 @@ INL vt seg_reduce(vt x, int P, int op) {
 #endif
 }
 
+#define AS 4 /* partial sums of P V per channel vector */
 #define NG 4 /* head groups of a query in flight at once: their softmax chains overlap */
 
 /* the heads [h0, h0 + NG U) of one query (fewer at the end), U = L / P heads a group: with P = L / 2
@@ -103,7 +106,7 @@ INL void query_heads(const void *q, const void *k, const void *v, int bf, T sc_,
                     p[u * P + t] = a;
                 }
             }
-            S[g * nch + c] = hsum_tree(p) + add[g * as + c];
+            S[g * nch + c] = hsum_tree(p, P == L ? lim : L) + add[g * as + c];
         }
     }
     for (int g = 0; g < ng; g++) {
@@ -121,14 +124,27 @@ INL void query_heads(const void *q, const void *k, const void *v, int bf, T sc_,
     for (int g = 0; g < ng; g++) {
         int hg = h0 + g * U, nh = heads - hg < U ? heads - hg : U;
         for (int u = 0; u < nh; u++) {
-            vt acc[DMAX];
-            for (int d = 0; d < ndv; d++) acc[d] = (vt){0};
-            for (int s = 0; s < n; s++) {
+            vt acc[AS][DMAX]; /* AS sums over the slots: FMA chains AS times shorter */
+            for (int a = 0; a < AS; a++)
+                for (int d = 0; d < ndv; d++) acc[a][d] = (vt){0};
+            int s = 0;
+            for (; s + AS <= n; s += AS)
+#pragma GCC unroll 4
+                for (int a = 0; a < AS; a++) {
+                    vt ws = splat(w[g][u * P + s + a]);
+                    long e = (koff[s + a] + hg + u) * Dv;
+                    for (int d = 0; d < ndv; d++) acc[a][d] += ws * ldx(v, bf, e + (long)d * L);
+                }
+            for (; s < n; s++) {
                 vt ws = splat(w[g][u * P + s]);
                 long e = (koff[s] + hg + u) * Dv;
-                for (int d = 0; d < ndv; d++) acc[d] += ws * ldx(v, bf, e + (long)d * L);
+                for (int d = 0; d < ndv; d++) acc[0][d] += ws * ldx(v, bf, e + (long)d * L);
             }
-            for (int d = 0; d < ndv; d++) st(out + (long)(hg + u) * Dv + d * L, acc[d] * inv[g][u * P]);
+            for (int d = 0; d < ndv; d++) {
+                vt r = acc[0][d];
+                for (int a = 1; a < AS; a++) r += acc[a][d];
+                st(out + (long)(hg + u) * Dv + d * L, r * inv[g][u * P]);
+            }
         }
     }
 }
