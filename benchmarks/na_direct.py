@@ -1,5 +1,6 @@
 """Issue 35, the 1-D forward on the user's layout (``na_forward_1d``, ``tplayers/ops/na_cpu_direct.h``)
-against the C kernel's planes (``TPLAYERS_NA_DIRECT=0``) and the filing-time kernel
+(``TPLAYERS_NA_DIRECT=all``: on every window, not only where it is the default) against the C
+kernel's planes (``TPLAYERS_NA_DIRECT=0``) and the filing-time kernel
 (``benchmarks/na_reference.py``), one core, na1d 1x4096 (4 heads, d32) k7 and k33: forward, thread
 CPU time, minimum over the repeats, the three calls in rotated order (``na_kernels.rotated_times``),
 "cold" (a 1024^3 matmul before every timed call) and "warm" (none).
@@ -35,9 +36,9 @@ def bench(kernel: int, repeats: int, cold: bool) -> None:
         return run
 
     use_kernel("")
-    fns = {"direct": now("1"), "planes": now("0"), "old": lambda: old(q, k, v)}
+    fns = {"direct": now("all"), "planes": now("0"), "old": lambda: old(q, k, v)}
     t = rotated_times(fns, matmul_ref() if cold else (lambda: None), repeats)
-    os.environ["TPLAYERS_NA_DIRECT"] = "1"
+    os.environ["TPLAYERS_NA_DIRECT"] = ""
     print(
         f"na1d {'x'.join(map(str, SHAPE))} k{kernel} {'cold' if cold else 'warm'} forward: "
         f"direct {t['direct'] * 1e3:.3f} ms, planes {t['planes'] * 1e3:.3f} ms, old ({COMMIT}) {t['old'] * 1e3:.3f} ms; "

@@ -72,7 +72,10 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("na_cpu.c")
 #: every file of the kernel (the hash of the built library covers them all)
-SOURCES = (SOURCE, *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "io", "rows", "plan", "direct")))
+SOURCES = (
+    SOURCE,
+    *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "io", "rows", "plan", "direct")),
+)
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}
 #: vector width in bits and the ``-march`` that builds for an ISA that is not the host's own
@@ -212,8 +215,6 @@ def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
     lib.na_forward.restype = None
     lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32, i32]
     lib.na_backward.restype = None
-    lib.na_forward_1d.argtypes = [ptr] * 8 + [dbl, ctypes.c_long, ctypes.c_long, i32]
-    lib.na_forward_1d.restype = None
     na_cpu_plans.declare(lib)
     return lib
 
@@ -291,11 +292,13 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     rows, cols = kernel_tables(tuple(geo))
     out = q.new_empty(batch, q.shape[1], v.shape[-1], dtype=dtype)
     tab = None if table is None else table.detach().contiguous()
-    if forward_direct(dims, dtype):
+    if na_cpu_plans.forward_direct(dims, lanes(dtype)):  # na_cpu_direct.h; queries split over the threads, >= 256 each
         tensors, bf, n = (q, k, v, tab, out, dims, rows, cols), int(q.dtype == torch.bfloat16), batch * q.shape[1]
-        workers = max(1, min(torch.get_num_threads(), n // 256))
-        jobs = [(n * w // workers, n * (w + 1) // workers) for w in range(workers)]
-        _parallel(lambda i0, i1: lib.na_forward_1d(*map(_ptr, tensors), scale, i0, i1, bf), jobs)
+        w = max(1, min(torch.get_num_threads(), n // 256))
+        _parallel(
+            lambda a, b: lib.na_forward_1d(*map(_ptr, tensors), scale, a, b, bf),
+            [(n * i // w, n * (i + 1) // w) for i in range(w)],
+        )
         return out
     planes = batch * heads
     bounds, plan = _split(lib, 0, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
@@ -307,16 +310,6 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
 
     _parallel(work, bounds)
     return out
-
-
-def forward_direct(dims: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether :func:`c_forward` reads q, k, v in place (``na_forward_1d``, ``na_cpu_direct.h``): 1-D
-    calls (one query and key row) with D and Dv multiples of the lanes, at most 16 vectors;
-    ``TPLAYERS_NA_DIRECT=0`` turns it off (the benchmarks' A/B)."""
-    _, _, hq, _, hk, _, d, dv, kh, kw, _ = dims.tolist()
-    n = lanes(dtype)
-    shape_ok = hq == hk == kh == 1 and d % n == 0 and dv % n == 0 and max(d, dv) <= 16 * n and kw <= 256
-    return shape_ok and os.environ.get("TPLAYERS_NA_DIRECT", "1").strip() != "0"
 
 
 def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, heads: int, want_kv: bool = True):
