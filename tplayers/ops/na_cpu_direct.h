@@ -71,22 +71,28 @@ INL vt seg_reduce(vt x, int P, int op) {
 }
 
 #define AS 4 /* partial sums of P V per channel vector */
-#define NG 4 /* head groups of a query in flight at once: their softmax chains overlap */
+#define NG 4 /* head groups in flight at once (of one query or of consecutive ones): chains overlap */
 
-/* the heads [h0, h0 + NG U) of one query (fewer at the end), U = L / P heads a group: with P = L / 2
- * two heads' windows share one vector of scores (segments of P lanes), with P = L one head's window
- * spans nch vectors. qe / oe: the query's and output's element offsets of head 0; koff[s]: slot
- * s's key pixel times heads; add[g as + c]: mask / bias of group g's chunk c. The three phases
- * (scores, softmax, P V) each run over all the groups, so that their dependency chains overlap. */
-INL void query_heads(const void *q, const void *k, const void *v, int bf, T sc_, int nd, int ndv, int n, int P,
-                     int h0, int heads, int D, int Dv, long qe, const long *koff, const vt *add, int as, int nch, T *out) {
-    const int U = L / P;
-    int ng = (heads - h0 + U - 1) / U;
-    ng = ng < NG ? ng : NG;
+/* one group: U = L / P heads [h, h + nh) of one query; qe: the element offset of head h's query,
+ * koff[s]: slot s's key pixel times heads, add[c]: mask / bias of chunk c, o: head h's output */
+typedef struct {
+    long qe;
+    const long *koff;
+    const vt *add;
+    T *o;
+    int h, nh;
+} Grp;
+
+/* ng <= NG groups: with P = L / 2 two heads' windows share one vector of scores (segments of P
+ * lanes), with P = L one head's window spans nch vectors. The three phases (scores, softmax, P V)
+ * each run over all the groups, so that their dependency chains overlap. */
+INL void run_groups(const void *q, const void *k, const void *v, int bf, T sc_, int nd, int ndv, int n, int P,
+                    int D, int Dv, const Grp *gr, int ng, int nch) {
     vt S[NG * ((MAX_DIRECT_SLOTS + L - 1) / L)];
     T w[NG][MAX_DIRECT_SLOTS + L], inv[NG][L];
     for (int g = 0; g < ng; g++) {
-        int hg = h0 + g * U, nh = heads - hg < U ? heads - hg : U;
+        const int hg = gr[g].h, nh = gr[g].nh;
+        const long *koff = gr[g].koff;
         for (int c = 0; c < nch; c++) {
             vt p[L];
             int lim = n - c * L < P ? n - c * L : P;
@@ -94,7 +100,7 @@ INL void query_heads(const void *q, const void *k, const void *v, int bf, T sc_,
             for (int u = 0; u < L / P; u++) {
                 vt qv[DMAX];
                 for (int d = 0; d < nd; d++)
-                    qv[d] = u < nh ? ldx(q, bf, qe + (long)(hg + u) * D + (long)d * L) * sc_ : (vt){0};
+                    qv[d] = u < nh ? ldx(q, bf, gr[g].qe + (long)u * D + (long)d * L) * sc_ : (vt){0};
 #pragma GCC unroll 16
                 for (int t = 0; t < P; t++) { /* P constant: p stays in registers */
                     vt a = {0};
@@ -106,7 +112,7 @@ INL void query_heads(const void *q, const void *k, const void *v, int bf, T sc_,
                     p[u * P + t] = a;
                 }
             }
-            S[g * nch + c] = hsum_tree(p, P == L ? lim : L) + add[g * as + c];
+            S[g * nch + c] = hsum_tree(p, P == L ? lim : L) + gr[g].add[c];
         }
     }
     for (int g = 0; g < ng; g++) {
@@ -122,7 +128,8 @@ INL void query_heads(const void *q, const void *k, const void *v, int bf, T sc_,
         st(inv[g], 1 / seg_reduce(tot, P, 1));
     }
     for (int g = 0; g < ng; g++) {
-        int hg = h0 + g * U, nh = heads - hg < U ? heads - hg : U;
+        const int hg = gr[g].h, nh = gr[g].nh;
+        const long *koff = gr[g].koff;
         for (int u = 0; u < nh; u++) {
             vt acc[AS][DMAX]; /* AS sums over the slots: FMA chains AS times shorter */
             for (int a = 0; a < AS; a++)
@@ -143,59 +150,78 @@ INL void query_heads(const void *q, const void *k, const void *v, int bf, T sc_,
             for (int d = 0; d < ndv; d++) {
                 vt r = acc[0][d];
                 for (int a = 1; a < AS; a++) r += acc[a][d];
-                st(out + (long)(hg + u) * Dv + d * L, r * inv[g][u * P]);
+                st(gr[g].o + (long)u * Dv + d * L, r * inv[g][u * P]);
             }
         }
     }
 }
 
 /* P, nd, ndv as constants for the common head sizes (the loops unrolled, p in registers) */
-#define QUERY_HEADS(PP, ND, NDV) query_heads(q, k, v, bf, sc, ND, NDV, n, PP, h0, heads, D, Dv, qe, koff, ad, ad == base ? 0 : nch, nch, o)
+#define RUN_GROUPS(PP, ND, NDV) run_groups(q, k, v, bf, sc, ND, NDV, n, PP, D, Dv, gr, ng, nch)
+
+#define NCH ((MAX_DIRECT_SLOTS + L - 1) / L)
 
 /* queries [i0, i1) of the flattened (batch, query column) range, every head; dims and tables as
- * na_forward (1-D: one query row, one key row, kh 1) */
+ * na_forward (1-D: one query row, one key row, kh 1). Groups of consecutive queries run together
+ * (up to NG groups) where one query has fewer. */
 void na_forward_1d(const void *q, const void *k, const void *v, const T *table, T *out, const int64_t *dims,
                    const int32_t *rows, const int32_t *cols, double scale, long i0, long i1, int bf) {
     const int heads = (int)dims[1], Wq = (int)dims[3], Wk = (int)dims[5], D = (int)dims[6], Dv = (int)dims[7];
     const int n = (int)dims[9], tw = 2 * n - 1, nd = D / L, ndv = Dv / L;
     const int P = 2 * n <= L ? L / 2 : L; /* two heads per vector of scores, else one over nch vectors */
-    const int U = L / P, nch = (n + L - 1) / L;
+    const int U = L / P, nch = (n + L - 1) / L, gq = (heads + U - 1) / U; /* groups per query */
     const T sc = (T)scale;
     const int32_t *ki = cols, *ok = cols + (long)Wq * n, *rel = cols + 2L * (long)Wq * n;
     const int row_ok = rows[1], row_rel = rows[2]; /* rows (3, 1, 1) */
-    long koff[MAX_DIRECT_SLOTS];
-    vt base[(MAX_DIRECT_SLOTS + L - 1) / L], add[NG * ((MAX_DIRECT_SLOTS + L - 1) / L)];
+    long koff[NG][MAX_DIRECT_SLOTS];
+    vt base[NG][NCH], add[NG][NCH];
+    Grp gr[NG];
+    int ng = 0, nq = 0; /* groups pending; the next query's slot of koff / base */
     for (long iq = i0; iq < i1; iq++) {
         long b = iq / Wq;
         int i = (int)(iq % Wq);
-        for (int s = 0; s < n; s++) koff[s] = (b * Wk + ki[i * n + s]) * heads;
+        if (nq == NG) nq = 0; /* circular: the pending queries (< NG, each with a pending group) are the
+                               * slots before nq, so slot nq is free */
+        long *ko = koff[nq];
+        vt *bs = base[nq];
+        nq++;
+        for (int s = 0; s < n; s++) ko[s] = (b * Wk + ki[i * n + s]) * heads;
         for (int c = 0; c < nch; c++)
             for (int t = 0; t < L; t++) {
                 int s = U > 1 ? t % P : c * L + t;
-                base[c][t] = s < n && row_ok && ok[i * n + s] ? 0 : -INFINITY;
+                bs[c][t] = s < n && row_ok && ok[i * n + s] ? 0 : -INFINITY;
             }
-        for (int h0 = 0; h0 < heads; h0 += NG * U) {
-            const vt *ad = base;
+        for (int h0 = 0; h0 < heads; h0 += U) {
+            Grp *g = gr + ng;
+            g->h = h0;
+            g->nh = heads - h0 < U ? heads - h0 : U;
+            g->qe = ((b * Wq + i) * heads + h0) * D;
+            g->o = out + ((b * Wq + i) * heads + h0) * Dv;
+            g->koff = ko;
+            g->add = bs;
             if (table) {
-                for (int g = 0; g < NG; g++)
-                    for (int c = 0; c < nch; c++) {
-                        vt x = base[c];
-                        for (int t = 0; t < L; t++) {
-                            int h = h0 + g * U + (U > 1 ? t / P : 0), s = U > 1 ? t % P : c * L + t;
-                            if (s < n && h < heads) x[t] += table[((long)h * (2 * 1 - 1) + row_rel) * tw + rel[i * n + s]];
-                        }
-                        add[g * nch + c] = x;
+                for (int c = 0; c < nch; c++) {
+                    vt x = bs[c];
+                    for (int t = 0; t < L; t++) {
+                        int h = h0 + (U > 1 ? t / P : 0), s = U > 1 ? t % P : c * L + t;
+                        if (s < n && h < heads) x[t] += table[((long)h * (2 * 1 - 1) + row_rel) * tw + rel[i * n + s]];
                     }
-                ad = add;
+                    add[ng][c] = x;
+                }
+                g->add = add[ng];
             }
-            long qe = (b * Wq + i) * heads * D;
-            T *o = out + (b * Wq + i) * heads * Dv;
-            if (P == L / 2 && nd == 2 && ndv == 2) QUERY_HEADS(L / 2, 2, 2);
-            else if (P == L / 2 && nd == 4 && ndv == 4) QUERY_HEADS(L / 2, 4, 4);
-            else if (P == L / 2) QUERY_HEADS(L / 2, nd, ndv);
-            else if (nd == 2 && ndv == 2) QUERY_HEADS(L, 2, 2);
-            else if (nd == 4 && ndv == 4) QUERY_HEADS(L, 4, 4);
-            else QUERY_HEADS(L, nd, ndv);
+            ng++;
+            /* run when full, at the last query, or when the next query's groups would not fit */
+            int last = iq + 1 == i1 && h0 + U >= heads;
+            if (ng == NG || last || (h0 + U >= heads && ng + gq > NG)) {
+                if (P == L / 2 && nd == 2 && ndv == 2) RUN_GROUPS(L / 2, 2, 2);
+                else if (P == L / 2 && nd == 4 && ndv == 4) RUN_GROUPS(L / 2, 4, 4);
+                else if (P == L / 2) RUN_GROUPS(L / 2, nd, ndv);
+                else if (nd == 2 && ndv == 2) RUN_GROUPS(L, 2, 2);
+                else if (nd == 4 && ndv == 4) RUN_GROUPS(L, 4, 4);
+                else RUN_GROUPS(L, nd, ndv);
+                ng = 0;
+            }
         }
     }
 }
