@@ -30,8 +30,8 @@ def forward_direct(dims: torch.Tensor, lanes: int) -> bool:
     """Whether :func:`~tplayers.ops.na_cpu.c_forward` runs without a plan, reading q, k, v in place
     (``na_forward_1d``, ``na_cpu_direct.h``) for the kernel's ``dims`` on ``lanes`` elements per
     vector: 1-D calls (one query and key row), D and Dv multiples of the lanes (at most 16 vectors),
-    windows of at most one vector (``kernel <= lanes``: at 1-D 1x4096 h4 d32, k7 measured 1.1-1.7x
-    the planes forward, k33 0.8-1.06x: benchmarks/na_direct.py). ``TPLAYERS_NA_DIRECT``: ``0`` off,
+    windows of at most one vector (``kernel <= lanes``: at 1-D 1x4096 h4 d32, k7 measured 1.22-1.61x
+    the planes forward, k33 0.89-1.08x: benchmarks/na_direct.py). ``TPLAYERS_NA_DIRECT``: ``0`` off,
     ``all`` every window up to 256 slots (the benchmark's A/B)."""
     _, _, hq, _, hk, _, d, dv, kh, kw, _ = dims.tolist()
     flag = os.environ.get("TPLAYERS_NA_DIRECT", "").strip()
