@@ -48,7 +48,9 @@ def test_long_rows_run_in_chunks_and_match_the_oracle(monkeypatch):
         for backward in (0, 1):
             got = _chunks(size, kernel, dilation, causal, dim, dim_v, backward)
             assert got > 1, f"expected column chunks at {size} d{dim}, got {got}"
-        _case(size, kernel, dilation, causal, dim, dim_v, box, seed=kernel[1])
+        for direct in ("0", ""):  # the planes' chunked forward, and the default (na_forward_1d where it applies)
+            monkeypatch.setenv("TPLAYERS_NA_DIRECT", direct)
+            _case(size, kernel, dilation, causal, dim, dim_v, box, seed=kernel[1])
 
 
 def test_wide_2d_rows_run_in_chunks_and_match_the_oracle(monkeypatch):

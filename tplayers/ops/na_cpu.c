@@ -31,11 +31,13 @@
  * scores of a tile fit L1/L2). MR follows the ISA's vector registers (4 rows with 32, 3 with 16).
  * Rows whose keys would not stay in the cache (long 1-D rows) run in column chunks: each chunk
  * transposes only its key span (make_plan: a quarter of the L2 size from sysconf).
+ * 1-D windows of one vector skip the planes: na_forward_1d (na_cpu_direct.h; na_cpu_plans.py).
  */
 #include "na_cpu_blocks.h"
 #include "na_cpu_io.h"
 #include "na_cpu_rows.h"
 #include "na_cpu_plan.h"
+#include "na_cpu_direct.h"
 
 static long scratch_of(const Geo *g, const Plan *pl, int backward) {
     long pk = (long)g->Hk * g->kp, D = g->D, Dv = g->Dv, qw = pl->qw;

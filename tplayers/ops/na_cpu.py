@@ -14,7 +14,8 @@ is the default wherever it builds (faster than the torch kernels on both ISAs, f
 backward: ``benchmarks/na.py``, docs/neighborhood-attention.md, benchmarks/RESULTS.md).
 
 It runs tiles of query rows against the key rows they share (``na_cpu.c``, shipped as source;
-plans cached by :mod:`tplayers.ops.na_cpu_plans`). On the first CPU call (never at import) it is
+plans cached by :mod:`tplayers.ops.na_cpu_plans`); 1-D forwards whose window fits one vector read
+q, k, v in place instead (``na_cpu_direct.h``, :func:`~tplayers.ops.na_cpu_plans.forward_direct`). On the first CPU call (never at import) it is
 compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -shared -fPIC -DNA_LANES=n``
 (:func:`build_flags`), once per element type, into ``$TPLAYERS_CACHE`` (else
 ``~/.cache/tplayers``) under a name hashed from the source, the compiler, its version, the flags
@@ -72,7 +73,10 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("na_cpu.c")
 #: every file of the kernel (the hash of the built library covers them all)
-SOURCES = (SOURCE, *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "io", "rows", "plan")))
+SOURCES = (
+    SOURCE,
+    *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "io", "rows", "plan", "direct")),
+)
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}
 #: vector width in bits and the ``-march`` that builds for an ISA that is not the host's own
@@ -289,6 +293,14 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     rows, cols = kernel_tables(tuple(geo))
     out = q.new_empty(batch, q.shape[1], v.shape[-1], dtype=dtype)
     tab = None if table is None else table.detach().contiguous()
+    if na_cpu_plans.forward_direct(dims, lanes(dtype)):  # na_cpu_direct.h; queries split over the threads, >= 256 each
+        tensors, bf, n = (q, k, v, tab, out, dims, rows, cols), int(q.dtype == torch.bfloat16), batch * q.shape[1]
+        w = max(1, min(torch.get_num_threads(), n // 256))
+        _parallel(
+            lambda a, b: lib.na_forward_1d(*map(_ptr, tensors), scale, a, b, bf),
+            [(n * i // w, n * (i + 1) // w) for i in range(w)],
+        )
+        return out
     planes = batch * heads
     bounds, plan = _split(lib, 0, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
 

@@ -11,13 +11,14 @@ Plans are read-only during calls, so threads share them.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections import OrderedDict
 from threading import Lock
 from typing import Tuple
 
 import torch
 
-__all__ = ["plan", "CACHED", "declare"]
+__all__ = ["plan", "CACHED", "declare", "forward_direct"]
 
 #: plans kept per process (a model has a few shapes per layer kind)
 CACHED = 64
@@ -25,9 +26,24 @@ _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
 _lock = Lock()
 
 
+def forward_direct(dims: torch.Tensor, lanes: int) -> bool:
+    """Whether :func:`~tplayers.ops.na_cpu.c_forward` runs without a plan, reading q, k, v in place
+    (``na_forward_1d``, ``na_cpu_direct.h``) for the kernel's ``dims`` on ``lanes`` elements per
+    vector: 1-D calls (one query and key row), D and Dv multiples of the lanes (at most 16 vectors),
+    windows of at most one vector (``kernel <= lanes``: at 1-D 1x4096 h4 d32, k7 measured 1.22-1.61x
+    the planes forward, k33 0.89-1.08x: benchmarks/na_direct.py). ``TPLAYERS_NA_DIRECT``: ``0`` off,
+    ``all`` every window up to 256 slots (the benchmark's A/B)."""
+    _, _, hq, _, hk, _, d, dv, kh, kw, _ = dims.tolist()
+    flag = os.environ.get("TPLAYERS_NA_DIRECT", "").strip()
+    shape_ok = hq == hk == kh == 1 and d % lanes == 0 and dv % lanes == 0 and max(d, dv) <= 16 * lanes
+    return shape_ok and flag != "0" and kw <= (256 if flag == "all" else lanes)
+
+
 def declare(lib: ctypes.CDLL) -> None:
     """The plan entry points' ctypes signatures on a freshly loaded kernel ``lib``."""
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
+    lib.na_forward_1d.argtypes = [ptr] * 8 + [ctypes.c_double, ctypes.c_long, ctypes.c_long, i32]
+    lib.na_forward_1d.restype = None
     lib.na_plan.argtypes, lib.na_plan.restype = [ptr, ptr, ptr, i32], ptr
     lib.na_plan_free.argtypes, lib.na_plan_free.restype = [ptr], None
     lib.na_plan_scratch.argtypes, lib.na_plan_scratch.restype = [ptr, ptr], ctypes.c_long

@@ -1,0 +1,108 @@
+"""The C kernel's 1-D forward on the user's layout (``na_forward_1d``, tplayers/ops/na_cpu_direct.h,
+issue 35): q, k, v read in place, no planes. Exact against the brute-force oracle in fp64 (output
+and, through the C backward that receives its output, every gradient) on random 1-D configurations
+with head dims that are multiples of the lanes and windows of at most one vector (stride,
+dilation, causal, GQA/MQA, the bias, batch 2), on the host's build and the AVX2 build where the
+host has AVX-512; the path is checked to be the one taken, and its threads' split to give the same
+bits; where it does not apply (head dims off the lanes, wider windows, ``TPLAYERS_NA_DIRECT=0``)
+the planes run."""
+
+import random
+
+import pytest
+import torch
+from na_oracle import assert_out_and_grads, brute_na
+
+import tplayers
+from tplayers.ops import na_cpu, na_cpu_plans
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+def _isas():
+    return ["avx2"] if na_cpu.host_isa() == "avx512" else []
+
+
+def _spy(monkeypatch):
+    taken = []
+    real = na_cpu_plans.forward_direct
+    monkeypatch.setattr(na_cpu_plans, "forward_direct", lambda *a: taken.append(real(*a)) or taken[-1])
+    return taken
+
+
+@pytest.mark.parametrize("isa", [None, *_isas()])
+def test_random_1d_configurations_match_the_oracle(isa, monkeypatch):
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.delenv("TPLAYERS_NA_DIRECT", raising=False)
+    if isa:
+        monkeypatch.setenv("TPLAYERS_NA_ISA", isa)
+    else:
+        monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
+    lanes = na_cpu.lanes(torch.float64)
+    taken = _spy(monkeypatch)
+    rng = random.Random(35 + lanes)
+    for case in range(8):
+        kernel = rng.randint(2, lanes)
+        stride = rng.choice([1, 1, kernel, rng.randint(1, kernel)])
+        dil = rng.choice([1, 1, 2, 3])
+        causal = rng.random() < 0.35
+        size = kernel * dil + rng.choice([0, 2, 5, 11, 19])
+        heads = 9 if case == 0 else rng.choice([1, 2, 3, 4])  # 9: more head groups than run at once
+        kv_heads = rng.choice([h for h in (1, 2, 3, 4) if heads % h == 0])
+        with_bias = stride == 1 and rng.random() < 0.6
+        dim, dim_v = lanes * rng.randint(1, 3), lanes * rng.randint(1, 3)
+        gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        q = torch.randn(2, size, heads, dim, generator=gen, dtype=torch.float64)
+        k = torch.randn(2, size, kv_heads, dim, generator=gen, dtype=torch.float64)
+        v = torch.randn(2, size, kv_heads, dim_v, generator=gen, dtype=torch.float64)
+        tensors = [q, k, v] + (
+            [torch.randn(heads, 2 * kernel - 1, generator=gen, dtype=torch.float64)] if with_bias else []
+        )
+        ins = [t.clone().requires_grad_() for t in tensors]
+        ref_ins = [t.clone().requires_grad_() for t in tensors]
+        rpb = ins[3] if with_bias else None
+        out = tplayers.na1d(*ins[:3], kernel, dil, causal, 0.37, stride=stride, rel_pos_bias=rpb)
+        ref = brute_na(
+            *ref_ins[:3], (kernel,), (stride,), (dil,), (causal,), 0.37, rpb=ref_ins[3] if with_bias else None
+        )
+        where = f"isa {isa} k{kernel} s{stride} d{dil} causal {causal} L{size} heads {heads}/{kv_heads} D {dim}/{dim_v}"
+        assert taken and taken[-1], f"the direct forward did not run: {where}"
+        assert_out_and_grads(out, ref, ins, ref_ins, gen, where, **TIGHT)
+
+
+def test_threads_split_the_queries_bit_for_bit(monkeypatch):
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.delenv("TPLAYERS_NA_DIRECT", raising=False)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 300, 2, 16, generator=gen) for _ in range(3))
+    taken = _spy(monkeypatch)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = tplayers.na1d(q, k, v, 5, dilation=2)
+        torch.set_num_threads(3)
+        three = tplayers.na1d(q, k, v, 5, dilation=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert taken == [True, True]
+    assert torch.equal(one, three)
+
+
+def test_where_it_does_not_apply_the_planes_run(monkeypatch):
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.delenv("TPLAYERS_NA_DIRECT", raising=False)
+    lanes = na_cpu.lanes(torch.float64)
+    taken = _spy(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    cases = [(lanes + 1, lanes, ""), (3, lanes + 1, ""), (3, lanes, "0")]  # (kernel, head dim, TPLAYERS_NA_DIRECT)
+    for kernel, dim, flag in cases:
+        monkeypatch.setenv("TPLAYERS_NA_DIRECT", flag)
+        q, k, v = (torch.randn(1, 40, 2, dim, generator=gen, dtype=torch.float64) for _ in range(3))
+        out = tplayers.na1d(q, k, v, kernel)
+        assert taken[-1] is False, (kernel, dim, flag)
+        torch.testing.assert_close(out, brute_na(q, k, v, (kernel,)), **TIGHT)
+    monkeypatch.setenv("TPLAYERS_NA_DIRECT", "all")  # the benchmark's A/B: every window
+    q, k, v = (torch.randn(1, 40, 2, lanes, generator=gen, dtype=torch.float64) for _ in range(3))
+    out = tplayers.na1d(q, k, v, lanes + 5)
+    assert taken[-1] is True
+    torch.testing.assert_close(out, brute_na(q, k, v, (lanes + 5,)), **TIGHT)
