@@ -54,6 +54,9 @@ class Aliases:
     def __len__(self) -> int:
         return len(self._seen)
 
+    def __reduce__(self):  # copies and pickles of a model start with an empty record (weak references do not travel)
+        return (Aliases, ())
+
     def remember(self, t: torch.Tensor, token: Any, layout: Any) -> None:
         storage = _storage(t)
         if storage is None:  # no memory: no identity to match
