@@ -14,6 +14,7 @@ from ckpt_util import Net, serial_net
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+import tplayers.checkpoint.commit as durable
 import tplayers.checkpoint.format as fmt
 from tplayers.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tplayers.checkpoint.__main__ import main
@@ -73,7 +74,7 @@ def test_read_header_rejects_damage(tmp_path):
 @pytest.mark.parametrize("exchange", [True, False])
 def test_commit_replaces_dirs_and_files(tmp_path, monkeypatch, exchange):
     if not exchange:
-        monkeypatch.setattr(fmt, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(durable, "_exchange", lambda a, b: False)
     for kind in ("dir", "file"):
         target = str(tmp_path / f"t-{kind}")
         for gen in range(3):
@@ -83,7 +84,7 @@ def test_commit_replaces_dirs_and_files(tmp_path, monkeypatch, exchange):
                 open(os.path.join(tmp, "x"), "w").write(str(gen))
             else:
                 open(tmp, "w").write(str(gen))
-            fmt.commit(tmp, target)
+            durable.commit(tmp, target)
             got = open(os.path.join(target, "x") if kind == "dir" else target).read()
             assert got == str(gen)
         assert sorted(os.listdir(tmp_path)) == sorted(n for n in os.listdir(tmp_path) if not n.startswith("."))

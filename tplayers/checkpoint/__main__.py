@@ -13,8 +13,9 @@ import secrets
 import sys
 from typing import List, Optional
 
+from tplayers.checkpoint.commit import commit
 from tplayers.checkpoint.digest import label
-from tplayers.checkpoint.format import BLOCK_BYTES, CheckpointError, commit, itemsize, write_file
+from tplayers.checkpoint.format import BLOCK_BYTES, CheckpointError, itemsize, write_file
 from tplayers.checkpoint.index import Source, open_source
 from tplayers.checkpoint.layout import plan_layout, stored
 from tplayers.checkpoint.progress import Progress

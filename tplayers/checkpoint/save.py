@@ -2,7 +2,7 @@
 
 Crash safety. Everything is written under a temporary sibling of ``path``
 (``.<name>.tmp-<token>``), every file is fsynced, then the directory, then it
-is moved into place by :func:`tplayers.checkpoint.format.commit`: a rename, or
+is moved into place by :func:`tplayers.checkpoint.commit.commit`: a rename, or
 an atomic exchange with the previous checkpoint followed by deleting it. A
 crash before the move leaves the previous checkpoint untouched (plus a stray
 temp sibling, safe to delete); after it, the new one is complete.
@@ -19,8 +19,9 @@ from typing import Dict, Optional, Sequence
 import torch
 from torch import nn
 
+from tplayers.checkpoint.commit import commit, fsync_dir
 from tplayers.checkpoint.digest import DEFAULT, check_algorithm
-from tplayers.checkpoint.format import BLOCK_BYTES, CheckpointError, commit, fsync_dir, read_header, write_file
+from tplayers.checkpoint.format import BLOCK_BYTES, CheckpointError, read_header, write_file
 from tplayers.checkpoint.gather import gather_state_dict
 from tplayers.checkpoint.index import FORMAT, INDEX_NAME, NATURAL, build_index
 from tplayers.checkpoint.layout import (
