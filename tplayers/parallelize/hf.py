@@ -24,7 +24,6 @@ from torch import nn
 
 from tplayers.layers._linear_base import linear_dims
 from tplayers.layers._sections import SectionLayout
-from tplayers.layers.replicated import DomainReplicated
 from tplayers.mesh import resolve_mesh
 from tplayers.parallelize.expert_styles import ExpertParallel
 from tplayers.parallelize.heads import FUSED as _FUSED
@@ -40,7 +39,7 @@ from tplayers.parallelize.hf_sequence import (
     check_sequence_parallel_model,
     check_sequence_parallel_style,
 )
-from tplayers.parallelize.styles import ColumnParallel, ParallelStyle, RowParallel, key_repr
+from tplayers.parallelize.styles import ColumnParallel, ParallelStyle, ReplicatedGradSum, RowParallel
 
 __all__ = ["plan_from_transformers", "ReplicatedGradSum", "causal_lm_loss", "TRANSFORMERS_STYLES"]
 
@@ -81,44 +80,6 @@ _BUILTIN = {
     }
 }
 _BUILTIN_HEAD = {"lm_head": "colwise_gather_output"}
-
-
-@dataclass(frozen=True)
-class ReplicatedGradSum(ParallelStyle):
-    """A module with replicated parameters whose gradients are summed over the mesh
-    (:class:`~tplayers.DomainReplicated`): transformers' ``sequence_parallel`` (a norm on this
-    rank's tokens) and ``replicated_with_grad_allreduce`` (a norm on this rank's heads).
-    Any module whose parameters are all its own (an ``RMSNorm`` class of a model) qualifies,
-    e.g. ``{r"model\\.layers\\.\\d+\\.input_layernorm": tplayers.ReplicatedGradSum()}``.
-
-    Raises:
-        ValueError: (from :func:`~tplayers.parallelize_module`) a matched module whose children
-            hold parameters.
-
-    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
-
-        import copy, torch, tplayers
-        mesh = tplayers.init_mesh()
-        torch.manual_seed(0)
-        serial = torch.nn.Sequential(torch.nn.LayerNorm(8))
-        model = tplayers.parallelize_module(copy.deepcopy(serial), {"0": tplayers.ReplicatedGradSum()}, mesh=mesh)
-        x = torch.randn(6, 8)
-        model(tplayers.shard(x, 0, mesh)).sum().backward()   # this rank's tokens
-        serial(x).sum().backward()
-        torch.testing.assert_close(model[0].weight.grad, serial[0].weight.grad)   # summed over ranks
-    """
-
-    accepts = (nn.Module,)
-
-    def check(self, key, name, module):
-        if len(list(module.parameters())) != len(list(module.parameters(recurse=False))):
-            raise ValueError(
-                f"plan key {key_repr(key)}: ReplicatedGradSum wraps a module's own parameters, but "
-                f"module {name!r} ({type(module).__name__}) has parameters in its children"
-            )
-
-    def build(self, name, module, mesh):
-        return DomainReplicated(module, mesh)
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from tplayers.layers._linear_base import transposed_linear_dims
 from tplayers.layers.embedding import ColumnParallelEmbedding, VocabParallelEmbedding
 from tplayers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tplayers.layers.replicated import DomainReplicated
 from tplayers.parallelize.subclasses import check_no_forward_override, embedding_scale
 
-__all__ = ["ParallelStyle", "ColumnParallel", "RowParallel", "PartitionFn", "PlanKey", "key_repr"]
+__all__ = ["ParallelStyle", "ColumnParallel", "RowParallel", "ReplicatedGradSum", "PartitionFn", "PlanKey", "key_repr"]
 
 PartitionFn = Callable[[str, nn.Module, DeviceMesh], nn.Module]
 PlanKey = Union[str, type]
@@ -231,3 +232,41 @@ class RowParallel(ParallelStyle):
             sequence_parallel=self.sequence_parallel,
             sequence_dim=self.sequence_dim,
         )
+
+
+@dataclass(frozen=True)
+class ReplicatedGradSum(ParallelStyle):
+    """A module with replicated parameters whose gradients are summed over the mesh
+    (:class:`~tplayers.DomainReplicated`): transformers' ``sequence_parallel`` (a norm on this
+    rank's tokens) and ``replicated_with_grad_allreduce`` (a norm on this rank's heads).
+    Any module whose parameters are all its own (an ``RMSNorm`` class of a model) qualifies,
+    e.g. ``{r"model\\.layers\\.\\d+\\.input_layernorm": tplayers.ReplicatedGradSum()}``.
+
+    Raises:
+        ValueError: (from :func:`~tplayers.parallelize_module`) a matched module whose children
+            hold parameters.
+
+    Example (``torchrun --nproc-per-node 2``, or plain ``python``)::
+
+        import copy, torch, tplayers
+        mesh = tplayers.init_mesh()
+        torch.manual_seed(0)
+        serial = torch.nn.Sequential(torch.nn.LayerNorm(8))
+        model = tplayers.parallelize_module(copy.deepcopy(serial), {"0": tplayers.ReplicatedGradSum()}, mesh=mesh)
+        x = torch.randn(6, 8)
+        model(tplayers.shard(x, 0, mesh)).sum().backward()   # this rank's tokens
+        serial(x).sum().backward()
+        torch.testing.assert_close(model[0].weight.grad, serial[0].weight.grad)   # summed over ranks
+    """
+
+    accepts = (nn.Module,)
+
+    def check(self, key, name, module):
+        if len(list(module.parameters())) != len(list(module.parameters(recurse=False))):
+            raise ValueError(
+                f"plan key {key_repr(key)}: ReplicatedGradSum wraps a module's own parameters, but "
+                f"module {name!r} ({type(module).__name__}) has parameters in its children"
+            )
+
+    def build(self, name, module, mesh):
+        return DomainReplicated(module, mesh)
