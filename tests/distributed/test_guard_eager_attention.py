@@ -152,3 +152,23 @@ def test_a_reshape_moving_tokens_into_channels_is_refused_on_every_rank():
     puts the length ``h`` read from the sharded dim on a whole dim: the serial reshape fills that dim with
     other elements (it was silently a different tensor)."""
     assert run_ranks(_tokens_to_channels, 2, timeout=60) == [True, True]
+
+
+def _softmax_dtype(rank, world):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 4, dtype=torch.float64)
+    model = tplayers.parallelize_module(Scale().double(), {"": tplayers.DomainParallel(shard_dims=(2,))})
+    y = model(tplayers.shard(x, 2))
+    want = tplayers.shard(Scale().double()(x), 2)
+    assert y.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(y, want)
+    return True
+
+
+class Scale(nn.Module):
+    def forward(self, x):
+        return x.softmax(2, torch.float32) + torch.log_softmax(x, 2, torch.float32)  # dtype given positionally
+
+
+def test_softmax_along_a_sharded_dim_keeps_a_positional_dtype():
+    assert run_ranks(_softmax_dtype, 2, timeout=60) == [True, True]

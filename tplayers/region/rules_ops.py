@@ -121,12 +121,8 @@ def _softmax(g, func, args, kwargs):
     """``softmax`` / ``log_softmax`` along a sharded dim (smp MAnet's softmax over every pixel pair): the
     global maximum (no gradient: the result does not depend on it) and the global sum of exponentials,
     each one all-reduce; along a whole dim, local."""
-    torch_style = (
-        func in (torch.softmax, torch.log_softmax)
-        or not isinstance(args[0], torch.Tensor)
-        or (getattr(func, "__module__", "") or "").startswith("torch._C")
-    )
-    names = ("input", "dim", "dtype") if torch_style else ("input", "dim", "_stacklevel", "dtype")
+    functional = func is torch.nn.functional.softmax or func is torch.nn.functional.log_softmax
+    names = ("input", "dim", "_stacklevel", "dtype") if functional else ("input", "dim", "dtype")
     a = _bind(args, kwargs, names, {"dim": None, "dtype": None})
     x, lay = a["input"], g.layout(a["input"])
     if a["dim"] is None or int(a["dim"]) % x.dim() not in sharded_dims(lay):
