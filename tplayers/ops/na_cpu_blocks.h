@@ -26,6 +26,14 @@ typedef int32_t IT;
 #endif
 #endif
 #define L NA_LANES
+#ifdef NA_DOUBLE
+#define NA_VBYTES (NA_LANES * 8)
+#else
+#define NA_VBYTES (NA_LANES * 4)
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 typedef T vt __attribute__((vector_size(L * sizeof(T))));
 typedef IT vi __attribute__((vector_size(L * sizeof(IT))));
 #define G 8  /* score accumulators per pass (keys at a time) */
@@ -39,7 +47,25 @@ INL vt ld(const T *p) { vt v; memcpy(&v, p, sizeof v); return v; }
 INL void st(T *p, vt v) { memcpy(p, &v, sizeof v); }
 INL vt splat(T x) { return (vt){0} + x; }
 INL vt vsel(vi m, vt a, vt b) { return (vt)(((vi)a & m) | ((vi)b & ~m)); }
-INL vt vmax(vt a, vt b) { return vsel(a > b, a, b); }
+/* a > b ? a : b lane by lane (b where either is NaN): the ISA's max instruction where there is one
+ * (the select compiled to a compare and two masked xors on a loop-carried chain) */
+INL vt vmax(vt a, vt b) {
+#if defined(__AVX512F__) && NA_VBYTES == 64 && !defined(NA_DOUBLE)
+    return (vt)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(__AVX512F__) && NA_VBYTES == 64
+    return (vt)_mm512_max_pd((__m512d)a, (__m512d)b);
+#elif defined(__AVX__) && NA_VBYTES == 32 && !defined(NA_DOUBLE)
+    return (vt)_mm256_max_ps((__m256)a, (__m256)b);
+#elif defined(__AVX__) && NA_VBYTES == 32
+    return (vt)_mm256_max_pd((__m256d)a, (__m256d)b);
+#elif defined(__SSE2__) && NA_VBYTES == 16 && !defined(NA_DOUBLE)
+    return (vt)_mm_max_ps((__m128)a, (__m128)b);
+#elif defined(__SSE2__) && NA_VBYTES == 16
+    return (vt)_mm_max_pd((__m128d)a, (__m128d)b);
+#else
+    return vsel(a > b, a, b);
+#endif
+}
 
 /* exp on a vector (Cody-Waite reduction, Taylor polynomial on [-ln2/2, ln2/2]); exactly 0 below
  * the underflow threshold (masked keys carry -inf). */
@@ -54,8 +80,8 @@ INL vt vexp(vt x) {
     static const T c[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}; /* |err| < 1.2e-7 */
     const int nc = 7, bias = 127, mant = 23;
 #endif
-    vi keep = (x >= lo) | (x != x); /* NaN passes through (and comes out NaN, as torch's exp) */
-    x = vsel(keep, x, splat(lo));
+    vi keep = ~(x < lo); /* NaN passes through (and comes out NaN, as torch's exp) */
+    x = vmax(splat(lo), x);
     /* n = round(x / ln2) by the shifter trick: adding 1.5 * 2^mant leaves n in the low mantissa
      * bits (no float <-> int conversions: AVX2 has none for 64-bit integers) */
     const T shifter = (T)1.5 * (T)((IT)1 << mant);
@@ -198,8 +224,16 @@ static int block_add(const Geo *g, int i, int j0, int h, const Lanes *ln, vt *ad
 INL vt softmax(int nk, vt *s, const vt *add) {
     if (add)
         for (int ab = 0; ab < nk; ab++) s[ab] += add[ab];
-    vt m = s[0], l = {0};
-    for (int ab = 1; ab < nk; ab++) m = vmax(m, s[ab]);
+    vt m = s[0], m1 = s[0], m2 = s[0], m3 = s[0], l = {0}; /* 4 chains (max is exact in any order) */
+    int ab = 1;
+    for (; ab + 4 <= nk; ab += 4) {
+        m = vmax(m, s[ab]);
+        m1 = vmax(m1, s[ab + 1]);
+        m2 = vmax(m2, s[ab + 2]);
+        m3 = vmax(m3, s[ab + 3]);
+    }
+    for (; ab < nk; ab++) m = vmax(m, s[ab]);
+    m = vmax(vmax(m, m1), vmax(m2, m3));
     for (int ab = 0; ab < nk; ab++) { s[ab] = vexp(s[ab] - m); l += s[ab]; }
     return 1 / l;
 }

@@ -43,7 +43,7 @@ static int gb_max(int nm) {
 
 /* one key row of a tile: the n (query row m[j], slot row a[j]) pairs that read it */
 typedef struct {
-    int row, n;
+    int row, n, mask; /* mask: bit m set for each query row m[j] */
     int m[MR], a[MR];
 } Urow;
 
@@ -102,7 +102,16 @@ static void plan_tiles(const Geo *g, const int *order, Urow *ur, int *start) {
             Urow *u = ur + ne - 1;
             u->m[u->n] = low / g->kh;
             u->a[u->n] = low % g->kh;
+            u->mask = (u->n ? u->mask : 0) | 1 << u->m[u->n];
             u->n++;
+        }
+        /* runs of Urows reading the same query rows (tile_apply sums a run in registers): stable
+         * insertion sort by mask, key rows ascending within a run */
+        for (int x = start[t] + 1; x < ne; x++) {
+            Urow v = ur[x];
+            int y = x;
+            for (; y > start[t] && ur[y - 1].mask > v.mask; y--) ur[y] = ur[y - 1];
+            ur[y] = v;
         }
     }
     start[nt] = ne;
@@ -176,10 +185,11 @@ INL vt in_reg(vt x) {
     return x;
 }
 
-/* o_j[c] += sum_b p_j[b] * val[c][bo[b] (+ shuffle)] for nm rows, kw slots, C channels (the
- * o_j are full-vector accumulators, one per channel) */
-INL void ap_kern(const int mode, const int nm, const Lanes *ln, int kw, int C, const vt *const *pp, const T *vr,
-                 const long *bo, long vs, vt *const *op) {
+/* o_j[c] += sum over nu Urows (the same query rows: u[0].m) and kw slots b of p_j[a kW + b] *
+ * val[row][c][bo[b] (+ shuffle)], C channels: the accumulators stay in registers across the Urows
+ * (one read-modify-write of the o_j per GV_OF channels and group, not per key row) */
+INL void ap_kern(const int mode, const int nm, const Lanes *ln, int kw, int C, const Urow *u, int nu,
+                 vt *const *p, const T *y, long x0, const long *bo, long vs, vt *const *o) {
     const int GVN = GV_OF(nm);
     for (int c0 = 0; c0 < C; c0 += GVN) {
         vt acc[MR][8];
@@ -190,31 +200,37 @@ INL void ap_kern(const int mode, const int nm, const Lanes *ln, int kw, int C, c
         for (int j = 0; j < nm; j++)
 #pragma GCC unroll 8
             for (int q = 0; q < GVN; q++) acc[j][q] = (vt){0};
-        for (int b = 0; b < kw; b++) {
-            vt pv[MR];
-            const T *v0 = vr + bo[b];
+        for (int iu = 0; iu < nu; iu++) {
+            const T *vr = y + (long)u[iu].row * C * vs - x0;
+            const vt *pp[MR];
 #pragma GCC unroll 8
-            for (int j = 0; j < nm; j++) pv[j] = in_reg(pp[j][b]);
+            for (int j = 0; j < nm; j++) pp[j] = p[u[iu].m[j]] + u[iu].a[j] * kw;
+            for (int b = 0; b < kw; b++) {
+                vt pv[MR];
+                const T *v0 = vr + bo[b];
 #pragma GCC unroll 8
-            for (int q = 0; q < GVN; q++) {
-                vt vv = kload(v0 + cs[q], mode, ln);
+                for (int j = 0; j < nm; j++) pv[j] = in_reg(pp[j][b]);
 #pragma GCC unroll 8
-                for (int j = 0; j < nm; j++) acc[j][q] += pv[j] * vv;
+                for (int q = 0; q < GVN; q++) {
+                    vt vv = kload(v0 + cs[q], mode, ln);
+#pragma GCC unroll 8
+                    for (int j = 0; j < nm; j++) acc[j][q] += pv[j] * vv;
+                }
             }
         }
 #pragma GCC unroll 8
         for (int j = 0; j < nm; j++)
 #pragma GCC unroll 8
             for (int q = 0; q < GVN; q++)
-                if (c0 + q < C) op[j][c0 + q] += acc[j][q];
+                if (c0 + q < C) o[u->m[j]][c0 + q] += acc[j][q];
     }
 }
 
 #define AP_CASE(MODE, NM) \
-    case (MODE) * 16 + (NM): ap_kern(MODE, NM, ln, kw, C, pp, vr, bo, vs, op); return;
+    case (MODE) * 16 + (NM): ap_kern(MODE, NM, ln, kw, C, u, nu, p, y, x0, bo, vs, o); return;
 
-static void ap_rows(int mode, int nm, const Lanes *ln, int kw, int C, const vt *const *pp, const T *vr, const long *bo,
-                    long vs, vt *const *op) {
+static void ap_rows(int mode, int nm, const Lanes *ln, int kw, int C, const Urow *u, int nu, vt *const *p, const T *y,
+                    long x0, const long *bo, long vs, vt *const *o) {
     switch (mode * 16 + nm) {
         AP_CASE(0, 1) AP_CASE(1, 1)
 #if MR >= 2
@@ -359,14 +375,13 @@ static void tile_scores(const Geo *g, int mode, const Lanes *ln, const Urow *u0,
     }
 }
 
-/* o[m][c] += sum over the tile's keys of p[m] * y (C channels) for every Urow */
+/* o[m][c] += sum over the tile's keys of p[m] * y (C channels): the Urows in runs reading the same
+ * query rows (plan_tiles puts them together), one run per call of the micro-kernel */
 static void tile_apply(const Geo *g, int mode, const Lanes *ln, const Urow *u0, const Urow *u1, int C,
                        vt *const *p, const T *y, long x0, const long *base, vt *const *o) {
-    for (const Urow *u = u0; u < u1; u++) {
-        const vt *pp[MR];
-        vt *op[MR];
-        for (int j = 0; j < u->n; j++) { pp[j] = p[u->m[j]] + u->a[j] * g->kw; op[j] = o[u->m[j]]; }
-        ap_rows(mode, u->n, ln, g->kw, C, pp, y + (long)u->row * C * g->kp - x0, base, g->kp, op);
+    for (const Urow *u = u0, *e; u < u1; u = e) {
+        for (e = u + 1; e < u1 && e->mask == u->mask; e++) {}
+        ap_rows(mode, u->n, ln, g->kw, C, u, (int)(e - u), p, y, x0, base, g->kp, o);
     }
 }
 
