@@ -355,9 +355,9 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                                 rg[j] = grow[u->m[j]];
                             }
                             sl_rows(u->n, g.kw, g.D, wk, rq, qp, sh, dkt + (long)u->row * g.D * g.kp + base[0] - x0, g.kp, nf,
-                                    fold);
+                                    fold, fused[bk] == 2);
                             sl_rows(u->n, g.kw, g.Dv, wv, rg, qp, sh, dvt + (long)u->row * g.Dv * g.kp + base[0] - x0,
-                                    g.kp, nf, fold);
+                                    g.kp, nf, fold, fused[bk] == 2);
                         }
                     }
                     if (kpad) /* key_sums' weights: this block's P and dS, or zeros (kv_slots adds it) */

@@ -100,7 +100,8 @@ static void free_plan(Plan *pl) {
 }
 
 
-/* per block: fused[bk] when its kW slots' keys lie within 2L columns of slot 0's base, then per
+/* per block: fused[bk] when its kW slots' keys lie within 2L columns of slot 0's base (2), or
+ * within L of it (1: the second register's shuffles and sums are skipped), then per
  * slot the two shuffle masks that move each key's first lane into place, each with the lanes it
  * fills (shifts, 4 kW per block: index, keep, index, keep),
  * and the folds that first add into that lane the lanes sharing its key (borders: windows shifted
@@ -161,6 +162,7 @@ static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *shix, int
         for (int b = 0; b < g->kw; b++) {
             long r = base[b] - base[0];
             if (r < 0 || r + maxp >= 2 * L) { fused[bk] = 0; break; }
+            if (r + maxp >= L) fused[bk] = 2; /* some key past the first L columns: both registers */
             for (int u = 0; u < L; u++) {
                 long lo = u - r, hi = u + L - r;
                 vi *sh = shifts + 4 * ((long)bk * g->kw + b);
