@@ -75,7 +75,7 @@ SOURCE = Path(__file__).with_name("na_cpu.c")
 #: every file of the kernel (the hash of the built library covers them all)
 SOURCES = (
     SOURCE,
-    *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "io", "rows", "plan", "direct")),
+    *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "io", "rows", "plan", "direct", "line")),
 )
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}
@@ -303,11 +303,13 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
         return out
     planes = batch * heads
     bounds, plan = _split(lib, 0, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
+    # 1-D windows wider than a vector: values and output in place (na_cpu_line.h)
+    entry = lib.na_forward_line if na_cpu_plans.forward_line(dims, lanes(dtype)) else lib.na_forward
 
     def work(p0, p1):
         scratch = q.new_empty(plan.scratch, dtype=dtype)
         tensors = (q, k, v, tab, out, dims, rows, cols)
-        lib.na_forward(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, int(q.dtype == torch.bfloat16))
+        entry(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, int(q.dtype == torch.bfloat16))
 
     _parallel(work, bounds)
     return out
