@@ -25,6 +25,9 @@
 #define RQ 4
 #endif
 #define CVN 2 /* value channel vectors per pass */
+#ifndef NA_STREAM
+#define NA_STREAM 1
+#endif
 
 /* one call of the score kernel: positions [p, p + gb) of a super-block, read by blocks m[0..nm) */
 typedef struct {
@@ -59,6 +62,61 @@ static int line_calls(int nr, int n, LCall *calls) {
     return count;
 }
 
+/* s_j[b] = sum_c q_j[c] * key[c][p + b] for the nm blocks j of a call and gb positions (sc_kern of
+ * na_cpu_rows.h in mode 0, each key vector held in a register: GCC otherwise folds the load into
+ * each row's FMA as a memory operand, loading the shifted (line-splitting) vector once per row) */
+INL void ln_kern(const int nm, const int gb, int C, const T *const *qp, long qs, const T *kr, long ks,
+                 vt *const *sp) {
+    vt acc[MR][GBMAX];
+#pragma GCC unroll 8
+    for (int j = 0; j < nm; j++)
+#pragma GCC unroll 8
+        for (int b = 0; b < gb; b++) acc[j][b] = (vt){0};
+    for (int c = 0; c < C; c++) {
+        vt qv[MR];
+#pragma GCC unroll 8
+        for (int j = 0; j < nm; j++) qv[j] = ld(qp[j] + c * qs);
+#pragma GCC unroll 8
+        for (int b = 0; b < gb; b++) {
+            vt kv = nm > 1 ? in_reg(ld(kr + b + c * ks)) : ld(kr + b + c * ks);
+#pragma GCC unroll 8
+            for (int j = 0; j < nm; j++) acc[j][b] += qv[j] * kv;
+        }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < nm; j++)
+#pragma GCC unroll 8
+        for (int b = 0; b < gb; b++) sp[j][b] = acc[j][b];
+}
+
+#define LN_CASE(NM, GB) \
+    case (NM) * 16 + (GB): ln_kern(NM, GB, C, qp, qs, kr, ks, sp); return;
+#define LN_GB(NM) \
+    LN_CASE(NM, 1) LN_CASE(NM, 2) LN_CASE(NM, 3) LN_CASE(NM, 4) LN_CASE(NM, 5) LN_CASE(NM, 6) LN_CASE(NM, 7) \
+    LN_CASE(NM, 8)
+
+static void ln_rows(int nm, int gb, int C, const T *const *qp, long qs, const T *kr, long ks, vt *const *sp) {
+    switch (nm * 16 + gb) {
+        LN_GB(1)
+#if MR >= 2
+        LN_GB(2)
+#endif
+#if MR >= 3
+        LN_GB(3)
+#endif
+#if MR >= 4
+        LN_GB(4)
+#endif
+#if MR >= 5
+        LN_GB(5)
+#endif
+#if MR >= 6
+        LN_GB(6)
+#endif
+        default: abort();
+    }
+}
+
 /* whether block bk is affine: all L lanes its own query, slot b at key column jb + rel + b */
 static int line_affine(const Geo *g, const Plan *pl, int bk, long *rel) {
     const Lanes *ln = pl->blocks + bk;
@@ -75,10 +133,36 @@ INL vt ldv(const void *x, int bf, long e) { return bf ? ld_h((const uint16_t *)x
 /* x in every lane: one broadcast (splat's 0 + x keeps an add: 0 + -0 is +0; x - 0 is x) */
 INL vt bcast(T x) { return x - (vt){0}; }
 
+/* p = x, past the caches where nt (a 64-byte aligned... VBYTES-aligned p): outputs larger than the L2
+ * are streamed to memory (no read of the lines they overwrite: a quarter of a cold call's traffic) */
+INL void st_out(T *p, vt x, int nt) {
+#if defined(__AVX512F__) && NA_VBYTES == 64
+    if (nt) {
+#ifdef NA_DOUBLE
+        _mm512_stream_pd(p, (__m512d)x);
+#else
+        _mm512_stream_ps(p, (__m512)x);
+#endif
+        return;
+    }
+#elif defined(__AVX__) && NA_VBYTES == 32
+    if (nt) {
+#ifdef NA_DOUBLE
+        _mm256_stream_pd(p, (__m256d)x);
+#else
+        _mm256_stream_ps(p, (__m256)x);
+#endif
+        return;
+    }
+#endif
+    (void)nt;
+    st(p, x);
+}
+
 /* P.V of queries [t0, t0 + RQ) of an affine block, channel vectors [c0, c0 + nv): query r's slot s is
  * key t0 + r + s of the block (value row e0 + key * ps); w: the n weight vectors (lane = query) */
 INL void pv_group(const int nv, const T *w, int n, const void *v, int bf, long e0, long ps, int t0, int c0, T *o,
-                  long os) {
+                  long os, int nt) {
     vt acc[RQ][CVN];
 #pragma GCC unroll 8
     for (int r = 0; r < RQ; r++)
@@ -126,15 +210,15 @@ INL void pv_group(const int nv, const T *w, int n, const void *v, int bf, long e
 #pragma GCC unroll 8
     for (int r = 0; r < RQ; r++)
 #pragma GCC unroll 2
-        for (int q = 0; q < nv; q++) st(o + (long)(t0 + r) * os + (long)(c0 + q) * L, acc[r][q]);
+        for (int q = 0; q < nv; q++) st_out(o + (long)(t0 + r) * os + (long)(c0 + q) * L, acc[r][q], nt);
 }
 
 /* P.V of an affine block (n >= RQ): query t's slot s at value row e0 + (t + s) ps */
-static void pv_affine(const T *w, int n, int ndv, const void *v, int bf, long e0, long ps, T *o, long os) {
+static void pv_affine(const T *w, int n, int ndv, const void *v, int bf, long e0, long ps, T *o, long os, int nt) {
     for (int t0 = 0; t0 < L; t0 += RQ)
         for (int c0 = 0; c0 < ndv; c0 += CVN) {
-            if (ndv - c0 >= 2) pv_group(2, w, n, v, bf, e0, ps, t0, c0, o, os);
-            else pv_group(1, w, n, v, bf, e0, ps, t0, c0, o, os);
+            if (ndv - c0 >= 2) pv_group(2, w, n, v, bf, e0, ps, t0, c0, o, os, nt);
+            else pv_group(1, w, n, v, bf, e0, ps, t0, c0, o, os, nt);
         }
 }
 
@@ -201,12 +285,14 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
     T *qr = carve(&next, MR * g.D * qw);
     memset(qr, 0, sizeof(T) * g.D * qw);
     vt *sbuf = vec_alloc((long)(SB + 1) * nkp), *add = sbuf + (long)SB * nkp;
-    long *rel = malloc(sizeof(long) * (pl.nb + 1)), bo[GBMAX];
+    long *rel = malloc(sizeof(long) * (pl.nb + 1));
     int *aff = malloc(sizeof(int) * (pl.nb + 1));
     for (int bk = 0; bk < pl.nb; bk++) aff[bk] = n >= RQ && line_affine(&g, &pl, bk, rel + bk); /* else alone */
-    for (int b = 0; b < GBMAX; b++) bo[b] = b;
     LCall *calls = malloc(sizeof(LCall) * LCALLS(n)), *full = malloc(sizeof(LCall) * LCALLS(n));
     int nfull = line_calls(SB, n, full);
+    /* stream the output past the caches where it is larger than the L2 and its rows are aligned */
+    int nt = NA_STREAM && (long)g.B * g.Wq * g.heads * g.Dv * (long)sizeof(T) > l2_bytes() &&
+             (uintptr_t)out % NA_VBYTES == 0 && (g.Dv * sizeof(T)) % NA_VBYTES == 0;
     for (int ch = 0; ch < pl.nc; ch++) { /* chunk-major: a chunk's heads while its pixels are in cache */
         for (int pn = p0; pn < p1; pn++) {
             int b = pn / g.heads, h = pn % g.heads;
@@ -240,18 +326,21 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
                         qp[j] = qb + m * L;
                         sp[j] = sbuf + (long)m * nkp + cl[c].p - m * L;
                     }
-                    sc_rows(0, cl[c].nm, cl[c].gb, ln, g.D, qp, qw, kr + cl[c].p, bo, g.kp, sp);
+                    ln_rows(cl[c].nm, cl[c].gb, g.D, qp, qw, kr + cl[c].p, g.kp, sp);
                 }
                 for (int m = 0; m < nr; m++) {
                     vt *s = sbuf + (long)m * nkp;
                     line_softmax(&g, &pl, bk + m, h, s, add);
                     pv_affine((const T *)s, n, ndv, v, bf, ve + (jb[bk + m] + rel[bk]) * sv[1], sv[1],
-                              out + oe + jb[bk + m] * ops, ops);
+                              out + oe + jb[bk + m] * ops, ops, nt);
                 }
                 bk += nr;
             }
         }
     }
+#if defined(__SSE2__)
+    if (nt) _mm_sfence(); /* the streamed stores before the caller reads the output */
+#endif
     free(calls);
     free(full);
     free(aff);
