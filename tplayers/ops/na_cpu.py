@@ -155,7 +155,7 @@ def lanes(dtype: torch.dtype, isa: Optional[str] = None) -> int:
     """Elements per vector the kernel is built with: the ISA's register width over the element
     size (AVX-512: 16 fp32 / 8 fp64, AVX2: 8 / 4, base: 4 / 2)."""
     bits = ISAS[isa or target_isa()][0]
-    return bits // (8 * torch.empty(0, dtype=dtype).element_size())
+    return bits // (8 * dtype.itemsize)
 
 
 def build_flags(dtype: torch.dtype, isa: Optional[str] = None) -> Tuple[str, ...]:
@@ -293,7 +293,8 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     rows, cols = kernel_tables(tuple(geo))
     out = q.new_empty(batch, q.shape[1], v.shape[-1], dtype=dtype)
     tab = None if table is None else table.detach().contiguous()
-    if na_cpu_plans.forward_direct(dims, lanes(dtype)):  # na_cpu_direct.h; queries split over the threads, >= 256 each
+    nl = lanes(dtype)
+    if na_cpu_plans.forward_direct(dims, nl):  # na_cpu_direct.h; queries split over the threads, >= 256 each
         tensors, bf, n = (q, k, v, tab, out, dims, rows, cols), int(q.dtype == torch.bfloat16), batch * q.shape[1]
         w = max(1, min(torch.get_num_threads(), n // 256))
         _parallel(
@@ -304,7 +305,7 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     planes = batch * heads
     bounds, plan = _split(lib, 0, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
     # 1-D windows wider than a vector: values and output in place (na_cpu_line.h)
-    entry = lib.na_forward_line if na_cpu_plans.forward_line(dims, lanes(dtype)) else lib.na_forward
+    entry = lib.na_forward_line if na_cpu_plans.forward_line(dims, nl) else lib.na_forward
 
     def work(p0, p1):
         scratch = q.new_empty(plan.scratch, dtype=dtype)

@@ -25,6 +25,15 @@
 #define RQ 4
 #endif
 #define CVN 2 /* value channel vectors per pass */
+#ifndef PACK_AHEAD
+#define PACK_AHEAD (2 * L) /* value rows ahead that pack_rows requests */
+#endif
+#ifndef PF_NEXT
+#define PF_NEXT 0
+#endif
+#ifndef PF_LOC
+#define PF_LOC 3
+#endif
 #ifndef NA_STREAM
 #define NA_STREAM 1
 #endif
@@ -159,9 +168,21 @@ INL void st_out(T *p, vt x, int nt) {
     st(p, x);
 }
 
+/* rows [x0, x0 + n) of plane (b, h) of x (element strides xs; bf16 when bf) into dst (n, C): the
+ * values of a chunk, read once in pixel order */
+static void pack_rows(const void *x, int bf, const long *xs, int b, int h, long x0, long n, int C, T *dst) {
+    long e = b * xs[0] + h * xs[2] + x0 * xs[1];
+    const int es = bf ? 2 : sizeof(T);
+    for (long r = 0; r < n; r++, e += xs[1]) {
+        const char *ahead = (const char *)x + (e + PACK_AHEAD * xs[1]) * es;
+        for (int c = 0; c < C * es; c += 64) __builtin_prefetch(ahead + c); /* every line of the row */
+        for (int c = 0; c < C; c += L) st(dst + r * C + c, ldv(x, bf, e + c));
+    }
+}
+
 /* P.V of queries [t0, t0 + RQ) of an affine block, channel vectors [c0, c0 + nv): query r's slot s is
  * key t0 + r + s of the block (value row e0 + key * ps); w: the n weight vectors (lane = query) */
-INL void pv_group(const int nv, const T *w, int n, const void *v, int bf, long e0, long ps, int t0, int c0, T *o,
+INL void pv_group(const int nv, const T *w, int n, const T *v, long e0, long ps, int t0, int c0, T *o,
                   long os, int nt) {
     vt acc[RQ][CVN];
 #pragma GCC unroll 8
@@ -174,7 +195,7 @@ INL void pv_group(const int nv, const T *w, int n, const void *v, int bf, long e
     for (; j < RQ - 1; j++, e += ps) { /* ramp up: queries r <= j */
         vt x[CVN];
 #pragma GCC unroll 2
-        for (int q = 0; q < nv; q++) x[q] = ldv(v, bf, e + q * L);
+        for (int q = 0; q < nv; q++) x[q] = ld(v + e + q * L);
 #pragma GCC unroll 8
         for (int r = 0; r < RQ; r++)
             if (r <= j) {
@@ -186,7 +207,7 @@ INL void pv_group(const int nv, const T *w, int n, const void *v, int bf, long e
     for (; j < n; j++, e += ps) { /* every query */
         vt x[CVN];
 #pragma GCC unroll 2
-        for (int q = 0; q < nv; q++) x[q] = ldv(v, bf, e + q * L);
+        for (int q = 0; q < nv; q++) x[q] = ld(v + e + q * L);
         const T *pj = pw + (long)j * L;
 #pragma GCC unroll 8
         for (int r = 0; r < RQ; r++) {
@@ -198,7 +219,7 @@ INL void pv_group(const int nv, const T *w, int n, const void *v, int bf, long e
     for (; j < n + RQ - 1; j++, e += ps) { /* ramp down: queries r > j - n */
         vt x[CVN];
 #pragma GCC unroll 2
-        for (int q = 0; q < nv; q++) x[q] = ldv(v, bf, e + q * L);
+        for (int q = 0; q < nv; q++) x[q] = ld(v + e + q * L);
 #pragma GCC unroll 8
         for (int r = 0; r < RQ; r++)
             if (r > j - n) {
@@ -214,17 +235,17 @@ INL void pv_group(const int nv, const T *w, int n, const void *v, int bf, long e
 }
 
 /* P.V of an affine block (n >= RQ): query t's slot s at value row e0 + (t + s) ps */
-static void pv_affine(const T *w, int n, int ndv, const void *v, int bf, long e0, long ps, T *o, long os, int nt) {
+static void pv_affine(const T *w, int n, int ndv, const T *v, long e0, long ps, T *o, long os, int nt) {
     for (int t0 = 0; t0 < L; t0 += RQ)
         for (int c0 = 0; c0 < ndv; c0 += CVN) {
-            if (ndv - c0 >= 2) pv_group(2, w, n, v, bf, e0, ps, t0, c0, o, os, nt);
-            else pv_group(1, w, n, v, bf, e0, ps, t0, c0, o, os, nt);
+            if (ndv - c0 >= 2) pv_group(2, w, n, v, e0, ps, t0, c0, o, os, nt);
+            else pv_group(1, w, n, v, e0, ps, t0, c0, o, os, nt);
         }
 }
 
 /* P.V of any block, one query at a time: lane t (t < nq) reads the value rows of its window's keys
  * ki[t kw + s] (e0 + key ps) */
-static void pv_lanes(const T *w, int n, int nq, int ndv, const int32_t *ki, const void *v, int bf, long e0, long ps,
+static void pv_lanes(const T *w, int n, int nq, int ndv, const int32_t *ki, const T *v, long e0, long ps,
                      T *o, long os) {
     for (int t = 0; t < nq; t++) {
         vt acc[2][DMAX];
@@ -234,12 +255,12 @@ static void pv_lanes(const T *w, int n, int nq, int ndv, const int32_t *ki, cons
             for (int a = 0; a < 2; a++) {
                 vt ws = bcast(w[(s + a) * L + t]);
                 long e = e0 + ki[t * n + s + a] * ps;
-                for (int q = 0; q < ndv; q++) acc[a][q] += ws * ldv(v, bf, e + (long)q * L);
+                for (int q = 0; q < ndv; q++) acc[a][q] += ws * ld(v + e + (long)q * L);
             }
         for (; s < n; s++) {
             vt ws = bcast(w[s * L + t]);
             long e = e0 + ki[t * n + s] * ps;
-            for (int q = 0; q < ndv; q++) acc[0][q] += ws * ldv(v, bf, e + (long)q * L);
+            for (int q = 0; q < ndv; q++) acc[0][q] += ws * ld(v + e + (long)q * L);
         }
         for (int q = 0; q < ndv; q++) st(o + (long)t * os + (long)q * L, acc[0][q] + acc[1][q]);
     }
@@ -280,8 +301,7 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
     dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
     dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);
     T *next = scratch;
-    T *kt = carve(&next, g.D * pk);
-    (void)carve(&next, g.Dv * pk); /* na_forward's value plane: unused */
+    T *kt = carve(&next, g.D * pk), *vp = carve(&next, g.Dv * pk);
     T *qr = carve(&next, MR * g.D * qw);
     memset(qr, 0, sizeof(T) * g.D * qw);
     vt *sbuf = vec_alloc((long)(SB + 1) * nkp), *add = sbuf + (long)SB * nkp;
@@ -297,9 +317,10 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
         for (int pn = p0; pn < p1; pn++) {
             int b = pn / g.heads, h = pn % g.heads;
             long x0 = pl.cx0[ch], jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
-            long ve = b * sv[0] + h * sv[2], oe = ((long)b * g.Wq * g.heads + h) * g.Dv, ops = (long)g.heads * g.Dv;
+            long oe = ((long)b * g.Wq * g.heads + h) * g.Dv, ops = (long)g.heads * g.Dv;
             to_rows_x(k, bf, sk, b, h, 0, g.Hk, g.Wk, x0, pl.cx1[ch] - x0, g.kp, g.D, 1, kt);
             to_rows_x(q, bf, sq, b, h, 0, 1, g.Wq, jlo, jn, qw, g.D, g.scale, qr);
+            pack_rows(v, bf, sv, b, h, x0, pl.cx1[ch] - x0, g.Dv, vp); /* the chunk's values, (column, Dv) */
             for (int bk = pl.cb[ch]; bk < pl.cb[ch + 1];) {
                 const Lanes *ln = pl.blocks + bk;
                 if (!aff[bk]) { /* one block alone: na_forward's tile of one row */
@@ -308,7 +329,7 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
                     tile_scores(&g, ln->mode, ln, pl.ur + pl.ustart[0], pl.ur + pl.ustart[1], g.D, xrow, qw, kt, x0,
                                 pl.bases + (long)bk * n, s);
                     line_softmax(&g, &pl, bk, h, sbuf, add);
-                    pv_lanes((const T *)sbuf, n, ln->n, ndv, cols + jb[bk] * n, v, bf, ve, sv[1],
+                    pv_lanes((const T *)sbuf, n, ln->n, ndv, cols + jb[bk] * n, vp, -x0 * g.Dv, g.Dv,
                              out + oe + jb[bk] * ops, ops);
                     bk++;
                     continue;
@@ -318,6 +339,21 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
                 int nc = nr == SB ? nfull : line_calls(nr, n, calls);
                 const LCall *cl = nr == SB ? full : calls;
                 const T *kr = kt + jb[bk] + rel[bk] - x0, *qb = qr + jb[bk] - jlo;
+#if PF_NEXT
+                if (ch + 1 < pl.nc) { /* this super-block's share of the next chunk's values (this plane) */
+                    long a0 = pl.cx0[ch + 1], a1 = pl.cx1[ch + 1], nbk = pl.cb[ch + 1] - pl.cb[ch], f0 = bk - pl.cb[ch];
+                    long r0 = a0 + (a1 - a0) * f0 / nbk, r1 = a0 + (a1 - a0) * (f0 + nr) / nbk;
+                    const int es = bf ? 2 : sizeof(T);
+                    const char *vb = (const char *)v + (b * sv[0] + h * sv[2]) * es;
+                    for (long r = r0; r < r1; r++) {
+                        const char *row = vb + r * sv[1] * es;
+#if PF_NEXT == 2
+                        if (r == r0 || ((uintptr_t)row & 4095) < (uintptr_t)(sv[1] * es)) (void)*(volatile const char *)row;
+#endif
+                        for (int c = 0; c < g.Dv * es; c += 64) __builtin_prefetch(row + c, 0, PF_LOC);
+                    }
+                }
+#endif
                 for (int c = 0; c < nc; c++) {
                     const T *qp[MR];
                     vt *sp[MR];
@@ -331,7 +367,7 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
                 for (int m = 0; m < nr; m++) {
                     vt *s = sbuf + (long)m * nkp;
                     line_softmax(&g, &pl, bk + m, h, s, add);
-                    pv_affine((const T *)s, n, ndv, v, bf, ve + (jb[bk + m] + rel[bk]) * sv[1], sv[1],
+                    pv_affine((const T *)s, n, ndv, vp, (jb[bk + m] + rel[bk] - x0) * g.Dv, g.Dv,
                               out + oe + jb[bk + m] * ops, ops, nt);
                 }
                 bk += nr;

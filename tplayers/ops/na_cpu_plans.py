@@ -43,10 +43,10 @@ def forward_line(dims: torch.Tensor, lanes: int) -> bool:
     """Whether the planes forward of :func:`~tplayers.ops.na_cpu.c_forward` runs ``na_forward_line``
     (``na_cpu_line.h``: query and key planes, values read in place, the output written in place) for
     the kernel's ``dims`` on ``lanes`` elements per vector: 1-D calls (one query and key row) with Dv a
-    multiple of the lanes (at most 16 vectors) that do not run :func:`forward_direct`.
+    multiple of the lanes (at most 16 vectors); asked for calls that do not run :func:`forward_direct`.
     ``TPLAYERS_NA_LINE=0``: ``na_forward`` instead (the A/B of ``benchmarks/na_target.py``'s shapes)."""
     _, _, hq, _, hk, _, _, dv, kh, _, _ = dims.tolist()
-    if os.environ.get("TPLAYERS_NA_LINE", "").strip() == "0" or forward_direct(dims, lanes):
+    if os.environ.get("TPLAYERS_NA_LINE", "").strip() == "0":
         return False
     return hq == hk == kh == 1 and dv % lanes == 0 and dv <= 16 * lanes
 
