@@ -282,6 +282,13 @@ def _kernel_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float32 if q.dtype == torch.bfloat16 else q.dtype
 
 
+@lru_cache(maxsize=256)
+def _dims(geo: Tuple[int, ...], batch: int, heads: int, dim: int, dim_v: int) -> torch.Tensor:
+    """:func:`~tplayers.ops.na_geometry.kernel_dims` of a call shape, built once (the kernel only
+    reads it; a fresh int64 tensor per call cost ~0.05 ms of a cold 1-D call)."""
+    return kernel_dims(geo, batch, heads, dim, dim_v)
+
+
 def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch.Tensor:
     """Forward on the C kernel: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) contiguous,
     ``table`` (heads, 2kH-1, 2kW-1) or None -> (B, Pq, heads*Dv). bf16 ``q``, ``k``, ``v`` run the
@@ -289,8 +296,9 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     dtype = _kernel_dtype(q)
     lib = load_library(dtype)
     batch = q.shape[0]
-    dims = kernel_dims(geo, batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
-    rows, cols = kernel_tables(tuple(geo))
+    shape = (tuple(geo), batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
+    dims = _dims(*shape)
+    rows, cols = kernel_tables(shape[0])
     out = q.new_empty(batch, q.shape[1], v.shape[-1], dtype=dtype)
     tab = None if table is None else table.detach().contiguous()
     nl = lanes(dtype)
@@ -303,8 +311,8 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
         )
         return out
     planes = batch * heads
-    bounds, plan = _split(lib, 0, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
-    # 1-D windows wider than a vector: values and output in place (na_cpu_line.h)
+    bounds, plan = _split(lib, 0, dims, (rows, cols), planes, shape)  # shape: everything dims is made of
+    # 1-D windows wider than a vector: consecutive blocks share key loads, output in place (na_cpu_line.h)
     entry = lib.na_forward_line if na_cpu_plans.forward_line(dims, nl) else lib.na_forward
 
     def work(p0, p1):
@@ -326,7 +334,7 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     grad_out = grad_out.to(dtype)
     batch = q.shape[0]
     dim_v = v.shape[-1] // heads
-    dims = kernel_dims(geo, batch, heads, q.shape[-1] // heads, dim_v)
+    dims = _dims(tuple(geo), batch, heads, q.shape[-1] // heads, dim_v)
     rows, cols = kernel_tables(tuple(geo))
     try:
         g4 = grad_out.view(batch, q.shape[1], heads, dim_v)
