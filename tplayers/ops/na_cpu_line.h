@@ -182,7 +182,7 @@ static void pack_rows(const void *x, int bf, const long *xs, int b, int h, long 
 
 /* P.V of queries [t0, t0 + RQ) of an affine block, channel vectors [c0, c0 + nv): query r's slot s is
  * key t0 + r + s of the block (value row e0 + key * ps); w: the n weight vectors (lane = query) */
-INL void pv_group(const int nv, const T *w, int n, const T *v, long e0, long ps, int t0, int c0, T *o,
+INL void pv_group(const int nv, const T *w, const T *inv, int n, const T *v, long e0, long ps, int t0, int c0, T *o,
                   long os, int nt) {
     vt acc[RQ][CVN];
 #pragma GCC unroll 8
@@ -231,21 +231,21 @@ INL void pv_group(const int nv, const T *w, int n, const T *v, long e0, long ps,
 #pragma GCC unroll 8
     for (int r = 0; r < RQ; r++)
 #pragma GCC unroll 2
-        for (int q = 0; q < nv; q++) st_out(o + (long)(t0 + r) * os + (long)(c0 + q) * L, acc[r][q], nt);
+        for (int q = 0; q < nv; q++) st_out(o + (long)(t0 + r) * os + (long)(c0 + q) * L, acc[r][q] * inv[t0 + r], nt);
 }
 
 /* P.V of an affine block (n >= RQ): query t's slot s at value row e0 + (t + s) ps */
-static void pv_affine(const T *w, int n, int ndv, const T *v, long e0, long ps, T *o, long os, int nt) {
+static void pv_affine(const T *w, const T *inv, int n, int ndv, const T *v, long e0, long ps, T *o, long os, int nt) {
     for (int t0 = 0; t0 < L; t0 += RQ)
         for (int c0 = 0; c0 < ndv; c0 += CVN) {
-            if (ndv - c0 >= 2) pv_group(2, w, n, v, e0, ps, t0, c0, o, os, nt);
-            else pv_group(1, w, n, v, e0, ps, t0, c0, o, os, nt);
+            if (ndv - c0 >= 2) pv_group(2, w, inv, n, v, e0, ps, t0, c0, o, os, nt);
+            else pv_group(1, w, inv, n, v, e0, ps, t0, c0, o, os, nt);
         }
 }
 
 /* P.V of any block, one query at a time: lane t (t < nq) reads the value rows of its window's keys
  * ki[t kw + s] (e0 + key ps) */
-static void pv_lanes(const T *w, int n, int nq, int ndv, const int32_t *ki, const T *v, long e0, long ps,
+static void pv_lanes(const T *w, const T *inv, int n, int nq, int ndv, const int32_t *ki, const T *v, long e0, long ps,
                      T *o, long os) {
     for (int t = 0; t < nq; t++) {
         vt acc[2][DMAX];
@@ -262,7 +262,7 @@ static void pv_lanes(const T *w, int n, int nq, int ndv, const int32_t *ki, cons
             long e = e0 + ki[t * n + s] * ps;
             for (int q = 0; q < ndv; q++) acc[0][q] += ws * ld(v + e + (long)q * L);
         }
-        for (int q = 0; q < ndv; q++) st(o + (long)t * os + (long)q * L, acc[0][q] + acc[1][q]);
+        for (int q = 0; q < ndv; q++) st(o + (long)t * os + (long)q * L, (acc[0][q] + acc[1][q]) * inv[t]);
     }
 }
 
@@ -279,11 +279,10 @@ int na_line_blocks(const int64_t *dims, const int32_t *rows, const int32_t *cols
     return count;
 }
 
-/* softmax of block bk's scores s (row 0) and the weights times 1 / sum, in place */
-static void line_softmax(const Geo *g, const Plan *pl, int bk, int h, vt *s, vt *add) {
+/* softmax of block bk's scores s (row 0), in place: the weights; inv[lane]: 1 / their sum (P.V scales the output) */
+static void line_softmax(const Geo *g, const Plan *pl, int bk, int h, vt *s, vt *add, T *inv) {
     vt *a = block_add(g, 0, pl->jb[bk], h, pl->blocks + bk, add) ? add : NULL;
-    vt inv = softmax(g->nk, s, a);
-    for (int ab = 0; ab < g->nk; ab++) s[ab] *= inv;
+    st(inv, softmax(g->nk, s, a));
 }
 
 /* na_forward's arguments; 1-D calls (Hq = Hk = kH = 1) with Dv a multiple of the lanes, at most
@@ -304,7 +303,8 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
     T *kt = carve(&next, g.D * pk), *vp = carve(&next, g.Dv * pk);
     T *qr = carve(&next, MR * g.D * qw);
     memset(qr, 0, sizeof(T) * g.D * qw);
-    vt *sbuf = vec_alloc((long)(SB + 1) * nkp), *add = sbuf + (long)SB * nkp;
+    vt *sbuf = vec_alloc((long)(SB + 2) * nkp), *add = sbuf + (long)SB * nkp;
+    T *inv = (T *)(sbuf + (long)(SB + 1) * nkp); /* a block's 1 / sum per lane */
     long *rel = malloc(sizeof(long) * (pl.nb + 1));
     int *aff = malloc(sizeof(int) * (pl.nb + 1));
     for (int bk = 0; bk < pl.nb; bk++) aff[bk] = n >= RQ && line_affine(&g, &pl, bk, rel + bk); /* else alone */
@@ -328,8 +328,8 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
                     vt *s[MR] = {sbuf};
                     tile_scores(&g, ln->mode, ln, pl.ur + pl.ustart[0], pl.ur + pl.ustart[1], g.D, xrow, qw, kt, x0,
                                 pl.bases + (long)bk * n, s);
-                    line_softmax(&g, &pl, bk, h, sbuf, add);
-                    pv_lanes((const T *)sbuf, n, ln->n, ndv, cols + jb[bk] * n, vp, -x0 * g.Dv, g.Dv,
+                    line_softmax(&g, &pl, bk, h, sbuf, add, inv);
+                    pv_lanes((const T *)sbuf, inv, n, ln->n, ndv, cols + jb[bk] * n, vp, -x0 * g.Dv, g.Dv,
                              out + oe + jb[bk] * ops, ops);
                     bk++;
                     continue;
@@ -366,8 +366,8 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
                 }
                 for (int m = 0; m < nr; m++) {
                     vt *s = sbuf + (long)m * nkp;
-                    line_softmax(&g, &pl, bk + m, h, s, add);
-                    pv_affine((const T *)s, n, ndv, vp, (jb[bk + m] + rel[bk] - x0) * g.Dv, g.Dv,
+                    line_softmax(&g, &pl, bk + m, h, s, add, inv);
+                    pv_affine((const T *)s, inv, n, ndv, vp, (jb[bk + m] + rel[bk] - x0) * g.Dv, g.Dv,
                               out + oe + jb[bk + m] * ops, ops, nt);
                 }
                 bk += nr;
