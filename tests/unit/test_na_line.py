@@ -1,10 +1,10 @@
 """The C kernel's 1-D forward for windows wider than a vector (``na_forward_line``,
 tplayers/ops/na_cpu_line.h, issue 35): query and key planes, consecutive blocks of queries sharing
-each key load in super-blocks, values read and the output written in place. Exact against the
+each key load in super-blocks, a chunk's values packed, the output written in place. Exact against the
 brute-force oracle in fp64 (output and, through the C backward that receives its output, every
 gradient) on random 1-D configurations (kernels wider than the lanes, uneven lengths, stride,
 dilation, causal, GQA/MQA, the bias, batch 2, head dims on and off the lanes for q / k), on the
-host's build and the AVX2 build where the host has AVX-512; the path is checked to be the one
+host's build and the narrower builds it runs (AVX2, base); the path is checked to be the one
 taken and, where the windows are affine (dilation 1, stride 1), to run super-blocks; its threads'
 split gives the same bits; ``TPLAYERS_NA_LINE=0`` and value dims off the lanes run ``na_forward``."""
 
@@ -23,7 +23,10 @@ TIGHT = dict(rtol=1e-10, atol=1e-12)
 
 
 def _isas():
-    return ["avx2"] if na_cpu.host_isa() == "avx512" else []
+    """The narrower builds this CPU runs (the base build has 2 fp64 lanes: fewer than the P.V
+    kernel's queries per pass elsewhere)."""
+    host = na_cpu.host_isa()
+    return {"avx512": ["avx2", "base"], "avx2": ["base"]}.get(host, [])
 
 
 def _spy(monkeypatch):

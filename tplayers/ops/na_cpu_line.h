@@ -1,38 +1,39 @@
 /* The 1-D forward on the planes (issue 35; included by na_cpu.c after na_cpu_plan.h): windows wider
  * than one vector (na_forward_1d runs the others), one query row and one key row. The queries and
  * the keys are transposed into planes as in na_forward (a block of L queries is one vector, slot b's
- * L keys a shifted load); the values stay where they lie and the output is written where it goes.
+ * L keys a shifted load); a chunk's values are packed (column, Dv) once per plane (pack_rows: read
+ * in pixel order, which the hardware prefetches: P.V reading them in place stalled on memory in a
+ * cold call) and the output is written where it goes (streamed past the caches where it is larger
+ * than the L2).
  *   Scores: a 1-D row is a single query row, so na_forward's tiles (MR rows sharing key rows) have
- *   one row each. Here the rows of the register-blocked score kernel (sc_kern) are consecutive
- *   blocks instead: in a run of "affine" blocks (L queries, identity lanes, slot b at key column
- *   j0 + rel + b: dilation 1, away from the borders) block m's slot b reads the key vector at
- *   position m L + b of the run, so one shifted load of position p serves every block whose window
- *   holds it (at k33 on 16 lanes 2-3 of them): super-blocks of SB blocks, their positions cut into
- *   intervals read by the same blocks (line_calls).
- *   Softmax per block (na_cpu_blocks.h's softmax, block_add's mask / bias), the weights scaled by
- *   1 / sum in place.
+ *   one row each. Here the rows of the register-blocked score kernel (ln_kern, sc_kern's mode 0
+ *   with the key vector held in a register) are consecutive blocks instead: in a run of "affine"
+ *   blocks (L queries, identity lanes, slot b at key column j0 + rel + b: dilation 1, away from the
+ *   borders) block m's slot b reads the key vector at position m L + b of the run, so one shifted
+ *   load of position p serves every block whose window holds it (at k33 on 16 lanes 2-3 of them):
+ *   super-blocks of SB blocks, their positions cut into intervals read by the same blocks
+ *   (line_calls).
+ *   Softmax per block (na_cpu_blocks.h's softmax, block_add's mask / bias); 1 / sum scales the
+ *   output at its store.
  *   Output: lanes over the value channels, O[query] = sum over slots of the weight (a broadcast
- *   scalar) times the value row, read in place; RQ consecutive queries at once in an affine block
- *   (query r's slot j - r is key j of the group: one load of a value row serves RQ queries), each
- *   query alone elsewhere (borders, dilation: keys from the window table). No V or O planes. */
+ *   scalar) times the value row; RQ consecutive queries at once in an affine block (query r's slot
+ *   j - r is key j of the group: one load of a value row serves RQ queries), each query alone
+ *   elsewhere (borders, dilation, stride: keys from the window table). No output plane. */
 #ifndef NA_CPU_LINE_H
 #define NA_CPU_LINE_H
 
+#ifndef SB
 #define SB 8 /* blocks per super-block of the scores */
-#if NREG == 32
-#define RQ 8 /* queries per pass of the P.V kernel (RQ x CVN accumulators) */
-#else
-#define RQ 4
 #endif
+#if NREG == 32
+#define RQ_REGS 8
+#else
+#define RQ_REGS 4
+#endif
+#define RQ (RQ_REGS < L ? RQ_REGS : L) /* queries per pass of the P.V kernel (RQ x CVN accumulators) */
 #define CVN 2 /* value channel vectors per pass */
 #ifndef PACK_AHEAD
 #define PACK_AHEAD (2 * L) /* value rows ahead that pack_rows requests */
-#endif
-#ifndef PF_NEXT
-#define PF_NEXT 0
-#endif
-#ifndef PF_LOC
-#define PF_LOC 3
 #endif
 #ifndef NA_STREAM
 #define NA_STREAM 1
@@ -339,21 +340,6 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
                 int nc = nr == SB ? nfull : line_calls(nr, n, calls);
                 const LCall *cl = nr == SB ? full : calls;
                 const T *kr = kt + jb[bk] + rel[bk] - x0, *qb = qr + jb[bk] - jlo;
-#if PF_NEXT
-                if (ch + 1 < pl.nc) { /* this super-block's share of the next chunk's values (this plane) */
-                    long a0 = pl.cx0[ch + 1], a1 = pl.cx1[ch + 1], nbk = pl.cb[ch + 1] - pl.cb[ch], f0 = bk - pl.cb[ch];
-                    long r0 = a0 + (a1 - a0) * f0 / nbk, r1 = a0 + (a1 - a0) * (f0 + nr) / nbk;
-                    const int es = bf ? 2 : sizeof(T);
-                    const char *vb = (const char *)v + (b * sv[0] + h * sv[2]) * es;
-                    for (long r = r0; r < r1; r++) {
-                        const char *row = vb + r * sv[1] * es;
-#if PF_NEXT == 2
-                        if (r == r0 || ((uintptr_t)row & 4095) < (uintptr_t)(sv[1] * es)) (void)*(volatile const char *)row;
-#endif
-                        for (int c = 0; c < g.Dv * es; c += 64) __builtin_prefetch(row + c, 0, PF_LOC);
-                    }
-                }
-#endif
                 for (int c = 0; c < nc; c++) {
                     const T *qp[MR];
                     vt *sp[MR];
