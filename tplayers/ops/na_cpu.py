@@ -52,7 +52,7 @@ import torch
 
 from tplayers.ops import na_cpu_plans
 from tplayers.ops.na_gemm import gemm_backward
-from tplayers.ops.na_geometry import kernel_dims, kernel_tables, split_geometry
+from tplayers.ops.na_geometry import kernel_tables, split_geometry
 
 __all__ = [
     "use_c_kernel",
@@ -282,13 +282,6 @@ def _kernel_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float32 if q.dtype == torch.bfloat16 else q.dtype
 
 
-@lru_cache(maxsize=256)
-def _dims(geo: Tuple[int, ...], batch: int, heads: int, dim: int, dim_v: int) -> torch.Tensor:
-    """:func:`~tplayers.ops.na_geometry.kernel_dims` of a call shape, built once (the kernel only
-    reads it; a fresh int64 tensor per call cost ~0.05 ms of a cold 1-D call)."""
-    return kernel_dims(geo, batch, heads, dim, dim_v)
-
-
 def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch.Tensor:
     """Forward on the C kernel: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) contiguous,
     ``table`` (heads, 2kH-1, 2kW-1) or None -> (B, Pq, heads*Dv). bf16 ``q``, ``k``, ``v`` run the
@@ -297,7 +290,7 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     lib = load_library(dtype)
     batch = q.shape[0]
     shape = (tuple(geo), batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
-    dims = _dims(*shape)
+    dims = na_cpu_plans.call_dims(*shape)
     rows, cols = kernel_tables(shape[0])
     out = q.new_empty(batch, q.shape[1], v.shape[-1], dtype=dtype)
     tab = None if table is None else table.detach().contiguous()
@@ -334,7 +327,7 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     grad_out = grad_out.to(dtype)
     batch = q.shape[0]
     dim_v = v.shape[-1] // heads
-    dims = _dims(tuple(geo), batch, heads, q.shape[-1] // heads, dim_v)
+    dims = na_cpu_plans.call_dims(tuple(geo), batch, heads, q.shape[-1] // heads, dim_v)
     rows, cols = kernel_tables(tuple(geo))
     try:
         g4 = grad_out.view(batch, q.shape[1], heads, dim_v)
