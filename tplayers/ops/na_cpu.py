@@ -52,7 +52,7 @@ import torch
 
 from tplayers.ops import na_cpu_plans
 from tplayers.ops.na_gemm import gemm_backward
-from tplayers.ops.na_geometry import kernel_dims, kernel_tables, split_geometry
+from tplayers.ops.na_geometry import kernel_tables, split_geometry
 
 __all__ = [
     "use_c_kernel",
@@ -75,7 +75,7 @@ SOURCE = Path(__file__).with_name("na_cpu.c")
 #: every file of the kernel (the hash of the built library covers them all)
 SOURCES = (
     SOURCE,
-    *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "io", "rows", "plan", "direct")),
+    *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "io", "rows", "plan", "direct", "line")),
 )
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}
@@ -155,7 +155,7 @@ def lanes(dtype: torch.dtype, isa: Optional[str] = None) -> int:
     """Elements per vector the kernel is built with: the ISA's register width over the element
     size (AVX-512: 16 fp32 / 8 fp64, AVX2: 8 / 4, base: 4 / 2)."""
     bits = ISAS[isa or target_isa()][0]
-    return bits // (8 * torch.empty(0, dtype=dtype).element_size())
+    return bits // (8 * dtype.itemsize)
 
 
 def build_flags(dtype: torch.dtype, isa: Optional[str] = None) -> Tuple[str, ...]:
@@ -289,11 +289,13 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     dtype = _kernel_dtype(q)
     lib = load_library(dtype)
     batch = q.shape[0]
-    dims = kernel_dims(geo, batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
-    rows, cols = kernel_tables(tuple(geo))
+    shape = (tuple(geo), batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
+    dims = na_cpu_plans.call_dims(*shape)
+    rows, cols = kernel_tables(shape[0])
     out = q.new_empty(batch, q.shape[1], v.shape[-1], dtype=dtype)
     tab = None if table is None else table.detach().contiguous()
-    if na_cpu_plans.forward_direct(dims, lanes(dtype)):  # na_cpu_direct.h; queries split over the threads, >= 256 each
+    nl = lanes(dtype)
+    if na_cpu_plans.forward_direct(dims, nl):  # na_cpu_direct.h; queries split over the threads, >= 256 each
         tensors, bf, n = (q, k, v, tab, out, dims, rows, cols), int(q.dtype == torch.bfloat16), batch * q.shape[1]
         w = max(1, min(torch.get_num_threads(), n // 256))
         _parallel(
@@ -302,12 +304,14 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
         )
         return out
     planes = batch * heads
-    bounds, plan = _split(lib, 0, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
+    bounds, plan = _split(lib, 0, dims, (rows, cols), planes, shape)  # shape: everything dims is made of
+    # 1-D windows wider than a vector: consecutive blocks share key loads, output in place (na_cpu_line.h)
+    entry = lib.na_forward_line if na_cpu_plans.forward_line(dims, nl) else lib.na_forward
 
     def work(p0, p1):
         scratch = q.new_empty(plan.scratch, dtype=dtype)
         tensors = (q, k, v, tab, out, dims, rows, cols)
-        lib.na_forward(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, int(q.dtype == torch.bfloat16))
+        entry(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, int(q.dtype == torch.bfloat16))
 
     _parallel(work, bounds)
     return out
@@ -323,7 +327,7 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     grad_out = grad_out.to(dtype)
     batch = q.shape[0]
     dim_v = v.shape[-1] // heads
-    dims = kernel_dims(geo, batch, heads, q.shape[-1] // heads, dim_v)
+    dims = na_cpu_plans.call_dims(tuple(geo), batch, heads, q.shape[-1] // heads, dim_v)
     rows, cols = kernel_tables(tuple(geo))
     try:
         g4 = grad_out.view(batch, q.shape[1], heads, dim_v)

@@ -13,17 +13,27 @@ from __future__ import annotations
 import ctypes
 import os
 from collections import OrderedDict
+from functools import lru_cache
 from threading import Lock
 from typing import Tuple
 
 import torch
 
-__all__ = ["plan", "CACHED", "declare", "forward_direct"]
+from tplayers.ops.na_geometry import kernel_dims
+
+__all__ = ["plan", "CACHED", "declare", "forward_direct", "forward_line", "call_dims"]
 
 #: plans kept per process (a model has a few shapes per layer kind)
 CACHED = 64
 _plans: "OrderedDict[tuple, _Plan]" = OrderedDict()
 _lock = Lock()
+
+
+@lru_cache(maxsize=256)
+def call_dims(geo: Tuple[int, ...], batch: int, heads: int, dim: int, dim_v: int) -> torch.Tensor:
+    """:func:`~tplayers.ops.na_geometry.kernel_dims` of a call shape, built once (the kernels only
+    read it; a fresh int64 tensor per call cost ~0.03-0.05 ms of a cold 1-D call)."""
+    return kernel_dims(geo, batch, heads, dim, dim_v)
 
 
 def forward_direct(dims: torch.Tensor, lanes: int) -> bool:
@@ -39,11 +49,26 @@ def forward_direct(dims: torch.Tensor, lanes: int) -> bool:
     return shape_ok and flag != "0" and kw <= (256 if flag == "all" else lanes)
 
 
+def forward_line(dims: torch.Tensor, lanes: int) -> bool:
+    """Whether the planes forward of :func:`~tplayers.ops.na_cpu.c_forward` runs ``na_forward_line``
+    (``na_cpu_line.h``: query and key planes, values read in place, the output written in place) for
+    the kernel's ``dims`` on ``lanes`` elements per vector: 1-D calls (one query and key row) with Dv a
+    multiple of the lanes (at most 16 vectors); asked for calls that do not run :func:`forward_direct`.
+    ``TPLAYERS_NA_LINE=0``: ``na_forward`` instead (the A/B of ``benchmarks/na_target.py``'s shapes)."""
+    _, _, hq, _, hk, _, _, dv, kh, _, _ = dims.tolist()
+    if os.environ.get("TPLAYERS_NA_LINE", "").strip() == "0":
+        return False
+    return hq == hk == kh == 1 and dv % lanes == 0 and dv <= 16 * lanes
+
+
 def declare(lib: ctypes.CDLL) -> None:
     """The plan entry points' ctypes signatures on a freshly loaded kernel ``lib``."""
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.na_forward_1d.argtypes = [ptr] * 8 + [ctypes.c_double, ctypes.c_long, ctypes.c_long, i32]
     lib.na_forward_1d.restype = None
+    lib.na_forward_line.argtypes = [ptr] * 5 + [ptr, ptr, ptr, ctypes.c_double, ptr, ptr, i32, i32, i32]
+    lib.na_forward_line.restype = None
+    lib.na_line_blocks.argtypes, lib.na_line_blocks.restype = [ptr, ptr, ptr], i32
     lib.na_plan.argtypes, lib.na_plan.restype = [ptr, ptr, ptr, i32], ptr
     lib.na_plan_free.argtypes, lib.na_plan_free.restype = [ptr], None
     lib.na_plan_scratch.argtypes, lib.na_plan_scratch.restype = [ptr, ptr], ctypes.c_long
