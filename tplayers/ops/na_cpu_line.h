@@ -6,7 +6,7 @@
  * cold call) and the output is written where it goes (streamed past the caches where it is larger
  * than the L2).
  *   Scores: a 1-D row is a single query row, so na_forward's tiles (MR rows sharing key rows) have
- *   one row each. Here the rows of the register-blocked score kernel (ln_kern, sc_kern's mode 0
+ *   one row each. Here the rows of the register-blocked score kernel (sc_rows in mode 0
  *   with the key vector held in a register) are consecutive blocks instead: in a run of "affine"
  *   blocks (L queries, identity lanes, slot b at key column j0 + rel + b: dilation 1, away from the
  *   borders) block m's slot b reads the key vector at position m L + b of the run, so one shifted
@@ -72,60 +72,8 @@ static int line_calls(int nr, int n, LCall *calls) {
     return count;
 }
 
-/* s_j[b] = sum_c q_j[c] * key[c][p + b] for the nm blocks j of a call and gb positions (sc_kern of
- * na_cpu_rows.h in mode 0, each key vector held in a register: GCC otherwise folds the load into
- * each row's FMA as a memory operand, loading the shifted (line-splitting) vector once per row) */
-INL void ln_kern(const int nm, const int gb, int C, const T *const *qp, long qs, const T *kr, long ks,
-                 vt *const *sp) {
-    vt acc[MR][GBMAX];
-#pragma GCC unroll 8
-    for (int j = 0; j < nm; j++)
-#pragma GCC unroll 8
-        for (int b = 0; b < gb; b++) acc[j][b] = (vt){0};
-    for (int c = 0; c < C; c++) {
-        vt qv[MR];
-#pragma GCC unroll 8
-        for (int j = 0; j < nm; j++) qv[j] = ld(qp[j] + c * qs);
-#pragma GCC unroll 8
-        for (int b = 0; b < gb; b++) {
-            vt kv = nm > 1 ? in_reg(ld(kr + b + c * ks)) : ld(kr + b + c * ks);
-#pragma GCC unroll 8
-            for (int j = 0; j < nm; j++) acc[j][b] += qv[j] * kv;
-        }
-    }
-#pragma GCC unroll 8
-    for (int j = 0; j < nm; j++)
-#pragma GCC unroll 8
-        for (int b = 0; b < gb; b++) sp[j][b] = acc[j][b];
-}
-
-#define LN_CASE(NM, GB) \
-    case (NM) * 16 + (GB): ln_kern(NM, GB, C, qp, qs, kr, ks, sp); return;
-#define LN_GB(NM) \
-    LN_CASE(NM, 1) LN_CASE(NM, 2) LN_CASE(NM, 3) LN_CASE(NM, 4) LN_CASE(NM, 5) LN_CASE(NM, 6) LN_CASE(NM, 7) \
-    LN_CASE(NM, 8)
-
-static void ln_rows(int nm, int gb, int C, const T *const *qp, long qs, const T *kr, long ks, vt *const *sp) {
-    switch (nm * 16 + gb) {
-        LN_GB(1)
-#if MR >= 2
-        LN_GB(2)
-#endif
-#if MR >= 3
-        LN_GB(3)
-#endif
-#if MR >= 4
-        LN_GB(4)
-#endif
-#if MR >= 5
-        LN_GB(5)
-#endif
-#if MR >= 6
-        LN_GB(6)
-#endif
-        default: abort();
-    }
-}
+/* slot offsets 0, 1, ..., GBMAX - 1: a call's gb positions p + b as sc_rows' slots (mode 0) */
+static const long LN_POS[GBMAX] = {0, 1, 2, 3, 4, 5, 6, 7};
 
 /* whether block bk is affine: all L lanes its own query, slot b at key column jb + rel + b */
 static int line_affine(const Geo *g, const Plan *pl, int bk, long *rel) {
@@ -348,7 +296,7 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
                         qp[j] = qb + m * L;
                         sp[j] = sbuf + (long)m * nkp + cl[c].p - m * L;
                     }
-                    ln_rows(cl[c].nm, cl[c].gb, g.D, qp, qw, kr + cl[c].p, g.kp, sp);
+                    sc_rows(0, cl[c].nm, cl[c].gb, NULL, g.D, qp, qw, kr + cl[c].p, LN_POS, g.kp, sp);
                 }
                 for (int m = 0; m < nr; m++) {
                     vt *s = sbuf + (long)m * nkp;
