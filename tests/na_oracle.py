@@ -13,6 +13,8 @@ import itertools
 
 import torch
 
+import tplayers  # only check_na1d_case calls it: the oracle itself uses torch alone
+
 
 def window_1d(i: int, length: int, kernel: int, dilation: int, causal: bool) -> list:
     """Global positions attended by position ``i`` along one axis."""
@@ -122,3 +124,30 @@ def assert_out_and_grads(out, ref, ins, ref_ins, gen, where: str = "", rtol: flo
     (ref * cot).sum().backward()
     for name, a, b in zip(("q", "k", "v", "rpb"), ins, ref_ins):
         torch.testing.assert_close(a.grad, b.grad, rtol=rtol, atol=atol, msg=lambda m: f"d{name} {where}: {m}")
+
+
+def check_na1d_case(
+    gen, size, heads, kv_heads, dim, dim_v, kernel, stride, dil, causal, with_bias, where, scale=0.37, **tol
+):
+    """A random fp64 ``tplayers.na1d`` call (batch 2; the bias only with ``with_bias``) checked against
+    :func:`brute_na`: output and every gradient (:func:`assert_out_and_grads`)."""
+    q = torch.randn(2, size, heads, dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, size, kv_heads, dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, size, kv_heads, dim_v, generator=gen, dtype=torch.float64)
+    tensors = [q, k, v] + (
+        [torch.randn(heads, 2 * kernel - 1, generator=gen, dtype=torch.float64)] if with_bias else []
+    )
+    ins = [t.clone().requires_grad_() for t in tensors]
+    ref_ins = [t.clone().requires_grad_() for t in tensors]
+    rpb = ins[3] if with_bias else None
+    out = tplayers.na1d(*ins[:3], kernel, dil, causal, scale, stride=stride, rel_pos_bias=rpb)
+    ref = brute_na(*ref_ins[:3], (kernel,), (stride,), (dil,), (causal,), scale, rpb=ref_ins[3] if with_bias else None)
+    assert_out_and_grads(out, ref, ins, ref_ins, gen, where, **tol)
+
+
+def record_results(monkeypatch, owner, name: str) -> list:
+    """Replace ``owner.name`` by a wrapper that appends each call's result to the returned list."""
+    taken = []
+    real = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a: taken.append(real(*a)) or taken[-1])
+    return taken

@@ -11,7 +11,7 @@ import random
 
 import pytest
 import torch
-from na_oracle import assert_out_and_grads, brute_na
+from na_oracle import brute_na, check_na1d_case, record_results
 
 import tplayers
 from tplayers.ops import na_cpu, na_cpu_plans
@@ -24,10 +24,7 @@ def _isas():
 
 
 def _spy(monkeypatch):
-    taken = []
-    real = na_cpu_plans.forward_direct
-    monkeypatch.setattr(na_cpu_plans, "forward_direct", lambda *a: taken.append(real(*a)) or taken[-1])
-    return taken
+    return record_results(monkeypatch, na_cpu_plans, "forward_direct")
 
 
 @pytest.mark.parametrize("isa", [None, *_isas()])
@@ -52,22 +49,9 @@ def test_random_1d_configurations_match_the_oracle(isa, monkeypatch):
         with_bias = stride == 1 and rng.random() < 0.6
         dim, dim_v = lanes * rng.randint(1, 3), lanes * rng.randint(1, 3)
         gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
-        q = torch.randn(2, size, heads, dim, generator=gen, dtype=torch.float64)
-        k = torch.randn(2, size, kv_heads, dim, generator=gen, dtype=torch.float64)
-        v = torch.randn(2, size, kv_heads, dim_v, generator=gen, dtype=torch.float64)
-        tensors = [q, k, v] + (
-            [torch.randn(heads, 2 * kernel - 1, generator=gen, dtype=torch.float64)] if with_bias else []
-        )
-        ins = [t.clone().requires_grad_() for t in tensors]
-        ref_ins = [t.clone().requires_grad_() for t in tensors]
-        rpb = ins[3] if with_bias else None
-        out = tplayers.na1d(*ins[:3], kernel, dil, causal, 0.37, stride=stride, rel_pos_bias=rpb)
-        ref = brute_na(
-            *ref_ins[:3], (kernel,), (stride,), (dil,), (causal,), 0.37, rpb=ref_ins[3] if with_bias else None
-        )
         where = f"isa {isa} k{kernel} s{stride} d{dil} causal {causal} L{size} heads {heads}/{kv_heads} D {dim}/{dim_v}"
+        check_na1d_case(gen, size, heads, kv_heads, dim, dim_v, kernel, stride, dil, causal, with_bias, where, **TIGHT)
         assert taken and taken[-1], f"the direct forward did not run: {where}"
-        assert_out_and_grads(out, ref, ins, ref_ins, gen, where, **TIGHT)
 
 
 def test_threads_split_the_queries_bit_for_bit(monkeypatch):
