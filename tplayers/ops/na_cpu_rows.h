@@ -54,20 +54,61 @@ static int gcd(int a, int b) {
     return a;
 }
 
-/* query rows in tile order: rows with the same key-row residue (dilation group) together, so a
- * tile's rows share key rows; order[Hq] */
+/* query rows in tile order: greedily, each tile's first row is the first row not yet placed and
+ * each next row the unplaced one that adds the fewest new key rows to the tile's union (ties:
+ * the lowest index), so a tile's rows share key rows (3-D, flattened (x, y) rows: a 2 x 2 square
+ * shares more than 4 consecutive rows of one x); candidates are the rows reading a key row of
+ * the first. order[Hq] */
 static void row_order(const Geo *g, int *order) {
-    int dd = 0;
-    for (int i = 0; i < g->Hq; i++)
-        for (int a = 1; a < g->kh; a++) {
-            int d = g->rows[i * g->kh + a] - g->rows[i * g->kh + a - 1];
-            if (d > 0) dd = gcd(dd, d);
+    const int Hq = g->Hq, kh = g->kh, Hk = g->Hk;
+    int *cnt = calloc(Hk + 1, sizeof(int)), *rdr = malloc(sizeof(int) * (size_t)Hq * kh);
+    int *mark = calloc(Hk, sizeof(int)), *cand = malloc(sizeof(int) * (size_t)kh * kh);
+    char *done = calloc(Hq, 1);
+    int *seen = calloc(Hq, sizeof(int));
+    for (int i = 0; i < Hq; i++)
+        for (int a = 0; a < kh; a++) cnt[g->rows[i * kh + a] + 1]++;
+    for (int r = 0; r < Hk; r++) cnt[r + 1] += cnt[r];
+    int *fill = malloc(sizeof(int) * (Hk + 1));
+    memcpy(fill, cnt, sizeof(int) * (Hk + 1));
+    for (int i = 0; i < Hq; i++)
+        for (int a = 0; a < kh; a++) {
+            int r = g->rows[i * kh + a];
+            if (!(fill[r] > cnt[r] && rdr[fill[r] - 1] == i)) rdr[fill[r]++] = i;
         }
-    if (dd < 1) dd = 1;
-    int n = 0;
-    for (int r = 0; r < dd; r++)
-        for (int i = 0; i < g->Hq; i++)
-            if (((g->rows[i * g->kh] % dd) + dd) % dd == r) order[n++] = i;
+    int n = 0, first = 0, stamp = 0;
+    while (n < Hq) {
+        while (done[first]) first++;
+        stamp++;
+        int seed = first, nc = 0;
+        order[n++] = seed;
+        done[seed] = 1;
+        for (int a = 0; a < kh; a++) mark[g->rows[seed * kh + a]] = stamp;
+        for (int a = 0; a < kh; a++) {
+            int r = g->rows[seed * kh + a];
+            for (int e = cnt[r]; e < fill[r]; e++)
+                if (!done[rdr[e]] && seen[rdr[e]] != stamp && nc < kh * kh) {
+                    seen[rdr[e]] = stamp;
+                    cand[nc++] = rdr[e];
+                }
+        }
+        for (int m = 1; m < MR && n < Hq; m++) {
+            int best = -1, bnew = 1 << 30;
+            for (int x = 0; x < nc; x++) {
+                int c = cand[x];
+                if (done[c]) continue;
+                int add = 0;
+                for (int a = 0; a < kh; a++) add += mark[g->rows[c * kh + a]] != stamp;
+                if (add < bnew || (add == bnew && c < best)) best = c, bnew = add;
+            }
+            if (best < 0) { /* no row shares a key row: the next unplaced one */
+                for (best = first; done[best]; best++) {}
+            }
+            order[n++] = best;
+            done[best] = 1;
+            for (int a = 0; a < kh; a++) mark[g->rows[best * kh + a]] = stamp;
+        }
+    }
+    free(cnt); free(rdr); free(mark); free(cand); free(done); free(fill); free(seen);
 }
 
 /* the Urows of every tile: tiles of MR rows of order; tile t's rows order[t*MR ...], its Urows
