@@ -81,6 +81,17 @@ int na_chunks(const int64_t *dims, const int32_t *rows, const int32_t *cols, int
     return n;
 }
 
+/* the query rows of a call in tile order (order: Hq ints; tile t is order[t MR ...]) and the rows
+ * per tile, MR (tests check which rows share a tile) */
+int na_row_order(const int64_t *dims, const int32_t *rows, const int32_t *cols, int32_t *order) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    int *o = malloc(sizeof(int) * g.Hq);
+    row_order(&g, o);
+    for (int i = 0; i < g.Hq; i++) order[i] = o[i];
+    free(o);
+    return MR;
+}
+
 static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(T)); *next = p + n + PAD; return p; }
 
 static vt *vec_alloc(long n) {

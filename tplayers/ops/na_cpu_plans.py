@@ -69,6 +69,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.na_forward_line.argtypes = [ptr] * 5 + [ptr, ptr, ptr, ctypes.c_double, ptr, ptr, i32, i32, i32]
     lib.na_forward_line.restype = None
     lib.na_line_blocks.argtypes, lib.na_line_blocks.restype = [ptr, ptr, ptr], i32
+    lib.na_row_order.argtypes, lib.na_row_order.restype = [ptr, ptr, ptr, ptr], i32
     lib.na_plan.argtypes, lib.na_plan.restype = [ptr, ptr, ptr, i32], ptr
     lib.na_plan_free.argtypes, lib.na_plan_free.restype = [ptr], None
     lib.na_plan_scratch.argtypes, lib.na_plan_scratch.restype = [ptr, ptr], ctypes.c_long

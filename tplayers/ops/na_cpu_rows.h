@@ -57,8 +57,8 @@ static int gcd(int a, int b) {
 /* query rows in tile order: greedily, each tile's first row is the first row not yet placed and
  * each next row the unplaced one that adds the fewest new key rows to the tile's union (ties:
  * the lowest index), so a tile's rows share key rows (3-D, flattened (x, y) rows: a 2 x 2 square
- * shares more than 4 consecutive rows of one x); candidates are the rows reading a key row of
- * the first. order[Hq] */
+ * shares more than 4 consecutive rows of one x; 16^3 k5: 2125 key rows over the tiles, not 2240);
+ * candidates are the rows reading a key row of the first. order[Hq] */
 static void row_order(const Geo *g, int *order) {
     const int Hq = g->Hq, kh = g->kh, Hk = g->Hk;
     int *cnt = calloc(Hk + 1, sizeof(int)), *rdr = malloc(sizeof(int) * (size_t)Hq * kh);
