@@ -7,7 +7,7 @@
 
 /* The work plan of a call: the column blocks of a row (the same for every row), cut into column
  * chunks whose keys stay in cache (see make_plan), and the tiles of MR query rows with their
- * key rows (na_cpu_rows.h). */
+ * key rows (row_order, plan_tiles below; the micro-kernels in na_cpu_rows.h). */
 typedef struct {
     int nb, nc, nt;
     Lanes *blocks;
@@ -29,6 +29,113 @@ typedef struct {
     int *keyc;
     long *relpat, kpad;
 } Plan;
+
+/* query rows in tile order: greedily, each tile's first row is the first row not yet placed and
+ * each next row the unplaced one that adds the fewest new key rows to the tile's union (ties:
+ * the lowest index), so a tile's rows share key rows (3-D, flattened (x, y) rows: a 2 x 2 square
+ * shares more than 4 consecutive rows of one x; 16^3 k5: 2125 key rows over the tiles, not 2240);
+ * candidates are the rows reading a key row of the first. order[Hq] */
+static void row_order(const Geo *g, int *order) {
+    const int Hq = g->Hq, kh = g->kh, Hk = g->Hk;
+    int *cnt = calloc(Hk + 1, sizeof(int)), *rdr = malloc(sizeof(int) * (size_t)Hq * kh);
+    int *mark = calloc(Hk, sizeof(int)), *cand = malloc(sizeof(int) * (size_t)kh * kh);
+    char *done = calloc(Hq, 1);
+    int *seen = calloc(Hq, sizeof(int));
+    for (int i = 0; i < Hq; i++)
+        for (int a = 0; a < kh; a++) cnt[g->rows[i * kh + a] + 1]++;
+    for (int r = 0; r < Hk; r++) cnt[r + 1] += cnt[r];
+    int *fill = malloc(sizeof(int) * (Hk + 1));
+    memcpy(fill, cnt, sizeof(int) * (Hk + 1));
+    for (int i = 0; i < Hq; i++)
+        for (int a = 0; a < kh; a++) {
+            int r = g->rows[i * kh + a];
+            if (!(fill[r] > cnt[r] && rdr[fill[r] - 1] == i)) rdr[fill[r]++] = i;
+        }
+    int n = 0, first = 0, stamp = 0;
+    while (n < Hq) {
+        while (done[first]) first++;
+        stamp++;
+        int seed = first, nc = 0;
+        order[n++] = seed;
+        done[seed] = 1;
+        for (int a = 0; a < kh; a++) mark[g->rows[seed * kh + a]] = stamp;
+        for (int a = 0; a < kh; a++) {
+            int r = g->rows[seed * kh + a];
+            for (int e = cnt[r]; e < fill[r]; e++)
+                if (!done[rdr[e]] && seen[rdr[e]] != stamp && nc < kh * kh) {
+                    seen[rdr[e]] = stamp;
+                    cand[nc++] = rdr[e];
+                }
+        }
+        for (int m = 1; m < MR && n < Hq; m++) {
+            int best = -1, bnew = 1 << 30;
+            for (int x = 0; x < nc; x++) {
+                int c = cand[x];
+                if (done[c]) continue;
+                int add = 0;
+                for (int a = 0; a < kh; a++) add += mark[g->rows[c * kh + a]] != stamp;
+                if (add < bnew || (add == bnew && c < best)) best = c, bnew = add;
+            }
+            if (best < 0) { /* no row shares a key row: the next unplaced one */
+                for (best = first; done[best]; best++) {}
+            }
+            order[n++] = best;
+            done[best] = 1;
+            for (int a = 0; a < kh; a++) mark[g->rows[best * kh + a]] = stamp;
+        }
+    }
+    free(cnt); free(rdr); free(mark); free(cand); free(done); free(fill); free(seen);
+}
+
+/* the Urows of every tile: tiles of MR rows of order; tile t's rows order[t*MR ...], its Urows
+ * ur[start[t] .. start[t+1]). ur: Hq * kh entries at most. */
+static int cmp_long(const void *x, const void *y) {
+    long a = *(const long *)x, b = *(const long *)y;
+    return (a > b) - (a < b);
+}
+
+static void plan_tiles(const Geo *g, const int *order, Urow *ur, int *start) {
+    int nt = (g->Hq + MR - 1) / MR, ne = 0;
+    long *pairs = malloc(sizeof(long) * MR * g->kh); /* key row << 32 | (m kh + a), sorted */
+    for (int t = 0; t < nt; t++) {
+        start[t] = ne;
+        int m0 = t * MR, nm = g->Hq - m0 < MR ? g->Hq - m0 : MR, np = 0;
+        for (int m = 0; m < nm; m++)
+            for (int a = 0; a < g->kh; a++)
+                pairs[np++] = (long)g->rows[order[m0 + m] * g->kh + a] << 32 | (long)(m * g->kh + a);
+        if (np > 256) qsort(pairs, np, sizeof(long), cmp_long);
+        else /* a tile's few pairs: insertion sort (qsort's calls cost more) */
+            for (int p = 1; p < np; p++) {
+                long x = pairs[p];
+                int q = p;
+                for (; q > 0 && pairs[q - 1] > x; q--) pairs[q] = pairs[q - 1];
+                pairs[q] = x;
+            }
+        for (int p = 0; p < np; p++) {
+            int r = (int)(pairs[p] >> 32), low = (int)(pairs[p] & 0xffffffff);
+            if (p == 0 || r != ur[ne - 1].row || ur[ne - 1].n == MR) {
+                ur[ne].row = r;
+                ur[ne].n = 0;
+                ne++;
+            }
+            Urow *u = ur + ne - 1;
+            u->m[u->n] = low / g->kh;
+            u->a[u->n] = low % g->kh;
+            u->mask = (u->n ? u->mask : 0) | 1 << u->m[u->n];
+            u->n++;
+        }
+        /* runs of Urows reading the same query rows (tile_apply sums a run in registers): stable
+         * insertion sort by mask, key rows ascending within a run */
+        for (int x = start[t] + 1; x < ne; x++) {
+            Urow v = ur[x];
+            int y = x;
+            for (; y > start[t] && ur[y - 1].mask > v.mask; y--) ur[y] = ur[y - 1];
+            ur[y] = v;
+        }
+    }
+    start[nt] = ne;
+    free(pairs);
+}
 
 static long l2_bytes(void) {
     long n = sysconf(_SC_LEVEL2_CACHE_SIZE);
