@@ -333,11 +333,26 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
         g4 = grad_out.view(batch, q.shape[1], heads, dim_v)
     except RuntimeError:
         g4 = grad_out.contiguous().view(batch, q.shape[1], heads, dim_v)
+    tab = None if table is None else table.detach().contiguous()
+    planes = batch * heads
+    direct = na_cpu_plans.backward_direct(dims, lanes(dtype))
+    if direct and g4.stride(-1) != 1:  # the direct backward loads dO's channels as vectors
+        g4 = g4.contiguous()
     strides = torch.tensor(g4.stride(), dtype=torch.int64)
     dq = torch.empty_like(q, dtype=dtype)
     dk, dv = (torch.empty_like(k, dtype=dtype), torch.empty_like(v, dtype=dtype)) if want_kv else (None, None)
-    tab = None if table is None else table.detach().contiguous()
-    planes = batch * heads
+    if direct:  # na_cpu_direct.h: q, k, v, dO read in place; planes split over the threads
+        workers = max(1, min(torch.get_num_threads(), planes))
+        bounds = [(planes * w // workers, planes * (w + 1) // workers) for w in range(workers)]
+        dtabs = [None if tab is None else torch.zeros_like(tab) for _ in bounds]
+        bf = int(q.dtype == torch.bfloat16)
+
+        def run(p0, p1, dtab):
+            tensors = (g4, strides, q, k, v, tab, dq, dk, dv, dtab, dims, rows, cols)
+            lib.na_backward_1d(*map(_ptr, tensors), scale, p0, p1, bf)
+
+        _parallel(run, [(p0, p1, d) for (p0, p1), d in zip(bounds, dtabs)])
+        return dq, dk, dv, None if tab is None else sum(dtabs[1:], dtabs[0])
     bounds, plan = _split(lib, 1 if want_kv else 2, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
     dtabs = [None if tab is None else torch.zeros_like(tab) for _ in bounds]
 

@@ -49,6 +49,17 @@ def forward_direct(dims: torch.Tensor, lanes: int) -> bool:
     return shape_ok and flag != "0" and kw <= (256 if flag == "all" else lanes)
 
 
+def backward_direct(dims: torch.Tensor, lanes: int) -> bool:
+    """Whether :func:`~tplayers.ops.na_cpu.c_backward` runs without a plan, reading q, k, v and dO in
+    place (``na_backward_1d``, ``na_cpu_direct.h``): the calls :func:`forward_direct` runs with its
+    default (1-D, head dims multiples of the lanes, windows of at most one vector; at 1-D 1x4096 h4 d32
+    k7: benchmarks/na_target.py). ``TPLAYERS_NA_DIRECT=0``: the planes backward."""
+    _, _, hq, _, hk, _, d, dv, kh, kw, _ = dims.tolist()
+    if os.environ.get("TPLAYERS_NA_DIRECT", "").strip() == "0":
+        return False
+    return hq == hk == kh == 1 and d % lanes == 0 and dv % lanes == 0 and max(d, dv) <= 16 * lanes and kw <= lanes
+
+
 def forward_line(dims: torch.Tensor, lanes: int) -> bool:
     """Whether the planes forward of :func:`~tplayers.ops.na_cpu.c_forward` runs ``na_forward_line``
     (``na_cpu_line.h``: query and key planes, values read in place, the output written in place) for
@@ -66,6 +77,8 @@ def declare(lib: ctypes.CDLL) -> None:
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.na_forward_1d.argtypes = [ptr] * 8 + [ctypes.c_double, ctypes.c_long, ctypes.c_long, i32]
     lib.na_forward_1d.restype = None
+    lib.na_backward_1d.argtypes = [ptr] * 13 + [ctypes.c_double, i32, i32, i32]
+    lib.na_backward_1d.restype = None
     lib.na_forward_line.argtypes = [ptr] * 5 + [ptr, ptr, ptr, ctypes.c_double, ptr, ptr, i32, i32, i32]
     lib.na_forward_line.restype = None
     lib.na_line_blocks.argtypes, lib.na_line_blocks.restype = [ptr, ptr, ptr], i32
