@@ -31,7 +31,8 @@
  * scores of a tile fit L1/L2). MR follows the ISA's vector registers (4 rows with 32, 3 with 16).
  * Rows whose keys would not stay in the cache (long 1-D rows) run in column chunks: each chunk
  * transposes only its key span (make_plan: a quarter of the L2 size from sysconf).
- * 1-D windows of one vector skip the planes: na_forward_1d (na_cpu_direct.h; na_cpu_plans.py);
+ * 1-D windows of one vector skip the planes: na_forward_1d, na_backward_1d (na_cpu_direct.h;
+ * na_cpu_plans.py);
  * wider 1-D windows run na_forward_line (na_cpu_line.h: blocks of queries as the tile's rows, the
  * values and the output in place).
  */

@@ -14,8 +14,10 @@ is the default wherever it builds (faster than the torch kernels on both ISAs, f
 backward: ``benchmarks/na.py``, docs/neighborhood-attention.md, benchmarks/RESULTS.md).
 
 It runs tiles of query rows against the key rows they share (``na_cpu.c``, shipped as source;
-plans cached by :mod:`tplayers.ops.na_cpu_plans`); 1-D forwards whose window fits one vector read
-q, k, v in place instead (``na_cpu_direct.h``, :func:`~tplayers.ops.na_cpu_plans.forward_direct`). On the first CPU call (never at import) it is
+plans cached by :mod:`tplayers.ops.na_cpu_plans`); 1-D calls whose window fits one vector read
+q, k, v (and dO) in place instead, forward and backward (``na_cpu_direct.h``,
+:func:`~tplayers.ops.na_cpu_plans.forward_direct`, :func:`~tplayers.ops.na_cpu_plans.backward_direct`).
+On the first CPU call (never at import) it is
 compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -shared -fPIC -DNA_LANES=n``
 (:func:`build_flags`), once per element type, into ``$TPLAYERS_CACHE`` (else
 ``~/.cache/tplayers``) under a name hashed from the source, the compiler, its version, the flags
