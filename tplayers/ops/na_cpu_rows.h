@@ -139,6 +139,7 @@ INL void ap_kern(const int mode, const int nm, const Lanes *ln, int kw, int C, c
             const vt *pp[MR];
 #pragma GCC unroll 8
             for (int j = 0; j < nm; j++) pp[j] = p[u[iu].m[j]] + u[iu].a[j] * kw;
+#pragma GCC unroll 8
             for (int b = 0; b < kw; b++) {
                 vt pv[MR];
                 const T *v0 = vr + bo[b];
@@ -160,8 +161,15 @@ INL void ap_kern(const int mode, const int nm, const Lanes *ln, int kw, int C, c
     }
 }
 
+/* kW 3, 5 and 7 as constants (the slot loop unrolled: a loop of kW trips per key row exited every
+ * few FMAs; 16^3 k5 forward 1.04-1.06x, 64^2 k7 1.04x, AVX2 1.04x, bit-identical) */
 #define AP_CASE(MODE, NM) \
-    case (MODE) * 16 + (NM): ap_kern(MODE, NM, ln, kw, C, u, nu, p, y, x0, bo, vs, o); return;
+    case (MODE) * 16 + (NM):                                                              \
+        if (kw == 5) ap_kern(MODE, NM, ln, 5, C, u, nu, p, y, x0, bo, vs, o);               \
+        else if (kw == 7) ap_kern(MODE, NM, ln, 7, C, u, nu, p, y, x0, bo, vs, o);          \
+        else if (kw == 3) ap_kern(MODE, NM, ln, 3, C, u, nu, p, y, x0, bo, vs, o);          \
+        else ap_kern(MODE, NM, ln, kw, C, u, nu, p, y, x0, bo, vs, o);                      \
+        return;
 
 static void ap_rows(int mode, int nm, const Lanes *ln, int kw, int C, const Urow *u, int nu, vt *const *p, const T *y,
                     long x0, const long *bo, long vs, vt *const *o) {
