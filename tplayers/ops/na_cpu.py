@@ -269,14 +269,16 @@ def _ptr(t: Optional[torch.Tensor]):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
-def _split(lib, backward: int, dims: torch.Tensor, tables, planes: int, key):
-    """Plane ranges, one per worker thread (``torch.get_num_threads()`` at most), and the call's
-    plan (its ``scratch``: elements each worker needs; ``key``: what ``dims`` and the tables are
-    made from)."""
+def _plane_bounds(planes: int) -> List[Tuple[int, int]]:
+    """Plane ranges, one per worker thread (``torch.get_num_threads()`` at most)."""
     workers = max(1, min(torch.get_num_threads(), planes))
-    plan = na_cpu_plans.plan(lib, key, dims, tables[0], tables[1], backward)
-    bounds = [(planes * w // workers, planes * (w + 1) // workers) for w in range(workers)]
-    return bounds, plan
+    return [(planes * w // workers, planes * (w + 1) // workers) for w in range(workers)]
+
+
+def _split(lib, backward: int, dims: torch.Tensor, tables, planes: int, key):
+    """:func:`_plane_bounds` and the call's plan (its ``scratch``: elements each worker needs;
+    ``key``: what ``dims`` and the tables are made from)."""
+    return _plane_bounds(planes), na_cpu_plans.plan(lib, key, dims, tables[0], tables[1], backward)
 
 
 def _kernel_dtype(q: torch.Tensor) -> torch.dtype:
@@ -343,26 +345,23 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     strides = torch.tensor(g4.stride(), dtype=torch.int64)
     dq = torch.empty_like(q, dtype=dtype)
     dk, dv = (torch.empty_like(k, dtype=dtype), torch.empty_like(v, dtype=dtype)) if want_kv else (None, None)
-    if direct:  # na_cpu_direct.h: q, k, v, dO read in place; planes split over the threads
-        workers = max(1, min(torch.get_num_threads(), planes))
-        bounds = [(planes * w // workers, planes * (w + 1) // workers) for w in range(workers)]
-        dtabs = [None if tab is None else torch.zeros_like(tab) for _ in bounds]
-        bf = int(q.dtype == torch.bfloat16)
+    bf = int(q.dtype == torch.bfloat16)
+    if direct:  # na_cpu_direct.h: q, k, v, dO read in place, no plan
+        bounds = _plane_bounds(planes)
 
-        def run(p0, p1, dtab):
+        def work(p0, p1, dtab):
             tensors = (g4, strides, q, k, v, tab, dq, dk, dv, dtab, dims, rows, cols)
             lib.na_backward_1d(*map(_ptr, tensors), scale, p0, p1, bf)
 
-        _parallel(run, [(p0, p1, d) for (p0, p1), d in zip(bounds, dtabs)])
-        return dq, dk, dv, None if tab is None else sum(dtabs[1:], dtabs[0])
-    bounds, plan = _split(lib, 1 if want_kv else 2, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
+    else:
+        bounds, plan = _split(lib, 1 if want_kv else 2, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
+
+        def work(p0, p1, dtab):
+            scratch = q.new_empty(plan.scratch, dtype=dtype)
+            tensors = (g4, strides, q, k, v, tab, out, dq, dk, dv, dtab, dims, rows, cols)
+            lib.na_backward(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, bf)
+
     dtabs = [None if tab is None else torch.zeros_like(tab) for _ in bounds]
-
-    def work(p0, p1, dtab):
-        scratch = q.new_empty(plan.scratch, dtype=dtype)
-        tensors = (g4, strides, q, k, v, tab, out, dq, dk, dv, dtab, dims, rows, cols)
-        lib.na_backward(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, int(q.dtype == torch.bfloat16))
-
     _parallel(work, [(p0, p1, d) for (p0, p1), d in zip(bounds, dtabs)])
     dtable = None if tab is None else sum(dtabs[1:], dtabs[0])
     return dq, dk, dv, dtable
