@@ -72,8 +72,8 @@ static void row_order(const Geo *g, int *order) {
             for (int x = 0; x < nc; x++) {
                 int c = cand[x];
                 if (done[c]) continue;
-                int add = 0;
-                for (int a = 0; a < kh; a++) add += mark[g->rows[c * kh + a]] != stamp;
+                int add = 0; /* new key rows; counting stops once it is worse than the best */
+                for (int a = 0; a < kh && add <= bnew; a++) add += mark[g->rows[c * kh + a]] != stamp;
                 if (add < bnew || (add == bnew && c < best)) best = c, bnew = add;
             }
             if (best < 0) { /* no row shares a key row: the next unplaced one */
