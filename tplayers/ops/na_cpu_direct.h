@@ -285,9 +285,14 @@ INL void bwd_plane(const T *dout, const int64_t *sd, const void *q, const void *
             const int i = i0 + g;
             const long qe = ((b * Wq + i) * heads + h) * D, ge = b * sd[0] + i * sd[1] + h * sd[2];
             const int32_t *kc = ki + (long)i * n, *oki = ok + (long)i * n, *rl = rel + (long)i * n;
-            vt acc[DMAX];
+            vt acc[DMAX], qv[DMAX], gv[DMAX]; /* q and dO once per query (the dK / dV stores may alias them) */
 #pragma GCC unroll 16
-            for (int d = 0; d < nd; d++) acc[d] = (vt){0};
+            for (int d = 0; d < nd; d++) {
+                acc[d] = (vt){0};
+                qv[d] = ldx(q, bf, qe + (long)d * L) * sc;
+            }
+#pragma GCC unroll 16
+            for (int d = 0; d < ndv; d++) gv[d] = ld(dout + ge + (long)d * L);
             for (int s = 0; s < n; s++) {
                 const long kr = (b * Wk + kc[s]) * heads + h;
                 const vt w = splat(dS[g][s]);
@@ -297,9 +302,9 @@ INL void bwd_plane(const T *dout, const int64_t *sd, const void *q, const void *
                 const vt pw = splat(P[g][s]);
                 T *dkr = dk + kr * D, *dvr = dv + kr * Dv;
 #pragma GCC unroll 16
-                for (int d = 0; d < nd; d++) st(dkr + d * L, ld(dkr + d * L) + w * (ldx(q, bf, qe + (long)d * L) * sc));
+                for (int d = 0; d < nd; d++) st(dkr + d * L, ld(dkr + d * L) + w * qv[d]);
 #pragma GCC unroll 16
-                for (int d = 0; d < ndv; d++) st(dvr + d * L, ld(dvr + d * L) + pw * ld(dout + ge + (long)d * L));
+                for (int d = 0; d < ndv; d++) st(dvr + d * L, ld(dvr + d * L) + pw * gv[d]);
             }
 #pragma GCC unroll 16
             for (int d = 0; d < nd; d++) st(dq + qe + (long)d * L, acc[d] * sc);
