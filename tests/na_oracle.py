@@ -151,3 +151,17 @@ def record_results(monkeypatch, owner, name: str) -> list:
     real = getattr(owner, name)
     monkeypatch.setattr(owner, name, lambda *a: taken.append(real(*a)) or taken[-1])
     return taken
+
+
+def at_thread_counts(fn, counts=(1, 3)) -> list:
+    """``fn()``'s result with torch's thread count set to each of ``counts`` in turn (the count
+    restored after): the C kernel splits its work over that many threads."""
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in counts:
+            torch.set_num_threads(n)
+            results.append(fn())
+        return results
+    finally:
+        torch.set_num_threads(threads)

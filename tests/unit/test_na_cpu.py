@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 from na_cases import na_on_subwindow
-from na_oracle import assert_out_and_grads, brute_na2d
+from na_oracle import assert_out_and_grads, at_thread_counts, brute_na2d
 
 import tplayers
 from tplayers.ops import na_cpu, na_dispatch
@@ -100,19 +100,14 @@ def test_threads_split_planes_identically(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(3, 9, 18, 3, 4, generator=gen, dtype=torch.float64) for _ in range(3))
     rpb = torch.randn(3, 5, 5, generator=gen, dtype=torch.float64)
-    threads = torch.get_num_threads()
-    results = []
-    try:
-        for n in (1, 3):
-            torch.set_num_threads(n)
-            ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
-            out = neighborhood_attention(
-                *ins[:3], (3, 3), (1, 1), (False, False), global_size=(9, 18), rel_pos_bias=ins[3]
-            )
-            out.square().sum().backward()
-            results.append([out] + [t.grad for t in ins])
-    finally:
-        torch.set_num_threads(threads)
+
+    def run():
+        ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+        out = neighborhood_attention(*ins[:3], (3, 3), (1, 1), (False, False), global_size=(9, 18), rel_pos_bias=ins[3])
+        out.square().sum().backward()
+        return [out] + [t.grad for t in ins]
+
+    results = at_thread_counts(run)
     for a, b in zip(results[0][:4], results[1][:4]):
         assert torch.equal(a, b)
     torch.testing.assert_close(results[0][4], results[1][4], rtol=1e-12, atol=1e-12)

@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from na_oracle import brute_na, check_na1d_case, record_results
+from na_oracle import at_thread_counts, brute_na, check_na1d_case, record_results
 
 import tplayers
 from tplayers.ops import na_cpu, na_cpu_plans
@@ -66,14 +66,7 @@ def test_threads_split_the_queries_bit_for_bit(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 300, 2, 16, generator=gen) for _ in range(3))
     taken = _spy(monkeypatch)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = tplayers.na1d(q, k, v, 5, dilation=2)
-        torch.set_num_threads(3)
-        three = tplayers.na1d(q, k, v, 5, dilation=2)
-    finally:
-        torch.set_num_threads(threads)
+    one, three = at_thread_counts(lambda: tplayers.na1d(q, k, v, 5, dilation=2))
     assert taken == [True, True]
     assert torch.equal(one, three)
 
@@ -113,16 +106,13 @@ def test_backward_without_kv_grads_and_with_an_expanded_gradient(monkeypatch):
     k, v = (torch.randn(2, 50, 3, 2 * lanes, generator=gen, dtype=torch.float64)[..., :lanes] for _ in range(2))
     ref_q = q.clone().requires_grad_()
     brute_na(ref_q, k, v, (5,), (1,), (2,), (True,)).sum().backward()
-    grads = []
-    threads = torch.get_num_threads()
-    try:
-        for n in (1, 3):
-            torch.set_num_threads(n)
-            x = q.clone().requires_grad_()
-            tplayers.na1d(x, k, v, 5, dilation=2, is_causal=True).sum().backward()
-            grads.append(x.grad)
-    finally:
-        torch.set_num_threads(threads)
+
+    def dq():
+        x = q.clone().requires_grad_()
+        tplayers.na1d(x, k, v, 5, dilation=2, is_causal=True).sum().backward()
+        return x.grad
+
+    grads = at_thread_counts(dq)
     assert taken == [True, True]
     assert torch.equal(grads[0], grads[1])
     torch.testing.assert_close(grads[0], ref_q.grad, **TIGHT)

@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from na_oracle import brute_na, check_na1d_case, record_results
+from na_oracle import at_thread_counts, brute_na, check_na1d_case, record_results
 
 import tplayers
 from tplayers.ops import na_cpu, na_cpu_plans
@@ -119,14 +119,7 @@ def test_threads_split_the_planes_bit_for_bit(monkeypatch):
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 300, 3, lanes, generator=gen, dtype=torch.float64) for _ in range(3))
     taken = _spy(monkeypatch)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = tplayers.na1d(q, k, v, lanes + 7)
-        torch.set_num_threads(3)
-        three = tplayers.na1d(q, k, v, lanes + 7)
-    finally:
-        torch.set_num_threads(threads)
+    one, three = at_thread_counts(lambda: tplayers.na1d(q, k, v, lanes + 7))
     assert taken == [True, True]
     assert torch.equal(one, three)
 
