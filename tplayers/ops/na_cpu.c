@@ -105,14 +105,11 @@ static vt *vec_alloc(long n) {
 void na_forward(const void *q, const void *k, const void *v, const T *table, T *out, const int64_t *dims,
                 const int32_t *rows, const int32_t *cols, double scale, const void *plan, T *scratch, int p0, int p1,
                 int bf) {
-    Geo g = make_geo(dims, rows, cols, table, scale);
-    const Plan pl = *(const Plan *)plan;
-    g.kp = pl.kp;
-    long pk = (long)g.Hk * g.kp, qw = pl.qw, sq[4], sk[4], sv[4];
+    Geo g;
+    long sq[4], sk[4], sv[4];
+    const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sq, sk, sv);
+    long pk = (long)g.Hk * g.kp, qw = pl.qw;
     const long *jb = pl.jb;
-    dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
-    dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
-    dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);
     T *next = scratch;
     T *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
     T *qr = carve(&next, MR * g.D * qw), *orow = carve(&next, MR * g.Dv * qw);
@@ -263,17 +260,15 @@ static void table_grad(const Geo *g, const Lanes *ln, int i, long j0, int h, con
 void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k, const void *v, const T *table,
                  const T *out, T *dq, T *dk, T *dv, T *dtable, const int64_t *dims, const int32_t *rows,
                  const int32_t *cols, double scale, const void *plan, T *scratch, int p0, int p1, int bf) {
-    Geo g = make_geo(dims, rows, cols, table, scale);
+    Geo g;
     int kv = dk != NULL;
-    const Plan pl = *(const Plan *)plan; /* a backward plan (na_plan with backward 1 or 2) */
-    g.kp = pl.kp;
-    long pk = (long)g.Hk * g.kp, qw = pl.qw, sq[4], sk[4], sv[4], so[4];
+    long sq[4], sk[4], sv[4], so[4];
+    /* a backward plan (na_plan with backward 1 or 2) */
+    const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sq, sk, sv);
+    long pk = (long)g.Hk * g.kp, qw = pl.qw;
     long kpad = kv ? pl.kpad : 0, qp = qw + 2 * kpad; /* Q and dO rows: pitch qp, data from kpad */
     const long *jb = pl.jb;
     long sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
-    dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
-    dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
-    dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);
     dense_strides(g.Hq, g.Wq, g.heads, g.Dv, so);
     T *next = scratch;
     T *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);

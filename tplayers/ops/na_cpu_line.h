@@ -239,15 +239,12 @@ static void line_softmax(const Geo *g, const Plan *pl, int bk, int h, vt *s, vt 
 void na_forward_line(const void *q, const void *k, const void *v, const T *table, T *out, const int64_t *dims,
                      const int32_t *rows, const int32_t *cols, double scale, const void *plan, T *scratch, int p0,
                      int p1, int bf) {
-    Geo g = make_geo(dims, rows, cols, table, scale);
-    const Plan pl = *(const Plan *)plan;
-    g.kp = pl.kp;
+    Geo g;
+    long sq[4], sk[4], sv[4];
+    const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sq, sk, sv);
     const int n = g.kw, nkp = g.nkp, ndv = g.Dv / L;
-    long pk = (long)g.Hk * g.kp, qw = pl.qw, sq[4], sk[4], sv[4];
+    long pk = (long)g.Hk * g.kp, qw = pl.qw;
     const long *jb = pl.jb;
-    dense_strides(g.Hq, g.Wq, g.heads, g.D, sq);
-    dense_strides(g.Hk, g.Wk, g.heads, g.D, sk);
-    dense_strides(g.Hk, g.Wk, g.heads, g.Dv, sv);
     T *next = scratch;
     T *kt = carve(&next, g.D * pk), *vp = carve(&next, g.Dv * pk);
     T *qr = carve(&next, MR * g.D * qw);

@@ -198,6 +198,19 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
     plan_tiles(g, pl->order, pl->ur, pl->ustart);
 }
 
+/* the start of a call on a plan: its geometry (the key planes' pitch from the plan) and the element
+ * strides (batch, pixel, head, channel) of the dense q, k and v; returns the plan */
+static Plan open_call(Geo *g, const int64_t *dims, const int32_t *rows, const int32_t *cols, const T *table,
+                      double scale, const void *plan, long *sq, long *sk, long *sv) {
+    const Plan pl = *(const Plan *)plan;
+    *g = make_geo(dims, rows, cols, table, scale);
+    g->kp = pl.kp;
+    dense_strides(g->Hq, g->Wq, g->heads, g->D, sq);
+    dense_strides(g->Hk, g->Wk, g->heads, g->D, sk);
+    dense_strides(g->Hk, g->Wk, g->heads, g->Dv, sv);
+    return pl;
+}
+
 static void free_plan(Plan *pl) {
     free(pl->shifts); free(pl->folds); free(pl->shix); free(pl->fused); free(pl->fstart);
     free(pl->keyc); free(pl->relpat);
