@@ -129,7 +129,9 @@ def test_switch_values_and_errors(monkeypatch):
     assert na_dispatch.choose_kernel(q, (65, 65)) == "torch"  # off the C kernel: the tile kernel
     assert na_dispatch.choose_kernel(q.bfloat16(), (3, 3)) == "c"  # computed in fp32 on the C kernel
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "fast")
-    with pytest.raises(ValueError, match="TPLAYERS_NA_KERNEL must be 'c', 'gemm', 'torch' or unset, got 'fast'"):
+    with pytest.raises(
+        ValueError, match="TPLAYERS_NA_KERNEL must be 'flex', 'c', 'gemm', 'torch' or unset, got 'fast'"
+    ):
         tplayers.na2d(q, q, q, 3)
 
 

@@ -251,3 +251,22 @@ def test_tile_attention_backend_errors():
         tile_attention(q, q, q, (3,), (1,), (1,), (False,), None, backend="natten")
     with pytest.raises(ValueError, match="backend must be 'natten' or 'tplayers', got 'c'"):
         tile_attention(q, q, q, (3,), (1,), (1,), (False,), None, backend="c")
+
+
+def test_auto_takes_natten_only_with_its_fused_kernels(monkeypatch):
+    """A Python-only natten (no compiled library: its Flex backend, uncompiled) is not natten's fused
+    kernels: "auto" leaves it for the tplayers engine; natten before 0.20 (no flag) had the library."""
+    from types import SimpleNamespace
+
+    from tplayers.ops import na_tile
+
+    for fake, fused in (
+        (None, False),
+        (SimpleNamespace(HAS_LIBNATTEN=False), False),
+        (SimpleNamespace(HAS_LIBNATTEN=True), True),
+        (SimpleNamespace(), True),
+    ):
+        monkeypatch.setattr(na_tile, "natten_module", lambda fake=fake: fake)
+        assert na_tile.natten_fused() is fused
+        why = na_tile.natten_applies(torch.device("cuda"), (3, 3), False)
+        assert (why is None) if fused else "fused CUDA kernels is not installed" in why

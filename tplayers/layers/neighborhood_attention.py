@@ -39,7 +39,7 @@ from tplayers.domain.window import gather_windows
 from tplayers.layers._common import ShardedModule
 from tplayers.layers._na_layout import NALayout, _Layout
 from tplayers.ops.na import AXIS_NAMES, check_window_fits, neighborhood_attention, normalize_window_args
-from tplayers.ops.na_tile import INSTALL_HINT, natten_applies, natten_module, tile_attention
+from tplayers.ops.na_tile import INSTALL_HINT, natten_applies, natten_fused, natten_module, tile_attention
 from tplayers.sharding import ShardSpec
 
 __all__ = ["NeighborhoodAttention", "NeighborhoodAttention1d", "NeighborhoodAttention3d"]
@@ -56,8 +56,9 @@ class NeighborhoodAttention(NALayout, ShardedModule):
         kernel_size, dilation, is_causal, stride: the window (:func:`tplayers.na2d`), int or per dim;
             ``stride``: queries in a stride group share their leader's window (``<= kernel_size``).
         qkv_bias, qk_scale, proj_drop, rel_pos_bias: as NATTEN's module (no bias with stride > 1).
-        local_backend: ``"auto"``: NATTEN's fused kernels on CUDA when natten is installed and the
-            call fits them (no ``rel_pos_bias``, kernels >= 2), else the tplayers kernels; ``"natten"``
+        local_backend: ``"auto"``: NATTEN's fused kernels on CUDA when natten is installed with
+            them (``natten.HAS_LIBNATTEN``) and the call fits them (no ``rel_pos_bias``, kernels
+            >= 2), else the tplayers kernels (on CUDA compiled ``flex_attention``); ``"natten"``
             requires natten; ``"tplayers"``; ``"tile"``: natten's tile path, tplayers kernel inside.
         mesh, shard_dims: ``shard_dims=None`` is single-device; ``(1,)`` / ``(2,)`` shard H / W over a
             1-D mesh, ``(1, 2)`` both over a 2-D mesh (input and output are then local slices).
@@ -129,6 +130,7 @@ class NeighborhoodAttention(NALayout, ShardedModule):
             )
         self.local_backend = local_backend
         self._natten_installed = natten_module() is not None  # looked up here, never while compiling
+        self._natten_fused = natten_fused()  # "auto" takes natten only with its fused CUDA kernels
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.scale = qk_scale if qk_scale is not None else self.head_dim**-0.5
         kw = {"device": device, "dtype": dtype}
@@ -233,7 +235,7 @@ class NeighborhoodAttention(NALayout, ShardedModule):
             return "tplayers"
         if (
             self.local_backend == "auto"
-            and natten_applies(self.qkv.weight.device, self.kernel_size, self.rpb is not None, self._natten_installed)
+            and natten_applies(self.qkv.weight.device, self.kernel_size, self.rpb is not None, self._natten_fused)
             is None
         ):
             return "natten"

@@ -7,8 +7,9 @@ exact window rule: windows shifted inside the image at borders, dilation groups,
 causal per dim, stride groups sharing their leader's window). Keys and values may have fewer
 heads than the queries (GQA/MQA: ``kv_heads`` divides ``heads``). All ranks run one engine
 (:mod:`tplayers.ops.na_engine`): the compiled C kernel on fp32/fp64 CPU tensors where a C
-compiler is available (``TPLAYERS_NA_KERNEL`` chooses), the torch tile kernel elsewhere; the
-``(L)^2`` matrix of dense attention never exists.
+compiler is available, ``flex_attention`` with a neighborhood block mask (compiled) on CUDA
+(:mod:`tplayers.ops.na_flex`), the torch tile kernel elsewhere (``TPLAYERS_NA_KERNEL``
+chooses); the ``(L)^2`` matrix of dense attention never exists.
 
 :func:`neighborhood_attention` (re-exported) is the engine itself, which the domain-parallel layer calls
 with a shard's window offsets.

@@ -6,7 +6,9 @@ trace. While compiling, :func:`~tplayers.ops.na_engine.neighborhood_attention` c
 instead: each is one opaque node of the graph, its arguments the tensors and the geometry as
 ints; the eager body builds (and caches) the same tables and runs the same kernel as eager
 mode (the kernel :func:`~tplayers.ops.na_dispatch.choose_kernel` picks: the compiled C kernel, the
-GEMM kernel or the tile kernel), so the results are bitwise those of eager mode. ``tplayers::na2d_tiles`` is the forward,
+GEMM kernel or the tile kernel), so on the CPU the results are bitwise those of eager mode (on
+CUDA eager mode runs ``flex_attention``, :mod:`tplayers.ops.na_flex`, and these ops the tile
+kernel: the same window, fp rounding apart). ``tplayers::na2d_tiles`` is the forward,
 ``tplayers::na2d_tiles_backward`` its backward (registered as its autograd formula). Importing this
 module registers nothing: :func:`ensure_na_ops` registers both on first use (idempotent; see
 :mod:`tplayers.ops.registry`).
@@ -44,7 +46,8 @@ def _kv_heads(q: torch.Tensor, k: torch.Tensor, heads: int) -> int:
 
 def _which(q: torch.Tensor, k: torch.Tensor, geo: List[int], heads: int) -> str:
     kernel = [axis.kernel for axis in split_geometry(geo)[0]]
-    return na_dispatch.choose_kernel(q, kernel, grouped=_kv_heads(q, k, heads) < heads)
+    which = na_dispatch.choose_kernel(q, kernel, grouped=_kv_heads(q, k, heads) < heads)
+    return "torch" if which == "flex" else which  # forced flex: these ops run the tile kernel
 
 
 def expand_heads(x: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:

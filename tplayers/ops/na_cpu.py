@@ -92,11 +92,11 @@ MAX_SLOTS = 4096
 
 
 def kernel_choice() -> str:
-    """``TPLAYERS_NA_KERNEL``: ``"auto"`` (unset or empty), ``"c"``, ``"gemm"`` or ``"torch"``;
-    ``ValueError`` otherwise."""
+    """``TPLAYERS_NA_KERNEL``: ``"auto"`` (unset or empty), ``"flex"``, ``"c"``, ``"gemm"`` or
+    ``"torch"``; ``ValueError`` otherwise."""
     value = os.environ.get("TPLAYERS_NA_KERNEL", "").strip().lower() or "auto"
-    if value not in ("auto", "c", "gemm", "torch"):
-        raise ValueError(f"TPLAYERS_NA_KERNEL must be 'c', 'gemm', 'torch' or unset, got {value!r}")
+    if value not in ("auto", "flex", "c", "gemm", "torch"):
+        raise ValueError(f"TPLAYERS_NA_KERNEL must be 'flex', 'c', 'gemm', 'torch' or unset, got {value!r}")
     return value
 
 
@@ -245,7 +245,7 @@ def use_c_kernel(q: torch.Tensor, kernel: Tuple[int, int] = (1, 1), dtype: Optio
     ``TPLAYERS_NA_KERNEL=c`` raises ``RuntimeError`` where the C kernel does not apply or cannot
     be built, instead of falling back."""
     choice = kernel_choice()
-    if choice in ("torch", "gemm"):
+    if choice in ("torch", "gemm", "flex"):
         return False
     dtype = q.dtype if dtype is None else dtype
     applies = (

@@ -1,17 +1,21 @@
-"""Which CPU/torch kernel runs one neighborhood-attention call, and its default tiles.
+"""Which kernel runs one neighborhood-attention call, and its default tiles.
 
-Three kernels compute the same thing (NATTEN's window; fp rounding may differ):
+Four kernels compute the same thing (NATTEN's window; fp rounding may differ):
 
+* ``"flex"``: torch's ``flex_attention`` with a neighborhood block mask
+  (:mod:`tplayers.ops.na_flex`), compiled, on CUDA tensors where
+  :func:`~tplayers.ops.na_flex.flex_applies` (measured 1.4-10x the tile kernel forward, 1.9-14x
+  forward + backward, on an H100); forced on the CPU it runs eagerly, forward only (tests);
 * ``"c"``: the compiled C kernel (:mod:`tplayers.ops.na_cpu`), fp32/fp64 CPU tensors, where it
   builds; its backward is the GEMM kernel's where the C backward does not apply
   (:func:`~tplayers.ops.na_cpu.backward_in_c`: wide column windows on short rows);
 * ``"gemm"``: the GEMM-tiled torch kernel (:mod:`tplayers.ops.na_gemm`), any device and dtype;
 * ``"torch"``: the torch tile kernel (:mod:`tplayers.ops.na_kernel`), any device and dtype.
 
-``TPLAYERS_NA_KERNEL`` (``c`` / ``gemm`` / ``torch``) forces one (``c`` raises where it cannot
-run). Unset, :func:`choose_kernel` takes the C kernel where it applies (measured 1.3-3.3x the
-torch kernels forward on every shape class of ``benchmarks/na.py``), else the tile kernel: the
-GEMM kernel measured 0.83-0.97x of it forward on every class with as many key heads as query
+``TPLAYERS_NA_KERNEL`` (``flex`` / ``c`` / ``gemm`` / ``torch``) forces one (``flex`` and ``c``
+raise where they cannot run). Unset, :func:`choose_kernel` takes flex where it applies, the C
+kernel where it applies (measured 1.3-3.3x the torch kernels forward on every shape class of
+``benchmarks/na.py``), else the tile kernel: the GEMM kernel measured 0.83-0.97x of it forward on every class with as many key heads as query
 heads (same tiles; both are batched small GEMMs), but with grouped key/value heads (GQA/MQA) it
 runs the query heads of a group against one gathered key tile as one taller GEMM and no expanded
 copy of K and V: 1.28-1.31x the tile kernel forward and 1.33x backward (2-D k7, 8 heads over 2
@@ -24,11 +28,11 @@ benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import math
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from tplayers.ops import na_cpu, na_layout
+from tplayers.ops import na_cpu, na_flex, na_layout
 
 __all__ = ["choose_kernel", "default_tile", "compute_dtype", "DTYPES", "check_dtype"]
 
@@ -53,15 +57,33 @@ def check_dtype(q: torch.Tensor, who: str, name: str = "q") -> None:
         )
 
 
-def choose_kernel(q: torch.Tensor, kernel: Sequence[int], grouped: bool = False) -> str:
-    """``"c"``, ``"gemm"`` or ``"torch"`` for a call on ``q`` with per-axis ``kernel``, computed in
+def choose_kernel(
+    q: torch.Tensor,
+    kernel: Sequence[int],
+    grouped: bool = False,
+    v: Optional[torch.Tensor] = None,
+    rel_pos_bias: Optional[torch.Tensor] = None,
+) -> str:
+    """``"flex"``, ``"c"``, ``"gemm"`` or ``"torch"`` for a call on ``q`` (and ``v``, when given:
+    the flex kernel is considered only then) with per-axis ``kernel``, computed in
     :func:`compute_dtype` of ``q``'s; ``grouped``: fewer key/value heads than query heads
-    (GQA/MQA). See the module docstring; ``RuntimeError`` from ``TPLAYERS_NA_KERNEL=c`` where C
-    cannot run."""
+    (GQA/MQA). See the module docstring; ``RuntimeError`` from ``TPLAYERS_NA_KERNEL=c`` or ``flex``
+    where that kernel cannot run."""
+    choice = na_cpu.kernel_choice()
+    if choice == "flex":
+        if rel_pos_bias is not None or na_flex.flex_module() is None:
+            why = "it takes no relative-position bias" if rel_pos_bias is not None else "this torch has none"
+            raise RuntimeError(f"TPLAYERS_NA_KERNEL=flex: the flex_attention kernel cannot run this call: {why}")
+        return "flex"
+    if (
+        choice == "auto"
+        and v is not None
+        and na_flex.flex_applies(q, v, compute_dtype(q.dtype), rel_pos_bias is not None) is None
+    ):
+        return "flex"
     merged = (math.prod(kernel[:-1]), kernel[-1])
     if na_cpu.use_c_kernel(q, merged, compute_dtype(q.dtype)):
         return "c"
-    choice = na_cpu.kernel_choice()
     if choice in ("gemm", "torch"):
         return choice
     return "gemm" if grouped else "torch"

@@ -9,6 +9,7 @@ spatial axes into one row axis, so the two 2-D kernels serve 1-D, 2-D and 3-D al
 
 * the compiled C kernel (:mod:`tplayers.ops.na_cpu`) for fp32/fp64 CPU tensors where it builds
   (bf16 / fp16 ones are computed in fp32: :func:`~tplayers.ops.na_dispatch.compute_dtype`);
+* ``flex_attention`` with a neighborhood block mask (:mod:`tplayers.ops.na_flex`) on CUDA, compiled;
 * the GEMM-tiled torch kernel (:mod:`tplayers.ops.na_gemm`) or the torch tile kernel
   (:mod:`tplayers.ops.na_kernel`) elsewhere (any device), in blocks, nothing score-sized kept for
   backward; memory is bounded by ``B*heads*L*k`` (never ``L^2``).
@@ -25,6 +26,7 @@ import torch
 
 from tplayers.ops import na_cpu, na_dispatch, na_kernel
 from tplayers.ops.na_compile import ensure_na_ops, expand_heads, fold_heads
+from tplayers.ops.na_flex import flex_attention_na
 from tplayers.ops.na_gemm import GEMM_KERNELS, GeoAttention
 from tplayers.ops.na_geometry import Axis, geometry_args
 from tplayers.ops.na_kernel import TileAttention
@@ -173,7 +175,23 @@ def neighborhood_attention(
     out_shape = (*q.shape[:-1], -1)
     low = q.dtype if compute != q.dtype else None
     grouped = k.shape[-2] < heads
-    which = None if torch.compiler.is_compiling() else na_dispatch.choose_kernel(q, kernel, grouped)
+    which = None if torch.compiler.is_compiling() else na_dispatch.choose_kernel(q, kernel, grouped, v, rel_pos_bias)
+    if which == "flex":
+        geometry = tuple(
+            (
+                int(a.length),
+                int(a.kernel),
+                int(a.dilation),
+                bool(a.causal),
+                int(a.stride),
+                int(a.q_start),
+                int(a.k_start),
+            )
+            for a in axes
+        )
+        q, k, v = (t.to(compute) for t in (q, k, v))
+        out = flex_attention_na(q, k, v, geometry, scale, compiled=q.device.type == "cuda")
+        return out if low is None else out.to(low)
     if which in ("c", "gemm"):
         kernels = na_cpu.C_KERNELS if which == "c" else GEMM_KERNELS
         if low is not None:  # converted inside: the low-precision inputs are what is saved

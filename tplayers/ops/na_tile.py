@@ -30,7 +30,7 @@ import torch
 
 from tplayers.ops.na_engine import neighborhood_attention
 
-__all__ = ["natten_module", "natten_applies", "tile_attention", "INSTALL_HINT"]
+__all__ = ["natten_module", "natten_fused", "natten_applies", "tile_attention", "INSTALL_HINT"]
 
 INSTALL_HINT = "pip install natten==0.21.7 (CUDA wheels: see https://natten.org/install/)"
 
@@ -45,17 +45,26 @@ def natten_module():
     return natten
 
 
+def natten_fused() -> bool:
+    """Whether natten is installed with its compiled library (``natten.HAS_LIBNATTEN``: the fused
+    CUDA kernels). A Python-only natten (built without CUDA) would run its Flex backend uncompiled,
+    materialising every score; the tplayers engine (compiled ``flex_attention`` on CUDA) runs
+    instead. natten before 0.20 has no flag and always shipped its library."""
+    natten = natten_module()
+    return natten is not None and bool(getattr(natten, "HAS_LIBNATTEN", True))
+
+
 def natten_applies(
     device: torch.device, kernel: Sequence[int], has_bias: bool, installed: Optional[bool] = None
 ) -> Optional[str]:
-    """None when natten's fused kernels can run this call, else why not: natten installed
-    (``installed``, else looked up), a CUDA device, no relative-position bias (natten 0.21 has
+    """None when natten's fused kernels can run this call, else why not: natten installed with its
+    fused kernels (``installed``, else :func:`natten_fused`), a CUDA device, no relative-position bias (natten 0.21 has
     none), every kernel size >= 2 (natten's requirement). The device is checked first: a CPU call
     never looks natten up (nor imports it while ``torch.compile`` traces)."""
     if device.type != "cuda":
         return f"natten's fused kernels run CUDA tensors, got a {device.type} tensor"
-    if not (natten_module() is not None if installed is None else installed):
-        return f"natten is not installed ({INSTALL_HINT})"
+    if not (natten_fused() if installed is None else installed):
+        return f"natten with its fused CUDA kernels is not installed ({INSTALL_HINT})"
     if has_bias:
         return "natten 0.21 has no relative-position bias"
     if min(kernel) < 2:

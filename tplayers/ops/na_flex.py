@@ -1,0 +1,170 @@
+"""Neighborhood attention through torch's ``flex_attention``: the default kernel on CUDA.
+
+Each query's window (NATTEN's rule, :func:`tplayers.ops.na_layout.window_starts`: shifted inside the
+image at borders, dilation groups, causal per axis, stride groups sharing their leader's window) is
+a product of per-axis key ranges, so the mask is two small tables per axis: for every local query
+coordinate the first and last local key coordinate of its window (keys between them at steps of the
+dilation). ``mask_mod`` reads those tables; the block mask (which 128 x 128 blocks of row-major
+(query, key) tokens can hold a window member) is built from the same tables without evaluating the
+mask on all ``Lq x Lk`` pairs: a block of queries covers a box of coordinates per axis, its windows
+fall inside the box of their per-axis key ranges, and a key block is listed where its own box
+meets that one (a superset of the blocks that matter; ``mask_mod`` decides inside them).
+
+On CUDA ``flex_attention`` runs compiled (``torch.compile``, inductor's Triton template: one fused
+kernel forward and one backward); elsewhere (``TPLAYERS_NA_KERNEL=flex`` on the CPU, for tests) it
+runs eagerly, which materialises the scores and has no backward: for tests only. Measured on an
+H100 (``benchmarks/na_gpu.py``, fp32): 1.4-10x the tile kernel forward and 1.9-14x forward +
+backward (na2d 1x64x64 and 4x128x128 k7, na1d 8x16384 k33, na3d 16^3 k5). Where it applies:
+:func:`flex_applies`. Inputs are computed in :func:`~tplayers.ops.na_dispatch.compute_dtype` (bf16
+and fp16 in fp32, as every kernel here). See docs/neighborhood-attention.md.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from tplayers.ops.na_layout import window_starts
+
+__all__ = ["flex_module", "flex_applies", "flex_attention_na", "axis_windows", "block_table", "BLOCK"]
+
+#: tokens per block of the block mask (flex_attention's default)
+BLOCK = 128
+#: the smallest head dim the compiled flex kernel takes
+MIN_HEAD_DIM = 16
+
+
+def flex_module():
+    """``torch.nn.attention.flex_attention``, or None where this torch has none."""
+    try:
+        from torch.nn.attention import flex_attention as module
+    except ImportError:  # torch < 2.5
+        return None
+    return module
+
+
+def flex_applies(q: torch.Tensor, v: torch.Tensor, compute: torch.dtype, has_bias: bool) -> Optional[str]:
+    """None when the flex kernel can run this call, else why not: a CUDA tensor (other devices run
+    it only when forced), fp32 / bf16 / fp16 (computed in fp32; fp64 runs the tile kernel), head
+    dims >= 16, no relative-position bias, a torch with ``flex_attention``."""
+    if q.device.type != "cuda":
+        return f"the flex kernel is the CUDA default, got a {q.device.type} tensor"
+    if compute != torch.float32:
+        return f"the compiled flex kernel computes fp32 (bf16 / fp16 inputs too), got {compute}"
+    if min(q.shape[-1], v.shape[-1]) < MIN_HEAD_DIM:
+        return f"the compiled flex kernel needs head dims >= {MIN_HEAD_DIM}, got {q.shape[-1]} and {v.shape[-1]}"
+    if has_bias:
+        return "the flex kernel takes no relative-position bias"
+    if flex_module() is None:
+        return "this torch has no torch.nn.attention.flex_attention"
+    return None
+
+
+def axis_windows(
+    length: int, kernel: int, dilation: int, causal: bool, stride: int, q_offset: int, q_len: int, k_offset: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, hi)`` int64 of length ``q_len``: the local key coordinates (global minus
+    ``k_offset``) of the first and last window member of each local query coordinate along one axis
+    of global ``length``; the members are ``lo, lo + dilation, ..., hi``."""
+    pos = torch.arange(q_offset, q_offset + q_len, dtype=torch.int64)
+    first, count = window_starts(pos, length, kernel, dilation, causal, stride)
+    group = pos % dilation
+    lo = group + dilation * first - k_offset
+    return lo, lo + dilation * (count - 1)
+
+
+def _block_boxes(sizes: Sequence[int], block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(low, high)`` ``(blocks, rank)``: per block of ``block`` row-major tokens of a ``sizes``
+    grid, the smallest and largest coordinate along each axis among its tokens (the whole axis
+    where the block wraps around it)."""
+    total = math.prod(sizes)
+    start = torch.arange(0, total, block, dtype=torch.int64)
+    stop = torch.clamp(start + block, max=total) - 1
+    lows, highs = [], []
+    for axis, size in enumerate(sizes):
+        inner = math.prod(sizes[axis + 1 :])
+        a, b = start // inner, stop // inner
+        wraps = (b - a + 1 >= size) | (a % size > b % size)
+        lows.append(torch.where(wraps, 0, a % size))
+        highs.append(torch.where(wraps, size - 1, b % size))
+    return torch.stack(lows, 1), torch.stack(highs, 1)
+
+
+def block_table(windows, q_sizes: Sequence[int], k_sizes: Sequence[int], block: int = BLOCK) -> torch.Tensor:
+    """Bool ``(q_blocks, k_blocks)``: True where a block of queries may attend to a block of keys.
+    ``windows``: per axis :func:`axis_windows`' ``(lo, hi)``. A superset of the exact block mask."""
+    q_low, q_high = _block_boxes(q_sizes, block)
+    k_low, k_high = _block_boxes(k_sizes, block)
+    table = torch.ones(q_low.shape[0], k_low.shape[0], dtype=torch.bool)
+    for axis, (lo, hi) in enumerate(windows):
+        coords = torch.arange(len(lo))
+        inside = (coords[None, :] >= q_low[:, axis : axis + 1]) & (coords[None, :] <= q_high[:, axis : axis + 1])
+        big = torch.iinfo(torch.int64).max
+        key_lo = torch.where(inside, lo[None, :], big).amin(1)  # (q_blocks,)
+        key_hi = torch.where(inside, hi[None, :], -big).amax(1)
+        table &= (k_low[None, :, axis] <= key_hi[:, None]) & (k_high[None, :, axis] >= key_lo[:, None])
+    return table
+
+
+def _mask_mod(tables, dilations, q_sizes, k_sizes):
+    """``mask_mod(b, h, q_idx, kv_idx)``: the key is a member of the query's window on every axis."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = None
+        qi, ki = q_idx, kv_idx
+        for (lo, hi), dil, q_size, k_size in reversed(list(zip(tables, dilations, q_sizes, k_sizes))):
+            qc, kc = qi % q_size, ki % k_size
+            qi, ki = qi // q_size, ki // k_size
+            first, last = lo[qc], hi[qc]
+            inside = (kc >= first) & (kc <= last)
+            if dil > 1:
+                inside = inside & ((kc - first) % dil == 0)
+            keep = inside if keep is None else keep & inside
+        return keep
+
+    return mask_mod
+
+
+@lru_cache(maxsize=32)
+def _block_mask(geometry: Tuple, q_sizes: Tuple[int, ...], k_sizes: Tuple[int, ...], device: torch.device):
+    """The ``BlockMask`` of one call's geometry (per axis: length, kernel, dilation, causal,
+    stride, q offset, k offset), cached: a training loop builds it once."""
+    windows = [
+        axis_windows(length, kernel, dil, causal, stride, q_off, q_len, k_off)
+        for (length, kernel, dil, causal, stride, q_off, k_off), q_len in zip(geometry, q_sizes)
+    ]
+    table = block_table(windows, q_sizes, k_sizes)
+    counts = table.sum(1, dtype=torch.int32)
+    order = torch.argsort(table.to(torch.int8), dim=1, descending=True, stable=True).to(torch.int32)
+    tables = [(lo.to(device), hi.to(device)) for lo, hi in windows]
+    mask_mod = _mask_mod(tables, [g[2] for g in geometry], q_sizes, k_sizes)
+    module = flex_module()
+    return module.BlockMask.from_kv_blocks(
+        counts[None, None].to(device),
+        order[None, None].to(device),
+        BLOCK_SIZE=BLOCK,
+        mask_mod=mask_mod,
+        seq_lengths=(math.prod(q_sizes), math.prod(k_sizes)),
+    )
+
+
+@lru_cache(maxsize=1)
+def _compiled():
+    return torch.compile(flex_module().flex_attention)
+
+
+def flex_attention_na(q, k, v, geometry: Tuple, scale: float, compiled: bool) -> torch.Tensor:
+    """Neighborhood attention of ``q`` ``(B, *Sq, heads, D)`` over ``k`` / ``v`` ``(B, *Sk,
+    kv_heads, D|Dv)`` with per-axis ``geometry`` (see :func:`_block_mask`), in ``q``'s dtype;
+    ``compiled``: through ``torch.compile`` (CUDA), else eager (tests on the CPU)."""
+    rank = q.dim() - 3
+    q_sizes, k_sizes = tuple(q.shape[1 : 1 + rank]), tuple(k.shape[1 : 1 + rank])
+    mask = _block_mask(geometry, q_sizes, k_sizes, q.device)
+    flat = [t.reshape(t.shape[0], -1, t.shape[-2], t.shape[-1]).transpose(1, 2) for t in (q, k, v)]
+    grouped = k.shape[-2] != q.shape[-2]
+    fn = _compiled() if compiled else flex_module().flex_attention
+    out = fn(*flat, block_mask=mask, scale=scale, enable_gqa=grouped)
+    return out.transpose(1, 2).reshape(*q.shape[:-1], v.shape[-1])
