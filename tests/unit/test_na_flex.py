@@ -167,3 +167,32 @@ def test_cuda_compiled_forward_backward(case):
     ref_grads = torch.autograd.grad(ref, ref_in, cot.double())
     for got, want in zip((out, *grads), (ref, *ref_grads)):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "geometry, q_sizes, k_sizes",
+    [
+        (((1000, 7, 1, False, 1, 0, 0),), (1000,), (1000,)),
+        (((40, 5, 2, False, 1, 0, 0), (45, 3, 1, True, 2, 0, 0)), (40, 45), (40, 45)),
+        (
+            ((30, 3, 1, False, 1, 8, 6), (33, 5, 1, False, 1, 0, 0), (20, 3, 1, False, 1, 0, 0)),
+            (10, 33, 20),
+            (14, 33, 20),
+        ),
+    ],
+)
+def test_block_mask_lists_the_table(geometry, q_sizes, k_sizes):
+    """The BlockMask handed to flex holds exactly block_table's blocks (kv_indices in order, its
+    transposed q-side too), for 1-D, a 2-D causal/strided/dilated window and a 3-D shard."""
+    mask = na_flex._block_mask(geometry, q_sizes, k_sizes, torch.device("cpu"))
+    windows = [
+        na_flex.axis_windows(length, kernel, dil, causal, stride, q_off, q_len, k_off)
+        for (length, kernel, dil, causal, stride, q_off, k_off), q_len in zip(geometry, q_sizes)
+    ]
+    table = na_flex.block_table(windows, q_sizes, k_sizes)
+    assert table.shape[0] > 1 and table.shape[1] > 1 and not table.all()  # a sparse table of many blocks
+    assert torch.equal(mask.to_dense()[0, 0].bool(), table)
+    q_side = torch.zeros_like(table)
+    for kb in range(table.shape[1]):
+        q_side[mask.q_indices[0, 0, kb, : mask.q_num_blocks[0, 0, kb]], kb] = True
+    assert torch.equal(q_side, table)

@@ -76,12 +76,12 @@ def axis_windows(
     return lo, lo + dilation * (count - 1)
 
 
-def _block_boxes(sizes: Sequence[int], block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _block_boxes(sizes: Sequence[int], block: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(low, high)`` ``(blocks, rank)``: per block of ``block`` row-major tokens of a ``sizes``
     grid, the smallest and largest coordinate along each axis among its tokens (the whole axis
     where the block wraps around it)."""
     total = math.prod(sizes)
-    start = torch.arange(0, total, block, dtype=torch.int64)
+    start = torch.arange(0, total, block, dtype=torch.int64, device=device)
     stop = torch.clamp(start + block, max=total) - 1
     lows, highs = [], []
     for axis, size in enumerate(sizes):
@@ -95,12 +95,14 @@ def _block_boxes(sizes: Sequence[int], block: int) -> Tuple[torch.Tensor, torch.
 
 def block_table(windows, q_sizes: Sequence[int], k_sizes: Sequence[int], block: int = BLOCK) -> torch.Tensor:
     """Bool ``(q_blocks, k_blocks)``: True where a block of queries may attend to a block of keys.
-    ``windows``: per axis :func:`axis_windows`' ``(lo, hi)``. A superset of the exact block mask."""
-    q_low, q_high = _block_boxes(q_sizes, block)
-    k_low, k_high = _block_boxes(k_sizes, block)
-    table = torch.ones(q_low.shape[0], k_low.shape[0], dtype=torch.bool)
+    ``windows``: per axis :func:`axis_windows`' ``(lo, hi)`` (their device is the table's). A
+    superset of the exact block mask."""
+    device = windows[0][0].device
+    q_low, q_high = _block_boxes(q_sizes, block, device)
+    k_low, k_high = _block_boxes(k_sizes, block, device)
+    table = torch.ones(q_low.shape[0], k_low.shape[0], dtype=torch.bool, device=device)
     for axis, (lo, hi) in enumerate(windows):
-        coords = torch.arange(len(lo))
+        coords = torch.arange(len(lo), device=device)
         inside = (coords[None, :] >= q_low[:, axis : axis + 1]) & (coords[None, :] <= q_high[:, axis : axis + 1])
         big = torch.iinfo(torch.int64).max
         key_lo = torch.where(inside, lo[None, :], big).amin(1)  # (q_blocks,)
@@ -133,18 +135,21 @@ def _block_mask(geometry: Tuple, q_sizes: Tuple[int, ...], k_sizes: Tuple[int, .
     """The ``BlockMask`` of one call's geometry (per axis: length, kernel, dilation, causal,
     stride, q offset, k offset), cached: a training loop builds it once."""
     windows = [
-        axis_windows(length, kernel, dil, causal, stride, q_off, q_len, k_off)
+        tuple(t.to(device) for t in axis_windows(length, kernel, dil, causal, stride, q_off, q_len, k_off))
         for (length, kernel, dil, causal, stride, q_off, k_off), q_len in zip(geometry, q_sizes)
     ]
     table = block_table(windows, q_sizes, k_sizes)
     counts = table.sum(1, dtype=torch.int32)
-    order = torch.argsort(table.to(torch.int8), dim=1, descending=True, stable=True).to(torch.int32)
-    tables = [(lo.to(device), hi.to(device)) for lo, hi in windows]
-    mask_mod = _mask_mod(tables, [g[2] for g in geometry], q_sizes, k_sizes)
+    # each row's listed key blocks first, ascending (full width: flex transposes it to q blocks)
+    rows, cols = table.nonzero(as_tuple=True)
+    slot = torch.arange(len(rows), device=device) - (torch.cumsum(counts, 0) - counts)[rows]
+    order = torch.zeros(table.shape, dtype=torch.int32, device=device)
+    order[rows, slot] = cols.to(torch.int32)
+    mask_mod = _mask_mod(windows, [g[2] for g in geometry], q_sizes, k_sizes)
     module = flex_module()
     return module.BlockMask.from_kv_blocks(
-        counts[None, None].to(device),
-        order[None, None].to(device),
+        counts[None, None],
+        order[None, None],
         BLOCK_SIZE=BLOCK,
         mask_mod=mask_mod,
         seq_lengths=(math.prod(q_sizes), math.prod(k_sizes)),
