@@ -136,7 +136,9 @@ def test_flex_applies_reasons():
 
     assert na_flex.flex_applies(Fake(16), Fake(16), torch.float32, False) is None
     assert "computes fp32" in na_flex.flex_applies(Fake(16), Fake(16), torch.float64, False)
-    assert "head dims >= 16" in na_flex.flex_applies(Fake(16), Fake(8), torch.float32, False)
+    assert "one head dim in" in na_flex.flex_applies(Fake(16), Fake(8), torch.float32, False)
+    assert "one head dim in" in na_flex.flex_applies(Fake(48), Fake(48), torch.float32, False)
+    assert "one head dim in" in na_flex.flex_applies(Fake(32), Fake(64), torch.float32, False)
     assert "relative-position bias" in na_flex.flex_applies(Fake(32), Fake(32), torch.float32, True)
     assert "cpu tensor" in na_flex.flex_applies(Fake(32, "cpu"), Fake(32, "cpu"), torch.float32, False)
 

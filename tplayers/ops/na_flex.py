@@ -33,8 +33,8 @@ __all__ = ["flex_module", "flex_applies", "flex_attention_na", "axis_windows", "
 
 #: tokens per block of the block mask (flex_attention's default)
 BLOCK = 128
-#: the smallest head dim the compiled flex kernel takes
-MIN_HEAD_DIM = 16
+#: the head dims the CUDA default takes (powers of two; 32 and 64 measured and tested on an H100)
+HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def flex_module():
@@ -47,15 +47,16 @@ def flex_module():
 
 
 def flex_applies(q: torch.Tensor, v: torch.Tensor, compute: torch.dtype, has_bias: bool) -> Optional[str]:
-    """None when the flex kernel can run this call, else why not: a CUDA tensor (other devices run
-    it only when forced), fp32 / bf16 / fp16 (computed in fp32; fp64 runs the tile kernel), head
-    dims >= 16, no relative-position bias, a torch with ``flex_attention``."""
+    """None when the flex kernel is the default for this call, else why not: a CUDA tensor (other
+    devices run it only when forced), fp32 / bf16 / fp16 (computed in fp32; fp64 runs the tile
+    kernel), one head dim for q, k and v among :data:`HEAD_DIMS`, no relative-position bias, a
+    torch with ``flex_attention``."""
     if q.device.type != "cuda":
         return f"the flex kernel is the CUDA default, got a {q.device.type} tensor"
     if compute != torch.float32:
         return f"the compiled flex kernel computes fp32 (bf16 / fp16 inputs too), got {compute}"
-    if min(q.shape[-1], v.shape[-1]) < MIN_HEAD_DIM:
-        return f"the compiled flex kernel needs head dims >= {MIN_HEAD_DIM}, got {q.shape[-1]} and {v.shape[-1]}"
+    if q.shape[-1] != v.shape[-1] or q.shape[-1] not in HEAD_DIMS:
+        return f"the flex default takes one head dim in {HEAD_DIMS} for q and v, got {q.shape[-1]} and {v.shape[-1]}"
     if has_bias:
         return "the flex kernel takes no relative-position bias"
     if flex_module() is None:
