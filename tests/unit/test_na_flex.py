@@ -2,7 +2,6 @@
 (tests/na_oracle.py), its results against the oracle (forward on the CPU, where flex runs eagerly
 and has no backward; forward and backward compiled on CUDA), and when it is chosen."""
 
-import os
 import random
 
 import pytest
@@ -30,13 +29,16 @@ def _random_axis(rng):
     return length, kernel, dilation, causal, stride, q_off, q_len
 
 
-def _dense(axes):
-    """The exact (Lq, Lk) mask of queries q_off + [0, q_len) over all keys, and each axis' key range."""
+def _dense(axes, rng):
+    """The exact (Lq, Lk) mask of queries q_off + [0, q_len) over the keys a shard holds (the span
+    its windows need, sometimes wider), and each axis' key range."""
     masks, spans = [], []
     for length, kernel, dilation, causal, stride, q_off, q_len in axes:
         m = natten_mask_1d(length, kernel, stride, dilation, causal)[q_off : q_off + q_len]
         cols = m.any(0).nonzero().flatten()
         lo, hi = int(cols.min()), int(cols.max()) + 1
+        if rng.random() < 0.4:  # a halo wider than the windows need
+            lo, hi = rng.randint(0, lo), rng.randint(hi, length)
         masks.append(m[:, lo:hi])
         spans.append((lo, hi))
     full = masks[0]
@@ -51,7 +53,7 @@ def test_mask_and_block_table_match_natten(seed):
     (query, key) pair of the window lies in a listed block (small blocks, many of them)."""
     rng = random.Random(seed)
     axes = [_random_axis(rng) for _ in range(rng.randint(1, 3))]
-    exact, spans = _dense(axes)
+    exact, spans = _dense(axes, rng)
     windows = [
         na_flex.axis_windows(length, kernel, dil, causal, stride, q_off, q_len, lo)
         for (length, kernel, dil, causal, stride, q_off, q_len), (lo, _) in zip(axes, spans)
@@ -75,12 +77,13 @@ def test_forward_matches_oracle(forced, seed):
     """Forced on the CPU (eager flex, no backward): fp64 forward == the brute-force oracle over
     random ranks, uneven sizes, dilation, causal, stride, GQA and a value head dim of its own."""
     rng = random.Random(100 + seed)
-    rank = rng.randint(1, 3)
+    rank = 1 + seed % 3
     kernel = [rng.randint(2, 4) for _ in range(rank)]
     dilation = [rng.randint(1, 2) for _ in range(rank)]
     stride = [rng.randint(1, k) for k in kernel]
     causal = [rng.random() < 0.3 for _ in range(rank)]
-    size = [k * d + rng.randint(0, 4) for k, d in zip(kernel, dilation)]
+    extra = {1: 250, 2: 12, 3: 2}[rank] if seed % 2 else 4  # odd seeds: several 128-token blocks
+    size = [k * d + rng.randint(0, extra) for k, d in zip(kernel, dilation)]
     kv_heads = rng.choice([1, 2])
     heads = kv_heads * rng.choice([1, 2])
     gen = torch.Generator().manual_seed(seed)
@@ -97,9 +100,9 @@ def test_shard_offsets_and_bf16(forced, monkeypatch):
     """A shard's queries (offsets along both axes) against its haloed keys: flex == the tile kernel;
     bf16 inputs are computed in fp32 and rounded back, as on every kernel."""
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(1, 5, 6, 2, 16, generator=gen)
-    k, v = (torch.randn(1, 9, 11, 2, 16, generator=gen) for _ in range(2))
-    args = dict(global_size=(14, 17), q_offset=(4, 6), k_offset=(2, 3), stride=(1, 2))
+    q = torch.randn(1, 15, 20, 2, 16, generator=gen)  # 300 queries: three 128-token blocks
+    k, v = (torch.randn(1, 19, 25, 2, 16, generator=gen) for _ in range(2))
+    args = dict(global_size=(34, 37), q_offset=(4, 6), k_offset=(2, 3), stride=(1, 2))
     window = ((5, 5), (1, 1), (False, True))
     flex = neighborhood_attention(q, k, v, *window, **args)
     flex16 = neighborhood_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), *window, **args)
@@ -141,14 +144,17 @@ def test_flex_applies_reasons():
     assert "one head dim in" in na_flex.flex_applies(Fake(32), Fake(64), torch.float32, False)
     assert "relative-position bias" in na_flex.flex_applies(Fake(32), Fake(32), torch.float32, True)
     assert "cpu tensor" in na_flex.flex_applies(Fake(32, "cpu"), Fake(32, "cpu"), torch.float32, False)
+    big = Fake(32)
+    big.shape = (1, 8192 * 128 + 1, 2, 32)  # one token past 2**26 block pairs
+    assert "block pairs" in na_flex.flex_applies(big, big, torch.float32, False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex_attention runs on CUDA (benchmarks/na_gpu.py)")
 @pytest.mark.parametrize("case", range(4))
-def test_cuda_compiled_forward_backward(case):
+def test_cuda_compiled_forward_backward(case, monkeypatch):
     """The CUDA default (compiled flex), fp32, against the fp64 tile kernel on the GPU: output and
-    the gradients of q, k and v, over GQA, dilation, causal, stride and shard offsets."""
-    os.environ.pop("TPLAYERS_NA_KERNEL", None)
+    the gradients of q, k and v, over GQA, dilation, causal and stride."""
+    monkeypatch.delenv("TPLAYERS_NA_KERNEL", raising=False)
     rng = random.Random(case)
     rank = 1 + case % 3
     kernel = [rng.choice([3, 5, 7]) for _ in range(rank)]
@@ -198,3 +204,26 @@ def test_block_mask_lists_the_table(geometry, q_sizes, k_sizes):
     for kb in range(table.shape[1]):
         q_side[mask.q_indices[0, 0, kb, : mask.q_num_blocks[0, 0, kb]], kb] = True
     assert torch.equal(q_side, table)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex_attention runs on CUDA (benchmarks/na_gpu.py)")
+@pytest.mark.parametrize("rank", [1, 2])
+def test_cuda_compiled_shard_and_blocks(rank, monkeypatch):
+    """Compiled flex on a shard (query and key offsets, a wider key halo) of several 128-token
+    blocks: output and gradients against the fp64 tile kernel."""
+    monkeypatch.delenv("TPLAYERS_NA_KERNEL", raising=False)
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    sq, sk = ((700,), (760,)) if rank == 1 else ((15, 20), (26, 26))
+    glob, q_off, k_off = ((1000,), (200,), (170,)) if rank == 1 else ((34, 37), (4, 6), (0, 3))
+    q = torch.randn(2, *sq, 4, 32, device="cuda", generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, *sk, 2, 32, device="cuda", generator=gen, requires_grad=True) for _ in range(2))
+    window = ((7,) * rank, (2,) + (1,) * (rank - 1), (False,) * rank)
+    args = dict(global_size=glob, q_offset=q_off, k_offset=k_off, stride=(2,) + (1,) * (rank - 1))
+    out = neighborhood_attention(q, k, v, *window, **args)
+    cot = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), cot)
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = neighborhood_attention(*ref_in, *window, **args)
+    ref_grads = torch.autograd.grad(ref, ref_in, cot.double())
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=2e-5)

@@ -45,9 +45,10 @@ def _kv_heads(q: torch.Tensor, k: torch.Tensor, heads: int) -> int:
 
 
 def _which(q: torch.Tensor, k: torch.Tensor, geo: List[int], heads: int) -> str:
+    if na_cpu.kernel_choice() == "flex":  # forced flex: these ops run the tile kernel (see above)
+        return "torch"
     kernel = [axis.kernel for axis in split_geometry(geo)[0]]
-    which = na_dispatch.choose_kernel(q, kernel, grouped=_kv_heads(q, k, heads) < heads)
-    return "torch" if which == "flex" else which  # forced flex: these ops run the tile kernel
+    return na_dispatch.choose_kernel(q, kernel, grouped=_kv_heads(q, k, heads) < heads)
 
 
 def expand_heads(x: torch.Tensor, kv_heads: int, heads: int) -> torch.Tensor:

@@ -33,6 +33,9 @@ __all__ = ["flex_module", "flex_applies", "flex_attention_na", "axis_windows", "
 
 #: tokens per block of the block mask (flex_attention's default)
 BLOCK = 128
+#: the most (query block, key block) pairs a call's block mask may hold on the default path: its
+#: kv and q index tables take 8 bytes a pair (2**26: 512 MB, about 1M tokens a call)
+MAX_BLOCK_PAIRS = 2**26
 #: the head dims the CUDA default takes (powers of two; 32 and 64 measured and tested on an H100)
 HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -49,8 +52,9 @@ def flex_module():
 def flex_applies(q: torch.Tensor, v: torch.Tensor, compute: torch.dtype, has_bias: bool) -> Optional[str]:
     """None when the flex kernel is the default for this call, else why not: a CUDA tensor (other
     devices run it only when forced), fp32 / bf16 / fp16 (computed in fp32; fp64 runs the tile
-    kernel), one head dim for q, k and v among :data:`HEAD_DIMS`, no relative-position bias, a
-    torch with ``flex_attention``."""
+    kernel), one head dim for q, k and v among :data:`HEAD_DIMS`, no relative-position bias, at
+    most :data:`MAX_BLOCK_PAIRS` block pairs (a call of more tokens runs the tile kernel, whose
+    memory is linear in them: shard it), a torch with ``flex_attention``."""
     if q.device.type != "cuda":
         return f"the flex kernel is the CUDA default, got a {q.device.type} tensor"
     if compute != torch.float32:
@@ -59,6 +63,9 @@ def flex_applies(q: torch.Tensor, v: torch.Tensor, compute: torch.dtype, has_bia
         return f"the flex default takes one head dim in {HEAD_DIMS} for q and v, got {q.shape[-1]} and {v.shape[-1]}"
     if has_bias:
         return "the flex kernel takes no relative-position bias"
+    pairs = -(-math.prod(q.shape[1:-2]) // BLOCK) * -(-math.prod(v.shape[1:-2]) // BLOCK)
+    if pairs > MAX_BLOCK_PAIRS:
+        return f"its block mask would index {pairs} block pairs (> {MAX_BLOCK_PAIRS}: 8 bytes each)"
     if flex_module() is None:
         return "this torch has no torch.nn.attention.flex_attention"
     return None
@@ -94,6 +101,19 @@ def _block_boxes(sizes: Sequence[int], block: int, device: torch.device) -> Tupl
     return torch.stack(lows, 1), torch.stack(highs, 1)
 
 
+def _range_extrema(lo: torch.Tensor, hi: torch.Tensor, low: torch.Tensor, high: torch.Tensor):
+    """Per block, ``min(lo)`` and ``max(hi)`` over its coordinates ``[low, high]`` along one axis, or
+    over a range starting at ``low`` as long as the longest block's (a superset; blocks over the whole
+    axis take the whole axis). Sliding windows of that length: memory linear in the axis."""
+    whole = (low == 0) & (high == len(lo) - 1)
+    span = int((high - low + 1).masked_fill(whole, 1).max()) if len(low) else 1
+    big = torch.iinfo(torch.int64).max
+    pad = (span - 1,)
+    slide_lo = torch.cat([lo, lo.new_full(pad, big)]).unfold(0, span, 1).amin(1)
+    slide_hi = torch.cat([hi, hi.new_full(pad, -big)]).unfold(0, span, 1).amax(1)
+    return torch.where(whole, lo.min(), slide_lo[low]), torch.where(whole, hi.max(), slide_hi[low])
+
+
 def block_table(windows, q_sizes: Sequence[int], k_sizes: Sequence[int], block: int = BLOCK) -> torch.Tensor:
     """Bool ``(q_blocks, k_blocks)``: True where a block of queries may attend to a block of keys.
     ``windows``: per axis :func:`axis_windows`' ``(lo, hi)`` (their device is the table's). A
@@ -103,11 +123,7 @@ def block_table(windows, q_sizes: Sequence[int], k_sizes: Sequence[int], block: 
     k_low, k_high = _block_boxes(k_sizes, block, device)
     table = torch.ones(q_low.shape[0], k_low.shape[0], dtype=torch.bool, device=device)
     for axis, (lo, hi) in enumerate(windows):
-        coords = torch.arange(len(lo), device=device)
-        inside = (coords[None, :] >= q_low[:, axis : axis + 1]) & (coords[None, :] <= q_high[:, axis : axis + 1])
-        big = torch.iinfo(torch.int64).max
-        key_lo = torch.where(inside, lo[None, :], big).amin(1)  # (q_blocks,)
-        key_hi = torch.where(inside, hi[None, :], -big).amax(1)
+        key_lo, key_hi = _range_extrema(lo, hi, q_low[:, axis], q_high[:, axis])  # (q_blocks,)
         table &= (k_low[None, :, axis] <= key_hi[:, None]) & (k_high[None, :, axis] >= key_lo[:, None])
     return table
 
@@ -131,10 +147,11 @@ def _mask_mod(tables, dilations, q_sizes, k_sizes):
     return mask_mod
 
 
-@lru_cache(maxsize=32)
+@lru_cache(maxsize=8)
 def _block_mask(geometry: Tuple, q_sizes: Tuple[int, ...], k_sizes: Tuple[int, ...], device: torch.device):
     """The ``BlockMask`` of one call's geometry (per axis: length, kernel, dilation, causal,
-    stride, q offset, k offset), cached: a training loop builds it once."""
+    stride, q offset, k offset), cached (8 geometries: a training loop builds each once; each
+    holds ``q_blocks * k_blocks`` int32 indices twice)."""
     windows = [
         tuple(t.to(device) for t in axis_windows(length, kernel, dil, causal, stride, q_off, q_len, k_off))
         for (length, kernel, dil, causal, stride, q_off, k_off), q_len in zip(geometry, q_sizes)
