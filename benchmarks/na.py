@@ -25,6 +25,8 @@ medians are printed beside them (the order of the calls is fixed per repeat, whi
 kernels by a few percent: an A/A pair of identical builds read 1.03-1.14x apart; issue 35's ratio to
 the filing-time kernel is measured in balanced order by ``benchmarks/na_target.py``). One thread per process. natten (optional) runs its CPU
 path (the Flex backend without compilation, forward only: natten has no CPU backward).
+On a GPU, ``benchmarks/na_gpu.py`` measures the CUDA kernels (compiled ``flex_attention``, the
+tile kernel) against natten on the whole tensor and dense SDPA.
 """
 
 from __future__ import annotations
