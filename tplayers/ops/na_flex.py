@@ -11,8 +11,9 @@ fall inside the box of their per-axis key ranges, and a key block is listed wher
 meets that one (a superset of the blocks that matter; ``mask_mod`` decides inside them).
 
 On CUDA ``flex_attention`` runs compiled (``torch.compile``, inductor's Triton template: one fused
-kernel forward and one backward, compiled on a process's first call: 8-15 s on an H100); elsewhere (``TPLAYERS_NA_KERNEL=flex`` on the CPU, for tests) it
-runs eagerly, which materialises the scores and has no backward: for tests only. Measured on an
+kernel forward and one backward, compiled on a process's first call: 8-15 s on an H100);
+elsewhere (``TPLAYERS_NA_KERNEL=flex`` on the CPU) it runs eagerly, which materialises the scores
+and has no backward: for tests only. Measured on an
 H100 (``benchmarks/na_gpu.py``, fp32): 1.4-10x the tile kernel forward and 1.9-14x forward +
 backward (na2d 1x64x64 and 4x128x128 k7, na1d 8x16384 k33, na3d 16^3 k5). Where it applies:
 :func:`flex_applies`. Inputs are computed in :func:`~tplayers.ops.na_dispatch.compute_dtype` (bf16
