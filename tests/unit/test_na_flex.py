@@ -146,7 +146,10 @@ def test_flex_applies_reasons():
     assert "cpu tensor" in na_flex.flex_applies(Fake(32, "cpu"), Fake(32, "cpu"), torch.float32, False)
     big = Fake(32)
     big.shape = (1, 8192 * 128 + 1, 2, 32)  # one token past 2**26 block pairs
-    assert "block pairs" in na_flex.flex_applies(big, big, torch.float32, False)
+    assert "block pairs" in na_flex.flex_applies(big, big, torch.float32, False, window=49)
+    big.shape = (1, 300_000, 1, 32)  # 2344^2 pairs: over the memory bound of a 3x3 window, not of 7x7
+    assert "block pairs" in na_flex.flex_applies(big, big, torch.float32, False, window=9)
+    assert na_flex.flex_applies(big, big, torch.float32, False, window=49) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex_attention runs on CUDA (benchmarks/na_gpu.py)")

@@ -78,7 +78,7 @@ def choose_kernel(
     if (
         choice == "auto"
         and v is not None
-        and na_flex.flex_applies(q, v, compute_dtype(q.dtype), rel_pos_bias is not None) is None
+        and na_flex.flex_applies(q, v, compute_dtype(q.dtype), rel_pos_bias is not None, math.prod(kernel)) is None
     ):
         return "flex"
     merged = (math.prod(kernel[:-1]), kernel[-1])

@@ -50,12 +50,16 @@ def flex_module():
     return module
 
 
-def flex_applies(q: torch.Tensor, v: torch.Tensor, compute: torch.dtype, has_bias: bool) -> Optional[str]:
+def flex_applies(
+    q: torch.Tensor, v: torch.Tensor, compute: torch.dtype, has_bias: bool, window: int = 1
+) -> Optional[str]:
     """None when the flex kernel is the default for this call, else why not: a CUDA tensor (other
     devices run it only when forced), fp32 / bf16 / fp16 (computed in fp32; fp64 runs the tile
-    kernel), one head dim for q, k and v among :data:`HEAD_DIMS`, no relative-position bias, at
-    most :data:`MAX_BLOCK_PAIRS` block pairs (a call of more tokens runs the tile kernel, whose
-    memory is linear in them: shard it), a torch with ``flex_attention``."""
+    kernel), one head dim for q, k and v among :data:`HEAD_DIMS`, no relative-position bias, a
+    block mask (8 bytes a block pair) within :data:`MAX_BLOCK_PAIRS` pairs and within the
+    kernels' memory bound, 4x the fp32 scores ``B * heads * Lq * window`` (``window``: the keys of
+    one query's window; beyond, the tile kernel runs, its memory linear in the tokens), a torch
+    with ``flex_attention``."""
     if q.device.type != "cuda":
         return f"the flex kernel is the CUDA default, got a {q.device.type} tensor"
     if compute != torch.float32:
@@ -64,9 +68,11 @@ def flex_applies(q: torch.Tensor, v: torch.Tensor, compute: torch.dtype, has_bia
         return f"the flex default takes one head dim in {HEAD_DIMS} for q and v, got {q.shape[-1]} and {v.shape[-1]}"
     if has_bias:
         return "the flex kernel takes no relative-position bias"
-    pairs = -(-math.prod(q.shape[1:-2]) // BLOCK) * -(-math.prod(v.shape[1:-2]) // BLOCK)
-    if pairs > MAX_BLOCK_PAIRS:
-        return f"its block mask would index {pairs} block pairs (> {MAX_BLOCK_PAIRS}: 8 bytes each)"
+    q_tokens = math.prod(q.shape[1:-2])
+    pairs = -(-q_tokens // BLOCK) * -(-math.prod(v.shape[1:-2]) // BLOCK)
+    bound = 2 * q.shape[0] * q.shape[-2] * q_tokens * window  # 8-byte pairs in 16 * scores bytes
+    if pairs > min(MAX_BLOCK_PAIRS, bound):
+        return f"its block mask would index {pairs} block pairs (> {min(MAX_BLOCK_PAIRS, bound)}: 8 bytes each)"
     if flex_module() is None:
         return "this torch has no torch.nn.attention.flex_attention"
     return None
