@@ -19,6 +19,11 @@ window`` forward, 2.5x that for forward + backward) for:
 Every case is first checked against tplayers' fp64 CUDA result (the oracle path): output and the
 gradients of q, k and v, for tplayers and natten alike (max abs error printed). Without a CUDA
 device the script says so and exits 0.
+
+The device check that fits a lent GPU's 15 minutes (about 4 of them; natten left out)::
+
+    PYTHONPATH=. python3 -m pytest -q tests/unit/test_na_flex.py -k cuda_compiled
+    PYTHONPATH=. python3 benchmarks/na_gpu.py --no-natten --no-flex --only fp32 --repeats 10
 """
 
 from __future__ import annotations
