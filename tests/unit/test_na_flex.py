@@ -11,6 +11,7 @@ from na_oracle import brute_na, natten_mask_1d
 import tplayers
 from tplayers.ops import na_dispatch, na_flex
 from tplayers.ops.na_engine import neighborhood_attention
+from tplayers.ops.na_geometry import Axis
 
 
 @pytest.fixture
@@ -55,8 +56,8 @@ def test_mask_and_block_table_match_natten(seed):
     axes = [_random_axis(rng) for _ in range(rng.randint(1, 3))]
     exact, spans = _dense(axes, rng)
     windows = [
-        na_flex.axis_windows(length, kernel, dil, causal, stride, q_off, q_len, lo)
-        for (length, kernel, dil, causal, stride, q_off, q_len), (lo, _) in zip(axes, spans)
+        na_flex.axis_windows(Axis(length, kernel, stride, dil, int(causal), q_off, q_len, lo, hi - lo))
+        for (length, kernel, dil, causal, stride, q_off, q_len), (lo, hi) in zip(axes, spans)
     ]
     q_sizes = [a[-1] for a in axes]
     k_sizes = [hi - lo for lo, hi in spans]
@@ -181,25 +182,19 @@ def test_cuda_compiled_forward_backward(case, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "geometry, q_sizes, k_sizes",
-    [
-        (((1000, 7, 1, False, 1, 0, 0),), (1000,), (1000,)),
-        (((40, 5, 2, False, 1, 0, 0), (45, 3, 1, True, 2, 0, 0)), (40, 45), (40, 45)),
-        (
-            ((30, 3, 1, False, 1, 8, 6), (33, 5, 1, False, 1, 0, 0), (20, 3, 1, False, 1, 0, 0)),
-            (10, 33, 20),
-            (14, 33, 20),
-        ),
+    "axes",
+    [  # Axis(length, kernel, stride, dilation, causal, q_start, q_count, k_start, k_count)
+        (Axis(1000, 7, 1, 1, 0, 0, 1000, 0, 1000),),
+        (Axis(40, 5, 1, 2, 0, 0, 40, 0, 40), Axis(45, 3, 2, 1, 1, 0, 45, 0, 45)),
+        (Axis(30, 3, 1, 1, 0, 8, 10, 6, 14), Axis(33, 5, 1, 1, 0, 0, 33, 0, 33), Axis(20, 3, 1, 1, 0, 0, 20, 0, 20)),
     ],
 )
-def test_block_mask_lists_the_table(geometry, q_sizes, k_sizes):
+def test_block_mask_lists_the_table(axes):
     """The BlockMask handed to flex holds exactly block_table's blocks (kv_indices in order, its
     transposed q-side too), for 1-D, a 2-D causal/strided/dilated window and a 3-D shard."""
-    mask = na_flex._block_mask(geometry, q_sizes, k_sizes, torch.device("cpu"))
-    windows = [
-        na_flex.axis_windows(length, kernel, dil, causal, stride, q_off, q_len, k_off)
-        for (length, kernel, dil, causal, stride, q_off, k_off), q_len in zip(geometry, q_sizes)
-    ]
+    mask = na_flex._block_mask(axes, torch.device("cpu"))
+    windows = [na_flex.axis_windows(a) for a in axes]
+    q_sizes, k_sizes = [a.q_count for a in axes], [a.k_count for a in axes]
     table = na_flex.block_table(windows, q_sizes, k_sizes)
     assert table.shape[0] > 1 and table.shape[1] > 1 and not table.all()  # a sparse table of many blocks
     assert torch.equal(mask.to_dense()[0, 0].bool(), table)

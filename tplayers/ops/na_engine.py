@@ -176,22 +176,6 @@ def neighborhood_attention(
     low = q.dtype if compute != q.dtype else None
     grouped = k.shape[-2] < heads
     which = None if torch.compiler.is_compiling() else na_dispatch.choose_kernel(q, kernel, grouped, v, rel_pos_bias)
-    if which == "flex":
-        geometry = tuple(
-            (
-                int(a.length),
-                int(a.kernel),
-                int(a.dilation),
-                bool(a.causal),
-                int(a.stride),
-                int(a.q_start),
-                int(a.k_start),
-            )
-            for a in axes
-        )
-        q, k, v = (t.to(compute) for t in (q, k, v))
-        out = flex_attention_na(q, k, v, geometry, scale, compiled=q.device.type == "cuda")
-        return out if low is None else out.to(low)
     if which in ("c", "gemm"):
         kernels = na_cpu.C_KERNELS if which == "c" else GEMM_KERNELS
         if low is not None:  # converted inside: the low-precision inputs are what is saved
@@ -201,8 +185,11 @@ def neighborhood_attention(
             k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
         out = GeoAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads, kernels)
         return (out if low is None else out.to(low)).view(out_shape)
-    if low is not None:  # the tile kernel and the compiled op run fp32 copies
+    if low is not None:  # flex, the tile kernel and the compiled op run fp32 copies
         q, k, v = q.to(compute), k.to(compute), v.to(compute)
+    if which == "flex":
+        out = flex_attention_na(q, k, v, axes, scale, compiled=q.device.type == "cuda")
+        return out if low is None else out.to(low)
     if which is None:  # compiling: the tables are built inside one registered op (see na_compile)
         ensure_na_ops()  # registers tplayers::na2d_tiles on first use (nothing at import)
 

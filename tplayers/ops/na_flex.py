@@ -28,6 +28,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
+from tplayers.ops.na_geometry import Axis
 from tplayers.ops.na_layout import window_starts
 
 __all__ = ["flex_module", "flex_applies", "flex_attention_na", "axis_windows", "block_table", "BLOCK"]
@@ -78,17 +79,14 @@ def flex_applies(
     return None
 
 
-def axis_windows(
-    length: int, kernel: int, dilation: int, causal: bool, stride: int, q_offset: int, q_len: int, k_offset: int
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(lo, hi)`` int64 of length ``q_len``: the local key coordinates (global minus
-    ``k_offset``) of the first and last window member of each local query coordinate along one axis
-    of global ``length``; the members are ``lo, lo + dilation, ..., hi``."""
-    pos = torch.arange(q_offset, q_offset + q_len, dtype=torch.int64)
-    first, count = window_starts(pos, length, kernel, dilation, causal, stride)
-    group = pos % dilation
-    lo = group + dilation * first - k_offset
-    return lo, lo + dilation * (count - 1)
+def axis_windows(axis: Axis) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(lo, hi)`` int64, one entry per query ``axis`` holds (``q_start + [0, q_count)``): the
+    local key coordinates (global minus ``k_start``) of the first and last window member of each;
+    the members are ``lo, lo + dilation, ..., hi``."""
+    pos = torch.arange(axis.q_start, axis.q_start + axis.q_count, dtype=torch.int64)
+    first, count = window_starts(pos, axis.length, axis.kernel, axis.dilation, bool(axis.causal), axis.stride)
+    lo = pos % axis.dilation + axis.dilation * first - axis.k_start
+    return lo, lo + axis.dilation * (count - 1)
 
 
 def _block_boxes(sizes: Sequence[int], block: int, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -155,14 +153,12 @@ def _mask_mod(tables, dilations, q_sizes, k_sizes):
 
 
 @lru_cache(maxsize=8)
-def _block_mask(geometry: Tuple, q_sizes: Tuple[int, ...], k_sizes: Tuple[int, ...], device: torch.device):
-    """The ``BlockMask`` of one call's geometry (per axis: length, kernel, dilation, causal,
-    stride, q offset, k offset), cached (8 geometries: a training loop builds each once; each
-    holds ``q_blocks * k_blocks`` int32 indices twice)."""
-    windows = [
-        tuple(t.to(device) for t in axis_windows(length, kernel, dil, causal, stride, q_off, q_len, k_off))
-        for (length, kernel, dil, causal, stride, q_off, k_off), q_len in zip(geometry, q_sizes)
-    ]
+def _block_mask(axes: Tuple[Axis, ...], device: torch.device):
+    """The ``BlockMask`` of one call's axes (:class:`~tplayers.ops.na_geometry.Axis`, counts
+    given), cached (8 of them: a training loop builds each once; each holds ``q_blocks *
+    k_blocks`` int32 indices twice)."""
+    q_sizes, k_sizes = tuple(a.q_count for a in axes), tuple(a.k_count for a in axes)
+    windows = [tuple(t.to(device) for t in axis_windows(a)) for a in axes]
     table = block_table(windows, q_sizes, k_sizes)
     counts = table.sum(1, dtype=torch.int32)
     # each row's listed key blocks first, ascending (full width: flex transposes it to q blocks)
@@ -170,7 +166,7 @@ def _block_mask(geometry: Tuple, q_sizes: Tuple[int, ...], k_sizes: Tuple[int, .
     slot = torch.arange(len(rows), device=device) - (torch.cumsum(counts, 0) - counts)[rows]
     order = torch.zeros(table.shape, dtype=torch.int32, device=device)
     order[rows, slot] = cols.to(torch.int32)
-    mask_mod = _mask_mod(windows, [g[2] for g in geometry], q_sizes, k_sizes)
+    mask_mod = _mask_mod(windows, [a.dilation for a in axes], q_sizes, k_sizes)
     module = flex_module()
     return module.BlockMask.from_kv_blocks(
         counts[None, None],
@@ -186,13 +182,11 @@ def _compiled():
     return torch.compile(flex_module().flex_attention)
 
 
-def flex_attention_na(q, k, v, geometry: Tuple, scale: float, compiled: bool) -> torch.Tensor:
+def flex_attention_na(q, k, v, axes: Sequence[Axis], scale: float, compiled: bool) -> torch.Tensor:
     """Neighborhood attention of ``q`` ``(B, *Sq, heads, D)`` over ``k`` / ``v`` ``(B, *Sk,
-    kv_heads, D|Dv)`` with per-axis ``geometry`` (see :func:`_block_mask`), in ``q``'s dtype;
-    ``compiled``: through ``torch.compile`` (CUDA), else eager (tests on the CPU)."""
-    rank = q.dim() - 3
-    q_sizes, k_sizes = tuple(q.shape[1 : 1 + rank]), tuple(k.shape[1 : 1 + rank])
-    mask = _block_mask(geometry, q_sizes, k_sizes, q.device)
+    kv_heads, D|Dv)`` with the engine's per-axis ``axes`` (their counts ``Sq`` / ``Sk``), in
+    ``q``'s dtype; ``compiled``: through ``torch.compile`` (CUDA), else eager (tests on the CPU)."""
+    mask = _block_mask(tuple(axes), q.device)
     flat = [t.reshape(t.shape[0], -1, t.shape[-2], t.shape[-1]).transpose(1, 2) for t in (q, k, v)]
     grouped = k.shape[-2] != q.shape[-2]
     fn = _compiled() if compiled else flex_module().flex_attention
