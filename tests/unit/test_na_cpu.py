@@ -34,6 +34,22 @@ def test_c_kernel_is_available_where_a_compiler_is():
     assert not na_cpu.use_c_kernel(torch.zeros(1, dtype=torch.bfloat16), (7, 7))  # bf16: the tile kernel
 
 
+def test_an_installed_package_ships_every_kernel_source():
+    """pyproject.toml's package data matches every file the kernel build reads (na_cpu.SOURCES: the
+    C file and the headers it includes), so a non-editable install can compile the kernel; and
+    SOURCES names every na_cpu header (its hash keys the build cache)."""
+    import fnmatch
+    import re
+
+    with open(os.path.join(REPO, "pyproject.toml")) as f:
+        section = f.read().split("[tool.setuptools.package-data]")[1].split("\n[")[0]
+    patterns = re.findall(r'"([^"]+)"', re.search(r'^"tplayers\.ops" = \[(.*)\]$', section, re.M).group(1))
+    for path in na_cpu.SOURCES:
+        assert any(fnmatch.fnmatch(path.name, p) for p in patterns), f"{path.name} is not in package data {patterns}"
+    headers = {p.name for p in na_cpu.SOURCE.parent.glob("na_cpu*.h")}
+    assert headers <= {p.name for p in na_cpu.SOURCES}, headers - {p.name for p in na_cpu.SOURCES}
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_random_configurations_with_bias_and_offsets_fp64(seed, monkeypatch):
     """Kernels 3..13, dilation, causal per dim, non-square sizes from just above kernel*dilation to

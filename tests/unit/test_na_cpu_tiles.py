@@ -1,7 +1,8 @@
 """The C kernel's cache plan (tplayers/ops/na_cpu.c): rows whose keys do not fit the cache budget
 run in column chunks (each chunk transposes its key span; the chunks' dK / dV overlap and add
-up); exact against the brute-force oracle in fp64, forward and every gradient, with dilation,
-causal, bias and a query sub-window, and the chunked path is checked to be the one taken."""
+up); blocks whose keys lie in one vector load it once per channel (Lanes.one); exact against
+the brute-force oracle in fp64, forward and every gradient, with dilation, causal, bias and a
+query sub-window, and each path is checked to be the one taken."""
 
 import torch
 from na_cases import na_on_subwindow
@@ -116,3 +117,32 @@ def test_tiles_of_flattened_3d_rows_share_more_key_rows():
         assert greedy < consecutive, (size, kernel, greedy, consecutive)
     order, greedy, consecutive = unions((64, 64), 7)
     assert order == list(range(64)) and greedy == consecutive
+
+
+def _one_blocks(size, kernel, dilation, causal):
+    geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
+    lib = na_cpu.load_library(torch.float64)
+    lib.na_one_blocks.argtypes, lib.na_one_blocks.restype = [na_cpu.ctypes.c_void_p] * 3, na_cpu.ctypes.c_int
+    dims = kernel_dims(geo, 1, 2, 8, 8)
+    rows, cols = kernel_tables(tuple(geo))
+    return lib.na_one_blocks(na_cpu._ptr(dims), na_cpu._ptr(rows), na_cpu._ptr(cols))
+
+
+def test_rows_within_one_vector_load_it_once_and_match_the_oracle(monkeypatch):
+    """Rows no wider than the vector (na3d's 16-wide rows with AVX-512): a block whose every slot
+    reads keys within one vector loads it once per channel and shuffles each slot out of it
+    (Lanes.one); the same keys as the shuffled loads, so exact: plain, dilated, causal with the
+    bias and a query sub-window; a row 4 vectors wide has no such block."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
+    lanes = na_cpu.lanes(torch.float64)
+    cases = (
+        ((5, lanes), (3, 3), (1, 1), (False, False), (0, 5, 0, lanes)),
+        ((6, lanes), (3, 3), (2, 1), (False, True), (1, 6, 1, lanes)),
+        ((4, lanes), (3, 3), (1, 1), (True, False), (0, 4, 0, lanes)),
+    )
+    for size, kernel, dilation, causal, box in cases:
+        got = _one_blocks(size, kernel, dilation, causal)
+        assert got >= 1, f"expected a one-vector block at {size} kernel {kernel} causal {causal}, got {got}"
+        _case(size, kernel, dilation, causal, 8, 8, box, seed=size[0])
+    assert _one_blocks((3, 4 * lanes), (3, 3), (1, 1), (False, False)) == 0

@@ -39,6 +39,7 @@
 #include "na_cpu_blocks.h"
 #include "na_cpu_io.h"
 #include "na_cpu_rows.h"
+#include "na_cpu_kv.h"
 #include "na_cpu_plan.h"
 #include "na_cpu_direct.h"
 
@@ -78,6 +79,18 @@ int na_chunks(const int64_t *dims, const int32_t *rows, const int32_t *cols, int
     Plan pl;
     make_plan(&g, backward, &pl);
     int n = pl.nc;
+    free_plan(&pl);
+    return n;
+}
+
+/* the blocks of a call's row whose keys lie in one vector (Lanes.one: the score and P.V kernels
+ * shuffle the slots out of one load; tests check that path is taken) */
+int na_one_blocks(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    Plan pl;
+    make_plan(&g, 0, &pl);
+    int n = 0;
+    for (int bk = 0; bk < pl.nb; bk++) n += pl.blocks[bk].one;
     free_plan(&pl);
     return n;
 }

@@ -77,7 +77,10 @@ SOURCE = Path(__file__).with_name("na_cpu.c")
 #: every file of the kernel (the hash of the built library covers them all)
 SOURCES = (
     SOURCE,
-    *(Path(__file__).with_name(f"na_cpu_{part}.h") for part in ("blocks", "io", "rows", "plan", "direct", "line")),
+    *(
+        Path(__file__).with_name(f"na_cpu_{part}.h")
+        for part in ("blocks", "io", "rows", "kv", "plan", "direct", "line")
+    ),
 )
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")
 _DTYPES = {torch.float32: ("f32", ()), torch.float64: ("f64", ("-DNA_DOUBLE",))}

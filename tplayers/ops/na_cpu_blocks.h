@@ -101,21 +101,30 @@ INL vt vexp(vt x) {
 typedef struct {
     int mode, n, layers; /* layers: scatter-add rounds (mode 1): lanes sharing a key add in turn */
     int masked;          /* some lane's column slot is invalid (causal): block_add cannot skip it */
+    int one;             /* mode 1 with every slot's keys in the L columns from base[0] (rows of at most
+                          * L keys, as 3-D's 16-wide rows with AVX-512): the score and P.V kernels
+                          * load that vector once per channel and shuffle each slot out of it
+                          * (mode 1's shifted loads split cache lines: 16^3 k5 forward 1.11-1.15x) */
     vi perm, live;       /* live: -1 on the n real lanes */
     vi *inv;             /* mode 1 only (else NULL): 2 * layers vectors, round r: key lane u takes
                           * lane inv[r][u] where inv[layers + r][u] is -1; small blocks (a row of 4096
                           * keys has 256), touched on every call: no per-block 2 KiB tables */
 } Lanes;
 
-INL vt kload(const T *p, int mode, const Lanes *ln) {
-    if (mode == 0) return ld(p);
+/* x[m[t]] lane by lane */
+INL vt shuffle1(vt x, vi m) {
 #ifdef __clang__
-    vt v = ld(p), r;
-    for (int t = 0; t < L; t++) r[t] = v[ln->perm[t]];
+    vt r;
+    for (int u = 0; u < L; u++) r[u] = x[m[u]];
     return r;
 #else
-    return __builtin_shuffle(ld(p), ln->perm);
+    return __builtin_shuffle(x, m);
 #endif
+}
+
+INL vt kload(const T *p, int mode, const Lanes *ln) {
+    if (mode == 0) return ld(p);
+    return shuffle1(ld(p), ln->perm);
 }
 
 /* lanes of x moved by a two-register shuffle mask m (entries >= L give 0) */
@@ -179,6 +188,12 @@ static void block_lanes(const Geo *g, int j0, Lanes *ln, long *base) {
     }
     for (int b = 0; b < g->kw; b++) base[b] = kc[j0 * g->kw + b] + mn;
     ln->mode = ident ? 0 : 1;
+    ln->one = 0;
+    if (!ident) {
+        int mx = 0;
+        for (int t = 0; t < L; t++) mx = ln->perm[t] > mx ? ln->perm[t] : mx;
+        ln->one = mx + base[g->kw - 1] - base[0] < L;
+    }
     ln->layers = 0;
     ln->inv = NULL;
     ln->masked = 0;

@@ -194,121 +194,129 @@ static void ap_rows(int mode, int nm, const Lanes *ln, int kw, int C, const Urow
     }
 }
 
-/* dK (or dV) of one key row: for each channel c, x_b = sum_j w_j[b] * row_j[c] (the nm query rows
- * reading this key row), the lanes sharing a key folded into its first lane (nf rounds of fold:
- * shuffle, mask), the kW slot vectors moved into two registers by their two-register shuffles sh
- * (the first lane of each key) and added to the 2L key columns from d with one write */
-INL vt shuffle1(vt x, vi m) {
-#ifdef __clang__
-    vt r;
-    for (int u = 0; u < L; u++) r[u] = x[m[u]];
-    return r;
-#else
-    return __builtin_shuffle(x, m);
-#endif
-}
 
-/* shuffle1(x, m) & keep (keep: -1 / 0 per lane): one zero-masked permute with AVX-512 (GCC emits a
- * permute and an and for the vector form) */
-INL vt shuffle_keep(vt x, vi m, vi keep) {
-#if defined(__AVX512F__) && NA_VBYTES == 64 && !defined(NA_DOUBLE) && !defined(__clang__)
-    return (vt)_mm512_maskz_permutexvar_ps(_mm512_test_epi32_mask((__m512i)keep, (__m512i)keep), (__m512i)m, (__m512)x);
-#elif defined(__AVX512F__) && NA_VBYTES == 64 && !defined(__clang__)
-    return (vt)_mm512_maskz_permutexvar_pd(_mm512_test_epi64_mask((__m512i)keep, (__m512i)keep), (__m512i)m, (__m512d)x);
-#else
-    return (vt)((vi)shuffle1(x, m) & keep);
-#endif
-}
-
-INL void sl_kern(const int nm, int kw, int C, const vt *const *wp, const T *const *rp, long rs, const vi *sh, T *d,
-                 long ds, const int nf, const vi *fold, const int two) {
-    const int CBN = CB_OF(nm);
-    vi fs[NFMAX], fm[NFMAX]; /* the folds in registers (nf is a constant here, see sl_rows) */
-#pragma GCC unroll 4
-    for (int f = 0; f < nf && f < NFMAX; f++) { fs[f] = fold[2 * f]; fm[f] = fold[2 * f + 1]; }
-    for (int c0 = 0; c0 < C; c0 += CBN) {
-        vt rv[MR][4], lo[4], hi[4];
-#pragma GCC unroll 4
-        for (int q = 0; q < CBN; q++) {
-            long c = c0 + q < C ? c0 + q : C - 1;
-            lo[q] = hi[q] = (vt){0};
+/* sc_kern and ap_kern for the blocks whose keys lie in one vector (Lanes.one): one load per
+ * channel (and key row), each slot's lanes shuffled out of it; mode 1's per-slot shifted loads
+ * split cache lines (16^3 k5 forward 1.11-1.17x, AVX-512). Functions of their own: with a mode 2
+ * in sc_kern / ap_kern GCC compiled the other modes' code differently (2-D k7 0.93-0.97x) */
+INL void sc_kern_one(const int nm, const int gb, const Lanes *ln, int C, const T *const *qp, long qs,
+                 const T *kr, const long *bo, long ks, vt *const *sp) {
+    vt acc[MR][GBMAX];
+    vi pb[GBMAX];
 #pragma GCC unroll 8
-            for (int j = 0; j < nm; j++) rv[j][q] = ld(rp[j] + c * rs);
+    for (int j = 0; j < nm; j++)
+#pragma GCC unroll 8
+        for (int b = 0; b < gb; b++) acc[j][b] = (vt){0};
+#pragma GCC unroll 8
+    for (int b = 0; b < gb; b++) pb[b] = ln->perm + (int)(bo[b] - bo[0]);
+    const T *k0 = kr + bo[0];
+    for (int c = 0; c < C; c++) {
+        vt qv[MR], kb = ld(k0 + c * ks);
+#pragma GCC unroll 8
+        for (int j = 0; j < nm; j++) qv[j] = in_reg(ld(qp[j] + c * qs));
+#pragma GCC unroll 8
+        for (int b = 0; b < gb; b++) {
+            vt kv = in_reg(shuffle1(kb, pb[b]));
+#pragma GCC unroll 8
+            for (int j = 0; j < nm; j++) acc[j][b] += qv[j] * kv;
         }
-        for (int b = 0; b < kw; b++) {
-            vt wv[MR];
-            vi s0 = sh[4 * b], s1 = sh[4 * b + 2];
-#pragma GCC unroll 8
-            for (int j = 0; j < nm; j++) wv[j] = in_reg(wp[j][b]);
-#pragma GCC unroll 4
-            for (int q = 0; q < CBN; q++) {
-                vt x = wv[0] * rv[0][q];
-#pragma GCC unroll 8
-                for (int j = 1; j < nm; j++) x += wv[j] * rv[j][q];
-#pragma GCC unroll 4
-                for (int f = 0; f < nf && f < NFMAX; f++) /* lanes sharing a key: into its first lane */
-                    x += shuffle_keep(x, fs[f], fm[f]);
-                for (int f = NFMAX; f < nf; f++) /* more (windows far inside the image): from memory */
-                    x += shuffle_keep(x, fold[2 * f], fold[2 * f + 1]);
-#if NREG == 32 /* one two-register permute with a zero register */
-                lo[q] += shift2(x, s0);
-                if (two) hi[q] += shift2(x, s1);
-#else /* no two-register permute (AVX2 emulates it in ~5 ops): one permute and a mask */
-                lo[q] += shuffle_keep(x, s0, sh[4 * b + 1]);
-                if (two) hi[q] += shuffle_keep(x, s1, sh[4 * b + 3]);
-#endif
-            }
-        }
-#pragma GCC unroll 4
-        for (int q = 0; q < CBN; q++)
-            if (c0 + q < C) {
-                T *dc = d + (c0 + q) * ds;
-                st(dc, ld(dc) + lo[q]);
-                if (two) st(dc + L, ld(dc + L) + hi[q]);
-            }
     }
+#pragma GCC unroll 8
+    for (int j = 0; j < nm; j++)
+#pragma GCC unroll 8
+        for (int b = 0; b < gb; b++) sp[j][b] = acc[j][b];
 }
-
-#define SL_CASE(NM, NF) \
-    case (NM) * 8 + (NF): sl_kern(NM, kw, C, wp, rp, rs, sh, d, ds, NF, fold, 1); return; \
-    case 64 + (NM) * 8 + (NF): sl_kern(NM, kw, C, wp, rp, rs, sh, d, ds, NF, fold, 0); return;
-
-/* two: 0 when the keys of every slot lie within L columns of slot 0's (rows of at most L keys: the
- * second register stays zero) */
-static void sl_rows(int nm, int kw, int C, const vt *const *wp, const T *const *rp, long rs, const vi *sh, T *d,
-                    long ds, int nf, const vi *fold, int two) {
-    /* nm rows, nf folds and two as constants (0-2 folds: the interior and 2-D / 3-D borders; more
-     * run the generic loop) */
-    int key = (two ? 0 : 64) + nm * 8 + (nf < NFMAX ? nf : 7);
-    switch (key) {
-        SL_CASE(1, 0) SL_CASE(1, 1) SL_CASE(1, 2)
+#define SCO_CASE(NM, GB) case (NM) * 16 + (GB): sc_kern_one(NM, GB, ln, C, qp, qs, kr, bo, ks, sp); return;
+#define SCO_GB(NM) SCO_CASE(NM, 1) SCO_CASE(NM, 2) SCO_CASE(NM, 3) SCO_CASE(NM, 4) SCO_CASE(NM, 5) SCO_CASE(NM, 6) SCO_CASE(NM, 7) SCO_CASE(NM, 8)
+static void sc_rows_one(int nm, int gb, const Lanes *ln, int C, const T *const *qp, long qs, const T *kr,
+                    const long *bo, long ks, vt *const *sp) {
+    switch (nm * 16 + gb) {
+        SCO_GB(1)
 #if MR >= 2
-        SL_CASE(2, 0) SL_CASE(2, 1) SL_CASE(2, 2)
+        SCO_GB(2)
 #endif
 #if MR >= 3
-        SL_CASE(3, 0) SL_CASE(3, 1) SL_CASE(3, 2)
+        SCO_GB(3)
 #endif
 #if MR >= 4
-        SL_CASE(4, 0) SL_CASE(4, 1) SL_CASE(4, 2)
-#endif
-        default: break;
-    }
-    switch (nm) {
-        case 1: sl_kern(1, kw, C, wp, rp, rs, sh, d, ds, nf, fold, 1); return;
-#if MR >= 2
-        case 2: sl_kern(2, kw, C, wp, rp, rs, sh, d, ds, nf, fold, 1); return;
-#endif
-#if MR >= 3
-        case 3: sl_kern(3, kw, C, wp, rp, rs, sh, d, ds, nf, fold, 1); return;
-#endif
-#if MR >= 4
-        case 4: sl_kern(4, kw, C, wp, rp, rs, sh, d, ds, nf, fold, 1); return;
+        SCO_GB(4)
 #endif
 #if MR >= 5
-        case 5: sl_kern(5, kw, C, wp, rp, rs, sh, d, ds, nf, fold, 1); return;
+        SCO_GB(5)
 #endif
 #if MR >= 6
-        case 6: sl_kern(6, kw, C, wp, rp, rs, sh, d, ds, nf, fold, 1); return;
+        SCO_GB(6)
+#endif
+        default: abort();
+    }
+}
+
+INL void ap_kern_one(const int nm, const Lanes *ln, int kw, int C, const Urow *u, int nu,
+                 vt *const *p, const T *y, long x0, const long *bo, long vs, vt *const *o) {
+    const int GVN = GV_OF(nm);
+    for (int c0 = 0; c0 < C; c0 += GVN) {
+        vt acc[MR][8];
+        long cs[8];
+#pragma GCC unroll 8
+        for (int q = 0; q < GVN; q++) cs[q] = (c0 + q < C ? c0 + q : C - 1) * vs;
+#pragma GCC unroll 8
+        for (int j = 0; j < nm; j++)
+#pragma GCC unroll 8
+            for (int q = 0; q < GVN; q++) acc[j][q] = (vt){0};
+        for (int iu = 0; iu < nu; iu++) {
+            const T *vr = y + (long)u[iu].row * C * vs - x0 + bo[0];
+            const vt *pp[MR];
+            vt vb[8];
+#pragma GCC unroll 8
+            for (int j = 0; j < nm; j++) pp[j] = p[u[iu].m[j]] + u[iu].a[j] * kw;
+#pragma GCC unroll 8
+            for (int q = 0; q < GVN; q++) vb[q] = ld(vr + cs[q]);
+#pragma GCC unroll 8
+            for (int b = 0; b < kw; b++) {
+                vi pbb = ln->perm + (int)(bo[b] - bo[0]);
+                vt pv[MR];
+#pragma GCC unroll 8
+                for (int j = 0; j < nm; j++) pv[j] = in_reg(pp[j][b]);
+#pragma GCC unroll 8
+                for (int q = 0; q < GVN; q++) {
+                    vt vv = shuffle1(vb[q], pbb);
+#pragma GCC unroll 8
+                    for (int j = 0; j < nm; j++) acc[j][q] += pv[j] * vv;
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < nm; j++)
+#pragma GCC unroll 8
+            for (int q = 0; q < GVN; q++)
+                if (c0 + q < C) o[u->m[j]][c0 + q] += acc[j][q];
+    }
+}
+#define APO_CASE(NM) \
+    case NM:                                                              \
+        if (kw == 5) ap_kern_one(NM, ln, 5, C, u, nu, p, y, x0, bo, vs, o);               \
+        else if (kw == 7) ap_kern_one(NM, ln, 7, C, u, nu, p, y, x0, bo, vs, o);          \
+        else if (kw == 3) ap_kern_one(NM, ln, 3, C, u, nu, p, y, x0, bo, vs, o);          \
+        else ap_kern_one(NM, ln, kw, C, u, nu, p, y, x0, bo, vs, o);                      \
+        return;
+static void ap_rows_one(int nm, const Lanes *ln, int kw, int C, const Urow *u, int nu, vt *const *p, const T *y,
+                    long x0, const long *bo, long vs, vt *const *o) {
+    switch (nm) {
+        APO_CASE(1)
+#if MR >= 2
+        APO_CASE(2)
+#endif
+#if MR >= 3
+        APO_CASE(3)
+#endif
+#if MR >= 4
+        APO_CASE(4)
+#endif
+#if MR >= 5
+        APO_CASE(5)
+#endif
+#if MR >= 6
+        APO_CASE(6)
 #endif
         default: abort();
     }
@@ -326,7 +334,8 @@ static void tile_scores(const Geo *g, int mode, const Lanes *ln, const Urow *u0,
             int gb = (g->kw - b0) / (ng - k);
             vt *sp[MR];
             for (int j = 0; j < u->n; j++) sp[j] = s[u->m[j]] + u->a[j] * g->kw + b0;
-            sc_rows(mode, u->n, gb, ln, C, qp, xs, kr, base + b0, g->kp, sp);
+            if (ln->one) sc_rows_one(u->n, gb, ln, C, qp, xs, kr, base + b0, g->kp, sp);
+            else sc_rows(mode, u->n, gb, ln, C, qp, xs, kr, base + b0, g->kp, sp);
             b0 += gb;
         }
     }
@@ -338,7 +347,8 @@ static void tile_apply(const Geo *g, int mode, const Lanes *ln, const Urow *u0, 
                        vt *const *p, const T *y, long x0, const long *base, vt *const *o) {
     for (const Urow *u = u0, *e; u < u1; u = e) {
         for (e = u + 1; e < u1 && e->mask == u->mask; e++) {}
-        ap_rows(mode, u->n, ln, g->kw, C, u, (int)(e - u), p, y, x0, base, g->kp, o);
+        if (ln->one) ap_rows_one(u->n, ln, g->kw, C, u, (int)(e - u), p, y, x0, base, g->kp, o);
+        else ap_rows(mode, u->n, ln, g->kw, C, u, (int)(e - u), p, y, x0, base, g->kp, o);
     }
 }
 
