@@ -89,11 +89,12 @@ INL void sc_kern(const int mode, const int nm, const int gb, const Lanes *ln, in
         for (int b = 0; b < gb; b++) sp[j][b] = acc[j][b];
 }
 
-#define SC_CASE(MODE, NM, GB) \
-    case (MODE) * 256 + (NM) * 16 + (GB): sc_kern(MODE, NM, GB, ln, C, qp, qs, kr, bo, ks, sp); return;
-#define SC_GB(MODE, NM) \
-    SC_CASE(MODE, NM, 1) SC_CASE(MODE, NM, 2) SC_CASE(MODE, NM, 3) SC_CASE(MODE, NM, 4) \
-    SC_CASE(MODE, NM, 5) SC_CASE(MODE, NM, 6) SC_CASE(MODE, NM, 7) SC_CASE(MODE, NM, 8)
+#define SC_CASE(F, MODE, NM, GB) \
+    case (MODE) * 256 + (NM) * 16 + (GB): F(MODE, NM, GB, ln, C, qp, qs, kr, bo, ks, sp); return;
+#define SC_GB_OF(F, MODE, NM) \
+    SC_CASE(F, MODE, NM, 1) SC_CASE(F, MODE, NM, 2) SC_CASE(F, MODE, NM, 3) SC_CASE(F, MODE, NM, 4) \
+    SC_CASE(F, MODE, NM, 5) SC_CASE(F, MODE, NM, 6) SC_CASE(F, MODE, NM, 7) SC_CASE(F, MODE, NM, 8)
+#define SC_GB(MODE, NM) SC_GB_OF(sc_kern, MODE, NM)
 
 static void sc_rows(int mode, int nm, int gb, const Lanes *ln, int C, const T *const *qp, long qs, const T *kr,
                     const long *bo, long ks, vt *const *sp) {
@@ -163,13 +164,14 @@ INL void ap_kern(const int mode, const int nm, const Lanes *ln, int kw, int C, c
 
 /* kW 3, 5 and 7 as constants (the slot loop unrolled: a loop of kW trips per key row exited every
  * few FMAs; 16^3 k5 forward 1.04-1.06x, 64^2 k7 1.04x, AVX2 1.04x, bit-identical) */
-#define AP_CASE(MODE, NM) \
-    case (MODE) * 16 + (NM):                                                              \
-        if (kw == 5) ap_kern(MODE, NM, ln, 5, C, u, nu, p, y, x0, bo, vs, o);               \
-        else if (kw == 7) ap_kern(MODE, NM, ln, 7, C, u, nu, p, y, x0, bo, vs, o);          \
-        else if (kw == 3) ap_kern(MODE, NM, ln, 3, C, u, nu, p, y, x0, bo, vs, o);          \
-        else ap_kern(MODE, NM, ln, kw, C, u, nu, p, y, x0, bo, vs, o);                      \
+#define AP_CASE_OF(F, MODE, NM) \
+    case (MODE) * 16 + (NM):                                                        \
+        if (kw == 5) F(MODE, NM, ln, 5, C, u, nu, p, y, x0, bo, vs, o);             \
+        else if (kw == 7) F(MODE, NM, ln, 7, C, u, nu, p, y, x0, bo, vs, o);        \
+        else if (kw == 3) F(MODE, NM, ln, 3, C, u, nu, p, y, x0, bo, vs, o);        \
+        else F(MODE, NM, ln, kw, C, u, nu, p, y, x0, bo, vs, o);                    \
         return;
+#define AP_CASE(MODE, NM) AP_CASE_OF(ap_kern, MODE, NM)
 
 static void ap_rows(int mode, int nm, const Lanes *ln, int kw, int C, const Urow *u, int nu, vt *const *p, const T *y,
                     long x0, const long *bo, long vs, vt *const *o) {
@@ -199,10 +201,11 @@ static void ap_rows(int mode, int nm, const Lanes *ln, int kw, int C, const Urow
  * channel (and key row), each slot's lanes shuffled out of it; mode 1's per-slot shifted loads
  * split cache lines (16^3 k5 forward 1.11-1.17x, AVX-512). Functions of their own: with a mode 2
  * in sc_kern / ap_kern GCC compiled the other modes' code differently (2-D k7 0.93-0.97x) */
-INL void sc_kern_one(const int nm, const int gb, const Lanes *ln, int C, const T *const *qp, long qs,
-                 const T *kr, const long *bo, long ks, vt *const *sp) {
+INL void sc_kern_one(const int mode, const int nm, const int gb, const Lanes *ln, int C, const T *const *qp, long qs,
+                     const T *kr, const long *bo, long ks, vt *const *sp) {
     vt acc[MR][GBMAX];
     vi pb[GBMAX];
+    (void)mode; /* 2: the dispatch macros pass it */
 #pragma GCC unroll 8
     for (int j = 0; j < nm; j++)
 #pragma GCC unroll 8
@@ -226,11 +229,12 @@ INL void sc_kern_one(const int nm, const int gb, const Lanes *ln, int C, const T
 #pragma GCC unroll 8
         for (int b = 0; b < gb; b++) sp[j][b] = acc[j][b];
 }
-#define SCO_CASE(NM, GB) case (NM) * 16 + (GB): sc_kern_one(NM, GB, ln, C, qp, qs, kr, bo, ks, sp); return;
-#define SCO_GB(NM) SCO_CASE(NM, 1) SCO_CASE(NM, 2) SCO_CASE(NM, 3) SCO_CASE(NM, 4) SCO_CASE(NM, 5) SCO_CASE(NM, 6) SCO_CASE(NM, 7) SCO_CASE(NM, 8)
+
+#define SCO_GB(NM) SC_GB_OF(sc_kern_one, 2, NM)
+
 static void sc_rows_one(int nm, int gb, const Lanes *ln, int C, const T *const *qp, long qs, const T *kr,
-                    const long *bo, long ks, vt *const *sp) {
-    switch (nm * 16 + gb) {
+                        const long *bo, long ks, vt *const *sp) {
+    switch (2 * 256 + nm * 16 + gb) {
         SCO_GB(1)
 #if MR >= 2
         SCO_GB(2)
@@ -251,9 +255,10 @@ static void sc_rows_one(int nm, int gb, const Lanes *ln, int C, const T *const *
     }
 }
 
-INL void ap_kern_one(const int nm, const Lanes *ln, int kw, int C, const Urow *u, int nu,
-                 vt *const *p, const T *y, long x0, const long *bo, long vs, vt *const *o) {
+INL void ap_kern_one(const int mode, const int nm, const Lanes *ln, int kw, int C, const Urow *u, int nu,
+                     vt *const *p, const T *y, long x0, const long *bo, long vs, vt *const *o) {
     const int GVN = GV_OF(nm);
+    (void)mode;
     for (int c0 = 0; c0 < C; c0 += GVN) {
         vt acc[MR][8];
         long cs[8];
@@ -292,16 +297,12 @@ INL void ap_kern_one(const int nm, const Lanes *ln, int kw, int C, const Urow *u
                 if (c0 + q < C) o[u->m[j]][c0 + q] += acc[j][q];
     }
 }
-#define APO_CASE(NM) \
-    case NM:                                                              \
-        if (kw == 5) ap_kern_one(NM, ln, 5, C, u, nu, p, y, x0, bo, vs, o);               \
-        else if (kw == 7) ap_kern_one(NM, ln, 7, C, u, nu, p, y, x0, bo, vs, o);          \
-        else if (kw == 3) ap_kern_one(NM, ln, 3, C, u, nu, p, y, x0, bo, vs, o);          \
-        else ap_kern_one(NM, ln, kw, C, u, nu, p, y, x0, bo, vs, o);                      \
-        return;
+
+#define APO_CASE(NM) AP_CASE_OF(ap_kern_one, 2, NM)
+
 static void ap_rows_one(int nm, const Lanes *ln, int kw, int C, const Urow *u, int nu, vt *const *p, const T *y,
-                    long x0, const long *bo, long vs, vt *const *o) {
-    switch (nm) {
+                        long x0, const long *bo, long vs, vt *const *o) {
+    switch (2 * 16 + nm) {
         APO_CASE(1)
 #if MR >= 2
         APO_CASE(2)
