@@ -189,10 +189,12 @@ static void block_lanes(const Geo *g, int j0, Lanes *ln, long *base) {
     for (int b = 0; b < g->kw; b++) base[b] = kc[j0 * g->kw + b] + mn;
     ln->mode = ident ? 0 : 1;
     ln->one = 0;
-    if (!ident) {
+    if (!ident) { /* every slot's columns base[b] + perm[t] within [base[0], base[0] + L): the keys mode 1
+                   * reads, a masked slot's included (any order of the slots) */
         int mx = 0;
         for (int t = 0; t < L; t++) mx = ln->perm[t] > mx ? ln->perm[t] : mx;
-        ln->one = mx + base[g->kw - 1] - base[0] < L;
+        ln->one = 1;
+        for (int b = 1; b < g->kw; b++) ln->one &= base[b] >= base[0] && base[b] - base[0] + mx < L;
     }
     ln->layers = 0;
     ln->inv = NULL;
