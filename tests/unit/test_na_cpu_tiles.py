@@ -131,8 +131,9 @@ def _one_blocks(size, kernel, dilation, causal):
 def test_rows_within_one_vector_load_it_once_and_match_the_oracle(monkeypatch):
     """Rows no wider than the vector (na3d's 16-wide rows with AVX-512): a block whose every slot
     reads keys within one vector loads it once per channel and shuffles each slot out of it
-    (Lanes.one); the same keys as the shuffled loads, so exact: plain, dilated, causal with the
-    bias and a query sub-window; a row 4 vectors wide has no such block."""
+    (Lanes.one); the same keys as the shuffled loads, so exact: plain, dilated (rows; columns where
+    a row of lanes fits the window), causal with the bias and a query sub-window; a row 4 vectors
+    wide has no such block."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
     lanes = na_cpu.lanes(torch.float64)
@@ -141,6 +142,8 @@ def test_rows_within_one_vector_load_it_once_and_match_the_oracle(monkeypatch):
         ((6, lanes), (3, 3), (2, 1), (False, True), (1, 6, 1, lanes)),
         ((4, lanes), (3, 3), (1, 1), (True, False), (0, 4, 0, lanes)),
     )
+    if lanes >= 5:  # dilated columns need a row of (3 - 1) * 2 + 1 = 5 (fp64 has 4 lanes with AVX2)
+        cases += (((4, lanes), (3, 3), (1, 2), (False, False), (0, 4, 0, lanes)),)
     for size, kernel, dilation, causal, box in cases:
         got = _one_blocks(size, kernel, dilation, causal)
         assert got >= 1, f"expected a one-vector block at {size} kernel {kernel} causal {causal}, got {got}"
