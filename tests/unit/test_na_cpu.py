@@ -248,3 +248,22 @@ def test_nan_propagates_exactly_like_the_oracle(monkeypatch):
     got = torch.isnan(tplayers.na2d(q, k, v, 3))
     expect = torch.isnan(brute_na2d(q, k, v, (3, 3)))
     assert expect.any() and torch.equal(got, expect)
+
+
+def test_nan_outside_a_causal_window_stays_within_the_kernel_size(monkeypatch):
+    """With is_causal the masked slots are read and weighted 0, so a NaN key or value just outside
+    a query's causal window may make its output NaN (docs/neighborhood-attention.md): every NaN of
+    the oracle is NaN here, and every extra NaN is within the kernel size of the NaN input."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    for width, causal in ((16, (False, True)), (21, (True, True))):
+        for pos in (0, 1, width // 2, width - 1):
+            for which in (1, 2):
+                gen = torch.Generator().manual_seed(pos)
+                qkv = [torch.randn(1, 5, width, 1, 16, generator=gen, dtype=torch.float64) for _ in range(3)]
+                qkv[which][0, 2, pos, 0, 3] = float("nan")
+                got = torch.isnan(tplayers.na2d(*qkv, 3, is_causal=causal))[0, :, :, 0].any(-1)
+                expect = torch.isnan(brute_na2d(*qkv, (3, 3), causal=causal))[0, :, :, 0].any(-1)
+                where = f"width {width} causal {causal} NaN in {'kv'[which - 1]} at {pos}"
+                assert expect.any() and not (expect & ~got).any(), where
+                for i, j in (got & ~expect).nonzero().tolist():
+                    assert abs(i - 2) <= 2 and abs(j - pos) <= 2, (where, i, j)
