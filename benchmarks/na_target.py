@@ -8,7 +8,9 @@ the previous call left it); an A/A check of two identical builds in that arrange
 apart. Here every timed call follows the same 1024^3 matmul (the same cache state: the matmul's
 operands evict the inputs' lines) and the order of "now" and "old" alternates per repeat (an A/A
 check then reads 0.94-1.02x): "cold". A second pass runs without the matmul ("warm": the inputs stay
-in the caches between the two kernels' calls). Minimum thread CPU time over the repeats.
+in the caches between the two kernels' calls, but the forward + backward calls run between the forward
+calls), and a third with each kernel's calls in a row ("hot": the inputs as the same kernel's previous
+call left them, as a loop over one layer finds them). Minimum thread CPU time over the repeats.
 
 For each shape it prints the old and today's useful FLOP/s as fractions of the same-run matmul rates
 (``torch.mm``, i.e. MKL, issue 35's yardstick; oneDNN's matmul; the core's FMA peak, a compiled
@@ -55,7 +57,23 @@ def balanced_times(pairs: dict, evict, repeats: int) -> dict:
     return {name: (min(a), min(b)) for name, (a, b) in out.items()}
 
 
-def bench(shape, fn, kernel, repeats, cold: bool):
+def hot_times(pairs: dict, repeats: int, runs: int = 5) -> dict:
+    """As :func:`balanced_times`, but each function runs ``runs`` times in a row per repeat (after one
+    untimed call), so every timed call finds the inputs where its own previous call left them."""
+    out = {name: ([], []) for name in pairs}
+    for r in range(repeats):
+        for name, fns in pairs.items():
+            for i in (0, 1) if r % 2 == 0 else (1, 0):
+                fns[i]()
+                for _ in range(runs):
+                    t0 = time.thread_time()
+                    fns[i]()
+                    out[name][i].append(time.thread_time() - t0)
+    return {name: (min(a), min(b)) for name, (a, b) in out.items()}
+
+
+def bench(shape, fn, kernel, repeats, mode: str):
+    cold = mode == "cold"
     torch.manual_seed(0)
     q, k, v, cot = (torch.randn(*shape) for _ in range(4))
     old = plane_fn(shape, kernel, OLD_KERNELS)
@@ -82,7 +100,7 @@ def bench(shape, fn, kernel, repeats, cold: bool):
     }
     mm, onednn = matmul_ref(), matmul_onednn()
     evict = mm if cold else (lambda: None)
-    t = balanced_times(pairs, evict, repeats)
+    t = hot_times(pairs, repeats) if mode == "hot" else balanced_times(pairs, evict, repeats)
     rate = {n: min(balanced_times({n: (f, f)}, lambda: None, repeats)[n]) for n, f in (("mm", mm), ("onednn", onednn))}
     rates = {"mm": 2 * 1024**3 / rate["mm"], "onednn": 2 * 1024**3 / rate["onednn"], "fma": fma_peak()}
     use_kernel("")
@@ -90,12 +108,13 @@ def bench(shape, fn, kernel, repeats, cold: bool):
         old_f, old_b = t["fwd"][1], t["both"][1] - t["fwd"][1]
     else:  # the old forward, then today's tile kernel's backward (both of the tile kernel less its forward)
         use_kernel("torch")
-        tile_fwd = min(balanced_times({"f": (lambda: fn(q, k, v, kernel),) * 2}, evict, repeats)["f"])
+        tile = {"f": (lambda: fn(q, k, v, kernel),) * 2}
+        tile_fwd = min((hot_times(tile, repeats) if mode == "hot" else balanced_times(tile, evict, repeats))["f"])
         old_f, old_b = t["fwd"][1], t["both"][1] - tile_fwd
     now_f, now_b = t["fwd"][0], t["both"][0] - t["fwd"][0]
     flops = 4 * shape[-1] * math.prod(shape[1:-1]) * kernel ** (len(shape) - 3)
     print(
-        f"{fn.__name__} {'x'.join(map(str, shape))} k{kernel}, {'cold' if cold else 'warm'}: now / old ({COMMIT}) "
+        f"{fn.__name__} {'x'.join(map(str, shape))} k{kernel}, {mode}: now / old ({COMMIT}) "
         "speed, balanced order, same run: "
         f"forward {old_f / now_f:.2f}x ({now_f * 1e3:.3f} / {old_f * 1e3:.3f} ms), backward {old_b / now_b:.2f}x "
         f"({now_b * 1e3:.3f} / {old_b * 1e3:.3f} ms; old: {'its C backward' if old_fused(kernel) else 'the tile kernel'})"
@@ -115,14 +134,14 @@ def main():
     print(f"issue 35's 2x target, 1 thread {isa_label()}")
     if reference_library() is None:
         return
-    for cold in (True, False):
-        print(
-            "cold: a 1024^3 matmul before every timed call (its 12 MiB evict the inputs)"
-            if cold
-            else "warm: no eviction (each call finds the inputs where the other kernel's call on them left them)"
-        )
+    for mode, what in (
+        ("cold", "a 1024^3 matmul before every timed call (its 12 MiB evict the inputs)"),
+        ("warm", "no eviction (each call finds the inputs where the other kernel's call on them left them)"),
+        ("hot", "each kernel's calls in a row (each call finds the inputs where its own previous call left them)"),
+    ):
+        print(f"{mode}: {what}")
         for shape, fn, kernel in SHAPES:
-            bench(shape, fn, kernel, args.repeats, cold)
+            bench(shape, fn, kernel, args.repeats, mode)
 
 
 if __name__ == "__main__":
