@@ -8,6 +8,7 @@ import torch
 from na_cases import na_on_subwindow
 from na_oracle import assert_out_and_grads, brute_na2d
 
+import tplayers
 from tplayers.ops import na_cpu
 from tplayers.ops.na_geometry import Axis, geometry_args, kernel_dims, kernel_tables
 
@@ -119,9 +120,9 @@ def test_tiles_of_flattened_3d_rows_share_more_key_rows():
     assert order == list(range(64)) and greedy == consecutive
 
 
-def _one_blocks(size, kernel, dilation, causal):
+def _one_blocks(size, kernel, dilation, causal, dtype=torch.float64):
     geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
-    lib = na_cpu.load_library(torch.float64)
+    lib = na_cpu.load_library(dtype)
     lib.na_one_blocks.argtypes, lib.na_one_blocks.restype = [na_cpu.ctypes.c_void_p] * 3, na_cpu.ctypes.c_int
     dims = kernel_dims(geo, 1, 2, 8, 8)
     rows, cols = kernel_tables(tuple(geo))
@@ -131,21 +132,39 @@ def _one_blocks(size, kernel, dilation, causal):
 def test_rows_within_one_vector_load_it_once_and_match_the_oracle(monkeypatch):
     """Rows no wider than the vector (na3d's 16-wide rows with AVX-512): a block whose every slot
     reads keys within one vector loads it once per channel and shuffles each slot out of it
-    (Lanes.one); the same keys as the shuffled loads, so exact: plain, dilated (rows; columns where
-    a row of lanes fits the window), causal with the bias and a query sub-window; a row 4 vectors
-    wide has no such block."""
+    (Lanes.one); the same keys as the shuffled loads, so exact in fp64: plain, dilated rows,
+    causal with the bias; dilated columns (slots two columns apart) in fp64 where a row of its
+    lanes holds the window (AVX-512) and in fp32 (8 or 16 lanes) against the fp64 oracle; a row 4
+    vectors wide has no such block, nor has any row with 2 lanes."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
     lanes = na_cpu.lanes(torch.float64)
-    cases = (
-        ((5, lanes), (3, 3), (1, 1), (False, False), (0, 5, 0, lanes)),
-        ((6, lanes), (3, 3), (2, 1), (False, True), (1, 6, 1, lanes)),
-        ((4, lanes), (3, 3), (1, 1), (True, False), (0, 4, 0, lanes)),
-    )
-    if lanes >= 5:  # dilated columns need a row of (3 - 1) * 2 + 1 = 5 (fp64 has 4 lanes with AVX2)
-        cases += (((4, lanes), (3, 3), (1, 2), (False, False), (0, 4, 0, lanes)),)
-    for size, kernel, dilation, causal, box in cases:
+    if lanes < 4:  # the base ISA: a 3-wide window never fits 2 lanes with its shifts
+        assert _one_blocks((3, 4), (3, 3), (1, 1), (False, False)) == 0
+        return
+    cases = [
+        ((5, lanes), (3, 3), (1, 1), (False, False)),
+        ((6, lanes), (3, 3), (2, 1), (False, True)),
+        ((4, lanes), (3, 3), (1, 1), (True, False)),
+    ]
+    if lanes >= 6:  # dilated columns: kernel * dilation <= the row (fp64 has 4 lanes with AVX2)
+        cases.append(((4, lanes), (3, 3), (1, 2), (False, False)))
+    for size, kernel, dilation, causal in cases:
         got = _one_blocks(size, kernel, dilation, causal)
         assert got >= 1, f"expected a one-vector block at {size} kernel {kernel} causal {causal}, got {got}"
-        _case(size, kernel, dilation, causal, 8, 8, box, seed=size[0])
+        _case(size, kernel, dilation, causal, 8, 8, (0, size[0], 0, size[1]), seed=size[0])
     assert _one_blocks((3, 4 * lanes), (3, 3), (1, 1), (False, False)) == 0
+    wide = na_cpu.lanes(torch.float32)
+    size = (4, wide)
+    assert _one_blocks(size, (3, 3), (1, 2), (False, False), torch.float32) >= 1
+    gen = torch.Generator().manual_seed(3)
+    ref_in = [torch.randn(1, *size, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    ins = [t.detach().float().requires_grad_() for t in ref_in]
+    cot = torch.randn(1, *size, 2, 8, generator=gen, dtype=torch.float64)
+    ref = brute_na2d(*ref_in, (3, 3), (1, 2))
+    out = tplayers.na2d(*ins, 3, dilation=(1, 2))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    (ref * cot).sum().backward()
+    (out * cot.float()).sum().backward()
+    for got_t, ref_t, name in zip(ins, ref_in, "qkv"):
+        torch.testing.assert_close(got_t.grad.double(), ref_t.grad, rtol=1e-4, atol=1e-5, msg=f"d{name}")

@@ -104,7 +104,7 @@ typedef struct {
     int one;             /* mode 1 with every slot's keys in the L columns from base[0] (rows of at most
                           * L keys, as 3-D's 16-wide rows with AVX-512): the score and P.V kernels
                           * load that vector once per channel and shuffle each slot out of it
-                          * (mode 1's shifted loads split cache lines: 16^3 k5 forward 1.11-1.15x) */
+                          * (mode 1's shifted loads split cache lines: 16^3 k5 forward 1.11-1.17x) */
     vi perm, live;       /* live: -1 on the n real lanes */
     vi *inv;             /* mode 1 only (else NULL): 2 * layers vectors, round r: key lane u takes
                           * lane inv[r][u] where inv[layers + r][u] is -1; small blocks (a row of 4096
@@ -190,11 +190,12 @@ static void block_lanes(const Geo *g, int j0, Lanes *ln, long *base) {
     ln->mode = ident ? 0 : 1;
     ln->one = 0;
     if (!ident) { /* every slot's columns base[b] + perm[t] within [base[0], base[0] + L): the keys mode 1
-                   * reads, a masked slot's included (any order of the slots) */
+                   * reads, a masked slot's included; slots in column order (the score kernel's
+                   * passes of slots b0.. shuffle from base[b0]) */
         int mx = 0;
         for (int t = 0; t < L; t++) mx = ln->perm[t] > mx ? ln->perm[t] : mx;
         ln->one = 1;
-        for (int b = 1; b < g->kw; b++) ln->one &= base[b] >= base[0] && base[b] - base[0] + mx < L;
+        for (int b = 1; b < g->kw; b++) ln->one &= base[b] >= base[b - 1] && base[b] - base[0] + mx < L;
     }
     ln->layers = 0;
     ln->inv = NULL;

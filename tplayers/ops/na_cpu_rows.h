@@ -3,8 +3,8 @@
  * interior of a 2-D image with kernel 7, 4 consecutive rows read 10 key rows, not 28), so each
  * key vector loaded from a key row (the shifted load of slot b) is multiplied into the scores of
  * every row of the tile that reads that key row: register-blocked FMAs, nm rows x gb slots of
- * accumulators per pass over the channels, the same for P.V (nm rows x GV channels) and for the
- * dK / dV sums of the backward (nm rows summed per key vector before its shuffle-add). Only the
+ * accumulators per pass over the channels, the same for P.V (nm rows x GV channels; the dK / dV
+ * sums of the backward, nm rows summed per key vector, are in na_cpu_kv.h). Only the
  * scores a query needs are computed (no union waste): a tile's key rows are listed with, per row,
  * the (query row, slot) pairs that read it (Urow), built once per call from the window tables.
  * The register blocks follow the vector registers of the ISA (32 with AVX-512, else 16). */
@@ -195,7 +195,6 @@ static void ap_rows(int mode, int nm, const Lanes *ln, int kw, int C, const Urow
         default: abort();
     }
 }
-
 
 /* sc_kern and ap_kern for the blocks whose keys lie in one vector (Lanes.one): one load per
  * channel (and key row), each slot's lanes shuffled out of it; mode 1's per-slot shifted loads
