@@ -31,6 +31,11 @@ typedef int32_t IT;
 #else
 #define NA_VBYTES (NA_LANES * 4)
 #endif
+#if NA_VBYTES >= 64 /* the ISA's vector registers (AVX-512: 32, else 16): the micro-kernels' blocking */
+#define NREG 32
+#else
+#define NREG 16
+#endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -104,7 +109,9 @@ typedef struct {
     int one;             /* mode 1 with every slot's keys in the L columns from base[0] (rows of at most
                           * L keys, as 3-D's 16-wide rows with AVX-512): the score and P.V kernels
                           * load that vector once per channel and shuffle each slot out of it
-                          * (mode 1's shifted loads split cache lines: 16^3 k5 forward 1.11-1.17x) */
+                          * (mode 1's shifted loads split cache lines: 16^3 k5 forward 1.11-1.17x).
+                          * 32-register ISAs only: the slots' shuffle masks held in registers spill
+                          * with 16 (AVX2 8^3 k5 forward 0.92-0.95x; AVX-512 fp64 1.08-1.11x) */
     vi perm, live;       /* live: -1 on the n real lanes */
     vi *inv;             /* mode 1 only (else NULL): 2 * layers vectors, round r: key lane u takes
                           * lane inv[r][u] where inv[layers + r][u] is -1; small blocks (a row of 4096
@@ -189,7 +196,7 @@ static void block_lanes(const Geo *g, int j0, Lanes *ln, long *base) {
     for (int b = 0; b < g->kw; b++) base[b] = kc[j0 * g->kw + b] + mn;
     ln->mode = ident ? 0 : 1;
     ln->one = 0;
-    if (!ident) { /* every slot's columns base[b] + perm[t] within [base[0], base[0] + L): the keys mode 1
+    if (!ident && NREG == 32) { /* every slot's columns base[b] + perm[t] within [base[0], base[0] + L): the keys mode 1
                    * reads, a masked slot's included; slots in column order (the score kernel's
                    * passes of slots b0.. shuffle from base[b0]) */
         int mx = 0;

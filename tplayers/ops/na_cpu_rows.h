@@ -11,16 +11,6 @@
 #ifndef NA_CPU_ROWS_H
 #define NA_CPU_ROWS_H
 
-#ifdef NA_DOUBLE
-#define VBYTES (NA_LANES * 8)
-#else
-#define VBYTES (NA_LANES * 4)
-#endif
-#if VBYTES >= 64
-#define NREG 32
-#else
-#define NREG 16
-#endif
 #ifndef NA_ROWS
 #if NREG == 32
 #define NA_ROWS 4
