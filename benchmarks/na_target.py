@@ -41,9 +41,11 @@ SHAPES = (
 )
 
 
-def balanced_times(pairs: dict, evict, repeats: int) -> dict:
+def balanced_times(pairs: dict, evict, repeats: int, runs: int = 1) -> dict:
     """Per name of ``pairs`` (``name -> (fn_a, fn_b)``): the minimum thread CPU seconds of each of
-    its two functions, every call after ``evict()``, a and b alternating who goes first."""
+    its two functions, a and b alternating who goes first; per turn ``evict()``, then one timed call,
+    or with ``runs`` > 1 one untimed call and ``runs`` timed calls in a row (each finding the inputs
+    where its own previous call left them)."""
     for a, b in pairs.values():
         a(), b()
     out = {name: ([], []) for name in pairs}
@@ -51,20 +53,8 @@ def balanced_times(pairs: dict, evict, repeats: int) -> dict:
         for name, fns in pairs.items():
             for i in (0, 1) if r % 2 == 0 else (1, 0):
                 evict()
-                t0 = time.thread_time()
-                fns[i]()
-                out[name][i].append(time.thread_time() - t0)
-    return {name: (min(a), min(b)) for name, (a, b) in out.items()}
-
-
-def hot_times(pairs: dict, repeats: int, runs: int = 5) -> dict:
-    """As :func:`balanced_times`, but each function runs ``runs`` times in a row per repeat (after one
-    untimed call), so every timed call finds the inputs where its own previous call left them."""
-    out = {name: ([], []) for name in pairs}
-    for r in range(repeats):
-        for name, fns in pairs.items():
-            for i in (0, 1) if r % 2 == 0 else (1, 0):
-                fns[i]()
+                if runs > 1:
+                    fns[i]()
                 for _ in range(runs):
                     t0 = time.thread_time()
                     fns[i]()
@@ -100,7 +90,8 @@ def bench(shape, fn, kernel, repeats, mode: str):
     }
     mm, onednn = matmul_ref(), matmul_onednn()
     evict = mm if cold else (lambda: None)
-    t = hot_times(pairs, repeats) if mode == "hot" else balanced_times(pairs, evict, repeats)
+    runs = 5 if mode == "hot" else 1
+    t = balanced_times(pairs, evict, repeats, runs)
     rate = {n: min(balanced_times({n: (f, f)}, lambda: None, repeats)[n]) for n, f in (("mm", mm), ("onednn", onednn))}
     rates = {"mm": 2 * 1024**3 / rate["mm"], "onednn": 2 * 1024**3 / rate["onednn"], "fma": fma_peak()}
     use_kernel("")
@@ -109,7 +100,7 @@ def bench(shape, fn, kernel, repeats, mode: str):
     else:  # the old forward, then today's tile kernel's backward (both of the tile kernel less its forward)
         use_kernel("torch")
         tile = {"f": (lambda: fn(q, k, v, kernel),) * 2}
-        tile_fwd = min((hot_times(tile, repeats) if mode == "hot" else balanced_times(tile, evict, repeats))["f"])
+        tile_fwd = min(balanced_times(tile, evict, repeats, runs)["f"])
         old_f, old_b = t["fwd"][1], t["both"][1] - tile_fwd
     now_f, now_b = t["fwd"][0], t["both"][0] - t["fwd"][0]
     flops = 4 * shape[-1] * math.prod(shape[1:-1]) * kernel ** (len(shape) - 3)
