@@ -13,13 +13,16 @@ from tplayers.ops import na_cpu
 from tplayers.ops.na_geometry import Axis, geometry_args, kernel_dims, kernel_tables
 
 
-def _chunks(size, kernel, dilation, causal, dim, dim_v, backward):
+def _plan_args(size, kernel, dilation, causal, dim=8, dim_v=8):
+    """The C kernel's dims and window tables of one 2-head call, as pointers."""
     geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
-    lib = na_cpu.load_library(torch.float64)
-    dims = kernel_dims(geo, 1, 2, dim, dim_v)
-    rows, cols = kernel_tables(tuple(geo))
-    ptr = na_cpu._ptr
-    return lib.na_chunks(ptr(dims), ptr(rows), ptr(cols), backward)
+    tensors = (kernel_dims(geo, 1, 2, dim, dim_v), *kernel_tables(tuple(geo)))
+    return tensors, [na_cpu._ptr(t) for t in tensors]  # the tensors keep the pointers valid
+
+
+def _chunks(size, kernel, dilation, causal, dim, dim_v, backward):
+    _keep, args = _plan_args(size, kernel, dilation, causal, dim, dim_v)
+    return na_cpu.load_library(torch.float64).na_chunks(*args, backward)
 
 
 def _case(size, kernel, dilation, causal, dim, dim_v, box, seed):
@@ -121,12 +124,10 @@ def test_tiles_of_flattened_3d_rows_share_more_key_rows():
 
 
 def _one_blocks(size, kernel, dilation, causal, dtype=torch.float64):
-    geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
+    _keep, args = _plan_args(size, kernel, dilation, causal)
     lib = na_cpu.load_library(dtype)
     lib.na_one_blocks.argtypes, lib.na_one_blocks.restype = [na_cpu.ctypes.c_void_p] * 3, na_cpu.ctypes.c_int
-    dims = kernel_dims(geo, 1, 2, 8, 8)
-    rows, cols = kernel_tables(tuple(geo))
-    return lib.na_one_blocks(na_cpu._ptr(dims), na_cpu._ptr(rows), na_cpu._ptr(cols))
+    return lib.na_one_blocks(*args)
 
 
 def test_rows_within_one_vector_load_it_once_and_match_the_oracle(monkeypatch):
