@@ -55,9 +55,12 @@ INL void sl_kern(const int nm, int kw, int C, const vt *const *wp, const T *cons
 #if NREG == 32 /* one two-register permute with a zero register */
                 lo[q] += shift2(x, s0);
                 if (two) hi[q] += shift2(x, s1);
-#else /* no two-register permute (AVX2 emulates it in ~5 ops): one permute and a mask */
-                lo[q] += shuffle_keep(x, s0, sh[4 * b + 1]);
-                if (two) hi[q] += shuffle_keep(x, s1, sh[4 * b + 3]);
+#else /* no two-register permute (AVX2 emulates it in ~5 ops): one permute serves both registers
+       * (fuse_tables: s0 holds both sources), then a mask per register */
+                (void)s1;
+                vi y = (vi)shuffle1(x, s0);
+                lo[q] += (vt)(y & sh[4 * b + 1]);
+                if (two) hi[q] += (vt)(y & sh[4 * b + 3]);
 #endif
             }
         }

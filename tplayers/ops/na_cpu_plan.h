@@ -290,6 +290,10 @@ static void fuse_tables(const Geo *g, const Plan *pl, vi *shifts, int *shix, int
                 sh[2][u] = hi >= 0 && hi < L && first[hi] >= 0 ? first[hi] : L;
                 sh[1][u] = sh[0][u] < L ? -1 : 0; /* the lanes a one-register shuffle keeps */
                 sh[3][u] = sh[2][u] < L ? -1 : 0;
+#if NREG != 32 /* one-register permutes (sl_kern): a slot's keys span < L columns, so columns u and
+                * u + L never both take a lane; index 0 is masked off */
+                sh[0][u] = sh[0][u] < L ? sh[0][u] : sh[2][u] < L ? sh[2][u] : 0;
+#endif
             }
         }
     }
