@@ -44,9 +44,8 @@
 #include "na_cpu_direct.h"
 
 static long scratch_of(const Geo *g, const Plan *pl, int backward) {
-    long pk = (long)g->Hk * g->kp, D = g->D, Dv = g->Dv, qw = pl->qw;
-    long fwd = D * pk + PAD + Dv * pk + PAD + MR * D * qw + PAD + MR * Dv * qw + PAD;
-    if (!backward) return fwd;
+    long pk = (long)g->Hk * g->kp, D = g->D, Dv = g->Dv, qw = pl->qw, rk = (long)pl->ring * g->kp;
+    if (!backward) return D * rk + PAD + Dv * rk + PAD + MR * D * qw + PAD + MR * Dv * qw + PAD;
     long qp = qw + 2 * pl->kpad; /* the backward's Q and dO rows: padded for key_sums */
     long keys = pl->kpad ? 2 * (MR * g->nk * qp + PAD) : 0;
     return D * pk + PAD + Dv * pk + PAD + MR * D * qp + PAD + MR * Dv * qw + PAD + MR * Dv * qp + PAD + MR * qw + PAD +
@@ -95,6 +94,14 @@ int na_one_blocks(const int64_t *dims, const int32_t *rows, const int32_t *cols)
     return n;
 }
 
+/* the rows of the forward's ring of key planes (ring_rows; tests check it is below Hk) */
+int na_ring_rows(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
+    void *pl = na_plan(dims, rows, cols, 0);
+    int n = ((Plan *)pl)->ring;
+    na_plan_free(pl);
+    return n;
+}
+
 /* the query rows of a call in tile order (order: Hq ints; tile t is order[t MR ...]) and the rows
  * per tile, MR (tests check which rows share a tile) */
 int na_row_order(const int64_t *dims, const int32_t *rows, const int32_t *cols, int32_t *order) {
@@ -121,10 +128,10 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
     Geo g;
     long sq[4], sk[4], sv[4];
     const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sq, sk, sv);
-    long pk = (long)g.Hk * g.kp, qw = pl.qw;
+    long rk = (long)pl.ring * g.kp, qw = pl.qw;
     const long *jb = pl.jb;
     T *next = scratch;
-    T *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
+    T *kt = carve(&next, g.D * rk), *vtp = carve(&next, g.Dv * rk);
     T *qr = carve(&next, MR * g.D * qw), *orow = carve(&next, MR * g.Dv * qw);
     memset(qr, 0, sizeof(T) * MR * g.D * qw);
     vt *sbuf = vec_alloc(2L * MR * g.nkp + (long)MR * g.Dv), *s[MR], *add[MR], *acc[MR];
@@ -137,9 +144,9 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
         for (int pn = p0; pn < p1; pn++) {
             int b = pn / g.heads, h = pn % g.heads;
             long x0 = pl.cx0[ch], jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
-            to_rows_x(k, bf, sk, b, h, 0, g.Hk, g.Wk, x0, pl.cx1[ch] - x0, g.kp, g.D, 1, kt);
-            to_rows_x(v, bf, sv, b, h, 0, g.Hk, g.Wk, x0, pl.cx1[ch] - x0, g.kp, g.Dv, 1, vtp);
+            int done = 0; /* key rows transposed (ring_in) */
             for (int t = 0; t < pl.nt; t++) {
+                ring_in(k, v, bf, sk, sv, b, h, &done, pl.upto[t], pl.ring, g.Wk, x0, pl.cx1[ch], g.kp, g.D, g.Dv, kt, vtp);
                 const int *rowi = pl.order + t * MR;
                 int nm = g.Hq - t * MR < MR ? g.Hq - t * MR : MR;
                 const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];
