@@ -2,8 +2,8 @@
 run in column chunks (each chunk transposes its key span; the chunks' dK / dV overlap and add
 up); blocks whose keys lie in one vector load it once per channel (Lanes.one); exact against
 the brute-force oracle in fp64, forward and every gradient, with dilation, causal, bias and a
-query sub-window, and each path is checked to be the one taken; the forward's key planes are a
-ring of the rows its tiles read (ring_rows)."""
+query sub-window, and each path is checked to be the one taken; the key planes are a ring of the
+rows the tiles read (ring_rows)."""
 
 import torch
 from na_cases import na_on_subwindow
@@ -177,24 +177,42 @@ def test_rows_within_one_vector_load_it_once_and_match_the_oracle(monkeypatch):
         torch.testing.assert_close(got_t.grad.double(), ref_t.grad, rtol=1e-4, atol=1e-5, msg=f"d{name}")
 
 
-def test_the_forward_keeps_a_ring_of_key_rows_and_matches_the_oracle(monkeypatch):
-    """Tall planes: the forward transposes key rows as its tiles reach them, into a ring of the
-    rows a tile reads (fewer than the plane's; rows wrap around it several times per plane, per
-    head), exact in fp64: plain, dilated causal rows with the bias and a row sub-window (tiles
-    that start mid-plane), a 3-D-like flattening (rows 2 x 2 per tile) and column chunks."""
+def test_the_key_planes_are_a_ring_of_rows_and_match_the_oracle(monkeypatch):
+    """Tall planes: forward and backward bring key rows in as their tiles reach them, into a ring
+    of the rows one tile reads (fewer than the plane's; rows wrap around it several times per plane
+    and head), and the backward writes a row's dK / dV out as it leaves; exact in fp64, output and
+    every gradient: plain, dilated causal rows with the bias and a row sub-window (tiles that start
+    mid-plane; key rows no tile reads get zero gradients), row dilation 3 (tiles of rows 3 apart,
+    not in order) with causal columns, and column chunks; then gradients for q alone (the backward
+    without dK / dV)."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
     lib = na_cpu.load_library(torch.float64)
-    lib.na_ring_rows.argtypes, lib.na_ring_rows.restype = [na_cpu.ctypes.c_void_p] * 3, na_cpu.ctypes.c_int
-    for size, kernel, dilation, causal, box, dim, most in (
+    ptr = na_cpu.ctypes.c_void_p
+    lib.na_ring_rows.argtypes, lib.na_ring_rows.restype = [ptr] * 3 + [na_cpu.ctypes.c_int], na_cpu.ctypes.c_int
+    cases = (
         ((40, 12), (3, 3), (1, 1), (False, False), (0, 40, 0, 12), 8, 12),
         ((37, 9), (4, 3), (2, 1), (True, False), (5, 31, 0, 9), 8, 18),
-        ((30, 11), (5, 2), (3, 2), (False, True), (0, 30, 2, 9), 8, 25),  # tiles of rows 3 apart
+        ((30, 11), (5, 2), (3, 2), (False, True), (0, 30, 2, 9), 8, 25),
         ((24, 60), (3, 5), (1, 1), (False, False), (0, 24, 0, 60), 128, 12),
-    ):
+    )
+    for size, kernel, dilation, causal, box, dim, most in cases:
         _keep, args = _plan_args(size, kernel, dilation, causal, dim, dim)
-        ring = lib.na_ring_rows(*args)
-        assert ring <= most, f"expected a ring of at most {most} of the {size[0]} key rows at {size}, got {ring}"
+        for backward in (0, 1, 2):
+            ring = lib.na_ring_rows(*args, backward)
+            assert ring <= most, f"expected a ring of at most {most} of {size[0]} key rows at {size}, got {ring}"
         if dim == 128:
             assert _chunks(size, kernel, dilation, causal, dim, dim, 0) > 1
+            assert _chunks(size, kernel, dilation, causal, dim, dim, 1) > 1
         _case(size, kernel, dilation, causal, dim, dim, box, seed=size[0])
+    size, kernel, dilation, causal = (37, 9), (4, 3), (2, 1), (True, False)
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, *size, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    ref_q, got_q = q.clone().requires_grad_(), q.clone().requires_grad_()
+    ref = brute_na2d(ref_q, k, v, kernel, dilation, causal)
+    out = tplayers.na2d(got_q, k, v, kernel, dilation=dilation, is_causal=causal)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    cot = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    (ref * cot).sum().backward()
+    (out * cot).sum().backward()
+    torch.testing.assert_close(got_q.grad, ref_q.grad, rtol=1e-10, atol=1e-12)

@@ -60,15 +60,19 @@ def test_target_isa_override_and_errors(monkeypatch):
 @pytest.mark.parametrize("isa", _isas_this_host_runs())
 def test_each_isa_build_matches_the_oracle(isa, monkeypatch):
     """The build for each ISA this host runs (its lanes: blocks, shuffles, transposes and the exp
-    at that width), fp64, random kernels, dilation, causal, bias and a query sub-window."""
+    at that width), fp64 and fp32 against the fp64 oracle, random kernels, dilation, causal, bias
+    and a query sub-window, and a window whose border blocks' dK / dV fill two key registers."""
     monkeypatch.setenv("TPLAYERS_NA_ISA", isa)
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
-    rng = random.Random(2200 + len(isa))
-    for _ in range(3):
+    rng = random.Random(f"isa {isa}")
+    border = ((5, 5), (1, 2), (False, True), (9, 30))  # shuffled border blocks whose keys fill two registers
+    for n in range(4):
         kernel = (rng.randint(2, 7), rng.randint(2, 9))
         dilation = (rng.choice([1, 2]), rng.choice([1, 2]))
         causal = (rng.random() < 0.3, rng.random() < 0.3)
         h, w = (kk * d + rng.choice([0, 2, 11, 19]) for kk, d in zip(kernel, dilation))
+        if n == 3:
+            kernel, dilation, causal, (h, w) = border
         gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
         dim = rng.choice([3, 8, 16])
         q, k, v = (torch.randn(2, h, w, 2, dim, generator=gen, dtype=torch.float64) for _ in range(3))

@@ -44,7 +44,7 @@
 #include "na_cpu_direct.h"
 
 static long scratch_of(const Geo *g, const Plan *pl, int backward) {
-    long pk = (long)g->Hk * g->kp, D = g->D, Dv = g->Dv, qw = pl->qw, rk = (long)pl->ring * g->kp;
+    long pk = (long)pl->ring * g->kp, D = g->D, Dv = g->Dv, qw = pl->qw, rk = pk;
     if (!backward) return D * rk + PAD + Dv * rk + PAD + MR * D * qw + PAD + MR * Dv * qw + PAD;
     long qp = qw + 2 * pl->kpad; /* the backward's Q and dO rows: padded for key_sums */
     long keys = pl->kpad ? 2 * (MR * g->nk * qp + PAD) : 0;
@@ -94,9 +94,10 @@ int na_one_blocks(const int64_t *dims, const int32_t *rows, const int32_t *cols)
     return n;
 }
 
-/* the rows of the forward's ring of key planes (ring_rows; tests check it is below Hk) */
-int na_ring_rows(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
-    void *pl = na_plan(dims, rows, cols, 0);
+/* the rows of the ring of key planes of a call's plan (backward as in na_scratch; ring_rows:
+ * tests check it is below Hk) */
+int na_ring_rows(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
+    void *pl = na_plan(dims, rows, cols, backward);
     int n = ((Plan *)pl)->ring;
     na_plan_free(pl);
     return n;
@@ -253,15 +254,43 @@ static void key_sums(const Geo *g, const Plan *pl, const Urow *u, const T *w, co
 /* chunk ch's dK (or dV) plane of (b, h) into x: the columns an earlier chunk wrote are added to,
  * the others written; columns no chunk reads are zeroed (no zero-filled tensor beforehand: the
  * chunks of a long row overlap only by their windows' span) */
-static void key_planes_out(const Geo *g, const Plan *pl, int ch, int b, int h, const T *src, int C, T *x) {
+static void key_planes_out(const Geo *g, const Plan *pl, int ch, int b, int h, const T *src, int C, T *x, int r0,
+                           int r1) { /* rows [r0, r1), src: row r0's */
     long done = 0, x0 = pl->cx0[ch], x1 = pl->cx1[ch]; /* columns [0, done) written by chunks < ch */
     for (int c = 0; c < ch; c++) done = pl->cx1[c] > done ? pl->cx1[c] : done;
-    for (long j = done; j < x0; j++) zero_cols(x, b, h, g, C, j);
+    for (long j = done; j < x0; j++) zero_cols(x, b, h, g, C, j, r0, r1);
     long ov = done < x0 ? x0 : done < x1 ? done : x1;
-    if (ov > x0) from_rows(src, g->kp, b, h, g->heads, g->Hk, g->Wk, C, 0, g->Hk, x0, ov - x0, 1, x);
-    if (x1 > ov) from_rows(src + (ov - x0), g->kp, b, h, g->heads, g->Hk, g->Wk, C, 0, g->Hk, ov, x1 - ov, 0, x);
+    if (ov > x0) from_rows(src, g->kp, b, h, g->heads, g->Hk, g->Wk, C, r0, r1, x0, ov - x0, 1, x);
+    if (x1 > ov) from_rows(src + (ov - x0), g->kp, b, h, g->heads, g->Hk, g->Wk, C, r0, r1, ov, x1 - ov, 0, x);
     if (ch == pl->nc - 1)
-        for (long j = x1 > done ? x1 : done; j < g->Wk; j++) zero_cols(x, b, h, g, C, j);
+        for (long j = x1 > done ? x1 : done; j < g->Wk; j++) zero_cols(x, b, h, g, C, j, r0, r1);
+}
+
+/* the backward's key rows [*done, upto] into the ring (ring_rows): each slot's previous row's dK /
+ * dV written out first (no later tile reads it) and zeroed (dkt NULL: not wanted), its K / V
+ * transposed (k NULL: rows no tile reads, whose dK / dV are zero); *done = upto + 1 */
+static void ring_in_kv(const Geo *g, const Plan *pl, int ch, int b, int h, int *done, int upto, const void *k,
+                       const void *v, int bf, const long *sk, const long *sv, T *kt, T *vt, T *dkt, T *dvt, T *dk, T *dv) {
+    const int R = pl->ring;
+    const long kr = (long)g->D * g->kp, vr = (long)g->Dv * g->kp;
+    while (*done <= upto) {
+        int r = *done, slot = r % R, run = upto + 1 - r < R - slot ? upto + 1 - r : R - slot;
+        if (dkt) {
+            if (r >= R) { /* the slots' rows r - R ... */
+                key_planes_out(g, pl, ch, b, h, dkt + slot * kr, g->D, dk, r - R, r - R + run);
+                key_planes_out(g, pl, ch, b, h, dvt + slot * vr, g->Dv, dv, r - R, r - R + run);
+            }
+            memset(dkt + slot * kr, 0, sizeof(T) * run * kr);
+            memset(dvt + slot * vr, 0, sizeof(T) * run * vr);
+        }
+        if (k) {
+            to_rows_x(k, bf, sk, b, h, r, r + run, g->Wk, pl->cx0[ch], pl->cx1[ch] - pl->cx0[ch], g->kp, g->D, 1,
+                      kt + slot * kr);
+            to_rows_x(v, bf, sv, b, h, r, r + run, g->Wk, pl->cx0[ch], pl->cx1[ch] - pl->cx0[ch], g->kp, g->Dv, 1,
+                      vt + slot * vr);
+        }
+        *done += run;
+    }
 }
 
 /* dtable[h] += dS of query row i's block at j0 (its n live lanes) */
@@ -285,7 +314,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
     long sq[4], sk[4], sv[4], so[4];
     /* a backward plan (na_plan with backward 1 or 2) */
     const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sq, sk, sv);
-    long pk = (long)g.Hk * g.kp, qw = pl.qw;
+    long pk = (long)pl.ring * g.kp, qw = pl.qw; /* the planes' rows: a ring (ring_in_kv) */
     long kpad = kv ? pl.kpad : 0, qp = qw + 2 * kpad; /* Q and dO rows: pitch qp, data from kpad */
     const long *jb = pl.jb;
     long sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
@@ -320,13 +349,9 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
         for (int pn = p0; pn < p1; pn++) {
             int b = pn / g.heads, h = pn % g.heads;
             long x0 = pl.cx0[ch], xn = pl.cx1[ch] - x0, jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
-            to_rows_x(k, bf, sk, b, h, 0, g.Hk, g.Wk, x0, xn, g.kp, g.D, 1, kt);
-            to_rows_x(v, bf, sv, b, h, 0, g.Hk, g.Wk, x0, xn, g.kp, g.Dv, 1, vtp);
-            if (kv) {
-                memset(dkt, 0, g.D * pk * sizeof(T));
-                memset(dvt, 0, g.Dv * pk * sizeof(T));
-            }
+            int done = 0; /* key rows in the ring */
             for (int t = 0; t < pl.nt; t++) {
+                ring_in_kv(&g, &pl, ch, b, h, &done, pl.upto[t], k, v, bf, sk, sv, kt, vtp, dkt, dvt, dk, dv);
                 const int *rowi = pl.order + t * MR;
                 int nm = g.Hq - t * MR < MR ? g.Hq - t * MR : MR;
                 const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];
@@ -399,8 +424,8 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                     for (int m = 0; m < nm; m++) {
                         int i = rowi[m];
                         if (kv && !fused[bk] && !(kpad && pl.keyc[bk])) {
-                            key_offsets(&g, i, base, x0, g.D, off);
-                            key_offsets(&g, i, base, x0, g.Dv, voff);
+                            key_offsets(&g, i, base, x0, g.D, pl.ring, off);
+                            key_offsets(&g, i, base, x0, g.Dv, pl.ring, voff);
                             if (ln->mode == 0)
                                 kv_slots(0, &g, ln, xrow[m], grow[m], qp, p[m], ds[m], dkt, dvt, off, voff);
                             else
@@ -417,9 +442,14 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                 for (int m = 0; m < nm; m++)
                     from_rows(dqr + m * g.D * qw, qw, b, h, g.heads, g.Hq, g.Wq, g.D, rowi[m], rowi[m] + 1, jlo, jn, 0, dq);
             }
-            if (kv) {
-                key_planes_out(&g, &pl, ch, b, h, dkt, g.D, dk);
-                key_planes_out(&g, &pl, ch, b, h, dvt, g.Dv, dv);
+            if (kv) { /* the rows no tile read (zeros), then the ring's last rows */
+                ring_in_kv(&g, &pl, ch, b, h, &done, g.Hk - 1, NULL, NULL, bf, sk, sv, kt, vtp, dkt, dvt, dk, dv);
+                for (int r = g.Hk > pl.ring ? g.Hk - pl.ring : 0; r < g.Hk;) {
+                    int slot = r % pl.ring, run = g.Hk - r < pl.ring - slot ? g.Hk - r : pl.ring - slot;
+                    key_planes_out(&g, &pl, ch, b, h, dkt + slot * (long)g.D * g.kp, g.D, dk, r, r + run);
+                    key_planes_out(&g, &pl, ch, b, h, dvt + slot * (long)g.Dv * g.kp, g.Dv, dv, r, r + run);
+                    r += run;
+                }
             }
         }
     }

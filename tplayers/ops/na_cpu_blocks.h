@@ -351,8 +351,8 @@ static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, 
 }
 
 /* column j of every row of plane (b, h) of contiguous x (B, Hk*Wk, heads*C), set to 0 */
-static void zero_cols(T *x, int b, int h, const Geo *g, int C, long j) {
-    for (int i = 0; i < g->Hk; i++)
+static void zero_cols(T *x, int b, int h, const Geo *g, int C, long j, int r0, int r1) {
+    for (int i = r0; i < r1; i++)
         memset(x + (((size_t)b * g->Hk + i) * g->Wk + j) * g->heads * C + (size_t)h * C, 0, C * sizeof(T));
 }
 
@@ -381,12 +381,12 @@ static Lanes *row_blocks(const void *gp, int *count, long **bases) {
     return blocks;
 }
 
-/* offset of key (a, b) of query row i in a (Hk, C, kp) plane holding key columns from x0, for the
- * block's base columns */
-static void key_offsets(const Geo *g, int i, const long *base, long x0, int C, long *off) {
+/* offset of key (a, b) of query row i in a (ring, C, kp) plane holding key columns from x0 (key
+ * row r in row r % ring), for the block's base columns */
+static void key_offsets(const Geo *g, int i, const long *base, long x0, int C, int ring, long *off) {
     for (int a = 0; a < g->kh; a++)
         for (int b = 0; b < g->kw; b++)
-            off[a * g->kw + b] = (long)g->rows[i * g->kh + a] * C * g->kp + base[b] - x0;
+            off[a * g->kw + b] = (long)(g->rows[i * g->kh + a] % ring) * C * g->kp + base[b] - x0;
     for (int ab = g->nk; ab < g->nkp; ab++) off[ab] = off[0];
 }
 

@@ -234,8 +234,8 @@ static void line_softmax(const Geo *g, const Plan *pl, int bk, int h, vt *s, vt 
     st(inv, softmax(g->nk, s, a));
 }
 
-/* na_forward's arguments; 1-D calls (Hq = Hk = kH = 1) with Dv a multiple of the lanes, at most
- * DMAX vectors (na_cpu_plans.forward_line) */
+/* na_forward's arguments; 1-D calls (Hq = Hk = kH = 1: the plan's ring of key rows is the one row)
+ * with Dv a multiple of the lanes, at most DMAX vectors (na_cpu_plans.forward_line) */
 void na_forward_line(const void *q, const void *k, const void *v, const T *table, T *out, const int64_t *dims,
                      const int32_t *rows, const int32_t *cols, double scale, const void *plan, T *scratch, int p0,
                      int p1, int bf) {

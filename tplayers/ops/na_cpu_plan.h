@@ -28,9 +28,9 @@ typedef struct {
      * kpad: zero columns on each side of the row buffers those sums read (0: no such block) */
     int *keyc;
     long *relpat, kpad;
-    /* forward (na_plan): the key planes hold a ring of `ring` rows (key row r in slot r % ring; the
-     * Urows' rows are slots) and the rows up to upto[t] are transposed before tile t (see
-     * ring_rows); elsewhere ring is Hk and upto NULL */
+    /* na_plan's plans: the key planes (and the backward's dK / dV planes) hold a ring of `ring`
+     * rows (key row r in slot r % ring; the Urows' rows are slots) and the rows up to upto[t] are
+     * in it before tile t (see ring_rows); make_plan alone leaves ring Hk and upto NULL */
     int ring, *upto;
 } Plan;
 
@@ -204,10 +204,12 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
     pl->upto = NULL;
 }
 
-/* The forward's key planes as a ring of rows: the rows are transposed in order, before tile t
- * those up to upto[t] (the most any tile up to t reads), so a ring of the most rows from a tile's
- * lowest key row to its upto holds every row each tile reads. Its planes stay in L2 across the
- * heads (2-D 96^2 k7: 9 of 96 rows; 3-D 16^3 k5: 93 of 256). */
+/* The key planes as a ring of rows: the rows enter in order, before tile t those up to upto[t]
+ * (the most any tile up to t reads), so a ring of the most rows from a tile's lowest key row to
+ * its upto holds every row each tile reads, and a row leaving it is read by no later tile (the
+ * backward writes its dK / dV out then). The planes stay in L2 across the heads and their scratch
+ * does not grow with the height (2-D 96^2 k7: 9 of 96 rows; 3-D 16^3 k5: 93 of 256). Slots not yet
+ * filled in a call may be read into lanes a block then drops (never into a live lane). */
 static void ring_rows(const Geo *g, Plan *pl) {
     int M = -1, R = 1;
     pl->upto = malloc(sizeof(int) * pl->nt);
@@ -367,8 +369,8 @@ void *na_plan(const int64_t *dims, const int32_t *rows, const int32_t *cols, int
         pl->shix = malloc(sizeof(int) * pl->nb);
         fuse_tables(&g, pl, pl->shifts, pl->shix, pl->fused, pl->fstart, &pl->folds);
         key_blocks(&g, pl);
-    } else
-        ring_rows(&g, pl);
+    }
+    ring_rows(&g, pl);
     return pl;
 }
 
