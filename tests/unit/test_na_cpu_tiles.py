@@ -216,3 +216,19 @@ def test_the_key_planes_are_a_ring_of_rows_and_match_the_oracle(monkeypatch):
     (ref * cot).sum().backward()
     (out * cot).sum().backward()
     torch.testing.assert_close(got_q.grad, ref_q.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_a_window_holding_one_key_row_at_two_slots_matches_the_oracle(monkeypatch):
+    """Causal rows cut to a sub-window near the start (a domain-parallel shard's first rows): fewer
+    key rows than the kernel, so a query row's masked slot is clamped onto a row another of its
+    slots reads, and one key row serves two slots of one query row; plain and dilated, with the
+    bias, fp64, output and every gradient (the tiles once grouped such rows wrongly)."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
+    for size, kernel, dilation, box in (
+        ((8, 12), (3, 3), (1, 1), (0, 2, 0, 12)),
+        ((8, 12), (4, 3), (1, 1), (1, 3, 0, 12)),
+        ((8, 12), (4, 3), (2, 1), (0, 6, 0, 12)),
+        ((8, 20), (4, 9), (2, 1), (2, 5, 3, 17)),
+    ):
+        _case(size, kernel, dilation, (True, False), 8, 8, box, seed=box[1])

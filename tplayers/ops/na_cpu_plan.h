@@ -117,7 +117,11 @@ static void plan_tiles(const Geo *g, const int *order, Urow *ur, int *start) {
             }
         for (int p = 0; p < np; p++) {
             int r = (int)(pairs[p] >> 32), low = (int)(pairs[p] & 0xffffffff);
-            if (p == 0 || r != ur[ne - 1].row || ur[ne - 1].n == MR) {
+            /* a new Urow also where the row's query row is in it already: a window holding one key
+             * row at two slots (a masked slot clamped onto a valid row: fewer key rows than the
+             * kernel) would give two Urows of one mask different query rows, and the runs by mask
+             * (tile_apply) take the first Urow's rows for the run */
+            if (p == 0 || r != ur[ne - 1].row || ur[ne - 1].n == MR || ur[ne - 1].mask >> (low / g->kh) & 1) {
                 ur[ne].row = r;
                 ur[ne].n = 0;
                 ne++;
