@@ -5,13 +5,17 @@ the brute-force oracle in fp64, forward and every gradient, with dilation, causa
 query sub-window, and each path is checked to be the one taken; the key planes are a ring of the
 rows the tiles read (ring_rows)."""
 
+import random
+
 import torch
 from na_cases import na_on_subwindow
-from na_oracle import assert_out_and_grads, brute_na2d
+from na_oracle import assert_out_and_grads, brute_na, brute_na2d
 
 import tplayers
 from tplayers.ops import na_cpu
+from tplayers.ops.na_engine import neighborhood_attention
 from tplayers.ops.na_geometry import Axis, geometry_args, kernel_dims, kernel_tables
+from tplayers.ops.na_layout import key_span
 
 
 def _plan_args(size, kernel, dilation, causal, dim=8, dim_v=8):
@@ -232,3 +236,38 @@ def test_a_window_holding_one_key_row_at_two_slots_matches_the_oracle(monkeypatc
         ((8, 20), (4, 9), (2, 1), (2, 5, 3, 17)),
     ):
         _case(size, kernel, dilation, (True, False), 8, 8, box, seed=box[1])
+    rng = random.Random(35)
+    for n in range(10):  # random small sub-windows, causal along either axis
+        kernel, dilation = (rng.randint(2, 5), rng.randint(2, 5)), (rng.randint(1, 2), rng.randint(1, 2))
+        size = tuple(k * d + rng.randint(0, 6) for k, d in zip(kernel, dilation))
+        causal = (rng.random() < 0.7, rng.random() < 0.5)
+        r0, r1 = sorted(rng.sample(range(size[0] + 1), 2))
+        c0, c1 = sorted(rng.sample(range(size[1] + 1), 2))
+        _case(size, kernel, dilation, causal, rng.choice([3, 8]), 8, (r0, r1, c0, c1), seed=n)
+    for size, kernel, dilation, causal, box in (  # 3-D: the flattened rows hold the duplicates
+        ((7, 7, 4), (3, 3, 3), (1, 1, 1), (True, False, False), ((0, 2), (4, 6), (1, 3))),
+        ((7, 7, 5), (4, 2, 1), (1, 2, 1), (True, True, False), ((0, 3), (1, 5), (2, 3))),
+    ):
+        spans = [
+            key_span(a, b, length=n, kernel=k, dilation=d, causal=c)
+            for (a, b), n, k, d, c in zip(box, size, kernel, dilation, causal)
+        ]
+        gen = torch.Generator().manual_seed(size[2])
+        q, k, v = (torch.randn(1, *size, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        qs = (slice(None),) + tuple(slice(a, b) for a, b in box)
+        ks = (slice(None),) + tuple(slice(a, b) for a, b in spans)
+        out = neighborhood_attention(
+            ins[0][qs],
+            ins[1][ks],
+            ins[2][ks],
+            kernel,
+            dilation,
+            causal,
+            global_size=size,
+            q_offset=tuple(a for a, _ in box),
+            k_offset=tuple(a for a, _ in spans),
+        )
+        ref = brute_na(*ref_in, kernel, dilation=dilation, causal=causal)[qs]
+        assert_out_and_grads(out, ref, ins, ref_in, gen, f"3-D {size} kernel {kernel} box {box}")
