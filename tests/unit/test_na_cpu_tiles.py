@@ -226,7 +226,8 @@ def test_a_window_holding_one_key_row_at_two_slots_matches_the_oracle(monkeypatc
     """Causal rows cut to a sub-window near the start (a domain-parallel shard's first rows): fewer
     key rows than the kernel, so a query row's masked slot is clamped onto a row another of its
     slots reads, and one key row serves two slots of one query row; plain and dilated, with the
-    bias, fp64, output and every gradient (the tiles once grouped such rows wrongly)."""
+    bias, fp64, output and every gradient (the tiles once grouped such rows wrongly); then random
+    small sub-windows causal along either axis, and 3-D sub-windows (flattened rows)."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
     for size, kernel, dilation, box in (
