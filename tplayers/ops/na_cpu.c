@@ -41,6 +41,8 @@
 #include "na_cpu_rows.h"
 #include "na_cpu_kv.h"
 #include "na_cpu_plan.h"
+#include "na_cpu_probes.h"
+#include "na_cpu_keys.h"
 #include "na_cpu_direct.h"
 
 static long scratch_of(const Geo *g, const Plan *pl, int backward) {
@@ -70,49 +72,6 @@ long na_scratch(const int64_t *dims, const int32_t *rows, const int32_t *cols, i
 }
 
 
-
-/* column chunks of a call's plan (backward as in na_scratch): more than 1 where the rows' keys
- * do not fit the cache budget (tests check that path is taken) */
-int na_chunks(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
-    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
-    Plan pl;
-    make_plan(&g, backward, &pl);
-    int n = pl.nc;
-    free_plan(&pl);
-    return n;
-}
-
-/* the blocks of a call's row whose keys lie in one vector (Lanes.one: the score and P.V kernels
- * shuffle the slots out of one load; tests check that path is taken) */
-int na_one_blocks(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
-    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
-    Plan pl;
-    make_plan(&g, 0, &pl);
-    int n = 0;
-    for (int bk = 0; bk < pl.nb; bk++) n += pl.blocks[bk].one;
-    free_plan(&pl);
-    return n;
-}
-
-/* the rows of the ring of key planes of a call's plan (backward as in na_scratch; ring_rows:
- * tests check it is below Hk) */
-int na_ring_rows(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
-    void *pl = na_plan(dims, rows, cols, backward);
-    int n = ((Plan *)pl)->ring;
-    na_plan_free(pl);
-    return n;
-}
-
-/* the query rows of a call in tile order (order: Hq ints; tile t is order[t MR ...]) and the rows
- * per tile, MR (tests check which rows share a tile) */
-int na_row_order(const int64_t *dims, const int32_t *rows, const int32_t *cols, int32_t *order) {
-    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
-    int *o = malloc(sizeof(int) * g.Hq);
-    row_order(&g, o);
-    for (int i = 0; i < g.Hq; i++) order[i] = o[i];
-    free(o);
-    return MR;
-}
 
 static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(T)); *next = p + n + PAD; return p; }
 
@@ -248,48 +207,6 @@ static void key_sums(const Geo *g, const Plan *pl, const Urow *u, const T *w, co
                     st(dc, ld(dc) + acc[q]);
                 }
         }
-    }
-}
-
-/* chunk ch's dK (or dV) plane of (b, h) into x: the columns an earlier chunk wrote are added to,
- * the others written; columns no chunk reads are zeroed (no zero-filled tensor beforehand: the
- * chunks of a long row overlap only by their windows' span) */
-static void key_planes_out(const Geo *g, const Plan *pl, int ch, int b, int h, const T *src, int C, T *x, int r0,
-                           int r1) { /* rows [r0, r1), src: row r0's */
-    long done = 0, x0 = pl->cx0[ch], x1 = pl->cx1[ch]; /* columns [0, done) written by chunks < ch */
-    for (int c = 0; c < ch; c++) done = pl->cx1[c] > done ? pl->cx1[c] : done;
-    for (long j = done; j < x0; j++) zero_cols(x, b, h, g, C, j, r0, r1);
-    long ov = done < x0 ? x0 : done < x1 ? done : x1;
-    if (ov > x0) from_rows(src, g->kp, b, h, g->heads, g->Hk, g->Wk, C, r0, r1, x0, ov - x0, 1, x);
-    if (x1 > ov) from_rows(src + (ov - x0), g->kp, b, h, g->heads, g->Hk, g->Wk, C, r0, r1, ov, x1 - ov, 0, x);
-    if (ch == pl->nc - 1)
-        for (long j = x1 > done ? x1 : done; j < g->Wk; j++) zero_cols(x, b, h, g, C, j, r0, r1);
-}
-
-/* the backward's key rows [*done, upto] into the ring (ring_rows): each slot's previous row's dK /
- * dV written out first (no later tile reads it) and zeroed (dkt NULL: not wanted), its K / V
- * transposed (k NULL: rows no tile reads, whose dK / dV are zero); *done = upto + 1 */
-static void ring_in_kv(const Geo *g, const Plan *pl, int ch, int b, int h, int *done, int upto, const void *k,
-                       const void *v, int bf, const long *sk, const long *sv, T *kt, T *vt, T *dkt, T *dvt, T *dk, T *dv) {
-    const int R = pl->ring;
-    const long kr = (long)g->D * g->kp, vr = (long)g->Dv * g->kp;
-    while (*done <= upto) {
-        int r = *done, slot = r % R, run = upto + 1 - r < R - slot ? upto + 1 - r : R - slot;
-        if (dkt) {
-            if (r >= R) { /* the slots' rows r - R ... */
-                key_planes_out(g, pl, ch, b, h, dkt + slot * kr, g->D, dk, r - R, r - R + run);
-                key_planes_out(g, pl, ch, b, h, dvt + slot * vr, g->Dv, dv, r - R, r - R + run);
-            }
-            memset(dkt + slot * kr, 0, sizeof(T) * run * kr);
-            memset(dvt + slot * vr, 0, sizeof(T) * run * vr);
-        }
-        if (k) {
-            to_rows_x(k, bf, sk, b, h, r, r + run, g->Wk, pl->cx0[ch], pl->cx1[ch] - pl->cx0[ch], g->kp, g->D, 1,
-                      kt + slot * kr);
-            to_rows_x(v, bf, sv, b, h, r, r + run, g->Wk, pl->cx0[ch], pl->cx1[ch] - pl->cx0[ch], g->kp, g->Dv, 1,
-                      vt + slot * vr);
-        }
-        *done += run;
     }
 }
 

@@ -79,7 +79,7 @@ SOURCES = (
     SOURCE,
     *(
         Path(__file__).with_name(f"na_cpu_{part}.h")
-        for part in ("blocks", "io", "rows", "kv", "plan", "direct", "line")
+        for part in ("blocks", "io", "rows", "kv", "plan", "probes", "keys", "direct", "line")
     ),
 )
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11")

@@ -1,0 +1,50 @@
+/* What a call's plan chose, for the tests (included by na_cpu.c after na_cpu_plan.h): its column
+ * chunks, the blocks within one vector, the rows of its ring of key planes and its tile order. */
+#ifndef NA_CPU_PROBES_H
+#define NA_CPU_PROBES_H
+#include "na_cpu_plan.h"
+
+/* column chunks of a call's plan (backward as in na_scratch): more than 1 where the rows' keys
+ * do not fit the cache budget (tests check that path is taken) */
+int na_chunks(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    Plan pl;
+    make_plan(&g, backward, &pl);
+    int n = pl.nc;
+    free_plan(&pl);
+    return n;
+}
+
+/* the blocks of a call's row whose keys lie in one vector (Lanes.one: the score and P.V kernels
+ * shuffle the slots out of one load; tests check that path is taken) */
+int na_one_blocks(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    Plan pl;
+    make_plan(&g, 0, &pl);
+    int n = 0;
+    for (int bk = 0; bk < pl.nb; bk++) n += pl.blocks[bk].one;
+    free_plan(&pl);
+    return n;
+}
+
+/* the rows of the ring of key planes of a call's plan (backward as in na_scratch; ring_rows:
+ * tests check it is below Hk) */
+int na_ring_rows(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
+    void *pl = na_plan(dims, rows, cols, backward);
+    int n = ((Plan *)pl)->ring;
+    na_plan_free(pl);
+    return n;
+}
+
+/* the query rows of a call in tile order (order: Hq ints; tile t is order[t MR ...]) and the rows
+ * per tile, MR (tests check which rows share a tile) */
+int na_row_order(const int64_t *dims, const int32_t *rows, const int32_t *cols, int32_t *order) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    int *o = malloc(sizeof(int) * g.Hq);
+    row_order(&g, o);
+    for (int i = 0; i < g.Hq; i++) order[i] = o[i];
+    free(o);
+    return MR;
+}
+
+#endif
