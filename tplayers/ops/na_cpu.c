@@ -9,7 +9,8 @@
  * Inputs are pixel-major, as tplayers passes them: q (B, Hq*Wq, heads*D), k (B, Hk*Wk, heads*D),
  * v (B, Hk*Wk, heads*Dv); q, k and v may be bf16 in the fp32 build (bf = 1: widened exactly as the
  * transposes read them; everything else, the output and the gradients included, is fp32). Per (batch, head) plane the keys and values are transposed into
- * scratch laid out (row, channel, column), the queries one row at a time (the output and dq are
+ * scratch laid out (row, channel, column), a ring of the rows the tiles read (ring_rows in
+ * na_cpu_plan.h; the backward's dK / dV rows leave it for the tensors), the queries one row at a time (the output and dq are
  * written back a row at a time), so that L consecutive queries of one row are one vector, and so are the
  * L keys they meet at one window offset (a shifted load): every score is a vertical FMA, no
  * horizontal sums. The window is the product of a row window and a column window, given as
@@ -46,8 +47,8 @@
 #include "na_cpu_direct.h"
 
 static long scratch_of(const Geo *g, const Plan *pl, int backward) {
-    long pk = (long)pl->ring * g->kp, D = g->D, Dv = g->Dv, qw = pl->qw, rk = pk;
-    if (!backward) return D * rk + PAD + Dv * rk + PAD + MR * D * qw + PAD + MR * Dv * qw + PAD;
+    long pk = (long)pl->ring * g->kp, D = g->D, Dv = g->Dv, qw = pl->qw; /* the planes: a ring of rows */
+    if (!backward) return D * pk + PAD + Dv * pk + PAD + MR * D * qw + PAD + MR * Dv * qw + PAD;
     long qp = qw + 2 * pl->kpad; /* the backward's Q and dO rows: padded for key_sums */
     long keys = pl->kpad ? 2 * (MR * g->nk * qp + PAD) : 0;
     return D * pk + PAD + Dv * pk + PAD + MR * D * qp + PAD + MR * Dv * qw + PAD + MR * Dv * qp + PAD + MR * qw + PAD +
