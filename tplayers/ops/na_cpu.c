@@ -129,13 +129,16 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
                     }
                     tile_apply(&g, ln->mode, ln, u0, u1, g.Dv, s, vtp, x0, base, acc);
                     for (int m = 0; m < nm; m++)
-                        for (int c = 0; c < g.Dv; c++) {
-                            vt r = acc[m][c] * inv[m];
-                            if (ln->n == L) st(orow + (m * g.Dv + c) * qw + jq, r); /* no memcpy call */
-                            else memcpy(orow + (m * g.Dv + c) * qw + jq, &r, ln->n * sizeof(T));
-                        }
+                        if (g.Dv % L == 0) /* straight to the output (3-D 16^3 k5 1.05-1.09x, 2-D 1.06x) */
+                            out_block(acc[m], inv[m], ln->n, b, h, g.heads, g.Hq, g.Wq, g.Dv, rowi[m], jb[bk], out);
+                        else
+                            for (int c = 0; c < g.Dv; c++) {
+                                vt r = acc[m][c] * inv[m];
+                                if (ln->n == L) st(orow + (m * g.Dv + c) * qw + jq, r); /* no memcpy call */
+                                else memcpy(orow + (m * g.Dv + c) * qw + jq, &r, ln->n * sizeof(T));
+                            }
                 }
-                for (int m = 0; m < nm; m++)
+                for (int m = 0; m < nm && g.Dv % L; m++)
                     from_rows(orow + m * g.Dv * qw, qw, b, h, g.heads, g.Hq, g.Wq, g.Dv, rowi[m], rowi[m] + 1, jlo, jn, 0,
                               out);
             }

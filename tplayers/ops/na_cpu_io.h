@@ -1,6 +1,6 @@
 /* The reads into the kernel's planes (included by na_cpu.c after na_cpu_blocks.h): to_rows_x
  * transposes a plane's pixel-major rows into (row, channel, column) scratch, widening bf16 inputs
- * of the fp32 build as it loads them. */
+ * of the fp32 build as it loads them; out_block writes a block's outputs back. */
 #ifndef NA_CPU_IO_H
 #define NA_CPU_IO_H
 #include "na_cpu_blocks.h"
@@ -78,6 +78,20 @@ static void ring_in(const void *k, const void *v, int bf, const long *sk, const 
 static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, int W, int j_lo, int n_j, long pitch,
                     int C, T mul, T *dst) {
     to_rows_x(x, 0, xs, b, h, i0, i1, W, j_lo, n_j, pitch, C, mul, dst);
+}
+
+/* a block's n outputs of query row i from its per-channel vectors acc[c] * inv (C a multiple of
+ * L), transposed in registers and stored at pixels (i, j0 ...) of plane (b, h) of the dense x:
+ * no row buffer and no second pass (from_rows) */
+static void out_block(const vt *acc, vt inv, int n, int b, int h, int heads, int H, int W, int C, int i, long j0,
+                      T *x) {
+    T *o = x + (((size_t)b * H + i) * W + j0) * heads * C + (size_t)h * C;
+    for (int c0 = 0; c0 < C; c0 += L) {
+        vt r[L];
+        for (int c = 0; c < L; c++) r[c] = acc[c0 + c] * inv;
+        transpose_tile(r);
+        for (int t = 0; t < n; t++) st(o + (size_t)t * heads * C + c0, r[t]);
+    }
 }
 
 #endif
