@@ -105,9 +105,9 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
         for (int pn = p0; pn < p1; pn++) {
             int b = pn / g.heads, h = pn % g.heads;
             long x0 = pl.cx0[ch], jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
-            int done = 0; /* key rows transposed (ring_in) */
+            int done = 0; /* key rows transposed (ring_in_kv) */
             for (int t = 0; t < pl.nt; t++) {
-                ring_in(k, v, bf, sk, sv, b, h, &done, pl.upto[t], pl.ring, g.Wk, x0, pl.cx1[ch], g.kp, g.D, g.Dv, kt, vtp);
+                ring_in_kv(&g, &pl, ch, b, h, &done, pl.upto[t], k, v, bf, sk, sv, kt, vtp, NULL, NULL, NULL, NULL);
                 const int *rowi = pl.order + t * MR;
                 int nm = g.Hq - t * MR < MR ? g.Hq - t * MR : MR;
                 const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];

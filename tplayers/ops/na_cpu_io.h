@@ -63,18 +63,6 @@ static void to_rows_x(const void *x, int bf, const long *xs, int b, int h, int i
         }
 }
 
-/* the forward's key rows [*done, upto] of plane (b, h) of k and v, columns [x0, x1), into their
- * ring slots of kt / vt (key row r in slot r % ring, pitch kp; see ring_rows); *done = upto + 1 */
-static void ring_in(const void *k, const void *v, int bf, const long *sk, const long *sv, int b, int h, int *done,
-                    int upto, int ring, int Wk, long x0, long x1, long kp, int D, int Dv, T *kt, T *vt) {
-    while (*done <= upto) {
-        int slot = *done % ring, run = upto + 1 - *done < ring - slot ? upto + 1 - *done : ring - slot;
-        to_rows_x(k, bf, sk, b, h, *done, *done + run, Wk, x0, x1 - x0, kp, D, 1, kt + (long)slot * D * kp);
-        to_rows_x(v, bf, sv, b, h, *done, *done + run, Wk, x0, x1 - x0, kp, Dv, 1, vt + (long)slot * Dv * kp);
-        *done += run;
-    }
-}
-
 static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, int W, int j_lo, int n_j, long pitch,
                     int C, T mul, T *dst) {
     to_rows_x(x, 0, xs, b, h, i0, i1, W, j_lo, n_j, pitch, C, mul, dst);

@@ -1,6 +1,6 @@
-/* The backward's key planes in and out (included by na_cpu.c after na_cpu_plan.h): K / V rows into
- * the ring as the tiles reach them, and each row's dK / dV out to the dense tensors as it leaves
- * (ring_rows). */
+/* The key planes in and out (included by na_cpu.c after na_cpu_plan.h): K / V rows into the ring
+ * as the tiles reach them, and the backward's dK / dV of each row out to the dense tensors as it
+ * leaves (ring_rows). */
 #ifndef NA_CPU_KEYS_H
 #define NA_CPU_KEYS_H
 #include "na_cpu_plan.h"
@@ -20,9 +20,10 @@ static void key_planes_out(const Geo *g, const Plan *pl, int ch, int b, int h, c
         for (long j = x1 > done ? x1 : done; j < g->Wk; j++) zero_cols(x, b, h, g, C, j, r0, r1);
 }
 
-/* the backward's key rows [*done, upto] into the ring (ring_rows): each slot's previous row's dK /
- * dV written out first (no later tile reads it) and zeroed (dkt NULL: not wanted), its K / V
- * transposed (k NULL: rows no tile reads, whose dK / dV are zero); *done = upto + 1 */
+/* key rows [*done, upto] into the ring (ring_rows): with the backward's dK / dV, each slot's
+ * previous row's written out first (no later tile reads it) and zeroed (dkt NULL: the forward, or
+ * not wanted); its K / V transposed (k NULL: rows no tile reads, whose dK / dV are zero);
+ * *done = upto + 1 */
 static void ring_in_kv(const Geo *g, const Plan *pl, int ch, int b, int h, int *done, int upto, const void *k,
                        const void *v, int bf, const long *sk, const long *sv, T *kt, T *vt, T *dkt, T *dvt, T *dk, T *dv) {
     const int R = pl->ring;
