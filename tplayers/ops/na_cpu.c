@@ -361,7 +361,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                         key_sums(&g, &pl, u, pk_, gr, qp, g.Dv, dvt + (long)u->row * g.Dv * g.kp, x0, xn, jlo);
                     }
                 for (int m = 0; m < nm; m++)
-                    from_rows(dqr + m * g.D * qw, qw, b, h, g.heads, g.Hq, g.Wq, g.D, rowi[m], rowi[m] + 1, jlo, jn, 0, dq);
+                    from_rows(dqr + m * g.D * qw, qw, b, h, g.heads, g.Hq, g.Wq, g.D, rowi[m], rowi[m] + 1, jlo, jn, 2, dq);
             }
             if (kv) { /* the rows no tile read (zeros), then the ring's last rows */
                 ring_in_kv(&g, &pl, ch, b, h, &done, g.Hk - 1, NULL, NULL, bf, sk, sv, kt, vtp, dkt, dvt, dk, dv);
@@ -374,6 +374,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
             }
         }
     }
+    nt_fence();
     free(sbuf);
     free(off);
 }

@@ -50,6 +50,24 @@ typedef IT vi __attribute__((vector_size(L * sizeof(IT))));
 
 INL vt ld(const T *p) { vt v; memcpy(&v, p, sizeof v); return v; }
 INL void st(T *p, vt v) { memcpy(p, &v, sizeof v); }
+/* st that bypasses the caches (a non-temporal store) where a vector is a whole 64-byte line
+ * (AVX-512) and p is aligned to it: the backward's gradients, written once and never read back by
+ * the kernel, so its planes keep the L2 (benchmarks/RESULTS.md: AVX-512 backward 1.02-1.19x, a
+ * consumer of the gradients included; AVX2's half-line streams measured 0.92-1.04x, so it stores
+ * as st); nt_fence() orders them before the call returns */
+INL void st_nt(T *p, vt v) {
+#if defined(__AVX512F__) && NA_VBYTES == 64 && !defined(NA_DOUBLE)
+    if (!((uintptr_t)p & 63)) { _mm512_stream_ps(p, (__m512)v); return; }
+#elif defined(__AVX512F__) && NA_VBYTES == 64
+    if (!((uintptr_t)p & 63)) { _mm512_stream_pd(p, (__m512d)v); return; }
+#endif
+    st(p, v);
+}
+INL void nt_fence(void) {
+#if defined(__SSE__)
+    _mm_sfence();
+#endif
+}
 INL vt splat(T x) { return (vt){0} + x; }
 INL vt vsel(vi m, vt a, vt b) { return (vt)(((vi)a & m) | ((vi)b & ~m)); }
 /* a > b ? a : b lane by lane (b where either is NaN): the ISA's max instruction where there is one
@@ -319,11 +337,13 @@ INL void transpose_tile(vt *r) {
  * tiles (pixels x channels) transposed in registers; the rest through a small buffer. */
 __attribute__((optimize("no-tree-loop-distribute-patterns"))) /* no memcpy calls per pixel */
 /* rows [i0, i1), columns [j_lo, j_lo + n_j) of plane (b, h) of contiguous x (B, H*W, heads*C) from
- * src (i1 - i0, C, pitch); add: x += src, else x = src */
+ * src (i1 - i0, C, pitch); add: 1 x += src, 0 x = src, 2 x = src with st_nt (the backward's
+ * gradients; the caller nt_fence()s) */
 __attribute__((optimize("no-tree-loop-distribute-patterns")))
 static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, int W, int C, int i0, int i1,
                       int j_lo, int n_j, int add, T *x) {
-    T *dst = x + (size_t)b * H * W * heads * C + (size_t)h * C;
+    const long hc = (long)heads * C;
+    T *dst = x + (size_t)b * H * W * hc + (size_t)h * C;
     T buf[L * C];
     for (int i = i0; i < i1; i++)
         for (int j0 = 0; j0 < n_j; j0 += L) {
@@ -335,17 +355,20 @@ static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, 
                     vt r[L];
                     for (int c = 0; c < L; c++) r[c] = ld(s0 + (size_t)(c0 + c) * pitch);
                     transpose_tile(r);
-                    for (int t = 0; t < L; t++) {
-                        T *d = dst + (px + t) * heads * C + c0;
-                        st(d, add ? ld(d) + r[t] : r[t]);
-                    }
+                    T *d = dst + px * hc + c0;
+                    if (add == 1)
+                        for (int t = 0; t < L; t++, d += hc) st(d, ld(d) + r[t]);
+                    else if (add == 2)
+                        for (int t = 0; t < L; t++, d += hc) st_nt(d, r[t]);
+                    else
+                        for (int t = 0; t < L; t++, d += hc) st(d, r[t]);
                 }
             if (c0 == C) continue;
             for (int c = c0; c < C; c++)
                 for (int t = 0; t < n; t++) buf[t * C + c] = s0[(size_t)c * pitch + t];
             for (int t = 0; t < n; t++) {
-                T *p = dst + (px + t) * heads * C;
-                for (int c = c0; c < C; c++) p[c] = add ? p[c] + buf[t * C + c] : buf[t * C + c];
+                T *p = dst + (px + t) * hc;
+                for (int c = c0; c < C; c++) p[c] = add == 1 ? p[c] + buf[t * C + c] : buf[t * C + c];
             }
         }
 }

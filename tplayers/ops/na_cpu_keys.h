@@ -15,7 +15,7 @@ static void key_planes_out(const Geo *g, const Plan *pl, int ch, int b, int h, c
     for (long j = done; j < x0; j++) zero_cols(x, b, h, g, C, j, r0, r1);
     long ov = done < x0 ? x0 : done < x1 ? done : x1;
     if (ov > x0) from_rows(src, g->kp, b, h, g->heads, g->Hk, g->Wk, C, r0, r1, x0, ov - x0, 1, x);
-    if (x1 > ov) from_rows(src + (ov - x0), g->kp, b, h, g->heads, g->Hk, g->Wk, C, r0, r1, ov, x1 - ov, 0, x);
+    if (x1 > ov) from_rows(src + (ov - x0), g->kp, b, h, g->heads, g->Hk, g->Wk, C, r0, r1, ov, x1 - ov, 2, x);
     if (ch == pl->nc - 1)
         for (long j = x1 > done ? x1 : done; j < g->Wk; j++) zero_cols(x, b, h, g, C, j, r0, r1);
 }
