@@ -3,6 +3,7 @@ PATH, agrees with the brute-force oracle and with the tile kernel (fp64 tight, f
 random configurations forward and backward; the cache is safe under concurrent builds; the
 TPLAYERS_NA_KERNEL switch and the fall-back without a compiler."""
 
+import itertools
 import os
 import random
 import shutil
@@ -13,7 +14,7 @@ import textwrap
 import pytest
 import torch
 from na_cases import na_on_subwindow
-from na_oracle import assert_out_and_grads, at_thread_counts, brute_na2d
+from na_oracle import assert_out_and_grads, at_thread_counts, brute_na, brute_na2d
 
 import tplayers
 from tplayers.ops import na_cpu, na_dispatch
@@ -238,17 +239,20 @@ def test_head_dims_of_whole_vectors_fp64(monkeypatch):
 
 def test_gradients_streamed_past_the_caches_match_the_oracle(monkeypatch):
     """The backward writes dq / dk / dv with non-temporal stores where a vector is a whole 64-byte
-    line that starts on a line (AVX-512), with plain stores elsewhere: head dims whose pixels start
-    on and off lines (fp32 d24: 288-byte pixels), heads that share a line written by different
-    threads, fp32 against the fp64 oracle and fp64 tight; equal at 1 and 3 threads."""
+    line that starts on a line (AVX-512), with plain stores elsewhere: the planes backward on head
+    dims whose pixels start on and off lines (2-D d24, fp32: 288-byte pixels) with heads that share
+    a line written by different threads, and the 1-D direct backward's dq (d32); fp32 against the
+    fp64 oracle and fp64 tight; equal at 1 and 3 threads."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
-    for dtype, tol in ((torch.float64, TIGHT), (torch.float32, dict(rtol=1e-4, atol=1e-5))):
+    cases = (((2, 7, 37, 3, 24), (3, 5), (1, 2)), ((2, 70, 2, 32), (7,), (1,)))
+    for (shape, kernel, dilation), dtype in itertools.product(cases, (torch.float64, torch.float32)):
         gen = torch.Generator().manual_seed(11)
-        q, k, v = (torch.randn(2, 7, 37, 3, 24, generator=gen, dtype=torch.float64) for _ in range(3))
+        q, k, v = (torch.randn(*shape, generator=gen, dtype=torch.float64) for _ in range(3))
+        rank = len(kernel)
 
         def run():
             ins = [t.to(dtype, copy=True).requires_grad_() for t in (q, k, v)]
-            out = neighborhood_attention(*ins, (3, 5), (1, 2), (False, False), global_size=(7, 37))
+            out = neighborhood_attention(*ins, kernel, dilation, (False,) * rank, global_size=shape[1 : 1 + rank])
             out.backward(torch.ones_like(out))
             return [out] + [t.grad for t in ins]
 
@@ -256,10 +260,11 @@ def test_gradients_streamed_past_the_caches_match_the_oracle(monkeypatch):
         for a, b in zip(results[0], results[1]):
             assert torch.equal(a, b)
         ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = brute_na2d(*ref_in, (3, 5), dilation=(1, 2))
+        ref = brute_na(*ref_in, kernel, dilation=dilation)
         ref.backward(torch.ones_like(ref))
+        tol = TIGHT if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
         for name, a, b in zip(("out", "dq", "dk", "dv"), results[0], [ref] + [t.grad for t in ref_in]):
-            torch.testing.assert_close(a.double(), b.detach(), **tol, msg=lambda m: f"{name} {dtype}: {m}")
+            torch.testing.assert_close(a.double(), b.detach(), **tol, msg=lambda m: f"{name} {shape} {dtype}: {m}")
 
 
 def test_nan_propagates_exactly_like_the_oracle(monkeypatch):

@@ -307,7 +307,7 @@ INL void bwd_plane(const T *dout, const int64_t *sd, const void *q, const void *
                 for (int d = 0; d < ndv; d++) st(dvr + d * L, ld(dvr + d * L) + pw * gv[d]);
             }
 #pragma GCC unroll 16
-            for (int d = 0; d < nd; d++) st(dq + qe + (long)d * L, acc[d] * sc);
+            for (int d = 0; d < nd; d++) st_nt(dq + qe + (long)d * L, acc[d] * sc);
             if (dtab)
                 for (int s = 0; s < n; s++)
                     if (row_ok && oki[s]) dtab[rl[s]] += dS[g][s];
@@ -345,6 +345,7 @@ void na_backward_1d(const T *dout, const int64_t *sd, const void *q, const void 
         else BWD_PLANE(nd, ndv);
 #undef BWD_PLANE
     }
+    nt_fence();
 }
 
 #endif
