@@ -117,13 +117,16 @@ def brute_na(q, k, v, kernel, stride=None, dilation=None, causal=None, scale=Non
 
 def assert_out_and_grads(out, ref, ins, ref_ins, gen, where: str = "", rtol: float = 1e-10, atol: float = 1e-12):
     """``out`` equals the oracle's ``ref``, and after backpropagating one random cotangent through
-    both, every input's gradient equals the oracle input's (``ins`` / ``ref_ins``: q, k, v[, rpb])."""
-    torch.testing.assert_close(out, ref, rtol=rtol, atol=atol, msg=lambda m: f"out {where}: {m}")
+    both, every input's gradient equals the oracle input's (``ins`` / ``ref_ins``: q, k, v[, rpb]).
+    ``out`` may be of a narrower dtype than ``ref`` (fp32 against the fp64 oracle): compared in
+    ``ref``'s."""
+    torch.testing.assert_close(out.to(ref.dtype), ref, rtol=rtol, atol=atol, msg=lambda m: f"out {where}: {m}")
     cot = torch.randn(ref.shape, generator=gen, dtype=ref.dtype)
-    (out * cot).sum().backward()
+    (out * cot.to(out.dtype)).sum().backward()
     (ref * cot).sum().backward()
     for name, a, b in zip(("q", "k", "v", "rpb"), ins, ref_ins):
-        torch.testing.assert_close(a.grad, b.grad, rtol=rtol, atol=atol, msg=lambda m: f"d{name} {where}: {m}")
+        got = a.grad.to(b.grad.dtype)
+        torch.testing.assert_close(got, b.grad, rtol=rtol, atol=atol, msg=lambda m: f"d{name} {where}: {m}")
 
 
 def check_na1d_case(

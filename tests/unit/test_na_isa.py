@@ -89,13 +89,7 @@ def test_each_isa_build_matches_the_oracle(isa, monkeypatch):
         out = na_on_subwindow(ins, (h, w), kernel, dilation, causal, (q0, q1, 0, w))
         ref_in = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
         ref = brute_na2d(*ref_in[:3], kernel, dilation, causal, rpb=ref_in[3])[:, q0:q1]
-        cot = torch.randn(ref.shape, generator=gen, dtype=ref.dtype)
-        (out * cot.float()).sum().backward()
-        (ref * cot).sum().backward()
-        for name, a, b in zip(("out", "dq", "dk", "dv", "drpb"), [out] + ins, [ref] + ref_in):
-            a = a if name == "out" else a.grad
-            b = b if name == "out" else b.grad
-            torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4, msg=lambda m: f"fp32 {name} {where}: {m}")
+        assert_out_and_grads(out, ref, ins, ref_in, gen, f"fp32 {where}", rtol=1e-4, atol=1e-4)
 
 
 def test_backward_choice_follows_the_fused_rule(monkeypatch):

@@ -365,12 +365,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
             }
             if (kv) { /* the rows no tile read (zeros), then the ring's last rows */
                 ring_in_kv(&g, &pl, ch, b, h, &done, g.Hk - 1, NULL, NULL, bf, sk, sv, kt, vtp, dkt, dvt, dk, dv);
-                for (int r = g.Hk > pl.ring ? g.Hk - pl.ring : 0; r < g.Hk;) {
-                    int slot = r % pl.ring, run = g.Hk - r < pl.ring - slot ? g.Hk - r : pl.ring - slot;
-                    key_planes_out(&g, &pl, ch, b, h, dkt + slot * (long)g.D * g.kp, g.D, dk, r, r + run);
-                    key_planes_out(&g, &pl, ch, b, h, dvt + slot * (long)g.Dv * g.kp, g.Dv, dv, r, r + run);
-                    r += run;
-                }
+                ring_out(&g, &pl, ch, b, h, g.Hk > pl.ring ? g.Hk - pl.ring : 0, g.Hk, dkt, dvt, dk, dv);
             }
         }
     }

@@ -20,6 +20,18 @@ static void key_planes_out(const Geo *g, const Plan *pl, int ch, int b, int h, c
         for (long j = x1 > done ? x1 : done; j < g->Wk; j++) zero_cols(x, b, h, g, C, j, r0, r1);
 }
 
+/* the backward's dK / dV of key rows [r0, r1) out of their ring slots (row r in slot r % ring) */
+static void ring_out(const Geo *g, const Plan *pl, int ch, int b, int h, int r0, int r1, const T *dkt, const T *dvt,
+                     T *dk, T *dv) {
+    const int R = pl->ring;
+    for (int r = r0; r < r1;) {
+        int slot = r % R, run = r1 - r < R - slot ? r1 - r : R - slot;
+        key_planes_out(g, pl, ch, b, h, dkt + slot * (long)g->D * g->kp, g->D, dk, r, r + run);
+        key_planes_out(g, pl, ch, b, h, dvt + slot * (long)g->Dv * g->kp, g->Dv, dv, r, r + run);
+        r += run;
+    }
+}
+
 /* key rows [*done, upto] into the ring (ring_rows): with the backward's dK / dV, each slot's
  * previous row's written out first (no later tile reads it) and zeroed (dkt NULL: the forward, or
  * not wanted); its K / V transposed (k NULL: rows no tile reads, whose dK / dV are zero);
@@ -31,10 +43,7 @@ static void ring_in_kv(const Geo *g, const Plan *pl, int ch, int b, int h, int *
     while (*done <= upto) {
         int r = *done, slot = r % R, run = upto + 1 - r < R - slot ? upto + 1 - r : R - slot;
         if (dkt) {
-            if (r >= R) { /* the slots' rows r - R ... */
-                key_planes_out(g, pl, ch, b, h, dkt + slot * kr, g->D, dk, r - R, r - R + run);
-                key_planes_out(g, pl, ch, b, h, dvt + slot * vr, g->Dv, dv, r - R, r - R + run);
-            }
+            if (r >= R) ring_out(g, pl, ch, b, h, r - R, r - R + run, dkt, dvt, dk, dv); /* the slots' rows */
             memset(dkt + slot * kr, 0, sizeof(T) * run * kr);
             memset(dvt + slot * vr, 0, sizeof(T) * run * vr);
         }
