@@ -332,14 +332,11 @@ INL void transpose_tile(vt *r) {
 #endif
 }
 
-/* rows [i0, i1), columns [j_lo, j_lo + n_j) of plane (b, h) of x (rows of W pixels) into dst
- * (i1 - i0, C, pitch), times mul; x has element strides xs = (batch, pixel, head, channel). L x L
- * tiles (pixels x channels) transposed in registers; the rest through a small buffer. */
-__attribute__((optimize("no-tree-loop-distribute-patterns"))) /* no memcpy calls per pixel */
 /* rows [i0, i1), columns [j_lo, j_lo + n_j) of plane (b, h) of contiguous x (B, H*W, heads*C) from
  * src (i1 - i0, C, pitch); add: 1 x += src, 0 x = src, 2 x = src with st_nt (the backward's
- * gradients; the caller nt_fence()s) */
-__attribute__((optimize("no-tree-loop-distribute-patterns")))
+ * gradients; the caller nt_fence()s). L x L tiles transposed in registers; the rest through a
+ * small buffer. */
+__attribute__((optimize("no-tree-loop-distribute-patterns"))) /* no memcpy calls per pixel */
 static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, int W, int C, int i0, int i1,
                       int j_lo, int n_j, int add, T *x) {
     const long hc = (long)heads * C;

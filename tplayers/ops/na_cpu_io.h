@@ -25,7 +25,9 @@ INL T h2f(uint16_t x) { (void)x; return 0; }
 #endif
 
 /* rows [i0, i1), columns [j_lo, j_lo + n_j) of plane (b, h) of x (element strides xs: batch,
- * pixel, head, channel; T, or bf16 when bf) into dst (i1 - i0, C, pitch), times mul */
+ * pixel, head, channel; T, or bf16 when bf) into dst (i1 - i0, C, pitch), times mul. L x L tiles
+ * (pixels x channels) transposed in registers; the rest through a small buffer. */
+__attribute__((optimize("no-tree-loop-distribute-patterns"))) /* no memcpy calls per pixel */
 static void to_rows_x(const void *x, int bf, const long *xs, int b, int h, int i0, int i1, int W, int j_lo, int n_j,
                       long pitch, int C, T mul, T *dst) {
     const long base = b * xs[0] + h * xs[2];
