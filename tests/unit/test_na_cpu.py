@@ -242,7 +242,9 @@ def test_gradients_streamed_past_the_caches_match_the_oracle(monkeypatch):
     line that starts on a line (AVX-512), with plain stores elsewhere: the planes backward on head
     dims whose pixels start on and off lines (2-D d24, fp32: 288-byte pixels) with heads that share
     a line written by different threads, and the 1-D direct backward's dq (d32); fp32 against the
-    fp64 oracle and fp64 tight; equal at 1 and 3 threads."""
+    fp64 oracle and fp64 tight; equal at 1 and 3 threads. (fp64 and the 1-D case have aligned
+    destinations only; without AVX-512 every store is plain. Streamed columns that a later chunk
+    adds to: test_na_cpu_tiles' long rows in chunks.)"""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     cases = (((2, 7, 37, 3, 24), (3, 5), (1, 2)), ((2, 70, 2, 32), (7,), (1,)))
     for (shape, kernel, dilation), dtype in itertools.product(cases, (torch.float64, torch.float32)):
