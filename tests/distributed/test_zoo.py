@@ -25,6 +25,14 @@ import tplayers
 TIGHT = dict(rtol=1e-8, atol=1e-10)
 
 
+def _close(got, want, msg):
+    """``got`` equals ``want`` to fp64 rounding: TIGHT, its absolute part scaled by ``want``'s largest
+    magnitude where that exceeds 1 (a weight gradient of magnitude 400 summed over a sharded domain in
+    another order differs by ~1e-10 where its terms nearly cancel: smp PAN on a 2x2 mesh, Intel host)."""
+    scale = max(1.0, float(want.detach().abs().max())) if want.numel() else 1.0
+    torch.testing.assert_close(got, want, rtol=TIGHT["rtol"], atol=TIGHT["atol"] * scale, msg=msg)
+
+
 def _local_out(y, layouts, coords, side, dims):
     """This rank's block of the serial per-pixel output ``y`` (its resolution may be a fraction of the
     input's: every share scales by it)."""
@@ -54,35 +62,33 @@ def check_model(name, mesh, layouts):
     cot = torch.randn(ys.shape, dtype=torch.float64, generator=gen)
     if entry.out == "image":
         local = _local_out(ys, layouts, coords, entry.side, dims)
-        torch.testing.assert_close(yp, local, **TIGHT, msg=lambda m: f"{name} output: {m}")
+        _close(yp, local, msg=lambda m: f"{name} output: {m}")
         loss_s, loss_p = (
             (ys * cot).sum(),
             tplayers.domain_sum(yp * _local_out(cot, layouts, coords, entry.side, dims), mesh),
         )
     else:
-        torch.testing.assert_close(yp, ys, **TIGHT, msg=lambda m: f"{name} output: {m}")
+        _close(yp, ys, msg=lambda m: f"{name} output: {m}")
         loss_s, loss_p = (ys * cot).sum(), (yp * cot).sum()
     loss_s.backward(), loss_p.backward()
-    torch.testing.assert_close(
-        xl.grad, local_slice(xs.grad, dims, layouts, coords), **TIGHT, msg=lambda m: f"{name} input grad: {m}"
-    )
+    _close(xl.grad, local_slice(xs.grad, dims, layouts, coords), msg=lambda m: f"{name} input grad: {m}")
     grads = tplayers.gather_grads(parallel, all_ranks=True)
     want = {k: p.grad for k, p in serial.named_parameters() if p.grad is not None}
     assert sorted(grads) == sorted(want), f"{name}: parameters with gradients differ: {sorted(set(grads) ^ set(want))}"
     for k, g in want.items():
-        torch.testing.assert_close(grads[k], g, **TIGHT, msg=lambda m: f"{name} grad {k}: {m}")
+        _close(grads[k], g, msg=lambda m: f"{name} grad {k}: {m}")
     opt_s.step(), opt_p.step()
     full = tplayers.gather_state_dict(parallel, all_ranks=True)
     for k, v in serial.state_dict().items():  # parameters after the step and buffers (running stats)
         if torch.is_floating_point(v):
-            torch.testing.assert_close(full[k], v, **TIGHT, msg=lambda m: f"{name} after the step, {k}: {m}")
+            _close(full[k], v, msg=lambda m: f"{name} after the step, {k}: {m}")
         else:
             assert torch.equal(full[k], v), f"{name} after the step, {k}"
     serial.eval(), parallel.eval()
     with torch.no_grad():
         ys, yp = entry.call(serial, x), entry.call(parallel, xl.detach())
     want = _local_out(ys, layouts, coords, entry.side, dims) if entry.out == "image" else ys
-    torch.testing.assert_close(yp, want, **TIGHT, msg=lambda m: f"{name} eval output: {m}")
+    _close(yp, want, msg=lambda m: f"{name} eval output: {m}")
 
 
 def _run(rank, world, names, mesh_shape, keep_going=False):
