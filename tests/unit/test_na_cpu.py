@@ -237,15 +237,22 @@ def test_head_dims_of_whole_vectors_fp64(monkeypatch):
     assert_out_and_grads(out, ref, ins, ref_in, gen, "d16/dv8", **TIGHT)
 
 
-def test_gradients_streamed_past_the_caches_match_the_oracle(monkeypatch):
-    """The backward writes dq / dk / dv with non-temporal stores where a vector is a whole 64-byte
-    line that starts on a line (AVX-512), with plain stores elsewhere: the planes backward on head
-    dims whose pixels start on and off lines (2-D d24, fp32: 288-byte pixels) with heads that share
-    a line written by different threads, and the 1-D direct backward's dq (d32); fp32 against the
-    fp64 oracle and fp64 tight; equal at 1 and 3 threads. (fp64 and the 1-D case have aligned
-    destinations only; without AVX-512 every store is plain. Streamed columns that a later chunk
-    adds to: test_na_cpu_tiles' long rows in chunks.)"""
+def _isas_this_host_runs():
+    order = list(na_cpu.ISAS)
+    return order[order.index(na_cpu.host_isa()) :]
+
+
+@pytest.mark.parametrize("isa", _isas_this_host_runs())
+def test_gradients_streamed_past_the_caches_match_the_oracle(isa, monkeypatch):
+    """The backward writes dq / dk / dv with non-temporal stores where a vector (AVX-512) or two
+    (AVX2) make a whole 64-byte line that starts on a line, with plain stores elsewhere (each build
+    this host runs): the planes backward on head dims whose pixels start on and off lines (2-D d24,
+    fp32: 288-byte pixels) with heads that share a line written by different threads, and the 1-D
+    direct backward's dq (d32); fp32 against the fp64 oracle and fp64 tight; equal at 1 and 3
+    threads. (fp64 and the 1-D case have aligned destinations only; the base build stores plainly.
+    Streamed columns that a later chunk adds to: test_na_cpu_tiles' long rows in chunks.)"""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.setenv("TPLAYERS_NA_ISA", isa)
     cases = (((2, 7, 37, 3, 24), (3, 5), (1, 2)), ((2, 70, 2, 32), (7,), (1,)))
     for (shape, kernel, dilation), dtype in itertools.product(cases, (torch.float64, torch.float32)):
         gen = torch.Generator().manual_seed(11)

@@ -53,8 +53,7 @@ INL void st(T *p, vt v) { memcpy(p, &v, sizeof v); }
 /* st that bypasses the caches (a non-temporal store) where a vector is a whole 64-byte line
  * (AVX-512) and p is aligned to it: the backward's gradients, written once and never read back by
  * the kernel, so its planes keep the L2 (benchmarks/RESULTS.md: AVX-512 backward 1.02-1.19x, a
- * consumer of the gradients included; AVX2's half-line streams measured 0.92-1.04x, so it stores
- * as st); nt_fence() orders them before the call returns */
+ * consumer of the gradients included); nt_fence() orders them before the call returns */
 INL void st_nt(T *p, vt v) {
 #if defined(__AVX512F__) && NA_VBYTES == 64 && !defined(NA_DOUBLE)
     if (!((uintptr_t)p & 63)) { _mm512_stream_ps(p, (__m512)v); return; }
@@ -62,6 +61,18 @@ INL void st_nt(T *p, vt v) {
     if (!((uintptr_t)p & 63)) { _mm512_stream_pd(p, (__m512d)v); return; }
 #endif
     st(p, v);
+}
+/* a and b at p and p + L, streamed where the two 32-byte vectors (AVX2) are one line starting on a
+ * line, so the line is written whole at once (AVX2 backward 1.01-1.11x; one half at a time measured
+ * 0.92-1.04x); else st_nt each */
+INL void st_nt2(T *p, vt a, vt b) {
+#if defined(__AVX__) && NA_VBYTES == 32 && !defined(NA_DOUBLE)
+    if (!((uintptr_t)p & 63)) { _mm256_stream_ps(p, (__m256)a); _mm256_stream_ps(p + L, (__m256)b); return; }
+#elif defined(__AVX__) && NA_VBYTES == 32
+    if (!((uintptr_t)p & 63)) { _mm256_stream_pd(p, (__m256d)a); _mm256_stream_pd(p + L, (__m256d)b); return; }
+#endif
+    st_nt(p, a);
+    st_nt(p + L, b);
 }
 INL void nt_fence(void) {
 #if defined(__SSE__)
@@ -347,6 +358,19 @@ static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, 
             int n = n_j - j0 < L ? n_j - j0 : L, c0 = 0;
             size_t px = (size_t)i * W + j_lo + j0;
             const T *s0 = src + (size_t)(i - i0) * C * pitch + j0;
+#if NA_VBYTES == 32
+            if (n == L && add == 2) /* two channel tiles at a time: each pixel's line whole (st_nt2) */
+                for (; c0 + 2 * L <= C; c0 += 2 * L) {
+                    vt r[L], lo[L];
+                    for (int c = 0; c < L; c++) r[c] = ld(s0 + (size_t)(c0 + c) * pitch);
+                    transpose_tile(r);
+                    for (int t = 0; t < L; t++) lo[t] = r[t];
+                    for (int c = 0; c < L; c++) r[c] = ld(s0 + (size_t)(c0 + L + c) * pitch);
+                    transpose_tile(r);
+                    T *d = dst + px * hc + c0;
+                    for (int t = 0; t < L; t++, d += hc) st_nt2(d, lo[t], r[t]);
+                }
+#endif
             if (n == L)
                 for (; c0 + L <= C; c0 += L) {
                     vt r[L];

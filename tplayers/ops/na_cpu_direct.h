@@ -306,8 +306,14 @@ INL void bwd_plane(const T *dout, const int64_t *sd, const void *q, const void *
 #pragma GCC unroll 16
                 for (int d = 0; d < ndv; d++) st(dvr + d * L, ld(dvr + d * L) + pw * gv[d]);
             }
+#if NA_VBYTES == 32 /* a 64-byte line is two vectors: streamed whole (st_nt2) */
+            int d = 0;
+            for (; d + 1 < nd; d += 2) st_nt2(dq + qe + (long)d * L, acc[d] * sc, acc[d + 1] * sc);
+            for (; d < nd; d++) st(dq + qe + (long)d * L, acc[d] * sc);
+#else
 #pragma GCC unroll 16
             for (int d = 0; d < nd; d++) st_nt(dq + qe + (long)d * L, acc[d] * sc);
+#endif
             if (dtab)
                 for (int s = 0; s < n; s++)
                     if (row_ok && oki[s]) dtab[rl[s]] += dS[g][s];
