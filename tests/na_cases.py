@@ -1,11 +1,13 @@
 """Neighborhood attention on a query sub-window given only the keys it needs (test helper).
 
 This is how the domain-parallel layer calls the op: a rank's queries, the key span they read,
-and their offsets in the global image.
+and their offsets in the global image. Also the C kernel builds this host runs, for tests that
+run each.
 """
 
 from __future__ import annotations
 
+from tplayers.ops import na_cpu
 from tplayers.ops.na_engine import neighborhood_attention
 from tplayers.ops.na_layout import key_span
 
@@ -30,3 +32,9 @@ def na_on_subwindow(ins, size, kernel, dilation, causal, box, **kw):
         rel_pos_bias=ins[3],
         **kw,
     )
+
+
+def isas_this_host_runs() -> list:
+    """The ISAs whose C kernel build this CPU runs (its own and every narrower one)."""
+    order = list(na_cpu.ISAS)
+    return order[order.index(na_cpu.host_isa()) :]

@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 import torch
-from na_cases import na_on_subwindow
+from na_cases import isas_this_host_runs, na_on_subwindow
 from na_oracle import assert_out_and_grads, at_thread_counts, brute_na, brute_na2d
 
 import tplayers
@@ -237,12 +237,7 @@ def test_head_dims_of_whole_vectors_fp64(monkeypatch):
     assert_out_and_grads(out, ref, ins, ref_in, gen, "d16/dv8", **TIGHT)
 
 
-def _isas_this_host_runs():
-    order = list(na_cpu.ISAS)
-    return order[order.index(na_cpu.host_isa()) :]
-
-
-@pytest.mark.parametrize("isa", _isas_this_host_runs())
+@pytest.mark.parametrize("isa", isas_this_host_runs())
 def test_gradients_streamed_past_the_caches_match_the_oracle(isa, monkeypatch):
     """The backward writes dq / dk / dv with non-temporal stores where a vector (AVX-512) or two
     (AVX2) make a whole 64-byte line that starts on a line, with plain stores elsewhere (each build

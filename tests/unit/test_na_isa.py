@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from na_cases import na_on_subwindow
+from na_cases import isas_this_host_runs, na_on_subwindow
 from na_oracle import assert_out_and_grads, brute_na2d
 
 from tplayers.ops import na_cpu
@@ -36,15 +36,10 @@ def test_lanes_and_flags_per_isa():
         assert "-march=haswell" in avx2 and "-DNA_LANES=4" in avx2 and "-DNA_DOUBLE" in avx2
 
 
-def _isas_this_host_runs():
-    order = list(na_cpu.ISAS)
-    return order[order.index(na_cpu.host_isa()) :]
-
-
 def test_target_isa_override_and_errors(monkeypatch):
     monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
     assert na_cpu.target_isa() == na_cpu.host_isa()
-    for isa in _isas_this_host_runs():
+    for isa in isas_this_host_runs():
         monkeypatch.setenv("TPLAYERS_NA_ISA", isa.upper())
         assert na_cpu.target_isa() == isa
     monkeypatch.setenv("TPLAYERS_NA_ISA", "sve")
@@ -57,7 +52,7 @@ def test_target_isa_override_and_errors(monkeypatch):
             na_cpu.target_isa()
 
 
-@pytest.mark.parametrize("isa", _isas_this_host_runs())
+@pytest.mark.parametrize("isa", isas_this_host_runs())
 def test_each_isa_build_matches_the_oracle(isa, monkeypatch):
     """The build for each ISA this host runs (its lanes: blocks, shuffles, transposes and the exp
     at that width), fp64 and fp32 against the fp64 oracle, random kernels, dilation, causal, bias
