@@ -361,14 +361,13 @@ static void from_rows(const T *src, long pitch, int b, int h, int heads, int H, 
 #if NA_VBYTES == 32
             if (n == L && add == 2) /* two channel tiles at a time: each pixel's line whole (st_nt2) */
                 for (; c0 + 2 * L <= C; c0 += 2 * L) {
-                    vt r[L], lo[L];
-                    for (int c = 0; c < L; c++) r[c] = ld(s0 + (size_t)(c0 + c) * pitch);
-                    transpose_tile(r);
-                    for (int t = 0; t < L; t++) lo[t] = r[t];
-                    for (int c = 0; c < L; c++) r[c] = ld(s0 + (size_t)(c0 + L + c) * pitch);
-                    transpose_tile(r);
+                    vt lo[L], hi[L];
+                    for (int c = 0; c < L; c++) lo[c] = ld(s0 + (size_t)(c0 + c) * pitch);
+                    transpose_tile(lo);
+                    for (int c = 0; c < L; c++) hi[c] = ld(s0 + (size_t)(c0 + L + c) * pitch);
+                    transpose_tile(hi);
                     T *d = dst + px * hc + c0;
-                    for (int t = 0; t < L; t++, d += hc) st_nt2(d, lo[t], r[t]);
+                    for (int t = 0; t < L; t++, d += hc) st_nt2(d, lo[t], hi[t]);
                 }
 #endif
             if (n == L)
