@@ -268,3 +268,28 @@ def test_a_window_holding_one_key_row_at_two_slots_matches_the_oracle(monkeypatc
         )
         ref = brute_na(*ref_in, kernel, dilation=dilation, causal=causal)[qs]
         assert_out_and_grads(out, ref, ins, ref_in, gen, f"3-D {size} kernel {kernel} box {box}")
+
+
+def test_the_planes_backward_never_reads_the_output(monkeypatch):
+    """delta = rowsum(dO * O) of the backward comes from the window's P and dP = dO . V, which it
+    computes anyway (softmax_delta in na_cpu_blocks.h), not from the forward's output: a NaN output
+    passed to the C backward changes no gradient (bit for bit), fused 2-D blocks with a causal row
+    and the bias, and the key-centric sums of a wide 1-D window, fp32 and fp64."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
+    n = na_cpu.lanes(torch.float64)
+    for size, kernel, dilation, causal in (
+        ((9, 21), (3, 5), (2, 1), (True, False)),
+        ((1, 6 * n + 40), (1, n + 9), (1, 1), (False, False)),
+    ):
+        geo = geometry_args([Axis(s, k, 1, d, int(c)) for s, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
+        for dtype in (torch.float64, torch.float32):
+            assert na_cpu.backward_in_c(geo, dtype)
+            gen = torch.Generator().manual_seed(3)
+            q, k, v, dout = (torch.randn(2, size[0] * size[1], 2 * 8, generator=gen, dtype=dtype) for _ in range(4))
+            table = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=dtype)
+            out = na_cpu.c_forward(q, k, v, table, geo, 8**-0.5, 2)
+            real = na_cpu.c_backward(dout, q, k, v, table, out, geo, 8**-0.5, 2)
+            nan = na_cpu.c_backward(dout, q, k, v, table, torch.full_like(out, float("nan")), geo, 8**-0.5, 2)
+            for name, a, b in zip(("dq", "dk", "dv", "dtable"), real, nan):
+                assert torch.isfinite(a).all() and torch.equal(a, b), f"{name} {size} {kernel} {dtype}"

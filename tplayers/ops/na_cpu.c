@@ -51,8 +51,8 @@ static long scratch_of(const Geo *g, const Plan *pl, int backward) {
     if (!backward) return D * pk + PAD + Dv * pk + PAD + MR * D * qw + PAD + MR * Dv * qw + PAD;
     long qp = qw + 2 * pl->kpad; /* the backward's Q and dO rows: padded for key_sums */
     long keys = pl->kpad ? 2 * (MR * g->nk * qp + PAD) : 0;
-    return D * pk + PAD + Dv * pk + PAD + MR * D * qp + PAD + MR * Dv * qw + PAD + MR * Dv * qp + PAD + MR * qw + PAD +
-           MR * D * qw + PAD + (backward == 1 ? D * pk + Dv * pk + 2 * PAD + keys : 0);
+    return D * pk + PAD + Dv * pk + PAD + MR * D * qp + PAD + MR * Dv * qp + PAD + MR * D * qw + PAD +
+           (backward == 1 ? D * pk + Dv * pk + 2 * PAD + keys : 0);
 }
 
 /* the scratch elements of a call on plan pl (na_plan) */
@@ -232,18 +232,17 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                  const int32_t *cols, double scale, const void *plan, T *scratch, int p0, int p1, int bf) {
     Geo g;
     int kv = dk != NULL;
-    long sq[4], sk[4], sv[4], so[4];
+    long sq[4], sk[4], sv[4];
+    (void)out; /* delta = rowsum(dO * O) comes from P and dP (softmax_delta) */
     /* a backward plan (na_plan with backward 1 or 2) */
     const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sq, sk, sv);
     long pk = (long)pl.ring * g.kp, qw = pl.qw; /* the planes' rows: a ring (ring_in_kv) */
     long kpad = kv ? pl.kpad : 0, qp = qw + 2 * kpad; /* Q and dO rows: pitch qp, data from kpad */
     const long *jb = pl.jb;
     long sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
-    dense_strides(g.Hq, g.Wq, g.heads, g.Dv, so);
     T *next = scratch;
     T *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
-    T *qr0 = carve(&next, MR * g.D * qp), *orow = carve(&next, MR * g.Dv * qw);
-    T *gr0 = carve(&next, MR * g.Dv * qp), *delta = carve(&next, MR * qw), *dqr = carve(&next, MR * g.D * qw);
+    T *qr0 = carve(&next, MR * g.D * qp), *gr0 = carve(&next, MR * g.Dv * qp), *dqr = carve(&next, MR * g.D * qw);
     T *dkt = kv ? carve(&next, g.D * pk) : NULL, *dvt = kv ? carve(&next, g.Dv * pk) : NULL;
     T *dsk = kpad ? carve(&next, MR * g.nk * qp) : NULL, *pk_ = kpad ? carve(&next, MR * g.nk * qp) : NULL;
     T *qr = qr0 + kpad, *gr = gr0 + kpad;
@@ -253,7 +252,6 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
         memset(dsk, 0, sizeof(T) * MR * g.nk * qp);
         memset(pk_, 0, sizeof(T) * MR * g.nk * qp);
     }
-    memset(delta, 0, sizeof(T) * MR * qw);
     long dmax = g.D > g.Dv ? g.D : g.Dv;
     vt *sbuf = vec_alloc(3L * MR * g.nkp + (long)MR * g.D), *p[MR], *ds[MR], *add[MR], *acc[MR];
     for (int m = 0; m < MR; m++) {
@@ -278,13 +276,9 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                 const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];
                 for (int m = 0; m < nm; m++) {
                     int i = rowi[m];
-                    T *qm = qr + m * g.D * qp, *gm = gr + m * g.Dv * qp, *om = orow + m * g.Dv * qw, *dl = delta + m * qw;
+                    T *qm = qr + m * g.D * qp, *gm = gr + m * g.Dv * qp;
                     to_rows_x(q, bf, sq, b, h, i, i + 1, g.Wq, jlo, jn, qp, g.D, g.scale, qm);
                     to_rows(dout, sdo, b, h, i, i + 1, g.Wq, jlo, jn, qp, g.Dv, 1, gm);
-                    to_rows(out, so, b, h, i, i + 1, g.Wq, jlo, jn, qw, g.Dv, 1, om);
-                    for (int j = 0; j < jn; j++) dl[j] = 0; /* rowsum(dO * O) */
-                    for (int c = 0; c < g.Dv; c++)
-                        for (int j = 0; j < jn; j++) dl[j] += gm[c * qp + j] * om[c * qw + j];
                     if (kpad) /* key_sums reads past jn: zeros there (a wider chunk's rows were here) */
                         key_tails(m, g.nk, g.D, g.Dv, jn, qw, qp, qm, gm, dsk, pk_, kpad);
                 }
@@ -303,11 +297,8 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                     for (int m = 0; m < nm; m++) {
                         vt inv = softmax(g.nk, p[m], a[m]);
                         inv = (vt)((vi)inv & ln->live); /* spare lanes: P = 0, so they add nothing below */
-                        vt dl = ld(delta + m * qw + jq);
-                        for (int ab = 0; ab < g.nk; ab++) {
-                            p[m][ab] *= inv;
-                            ds[m][ab] = p[m][ab] * (ds[m][ab] - dl);
-                        }
+                        vt dl = softmax_delta(g.nk, p[m], inv, ds[m]);
+                        for (int ab = 0; ab < g.nk; ab++) ds[m][ab] = p[m][ab] * (ds[m][ab] - dl);
                         memset(acc[m], 0, sizeof(vt) * g.D);
                     }
                     tile_apply(&g, ln->mode, ln, u0, u1, g.D, ds, kt, x0, base, acc); /* dQ = dS K */

@@ -328,7 +328,8 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     """``(dq, dk, dv, dtable)`` of :func:`c_forward`; ``dk``/``dv`` None unless ``want_kv``,
     ``dtable`` None without a table. ``grad_out`` may have any strides (an expanded gradient
     of ``.sum()`` is read in place). bf16 ``q``, ``k``, ``v``: ``grad_out``, ``out`` and the
-    gradients are fp32."""
+    gradients are fp32. ``out`` is not read (the kernels take rowsum(dO * O) as the sum of P * dP
+    over each window, which they compute anyway); the argument keeps the kernel pair's signature."""
     dtype = _kernel_dtype(q)
     lib = load_library(dtype)
     grad_out = grad_out.to(dtype)

@@ -292,6 +292,22 @@ INL vt softmax(int nk, vt *s, const vt *add) {
     return 1 / l;
 }
 
+/* p[ab] *= inv (the softmax normalised) and returns delta = sum_ab p[ab] dp[ab] per lane: the
+ * backward's rowsum(dO * O) from the window's P and dP = dO . V it has in hand (O = P V), so the
+ * output is never read (two chains: the adds are the latency) */
+INL vt softmax_delta(int nk, vt *p, vt inv, const vt *dp) {
+    vt d0 = {0}, d1 = {0};
+    int ab = 0;
+    for (; ab + 2 <= nk; ab += 2) {
+        p[ab] *= inv;
+        p[ab + 1] *= inv;
+        d0 += p[ab] * dp[ab];
+        d1 += p[ab + 1] * dp[ab + 1];
+    }
+    if (ab < nk) { p[ab] *= inv; d0 += p[ab] * dp[ab]; }
+    return d0 + d1;
+}
+
 /* r[0..L) as an L x L tile, transposed in place: log2(L) rounds swapping off-diagonal blocks */
 /* the two-register shuffle masks of transpose_tile's rounds (s = L/2, L/4, ..., 1), as
  * constants: built at run time they cost more than the shuffles */
