@@ -138,7 +138,7 @@ def build_time() -> None:
         os.environ["TPLAYERS_CACHE"] = old
     flags = " ".join(na_cpu.build_flags(torch.float32))
     print(
-        f"C kernel build (cc {flags}, into an empty cache): fp32 {times[0]:.2f} s, fp64 {times[1]:.2f} s "
+        f"C kernel build (cc {flags}, {len(na_cpu.UNITS)} units side by side, into an empty cache): fp32 {times[0]:.2f} s, fp64 {times[1]:.2f} s "
         f"(once per machine; later processes load the cached library) {isa_label()}"
     )
 

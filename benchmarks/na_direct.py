@@ -1,4 +1,4 @@
-"""Issue 35, the 1-D forward on the user's layout (``na_forward_1d``, ``tplayers/ops/na_cpu_direct.h``)
+"""Issue 35, the 1-D forward on the user's layout (``na_forward_1d``, ``tplayers/ops/na_cpu_direct_fwd.c``)
 (``TPLAYERS_NA_DIRECT=all``: on every window, not only where it is the default) against the C
 kernel's planes (``TPLAYERS_NA_DIRECT=0``) and the filing-time kernel
 (``benchmarks/na_reference.py``), one core, na1d 1x4096 (4 heads, d32) k7 and k33: forward, thread

@@ -57,7 +57,7 @@ def reference_library(dtype: torch.dtype = torch.float32) -> Optional[ctypes.CDL
             flags = na_cpu.build_flags(dtype)
             cc = os.environ.get("CC") or "cc"
             subprocess.run(
-                [cc, *flags, "-o", str(target), str(Path(tmp, "na_cpu.c")), "-lm"],
+                [cc, *flags, "-shared", "-o", str(target), str(Path(tmp, "na_cpu.c")), "-lm"],
                 capture_output=True,
                 check=True,
                 timeout=300,

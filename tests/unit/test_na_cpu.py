@@ -37,8 +37,8 @@ def test_c_kernel_is_available_where_a_compiler_is():
 
 def test_an_installed_package_ships_every_kernel_source():
     """pyproject.toml's package data matches every file the kernel build reads (na_cpu.SOURCES: the
-    C file and the headers it includes), so a non-editable install can compile the kernel; and
-    SOURCES names every na_cpu header (its hash keys the build cache)."""
+    C units and the headers they include), so a non-editable install can compile the kernel; SOURCES
+    names every na_cpu file (its hash keys the build cache) and UNITS every C unit (each is compiled)."""
     import fnmatch
     import re
 
@@ -47,8 +47,10 @@ def test_an_installed_package_ships_every_kernel_source():
     patterns = re.findall(r'"([^"]+)"', re.search(r'^"tplayers\.ops" = \[(.*)\]$', section, re.M).group(1))
     for path in na_cpu.SOURCES:
         assert any(fnmatch.fnmatch(path.name, p) for p in patterns), f"{path.name} is not in package data {patterns}"
-    headers = {p.name for p in na_cpu.SOURCE.parent.glob("na_cpu*.h")}
-    assert headers <= {p.name for p in na_cpu.SOURCES}, headers - {p.name for p in na_cpu.SOURCES}
+    files = {p.name for p in na_cpu.SOURCE.parent.glob("na_cpu*.[ch]")}
+    assert files <= {p.name for p in na_cpu.SOURCES}, files - {p.name for p in na_cpu.SOURCES}
+    units = {p.name for p in na_cpu.SOURCE.parent.glob("na_cpu*.c")}
+    assert units == {p.name for p in na_cpu.UNITS}, units ^ {p.name for p in na_cpu.UNITS}
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -207,6 +209,25 @@ def test_without_a_compiler_falls_back_or_raises_when_forced(tmp_path):
     assert forced.returncode != 0
     assert "RuntimeError: the C na2d kernel needs a C compiler: 'no-such-compiler-tplayers'" in forced.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_a_unit_that_fails_to_compile_raises_with_its_command_and_leaves_nothing(tmp_path, monkeypatch):
+    """The units compile side by side (na_cpu.UNITS): one failing unit raises with its command and
+    the compiler's message, and the cache keeps no library, object or temporary file. (A stand-in
+    compiler: it fails on the 1-D backward's unit, writes an empty object for the others.)"""
+    cc = tmp_path / "cc-fails-on-one-unit"
+    cc.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *--version*) echo fake-cc 1.0; exit 0 ;; *na_cpu_direct_bwd.c*) echo "boom: bad unit" >&2; exit 1 ;; esac\n'
+        'while [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; shift; done\n'
+    )
+    cc.chmod(0o755)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("TPLAYERS_CACHE", str(cache))
+    with pytest.raises(RuntimeError, match=r"(?s)failed to compile \(.*na_cpu_direct_bwd\.c\).*boom: bad unit"):
+        na_cpu._load.__wrapped__(torch.float64, "base")
+    assert os.listdir(cache) == []
 
 
 def test_only_q_needs_grad_and_an_expanded_grad_out(monkeypatch):

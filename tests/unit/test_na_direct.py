@@ -1,5 +1,5 @@
 """The C kernel's 1-D forward and backward on the user's layout (``na_forward_1d``, ``na_backward_1d``,
-tplayers/ops/na_cpu_direct.h, issue 35): q, k, v (and dO) read in place, no planes. Exact against
+tplayers/ops/na_cpu_direct_fwd.c and _bwd.c, issue 35): q, k, v (and dO) read in place, no planes. Exact against
 the brute-force oracle in fp64 (output and every gradient, the bias's included) on random 1-D configurations
 with head dims that are multiples of the lanes and windows of at most one vector (stride,
 dilation, causal, GQA/MQA, the bias, batch 2), on the host's build and the AVX2 build where the

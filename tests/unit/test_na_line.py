@@ -1,5 +1,5 @@
 """The C kernel's 1-D forward for windows wider than a vector (``na_forward_line``,
-tplayers/ops/na_cpu_line.h, issue 35): query and key planes, consecutive blocks of queries sharing
+tplayers/ops/na_cpu_line.c, issue 35): query and key planes, consecutive blocks of queries sharing
 each key load in super-blocks, a chunk's values packed, the output written in place. Exact against the
 brute-force oracle in fp64 (output and, through the C backward that receives its output, every
 gradient) on random 1-D configurations (kernels wider than the lanes, uneven lengths, stride,

@@ -32,9 +32,10 @@
  * scores of a tile fit L1/L2). MR follows the ISA's vector registers (4 rows with 32, 3 with 16).
  * Rows whose keys would not stay in the cache (long 1-D rows) run in column chunks: each chunk
  * transposes only its key span (make_plan: a quarter of the L2 size from sysconf).
- * 1-D windows of one vector skip the planes: na_forward_1d, na_backward_1d (na_cpu_direct.h;
+ * 1-D windows of one vector skip the planes: na_forward_1d, na_backward_1d (na_cpu_direct_fwd.c,
+ * na_cpu_direct_bwd.c;
  * na_cpu_plans.py);
- * wider 1-D windows run na_forward_line (na_cpu_line.h: blocks of queries as the tile's rows, the
+ * wider 1-D windows run na_forward_line (na_cpu_line.c: blocks of queries as the tile's rows, the
  * values and the output in place).
  */
 #include "na_cpu_blocks.h"
@@ -44,7 +45,30 @@
 #include "na_cpu_plan.h"
 #include "na_cpu_probes.h"
 #include "na_cpu_keys.h"
-#include "na_cpu_direct.h"
+
+/* the plan of a call (dims, rows, cols as na_forward's; backward as na_scratch's), with the
+ * backward's fuse tables; built once per shape by the caller (na_cpu.py caches it), freed by
+ * na_plan_free */
+void *na_plan(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    Plan *pl = malloc(sizeof(Plan));
+    make_plan(&g, backward, pl);
+    if (backward) {
+        pl->shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 4 * g.kw * pl->nb);
+        pl->fused = malloc(sizeof(int) * pl->nb);
+        pl->fstart = malloc(sizeof(int) * (pl->nb + 1));
+        pl->shix = malloc(sizeof(int) * pl->nb);
+        fuse_tables(&g, pl, pl->shifts, pl->shix, pl->fused, pl->fstart, &pl->folds);
+        key_blocks(&g, pl);
+    }
+    ring_rows(&g, pl);
+    return pl;
+}
+
+void na_plan_free(void *pl) {
+    free_plan(pl);
+    free(pl);
+}
 
 static long scratch_of(const Geo *g, const Plan *pl, int backward) {
     long pk = (long)pl->ring * g->kp, D = g->D, Dv = g->Dv, qw = pl->qw; /* the planes: a ring of rows */
@@ -73,14 +97,6 @@ long na_scratch(const int64_t *dims, const int32_t *rows, const int32_t *cols, i
 }
 
 
-
-static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(T)); *next = p + n + PAD; return p; }
-
-static vt *vec_alloc(long n) {
-    vt *p = aligned_alloc(_Alignof(vt), sizeof(vt) * (n > 0 ? n : 1));
-    memset(p, 0, sizeof(vt) * (n > 0 ? n : 1));
-    return p;
-}
 
 /* dims: B, heads, Hq, Wq, Hk, Wk, D, Dv, kH, kW, bias table rows. Planes [p0, p1) of the B*heads (batch-major). */
 void na_forward(const void *q, const void *k, const void *v, const T *table, T *out, const int64_t *dims,
@@ -364,6 +380,3 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
     free(sbuf);
     free(off);
 }
-
-/* the 1-D forward on the planes with values and output in place (na_forward_line) */
-#include "na_cpu_line.h"

@@ -465,5 +465,6 @@ static Geo make_geo(const int64_t *dims, const int32_t *rows, const int32_t *col
 }
 
 #define PAD (2 * L) /* zeroed elements after each plane buffer: shifted loads may run past a row */
+#define DMAX 16     /* channel vectors per row at most in the 1-D kernels (D <= 16 L); the caller checks */
 
 #endif

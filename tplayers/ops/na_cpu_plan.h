@@ -359,28 +359,18 @@ static void key_blocks(const Geo *g, Plan *pl) {
     pl->kpad = (hi - lo + 3 * L - 1) / L * L; /* >= the offsets' span + 2L (see key_sums) */
 }
 
-/* the plan of a call (dims, rows, cols as na_forward's; backward as na_scratch's), with the
- * backward's fuse tables; built once per shape by the caller (na_cpu.py caches it), freed by
- * na_plan_free */
-void *na_plan(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
-    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
-    Plan *pl = malloc(sizeof(Plan));
-    make_plan(&g, backward, pl);
-    if (backward) {
-        pl->shifts = aligned_alloc(_Alignof(vi), sizeof(vi) * 4 * g.kw * pl->nb);
-        pl->fused = malloc(sizeof(int) * pl->nb);
-        pl->fstart = malloc(sizeof(int) * (pl->nb + 1));
-        pl->shix = malloc(sizeof(int) * pl->nb);
-        fuse_tables(&g, pl, pl->shifts, pl->shix, pl->fused, pl->fstart, &pl->folds);
-        key_blocks(&g, pl);
-    }
-    ring_rows(&g, pl);
-    return pl;
-}
+/* the plan of a call, built once per shape and freed by na_plan_free (defined in na_cpu.c) */
+void *na_plan(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward);
+void na_plan_free(void *pl);
 
-void na_plan_free(void *pl) {
-    free_plan(pl);
-    free(pl);
+/* scratch: n elements carved from *next, then PAD zeros (shifted loads may run past them) */
+static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(T)); *next = p + n + PAD; return p; }
+
+/* n zeroed vectors, aligned (freed by the caller) */
+static vt *vec_alloc(long n) {
+    vt *p = aligned_alloc(_Alignof(vt), sizeof(vt) * (n > 0 ? n : 1));
+    memset(p, 0, sizeof(vt) * (n > 0 ? n : 1));
+    return p;
 }
 
 #endif

@@ -38,7 +38,7 @@ def call_dims(geo: Tuple[int, ...], batch: int, heads: int, dim: int, dim_v: int
 
 def forward_direct(dims: torch.Tensor, lanes: int) -> bool:
     """Whether :func:`~tplayers.ops.na_cpu.c_forward` runs without a plan, reading q, k, v in place
-    (``na_forward_1d``, ``na_cpu_direct.h``) for the kernel's ``dims`` on ``lanes`` elements per
+    (``na_forward_1d``, ``na_cpu_direct_fwd.c``) for the kernel's ``dims`` on ``lanes`` elements per
     vector: 1-D calls (one query and key row), D and Dv multiples of the lanes (at most 16 vectors),
     windows of at most one vector (``kernel <= lanes``: at 1-D 1x4096 h4 d32, k7 measured 1.22-1.61x
     the planes forward, k33 0.89-1.08x: benchmarks/na_direct.py). ``TPLAYERS_NA_DIRECT``: ``0`` off,
@@ -51,7 +51,7 @@ def forward_direct(dims: torch.Tensor, lanes: int) -> bool:
 
 def backward_direct(dims: torch.Tensor, lanes: int) -> bool:
     """Whether :func:`~tplayers.ops.na_cpu.c_backward` runs without a plan, reading q, k, v and dO in
-    place (``na_backward_1d``, ``na_cpu_direct.h``): the calls :func:`forward_direct` runs with its
+    place (``na_backward_1d``, ``na_cpu_direct_bwd.c``): the calls :func:`forward_direct` runs with its
     default (1-D, head dims multiples of the lanes, windows of at most one vector; at 1-D 1x4096 h4 d32
     k7: benchmarks/na_target.py). ``TPLAYERS_NA_DIRECT=0``: the planes backward."""
     _, _, hq, _, hk, _, d, dv, kh, kw, _ = dims.tolist()
@@ -62,7 +62,7 @@ def backward_direct(dims: torch.Tensor, lanes: int) -> bool:
 
 def forward_line(dims: torch.Tensor, lanes: int) -> bool:
     """Whether the planes forward of :func:`~tplayers.ops.na_cpu.c_forward` runs ``na_forward_line``
-    (``na_cpu_line.h``: query and key planes, values read in place, the output written in place) for
+    (``na_cpu_line.c``: query and key planes, values read in place, the output written in place) for
     the kernel's ``dims`` on ``lanes`` elements per vector: 1-D calls (one query and key row) with Dv a
     multiple of the lanes (at most 16 vectors); asked for calls that do not run :func:`forward_direct`.
     ``TPLAYERS_NA_LINE=0``: ``na_forward`` instead (the A/B of ``benchmarks/na_target.py``'s shapes)."""

@@ -1,4 +1,4 @@
-/* The 1-D forward on the planes (issue 35; included by na_cpu.c after na_cpu_plan.h): windows wider
+/* The 1-D forward on the planes (issue 35; a unit of the kernel's build, see na_cpu.py): windows wider
  * than one vector (na_forward_1d runs the others), one query row and one key row. The queries and
  * the keys are transposed into planes as in na_forward (a block of L queries is one vector, slot b's
  * L keys a shifted load); a chunk's values are packed (column, Dv) once per plane (pack_rows: read
@@ -19,8 +19,10 @@
  *   scalar) times the value row; RQ consecutive queries at once in an affine block (query r's slot
  *   j - r is key j of the group: one load of a value row serves RQ queries), each query alone
  *   elsewhere (borders, dilation, stride: keys from the window table). No output plane. */
-#ifndef NA_CPU_LINE_H
-#define NA_CPU_LINE_H
+#include "na_cpu_blocks.h"
+#include "na_cpu_io.h"
+#include "na_cpu_rows.h"
+#include "na_cpu_plan.h"
 
 #ifndef SB
 #define SB 8 /* blocks per super-block of the scores */
@@ -314,5 +316,3 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
     free(rel);
     free(sbuf);
 }
-
-#endif
