@@ -293,3 +293,27 @@ def test_the_planes_backward_never_reads_the_output(monkeypatch):
             nan = na_cpu.c_backward(dout, q, k, v, table, torch.full_like(out, float("nan")), geo, 8**-0.5, 2)
             for name, a, b in zip(("dq", "dk", "dv", "dtable"), real, nan):
                 assert torch.isfinite(a).all() and torch.equal(a, b), f"{name} {size} {kernel} {dtype}"
+
+
+def test_a_large_output_is_streamed_past_the_caches_and_exact(monkeypatch):
+    """An output of half the L2 or more (output_streamed in na_cpu_plan.h) is stored with streaming
+    stores (AVX-512: a whole line each, no read of it first): the probe says the path is taken for
+    an 8.6 MB output (any L2 up to 16 MiB) and not for a 4 KB one; the output equals the tile
+    kernel's, fp64 to rounding and fp32 against it, with rows of 7.5 vectors (a last block of fewer
+    queries) and borders."""
+    monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
+    size, heads, dim = (140, 120), 4, 32
+    for dtype in (torch.float64, torch.float32):
+        lib = na_cpu.load_library(dtype)
+        lib.na_output_streamed.argtypes, lib.na_output_streamed.restype = [na_cpu.ctypes.c_void_p], na_cpu.ctypes.c_int
+        geo = geometry_args([Axis(n, 7, 1, 1, 0) for n in size], 1, 1)
+        assert lib.na_output_streamed(na_cpu._ptr(kernel_dims(geo, 1, heads, dim, dim))) == 1, dtype
+        tiny = geometry_args([Axis(8, 3, 1, 1, 0)] * 2, 1, 1)
+        assert lib.na_output_streamed(na_cpu._ptr(kernel_dims(tiny, 1, 1, 16, 16))) == 0, dtype
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, *size, heads, dim, generator=gen, dtype=torch.float64) for _ in range(3))
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "torch")
+    ref = tplayers.na2d(q, k, v, 7)
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    torch.testing.assert_close(tplayers.na2d(q, k, v, 7), ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(tplayers.na2d(q.float(), k.float(), v.float(), 7).double(), ref, rtol=1e-5, atol=1e-5)

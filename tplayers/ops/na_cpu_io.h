@@ -72,15 +72,19 @@ static void to_rows(const T *x, const long *xs, int b, int h, int i0, int i1, in
 
 /* a block's n outputs of query row i from its per-channel vectors acc[c] * inv (C a multiple of
  * L), transposed in registers and stored at pixels (i, j0 ...) of plane (b, h) of the dense x:
- * no row buffer and no second pass (from_rows) */
+ * no row buffer and no second pass (from_rows). nt: streamed past the caches (st_nt: a whole
+ * line per store with AVX-512, no read of the line it overwrites; see output_streamed) */
 static void out_block(const vt *acc, vt inv, int n, int b, int h, int heads, int H, int W, int C, int i, long j0,
-                      T *x) {
+                      T *x, int nt) {
     T *o = x + (((size_t)b * H + i) * W + j0) * heads * C + (size_t)h * C;
     for (int c0 = 0; c0 < C; c0 += L) {
         vt r[L];
         for (int c = 0; c < L; c++) r[c] = acc[c0 + c] * inv;
         transpose_tile(r);
-        for (int t = 0; t < n; t++) st(o + (size_t)t * heads * C + c0, r[t]);
+        if (nt)
+            for (int t = 0; t < n; t++) st_nt(o + (size_t)t * heads * C + c0, r[t]);
+        else
+            for (int t = 0; t < n; t++) st(o + (size_t)t * heads * C + c0, r[t]);
     }
 }
 

@@ -150,6 +150,14 @@ static long l2_bytes(void) {
     return n > 0 ? n : 1L << 20;
 }
 
+/* whether na_forward streams its output past the caches (out_block): where the output takes half
+ * the L2 or more, it cannot stay there beside the key planes and the inputs passing through, and
+ * each store of a cached line first reads it (1x64x64, 4 heads, d32, a 2 MiB output with a 2 MiB
+ * L2: forward 1.02-1.12x; 16^3: 1.01-1.05x; with a consumer reading the output, 1.01x) */
+static int output_streamed(const Geo *g) {
+    return 2 * (long)g->B * g->Hq * g->Wq * g->heads * g->Dv * (long)sizeof(T) >= l2_bytes();
+}
+
 /* Chunks: all columns at once where the key rows a tile reads ((MR + kH - 1) rows of D + Dv
  * channels, twice that in backward with dK / dV) fit half the L2 cache over the whole row (every
  * 2-D benchmark shape); else runs of column blocks whose key span fits it (long 1-D rows: a row of

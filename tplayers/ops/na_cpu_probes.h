@@ -27,6 +27,13 @@ int na_one_blocks(const int64_t *dims, const int32_t *rows, const int32_t *cols)
     return n;
 }
 
+/* whether the forward of a call streams its output past the caches (output_streamed; tests check
+ * that path is taken) */
+int na_output_streamed(const int64_t *dims) {
+    Geo g = make_geo(dims, NULL, NULL, NULL, 1.0);
+    return output_streamed(&g);
+}
+
 /* the rows of the ring of key planes of a call's plan (backward as in na_scratch; ring_rows:
  * tests check it is below Hk) */
 int na_ring_rows(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
