@@ -33,10 +33,9 @@
  * Rows whose keys would not stay in the cache (long 1-D rows) run in column chunks: each chunk
  * transposes only its key span (make_plan: a quarter of the L2 size from sysconf).
  * 1-D windows of one vector skip the planes: na_forward_1d, na_backward_1d (na_cpu_direct_fwd.c,
- * na_cpu_direct_bwd.c;
- * na_cpu_plans.py);
- * wider 1-D windows run na_forward_line (na_cpu_line.c: blocks of queries as the tile's rows, the
- * values and the output in place).
+ * na_cpu_direct_bwd.c; na_cpu_plans.py); wider 1-D windows run na_forward_line (na_cpu_line.c:
+ * blocks of queries as the tile's rows, the values and the output in place). Each .c file is a unit
+ * of the build (na_cpu.py compiles them side by side and links them into one library).
  */
 #include "na_cpu_blocks.h"
 #include "na_cpu_io.h"
@@ -95,8 +94,6 @@ long na_scratch(const int64_t *dims, const int32_t *rows, const int32_t *cols, i
     na_plan_free(pl);
     return n;
 }
-
-
 
 /* dims: B, heads, Hq, Wq, Hk, Wk, D, Dv, kH, kW, bias table rows. Planes [p0, p1) of the B*heads (batch-major). */
 void na_forward(const void *q, const void *k, const void *v, const T *table, T *out, const int64_t *dims,

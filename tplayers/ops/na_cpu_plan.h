@@ -153,7 +153,8 @@ static long l2_bytes(void) {
 /* whether na_forward streams its output past the caches (out_block): where the output takes half
  * the L2 or more, it cannot stay there beside the key planes and the inputs passing through, and
  * each store of a cached line first reads it (1x64x64, 4 heads, d32, a 2 MiB output with a 2 MiB
- * L2: forward 1.02-1.12x; 16^3: 1.01-1.05x; with a consumer reading the output, 1.01x) */
+ * L2: forward 1.04-1.09x, 1.03x with a consumer reading the output; 16^3 k5: 1.05x, 1.00x with a
+ * consumer; benchmarks/RESULTS.md) */
 static int output_streamed(const Geo *g) {
     return 2 * (long)g->B * g->Hq * g->Wq * g->heads * g->Dv * (long)sizeof(T) >= l2_bytes();
 }
