@@ -20,8 +20,8 @@ q, k, v (and dO) in place instead, forward and backward (``na_cpu_direct_fwd.c``
 On the first CPU call (never at import) it is
 compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -fPIC -DNA_LANES=n``
 (:func:`build_flags`), its units (:data:`UNITS`) side by side and then linked with ``-shared``
-(a 2-vCPU Xeon: 22 s against 41 s for one unit), once per element type, into ``$TPLAYERS_CACHE`` (else
-``~/.cache/tplayers``) under a name hashed from the source, the compiler, its version, the flags
+(a 2-vCPU Xeon, fp32: 24 s against 37 s as one unit, same run), once per element type, into
+``$TPLAYERS_CACHE`` (else ``~/.cache/tplayers``) under a name hashed from the source, the compiler, its version, the flags
 and the CPU's model and flags, written under a temporary name and renamed into place (concurrent
 builds are safe); loaded with ``ctypes`` and called on the tensors' data pointers. With
 ``torch.get_num_threads() > 1`` the (batch, head) planes are split over that many Python threads
@@ -75,8 +75,8 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("na_cpu.c")
-#: the kernel's compilation units, compiled side by side and linked into one library (the 1-D
-#: direct kernels alone took 31 of the 41 s of one unit on a 2-vCPU Xeon)
+#: the kernel's compilation units, compiled side by side and linked into one library (alone on a
+#: 2-vCPU Xeon, fp32: 10.4, 4.9, 16.9 and 13.8 s; the 1-D direct kernels took most of one unit)
 UNITS = (SOURCE, *(Path(__file__).with_name(f"na_cpu_{unit}.c") for unit in ("line", "direct_fwd", "direct_bwd")))
 #: every file of the kernel (the hash of the built library covers them all)
 SOURCES = (

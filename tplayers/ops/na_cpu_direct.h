@@ -1,8 +1,9 @@
 /* The 1-D forward and backward on the user's layout (issue 35): na_cpu_direct_fwd.c and
  * na_cpu_direct_bwd.c, two units of the kernel's build (compiled side by side: na_cpu.py); this
  * header holds what they share (the sums across lanes). q, k, v are read where they lie,
- * (B, L, heads, D) (D, Dv multiples of the lanes), the output written where it goes; no planes, no transposes. Per query (all heads in turn: the pixel's heads are adjacent
- * in memory) the window's keys are rows of heads*D elements, one vector per L channels:
+ * (B, L, heads, D) (D, Dv multiples of the lanes), the output written where it goes; no planes,
+ * no transposes. Per query (all heads in turn: the pixel's heads are adjacent in memory) the
+ * window's keys are rows of heads*D elements, one vector per L channels:
  *   scores: per slot a vector of channel products (q times the key, summed over the channel
  *   vectors), then L such vectors summed across their lanes at once (hsum_tree: log2(L) rounds of
  *   two shuffles and an add, transpose_tile's masks), giving one vector of L slots' scores;
