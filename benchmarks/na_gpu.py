@@ -7,7 +7,8 @@ window`` forward, 2.5x that for forward + backward) for:
 
 * tplayers' default kernel on CUDA (``flex_attention`` with the neighborhood block mask, compiled:
   :mod:`tplayers.ops.na_flex`) and the torch tile kernel (``TPLAYERS_NA_KERNEL=torch``, the CUDA
-  default before);
+  default before); for bf16 inputs also the default on fp32 copies rounded back (``tplayers on fp32
+  copies``: how the flex kernel ran bf16 before it took it natively);
 * natten, when it is importable: ``natten.na{n}d`` with ``torch_compile=True`` and natten's flex
   compile (and its backward) allowed. With natten's compiled CUDA library it picks its fused
   kernels (Hopper / CUTLASS FNA); a Python-only natten picks its Flex backend (``flex_attention``
@@ -149,6 +150,16 @@ def tplayers_fn(dims: int, kernel_env: str):
     return call
 
 
+def fp32_copies(fn):
+    """``fn`` on fp32 copies of low-precision inputs, its result rounded back: tplayers' flex path
+    before it took bf16 / fp16 as they are (the A/B of that change, in the same run)."""
+
+    def call(q, k, v, kernel):
+        return fn(q.float(), k.float(), v.float(), kernel).to(q.dtype)
+
+    return call
+
+
 def dense_fn(q, k, v, kernel):
     b, heads, dim = q.shape[0], q.shape[-2], q.shape[-1]
     flat = [t.reshape(b, -1, heads, dim).transpose(1, 2) for t in (q, k, v)]
@@ -183,6 +194,8 @@ def bench_case(dims, shape, kernel, dtype_name, repeats):
     print(f"\nna{dims}d {'x'.join(map(str, shape))} k{kernel} {dtype_name}", flush=True)
     oracle = run_grads(tplayers_fn(dims, "torch"), *(t.double() for t in (q, k, v, cot)), kernel)
     peers = {"tplayers": tplayers_fn(dims, ""), "tplayers tile": tplayers_fn(dims, "torch")}
+    if dtype != torch.float32:  # the default before it ran bf16 / fp16 natively
+        peers["tplayers on fp32 copies"] = fp32_copies(tplayers_fn(dims, ""))
     nat = natten_fn(dims)
     if nat is not None:
         start = time.perf_counter()

@@ -99,7 +99,8 @@ def test_forward_matches_oracle(forced, seed):
 
 def test_shard_offsets_and_bf16(forced, monkeypatch):
     """A shard's queries (offsets along both axes) against its haloed keys: flex == the tile kernel;
-    bf16 inputs are computed in fp32 and rounded back, as on every kernel."""
+    bf16 inputs run natively on flex (fp32 scores and sums, the probabilities rounded to bf16 before
+    they meet the values) and stay within bf16's rounding of the fp32 result."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(1, 15, 20, 2, 16, generator=gen)  # 300 queries: three 128-token blocks
     k, v = (torch.randn(1, 19, 25, 2, 16, generator=gen) for _ in range(2))
@@ -112,6 +113,15 @@ def test_shard_offsets_and_bf16(forced, monkeypatch):
     ref16 = neighborhood_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), *window, **args)
     assert flex16.dtype == torch.bfloat16
     torch.testing.assert_close(flex16, ref16, rtol=0, atol=1e-2)
+    # native, not an fp32 copy: flex's own bf16 arithmetic on the same inputs, bit for bit
+    axes = [
+        Axis(34, 5, 1, 1, 0, 4, 15, 2, 19),
+        Axis(37, 5, 2, 1, 1, 6, 20, 3, 25),
+    ]
+    q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    assert torch.equal(flex16, na_flex.flex_attention_na(q16, k16, v16, axes, 16**-0.5, compiled=False))
+    exact = neighborhood_attention(q16.double(), k16.double(), v16.double(), *window, **args)
+    assert (flex16.double() - exact).abs().max() <= 2 * (ref16.double() - exact).abs().max() + 2**-9
 
 
 def test_chosen_on_cuda_only_and_refusals(forced, monkeypatch):
@@ -139,7 +149,7 @@ def test_flex_applies_reasons():
             self.device = torch.device(kind)
 
     assert na_flex.flex_applies(Fake(16), Fake(16), torch.float32, False) is None
-    assert "computes fp32" in na_flex.flex_applies(Fake(16), Fake(16), torch.float64, False)
+    assert "takes fp32, bf16 or fp16" in na_flex.flex_applies(Fake(16), Fake(16), torch.float64, False)
     assert "one head dim in" in na_flex.flex_applies(Fake(16), Fake(8), torch.float32, False)
     assert "one head dim in" in na_flex.flex_applies(Fake(48), Fake(48), torch.float32, False)
     assert "one head dim in" in na_flex.flex_applies(Fake(32), Fake(64), torch.float32, False)
@@ -225,3 +235,33 @@ def test_cuda_compiled_shard_and_blocks(rank, monkeypatch):
     ref_grads = torch.autograd.grad(ref, ref_in, cot.double())
     for got, want in zip((out, *grads), (ref, *ref_grads)):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled flex_attention runs on CUDA (benchmarks/na_gpu.py)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_compiled_low_precision_native(dtype, monkeypatch):
+    """bf16 / fp16 on the CUDA default run natively (fp32 inside the kernel): output and the q, k, v
+    gradients in the input dtype, within 4x the error of the same kernel on fp32 copies (rounded to
+    the input dtype) plus one rounding, against the fp64 tile kernel on the same values (flash
+    attention's rounding of the probabilities and dS before their matmuls)."""
+    monkeypatch.delenv("TPLAYERS_NA_KERNEL", raising=False)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(2, 24, 29, 4, 64, device="cuda", generator=gen).to(dtype).requires_grad_()
+    k, v = (torch.randn(2, 24, 29, 2, 64, device="cuda", generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    cot = torch.randn(2, 24, 29, 4, 64, device="cuda", generator=gen).to(dtype)
+    args = ((7, 5), (1, 2), (False, False))
+    assert na_dispatch.choose_kernel(q, args[0], True, v, None) == "flex"
+    out = tplayers.na2d(q, k, v, *args)
+    got = (out, *torch.autograd.grad(out, (q, k, v), cot))
+    assert all(t.dtype == dtype for t in got)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    out32 = tplayers.na2d(*leaves, *args)
+    copies = [t.to(dtype) for t in (out32, *torch.autograd.grad(out32, leaves, cot.float()))]
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = tplayers.na2d(*ref_in, *args)
+    exact = (ref, *torch.autograd.grad(ref, ref_in, cot.double()))
+    ulp = torch.finfo(dtype).eps
+    for name, g, c, e in zip(("out", "dq", "dk", "dv"), got, copies, exact):
+        native_err = (g.double() - e).abs().max().item()
+        copy_err = (c.double() - e).abs().max().item()
+        assert native_err <= 4 * copy_err + ulp * e.abs().max().item(), (name, native_err, copy_err)

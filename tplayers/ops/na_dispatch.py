@@ -45,7 +45,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     the fp32 kernels (the C kernel reads bf16 itself, the others convert on the way in; the output
     rounded back: fp32 scores, softmax state and accumulation, gradients summed in fp32), measured
     1.6-3.8x faster forward than the GEMM kernel's native bf16 matmuls and 0.95-1.08x the fp32 C
-    kernel itself (``benchmarks/na_bf16.py``); fp32 and fp64 run as they are."""
+    kernel itself (``benchmarks/na_bf16.py``); fp32 and fp64 run as they are. The flex kernel (the
+    CUDA default) takes bf16 / fp16 inputs as they are, with this fp32 inside the kernel
+    (:mod:`tplayers.ops.na_flex`)."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 

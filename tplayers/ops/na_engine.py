@@ -185,11 +185,10 @@ def neighborhood_attention(
             k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
         out = GeoAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads, kernels)
         return (out if low is None else out.to(low)).view(out_shape)
-    if low is not None:  # flex, the tile kernel and the compiled op run fp32 copies
+    if which == "flex":  # bf16 / fp16 as they are: fp32 scores, softmax and sums inside (na_flex)
+        return flex_attention_na(q, k, v, axes, scale, compiled=q.device.type == "cuda")
+    if low is not None:  # the tile kernel and the compiled op run fp32 copies
         q, k, v = q.to(compute), k.to(compute), v.to(compute)
-    if which == "flex":
-        out = flex_attention_na(q, k, v, axes, scale, compiled=q.device.type == "cuda")
-        return out if low is None else out.to(low)
     if which is None:  # compiling: the tables are built inside one registered op (see na_compile)
         ensure_na_ops()  # registers tplayers::na2d_tiles on first use (nothing at import)
 

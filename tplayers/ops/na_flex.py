@@ -16,8 +16,12 @@ elsewhere (``TPLAYERS_NA_KERNEL=flex`` on the CPU) it runs eagerly, which materi
 and has no backward: for tests only. Measured on an
 H100 (``benchmarks/na_gpu.py``, fp32): 1.4-10x the tile kernel forward and 1.9-14x forward +
 backward (na2d 1x64x64 and 4x128x128 k7, na1d 8x16384 k33, na3d 16^3 k5). Where it applies:
-:func:`flex_applies`. Inputs are computed in :func:`~tplayers.ops.na_dispatch.compute_dtype` (bf16
-and fp16 in fp32, as every kernel here). See docs/neighborhood-attention.md.
+:func:`flex_applies`. fp32 inputs run in fp32; bf16 and fp16 inputs run as they are, as flash
+attention and NATTEN's fused kernels run them: the scores, the softmax state and every sum in fp32
+inside the kernel, the probabilities (and dS) rounded to the input dtype before their matmuls. On
+an H100 that ran 3.7x / 12.6x (forward / forward + backward) faster than this kernel on fp32 copies
+at na2d 4x128x128 bf16 (8 heads, d64), with the output's error the same and the gradients' twice
+(benchmarks/RESULTS.md). See docs/neighborhood-attention.md.
 """
 
 from __future__ import annotations
@@ -55,8 +59,9 @@ def flex_applies(
     q: torch.Tensor, v: torch.Tensor, compute: torch.dtype, has_bias: bool, window: int = 1
 ) -> Optional[str]:
     """None when the flex kernel is the default for this call, else why not: a CUDA tensor (other
-    devices run it only when forced), fp32 / bf16 / fp16 (computed in fp32; fp64 runs the tile
-    kernel), one head dim for q, k and v among :data:`HEAD_DIMS`, no relative-position bias, a
+    devices run it only when forced), fp32 / bf16 / fp16 (``compute``: fp32 for all three, see
+    :func:`~tplayers.ops.na_dispatch.compute_dtype`; bf16 / fp16 then run natively, see the module
+    docstring; fp64 runs the tile kernel), one head dim for q, k and v among :data:`HEAD_DIMS`, no relative-position bias, a
     block mask (8 bytes a block pair) within :data:`MAX_BLOCK_PAIRS` pairs and within the
     kernels' memory bound, 4x the fp32 scores ``B * heads * Lq * window`` (``window``: the keys of
     one query's window; beyond, the tile kernel runs, its memory linear in the tokens), a torch
@@ -64,7 +69,7 @@ def flex_applies(
     if q.device.type != "cuda":
         return f"the flex kernel is the CUDA default, got a {q.device.type} tensor"
     if compute != torch.float32:
-        return f"the compiled flex kernel computes fp32 (bf16 / fp16 inputs too), got {compute}"
+        return f"the compiled flex kernel takes fp32, bf16 or fp16 inputs (fp32 compute), got {compute}"
     if q.shape[-1] != v.shape[-1] or q.shape[-1] not in HEAD_DIMS:
         return f"the flex default takes one head dim in {HEAD_DIMS} for q and v, got {q.shape[-1]} and {v.shape[-1]}"
     if has_bias:
