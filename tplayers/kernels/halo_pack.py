@@ -1,10 +1,33 @@
 """Triton kernels that pack the faces of a halo exchange into one buffer, and unpack it.
 
+A face is a slab ``t.narrow(dim, start, length)``; the buffer holds the faces one
+after the other, each in row-major *logical* order (N, C, *spatial) whatever the
+tensor's memory format, so both ends of an exchange agree on it.
+
 One launch handles every face (up to :data:`MAX_FACES`) of one exchange: the
 grid is the concatenation of each face's blocks, and each program finds its
-face from the block prefix. Tensors of up to 5 dims (so 1-D, 2-D and 3-D
-domains) with any strides (non-contiguous, channels_last, channels_last_3d) are
-read and written in place.
+face from the block prefix (``_face_of``). Tensors of up to 5 dims (so 1-D, 2-D
+and 3-D domains) with any strides are read and written in place, by one of two
+kernels (``_kernel_for`` picks):
+
+- ``_halo_kernel`` (flat): a program takes :data:`BLOCK` consecutive buffer
+  elements and computes each one's strided tensor offset. Both sides are
+  coalesced when the face's innermost logical dim is the tensor's innermost in
+  memory (contiguous tensors, bandwidth-bound faces: 0.82-0.85 of a device
+  copy on an H200 per call, 0.95-0.98 on an H100 in a CUDA graph).
+- ``_halo_tiled_kernel`` (channel-tiled, in :mod:`tplayers.kernels.halo_pack_tiled`;
+  the helpers both kernels share are in ``halo_common``), for tensors whose channel dim (dim 1,
+  right after the batch) has stride 1: channels_last, channels_last_3d. There
+  the flat walk reads (pack) or writes (unpack) tensor elements C apart from
+  one thread to the next, uncoalesced (0.05-0.35 of a copy). The tiled kernel
+  views each face as (N, C, R), R the face's spatial elements in row-major
+  order, and a program moves one [BLOCK_C, BLOCK_R] tile of one (n, face):
+  contiguous along C in the tensor, along R in the buffer. Triton's compiler
+  gives each side its own coalesced layout and converts between them through
+  shared memory, so both the read and the write are coalesced. Packs take it
+  from :data:`MIN_TILED_C_PACK` channels on, unpacks from
+  :data:`MIN_TILED_C_UNPACK` (measured on an H100, see the constants'
+  comment; ``benchmarks/halo_pack_gpu.py`` prints the A/B).
 
 Pack and plain unpack move raw bits: the tensor is viewed as an integer dtype
 of the same element size, so results are bitwise equal to the torch reference
@@ -20,53 +43,29 @@ Only ``tplayers.ops`` imports this module; the torch reference there is its orac
 
 from __future__ import annotations
 
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from tplayers.kernels.halo_common import _face_of, _move
+from tplayers.kernels.halo_pack_tiled import (
+    MIN_TILED_C_PACK,
+    MIN_TILED_C_UNPACK,
+    _halo_tiled_kernel,
+    _spatial,
+    _tile_blocks,
+    _tiled_view,
+)
+
 __all__ = ["pack", "unpack", "MAX_FACES", "BLOCK"]
 
 MAX_FACES = 4
-BLOCK = 1024
+BLOCK = 1024  # elements per program of the flat kernel
 NDIM = 5  # tensors of 1-5 dims (1-D to 3-D domains: (N, C, L), (N, C, H, W), (N, C, D, H, W))
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-@triton.jit
-def _face_of(pid, b1, b2, b3, st0, st1, st2, st3, ln0, ln1, ln2, ln3, of0, of1, of2, of3, NF: tl.constexpr):
-    """(block index inside the face, face start, face length, buffer offset) of program ``pid``.
-
-    Branch-free selects (``tl.where``) so compiled and interpreted kernels agree on types.
-    """
-    base, start, length, boff = pid * 0, st0 + pid * 0, ln0 + pid * 0, of0 + pid * 0
-    if NF > 1:
-        sel = pid >= b1
-        base, start, length, boff = (
-            tl.where(sel, b1, base),
-            tl.where(sel, st1, start),
-            tl.where(sel, ln1, length),
-            tl.where(sel, of1, boff),
-        )
-    if NF > 2:
-        sel = pid >= b2
-        base, start, length, boff = (
-            tl.where(sel, b2, base),
-            tl.where(sel, st2, start),
-            tl.where(sel, ln2, length),
-            tl.where(sel, of2, boff),
-        )
-    if NF > 3:
-        sel = pid >= b3
-        base, start, length, boff = (
-            tl.where(sel, b3, base),
-            tl.where(sel, st3, start),
-            tl.where(sel, ln3, length),
-            tl.where(sel, of3, boff),
-        )
-    return pid - base, start, length, boff
 
 
 @triton.jit
@@ -140,19 +139,7 @@ def _halo_kernel(
     e = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = e < ROW * length
     off = _offsets(e, start, length, S1, S2, S3, S4, T0, T1, T2, T3, T4, DIM)
-    if MODE == 0:
-        tl.store(buf_ptr + boff + e, tl.load(t_ptr + off, mask=mask), mask=mask)
-    elif MODE == 1:
-        tl.store(t_ptr + off, tl.load(buf_ptr + boff + e, mask=mask), mask=mask)
-    elif MODE == 2:
-        acc = tl.load(t_ptr + off, mask=mask) + tl.load(buf_ptr + boff + e, mask=mask)
-        tl.store(t_ptr + off, acc, mask=mask)
-    else:
-        a = ((tl.load(t_ptr + off, mask=mask).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-        b = ((tl.load(buf_ptr + boff + e, mask=mask).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-        bits = (a + b).to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
-        tl.store(t_ptr + off, bits.to(tl.int16), mask=mask)
+    _move(t_ptr + off, buf_ptr + boff + e, mask, MODE)
 
 
 def _as5d(t: torch.Tensor, dim: int) -> Tuple[List[int], List[int], int]:
@@ -161,47 +148,117 @@ def _as5d(t: torch.Tensor, dim: int) -> Tuple[List[int], List[int], int]:
     return [1] * pad + list(t.shape), [0] * pad + list(t.stride()), dim + pad
 
 
-def _launch(t: torch.Tensor, buf: torch.Tensor, dim: int, faces: Sequence[Tuple[int, int]], mode: int) -> None:
+def _kernel_for(
+    t: torch.Tensor, dim: int, faces: Sequence[Tuple[int, int]], tiled: Optional[bool] = None, mode: int = 0
+) -> str:
+    """``"tiled"`` or ``"flat"``: the kernel :func:`_launch` runs for these faces in ``mode`` (0: pack,
+    1-3: unpack). Automatic (``tiled=None``): the tiled kernel where the channel dim (dim 1) has stride
+    1 and at least :data:`MIN_TILED_C_PACK` (pack) or :data:`MIN_TILED_C_UNPACK` (unpack) channels,
+    the face is not the channel dim and a face has more than one spatial element (there the flat
+    kernel's accesses are C apart); the flat kernel everywhere else (contiguous tensors are already
+    coalesced; a pack with few channels reads close enough together). ``tiled=True`` / ``False``
+    forces one (benchmarks and tests); the tiled kernel takes tensors of 3-5 dims and faces along
+    dim 0 or a spatial dim, any strides."""
+    fits = 3 <= t.dim() <= NDIM and dim != 1
+    if tiled is None:
+        tiled = (
+            fits
+            and t.stride(1) == 1
+            and t.size(1) >= (MIN_TILED_C_PACK if mode == 0 else MIN_TILED_C_UNPACK)
+            and max((_spatial(t.shape, dim, n) for _, n in faces), default=0) > 1
+        )
+    elif tiled and not fits:
+        raise ValueError(
+            f"the tiled halo kernel takes 3-5 dim tensors and faces off dim 1; got {t.dim()} dims, dim {dim}"
+        )
+    return "tiled" if tiled else "flat"
+
+
+def _face_table(blocks_per_face: List[int], faces, boffs: List[int]) -> List[int]:
+    """The face arguments of a launch: block prefix b1-b3, starts, lengths, buffer offsets (padded
+    to :data:`MAX_FACES`)."""
+    fill = MAX_FACES - len(faces)
+    begins = [sum(blocks_per_face[:i]) for i in range(len(faces))] + [sum(blocks_per_face)] * fill
+    starts = [s for s, _ in faces] + [0] * fill
+    lens = [n for _, n in faces] + [0] * fill
+    return begins[1:] + starts + lens + boffs + [0] * fill
+
+
+def _launch(
+    t: torch.Tensor,
+    buf: torch.Tensor,
+    dim: int,
+    faces: Sequence[Tuple[int, int]],
+    mode: int,
+    tiled: Optional[bool] = None,
+) -> None:
     faces = [f for f in faces if f[1] > 0]
     if not faces:
         return
     assert len(faces) <= MAX_FACES
-    sizes, strides, d = _as5d(t, dim)
     row = t.numel() // t.size(dim) if t.size(dim) else 0
     if row == 0:
         return
-    starts, lens, boffs, begins = [], [], [], []
-    blocks = boff = 0
-    for start, length in faces:
-        starts.append(start), lens.append(length), boffs.append(boff), begins.append(blocks)
-        boff += row * length
-        blocks += triton.cdiv(row * length, BLOCK)
-    fill = MAX_FACES - len(faces)
-    starts, lens, boffs = starts + [0] * fill, lens + [0] * fill, boffs + [0] * fill
-    begins = begins + [blocks] * fill
-    _halo_kernel[(blocks,)](
-        t, buf, *sizes, *strides, row, *begins[1:], *starts, *lens, *boffs, DIM=d, NF=len(faces), MODE=mode, BLOCK=BLOCK
+    boffs = [row * sum(n for _, n in faces[:i]) for i in range(len(faces))]
+    if _kernel_for(t, dim, faces, tiled, mode) == "flat":
+        sizes, strides, d = _as5d(t, dim)
+        blocks = [-(-row * n // BLOCK) for _, n in faces]  # plain ints: triton.cdiv is a jit function (~10 us a call)
+        _halo_kernel[(sum(blocks),)](
+            t,
+            buf,
+            *sizes,
+            *strides,
+            row,
+            *_face_table(blocks, faces, boffs),
+            DIM=d,
+            NF=len(faces),
+            MODE=mode,
+            BLOCK=BLOCK,
+        )
+        return
+    sizes, strides, d = _tiled_view(t, dim)
+    block_c, block_r, blocks = _tile_blocks(sizes, d, faces)
+    _halo_tiled_kernel[(sum(blocks),)](
+        t,
+        buf,
+        *sizes[1:],
+        *strides,
+        *_face_table(blocks, faces, boffs),
+        DIM=d,
+        NF=len(faces),
+        MODE=mode,
+        UNIT_C=strides[1] == 1,
+        BLOCK_C=block_c,
+        BLOCK_R=block_r,
     )
 
 
-def pack(x: torch.Tensor, dim: int, faces: Sequence[Tuple[int, int]]) -> torch.Tensor:
-    """Faces of ``x`` -> one contiguous buffer (bitwise copy), one launch."""
+def pack(x: torch.Tensor, dim: int, faces: Sequence[Tuple[int, int]], *, tiled: Optional[bool] = None) -> torch.Tensor:
+    """Faces of ``x`` -> one contiguous buffer (bitwise copy), one launch. ``tiled``: see
+    :func:`_kernel_for` (None, the default, chooses)."""
     row = x.numel() // x.size(dim) if x.size(dim) else 0
     buf = torch.empty(row * sum(n for _, n in faces), dtype=x.dtype, device=x.device)
     bits = _BITS[x.element_size()]
-    _launch(x.view(bits), buf.view(bits), dim, faces, 0)
+    _launch(x.view(bits), buf.view(bits), dim, faces, 0, tiled)
     return buf
 
 
 def unpack(
-    buf: torch.Tensor, out: torch.Tensor, dim: int, faces: Sequence[Tuple[int, int]], accumulate: bool = False
+    buf: torch.Tensor,
+    out: torch.Tensor,
+    dim: int,
+    faces: Sequence[Tuple[int, int]],
+    accumulate: bool = False,
+    *,
+    tiled: Optional[bool] = None,
 ) -> torch.Tensor:
-    """Buffer segments -> faces of ``out`` (written, or added with ``accumulate``), one launch."""
+    """Buffer segments -> faces of ``out`` (written, or added with ``accumulate``), one launch.
+    ``tiled``: see :func:`_kernel_for` (None, the default, chooses)."""
     if not accumulate:
         bits = _BITS[out.element_size()]
-        _launch(out.view(bits), buf.view(bits), dim, faces, 1)
+        _launch(out.view(bits), buf.view(bits), dim, faces, 1, tiled)
     elif out.dtype == torch.bfloat16:
-        _launch(out.view(torch.int16), buf.view(torch.int16), dim, faces, 3)
+        _launch(out.view(torch.int16), buf.view(torch.int16), dim, faces, 3, tiled)
     else:
-        _launch(out, buf, dim, faces, 2)
+        _launch(out, buf, dim, faces, 2, tiled)
     return out
