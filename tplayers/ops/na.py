@@ -43,6 +43,8 @@ AXIS_NAMES = {1: ("L",), 2: ("H", "W"), 3: ("D", "H", "W")}
 
 
 def _per_dim(value, rank: int, name: str, kind: type) -> Tuple:
+    if type(value) is kind and (kind is bool or value >= 1):  # the common case, without the loop below
+        return (value,) * rank
     items = tuple(value) if isinstance(value, (tuple, list)) else (value,) * rank
     what = (
         f"a bool or a sequence of {rank} of them" if kind is bool else f"a positive int or a sequence of {rank} of them"

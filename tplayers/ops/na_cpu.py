@@ -100,8 +100,13 @@ MAX_SLOTS = 4096
 
 def kernel_choice() -> str:
     """``TPLAYERS_NA_KERNEL``: ``"auto"`` (unset or empty), ``"flex"``, ``"c"``, ``"gemm"`` or
-    ``"torch"``; ``ValueError`` otherwise."""
-    value = os.environ.get("TPLAYERS_NA_KERNEL", "").strip().lower() or "auto"
+    ``"torch"``; ``ValueError`` otherwise. Read on every call (a process may change it)."""
+    return _kernel_choice(os.environ.get("TPLAYERS_NA_KERNEL", ""))
+
+
+@lru_cache(maxsize=16)
+def _kernel_choice(raw: str) -> str:
+    value = raw.strip().lower() or "auto"
     if value not in ("auto", "flex", "c", "gemm", "torch"):
         raise ValueError(f"TPLAYERS_NA_KERNEL must be 'flex', 'c', 'gemm', 'torch' or unset, got {value!r}")
     return value
@@ -149,9 +154,15 @@ def _this_host_isa() -> str:
 
 def target_isa() -> str:
     """The ISA the kernel is built for: ``TPLAYERS_NA_ISA`` (``avx512`` / ``avx2`` / ``base``; one
-    this CPU runs, so a narrower build can be measured on a wider CPU) or :func:`host_isa`."""
+    this CPU runs, so a narrower build can be measured on a wider CPU) or :func:`host_isa`. Read on
+    every call, checked once per value."""
+    return _target_isa(os.environ.get("TPLAYERS_NA_ISA", ""))
+
+
+@lru_cache(maxsize=16)
+def _target_isa(raw: str) -> str:
     host = host_isa()
-    value = os.environ.get("TPLAYERS_NA_ISA", "").strip().lower() or host
+    value = raw.strip().lower() or host
     order = list(ISAS)
     if value not in ISAS or order.index(value) < order.index(host):
         raise ValueError(
@@ -175,12 +186,12 @@ def build_flags(dtype: torch.dtype, isa: Optional[str] = None) -> Tuple[str, ...
     return FLAGS + arch + _DTYPES[dtype][1] + (f"-DNA_LANES={lanes(dtype, isa)}",)
 
 
-def load_library(dtype: torch.dtype) -> ctypes.CDLL:
-    """The kernel for ``dtype`` (fp32 / fp64) on :func:`target_isa`, compiled on first use;
-    ``RuntimeError`` saying why when it cannot be built (no compiler, a compile error)."""
+def load_library(dtype: torch.dtype, isa: Optional[str] = None) -> ctypes.CDLL:
+    """The kernel for ``dtype`` (fp32 / fp64) on ``isa`` (default :func:`target_isa`), compiled on
+    first use; ``RuntimeError`` saying why when it cannot be built (no compiler, a compile error)."""
     if dtype not in _DTYPES:
         raise RuntimeError(f"the C na2d kernel supports float32 and float64, got {dtype}")
-    return _load(dtype, target_isa())
+    return _load(dtype, isa or target_isa())
 
 
 def _compile(cc_path: str, flags: Tuple[str, ...], target: str) -> None:
@@ -322,15 +333,15 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     """Forward on the C kernel: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) contiguous,
     ``table`` (heads, 2kH-1, 2kW-1) or None -> (B, Pq, heads*Dv). bf16 ``q``, ``k``, ``v`` run the
     fp32 kernel (read as bf16, computed in fp32; the output and ``table`` fp32)."""
-    dtype = _kernel_dtype(q)
-    lib = load_library(dtype)
+    dtype, isa = _kernel_dtype(q), target_isa()
+    lib = load_library(dtype, isa)
     batch = q.shape[0]
     shape = (tuple(geo), batch, heads, q.shape[-1] // heads, v.shape[-1] // heads)
     dims = na_cpu_plans.call_dims(*shape)
     rows, cols = kernel_tables(shape[0])
     out = q.new_empty(batch, q.shape[1], v.shape[-1], dtype=dtype)
     tab = None if table is None else table.detach().contiguous()
-    nl = lanes(dtype)
+    nl = lanes(dtype, isa)
     if na_cpu_plans.forward_direct(dims, nl):  # na_cpu_direct_fwd.c; queries split over the threads, >= 256 each
         tensors, bf, n = (q, k, v, tab, out, dims, rows, cols), int(q.dtype == torch.bfloat16), batch * q.shape[1]
         w = max(1, min(torch.get_num_threads(), n // 256))
@@ -359,8 +370,8 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     of ``.sum()`` is read in place). bf16 ``q``, ``k``, ``v``: ``grad_out``, ``out`` and the
     gradients are fp32. ``out`` is not read (the kernels take rowsum(dO * O) as the sum of P * dP
     over each window, which they compute anyway); the argument keeps the kernel pair's signature."""
-    dtype = _kernel_dtype(q)
-    lib = load_library(dtype)
+    dtype, isa = _kernel_dtype(q), target_isa()
+    lib = load_library(dtype, isa)
     grad_out = grad_out.to(dtype)
     batch = q.shape[0]
     dim_v = v.shape[-1] // heads
@@ -372,7 +383,7 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
         g4 = grad_out.contiguous().view(batch, q.shape[1], heads, dim_v)
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
-    direct = na_cpu_plans.backward_direct(dims, lanes(dtype))
+    direct = na_cpu_plans.backward_direct(dims, lanes(dtype, isa))
     if direct and g4.stride(-1) != 1:  # the direct backward loads dO's channels as vectors
         g4 = g4.contiguous()
     strides = torch.tensor(g4.stride(), dtype=torch.int64)

@@ -28,6 +28,7 @@ benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -80,6 +81,7 @@ def choose_kernel(
     if (
         choice == "auto"
         and v is not None
+        and q.device.type == "cuda"  # the flex default's first condition, without its message
         and na_flex.flex_applies(q, v, compute_dtype(q.dtype), rel_pos_bias is not None, math.prod(kernel)) is None
     ):
         return "flex"
@@ -93,17 +95,22 @@ def choose_kernel(
 
 def default_tile(kernel: Sequence[int]) -> Tuple[int, ...]:
     """Queries per tile per axis, for the GEMM kernel and the tile kernel alike (the C kernel
-        ignores them, but its backward may run the GEMM kernel), chosen by measurement
-        (``benchmarks/na.py`` and a sweep of both torch kernels, one core, AVX-512 EPYC).
+    ignores them, but its backward may run the GEMM kernel), chosen by measurement
+    (``benchmarks/na.py`` and a sweep of both torch kernels, one core, AVX-512 EPYC).
 
-        A tile of ``t`` queries along an axis scores ``t + k - 1`` keys where each query needs ``k``:
-        small tiles waste fewer scores, large ones make larger matmuls. For 2-D kernel 7, head_dim
-        16-64, 4x4 measured fastest (2x8 and 4x8 close, 8x8 slower); kernels below 5 get 8. In 3-D the
-        leading axis takes 1 (a 4x4 tile of one depth slice already scores ``kD x 10 x 10`` keys at
-        k7; 2x4x4 measured the same). Where every leading kernel is 1 (1-D calls) the column axis takes
-        ``k + 1`` clamped to [16, 32]: at k7 16 measured 1.7x faster than 8 and the tile kernel's former
+    A tile of ``t`` queries along an axis scores ``t + k - 1`` keys where each query needs ``k``:
+    small tiles waste fewer scores, large ones make larger matmuls. For 2-D kernel 7, head_dim
+    16-64, 4x4 measured fastest (2x8 and 4x8 close, 8x8 slower); kernels below 5 get 8. In 3-D the
+    leading axis takes 1 (a 4x4 tile of one depth slice already scores ``kD x 10 x 10`` keys at
+    k7; 2x4x4 measured the same). Where every leading kernel is 1 (1-D calls) the column axis takes
+    ``k + 1`` clamped to [16, 32]: at k7 16 measured 1.7x faster than 8 and the tile kernel's former
     4, at k33 16 and 32 equal (the tile kernel's 1-D forward: 1.7x at k7, 1.5x at k33).
     """
+    return _default_tile(tuple(kernel))
+
+
+@lru_cache(maxsize=64)
+def _default_tile(kernel: Tuple[int, ...]) -> Tuple[int, ...]:
     lead = math.prod(kernel[:-1])
     per_axis = [4 if k >= 5 else na_layout.DEFAULT_TILE for k in kernel]
     if len(kernel) >= 3:

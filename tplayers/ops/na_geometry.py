@@ -73,7 +73,12 @@ FIELDS = len(Axis._fields)
 def geometry_args(axes: Sequence[Axis], fwd_chunk: int, bwd_chunk: int) -> List[int]:
     """Everything that decides the kernels' tables, as one list of ints: the rank, each axis's
     fields, the forward and backward chunk sizes (score elements per chunk, tile kernel)."""
-    return [len(axes), *(int(x) for axis in axes for x in axis.full()), int(fwd_chunk), int(bwd_chunk)]
+    return list(_geometry_args(tuple(axes), fwd_chunk, bwd_chunk))  # a fresh list: callers may keep it
+
+
+@lru_cache(maxsize=256)
+def _geometry_args(axes: Tuple[Axis, ...], fwd_chunk: int, bwd_chunk: int) -> Tuple[int, ...]:
+    return (len(axes), *(int(x) for axis in axes for x in axis.full()), int(fwd_chunk), int(bwd_chunk))
 
 
 def split_geometry(geo: Sequence[int]) -> Tuple[Tuple[Axis, ...], int, int]:
