@@ -324,3 +324,37 @@ def test_nan_outside_a_causal_window_stays_within_the_kernel_size(monkeypatch):
                 assert expect.any() and not (expect & ~got).any(), where
                 for i, j in (got & ~expect).nonzero().tolist():
                     assert abs(i - 2) <= 2 and abs(j - pos) <= 2, (where, i, j)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_qkv_views_are_read_in_place_and_bitwise_equal(dtype, monkeypatch):
+    """q, k, v as views of one qkv tensor (pixels 3 heads * D apart, as NeighborhoodAttention makes
+    them): the planes kernels read them through their strides (no copies: the strides handed to
+    the kernel are the views') and the output and every gradient equal the contiguous run's bit for
+    bit: 2-D with dilation and causal, 3-D, and a wide 1-D window (the line kernel); the 1-D direct
+    kernel copies (its reads are dense) and is equal too."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    seen = []
+    real = na_cpu._input_strides
+    monkeypatch.setattr(na_cpu, "_input_strides", lambda *a: seen.append(real(*a)) or seen[-1])
+    gen = torch.Generator().manual_seed(11)
+    cases = [(2, (12, 23), 5, dict(dilation=(1, 2), is_causal=(True, False))), (3, (6, 7, 9), 3, {}), (1, (300,), 33, {})]
+    cases.append((1, (200,), 7, {}))
+    for rank, size, kk, extra in cases:
+        fn = getattr(tplayers, f"na{rank}d")
+        qkv = torch.randn(2, *size, 3, 4, 16, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+        views = qkv.unbind(rank + 1)
+        dense = [t.detach().clone().requires_grad_() for t in views]
+        assert not views[0].is_contiguous()
+        seen.clear()
+        out = fn(*views, kk, **extra)
+        strided = [s for s in seen if s is not None]
+        if kk <= na_cpu.lanes(torch.float32 if dtype == torch.bfloat16 else dtype) and rank == 1:
+            assert not strided  # the direct kernel: dense copies
+        else:
+            assert strided and strided[0][1] == 3 * 4 * 16  # q's pixel stride: the view's, read in place
+        ref = fn(*dense, kk, **extra)
+        cot = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
+        got = torch.autograd.grad(out, qkv, cot)[0].unbind(rank + 1)
+        want = torch.autograd.grad(ref, dense, cot)
+        assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(got, want)), (rank, dtype)

@@ -98,10 +98,10 @@ long na_scratch(const int64_t *dims, const int32_t *rows, const int32_t *cols, i
 /* dims: B, heads, Hq, Wq, Hk, Wk, D, Dv, kH, kW, bias table rows. Planes [p0, p1) of the B*heads (batch-major). */
 void na_forward(const void *q, const void *k, const void *v, const T *table, T *out, const int64_t *dims,
                 const int32_t *rows, const int32_t *cols, double scale, const void *plan, T *scratch, int p0, int p1,
-                int bf) {
+                int bf, const int64_t *sx) {
     Geo g;
     long sq[4], sk[4], sv[4];
-    const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sq, sk, sv);
+    const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sx, sq, sk, sv);
     long rk = (long)pl.ring * g.kp, qw = pl.qw;
     const long *jb = pl.jb;
     const int nt = output_streamed(&g);
@@ -244,13 +244,14 @@ static void table_grad(const Geo *g, const Lanes *ln, int i, long j0, int h, con
  * (batch, pixel, head, channel). */
 void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k, const void *v, const T *table,
                  const T *out, T *dq, T *dk, T *dv, T *dtable, const int64_t *dims, const int32_t *rows,
-                 const int32_t *cols, double scale, const void *plan, T *scratch, int p0, int p1, int bf) {
+                 const int32_t *cols, double scale, const void *plan, T *scratch, int p0, int p1, int bf,
+                 const int64_t *sx) {
     Geo g;
     int kv = dk != NULL;
     long sq[4], sk[4], sv[4];
     (void)out; /* delta = rowsum(dO * O) comes from P and dP (softmax_delta) */
     /* a backward plan (na_plan with backward 1 or 2) */
-    const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sq, sk, sv);
+    const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sx, sq, sk, sv);
     long pk = (long)pl.ring * g.kp, qw = pl.qw; /* the planes' rows: a ring (ring_in_kv) */
     long kpad = kv ? pl.kpad : 0, qp = qw + 2 * kpad; /* Q and dO rows: pitch qp, data from kpad */
     const long *jb = pl.jb;

@@ -257,9 +257,9 @@ def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
     ptr, i32, dbl = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     lib.na_scratch.argtypes, lib.na_scratch.restype = [ptr, ptr, ptr, i32], ctypes.c_long
     lib.na_chunks.argtypes, lib.na_chunks.restype = [ptr, ptr, ptr, i32], ctypes.c_int
-    lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32, i32]
+    lib.na_forward.argtypes = [ptr] * 5 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32, i32, ptr]
     lib.na_forward.restype = None
-    lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32, i32]
+    lib.na_backward.argtypes = [ptr] * 11 + [ptr, ptr, ptr, dbl, ptr, ptr, i32, i32, i32, ptr]
     lib.na_backward.restype = None
     na_cpu_plans.declare(lib)
     return lib
@@ -324,15 +324,29 @@ def _split(lib, backward: int, dims: torch.Tensor, tables, planes: int, key):
     return _plane_bounds(planes), na_cpu_plans.plan(lib, key, dims, tables[0], tables[1], backward)
 
 
+def _input_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> Optional[torch.Tensor]:
+    """The element strides (batch, pixel, head, channel) of pixel-major ``q``, ``k``, ``v`` (each
+    ``(B, P, heads*C)`` with its last dim contiguous, e.g. views of one qkv tensor) as the 12 int64s
+    the planes kernels read (``open_call`` in ``na_cpu_plan.h``), or None where all three are dense
+    (the kernels' own strides)."""
+    if all(t.is_contiguous() for t in (q, k, v)):
+        return None
+    return torch.tensor(
+        [s for t in (q, k, v) for s in (t.stride(0), t.stride(1), t.shape[2] // heads, 1)], dtype=torch.int64
+    )
+
+
 def _kernel_dtype(q: torch.Tensor) -> torch.dtype:
     """The build that runs ``q``: bf16 inputs are read by the fp32 kernel (widened as it loads them)."""
     return torch.float32 if q.dtype == torch.bfloat16 else q.dtype
 
 
 def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch.Tensor:
-    """Forward on the C kernel: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv) contiguous,
+    """Forward on the C kernel: ``q`` (B, Pq, heads*D), ``k``/``v`` (B, Pk, heads*D|Dv), each with
+    its last dim contiguous (any batch and pixel strides: views of one qkv tensor are read in place),
     ``table`` (heads, 2kH-1, 2kW-1) or None -> (B, Pq, heads*Dv). bf16 ``q``, ``k``, ``v`` run the
     fp32 kernel (read as bf16, computed in fp32; the output and ``table`` fp32)."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dtype, isa = _kernel_dtype(q), target_isa()
     lib = load_library(dtype, isa)
     batch = q.shape[0]
@@ -343,6 +357,7 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     tab = None if table is None else table.detach().contiguous()
     nl = lanes(dtype, isa)
     if na_cpu_plans.forward_direct(dims, nl):  # na_cpu_direct_fwd.c; queries split over the threads, >= 256 each
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # read in place: dense
         tensors, bf, n = (q, k, v, tab, out, dims, rows, cols), int(q.dtype == torch.bfloat16), batch * q.shape[1]
         w = max(1, min(torch.get_num_threads(), n // 256))
         _parallel(
@@ -354,11 +369,12 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     bounds, plan = _split(lib, 0, dims, (rows, cols), planes, shape)  # shape: everything dims is made of
     # 1-D windows wider than a vector: consecutive blocks share key loads, output in place (na_cpu_line.c)
     entry = lib.na_forward_line if na_cpu_plans.forward_line(dims, nl) else lib.na_forward
+    sx = _input_strides(q, k, v, heads)  # the planes read q, k, v through their strides
 
     def work(p0, p1):
         scratch = q.new_empty(plan.scratch, dtype=dtype)
         tensors = (q, k, v, tab, out, dims, rows, cols)
-        entry(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, int(q.dtype == torch.bfloat16))
+        entry(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, int(q.dtype == torch.bfloat16), _ptr(sx))
 
     _parallel(work, bounds)
     return out
@@ -369,7 +385,9 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     ``dtable`` None without a table. ``grad_out`` may have any strides (an expanded gradient
     of ``.sum()`` is read in place). bf16 ``q``, ``k``, ``v``: ``grad_out``, ``out`` and the
     gradients are fp32. ``out`` is not read (the kernels take rowsum(dO * O) as the sum of P * dP
-    over each window, which they compute anyway); the argument keeps the kernel pair's signature."""
+    over each window, which they compute anyway); the argument keeps the kernel pair's signature.
+    ``q``, ``k``, ``v`` as :func:`c_forward` takes them; the gradients are dense."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dtype, isa = _kernel_dtype(q), target_isa()
     lib = load_library(dtype, isa)
     grad_out = grad_out.to(dtype)
@@ -387,8 +405,11 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     if direct and g4.stride(-1) != 1:  # the direct backward loads dO's channels as vectors
         g4 = g4.contiguous()
     strides = torch.tensor(g4.stride(), dtype=torch.int64)
-    dq = torch.empty_like(q, dtype=dtype)
-    dk, dv = (torch.empty_like(k, dtype=dtype), torch.empty_like(v, dtype=dtype)) if want_kv else (None, None)
+    if direct:  # the direct backward reads q, k, v dense
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    sx = None if direct else _input_strides(q, k, v, heads)
+    dq = q.new_empty(q.shape, dtype=dtype)  # dense, whatever q's strides
+    dk, dv = (k.new_empty(k.shape, dtype=dtype), v.new_empty(v.shape, dtype=dtype)) if want_kv else (None, None)
     bf = int(q.dtype == torch.bfloat16)
     if direct:  # na_cpu_direct_bwd.c: q, k, v, dO read in place, no plan
         bounds = _plane_bounds(planes)
@@ -403,7 +424,7 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
         def work(p0, p1, dtab):
             scratch = q.new_empty(plan.scratch, dtype=dtype)
             tensors = (g4, strides, q, k, v, tab, out, dq, dk, dv, dtab, dims, rows, cols)
-            lib.na_backward(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, bf)
+            lib.na_backward(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, bf, _ptr(sx))
 
     dtabs = [None if tab is None else torch.zeros_like(tab) for _ in bounds]
     _parallel(work, [(p0, p1, d) for (p0, p1), d in zip(bounds, dtabs)])
@@ -448,7 +469,7 @@ def attention_backward(grad_out, q, k, v, table, out, geo: List[int], scale, hea
     dtype = _kernel_dtype(q)
     if backward_in_c(geo, dtype):
         return c_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=want_kv)
-    q, k, v, grad_out = (x.to(dtype) for x in (q, k, v, grad_out))
+    q, k, v, grad_out = (x.to(dtype).contiguous() for x in (q, k, v, grad_out))
     return gemm_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv, want_bias)
 
 

@@ -240,10 +240,10 @@ static void line_softmax(const Geo *g, const Plan *pl, int bk, int h, vt *s, vt 
  * with Dv a multiple of the lanes, at most DMAX vectors (na_cpu_plans.forward_line) */
 void na_forward_line(const void *q, const void *k, const void *v, const T *table, T *out, const int64_t *dims,
                      const int32_t *rows, const int32_t *cols, double scale, const void *plan, T *scratch, int p0,
-                     int p1, int bf) {
+                     int p1, int bf, const int64_t *sx) {
     Geo g;
     long sq[4], sk[4], sv[4];
-    const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sq, sk, sv);
+    const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sx, sq, sk, sv);
     const int n = g.kw, nkp = g.nkp, ndv = g.Dv / L;
     long pk = (long)g.Hk * g.kp, qw = pl.qw;
     const long *jb = pl.jb;

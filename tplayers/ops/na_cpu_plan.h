@@ -240,15 +240,19 @@ static void ring_rows(const Geo *g, Plan *pl) {
 }
 
 /* the start of a call on a plan: its geometry (the key planes' pitch from the plan) and the element
- * strides (batch, pixel, head, channel) of the dense q, k and v; returns the plan */
+ * strides (batch, pixel, head, channel) of q, k and v: sx's 12 (q's four, k's, v's; channel strides
+ * 1, e.g. q, k and v as views of one qkv tensor, pixels 3 heads * D apart) or, sx NULL, the dense
+ * ones; returns the plan */
 static Plan open_call(Geo *g, const int64_t *dims, const int32_t *rows, const int32_t *cols, const T *table,
-                      double scale, const void *plan, long *sq, long *sk, long *sv) {
+                      double scale, const void *plan, const int64_t *sx, long *sq, long *sk, long *sv) {
     const Plan pl = *(const Plan *)plan;
     *g = make_geo(dims, rows, cols, table, scale);
     g->kp = pl.kp;
     dense_strides(g->Hq, g->Wq, g->heads, g->D, sq);
     dense_strides(g->Hk, g->Wk, g->heads, g->D, sk);
     dense_strides(g->Hk, g->Wk, g->heads, g->Dv, sv);
+    if (sx)
+        for (int i = 0; i < 4; i++) { sq[i] = sx[i]; sk[i] = sx[4 + i]; sv[i] = sx[8 + i]; }
     return pl;
 }
 

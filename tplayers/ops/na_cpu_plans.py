@@ -79,7 +79,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.na_forward_1d.restype = None
     lib.na_backward_1d.argtypes = [ptr] * 13 + [ctypes.c_double, i32, i32, i32]
     lib.na_backward_1d.restype = None
-    lib.na_forward_line.argtypes = [ptr] * 5 + [ptr, ptr, ptr, ctypes.c_double, ptr, ptr, i32, i32, i32]
+    lib.na_forward_line.argtypes = [ptr] * 5 + [ptr, ptr, ptr, ctypes.c_double, ptr, ptr, i32, i32, i32, ptr]
     lib.na_forward_line.restype = None
     lib.na_line_blocks.argtypes, lib.na_line_blocks.restype = [ptr, ptr, ptr], i32
     lib.na_row_order.argtypes, lib.na_row_order.restype = [ptr, ptr, ptr, ptr], i32

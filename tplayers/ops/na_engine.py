@@ -169,8 +169,10 @@ def neighborhood_attention(
     ]
     geo = geometry_args(axes, fwd_chunk, bwd_chunk)
 
-    def pixels(x: torch.Tensor) -> torch.Tensor:  # (B, *S, heads, D) -> (B, prod(S), heads*D)
-        return x.reshape(batch, math.prod(x.shape[1 : 1 + rank]), -1).contiguous()
+    def pixels(x: torch.Tensor, dense: bool = True) -> torch.Tensor:  # (B, *S, heads, D) -> (B, prod(S), heads*D)
+        x = x.reshape(batch, math.prod(x.shape[1 : 1 + rank]), -1)
+        # the C kernel reads any batch / pixel strides (q, k, v as views of one qkv tensor: no copies)
+        return x.contiguous() if dense or x.stride(-1) != 1 else x
 
     out_shape = (*q.shape[:-1], -1)
     low = q.dtype if compute != q.dtype else None
@@ -183,7 +185,10 @@ def neighborhood_attention(
             kernels = fp32_kernels(kernels, expand=which == "c", convert=not (which == "c" and low == torch.bfloat16))
         elif which == "c":  # the C kernel reads as many key/value heads as query heads
             k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
-        out = GeoAttention.apply(pixels(q), pixels(k), pixels(v), rel_pos_bias, geo, scale, heads, kernels)
+        dense = which != "c" or (low is not None and low != torch.bfloat16)  # fp16 is converted: dense
+        out = GeoAttention.apply(
+            pixels(q, dense), pixels(k, dense), pixels(v, dense), rel_pos_bias, geo, scale, heads, kernels
+        )
         return (out if low is None else out.to(low)).view(out_shape)
     if which == "flex":  # bf16 / fp16 as they are: fp32 scores, softmax and sums inside (na_flex)
         return flex_attention_na(q, k, v, axes, scale, compiled=q.device.type == "cuda")
