@@ -19,6 +19,7 @@ from na_oracle import assert_out_and_grads, at_thread_counts, brute_na, brute_na
 import tplayers
 from tplayers.ops import na_cpu, na_dispatch
 from tplayers.ops.na_engine import neighborhood_attention
+from tplayers.ops.na_geometry import Axis, geometry_args
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -329,32 +330,54 @@ def test_nan_outside_a_causal_window_stays_within_the_kernel_size(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_qkv_views_are_read_in_place_and_bitwise_equal(dtype, monkeypatch):
     """q, k, v as views of one qkv tensor (pixels 3 heads * D apart, as NeighborhoodAttention makes
-    them): the planes kernels read them through their strides (no copies: the strides handed to
-    the kernel are the views') and the output and every gradient equal the contiguous run's bit for
-    bit: 2-D with dilation and causal, 3-D, and a wide 1-D window (the line kernel); the 1-D direct
-    kernel copies (its reads are dense) and is equal too."""
+    them): without a backward to follow, the planes kernels read them through their strides (the
+    strides handed to the kernel are the views'), with one they get dense copies; the output equals
+    the contiguous run's bit for bit either way, and so do the gradients: 2-D with dilation and
+    causal, 3-D, a wide 1-D window (the line kernel) and the 1-D direct kernel (dense copies: its
+    reads are dense). The backward kernel reading views (GeoAttention on views) is exact too."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     seen = []
     real = na_cpu._input_strides
     monkeypatch.setattr(na_cpu, "_input_strides", lambda *a: seen.append(real(*a)) or seen[-1])
     gen = torch.Generator().manual_seed(11)
-    cases = [(2, (12, 23), 5, dict(dilation=(1, 2), is_causal=(True, False))), (3, (6, 7, 9), 3, {}), (1, (300,), 33, {})]
+    cases = [
+        (2, (12, 23), 5, dict(dilation=(1, 2), is_causal=(True, False))),
+        (3, (6, 7, 9), 3, {}),
+        (1, (300,), 33, {}),
+    ]
     cases.append((1, (200,), 7, {}))
     for rank, size, kk, extra in cases:
         fn = getattr(tplayers, f"na{rank}d")
-        qkv = torch.randn(2, *size, 3, 4, 16, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+        qkv = torch.randn(2, *size, 3, 4, 16, generator=gen, dtype=torch.float64).to(dtype)
         views = qkv.unbind(rank + 1)
-        dense = [t.detach().clone().requires_grad_() for t in views]
+        dense = [t.clone().requires_grad_() for t in views]
         assert not views[0].is_contiguous()
+        direct = rank == 1 and kk <= na_cpu.lanes(torch.float32 if dtype == torch.bfloat16 else dtype)
         seen.clear()
-        out = fn(*views, kk, **extra)
+        with torch.no_grad():
+            out = fn(*views, kk, **extra)
         strided = [s for s in seen if s is not None]
-        if kk <= na_cpu.lanes(torch.float32 if dtype == torch.bfloat16 else dtype) and rank == 1:
-            assert not strided  # the direct kernel: dense copies
-        else:
-            assert strided and strided[0][1] == 3 * 4 * 16  # q's pixel stride: the view's, read in place
+        assert not strided if direct else strided and strided[0][1] == 3 * 4 * 16, (rank, seen)
         ref = fn(*dense, kk, **extra)
+        assert torch.equal(out, ref), (rank, dtype)
+        seen.clear()
+        leaf = qkv.clone().requires_grad_()
+        trained = fn(*leaf.unbind(rank + 1), kk, **extra)
+        assert all(s is None for s in seen)  # a backward follows: dense copies
         cot = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
-        got = torch.autograd.grad(out, qkv, cot)[0].unbind(rank + 1)
+        got = torch.autograd.grad(trained, leaf, cot)[0].unbind(rank + 1)
         want = torch.autograd.grad(ref, dense, cot)
-        assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(got, want)), (rank, dtype)
+        assert torch.equal(trained, ref) and all(torch.equal(a, b) for a, b in zip(got, want)), (rank, dtype)
+    # the plane kernels themselves on views (forward and backward), against dense inputs
+    geo = geometry_args([Axis(9, 3, 1, 1, 0, 0, 9, 0, 9, 4), Axis(20, 5, 1, 1, 0, 0, 20, 0, 20, 4)], 1 << 17, 1 << 15)
+    qkv = torch.randn(2, 180, 3, 4 * 16, generator=gen, dtype=torch.float64).to(dtype)
+    views, dense = qkv.unbind(2), [t.contiguous() for t in qkv.unbind(2)]
+    seen.clear()
+    out = na_cpu.c_forward(*views, None, geo, 0.25, 4)
+    cot = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.dtype)
+    got = na_cpu.c_backward(cot, *views, None, out, geo, 0.25, 4)
+    assert len(seen) == 2 and all(s is not None for s in seen)  # both kernels read the views in place
+    ref = na_cpu.c_forward(*dense, None, geo, 0.25, 4)
+    want = na_cpu.c_backward(cot, *dense, None, ref, geo, 0.25, 4)
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, b) and a.is_contiguous() for a, b in zip(got[:3], want[:3]))

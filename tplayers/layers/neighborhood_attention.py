@@ -256,17 +256,17 @@ class NeighborhoodAttention(NALayout, ShardedModule):
         w_qkv, b_qkv, w_proj, b_proj, rpb = self._params()
         local = tuple(x.shape[: rank + 1])  # (B, *local spatial)
         qkv = F.linear(x, w_qkv, b_qkv).view(*local, 3, self.num_heads, self.head_dim)
-        q, kv = qkv.select(rank + 1, 0), qkv.narrow(rank + 1, 1, 2)  # (B, *s, heads, hd), (B, *s, 2, heads, hd)
         k_offset = offset
-        if plans is not None:  # only K and V travel: the window core's N-d halo exchange (plans per axis)
+        if plans is None:  # views of qkv (backward: one stack, not a zero-filled qkv per slice)
+            q, k, v = qkv.unbind(rank + 1)
+        else:  # only K and V travel: the window core's N-d halo exchange (plans per axis)
+            q, kv = qkv.select(rank + 1, 0), qkv.narrow(rank + 1, 1, 2)  # (B, *s, heads, hd), (B, *s, 2, heads, hd)
             groups = {d + 1: self._groups[self.shard_dims.index(d)] for d in plans}
             # K and V leading (a view): the padded buffer holds each of them contiguous, as the kernels
             # read them (no copy of K and V before the exchange, none after it)
             kv = gather_windows(kv.movedim(rank + 1, 0), {d + 1: p for d, p in plans.items()}, groups, "zeros")
             k_offset = tuple(plans[1 + a].in_start if 1 + a in plans else offset[a] for a in range(rank))
             k, v = kv.unbind(0)
-        else:
-            k, v = kv.unbind(rank + 1)
         out = neighborhood_attention(
             q,
             k,
