@@ -185,11 +185,9 @@ def neighborhood_attention(
             kernels = fp32_kernels(kernels, expand=which == "c", convert=not (which == "c" and low == torch.bfloat16))
         elif which == "c":  # the C kernel reads as many key/value heads as query heads
             k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
-        # the C kernel reads views (e.g. of one qkv tensor) in place where no backward follows (1.09-1.17x
-        # the forward with copies, benchmarks/na_module.py); with one, dense copies serve both passes (the
-        # backward read strided views 0.95x); fp16 is converted anyway
-        training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, rel_pos_bias) if t is not None)
-        dense = which != "c" or training or (low is not None and low != torch.bfloat16)
+        # the C kernel reads views (e.g. of one qkv tensor) in place, forward and backward: no copies
+        # (benchmarks/na_module.py); fp16 is converted anyway
+        dense = which != "c" or (low is not None and low != torch.bfloat16)
         out = GeoAttention.apply(
             pixels(q, dense), pixels(k, dense), pixels(v, dense), rel_pos_bias, geo, scale, heads, kernels
         )
