@@ -260,7 +260,8 @@ class NeighborhoodAttention(NALayout, ShardedModule):
         if plans is None:  # views of qkv (backward: one stack, not a zero-filled qkv per slice)
             q, k, v = qkv.unbind(rank + 1)
         else:  # only K and V travel: the window core's N-d halo exchange (plans per axis)
-            q, kv = qkv.select(rank + 1, 0), qkv.narrow(rank + 1, 1, 2)  # (B, *s, heads, hd), (B, *s, 2, heads, hd)
+            q, kv = qkv.split((1, 2), rank + 1)  # views; backward: one cat (select / narrow: a zero-filled qkv each)
+            q = q.squeeze(rank + 1)  # (B, *s, heads, hd); kv (B, *s, 2, heads, hd)
             groups = {d + 1: self._groups[self.shard_dims.index(d)] for d in plans}
             # K and V leading (a view): the padded buffer holds each of them contiguous, as the kernels
             # read them (no copy of K and V before the exchange, none after it)
