@@ -73,12 +73,16 @@ FIELDS = len(Axis._fields)
 def geometry_args(axes: Sequence[Axis], fwd_chunk: int, bwd_chunk: int) -> List[int]:
     """Everything that decides the kernels' tables, as one list of ints: the rank, each axis's
     fields, the forward and backward chunk sizes (score elements per chunk, tile kernel)."""
-    return list(_geometry_args(tuple(axes), fwd_chunk, bwd_chunk))  # a fresh list: callers may keep it
+    # cached per geometry, except where torch.compile traces it (Dynamo warns on lru_cache and traces through it)
+    fn = _geometry_tuple if torch.compiler.is_compiling() else _geometry_cached
+    return list(fn(tuple(axes), fwd_chunk, bwd_chunk))  # a fresh list: callers may keep it
 
 
-@lru_cache(maxsize=256)
-def _geometry_args(axes: Tuple[Axis, ...], fwd_chunk: int, bwd_chunk: int) -> Tuple[int, ...]:
+def _geometry_tuple(axes: Tuple[Axis, ...], fwd_chunk: int, bwd_chunk: int) -> Tuple[int, ...]:
     return (len(axes), *(int(x) for axis in axes for x in axis.full()), int(fwd_chunk), int(bwd_chunk))
+
+
+_geometry_cached = lru_cache(maxsize=256)(_geometry_tuple)
 
 
 def split_geometry(geo: Sequence[int]) -> Tuple[Tuple[Axis, ...], int, int]:
