@@ -324,16 +324,19 @@ def _split(lib, backward: int, dims: torch.Tensor, tables, planes: int, key):
     return _plane_bounds(planes), na_cpu_plans.plan(lib, key, dims, tables[0], tables[1], backward)
 
 
-def _input_strides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> Optional[torch.Tensor]:
-    """The element strides (batch, pixel, head, channel) of pixel-major ``q``, ``k``, ``v`` (each
-    ``(B, P, heads*C)`` with its last dim contiguous, e.g. views of one qkv tensor) as the 12 int64s
-    the planes kernels read (``open_call`` in ``na_cpu_plan.h``), or None where all three are dense
-    (the kernels' own strides)."""
+def _kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, direct: bool):
+    """``(q, k, v, sx)`` as a C kernel reads pixel-major ``(B, P, heads*C)`` inputs: the 1-D direct
+    kernels (``direct``) dense copies and ``sx`` None; the planes kernels any batch / pixel strides
+    (e.g. views of one qkv tensor, read in place; a last dim that is not contiguous is copied) and
+    ``sx`` their element strides (batch, pixel, head, channel) as the 12 int64s ``open_call`` reads
+    (``na_cpu_plan.h``), None where all three are dense (the kernels' own strides)."""
+    if direct:
+        return q.contiguous(), k.contiguous(), v.contiguous(), None
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     if all(t.is_contiguous() for t in (q, k, v)):
-        return None
-    return torch.tensor(
-        [s for t in (q, k, v) for s in (t.stride(0), t.stride(1), t.shape[2] // heads, 1)], dtype=torch.int64
-    )
+        return q, k, v, None
+    sx = [s for t in (q, k, v) for s in (t.stride(0), t.stride(1), t.shape[2] // heads, 1)]
+    return q, k, v, torch.tensor(sx, dtype=torch.int64)
 
 
 def _kernel_dtype(q: torch.Tensor) -> torch.dtype:
@@ -346,7 +349,6 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     its last dim contiguous (any batch and pixel strides: views of one qkv tensor are read in place),
     ``table`` (heads, 2kH-1, 2kW-1) or None -> (B, Pq, heads*Dv). bf16 ``q``, ``k``, ``v`` run the
     fp32 kernel (read as bf16, computed in fp32; the output and ``table`` fp32)."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dtype, isa = _kernel_dtype(q), target_isa()
     lib = load_library(dtype, isa)
     batch = q.shape[0]
@@ -356,8 +358,9 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     out = q.new_empty(batch, q.shape[1], v.shape[-1], dtype=dtype)
     tab = None if table is None else table.detach().contiguous()
     nl = lanes(dtype, isa)
-    if na_cpu_plans.forward_direct(dims, nl):  # na_cpu_direct_fwd.c; queries split over the threads, >= 256 each
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # read in place: dense
+    direct = na_cpu_plans.forward_direct(dims, nl)
+    q, k, v, sx = _kernel_inputs(q, k, v, heads, direct)
+    if direct:  # na_cpu_direct_fwd.c; queries split over the threads, >= 256 each
         tensors, bf, n = (q, k, v, tab, out, dims, rows, cols), int(q.dtype == torch.bfloat16), batch * q.shape[1]
         w = max(1, min(torch.get_num_threads(), n // 256))
         _parallel(
@@ -369,7 +372,6 @@ def c_forward(q, k, v, table, geo: List[int], scale: float, heads: int) -> torch
     bounds, plan = _split(lib, 0, dims, (rows, cols), planes, shape)  # shape: everything dims is made of
     # 1-D windows wider than a vector: consecutive blocks share key loads, output in place (na_cpu_line.c)
     entry = lib.na_forward_line if na_cpu_plans.forward_line(dims, nl) else lib.na_forward
-    sx = _input_strides(q, k, v, heads)  # the planes read q, k, v through their strides
 
     def work(p0, p1):
         scratch = q.new_empty(plan.scratch, dtype=dtype)
@@ -387,7 +389,6 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     gradients are fp32. ``out`` is not read (the kernels take rowsum(dO * O) as the sum of P * dP
     over each window, which they compute anyway); the argument keeps the kernel pair's signature.
     ``q``, ``k``, ``v`` as :func:`c_forward` takes them; the gradients are dense."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     dtype, isa = _kernel_dtype(q), target_isa()
     lib = load_library(dtype, isa)
     grad_out = grad_out.to(dtype)
@@ -405,9 +406,7 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
     if direct and g4.stride(-1) != 1:  # the direct backward loads dO's channels as vectors
         g4 = g4.contiguous()
     strides = torch.tensor(g4.stride(), dtype=torch.int64)
-    if direct:  # the direct backward reads q, k, v dense
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    sx = None if direct else _input_strides(q, k, v, heads)
+    q, k, v, sx = _kernel_inputs(q, k, v, heads, direct)
     dq = q.new_empty(q.shape, dtype=dtype)  # dense, whatever q's strides
     dk, dv = (k.new_empty(k.shape, dtype=dtype), v.new_empty(v.shape, dtype=dtype)) if want_kv else (None, None)
     bf = int(q.dtype == torch.bfloat16)

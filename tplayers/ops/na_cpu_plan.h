@@ -248,11 +248,13 @@ static Plan open_call(Geo *g, const int64_t *dims, const int32_t *rows, const in
     const Plan pl = *(const Plan *)plan;
     *g = make_geo(dims, rows, cols, table, scale);
     g->kp = pl.kp;
-    dense_strides(g->Hq, g->Wq, g->heads, g->D, sq);
-    dense_strides(g->Hk, g->Wk, g->heads, g->D, sk);
-    dense_strides(g->Hk, g->Wk, g->heads, g->Dv, sv);
     if (sx)
         for (int i = 0; i < 4; i++) { sq[i] = sx[i]; sk[i] = sx[4 + i]; sv[i] = sx[8 + i]; }
+    else {
+        dense_strides(g->Hq, g->Wq, g->heads, g->D, sq);
+        dense_strides(g->Hk, g->Wk, g->heads, g->D, sk);
+        dense_strides(g->Hk, g->Wk, g->heads, g->Dv, sv);
+    }
     return pl;
 }
 

@@ -28,12 +28,12 @@ benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 import torch
 
 from tplayers.ops import na_cpu, na_flex, na_layout
+from tplayers.ops.na_geometry import eager_cached
 
 __all__ = ["choose_kernel", "default_tile", "compute_dtype", "DTYPES", "check_dtype"]
 
@@ -106,10 +106,10 @@ def default_tile(kernel: Sequence[int]) -> Tuple[int, ...]:
     ``k + 1`` clamped to [16, 32]: at k7 16 measured 1.7x faster than 8 and the tile kernel's former
     4, at k33 16 and 32 equal (the tile kernel's 1-D forward: 1.7x at k7, 1.5x at k33).
     """
-    # cached, except where torch.compile traces it (Dynamo warns on lru_cache and traces through it)
-    return (_default_tile if torch.compiler.is_compiling() else _default_tile_cached)(tuple(kernel))
+    return _default_tile(tuple(kernel))
 
 
+@eager_cached(64)
 def _default_tile(kernel: Tuple[int, ...]) -> Tuple[int, ...]:
     lead = math.prod(kernel[:-1])
     per_axis = [4 if k >= 5 else na_layout.DEFAULT_TILE for k in kernel]
@@ -118,6 +118,3 @@ def _default_tile(kernel: Tuple[int, ...]) -> Tuple[int, ...]:
     if lead == 1:
         per_axis[-1] = max(16, min(32, kernel[-1] + 1))
     return tuple(per_axis)
-
-
-_default_tile_cached = lru_cache(maxsize=64)(_default_tile)

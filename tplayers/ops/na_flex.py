@@ -61,8 +61,8 @@ def flex_applies(
     """None when the flex kernel is the default for this call, else why not: a CUDA tensor (other
     devices run it only when forced), fp32 / bf16 / fp16 (``compute``: fp32 for all three, see
     :func:`~tplayers.ops.na_dispatch.compute_dtype`; bf16 / fp16 then run natively, see the module
-    docstring; fp64 runs the tile kernel), one head dim for q, k and v among :data:`HEAD_DIMS`, no relative-position bias, a
-    block mask (8 bytes a block pair) within :data:`MAX_BLOCK_PAIRS` pairs and within the
+    docstring; fp64 runs the tile kernel), one head dim for q, k and v among :data:`HEAD_DIMS`, no
+    relative-position bias, a block mask (8 bytes a block pair) within :data:`MAX_BLOCK_PAIRS` pairs and within the
     kernels' memory bound, 4x the fp32 scores ``B * heads * Lq * window`` (``window``: the keys of
     one query's window; beyond, the tile kernel runs, its memory linear in the tokens), a torch
     with ``flex_attention``."""

@@ -18,7 +18,7 @@ as one flat list of ints (:func:`geometry_args`; also a custom-op argument for
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import lru_cache, wraps
 from typing import List, NamedTuple, Sequence, Tuple
 
 import torch
@@ -73,16 +73,29 @@ FIELDS = len(Axis._fields)
 def geometry_args(axes: Sequence[Axis], fwd_chunk: int, bwd_chunk: int) -> List[int]:
     """Everything that decides the kernels' tables, as one list of ints: the rank, each axis's
     fields, the forward and backward chunk sizes (score elements per chunk, tile kernel)."""
-    # cached per geometry, except where torch.compile traces it (Dynamo warns on lru_cache and traces through it)
-    fn = _geometry_tuple if torch.compiler.is_compiling() else _geometry_cached
-    return list(fn(tuple(axes), fwd_chunk, bwd_chunk))  # a fresh list: callers may keep it
+    return list(_geometry_tuple(tuple(axes), fwd_chunk, bwd_chunk))  # a fresh list: callers may keep it
 
 
+def eager_cached(maxsize: int):
+    """``lru_cache(maxsize)`` for eager calls; where ``torch.compile`` traces the function it runs
+    uncached (Dynamo warns on an ``lru_cache`` wrapper and traces through it anyway). For the
+    per-call front door of the kernels: small pure functions of hashable arguments."""
+
+    def wrap(fn):
+        cached = lru_cache(maxsize=maxsize)(fn)
+
+        @wraps(fn)
+        def call(*args):
+            return (fn if torch.compiler.is_compiling() else cached)(*args)
+
+        return call
+
+    return wrap
+
+
+@eager_cached(256)
 def _geometry_tuple(axes: Tuple[Axis, ...], fwd_chunk: int, bwd_chunk: int) -> Tuple[int, ...]:
     return (len(axes), *(int(x) for axis in axes for x in axis.full()), int(fwd_chunk), int(bwd_chunk))
-
-
-_geometry_cached = lru_cache(maxsize=256)(_geometry_tuple)
 
 
 def split_geometry(geo: Sequence[int]) -> Tuple[Tuple[Axis, ...], int, int]:
