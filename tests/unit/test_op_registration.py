@@ -83,3 +83,46 @@ def test_registry_docstring_example():
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_import_leaves_dynamo_unloaded_until_a_domain_region_is_made():
+    """``import tplayers`` (every module) does not import Dynamo (about 1.2 s of a 2 s import on a
+    2-vCPU Xeon): :func:`~tplayers.ops.registry.constant_result` marks the ``ensure_*`` functions and
+    the layout priming as ``torch.compiler.assume_constant_result`` does (same attributes), and the
+    refusals' graph breaks (:class:`~tplayers.ops.registry.GraphBreak`) are built when a domain region
+    is made; an eager tensor-parallel layer never loads it."""
+    out = _run("""
+        import sys
+        assert "torch._dynamo" not in sys.modules, "import tplayers loaded Dynamo"
+        from tplayers.ops.registry import constant_result
+
+        def mine():
+            return 1
+
+        def public():
+            return 1
+
+        constant_result(mine)
+        marks = {k: v for k, v in vars(mine).items()}
+        assert "torch._dynamo" not in sys.modules
+        torch.compiler.assume_constant_result(public)
+        assert marks == dict(vars(public)) and marks, (marks, vars(public))
+        print("ok")
+    """)
+    assert out.strip() == "ok"
+    out = _run("""
+        import sys
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        layer = tplayers.ColumnParallelLinear(4, 6)
+        layer(torch.randn(2, 4))
+        assert "torch._dynamo" not in sys.modules, "an eager tensor-parallel layer loaded Dynamo"
+        model = torch.nn.Sequential(torch.nn.Conv2d(2, 2, 3, padding=1), torch.nn.ReLU())
+        tplayers.parallelize_module(model, {"": tplayers.DomainParallel(shard_dims=(2,))})
+        assert "torch._dynamo" in sys.modules, "a domain region builds its refusals"
+        from tplayers.region.compiled import refuse_routed, refuse_unchecked
+        assert refuse_routed._disabled is not None and refuse_unchecked._disabled is not None
+        dist.destroy_process_group()
+        print("ok")
+    """)
+    assert out.strip() == "ok"

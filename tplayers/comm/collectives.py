@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from tplayers.comm.accounting import record_collective
-from tplayers.ops.registry import OpSpec, register
+from tplayers.ops.registry import OpSpec, constant_result, register
 from tplayers.sharding import offsets_from_sizes, shard_range, shard_sizes
 
 __all__ = [
@@ -413,7 +413,7 @@ _OPS = (
 )
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def ensure_collective_ops() -> bool:
     """Register ``tplayers::all_reduce`` and ``tplayers::all_gather`` unless they are registered
     already (idempotent); called right before one of them is used while compiling."""

@@ -44,7 +44,7 @@ from tplayers.comm.accounting import record_collective
 from tplayers.comm.collectives import exchange_p2p, group_by_name
 from tplayers.comm.halo_route import HaloRoute, halo_route
 from tplayers.ops import pack_faces, unpack_faces
-from tplayers.ops.registry import OpSpec, register
+from tplayers.ops.registry import OpSpec, constant_result, register
 
 __all__ = [
     "HaloRoute",
@@ -350,7 +350,7 @@ _OPS = (
 )
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def ensure_halo_ops() -> bool:
     """Register ``tplayers::halo_pad`` and ``tplayers::halo_adjoint`` unless they are registered
     already (idempotent); called right before one of them is used while compiling."""

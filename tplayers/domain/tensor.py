@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from tplayers.domain.active import in_guarded_call
+from tplayers.ops.registry import GraphBreak
 
 __all__ = ["DomainTensor", "plain", "wrap"]
 
@@ -64,13 +65,20 @@ class DomainTensor(torch.Tensor):
         return region.run_op(func, args, kwargs)
 
 
-@torch.compiler.disable
-def _refuse_compiled() -> None:
-    raise ValueError(
-        "DomainTensor: an op on domain-sharded data that left its region's call, inside code traced by "
-        "torch.compile (which the region's rules do not run in): gather it first (tplayers.gather), "
-        "run that code eagerly, or compile the whole call"
-    )
+_LEFT = (
+    "DomainTensor: an op on domain-sharded data that left its region's call, inside code traced by "
+    "torch.compile (which the region's rules do not run in): gather it first (tplayers.gather), "
+    "run that code eagerly, or compile the whole call"
+)
+
+
+def _left() -> None:
+    raise ValueError(_LEFT)
+
+
+# a graph break, so the ValueError reaches the caller; built when a region is made (its DomainTensors come
+# after), not at import (tplayers.region.compiled.prepare_refusals)
+_refuse_compiled = GraphBreak(_left, _LEFT)
 
 
 def _first_region(args, kwargs):

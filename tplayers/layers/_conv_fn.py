@@ -36,7 +36,7 @@ from tplayers.comm.collectives import group_by_name
 from tplayers.comm.halo import format_of, halo_adjoint, halo_pad, state_codes, state_from_codes
 from tplayers.comm.halo_route import HaloRoute, halo_route
 from tplayers.layers._conv_twice import twice_backward
-from tplayers.ops.registry import OpSpec, register
+from tplayers.ops.registry import OpSpec, constant_result, register
 from tplayers.window_plan import AxisPlan, EdgeGeometry
 
 __all__ = [
@@ -398,7 +398,7 @@ def _halo_conv_backward_fake(gxp, flat, has_x, dim, group_name, recv, send, n, l
     return grad_x, torch.empty_like(flat)
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def _ensure_conv_ops() -> bool:
     """Register ``tplayers::halo_conv_backward`` on first use (idempotent; see :mod:`tplayers.ops.registry`)."""
     return register([OpSpec("tplayers::halo_conv_backward", _halo_conv_backward_op, _halo_conv_backward_fake)])

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from tplayers.layers._common import ShardedModule
+from tplayers.ops.registry import constant_result
 from tplayers.sharding import ShardSpec
 
 __all__ = ["DomainLayer", "ntuple"]
@@ -47,7 +48,7 @@ def layout_priming() -> bool:
 @contextlib.contextmanager
 def priming():
     """Mark the eager layout computation a layer runs while ``torch.compile`` traces it (inside a
-    ``torch._dynamo.assume_constant_result`` method): ``is_compiling()`` is True there, and the
+    :func:`~tplayers.ops.registry.constant_result` method): ``is_compiling()`` is True there, and the
     layer must compute its layout instead of priming again."""
     global _PRIMING
     _PRIMING = True
@@ -201,7 +202,7 @@ class DomainLayer(ShardedModule):
         self._tables[key] = table
         return self._layouts[key]
 
-    @torch._dynamo.assume_constant_result
+    @constant_result
     def _prime_layout(
         self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, ref_dtype: Optional[torch.dtype]
     ) -> int:

@@ -13,6 +13,7 @@ from tplayers.layers._common import autocast_dtype_ok
 from tplayers.layers._domain import layout_priming, priming
 from tplayers.ops.na import AXIS_NAMES
 from tplayers.ops.na_layout import axis_plans
+from tplayers.ops.registry import constant_result
 
 __all__ = ["NALayout", "_Layout"]
 
@@ -108,7 +109,7 @@ class NALayout:
         self._tables[key] = table
         return self._layouts[key]
 
-    @torch._dynamo.assume_constant_result
+    @constant_result
     def _prime_layout(self, shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> int:
         """Fill the layout cache for an input of ``shape`` eagerly while ``torch.compile`` traces
         (as :meth:`tplayers.layers._domain.DomainLayer._prime_layout`): every rank traces the same

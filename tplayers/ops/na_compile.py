@@ -31,7 +31,7 @@ from tplayers.ops import na_cpu, na_dispatch
 from tplayers.ops.na_gemm import gemm_backward, gemm_forward
 from tplayers.ops.na_geometry import split_geometry
 from tplayers.ops.na_kernel import TileAttention, tile_backward, tile_plans
-from tplayers.ops.registry import OpSpec, register
+from tplayers.ops.registry import OpSpec, constant_result, register
 
 __all__ = ["na2d_tiles", "ensure_na_ops", "expand_heads", "fold_heads"]
 
@@ -147,7 +147,7 @@ _OPS = (
 )
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def ensure_na_ops() -> bool:
     """Register ``tplayers::na2d_tiles`` and its backward unless they are registered already."""
     return register(_OPS)

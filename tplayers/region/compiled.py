@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from torch import nn
 
+from tplayers.domain.tensor import _refuse_compiled
 from tplayers.layers._common import RegionAware
+from tplayers.ops.registry import GraphBreak
 
-__all__ = ["plainly_local", "refuse_routed", "refuse_unchecked"]
+__all__ = ["plainly_local", "prepare_refusals", "refuse_routed", "refuse_unchecked"]
 
 # modules whose forward is one op exact on local data, with no parameter: a region made of these and twins
 # needs no guard, whether or not an eager call checked it
@@ -43,14 +44,23 @@ _UNCHECKED = (
 )
 
 
-# Called from code being traced by torch.compile: run eagerly (a graph break), so the ValueError reaches
-# the caller instead of sending the traced frame back to eager; under fullgraph=True, Dynamo's error
-# names the reason.
-@torch.compiler.disable(reason=f"tplayers domain region: {_ROUTED}")
-def refuse_routed(name: str) -> None:
+def _routed(name: str) -> None:
     raise ValueError(f"domain region {name}: {_ROUTED}")
 
 
-@torch.compiler.disable(reason=f"tplayers domain region: {_UNCHECKED}")
-def refuse_unchecked(name: str) -> None:
+def _unchecked(name: str) -> None:
     raise ValueError(f"domain region {name}: {_UNCHECKED}")
+
+
+# Called from code being traced by torch.compile: run eagerly (a graph break), so the ValueError reaches
+# the caller instead of sending the traced frame back to eager; under fullgraph=True, Dynamo's error
+# names the reason. Built when a region scope is made (prepare_refusals), not at import.
+refuse_routed = GraphBreak(_routed, f"tplayers domain region: {_ROUTED}")
+refuse_unchecked = GraphBreak(_unchecked, f"tplayers domain region: {_UNCHECKED}")
+
+
+def prepare_refusals() -> None:
+    """Build the trace-time refusals' graph breaks now, eagerly (importing Dynamo): a region calls this
+    when it is made, so that a ``fullgraph=True`` error names the refusal's reason."""
+    for refusal in (refuse_routed, refuse_unchecked, _refuse_compiled):
+        refusal.prepare()

@@ -40,7 +40,7 @@ from tplayers.domain.tensor import plain
 from tplayers.layers._common import replicated_tensors
 from tplayers.mesh import resolve_mesh
 from tplayers.region.aliases import Aliases
-from tplayers.region.compiled import plainly_local, refuse_routed, refuse_unchecked
+from tplayers.region.compiled import plainly_local, prepare_refusals, refuse_routed, refuse_unchecked
 from tplayers.region.guard import RegionGuard, active_guard
 from tplayers.region.outside import outside_guard, run_op, wrap_outputs
 
@@ -60,6 +60,7 @@ class DomainRegion:
                 f"{len(self.shard_dims)}-D mesh, got a {self.mesh.ndim}-D one"
             )
         self.name = name or "<root>"
+        prepare_refusals()  # before any tracing (Dynamo is imported here, not with tplayers)
         self.routes: Dict = {}
         self._table: Optional[List] = None
         # per module a call ran (the root, or a member called outside it): the last table such a call ran
