@@ -8,7 +8,6 @@ from typing import Dict
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from tplayers.checkpoint.layout import (
     LocalTensor,
@@ -21,6 +20,7 @@ from tplayers.checkpoint.layout import (
 )
 from tplayers.checkpoint.wrapped import unwrap
 from tplayers.comm import all_gather_along_dim
+from tplayers.mesh import is_dtensor
 
 
 def gather_state_dict(model: nn.Module, *, all_ranks: bool = False) -> Dict[str, torch.Tensor]:
@@ -103,7 +103,7 @@ def gather_grads(model: nn.Module, *, all_ranks: bool = False) -> Dict[str, torc
     grads = {}
     for k in sorted(set(local) - set(missing)):  # the same collective order on every rank
         g = params[k].grad
-        if isinstance(g, DTensor):  # an FSDP2 gradient: the whole tensor, as local_tensors does for its parameter
+        if is_dtensor(g):  # an FSDP2 gradient: the whole tensor, as local_tensors does for its parameter
             g = g.full_tensor()
         grads[k] = replace(local[k], tensor=g)
     full = _gather(grads, all_ranks)

@@ -29,9 +29,9 @@ from typing import Callable, List, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel
+
+from tplayers.mesh import is_dtensor
 
 __all__ = ["unwrap", "is_dtensor", "full_local", "Staging"]
 
@@ -45,11 +45,6 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
-
-
-def is_dtensor(t) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter or its state)."""
-    return isinstance(t, DTensor)
 
 
 def full_local(t: torch.Tensor) -> torch.Tensor:
@@ -84,6 +79,8 @@ class Staging:
         self._actions.append(action)
 
     def finish(self) -> None:
+        if self._copies:  # DTensors: their module is loaded
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
         with torch.no_grad():
             for dt, buf in self._copies:
                 shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)

@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.function import once_differentiable
-from torch.distributed.tensor import DTensor
 
 from tplayers.comm.accounting import record_collective
 from tplayers.comm.collectives import all_reduce_sum
+from tplayers.mesh import is_dtensor
 
 __all__ = ["BUCKET_BYTES", "GradBuckets", "region_params", "using_buckets"]
 
@@ -161,7 +161,7 @@ def bucketed_params(root: nn.Module) -> List[nn.Parameter]:
             continue
         for name in ("bias", "weight"):
             p = m._parameters.get(name)
-            if isinstance(p, nn.Parameter) and not isinstance(p, DTensor) and p.requires_grad and id(p) not in seen:
+            if isinstance(p, nn.Parameter) and not is_dtensor(p) and p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
     return params
