@@ -173,11 +173,22 @@ BUILD_AND_CHECK = """
 """
 
 
-def test_concurrent_first_builds_share_one_cached_file(tmp_path):
-    """Two processes building into an empty cache at once: both run the C kernel, one file per
-    dtype stays (named by the hash), no temporary files are left; a third process reuses it. (The
-    base-ISA build: the quickest to compile, 12 s against 20 s for AVX-512 on a 2-vCPU Xeon.)"""
-    env = {"TPLAYERS_CACHE": str(tmp_path), "TPLAYERS_NA_KERNEL": "c", "TPLAYERS_NA_ISA": "base"}
+def test_concurrent_first_builds_compile_once_and_share_one_cached_file(tmp_path):
+    """Three processes needing the kernel at once in an empty cache (the ranks of a torchrun job
+    on a fresh machine): the units are compiled and linked once (one process builds under the
+    lock, the others wait and load its file), all three run the C kernel, one file per dtype stays
+    (named by the hash), no temporary or lock file is left; a fourth process reuses it. The
+    compiler is a wrapper that logs each compile and link. (The base-ISA build: the quickest to
+    compile, 12 s against 20 s for AVX-512 on a 2-vCPU Xeon.)"""
+    real_cc = shutil.which(os.environ.get("CC") or "cc")
+    assert real_cc is not None, "the C kernel's tests need a C compiler on PATH"
+    cache, log = tmp_path / "cache", tmp_path / "cc.log"
+    wrapper = tmp_path / "cc-logged"
+    wrapper.write_text(
+        f'#!/bin/sh\ncase "$1" in --version) ;; *) echo "$PPID $*" >> {log} ;; esac\nexec {real_cc} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    env = {"TPLAYERS_CACHE": str(cache), "TPLAYERS_NA_KERNEL": "c", "TPLAYERS_NA_ISA": "base", "CC": str(wrapper)}
     full = {**os.environ, **env, "PYTHONPATH": REPO + os.pathsep + os.path.join(REPO, "tests")}
     procs = [
         subprocess.Popen(
@@ -187,18 +198,24 @@ def test_concurrent_first_builds_share_one_cached_file(tmp_path):
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(2)
+        for _ in range(3)
     ]
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
         assert "USED_C True" in out
-    files = sorted(os.listdir(tmp_path))
+    calls = log.read_text().splitlines()
+    compiles = [c for c in calls if " -c " in c]
+    links = [c for c in calls if " -shared " in c]
+    assert len(compiles) == len(na_cpu.UNITS) and len(links) == 1 and len(calls) == len(na_cpu.UNITS) + 1, calls
+    assert len({c.split()[0] for c in calls}) == 1, calls  # every call from one builder process
+    files = sorted(os.listdir(cache))
     assert len(files) == 1 and files[0].startswith("na_cpu_f64_") and files[0].endswith(".so"), files
-    stamp = os.stat(tmp_path / files[0]).st_mtime_ns
+    stamp = os.stat(cache / files[0]).st_mtime_ns
     done = _run_python(BUILD_AND_CHECK, env)
     assert done.returncode == 0 and "USED_C True" in done.stdout, done.stderr
-    assert os.stat(tmp_path / files[0]).st_mtime_ns == stamp and sorted(os.listdir(tmp_path)) == files
+    assert os.stat(cache / files[0]).st_mtime_ns == stamp and sorted(os.listdir(cache)) == files
+    assert len(log.read_text().splitlines()) == len(calls)  # the fourth process compiled nothing
 
 
 def test_without_a_compiler_falls_back_or_raises_when_forced(tmp_path):

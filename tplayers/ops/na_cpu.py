@@ -22,8 +22,10 @@ compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -fPIC -DNA_LANES=n``
 (:func:`build_flags`), its units (:data:`UNITS`) side by side and then linked with ``-shared``
 (a 2-vCPU Xeon, fp32: 24 s against 37 s as one unit, same run), once per element type, into
 ``$TPLAYERS_CACHE`` (else ``~/.cache/tplayers``) under a name hashed from the source, the compiler, its version, the flags
-and the CPU's model and flags, written under a temporary name and renamed into place (concurrent
-builds are safe); loaded with ``ctypes`` and called on the tensors' data pointers. With
+and the CPU's model and flags, written under a temporary name and renamed into place. Processes
+that need the same build at once (the ranks of a ``torchrun`` job on a fresh machine) build it
+once: one compiles under a lock on the cache entry (``flock``, released by the system if the
+process dies), the others wait for it and load its file (:func:`_build_lock`); loaded with ``ctypes`` and called on the tensors' data pointers. With
 ``torch.get_num_threads() > 1`` the (batch, head) planes are split over that many Python threads
 (``ctypes`` releases the GIL during the call).
 
@@ -38,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -224,6 +227,28 @@ def _compile(cc_path: str, flags: Tuple[str, ...], target: str) -> None:
             )
 
 
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """Hold an exclusive ``flock`` on ``path`` (created if absent) while the caller builds; a
+    waiter re-checks for the built file once it holds the lock. The holder removes the file on
+    release: a process arriving later finds the built library first, and one that opens a new lock
+    file in between finds it under that lock. Without ``fcntl`` (not POSIX) no lock is taken:
+    concurrent builds are still safe, each renaming an identical file into place."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - POSIX hosts have it
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)  # releases the lock
+
+
 @lru_cache(maxsize=None)
 def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
     """:func:`load_library` for one ISA, cached per process."""
@@ -245,14 +270,16 @@ def _load(dtype: torch.dtype, isa: str) -> ctypes.CDLL:
     target = folder / f"na_cpu_{suffix}_{digest}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
-        os.close(fd)
-        try:
-            _compile(cc_path, flags, tmp)
-            os.replace(tmp, target)  # atomic: a concurrent builder's identical file may win, either is fine
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with _build_lock(folder / f".{target.name}.lock"):
+            if not target.exists():  # not built while this process waited for the lock
+                fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+                os.close(fd)
+                try:
+                    _compile(cc_path, flags, tmp)
+                    os.replace(tmp, target)  # atomic: readers never see a partial file
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
     ptr, i32, dbl = ctypes.c_void_p, ctypes.c_int, ctypes.c_double
     lib.na_scratch.argtypes, lib.na_scratch.restype = [ptr, ptr, ptr, i32], ctypes.c_long
