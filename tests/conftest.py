@@ -18,3 +18,41 @@ def na_kernel(request, monkeypatch):
         pytest.skip("no C compiler on PATH: the C na2d kernel cannot be built here")
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", request.param)
     return request.param
+
+
+#: the peer packages the tests build models from, as each test module's source names them (or the
+#: helper module it imports does), with the module that imports the part the tests use
+PEERS = {
+    "monai": "monai.networks.nets",
+    "timm": "timm",
+    "segmentation_models_pytorch": "segmentation_models_pytorch",
+    "diffusers": "diffusers",
+    "transformers": "transformers",
+    "neuralop": "neuralop",
+}
+HELPERS = ("zoo_models", "hf_util", "hf_registry", "fno_models")
+
+
+def pytest_collection_finish(session):
+    """Import, in this process, the peers that the collected test modules use, before any test forks
+    its ranks (tests/harness.py forks them from here): every forked rank inherits them instead of
+    importing its own copy (``monai.networks.nets`` alone took 3-4 s of CPU per rank on a 2-vCPU
+    Xeon; the zoo's monai, timm and smp runs fork 18 ranks). A run of tests that name no peer
+    imports none. ``TPLAYERS_TEST_PRELOAD=0`` turns it off."""
+    if os.environ.get("TPLAYERS_TEST_PRELOAD", "1") == "0":
+        return
+    here = os.path.dirname(__file__)
+    texts = {}
+    for path in {str(item.path) for item in session.items}:
+        with open(path, encoding="utf-8") as f:
+            texts[path] = f.read()
+    used = " ".join(texts.values())
+    for helper in HELPERS:
+        if helper in used:
+            with open(os.path.join(here, helper + ".py"), encoding="utf-8") as f:
+                used += f.read()
+    import importlib
+
+    for name, module in PEERS.items():
+        if name in used:
+            importlib.import_module(module)

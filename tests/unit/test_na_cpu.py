@@ -218,6 +218,40 @@ def test_concurrent_first_builds_compile_once_and_share_one_cached_file(tmp_path
     assert len(log.read_text().splitlines()) == len(calls)  # the fourth process compiled nothing
 
 
+def test_the_build_lock_excludes_a_second_holder_and_falls_back_where_locks_fail(tmp_path, monkeypatch):
+    """``_build_lock`` (the lock one of several processes builds under): a second process cannot take
+    it while it is held and takes it once released; the lock file is gone afterwards; where the file
+    system refuses ``flock`` the build goes on unlocked (concurrent builds stay safe)."""
+    import fcntl
+
+    lock = tmp_path / ".entry.lock"
+    probe = textwrap.dedent(f"""
+        import fcntl, os, sys
+        fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            print("TOOK")
+        except BlockingIOError:
+            print("BUSY")
+    """)
+    with na_cpu._build_lock(lock):
+        assert lock.exists()
+        held = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+        assert held.stdout.strip() == "BUSY", held.stdout + held.stderr
+    assert not lock.exists()
+    free = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert free.stdout.strip() == "TOOK", free.stdout + free.stderr
+
+    def refused(fd, op):
+        raise OSError(95, "Operation not supported")
+
+    monkeypatch.setattr(fcntl, "flock", refused)
+    ran = []
+    with na_cpu._build_lock(tmp_path / ".other.lock"):
+        ran.append(True)
+    assert ran == [True] and sorted(p.name for p in tmp_path.iterdir()) == [".entry.lock"]  # the probe's own file
+
+
 def test_without_a_compiler_falls_back_or_raises_when_forced(tmp_path):
     env = {"TPLAYERS_CACHE": str(tmp_path), "CC": "no-such-compiler-tplayers", "TPLAYERS_NA_KERNEL": ""}
     done = _run_python(BUILD_AND_CHECK, env)

@@ -232,8 +232,9 @@ def _build_lock(path: Path):
     """Hold an exclusive ``flock`` on ``path`` (created if absent) while the caller builds; a
     waiter re-checks for the built file once it holds the lock. The holder removes the file on
     release: a process arriving later finds the built library first, and one that opens a new lock
-    file in between finds it under that lock. Without ``fcntl`` (not POSIX) no lock is taken:
-    concurrent builds are still safe, each renaming an identical file into place."""
+    file in between finds it under that lock. Without ``fcntl`` (not POSIX), or where the file
+    system refuses the lock, no lock is taken: concurrent builds are still safe, each renaming an
+    identical file into place."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - POSIX hosts have it
@@ -241,7 +242,10 @@ def _build_lock(path: Path):
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without locks (some network or FUSE mounts): build unlocked
+            pass
         yield
     finally:
         with contextlib.suppress(FileNotFoundError):
