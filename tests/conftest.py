@@ -1,3 +1,4 @@
+import importlib
 import os
 import sys
 
@@ -41,18 +42,11 @@ def pytest_collection_finish(session):
     imports none. ``TPLAYERS_TEST_PRELOAD=0`` turns it off."""
     if os.environ.get("TPLAYERS_TEST_PRELOAD", "1") == "0":
         return
-    here = os.path.dirname(__file__)
-    texts = {}
-    for path in {str(item.path) for item in session.items}:
-        with open(path, encoding="utf-8") as f:
-            texts[path] = f.read()
-    used = " ".join(texts.values())
+    used = " ".join(path.read_text(encoding="utf-8") for path in {item.path for item in session.items})
     for helper in HELPERS:
         if helper in used:
-            with open(os.path.join(here, helper + ".py"), encoding="utf-8") as f:
+            with open(os.path.join(os.path.dirname(__file__), helper + ".py"), encoding="utf-8") as f:
                 used += f.read()
-    import importlib
-
     for name, module in PEERS.items():
         if name in used:
             importlib.import_module(module)

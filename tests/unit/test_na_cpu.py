@@ -155,10 +155,14 @@ def test_switch_values_and_errors(monkeypatch):
         tplayers.na2d(q, q, q, 3)
 
 
+def _python_env(env: dict) -> dict:
+    """This process's environment with ``env`` on top and the repository and tests/ importable."""
+    return {**os.environ, **env, "PYTHONPATH": REPO + os.pathsep + os.path.join(REPO, "tests")}
+
+
 def _run_python(code: str, env: dict) -> subprocess.CompletedProcess:
-    full = {**os.environ, **env, "PYTHONPATH": REPO + os.pathsep + os.path.join(REPO, "tests")}
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=full, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", textwrap.dedent(code)], env=_python_env(env), capture_output=True, text=True, timeout=300
     )
 
 
@@ -189,11 +193,10 @@ def test_concurrent_first_builds_compile_once_and_share_one_cached_file(tmp_path
     )
     wrapper.chmod(0o755)
     env = {"TPLAYERS_CACHE": str(cache), "TPLAYERS_NA_KERNEL": "c", "TPLAYERS_NA_ISA": "base", "CC": str(wrapper)}
-    full = {**os.environ, **env, "PYTHONPATH": REPO + os.pathsep + os.path.join(REPO, "tests")}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(BUILD_AND_CHECK)],
-            env=full,
+            env=_python_env(env),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -226,7 +229,7 @@ def test_the_build_lock_excludes_a_second_holder_and_falls_back_where_locks_fail
 
     lock = tmp_path / ".entry.lock"
     probe = textwrap.dedent(f"""
-        import fcntl, os, sys
+        import fcntl, os
         fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
