@@ -32,6 +32,9 @@
  * scores of a tile fit L1/L2). MR follows the ISA's vector registers (4 rows with 32, 3 with 16).
  * Rows whose keys would not stay in the cache (long 1-D rows) run in column chunks: each chunk
  * transposes only its key span (make_plan: a quarter of the L2 size from sysconf).
+ * Where the head dims are whole vectors, the backward's dK / dV (and, for 2-D windows over values of
+ * 128 bytes a pixel or more, the forward's O = P V) run on the user's layout instead: per key pixel
+ * (per query) its channel vectors summed over a broadcast weight per pair (na_cpu_pix.h).
  * 1-D windows of one vector skip the planes: na_forward_1d, na_backward_1d (na_cpu_direct_fwd.c,
  * na_cpu_direct_bwd.c; na_cpu_plans.py); wider 1-D windows run na_forward_line (na_cpu_line.c:
  * blocks of queries as the tile's rows, the values and the output in place). Each .c file is a unit
@@ -42,8 +45,9 @@
 #include "na_cpu_rows.h"
 #include "na_cpu_kv.h"
 #include "na_cpu_plan.h"
-#include "na_cpu_probes.h"
 #include "na_cpu_keys.h"
+#include "na_cpu_pix.h"
+#include "na_cpu_probes.h"
 
 /* the plan of a call (dims, rows, cols as na_forward's; backward as na_scratch's), with the
  * backward's fuse tables; built once per shape by the caller (na_cpu.py caches it), freed by
@@ -59,7 +63,9 @@ void *na_plan(const int64_t *dims, const int32_t *rows, const int32_t *cols, int
         pl->shix = malloc(sizeof(int) * pl->nb);
         fuse_tables(&g, pl, pl->shifts, pl->shix, pl->fused, pl->fstart, &pl->folds);
         key_blocks(&g, pl);
-    }
+        if (backward == 1) pix_pairs(&g, pl, 1);
+    } else
+        pix_pairs(&g, pl, 0);
     ring_rows(&g, pl);
     return pl;
 }
@@ -75,7 +81,7 @@ static long scratch_of(const Geo *g, const Plan *pl, int backward) {
     long qp = qw + 2 * pl->kpad; /* the backward's Q and dO rows: padded for key_sums */
     long keys = pl->kpad ? 2 * (MR * g->nk * qp + PAD) : 0;
     return D * pk + PAD + Dv * pk + PAD + MR * D * qp + PAD + MR * Dv * qp + PAD + MR * D * qw + PAD +
-           (backward == 1 ? D * pk + Dv * pk + 2 * PAD + keys : 0);
+           (backward == 1 ? D * pk + Dv * pk + 2 * PAD + keys + MR * D * qw + PAD : 0); /* pix_widen's rows */
 }
 
 /* the scratch elements of a call on plan pl (na_plan) */
@@ -104,7 +110,7 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
     const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sx, sq, sk, sv);
     long rk = (long)pl.ring * g.kp, qw = pl.qw;
     const long *jb = pl.jb;
-    const int nt = output_streamed(&g);
+    const int nt = output_streamed(&g), pxf = pxf_ok(&g, &pl, sv); /* the forward's P V on V's layout */
     T *next = scratch;
     T *kt = carve(&next, g.D * rk), *vtp = carve(&next, g.Dv * rk);
     T *qr = carve(&next, MR * g.D * qw), *orow = carve(&next, MR * g.Dv * qw);
@@ -119,9 +125,11 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
         for (int pn = p0; pn < p1; pn++) {
             int b = pn / g.heads, h = pn % g.heads;
             long x0 = pl.cx0[ch], jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
-            int done = 0; /* key rows transposed (ring_in_kv) */
+            int done = 0, vdone = 0; /* key rows transposed (ring_in_kv), value rows copied (pxf_in) */
             for (int t = 0; t < pl.nt; t++) {
-                ring_in_kv(&g, &pl, ch, b, h, &done, pl.upto[t], k, v, bf, sk, sv, kt, vtp, NULL, NULL, NULL, NULL);
+                ring_in_kv(&g, &pl, ch, b, h, &done, pl.upto[t], k, pxf ? NULL : v, bf, sk, sv, kt, vtp, NULL, NULL,
+                           NULL, NULL);
+                if (pxf) pxf_in(&g, pl.ring, b, h, &vdone, pl.upto[t], v, bf, sv, vtp);
                 const int *rowi = pl.order + t * MR;
                 int nm = g.Hq - t * MR < MR ? g.Hq - t * MR : MR;
                 const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];
@@ -139,8 +147,14 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
                     tile_scores(&g, ln->mode, ln, u0, u1, g.D, xrow, qw, kt, x0, base, s);
                     for (int m = 0; m < nm; m++) {
                         inv[m] = softmax(g.nk, s[m], a[m]);
-                        memset(acc[m], 0, sizeof(vt) * g.Dv);
+                        if (pxf)
+                            pxf_rows(&g, &pl, bk, rowi[m], s[m], inv[m], vtp, pl.ring,
+                                     out + (((long)b * g.Hq + rowi[m]) * g.Wq + jb[bk]) * g.heads * g.Dv + h * g.Dv,
+                                     (long)g.heads * g.Dv, nt);
+                        else
+                            memset(acc[m], 0, sizeof(vt) * g.Dv);
                     }
+                    if (pxf) continue;
                     tile_apply(&g, ln->mode, ln, u0, u1, g.Dv, s, vtp, x0, base, acc);
                     for (int m = 0; m < nm; m++)
                         if (g.Dv % L == 0) /* straight to the output (3-D 16^3 k5 1.05-1.09x, 2-D 1.06x) */
@@ -252,14 +266,19 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
     (void)out; /* delta = rowsum(dO * O) comes from P and dP (softmax_delta) */
     /* a backward plan (na_plan with backward 1 or 2) */
     const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sx, sq, sk, sv);
-    long pk = (long)pl.ring * g.kp, qw = pl.qw; /* the planes' rows: a ring (ring_in_kv) */
-    long kpad = kv ? pl.kpad : 0, qp = qw + 2 * kpad; /* Q and dO rows: pitch qp, data from kpad */
-    const long *jb = pl.jb;
     long sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
+    const int pix = kv && pix_ok(&g, &pl, sq, sdo); /* dK / dV on the user's layout (na_cpu_pix.h) */
+    long pk = (long)pl.ring * g.kp, qw = pl.qw; /* the planes' rows: a ring (ring_in_kv) */
+    long kpad = kv && !pix ? pl.kpad : 0, qp = qw + 2 * kpad; /* Q and dO rows: pitch qp, data from kpad */
+    const long *jb = pl.jb;
+    const int nd = g.D / L, ndv = g.Dv / L;
+    long toff[2 * L]; /* pix: lane t's offsets in q and in dO */
+    for (int t = 0; t < L; t++) { toff[t] = t * (bf ? g.D : sq[1]); toff[L + t] = t * sdo[1]; }
     T *next = scratch;
     T *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
     T *qr0 = carve(&next, MR * g.D * qp), *gr0 = carve(&next, MR * g.Dv * qp), *dqr = carve(&next, MR * g.D * qw);
-    T *dkt = kv ? carve(&next, g.D * pk) : NULL, *dvt = kv ? carve(&next, g.Dv * pk) : NULL;
+    T *dkt = kv ? carve(&next, g.D * pk) : NULL, *dvt = kv ? carve(&next, g.Dv * pk) : NULL; /* pix: (ring, Wk, C) */
+    T *qn = pix && bf ? carve(&next, MR * g.D * qw) : NULL; /* pix on bf16 q: its rows widened */
     T *dsk = kpad ? carve(&next, MR * g.nk * qp) : NULL, *pk_ = kpad ? carve(&next, MR * g.nk * qp) : NULL;
     T *qr = qr0 + kpad, *gr = gr0 + kpad;
     memset(qr0, 0, sizeof(T) * MR * g.D * qp);
@@ -285,8 +304,11 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
             int b = pn / g.heads, h = pn % g.heads;
             long x0 = pl.cx0[ch], xn = pl.cx1[ch] - x0, jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
             int done = 0; /* key rows in the ring */
+            int pdone = 0; /* pix: key rows in its ring */
             for (int t = 0; t < pl.nt; t++) {
-                ring_in_kv(&g, &pl, ch, b, h, &done, pl.upto[t], k, v, bf, sk, sv, kt, vtp, dkt, dvt, dk, dv);
+                if (pix) pix_in(&g, pl.ring, b, h, &pdone, pl.upto[t], dkt, dvt, dk, dv);
+                ring_in_kv(&g, &pl, ch, b, h, &done, pl.upto[t], k, v, bf, sk, sv, kt, vtp, pix ? NULL : dkt,
+                           pix ? NULL : dvt, dk, dv);
                 const int *rowi = pl.order + t * MR;
                 int nm = g.Hq - t * MR < MR ? g.Hq - t * MR : MR;
                 const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];
@@ -297,6 +319,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                     to_rows(dout, sdo, b, h, i, i + 1, g.Wq, jlo, jn, qp, g.Dv, 1, gm);
                     if (kpad) /* key_sums reads past jn: zeros there (a wider chunk's rows were here) */
                         key_tails(m, g.nk, g.D, g.Dv, jn, qw, qp, qm, gm, dsk, pk_, kpad);
+                    if (qn) pix_widen(q, sq, b, h, i, g.Wq, jlo, jn, g.D, qn + m * qw * g.D);
                 }
                 for (int bk = pl.cb[ch]; bk < pl.cb[ch + 1]; bk++) {
                     const Lanes *ln = pl.blocks + bk;
@@ -324,7 +347,18 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                             if (ln->n == L) st(dqr + (m * g.D + c) * qw + jq, r);
                             else memcpy(dqr + (m * g.D + c) * qw + jq, &r, ln->n * sizeof(T));
                         }
-                    if (kv && fused[bk]) { /* dK += dS^T Q, dV += P^T dO: a tile's rows summed per key row */
+                    if (pix) { /* dK += dS^T Q, dV += P^T dO per key pixel, on the user's layout */
+                        const T *qp_[MR], *gp_[MR];
+                        for (int m = 0; m < nm; m++) {
+                            qp_[m] = qn ? qn + (m * qw + jq) * g.D
+                                        : (const T *)q + b * sq[0] + ((long)rowi[m] * g.Wq + jb[bk]) * sq[1] + h * sq[2];
+                            gp_[m] = dout + b * sdo[0] + ((long)rowi[m] * g.Wq + jb[bk]) * sdo[1] + h * sdo[2];
+                        }
+                        for (const Urow *u = u0; u < u1; u++)
+                            pix_rows(nd, ndv, &pl, bk, g.kw, u, ds, p, qp_, gp_, toff,
+                                     dkt + (long)u->row * g.Wk * g.D, dvt + (long)u->row * g.Wk * g.Dv, g.D, g.Dv,
+                                     g.scale);
+                    } else if (kv && fused[bk]) { /* dK += dS^T Q, dV += P^T dO: a tile's rows summed per key row */
                         const vi *sh = shifts + 4 * (long)g.kw * shix[bk], *fold = folds + 2 * fstart[bk];
                         int nf = fstart[bk + 1] - fstart[bk];
                         for (const Urow *u = u0; u < u1; u++) {
@@ -351,7 +385,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                             }
                     for (int m = 0; m < nm; m++) {
                         int i = rowi[m];
-                        if (kv && !fused[bk] && !(kpad && pl.keyc[bk])) {
+                        if (kv && !pix && !fused[bk] && !(kpad && pl.keyc[bk])) {
                             key_offsets(&g, i, base, x0, g.D, pl.ring, off);
                             key_offsets(&g, i, base, x0, g.Dv, pl.ring, voff);
                             if (ln->mode == 0)
@@ -370,7 +404,8 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                 for (int m = 0; m < nm; m++)
                     from_rows(dqr + m * g.D * qw, qw, b, h, g.heads, g.Hq, g.Wq, g.D, rowi[m], rowi[m] + 1, jlo, jn, 2, dq);
             }
-            if (kv) { /* the rows no tile read (zeros), then the ring's last rows */
+            if (pix) pix_end(&g, pl.ring, b, h, pdone, dkt, dvt, dk, dv);
+            if (kv && !pix) { /* the rows no tile read (zeros), then the ring's last rows */
                 ring_in_kv(&g, &pl, ch, b, h, &done, g.Hk - 1, NULL, NULL, bf, sk, sv, kt, vtp, dkt, dvt, dk, dv);
                 ring_out(&g, &pl, ch, b, h, g.Hk > pl.ring ? g.Hk - pl.ring : 0, g.Hk, dkt, dvt, dk, dv);
             }

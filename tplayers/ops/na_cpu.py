@@ -86,7 +86,7 @@ SOURCES = (
     *UNITS,
     *(
         Path(__file__).with_name(f"na_cpu_{part}.h")
-        for part in ("blocks", "io", "rows", "kv", "plan", "probes", "keys", "direct")
+        for part in ("blocks", "io", "rows", "kv", "plan", "probes", "keys", "pix", "direct")
     ),
 )
 FLAGS = ("-O3", "-fPIC", "-std=gnu11")

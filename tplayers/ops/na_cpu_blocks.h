@@ -79,7 +79,7 @@ INL void nt_fence(void) {
     _mm_sfence();
 #endif
 }
-INL vt splat(T x) { return (vt){0} + x; }
+INL vt splat(T x) { return x - (vt){0}; } /* x in every lane (x - 0 is x, -0 too: one broadcast, no add) */
 INL vt vsel(vi m, vt a, vt b) { return (vt)(((vi)a & m) | ((vi)b & ~m)); }
 /* a > b ? a : b lane by lane (b where either is NaN): the ISA's max instruction where there is one
  * (the select compiled to a compare and two masked xors on a loop-carried chain) */

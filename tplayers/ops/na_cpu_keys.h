@@ -34,7 +34,8 @@ static void ring_out(const Geo *g, const Plan *pl, int ch, int b, int h, int r0,
 
 /* key rows [*done, upto] into the ring (ring_rows): with the backward's dK / dV, each slot's
  * previous row's written out first (no later tile reads it) and zeroed (dkt NULL: the forward, or
- * not wanted); its K / V transposed (k NULL: rows no tile reads, whose dK / dV are zero);
+ * not wanted); its K and its V transposed (k / v NULL: not, as for rows no tile reads, whose dK / dV
+ * are zero, or V in the forward's pixel ring);
  * *done = upto + 1 */
 static void ring_in_kv(const Geo *g, const Plan *pl, int ch, int b, int h, int *done, int upto, const void *k,
                        const void *v, int bf, const long *sk, const long *sv, T *kt, T *vt, T *dkt, T *dvt, T *dk, T *dv) {
@@ -47,12 +48,12 @@ static void ring_in_kv(const Geo *g, const Plan *pl, int ch, int b, int h, int *
             memset(dkt + slot * kr, 0, sizeof(T) * run * kr);
             memset(dvt + slot * vr, 0, sizeof(T) * run * vr);
         }
-        if (k) {
+        if (k)
             to_rows_x(k, bf, sk, b, h, r, r + run, g->Wk, pl->cx0[ch], pl->cx1[ch] - pl->cx0[ch], g->kp, g->D, 1,
                       kt + slot * kr);
+        if (v)
             to_rows_x(v, bf, sv, b, h, r, r + run, g->Wk, pl->cx0[ch], pl->cx1[ch] - pl->cx0[ch], g->kp, g->Dv, 1,
                       vt + slot * vr);
-        }
         *done += run;
     }
 }

@@ -28,6 +28,9 @@ typedef struct {
      * kpad: zero columns on each side of the row buffers those sums read (0: no such block) */
     int *keyc;
     long *relpat, kpad;
+    /* backward, dK / dV on the user's layout: per block its key columns and their (slot, lane) pairs
+     * (pix_pairs in na_cpu_pix.h; NULL until then) */
+    int *pxa, *pxn, *pxs, *pxg, *pxe;
     /* na_plan's plans: the key planes (and the backward's dK / dV planes) hold a ring of `ring`
      * rows (key row r in slot r % ring; the Urows' rows are slots) and the rows up to upto[t] are
      * in it before tile t (see ring_rows); make_plan alone leaves ring Hk and upto NULL */
@@ -207,6 +210,7 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
     pl->shix = pl->fused = pl->fstart = pl->keyc = NULL;
     pl->relpat = NULL;
     pl->kpad = 0;
+    pl->pxa = pl->pxg = pl->pxe = NULL;
     pl->nt = (g->Hq + MR - 1) / MR;
     pl->order = malloc(sizeof(int) * g->Hq);
     pl->ustart = malloc(sizeof(int) * (pl->nt + 1));
@@ -260,7 +264,7 @@ static Plan open_call(Geo *g, const int64_t *dims, const int32_t *rows, const in
 
 static void free_plan(Plan *pl) {
     free(pl->shifts); free(pl->folds); free(pl->shix); free(pl->fused); free(pl->fstart);
-    free(pl->keyc); free(pl->relpat);
+    free(pl->keyc); free(pl->relpat); free(pl->pxa); free(pl->pxg); free(pl->pxe);
     for (int bk = 0; bk < pl->nb; bk++) free(pl->blocks[bk].inv);
     free(pl->blocks); free(pl->bases); free(pl->cb); free(pl->cx0); free(pl->cx1);
     free(pl->order); free(pl->ustart); free(pl->ur); free(pl->jb); free(pl->upto);

@@ -1,8 +1,10 @@
-/* What a call's plan chose, for the tests (included by na_cpu.c after na_cpu_plan.h): its column
- * chunks, the blocks within one vector, the rows of its ring of key planes and its tile order. */
+/* What a call's plan chose, for the tests (included by na_cpu.c after na_cpu_pix.h): its column
+ * chunks, the blocks within one vector, the rows of its ring of key planes, its tile order and
+ * whether its backward adds dK / dV on the user's layout. */
 #ifndef NA_CPU_PROBES_H
 #define NA_CPU_PROBES_H
 #include "na_cpu_plan.h"
+#include "na_cpu_pix.h"
 
 /* column chunks of a call's plan (backward as in na_scratch): more than 1 where the rows' keys
  * do not fit the cache budget (tests check that path is taken) */
@@ -52,6 +54,19 @@ int na_row_order(const int64_t *dims, const int32_t *rows, const int32_t *cols, 
     for (int i = 0; i < g.Hq; i++) order[i] = o[i];
     free(o);
     return MR;
+}
+
+/* the pixel routes of a call on dense inputs (na_cpu_pix.h; tests check where each is taken and
+ * where not): 1 when its backward adds dK / dV on the user's layout (pix_ok), + 2 when its forward
+ * sums P V on the values' layout (pxf_ok) */
+int na_pixel_route(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    Plan pl;
+    make_plan(&g, 1, &pl);
+    const long unit[4] = {0, 0, 0, 1};
+    int yes = pix_ok(&g, &pl, unit, unit) | pxf_ok(&g, &pl, unit) << 1;
+    free_plan(&pl);
+    return yes;
 }
 
 #endif

@@ -1,0 +1,121 @@
+"""The C kernel's pixel routes (tplayers/ops/na_cpu_pix.h): where the head dims are whole vectors
+the backward adds dK / dV on the user's layout (per key pixel its channels summed over the (query,
+slot) pairs that read it, into a ring of pixel-major key rows streamed out as they leave), and
+where the values are 128 bytes a pixel or more in a 2-D window the forward sums P V on the values'
+layout. Exact against the brute-force oracle in fp64 (every ISA build this host runs, so 8, 4 and 2
+lanes), forward and every gradient, over random kernels, dilation, causal, a query sub-window, the
+bias table, batches and heads, 2-D and 3-D; the probe says which route is taken there, and that
+none is where it does not apply (a head dim of part of a vector, rows in column chunks)."""
+
+import random
+
+import pytest
+import torch
+from na_cases import isas_this_host_runs, na_on_subwindow
+from na_oracle import assert_out_and_grads, at_thread_counts, brute_na, brute_na2d
+
+import tplayers
+from tplayers.ops import na_cpu
+from tplayers.ops.na_geometry import Axis, geometry_args, kernel_dims, kernel_tables
+
+TIGHT = dict(rtol=1e-10, atol=1e-12)
+
+
+def _pixel_route(isa, size, kernel, dilation, causal, dim, dim_v):
+    """The probe (na_pixel_route) of one 2-head fp64 call on the ISA's build: 1 the backward's route,
+    + 2 the forward's."""
+    geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
+    keep = (kernel_dims(geo, 1, 2, dim, dim_v), *kernel_tables(tuple(geo)))
+    lib = na_cpu.load_library(torch.float64, isa)
+    return lib.na_pixel_route(*[na_cpu._ptr(t) for t in keep])
+
+
+@pytest.mark.parametrize("isa", isas_this_host_runs())
+def test_dk_dv_on_the_users_layout_match_the_oracle_on_random_configurations(isa, monkeypatch):
+    """2-D: kernels 3..9, dilation, causal per dim, sizes from the window's span to past two blocks,
+    batch 1-2, heads 1-3, head dims of 1-2 vectors and value dims of one vector or 16 (the forward's
+    route where the window has no more rows than columns: the first two cases), the bias, whole
+    images and query sub-windows (tiles that start mid-plane; key rows no tile reads get zero
+    gradients); fp64 against the oracle, and dQ / dK / dV the same bits at 1 and 3 threads."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.setenv("TPLAYERS_NA_ISA", isa)
+    lanes = na_cpu.lanes(torch.float64, isa)
+    rng = random.Random(7100 + len(isa))
+    for case in range(5):
+        kernel = (rng.randint(3, 9), rng.randint(3, 9))
+        if case < 2:
+            kernel = tuple(sorted(kernel))
+        dilation = tuple(rng.choice([1, 1, 2]) if kk <= 5 else 1 for kk in kernel)
+        causal = (rng.random() < 0.3, rng.random() < 0.3)
+        size = tuple(kk * d + rng.choice([0, 2, 5, 19]) for kk, d in zip(kernel, dilation))
+        dim, dim_v = lanes * rng.randint(1, 2), 16 if case < 2 else rng.choice([lanes, 16])
+        batch, heads = rng.randint(1, 2), rng.randint(1, 3)
+        where = f"{isa} kernel {kernel} dilation {dilation} causal {causal} size {size} d {dim}/{dim_v}"
+        forward = dim_v == 16 and kernel[0] <= kernel[1]
+        assert _pixel_route(isa, size, kernel, dilation, causal, dim, dim_v) == 1 + 2 * forward, where
+        gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        q, k = (torch.randn(batch, *size, heads, dim, generator=gen, dtype=torch.float64) for _ in range(2))
+        v = torch.randn(batch, *size, heads, dim_v, generator=gen, dtype=torch.float64)
+        rpb = torch.randn(heads, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64)
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+        ref = brute_na2d(*ref_in[:3], kernel, dilation, causal, rpb=ref_in[3])
+        if case % 2:
+            box = (0, size[0], 0, size[1])
+        else:
+            box = (*sorted(rng.sample(range(size[0] + 1), 2)), *sorted(rng.sample(range(size[1] + 1), 2)))
+        q0, q1, c0, c1 = box
+        ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+        out = na_on_subwindow(ins, size, kernel, dilation, causal, box)
+        assert_out_and_grads(out, ref[:, q0:q1, c0:c1], ins, ref_in, gen, f"{where} box {box}", **TIGHT)
+        if case == 1:
+            cot = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+
+            def run():
+                got = [t.detach().clone().requires_grad_() for t in (q, k, v, rpb)]
+                o = na_on_subwindow(got, size, kernel, dilation, causal, box)
+                (o * cot).sum().backward()
+                return [t.grad for t in got]
+
+            one, three = at_thread_counts(run)
+            for a, b in zip(one[:3], three[:3]):  # the bias: per-thread sums added (close, not equal)
+                assert torch.equal(a, b), where
+            torch.testing.assert_close(one[3], three[3], **TIGHT)
+
+
+@pytest.mark.parametrize("isa", isas_this_host_runs())
+def test_dk_dv_on_the_users_layout_in_3d_match_the_oracle(isa, monkeypatch):
+    """3-D (its flattened rows: a key row read at many slots of a tile) with dilation and causal
+    depth, fp64 against the oracle, every gradient."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.setenv("TPLAYERS_NA_ISA", isa)
+    lanes = na_cpu.lanes(torch.float64, isa)
+    size, kernel, dilation, causal = (6, 7, 9), (3, 3, 5), (2, 1, 1), (True, False, False)
+    assert _pixel_route(isa, size, kernel, dilation, causal, 2 * lanes, lanes) == 1  # 9 rows of 5: no forward
+    gen = torch.Generator().manual_seed(31)
+    q, k = (torch.randn(2, *size, 2, 2 * lanes, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(2, *size, 2, lanes, generator=gen, dtype=torch.float64)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = brute_na(*ref_in, kernel, dilation=dilation, causal=causal)
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = tplayers.na3d(*ins, kernel, dilation=dilation, is_causal=causal)
+    assert_out_and_grads(out, ref, ins, ref_in, gen, f"{isa} 3-D", **TIGHT)
+
+
+def test_the_route_is_not_taken_where_it_does_not_apply():
+    """A head dim of part of a vector, or a value dim of part of one, and rows cut into column chunks
+    (keys past the cache budget) keep the transposed dK / dV, and values of under 128 bytes a pixel
+    or a window of more rows than columns the transposed forward (test_na_cpu and test_na_cpu_tiles
+    check those against the oracle)."""
+    isa = na_cpu.target_isa()
+    lanes = na_cpu.lanes(torch.float64, isa)
+    plain = ((12, 20), (5, 5), (1, 1), (False, False))
+    assert _pixel_route(isa, *plain, lanes, 16) == 3
+    assert _pixel_route(isa, *plain, lanes, 8) == (1 if 8 % lanes == 0 else 0)
+    assert _pixel_route(isa, (12, 20), (5, 3), (1, 1), (False, False), lanes, 16) == 1
+    assert _pixel_route(isa, *plain, lanes + 1, 16) == 2
+    assert _pixel_route(isa, *plain, lanes, lanes // 2) == 0
+    long = ((3, 3000), (3, 33), (1, 1), (False, False))
+    geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(*long)], 1, 1)
+    keep = (kernel_dims(geo, 1, 2, lanes, 16), *kernel_tables(tuple(geo)))
+    assert na_cpu.load_library(torch.float64, isa).na_chunks(*[na_cpu._ptr(t) for t in keep], 1) > 1
+    assert _pixel_route(isa, *long, lanes, 16) == 0

@@ -1,0 +1,352 @@
+/* The backward's dK / dV on the user's layout (included by na_cpu.c after na_cpu_keys.h): for each
+ * key pixel a tile's block reaches, its channel vectors summed in registers over the (query, slot)
+ * pairs that read it, a broadcast weight (dS or P, one lane of the block's slot vectors) times the
+ * query's Q or dO channels, read where they lie (pixel-major, heads adjacent), then added into a
+ * ring of pixel-major key rows (the key planes' ring, ring_rows), each row streamed out to dK /
+ * dV when it leaves. No shifts of lanes (sl_rows spends two shuffles and two adds per slot and
+ * channel vector on them) and no transposes out. Used where the channels are whole vectors, q and dO
+ * have unit channel stride (bf16 q: its rows widened first) and the rows run as one column chunk
+ * (pix_ok); the transposed route otherwise. */
+#ifndef NA_CPU_PIX_H
+#define NA_CPU_PIX_H
+#include "na_cpu_plan.h"
+
+#define PIXMAX 8 /* channel vectors of dK (and of dV) per key at most (accumulators in registers) */
+#define PIXR (MR > 4 ? MR : 4)
+/* key columns per group (pix_pairs): two where 32 vector registers hold both columns' sums (AVX-512:
+ * 2-D 96^2 d16 backward 1.07x, 64^2 d32 1.03x over one), else one (AVX2 64^2 d32: two spill, 0.96x) */
+#define PIXK (NREG == 32 ? 2 : 1)
+
+/* lists [0, nl) of a block's pairs, list x's items its[2 k] (the match: a lane, or a key column) and
+ * its[2 k + 1] (the pair's weight index b * L + t in the block's slot vectors) for k in [st[x],
+ * st[x + 1]), matches ascending; in groups of PIXK consecutive lists (the last may have fewer), each
+ * as 4 offsets into the entries e (gp: both, first, second, end), an entry 3 ints (match, the first
+ * list's index, the second's): first the matches in both lists (each item matched once), then the
+ * first list's other items, then the second's (groups of one: all first). */
+static void pair_groups(int nl, const int *st, const int *its, int *gp, int *e, int *ne) {
+    for (int gi = 0; gi < (nl + PIXK - 1) / PIXK; gi++, gp += 4) {
+        const int x0 = PIXK * gi, two = PIXK == 2 && x0 + 1 < nl; /* a second list */
+        const int *c0 = its + 2 * st[x0], *c1 = its + 2 * st[x0 + 1];
+        const int n0 = st[x0 + 1] - st[x0], n1 = two ? st[x0 + 2] - st[x0 + 1] : 0;
+        int i0 = 0, i1 = 0, *used0 = calloc(n0 + 1, sizeof(int)), *used1 = calloc(n1 + 1, sizeof(int));
+        gp[0] = *ne;
+        while (i0 < n0 && i1 < n1) {
+            if (c0[2 * i0] == c1[2 * i1]) {
+                int *x = e + 3 * (*ne)++;
+                x[0] = c0[2 * i0]; x[1] = c0[2 * i0 + 1]; x[2] = c1[2 * i1 + 1];
+                used0[i0++] = used1[i1++] = 1;
+            } else if (c0[2 * i0] < c1[2 * i1]) i0++;
+            else i1++;
+        }
+        gp[1] = *ne;
+        for (int c = 0; c < 2; c++) {
+            const int *cl = c ? c1 : c0, *used = c ? used1 : used0;
+            for (int i = 0; i < (c ? n1 : n0); i++)
+                if (!used[i]) {
+                    int *x = e + 3 * (*ne)++;
+                    x[0] = cl[2 * i]; x[1] = cl[2 * i + 1]; x[2] = 0;
+                }
+            gp[2 + c] = *ne;
+        }
+        free(used0);
+        free(used1);
+    }
+}
+
+/* the pair tables of a plan (pxa, pxn, pxs, pxg, pxe): per block bk, pxn[bk] lists in groups from
+ * pxg[4 pxs[bk]] (pair_groups). The backward's lists are the key columns its live lanes read,
+ * [pxa[bk], pxa[bk] + pxn[bk]), their items the lanes reading them (a query reads both columns of a
+ * group at adjacent slots in the interior: its q and dO are loaded once for the two); the forward's
+ * (backward 0) are its lanes, their items the key columns they read (a key's values are loaded once
+ * for the two queries of a group). */
+static void pix_pairs(const Geo *g, Plan *pl, int backward) {
+    const int nb = pl->nb, kw = g->kw;
+    int groups = 0, pairs = 0;
+    pl->pxa = malloc(sizeof(int) * 3 * nb);
+    pl->pxn = pl->pxa + nb;
+    pl->pxs = pl->pxa + 2 * nb;
+    for (int bk = 0; bk < nb; bk++) {
+        const int j0 = (int)pl->jb[bk], n = pl->blocks[bk].n;
+        int lo = g->Wk, hi = -1;
+        for (int t = 0; t < n; t++)
+            for (int b = 0; b < kw; b++) {
+                int x = g->cols[(j0 + t) * kw + b];
+                lo = x < lo ? x : lo;
+                hi = x > hi ? x : hi;
+            }
+        pl->pxa[bk] = lo;
+        pl->pxn[bk] = backward ? hi - lo + 1 : n;
+        pl->pxs[bk] = groups;
+        groups += (pl->pxn[bk] + PIXK - 1) / PIXK;
+        pairs += n * kw;
+    }
+    pl->pxg = malloc(sizeof(int) * 4 * (groups > 0 ? groups : 1));
+    pl->pxe = malloc(sizeof(int) * 3 * (pairs > 0 ? pairs : 1));
+    int ne = 0;
+    for (int bk = 0; bk < nb; bk++) {
+        const int j0 = (int)pl->jb[bk], n = pl->blocks[bk].n, nl = pl->pxn[bk];
+        int *st = calloc(nl + 2, sizeof(int)), *its = malloc(sizeof(int) * 2 * n * kw);
+        if (backward) { /* by key column (counting sort), lanes ascending within one */
+            for (int t = 0; t < n; t++)
+                for (int b = 0; b < kw; b++) st[g->cols[(j0 + t) * kw + b] - pl->pxa[bk] + 1]++;
+            for (int x = 1; x <= nl + 1; x++) st[x] += st[x - 1];
+            int *fill = malloc(sizeof(int) * (nl + 1));
+            memcpy(fill, st, sizeof(int) * (nl + 1));
+            for (int t = 0; t < n; t++)
+                for (int b = 0; b < kw; b++) {
+                    int k = fill[g->cols[(j0 + t) * kw + b] - pl->pxa[bk]]++;
+                    its[2 * k] = t;
+                    its[2 * k + 1] = b * L + t;
+                }
+            free(fill);
+        } else /* by lane, key columns ascending within one (insertion sort of its kW slots) */
+            for (int t = 0; t < n; t++) {
+                st[t + 1] = st[t] + kw;
+                int *it = its + 2 * st[t];
+                for (int b = 0; b < kw; b++) {
+                    int x = g->cols[(j0 + t) * kw + b], k = b;
+                    for (; k > 0 && it[2 * (k - 1)] > x; k--) { it[2 * k] = it[2 * k - 2]; it[2 * k + 1] = it[2 * k - 1]; }
+                    it[2 * k] = x;
+                    it[2 * k + 1] = b * L + t;
+                }
+            }
+        pair_groups(nl, st, its, pl->pxg + 4 * pl->pxs[bk], pl->pxe, &ne);
+        free(st);
+        free(its);
+    }
+}
+
+/* the key columns of block bk in the key row of Urow u: dk[x] += scale * sum dS[m][a, b][t] q[m][t]
+ * and dv[x] += sum P[m][a, b][t] dO[m][t] over the Urow's nu (query row m, slot row a) and the
+ * column's (b, t) pairs, PIXK columns at a time (pix_pairs). qrow[m] / grow[m]: the block's first
+ * query of row m in q / dO (channels contiguous; lane t at toff[t] / toff[L + t]); dk / dv: the key
+ * row's column 0 in the pixel ring (pixel strides kst / vst) */
+INL void pix_kern(const int nd, const int ndv, const int nu, const Plan *pl, int bk, int kw, const Urow *u,
+                  vt *const *ds, vt *const *p, const T *const *qrow, const T *const *grow, const long *toff, T *dk,
+                  T *dv, long kst, long vst, T scale) {
+    const int *pxg = pl->pxg + 4 * pl->pxs[bk], *pxe = pl->pxe, nx = pl->pxn[bk];
+    const T *wd[PIXR], *wp[PIXR], *qm[PIXR], *gm[PIXR];
+    for (int j = 0; j < nu; j++) {
+        wd[j] = (const T *)(ds[u->m[j]] + u->a[j] * kw);
+        wp[j] = (const T *)(p[u->m[j]] + u->a[j] * kw);
+        qm[j] = qrow[u->m[j]];
+        gm[j] = grow[u->m[j]];
+    }
+    for (int gi = 0; gi < (nx + PIXK - 1) / PIXK; gi++) {
+        const int *gp = pxg + 4 * gi;
+        vt ak[2][PIXMAX], av[2][PIXMAX];
+#pragma GCC unroll 8
+        for (int d = 0; d < PIXMAX; d++) ak[0][d] = av[0][d] = ak[1][d] = av[1][d] = (vt){0};
+        for (int e = gp[0]; PIXK == 2 && e < gp[1]; e++) { /* queries reading both columns */
+            const int t = pxe[3 * e], o0 = pxe[3 * e + 1], o1 = pxe[3 * e + 2];
+            const long qo = toff[t], go = toff[L + t];
+#pragma GCC unroll 4
+            for (int j = 0; j < nu; j++) {
+                const vt w0 = splat(wd[j][o0]), w1 = splat(wd[j][o1]), p0 = splat(wp[j][o0]), p1 = splat(wp[j][o1]);
+#pragma GCC unroll 8
+                for (int d = 0; d < nd && d < PIXMAX; d++) {
+                    const vt x = in_reg(ld(qm[j] + qo + d * L)); /* one load for both sums */
+                    ak[0][d] += w0 * x;
+                    ak[1][d] += w1 * x;
+                }
+#pragma GCC unroll 8
+                for (int d = 0; d < ndv && d < PIXMAX; d++) {
+                    const vt y = in_reg(ld(gm[j] + go + d * L));
+                    av[0][d] += p0 * y;
+                    av[1][d] += p1 * y;
+                }
+            }
+        }
+#pragma GCC unroll 2
+        for (int c = 0; c < PIXK; c++) /* queries reading one of them */
+            for (int e = gp[1 + c]; e < gp[2 + c]; e++) {
+                const int t = pxe[3 * e], o = pxe[3 * e + 1];
+                const long qo = toff[t], go = toff[L + t];
+#pragma GCC unroll 4
+                for (int j = 0; j < nu; j++) {
+                    const vt w = splat(wd[j][o]), pw = splat(wp[j][o]);
+#pragma GCC unroll 8
+                    for (int d = 0; d < nd && d < PIXMAX; d++) ak[c][d] += w * ld(qm[j] + qo + d * L);
+#pragma GCC unroll 8
+                    for (int d = 0; d < ndv && d < PIXMAX; d++) av[c][d] += pw * ld(gm[j] + go + d * L);
+                }
+            }
+#pragma GCC unroll 2
+        for (int c = 0; c < PIXK; c++) {
+            if (PIXK * gi + c >= nx) break;
+            T *kx = dk + (pl->pxa[bk] + PIXK * gi + c) * kst, *vx = dv + (pl->pxa[bk] + PIXK * gi + c) * vst;
+#pragma GCC unroll 8
+            for (int d = 0; d < nd && d < PIXMAX; d++) st(kx + d * L, ld(kx + d * L) + ak[c][d] * scale);
+#pragma GCC unroll 8
+            for (int d = 0; d < ndv && d < PIXMAX; d++) st(vx + d * L, ld(vx + d * L) + av[c][d]);
+        }
+    }
+}
+
+/* pix_kern with the channel vectors and the Urow's query rows as constants where common. toff: the
+ * lanes' offsets in q (L) and in dO (L) */
+static void pix_rows(int nd, int ndv, const Plan *pl, int bk, int kw, const Urow *u, vt *const *ds, vt *const *p,
+                     const T *const *qrow, const T *const *grow, const long *toff, T *dk, T *dv, long kst, long vst,
+                     T scale) {
+#define PIX(ND, NDV, NU) pix_kern(ND, NDV, NU, pl, bk, kw, u, ds, p, qrow, grow, toff, dk, dv, kst, vst, scale)
+#define PIXN(ND, NDV)                                 \
+    switch (u->n) {                                   \
+        case 1: PIX(ND, NDV, 1); return;              \
+        case 2: PIX(ND, NDV, 2); return;              \
+        case 3: PIX(ND, NDV, 3); return;              \
+        case 4: PIX(ND, NDV, 4); return;              \
+        default: PIX(ND, NDV, u->n); return;          \
+    }
+    if (nd == 2 && ndv == 2) PIXN(2, 2)
+    else if (nd == 1 && ndv == 1) PIXN(1, 1)
+    else if (nd == 4 && ndv == 4) PIXN(4, 4)
+    PIX(nd, ndv, u->n);
+#undef PIXN
+#undef PIX
+}
+
+/* the pixel route serves this call: one column chunk, whole channel vectors, q and dO with unit channel
+ * stride (bf16 q: its rows widened first, pix_widen) */
+static int pix_ok(const Geo *g, const Plan *pl, const long *sq, const long *sd) {
+    return pl->nc == 1 && g->D % L == 0 && g->Dv % L == 0 && g->D / L <= PIXMAX && g->Dv / L <= PIXMAX && sq[3] == 1 &&
+           sd[3] == 1;
+}
+
+/* query row i, columns [j_lo, j_lo + n_j) of plane (b, h) of the bf16 q (element strides sq, channels
+ * contiguous) widened into dst (n_j, C): the pixel route's q where bf16 (fp32: read in place) */
+static void pix_widen(const void *q, const long *sq, int b, int h, int i, int W, long j_lo, long n_j, int C, T *dst) {
+    const uint16_t *src = (const uint16_t *)q + b * sq[0] + h * sq[2];
+    for (long j = 0; j < n_j; j++)
+        for (int d = 0; d < C; d += L) st(dst + j * C + d, ld_h(src + ((long)i * W + j_lo + j) * sq[1] + d));
+}
+
+/* a key row of dK / dV (C channels, Wk pixels) from x, or zeros (x NULL), streamed to plane (b, h) of
+ * the dense, pixel-major y: each row leaves once, final */
+static void pix_row_out(const Geo *g, int b, int h, int r, int C, const T *x, T *y) {
+    T *y0 = y + (((long)b * g->Hk + r) * g->Wk * g->heads + h) * (long)C;
+    const long st_ = (long)g->heads * C;
+    for (long j = 0; j < g->Wk; j++)
+        for (int d = 0; d < C; d += L) st_nt(y0 + j * st_ + d, x ? ld(x + j * C + d) : (vt){0});
+}
+
+/* key rows [*done, upto] into the pixel ring (R rows of dK and of dV, (Wk, C) each, row r in slot
+ * r % R: the key planes' ring, ring_rows): the row leaving each slot streamed out first (no later
+ * tile adds to it), the slot zeroed; *done = upto + 1 */
+static void pix_in(const Geo *g, int R, int b, int h, int *done, int upto, T *rk, T *rv, T *dk, T *dv) {
+    const long kr = (long)g->Wk * g->D, vr = (long)g->Wk * g->Dv;
+    for (; *done <= upto; (*done)++) {
+        int r = *done, slot = r % R;
+        if (r >= R) {
+            pix_row_out(g, b, h, r - R, g->D, rk + slot * kr, dk);
+            pix_row_out(g, b, h, r - R, g->Dv, rv + slot * vr, dv);
+        }
+        memset(rk + slot * kr, 0, sizeof(T) * kr);
+        memset(rv + slot * vr, 0, sizeof(T) * vr);
+    }
+}
+
+/* the end of a plane: the rows still in the ring out, then zeros for the rows no tile read */
+static void pix_end(const Geo *g, int R, int b, int h, int done, const T *rk, const T *rv, T *dk, T *dv) {
+    const long kr = (long)g->Wk * g->D, vr = (long)g->Wk * g->Dv;
+    for (int r = done > R ? done - R : 0; r < done; r++) {
+        pix_row_out(g, b, h, r, g->D, rk + (r % R) * kr, dk);
+        pix_row_out(g, b, h, r, g->Dv, rv + (r % R) * vr, dv);
+    }
+    for (int r = done; r < g->Hk; r++) {
+        pix_row_out(g, b, h, r, g->D, NULL, dk);
+        pix_row_out(g, b, h, r, g->Dv, NULL, dv);
+    }
+}
+
+/* the forward on the values' layout: V rows copied into a pixel ring (no transposes), the output of
+ * each query summed in registers over its window, PIXK queries at a time (pix_pairs' forward
+ * groups), and stored where it goes. Used where the value channels are whole vectors with unit
+ * stride, at least 128 bytes a pixel, the window has no more rows than columns and the rows run as
+ * one column chunk: where it measured faster than the transposed P V (tile_apply), which shares each
+ * value load among a tile's query rows (fp32 2-D 64^2 d32 k7 1.12x on AVX-512, 1.05x on AVX2;
+ * dilated causal 40x37 d32 1.14x / 1.13x; not 96^2 d16: 0.93x / 0.95x, nor 3-D 16^3 d32 k5, whose
+ * flattened rows a tile shares more: 0.82x / 0.92x). */
+static int pxf_ok(const Geo *g, const Plan *pl, const long *sv) {
+    return pl->nc == 1 && g->Dv % L == 0 && g->Dv / L <= PIXMAX && g->Dv * (long)sizeof(T) >= 128 &&
+           g->kh <= g->kw && sv[3] == 1;
+}
+
+/* key rows [*done, upto] of plane (b, h) of v (element strides sv; bf16 widened) into the pixel ring
+ * vn (R rows of (Wk, Dv), row r in slot r % R); *done = upto + 1 */
+static void pxf_in(const Geo *g, int R, int b, int h, int *done, int upto, const void *v, int bf, const long *sv,
+                   T *vn) {
+    for (; *done <= upto; (*done)++) {
+        const int r = *done;
+        T *dst = vn + (long)(r % R) * g->Wk * g->Dv;
+        for (long j = 0; j < g->Wk; j++) {
+            const long e = b * sv[0] + ((long)r * g->Wk + j) * sv[1] + h * sv[2];
+            for (int d = 0; d < g->Dv; d += L)
+                st(dst + j * g->Dv + d, bf ? ld_h((const uint16_t *)v + e + d) : ld((const T *)v + e + d));
+        }
+    }
+}
+
+/* query row i of block bk: o[t] = inv[t] * sum over its window of P[a, b][t] * V[key], from the
+ * softmax's exponentials sw (the block's slot vectors), 1 / sums inv and the ring vn; o: the block's
+ * first query in the output (pixel stride ost), streamed where nt */
+INL void pxf_kern(const int nd, const Geo *g, const Plan *pl, int bk, int i, const vt *sw, vt inv, const T *vn,
+                  int ring, T *o, long ost, int nt) {
+    const int *gp0 = pl->pxg + 4 * pl->pxs[bk], *pxe = pl->pxe, nl = pl->pxn[bk], kh = g->kh, Dv = g->Dv;
+    const long wa = (long)g->kw * L; /* the weights of slot row a + 1 follow those of a by wa */
+    const T *vr[kh], *w0 = (const T *)sw;
+    for (int a = 0; a < kh; a++) vr[a] = vn + (long)(g->rows[i * kh + a] % ring) * g->Wk * Dv;
+    for (int gi = 0; gi < (nl + PIXK - 1) / PIXK; gi++) {
+        const int *gp = gp0 + 4 * gi;
+        vt acc[2][PIXMAX];
+#pragma GCC unroll 8
+        for (int d = 0; d < PIXMAX; d++) acc[0][d] = acc[1][d] = (vt){0};
+        for (int e = gp[0]; PIXK == 2 && e < gp[1]; e++) { /* keys both queries read */
+            const long x = (long)pxe[3 * e] * Dv, dy = pxe[3 * e + 2] - pxe[3 * e + 1];
+            const T *wx = w0 + pxe[3 * e + 1];
+#pragma GCC unroll 2
+            for (int a = 0; a < kh; a++, wx += wa) {
+                const vt p0 = splat(wx[0]), p1 = splat(wx[dy]);
+#pragma GCC unroll 8
+                for (int d = 0; d < nd && d < PIXMAX; d++) {
+                    const vt y = in_reg(ld(vr[a] + x + d * L)); /* one load for both sums */
+                    acc[0][d] += p0 * y;
+                    acc[1][d] += p1 * y;
+                }
+            }
+        }
+#pragma GCC unroll 2
+        for (int c = 0; c < PIXK; c++) /* keys one of them reads */
+            for (int e = gp[1 + c]; e < gp[2 + c]; e++) {
+                const long x = (long)pxe[3 * e] * Dv;
+                const T *wx = w0 + pxe[3 * e + 1];
+                for (int a = 0; a < kh; a++, wx += wa) {
+                    const vt p0 = splat(*wx);
+#pragma GCC unroll 8
+                    for (int d = 0; d < nd && d < PIXMAX; d++) acc[c][d] += p0 * ld(vr[a] + x + d * L);
+                }
+            }
+#pragma GCC unroll 2
+        for (int c = 0; c < PIXK; c++) {
+            const int t = PIXK * gi + c;
+            if (t >= nl) break;
+            const vt sc = splat(((const T *)&inv)[t]);
+            T *ot = o + t * ost;
+#pragma GCC unroll 8
+            for (int d = 0; d < nd && d < PIXMAX; d++) {
+                if (nt) st_nt(ot + d * L, acc[c][d] * sc);
+                else st(ot + d * L, acc[c][d] * sc);
+            }
+        }
+    }
+}
+
+static void pxf_rows(const Geo *g, const Plan *pl, int bk, int i, const vt *sw, vt inv, const T *vn, int ring, T *o,
+                     long ost, int nt) {
+    const int nd = g->Dv / L;
+    if (nd == 2) pxf_kern(2, g, pl, bk, i, sw, inv, vn, ring, o, ost, nt);
+    else if (nd == 1) pxf_kern(1, g, pl, bk, i, sw, inv, vn, ring, o, ost, nt);
+    else if (nd == 4) pxf_kern(4, g, pl, bk, i, sw, inv, vn, ring, o, ost, nt);
+    else pxf_kern(nd, g, pl, bk, i, sw, inv, vn, ring, o, ost, nt);
+}
+
+#endif
