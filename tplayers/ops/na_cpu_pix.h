@@ -17,6 +17,22 @@
  * 2-D 96^2 d16 backward 1.07x, 64^2 d32 1.03x over one), else one (AVX2 64^2 d32: two spill, 0.96x) */
 #define PIXK (NREG == 32 ? 2 : 1)
 
+/* a0[d] += w0 x[d] and a1[d] += w1 x[d] for the n channel vectors x of src, each loaded once */
+INL void fma_two(const int n, vt *a0, vt *a1, vt w0, vt w1, const T *src) {
+#pragma GCC unroll 8
+    for (int d = 0; d < n && d < PIXMAX; d++) {
+        const vt x = in_reg(ld(src + d * L)); /* GCC would fold the load into both FMAs */
+        a0[d] += w0 * x;
+        a1[d] += w1 * x;
+    }
+}
+
+/* a[d] += w x[d] for the n channel vectors x of src */
+INL void fma_one(const int n, vt *a, vt w, const T *src) {
+#pragma GCC unroll 8
+    for (int d = 0; d < n && d < PIXMAX; d++) a[d] += w * ld(src + d * L);
+}
+
 /* lists [0, nl) of a block's pairs, list x's items its[2 k] (the match: a lane, or a key column) and
  * its[2 k + 1] (the pair's weight index b * L + t in the block's slot vectors) for k in [st[x],
  * st[x + 1]), matches ascending; in groups of PIXK consecutive lists (the last may have fewer), each
@@ -142,19 +158,8 @@ INL void pix_kern(const int nd, const int ndv, const int nu, const Plan *pl, int
             const long qo = toff[t], go = toff[L + t];
 #pragma GCC unroll 4
             for (int j = 0; j < nu; j++) {
-                const vt w0 = splat(wd[j][o0]), w1 = splat(wd[j][o1]), p0 = splat(wp[j][o0]), p1 = splat(wp[j][o1]);
-#pragma GCC unroll 8
-                for (int d = 0; d < nd && d < PIXMAX; d++) {
-                    const vt x = in_reg(ld(qm[j] + qo + d * L)); /* one load for both sums */
-                    ak[0][d] += w0 * x;
-                    ak[1][d] += w1 * x;
-                }
-#pragma GCC unroll 8
-                for (int d = 0; d < ndv && d < PIXMAX; d++) {
-                    const vt y = in_reg(ld(gm[j] + go + d * L));
-                    av[0][d] += p0 * y;
-                    av[1][d] += p1 * y;
-                }
+                fma_two(nd, ak[0], ak[1], splat(wd[j][o0]), splat(wd[j][o1]), qm[j] + qo);
+                fma_two(ndv, av[0], av[1], splat(wp[j][o0]), splat(wp[j][o1]), gm[j] + go);
             }
         }
 #pragma GCC unroll 2
@@ -164,11 +169,8 @@ INL void pix_kern(const int nd, const int ndv, const int nu, const Plan *pl, int
                 const long qo = toff[t], go = toff[L + t];
 #pragma GCC unroll 4
                 for (int j = 0; j < nu; j++) {
-                    const vt w = splat(wd[j][o]), pw = splat(wp[j][o]);
-#pragma GCC unroll 8
-                    for (int d = 0; d < nd && d < PIXMAX; d++) ak[c][d] += w * ld(qm[j] + qo + d * L);
-#pragma GCC unroll 8
-                    for (int d = 0; d < ndv && d < PIXMAX; d++) av[c][d] += pw * ld(gm[j] + go + d * L);
+                    fma_one(nd, ak[c], splat(wd[j][o]), qm[j] + qo);
+                    fma_one(ndv, av[c], splat(wp[j][o]), gm[j] + go);
                 }
             }
 #pragma GCC unroll 2
@@ -304,26 +306,14 @@ INL void pxf_kern(const int nd, const Geo *g, const Plan *pl, int bk, int i, con
             const long x = (long)pxe[3 * e] * Dv, dy = pxe[3 * e + 2] - pxe[3 * e + 1];
             const T *wx = w0 + pxe[3 * e + 1];
 #pragma GCC unroll 2
-            for (int a = 0; a < kh; a++, wx += wa) {
-                const vt p0 = splat(wx[0]), p1 = splat(wx[dy]);
-#pragma GCC unroll 8
-                for (int d = 0; d < nd && d < PIXMAX; d++) {
-                    const vt y = in_reg(ld(vr[a] + x + d * L)); /* one load for both sums */
-                    acc[0][d] += p0 * y;
-                    acc[1][d] += p1 * y;
-                }
-            }
+            for (int a = 0; a < kh; a++, wx += wa) fma_two(nd, acc[0], acc[1], splat(wx[0]), splat(wx[dy]), vr[a] + x);
         }
 #pragma GCC unroll 2
         for (int c = 0; c < PIXK; c++) /* keys one of them reads */
             for (int e = gp[1 + c]; e < gp[2 + c]; e++) {
                 const long x = (long)pxe[3 * e] * Dv;
                 const T *wx = w0 + pxe[3 * e + 1];
-                for (int a = 0; a < kh; a++, wx += wa) {
-                    const vt p0 = splat(*wx);
-#pragma GCC unroll 8
-                    for (int d = 0; d < nd && d < PIXMAX; d++) acc[c][d] += p0 * ld(vr[a] + x + d * L);
-                }
+                for (int a = 0; a < kh; a++, wx += wa) fma_one(nd, acc[c], splat(*wx), vr[a] + x);
             }
 #pragma GCC unroll 2
         for (int c = 0; c < PIXK; c++) {
