@@ -3,8 +3,8 @@ the backward adds dK / dV on the user's layout (per key pixel its channels summe
 slot) pairs that read it, into a ring of pixel-major key rows streamed out as they leave), and
 where the values are 128 bytes a pixel or more in a 2-D window the forward sums P V on the values'
 layout. Exact against the brute-force oracle in fp64 (every ISA build this host runs, so 8, 4 and 2
-lanes), forward and every gradient, over random kernels, dilation, causal, a query sub-window, the
-bias table, batches and heads, 2-D and 3-D; the probe says which route is taken there, and that
+lanes), forward and every gradient, over random kernels, dilation, causal, stride, a query
+sub-window, the bias table, batches and heads, 2-D and 3-D; the probe says which route is taken there, and that
 none is where it does not apply (a head dim of part of a vector, rows in column chunks)."""
 
 import random
@@ -119,3 +119,30 @@ def test_the_route_is_not_taken_where_it_does_not_apply():
     keep = (kernel_dims(geo, 1, 2, lanes, 16), *kernel_tables(tuple(geo)))
     assert na_cpu.load_library(torch.float64, isa).na_chunks(*[na_cpu._ptr(t) for t in keep], 1) > 1
     assert _pixel_route(isa, *long, lanes, 16) == 0
+
+
+@pytest.mark.parametrize("isa", isas_this_host_runs())
+def test_both_routes_with_stride_match_the_oracle(isa, monkeypatch):
+    """NATTEN's stride (each query reads the window of the strided query at or before it) on both
+    pixel routes: 2-D, stride up to the kernel per dim, with dilation and causal, fp64 against the
+    oracle, every gradient."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.setenv("TPLAYERS_NA_ISA", isa)
+    lanes = na_cpu.lanes(torch.float64, isa)
+    rng = random.Random(7300 + len(isa))
+    for _ in range(3):
+        kernel = tuple(sorted((rng.randint(3, 7), rng.randint(3, 7))))
+        stride = tuple(rng.randint(1, kk) for kk in kernel)
+        dilation = tuple(rng.choice([1, 2]) for _ in kernel)
+        causal = (rng.random() < 0.4, rng.random() < 0.4)
+        size = tuple(kk * d + rng.choice([1, 4, 13]) for kk, d in zip(kernel, dilation))
+        where = f"{isa} kernel {kernel} stride {stride} dilation {dilation} causal {causal} size {size}"
+        assert _pixel_route(isa, size, kernel, dilation, causal, lanes, 16) == 3, where
+        gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
+        q, k = (torch.randn(2, *size, 2, lanes, generator=gen, dtype=torch.float64) for _ in range(2))
+        v = torch.randn(2, *size, 2, 16, generator=gen, dtype=torch.float64)
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = brute_na(*ref_in, kernel, stride=stride, dilation=dilation, causal=causal)
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = tplayers.na2d(*ins, kernel, stride=stride, dilation=dilation, is_causal=causal)
+        assert_out_and_grads(out, ref, ins, ref_in, gen, where, **TIGHT)
