@@ -4,8 +4,9 @@ slot) pairs that read it, into a ring of pixel-major key rows streamed out as th
 where the values are 128 bytes a pixel or more in a 2-D window the forward sums P V on the values'
 layout. Exact against the brute-force oracle in fp64 (every ISA build this host runs, so 8, 4 and 2
 lanes), forward and every gradient, over random kernels, dilation, causal, stride, a query
-sub-window, the bias table, batches and heads, 2-D and 3-D; the probe says which route is taken there, and that
-none is where it does not apply (a head dim of part of a vector, rows in column chunks)."""
+sub-window, the bias table, batches and heads, 2-D and 3-D; the probe says which route is taken
+there, and that none is where it does not apply (a head dim of part of a vector, rows in column
+chunks)."""
 
 import random
 

@@ -63,8 +63,8 @@ void *na_plan(const int64_t *dims, const int32_t *rows, const int32_t *cols, int
         pl->shix = malloc(sizeof(int) * pl->nb);
         fuse_tables(&g, pl, pl->shifts, pl->shix, pl->fused, pl->fstart, &pl->folds);
         key_blocks(&g, pl);
-        if (backward == 1) pix_pairs(&g, pl, 1);
-    } else
+        if (backward == 1 && pix_shape(&g, pl)) pix_pairs(&g, pl, 1);
+    } else if (pxf_shape(&g, pl))
         pix_pairs(&g, pl, 0);
     ring_rows(&g, pl);
     return pl;
@@ -356,8 +356,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                         }
                         for (const Urow *u = u0; u < u1; u++)
                             pix_rows(nd, ndv, &pl, bk, g.kw, u, ds, p, qp_, gp_, toff,
-                                     dkt + (long)u->row * g.Wk * g.D, dvt + (long)u->row * g.Wk * g.Dv, g.D, g.Dv,
-                                     g.scale);
+                                     dkt + (long)u->row * g.Wk * g.D, dvt + (long)u->row * g.Wk * g.Dv, g.scale);
                     } else if (kv && fused[bk]) { /* dK += dS^T Q, dV += P^T dO: a tile's rows summed per key row */
                         const vi *sh = shifts + 4 * (long)g.kw * shix[bk], *fold = folds + 2 * fstart[bk];
                         int nf = fstart[bk + 1] - fstart[bk];

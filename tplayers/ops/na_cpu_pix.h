@@ -1,12 +1,13 @@
-/* The backward's dK / dV on the user's layout (included by na_cpu.c after na_cpu_keys.h, and by na_cpu_pix.c): for each
- * key pixel a tile's block reaches, its channel vectors summed in registers over the (query, slot)
- * pairs that read it, a broadcast weight (dS or P, one lane of the block's slot vectors) times the
- * query's Q or dO channels, read where they lie (pixel-major, heads adjacent), then added into a
- * ring of pixel-major key rows (the key planes' ring, ring_rows), each row streamed out to dK /
- * dV when it leaves. No shifts of lanes (sl_rows spends two shuffles and two adds per slot and
- * channel vector on them) and no transposes out. Used where the channels are whole vectors, q and dO
- * have unit channel stride (bf16 q: its rows widened first) and the rows run as one column chunk
- * (pix_ok); the transposed route otherwise. */
+/* The pixel routes (included by na_cpu.c after na_cpu_keys.h, and by na_cpu_pix.c, which holds their
+ * kernels). The backward's dK / dV on the user's layout: for each key pixel a tile's block reaches,
+ * its channel vectors summed in registers over the (query, slot) pairs that read it, a broadcast
+ * weight (dS or P, one lane of the block's slot vectors) times the query's Q or dO channels, read
+ * where they lie (pixel-major, heads adjacent), then added into a ring of pixel-major key rows (the
+ * key planes' ring, ring_rows), each row streamed out to dK / dV when it leaves. No shifts of lanes
+ * (sl_rows spends two shuffles and two adds per slot and channel vector on them) and no transposes
+ * out. Used where the channels are whole vectors, q and dO have unit channel stride (bf16 q: its
+ * rows widened first) and the rows run as one column chunk (pix_ok); the transposed route
+ * otherwise. The forward's P V on the values' layout: see pxf_ok. */
 #ifndef NA_CPU_PIX_H
 #define NA_CPU_PIX_H
 #include "na_cpu_plan.h"
@@ -119,16 +120,19 @@ static void pix_pairs(const Geo *g, Plan *pl, int backward) {
 
 /* the kernels of the pixel routes (na_cpu_pix.c, a unit of its own: it compiles beside na_cpu.c) */
 HIDDEN void pix_rows(int nd, int ndv, const Plan *pl, int bk, int kw, const Urow *u, vt *const *ds, vt *const *p,
-                     const T *const *qrow, const T *const *grow, const long *toff, T *dk, T *dv, long kst, long vst,
-                     T scale);
+                     const T *const *qrow, const T *const *grow, const long *toff, T *dk, T *dv, T scale);
 HIDDEN void pxf_rows(const Geo *g, const Plan *pl, int bk, int i, const vt *sw, vt inv, const T *vn, int ring, T *o,
                      long ost, int nt);
 
-/* the pixel route serves this call: one column chunk, whole channel vectors, q and dO with unit channel
- * stride (bf16 q: its rows widened first, pix_widen) */
+/* the backward's pixel route serves this plan's shape: one column chunk, whole channel vectors (na_plan
+ * builds its pair tables only then) */
+static int pix_shape(const Geo *g, const Plan *pl) {
+    return pl->nc == 1 && g->D % L == 0 && g->Dv % L == 0 && g->D / L <= PIXMAX && g->Dv / L <= PIXMAX;
+}
+
+/* ... and this call: q and dO with unit channel stride (bf16 q: its rows widened first, pix_widen) */
 static int pix_ok(const Geo *g, const Plan *pl, const long *sq, const long *sd) {
-    return pl->nc == 1 && g->D % L == 0 && g->Dv % L == 0 && g->D / L <= PIXMAX && g->Dv / L <= PIXMAX && sq[3] == 1 &&
-           sd[3] == 1;
+    return pix_shape(g, pl) && sq[3] == 1 && sd[3] == 1;
 }
 
 /* query row i, columns [j_lo, j_lo + n_j) of plane (b, h) of the bf16 q (element strides sq, channels
@@ -184,11 +188,13 @@ static void pix_end(const Geo *g, int R, int b, int h, int done, const T *rk, co
  * one column chunk: where it measured faster than the transposed P V (tile_apply), which shares each
  * value load among a tile's query rows (fp32 2-D 64^2 d32 k7 1.12x on AVX-512, 1.05x on AVX2;
  * dilated causal 40x37 d32 1.14x / 1.13x; not 96^2 d16: 0.93x / 0.95x, nor 3-D 16^3 d32 k5, whose
- * flattened rows a tile shares more: 0.82x / 0.92x). */
-static int pxf_ok(const Geo *g, const Plan *pl, const long *sv) {
-    return pl->nc == 1 && g->Dv % L == 0 && g->Dv / L <= PIXMAX && g->Dv * (long)sizeof(T) >= 128 &&
-           g->kh <= g->kw && sv[3] == 1;
+ * flattened rows a tile shares more: 0.82x / 0.92x). pxf_shape: the plan's shape (na_plan builds its
+ * pair tables only then); pxf_ok: the call's too. */
+static int pxf_shape(const Geo *g, const Plan *pl) {
+    return pl->nc == 1 && g->Dv % L == 0 && g->Dv / L <= PIXMAX && g->Dv * (long)sizeof(T) >= 128 && g->kh <= g->kw;
 }
+
+static int pxf_ok(const Geo *g, const Plan *pl, const long *sv) { return pxf_shape(g, pl) && sv[3] == 1; }
 
 /* key rows [*done, upto] of plane (b, h) of v (element strides sv; bf16 widened) into the pixel ring
  * vn (R rows of (Wk, Dv), row r in slot r % R); *done = upto + 1 */

@@ -28,8 +28,8 @@ typedef struct {
      * kpad: zero columns on each side of the row buffers those sums read (0: no such block) */
     int *keyc;
     long *relpat, kpad;
-    /* backward, dK / dV on the user's layout: per block its key columns and their (slot, lane) pairs
-     * (pix_pairs in na_cpu_pix.h; NULL until then) */
+    /* the pixel routes' pair tables (pix_pairs in na_cpu_pix.h: the backward's per key column, the
+     * forward's per lane; NULL where the plan's shape takes no pixel route) */
     int *pxa, *pxn, *pxs, *pxg, *pxe;
     /* na_plan's plans: the key planes (and the backward's dK / dV planes) hold a ring of `ring`
      * rows (key row r in slot r % ring; the Urows' rows are slots) and the rows up to upto[t] are

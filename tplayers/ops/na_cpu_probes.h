@@ -1,6 +1,6 @@
 /* What a call's plan chose, for the tests (included by na_cpu.c after na_cpu_pix.h): its column
- * chunks, the blocks within one vector, the rows of its ring of key planes, its tile order and
- * whether its backward adds dK / dV on the user's layout. */
+ * chunks, the blocks within one vector, the rows of its ring of key planes, its tile order and its
+ * pixel routes. */
 #ifndef NA_CPU_PROBES_H
 #define NA_CPU_PROBES_H
 #include "na_cpu_plan.h"
@@ -60,12 +60,15 @@ int na_row_order(const int64_t *dims, const int32_t *rows, const int32_t *cols, 
  * where not): 1 when its backward adds dK / dV on the user's layout (pix_ok), + 2 when its forward
  * sums P V on the values' layout (pxf_ok) */
 int na_pixel_route(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
-    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
-    Plan pl;
-    make_plan(&g, 1, &pl);
     const long unit[4] = {0, 0, 0, 1};
-    int yes = pix_ok(&g, &pl, unit, unit) | pxf_ok(&g, &pl, unit) << 1;
-    free_plan(&pl);
+    int yes = 0;
+    for (int backward = 0; backward < 2; backward++) { /* each route on its own plan (their chunks differ) */
+        Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+        Plan pl;
+        make_plan(&g, backward, &pl);
+        yes |= backward ? pix_ok(&g, &pl, unit, unit) : pxf_ok(&g, &pl, unit) << 1;
+        free_plan(&pl);
+    }
     return yes;
 }
 
