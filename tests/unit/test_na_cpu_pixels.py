@@ -103,10 +103,10 @@ def test_dk_dv_on_the_users_layout_in_3d_match_the_oracle(isa, monkeypatch):
 
 
 def test_the_route_is_not_taken_where_it_does_not_apply():
-    """A head dim of part of a vector, or a value dim of part of one, and rows cut into column chunks
-    (keys past the cache budget) keep the transposed dK / dV, and values of under 128 bytes a pixel
-    or a window of more rows than columns the transposed forward (test_na_cpu and test_na_cpu_tiles
-    check those against the oracle)."""
+    """A head dim of part of a vector, or a value dim of part of one, keep the transposed dK / dV (rows
+    cut into column chunks take the route, in place), and values of under 128 bytes a pixel, a window
+    of more rows than columns or rows in column chunks the transposed forward (test_na_cpu and
+    test_na_cpu_tiles check those against the oracle)."""
     isa = na_cpu.target_isa()
     lanes = na_cpu.lanes(torch.float64, isa)
     plain = ((12, 20), (5, 5), (1, 1), (False, False))
@@ -116,10 +116,52 @@ def test_the_route_is_not_taken_where_it_does_not_apply():
     assert _pixel_route(isa, *plain, lanes + 1, 16) == 2
     assert _pixel_route(isa, *plain, lanes, lanes // 2) == 0
     long = ((3, 3000), (3, 33), (1, 1), (False, False))
-    geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(*long)], 1, 1)
-    keep = (kernel_dims(geo, 1, 2, lanes, 16), *kernel_tables(tuple(geo)))
-    assert na_cpu.load_library(torch.float64, isa).na_chunks(*[na_cpu._ptr(t) for t in keep], 1) > 1
-    assert _pixel_route(isa, *long, lanes, 16) == 0
+    assert _chunks(isa, *long, lanes, 16) > 1
+    assert _pixel_route(isa, *long, lanes, 16) == 1  # dK / dV in place; the forward keeps its planes
+    assert _pixel_route(isa, *long, lanes, lanes // 2) == 0
+
+
+def _chunks(isa, size, kernel, dilation, causal, dim, dim_v):
+    """Column chunks of the backward plan of one 2-head fp64 call (na_chunks)."""
+    geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
+    keep = (kernel_dims(geo, 1, 2, dim, dim_v), *kernel_tables(tuple(geo)))
+    return na_cpu.load_library(torch.float64, isa).na_chunks(*[na_cpu._ptr(t) for t in keep], 1)
+
+
+@pytest.mark.parametrize("isa", isas_this_host_runs())
+def test_rows_in_column_chunks_add_dk_dv_in_place(isa, monkeypatch):
+    """Rows cut into column chunks (keys past the cache budget) add dK / dV on the user's layout in
+    place, each key column zeroed before the first chunk reaching it: 2-D with dilation, causal rows,
+    the bias and a query sub-window (columns no query reads get zero gradients), fp64 against the
+    oracle, every gradient, and dQ / dK / dV the same bits at 1 and 3 threads."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.setenv("TPLAYERS_NA_ISA", isa)
+    lanes = na_cpu.lanes(torch.float64, isa)
+    for size, kernel, dilation, causal, box in (
+        ((3, 400), (3, 33), (1, 1), (False, False), (0, 3, 0, 400)),
+        ((4, 500), (3, 21), (1, 2), (True, False), (1, 4, 37, 451)),
+    ):
+        where = f"{isa} size {size} kernel {kernel} dilation {dilation} causal {causal} box {box}"
+        assert _chunks(isa, size, kernel, dilation, causal, lanes, 16) > 1, where
+        assert _pixel_route(isa, size, kernel, dilation, causal, lanes, 16) & 1, where  # the backward's
+        gen = torch.Generator().manual_seed(size[1])
+        q, k = (torch.randn(2, *size, 2, lanes, generator=gen, dtype=torch.float64) for _ in range(2))
+        v = torch.randn(2, *size, 2, 16, generator=gen, dtype=torch.float64)
+        rpb = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64)
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+        ref = brute_na2d(*ref_in[:3], kernel, dilation, causal, rpb=ref_in[3])
+        q0, q1, c0, c1 = box
+        ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+        out = na_on_subwindow(ins, size, kernel, dilation, causal, box)
+        assert_out_and_grads(out, ref[:, q0:q1, c0:c1], ins, ref_in, gen, where, **TIGHT)
+
+        def run():
+            got = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+            na_on_subwindow(got, size, kernel, dilation, causal, box).sum().backward()
+            return [t.grad for t in got[:3]]  # the bias: per-thread sums added (close, not equal)
+
+        one, three = at_thread_counts(run)
+        assert all(torch.equal(a, b) for a, b in zip(one, three)), where
 
 
 @pytest.mark.parametrize("isa", isas_this_host_runs())

@@ -80,7 +80,8 @@ static long scratch_of(const Geo *g, const Plan *pl, int backward) {
     if (!backward) return D * pk + PAD + Dv * pk + PAD + MR * D * qw + PAD + MR * Dv * qw + PAD;
     long qp = qw + 2 * pl->kpad; /* the backward's Q and dO rows: padded for key_sums */
     long keys = pl->kpad ? 2 * (MR * g->nk * qp + PAD) : 0;
-    return D * pk + PAD + Dv * pk + PAD + MR * D * qp + PAD + MR * Dv * qp + PAD + MR * D * qw + PAD +
+    long line = g->Hq == 1 && g->Hk == 1 && g->kh == 1 ? D * pk + PAD : 0; /* na_backward_line's packed keys */
+    return D * pk + PAD + Dv * pk + PAD + MR * D * qp + PAD + MR * Dv * qp + PAD + MR * D * qw + PAD + line +
            (backward == 1 ? D * pk + Dv * pk + 2 * PAD + keys + MR * D * qw + PAD : 0); /* pix_widen's rows */
 }
 
@@ -243,16 +244,6 @@ static void key_sums(const Geo *g, const Plan *pl, const Urow *u, const T *w, co
     }
 }
 
-/* dtable[h] += dS of query row i's block at j0 (its n live lanes) */
-static void table_grad(const Geo *g, const Lanes *ln, int i, long j0, int h, const vt *ds, T *dtable) {
-    const int32_t *rr = g->rows + 2 * g->Hq * g->kh, *rc = g->cols + 2 * g->Wq * g->kw;
-    T *tab = dtable + (size_t)h * g->tr * g->tw;
-    for (int ab = 0; ab < g->nk; ab++) {
-        int ra = rr[i * g->kh + ab / g->kw] * g->tw, b = ab % g->kw;
-        for (int t = 0; t < ln->n; t++) tab[ra + rc[(j0 + t) * g->kw + b]] += ds[ab][t];
-    }
-}
-
 /* gradients of na_forward: dq, dk and dv (overwritten; dk and dv both NULL: not wanted) and
  * dtable (accumulated; NULL without a bias). dout has element strides sd
  * (batch, pixel, head, channel). */
@@ -268,6 +259,8 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
     const Plan pl = open_call(&g, dims, rows, cols, table, scale, plan, sx, sq, sk, sv);
     long sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
     const int pix = kv && pix_ok(&g, &pl, sq, sdo); /* dK / dV on the user's layout (na_cpu_pix.h) */
+    const int pin = pix && pl.nc > 1; /* ... added in place (column chunks), else through the pixel ring */
+    const long pxs[2] = {pin ? (long)g.heads * g.D : g.D, pin ? (long)g.heads * g.Dv : g.Dv}; /* its pixel pitches */
     long pk = (long)pl.ring * g.kp, qw = pl.qw; /* the planes' rows: a ring (ring_in_kv) */
     long kpad = kv && !pix ? pl.kpad : 0, qp = qw + 2 * kpad; /* Q and dO rows: pitch qp, data from kpad */
     const long *jb = pl.jb;
@@ -299,14 +292,17 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
     const vi *shifts = pl.shifts, *folds = pl.folds;
     const int *fused = pl.fused, *fstart = pl.fstart, *shix = pl.shix;
     (void)dmax;
+    long zx = 0; /* pin: key columns [0, zx) cleared */
     for (int ch = 0; ch < pl.nc; ch++) { /* chunk-major, as in na_forward */
+        const long zx1 = ch == pl.nc - 1 ? g.Wk : pl.cx1[ch] > zx ? pl.cx1[ch] : zx;
         for (int pn = p0; pn < p1; pn++) {
             int b = pn / g.heads, h = pn % g.heads;
             long x0 = pl.cx0[ch], xn = pl.cx1[ch] - x0, jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
             int done = 0; /* key rows in the ring */
             int pdone = 0; /* pix: key rows in its ring */
+            if (pin) pix_zero(&g, b, h, zx, zx1, dk, dv);
             for (int t = 0; t < pl.nt; t++) {
-                if (pix) pix_in(&g, pl.ring, b, h, &pdone, pl.upto[t], dkt, dvt, dk, dv);
+                if (pix && !pin) pix_in(&g, pl.ring, b, h, &pdone, pl.upto[t], dkt, dvt, dk, dv);
                 ring_in_kv(&g, &pl, ch, b, h, &done, pl.upto[t], k, v, bf, sk, sv, kt, vtp, pix ? NULL : dkt,
                            pix ? NULL : dvt, dk, dv);
                 const int *rowi = pl.order + t * MR;
@@ -354,9 +350,12 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                                         : (const T *)q + b * sq[0] + ((long)rowi[m] * g.Wq + jb[bk]) * sq[1] + h * sq[2];
                             gp_[m] = dout + b * sdo[0] + ((long)rowi[m] * g.Wq + jb[bk]) * sdo[1] + h * sdo[2];
                         }
-                        for (const Urow *u = u0; u < u1; u++)
+                        for (const Urow *u = u0; u < u1; u++) {
+                            const long kx = pin ? ((long)b * g.Hk + u->row) * g.Wk : u->row; /* the key row's pixel 0 */
                             pix_rows(nd, ndv, &pl, bk, g.kw, u, ds, p, qp_, gp_, toff,
-                                     dkt + (long)u->row * g.Wk * g.D, dvt + (long)u->row * g.Wk * g.Dv, g.scale);
+                                     pin ? dk + kx * pxs[0] + h * g.D : dkt + kx * g.Wk * g.D,
+                                     pin ? dv + kx * pxs[1] + h * g.Dv : dvt + kx * g.Wk * g.Dv, pxs, g.scale);
+                        }
                     } else if (kv && fused[bk]) { /* dK += dS^T Q, dV += P^T dO: a tile's rows summed per key row */
                         const vi *sh = shifts + 4 * (long)g.kw * shix[bk], *fold = folds + 2 * fstart[bk];
                         int nf = fstart[bk + 1] - fstart[bk];
@@ -403,12 +402,13 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                 for (int m = 0; m < nm; m++)
                     from_rows(dqr + m * g.D * qw, qw, b, h, g.heads, g.Hq, g.Wq, g.D, rowi[m], rowi[m] + 1, jlo, jn, 2, dq);
             }
-            if (pix) pix_end(&g, pl.ring, b, h, pdone, dkt, dvt, dk, dv);
+            if (pix && !pin) pix_end(&g, pl.ring, b, h, pdone, dkt, dvt, dk, dv);
             if (kv && !pix) { /* the rows no tile read (zeros), then the ring's last rows */
                 ring_in_kv(&g, &pl, ch, b, h, &done, g.Hk - 1, NULL, NULL, bf, sk, sv, kt, vtp, dkt, dvt, dk, dv);
                 ring_out(&g, &pl, ch, b, h, g.Hk > pl.ring ? g.Hk - pl.ring : 0, g.Hk, dkt, dvt, dk, dv);
             }
         }
+        zx = zx1;
     }
     nt_fence();
     free(sbuf);

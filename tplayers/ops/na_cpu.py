@@ -83,14 +83,17 @@ SOURCE = Path(__file__).with_name("na_cpu.c")
 #: their own so that they compile beside na_cpu.c, which bounds the build where cores are many)
 UNITS = (
     SOURCE,
-    *(Path(__file__).with_name(f"na_cpu_{unit}.c") for unit in ("line", "direct_fwd", "direct_bwd", "pix")),
+    *(
+        Path(__file__).with_name(f"na_cpu_{unit}.c")
+        for unit in ("line", "line_bwd", "direct_fwd", "direct_bwd", "pix")
+    ),
 )
 #: every file of the kernel (the hash of the built library covers them all)
 SOURCES = (
     *UNITS,
     *(
         Path(__file__).with_name(f"na_cpu_{part}.h")
-        for part in ("blocks", "io", "rows", "kv", "plan", "probes", "keys", "pix", "direct")
+        for part in ("blocks", "io", "rows", "kv", "plan", "probes", "keys", "pix", "direct", "line")
     ),
 )
 FLAGS = ("-O3", "-fPIC", "-std=gnu11")
@@ -437,8 +440,10 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
         g4 = grad_out.contiguous().view(batch, q.shape[1], heads, dim_v)
     tab = None if table is None else table.detach().contiguous()
     planes = batch * heads
-    direct = na_cpu_plans.backward_direct(dims, lanes(dtype, isa))
-    if direct and g4.stride(-1) != 1:  # the direct backward loads dO's channels as vectors
+    nl = lanes(dtype, isa)
+    direct = na_cpu_plans.backward_direct(dims, nl)
+    line = not direct and na_cpu_plans.backward_line(dims, nl)  # na_cpu_line_bwd.c
+    if (direct or line) and g4.stride(-1) != 1:  # these load dO's channels as vectors
         g4 = g4.contiguous()
     strides = torch.tensor(g4.stride(), dtype=torch.int64)
     q, k, v, sx = _kernel_inputs(q, k, v, heads, direct)
@@ -454,11 +459,12 @@ def c_backward(grad_out, q, k, v, table, out, geo: List[int], scale: float, head
 
     else:
         bounds, plan = _split(lib, 1 if want_kv else 2, dims, (rows, cols), planes, (tuple(geo), *dims.tolist()))
+        entry = lib.na_backward_line if line else lib.na_backward
 
         def work(p0, p1, dtab):
             scratch = q.new_empty(plan.scratch, dtype=dtype)
             tensors = (g4, strides, q, k, v, tab, out, dq, dk, dv, dtab, dims, rows, cols)
-            lib.na_backward(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, bf, _ptr(sx))
+            entry(*map(_ptr, tensors), scale, plan.ptr, _ptr(scratch), p0, p1, bf, _ptr(sx))
 
     dtabs = [None if tab is None else torch.zeros_like(tab) for _ in bounds]
     _parallel(work, [(p0, p1, d) for (p0, p1), d in zip(bounds, dtabs)])
@@ -497,11 +503,15 @@ def backward_in_c(geo: List[int], dtype: torch.dtype) -> bool:
 
 
 def attention_backward(grad_out, q, k, v, table, out, geo: List[int], scale, heads, want_kv=True, want_bias=True):
-    """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_in_c`, else
-    :func:`~tplayers.ops.na_gemm.gemm_backward` (same values up to fp rounding; bf16 ``q``, ``k``,
-    ``v`` widened to fp32 for it)."""
+    """``(dq, dk, dv, dtable)`` of :func:`c_forward`: the C backward where :func:`backward_in_c` or
+    where it runs ``na_backward_line`` (:func:`~tplayers.ops.na_cpu_plans.backward_line`: 1-D, head
+    dims of whole vectors, any stride, dilation and row length: 1-D 1x4096 h4 d32 k33 stride 4
+    1.60x, stride 33 1.52x, 1x100 1.61x, causal 8x120 1.75x the GEMM kernel's forward + backward,
+    AVX-512), else :func:`~tplayers.ops.na_gemm.gemm_backward` (same values up to fp rounding; bf16
+    ``q``, ``k``, ``v`` widened to fp32 for it)."""
     dtype = _kernel_dtype(q)
-    if backward_in_c(geo, dtype):
+    dims = na_cpu_plans.call_dims(tuple(geo), q.shape[0], heads, q.shape[-1] // heads, v.shape[-1] // heads)
+    if backward_in_c(geo, dtype) or na_cpu_plans.backward_line(dims, lanes(dtype)):
         return c_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv=want_kv)
     q, k, v, grad_out = (x.to(dtype).contiguous() for x in (q, k, v, grad_out))
     return gemm_backward(grad_out, q, k, v, table, out, geo, scale, heads, want_kv, want_bias)

@@ -274,6 +274,16 @@ static int block_add(const Geo *g, int i, int j0, int h, const Lanes *ln, vt *ad
     return 1;
 }
 
+/* dtable[h] += dS of query row i's block at j0 (its n live lanes) */
+static void table_grad(const Geo *g, const Lanes *ln, int i, long j0, int h, const vt *ds, T *dtable) {
+    const int32_t *rr = g->rows + 2 * g->Hq * g->kh, *rc = g->cols + 2 * g->Wq * g->kw;
+    T *tab = dtable + (size_t)h * g->tr * g->tw;
+    for (int ab = 0; ab < g->nk; ab++) {
+        int ra = rr[i * g->kh + ab / g->kw] * g->tw, b = ab % g->kw;
+        for (int t = 0; t < ln->n; t++) tab[ra + rc[(j0 + t) * g->kw + b]] += ds[ab][t];
+    }
+}
+
 /* exp(s - rowmax) in place, over the nk scores of each lane; returns 1 / rowsum */
 INL vt softmax(int nk, vt *s, const vt *add) {
     if (add)

@@ -26,10 +26,11 @@ INL void fma_one(const int n, vt *a, vt w, const T *src) {
  * and dv[x] += sum P[m][a, b][t] dO[m][t] over the Urow's nu (query row m, slot row a) and the
  * column's (b, t) pairs, PIXK columns at a time (pix_pairs). qrow[m] / grow[m]: the block's first
  * query of row m in q / dO (channels contiguous; lane t at toff[t] / toff[L + t]); dk / dv: the key
- * row's column 0 in the pixel ring (a pixel's nd / ndv vectors, then the next pixel's) */
+ * row's column 0, its pixels px[0] / px[1] elements apart (in the pixel ring: a pixel's nd / ndv
+ * vectors, then the next pixel's; in place: the heads' channels between) */
 INL void pix_kern(const int nd, const int ndv, const int nu, const Plan *pl, int bk, int kw, const Urow *u,
                   vt *const *ds, vt *const *p, const T *const *qrow, const T *const *grow, const long *toff, T *dk,
-                  T *dv, T scale) {
+                  T *dv, const long *px, T scale) {
     const int *pxg = pl->pxg + 4 * pl->pxs[bk], *pxe = pl->pxe, nx = pl->pxn[bk];
     const T *wd[PIXR], *wp[PIXR], *qm[PIXR], *gm[PIXR];
     for (int j = 0; j < nu; j++) {
@@ -67,7 +68,7 @@ INL void pix_kern(const int nd, const int ndv, const int nu, const Plan *pl, int
         for (int c = 0; c < PIXK; c++) {
             if (PIXK * gi + c >= nx) break;
             const long x = pl->pxa[bk] + PIXK * gi + c;
-            T *kx = dk + x * nd * L, *vx = dv + x * ndv * L;
+            T *kx = dk + x * px[0], *vx = dv + x * px[1];
 #pragma GCC unroll 8
             for (int d = 0; d < nd && d < PIXMAX; d++) st(kx + d * L, ld(kx + d * L) + ak[c][d] * scale);
 #pragma GCC unroll 8
@@ -79,8 +80,9 @@ INL void pix_kern(const int nd, const int ndv, const int nu, const Plan *pl, int
 /* pix_kern with the channel vectors and the Urow's query rows as constants where common. toff: the
  * lanes' offsets in q (L) and in dO (L) */
 HIDDEN void pix_rows(int nd, int ndv, const Plan *pl, int bk, int kw, const Urow *u, vt *const *ds, vt *const *p,
-                     const T *const *qrow, const T *const *grow, const long *toff, T *dk, T *dv, T scale) {
-#define PIX(ND, NDV, NU) pix_kern(ND, NDV, NU, pl, bk, kw, u, ds, p, qrow, grow, toff, dk, dv, scale)
+                     const T *const *qrow, const T *const *grow, const long *toff, T *dk, T *dv, const long *px,
+                     T scale) {
+#define PIX(ND, NDV, NU) pix_kern(ND, NDV, NU, pl, bk, kw, u, ds, p, qrow, grow, toff, dk, dv, px, scale)
 #define PIXN(ND, NDV)                                 \
     switch (u->n) {                                   \
         case 1: PIX(ND, NDV, 1); return;              \

@@ -120,14 +120,18 @@ static void pix_pairs(const Geo *g, Plan *pl, int backward) {
 
 /* the kernels of the pixel routes (na_cpu_pix.c, a unit of its own: it compiles beside na_cpu.c) */
 HIDDEN void pix_rows(int nd, int ndv, const Plan *pl, int bk, int kw, const Urow *u, vt *const *ds, vt *const *p,
-                     const T *const *qrow, const T *const *grow, const long *toff, T *dk, T *dv, T scale);
+                     const T *const *qrow, const T *const *grow, const long *toff, T *dk, T *dv, const long *px,
+                     T scale);
 HIDDEN void pxf_rows(const Geo *g, const Plan *pl, int bk, int i, const vt *sw, vt inv, const T *vn, int ring, T *o,
                      long ost, int nt);
 
-/* the backward's pixel route serves this plan's shape: one column chunk, whole channel vectors (na_plan
- * builds its pair tables only then) */
+/* the backward's pixel route serves this plan's shape: whole channel vectors (na_plan builds its pair
+ * tables only then). Rows in one column chunk sum into the pixel ring; rows cut into column chunks
+ * (1-D 4096 k33) add into dK / dV in place (pix_zero clears each key column before a chunk first
+ * reaches it: a chunk's keys are summed for every plane before the next chunk's) */
 static int pix_shape(const Geo *g, const Plan *pl) {
-    return pl->nc == 1 && g->D % L == 0 && g->Dv % L == 0 && g->D / L <= PIXMAX && g->Dv / L <= PIXMAX;
+    (void)pl;
+    return g->D % L == 0 && g->Dv % L == 0 && g->D / L <= PIXMAX && g->Dv / L <= PIXMAX;
 }
 
 /* ... and this call: q and dO with unit channel stride (bf16 q: its rows widened first, pix_widen) */
@@ -150,6 +154,17 @@ static void pix_row_out(const Geo *g, int b, int h, int r, int C, const T *x, T 
     const long st_ = (long)g->heads * C;
     for (long j = 0; j < g->Wk; j++)
         for (int d = 0; d < C; d += L) st_nt(y0 + j * st_ + d, x ? ld(x + j * C + d) : (vt){0});
+}
+
+/* key columns [x0, x1) of every key row of plane (b, h) of dK and of dV zeroed: the in-place route's
+ * columns before the first chunk that reaches them (pix_shape) */
+static void pix_zero(const Geo *g, int b, int h, long x0, long x1, T *dk, T *dv) {
+    for (int r = 0; r < g->Hk; r++)
+        for (long j = x0; j < x1; j++) {
+            const long px = ((long)b * g->Hk + r) * g->Wk + j; /* whole vectors (pix_shape): no memset calls */
+            for (int d = 0; d < g->D; d += L) st(dk + (px * g->heads + h) * g->D + d, (vt){0});
+            for (int d = 0; d < g->Dv; d += L) st(dv + (px * g->heads + h) * g->Dv + d, (vt){0});
+        }
 }
 
 /* key rows [*done, upto] into the pixel ring (R rows of dK and of dV, (Wk, C) each, row r in slot

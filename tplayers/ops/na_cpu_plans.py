@@ -72,6 +72,19 @@ def forward_line(dims: torch.Tensor, lanes: int) -> bool:
     return hq == hk == kh == 1 and dv % lanes == 0 and dv <= 16 * lanes
 
 
+def backward_line(dims: torch.Tensor, lanes: int) -> bool:
+    """Whether the planes backward of :func:`~tplayers.ops.na_cpu.c_backward` runs ``na_backward_line``
+    (``na_cpu_line_bwd.c``: the scores of consecutive blocks sharing key loads, dQ written in place,
+    dK / dV added in place by the pixel route) for the kernel's ``dims`` on ``lanes`` elements per
+    vector: 1-D calls (one query and key row) with D and Dv multiples of the lanes (at most 8 vectors,
+    the pixel route's registers); asked for calls that do not run :func:`backward_direct`.
+    ``TPLAYERS_NA_LINE=0``: ``na_backward`` instead (as for :func:`forward_line`)."""
+    _, _, hq, _, hk, _, d, dv, kh, _, _ = dims.tolist()
+    if os.environ.get("TPLAYERS_NA_LINE", "").strip() == "0":
+        return False
+    return hq == hk == kh == 1 and d % lanes == 0 and dv % lanes == 0 and max(d, dv) <= 8 * lanes
+
+
 def declare(lib: ctypes.CDLL) -> None:
     """The plan entry points' ctypes signatures on a freshly loaded kernel ``lib``."""
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
@@ -81,6 +94,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.na_backward_1d.restype = None
     lib.na_forward_line.argtypes = [ptr] * 5 + [ptr, ptr, ptr, ctypes.c_double, ptr, ptr, i32, i32, i32, ptr]
     lib.na_forward_line.restype = None
+    lib.na_backward_line.argtypes = [ptr] * 11 + [ptr, ptr, ptr, ctypes.c_double, ptr, ptr, i32, i32, i32, ptr]
+    lib.na_backward_line.restype = None
     lib.na_line_blocks.argtypes, lib.na_line_blocks.restype = [ptr, ptr, ptr], i32
     lib.na_row_order.argtypes, lib.na_row_order.restype = [ptr, ptr, ptr, ptr], i32
     lib.na_plan.argtypes, lib.na_plan.restype = [ptr, ptr, ptr, i32], ptr
