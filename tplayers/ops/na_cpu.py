@@ -83,10 +83,7 @@ SOURCE = Path(__file__).with_name("na_cpu.c")
 #: their own so that they compile beside na_cpu.c, which bounds the build where cores are many)
 UNITS = (
     SOURCE,
-    *(
-        Path(__file__).with_name(f"na_cpu_{unit}.c")
-        for unit in ("line", "line_bwd", "direct_fwd", "direct_bwd", "pix")
-    ),
+    *(Path(__file__).with_name(f"na_cpu_{unit}.c") for unit in ("line", "line_bwd", "direct_fwd", "direct_bwd", "pix")),
 )
 #: every file of the kernel (the hash of the built library covers them all)
 SOURCES = (
