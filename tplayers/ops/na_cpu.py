@@ -16,7 +16,9 @@ backward: ``benchmarks/na.py``, docs/neighborhood-attention.md, benchmarks/RESUL
 It runs tiles of query rows against the key rows they share (``na_cpu.c``, shipped as source;
 plans cached by :mod:`tplayers.ops.na_cpu_plans`); 1-D calls whose window fits one vector read
 q, k, v (and dO) in place instead, forward and backward (``na_cpu_direct_fwd.c``, ``na_cpu_direct_bwd.c``,
-:func:`~tplayers.ops.na_cpu_plans.forward_direct`, :func:`~tplayers.ops.na_cpu_plans.backward_direct`).
+:func:`~tplayers.ops.na_cpu_plans.forward_direct`, :func:`~tplayers.ops.na_cpu_plans.backward_direct`);
+wider 1-D windows run line kernels (``na_cpu_line.c``, ``na_cpu_line_bwd.c``:
+:func:`~tplayers.ops.na_cpu_plans.forward_line`, :func:`~tplayers.ops.na_cpu_plans.backward_line`).
 On the first CPU call (never at import) it is
 compiled with ``$CC`` (else ``cc``), ``-O3 -march=native -fPIC -DNA_LANES=n``
 (:func:`build_flags`), its units (:data:`UNITS`) side by side and then linked with ``-shared``

@@ -20,6 +20,7 @@ spatial axes into one row axis, so the two 2-D kernels serve 1-D, 2-D and 3-D al
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -84,6 +85,15 @@ def expand_kv_heads(k: torch.Tensor, heads: int) -> torch.Tensor:
     copy, differentiable: the gradient of a shared head is the sum over its query heads."""
     groups = heads // k.shape[-2]
     return k if groups == 1 else k.repeat_interleave(groups, dim=-2)
+
+
+@lru_cache(maxsize=256)
+def _geometry(per_axis: Tuple[Tuple[int, ...], ...], fwd_chunk: int, bwd_chunk: int):
+    """``(axes, geo)`` of a call: its :class:`Axis` list and :func:`geometry_args` (as a tuple), from
+    the ints of each axis (global size, kernel, stride, dilation, causal, query offset and size, key
+    offset and size, tile), built once per shape (a call's Python ran ~70 us on a 4x4 image)."""
+    axes = [Axis(*fields) for fields in per_axis]
+    return axes, tuple(geometry_args(axes, fwd_chunk, bwd_chunk))
 
 
 def neighborhood_attention(
@@ -152,22 +162,9 @@ def neighborhood_attention(
         bwd_chunk = max(1, na_kernel.BACKWARD_CHUNK_SCORES // (batch * heads))
     else:
         fwd_chunk = bwd_chunk = chunk_scores
-    axes = [
-        Axis(
-            int(global_size[i]),
-            int(kernel[i]),
-            int(stride[i]),
-            int(dilation[i]),
-            int(causal[i]),
-            int(q_offset[i]),
-            q.shape[1 + i],
-            int(k_offset[i]),
-            k.shape[1 + i],
-            int(tile[i]),
-        )
-        for i in range(rank)
-    ]
-    geo = geometry_args(axes, fwd_chunk, bwd_chunk)
+    fields = (global_size, kernel, stride, dilation, causal, q_offset, q.shape[1:], k_offset, k.shape[1:], tile)
+    axes, geo = _geometry(tuple(tuple(int(x[i]) for x in fields) for i in range(rank)), fwd_chunk, bwd_chunk)
+    geo = list(geo)  # a list of its own per call (the kernels read it; the cached tuple stays as built)
 
     def pixels(x: torch.Tensor, dense: bool = True) -> torch.Tensor:  # (B, *S, heads, D) -> (B, prod(S), heads*D)
         x = x.reshape(batch, math.prod(x.shape[1 : 1 + rank]), -1)
@@ -188,12 +185,14 @@ def neighborhood_attention(
         # the C kernel reads views (e.g. of one qkv tensor) in place, forward and backward: no copies
         # (benchmarks/na_module.py); fp16 is converted anyway
         dense = which != "c" or (low is not None and low != torch.bfloat16)
-        out = GeoAttention.apply(
-            pixels(q, dense), pixels(k, dense), pixels(v, dense), rel_pos_bias, geo, scale, heads, kernels
-        )
+        args = (pixels(q, dense), pixels(k, dense), pixels(v, dense), rel_pos_bias, geo, scale, heads)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, rel_pos_bias)):
+            out = GeoAttention.apply(*args, kernels)
+        else:  # nothing to differentiate: the forward kernel alone (autograd's Function costs ~10 us a call)
+            out = kernels[0](*args)
         return (out if low is None else out.to(low)).view(out_shape)
     if which == "flex":  # bf16 / fp16 as they are: fp32 scores, softmax and sums inside (na_flex)
-        return flex_attention_na(q, k, v, axes, scale, compiled=q.device.type == "cuda")
+        return flex_attention_na(q, k, v, list(axes), scale, compiled=q.device.type == "cuda")
     if low is not None:  # the tile kernel and the compiled op run fp32 copies
         q, k, v = q.to(compute), k.to(compute), v.to(compute)
     if which is None:  # compiling: the tables are built inside one registered op (see na_compile)
