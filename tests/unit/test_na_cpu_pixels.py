@@ -1,8 +1,8 @@
 """The C kernel's pixel routes (tplayers/ops/na_cpu_pix.h): where the head dims are whole vectors
 the backward adds dK / dV on the user's layout (per key pixel its channels summed over the (query,
-slot) pairs that read it, into a ring of pixel-major key rows streamed out as they leave), and
-where the values are 128 bytes a pixel or more in a 2-D window the forward sums P V on the values'
-layout. Exact against the brute-force oracle in fp64 (every ISA build this host runs, so 8, 4 and 2
+slot) pairs that read it, into a ring of pixel-major key rows streamed out as they leave; in place
+where rows run in column chunks), and where the values (the keys) are 128 bytes a pixel or more in
+a 2-D window the forward sums P V (the backward dQ = dS K) on their layout. Exact against the brute-force oracle in fp64 (every ISA build this host runs, so 8, 4 and 2
 lanes), forward and every gradient, over random kernels, dilation, causal, stride, a query
 sub-window, the bias table, batches and heads, 2-D and 3-D; the probe says which route is taken
 there, and that none is where it does not apply (a head dim of part of a vector, rows in column
@@ -34,8 +34,9 @@ def _pixel_route(isa, size, kernel, dilation, causal, dim, dim_v):
 @pytest.mark.parametrize("isa", isas_this_host_runs())
 def test_dk_dv_on_the_users_layout_match_the_oracle_on_random_configurations(isa, monkeypatch):
     """2-D: kernels 3..9, dilation, causal per dim, sizes from the window's span to past two blocks,
-    batch 1-2, heads 1-3, head dims of 1-2 vectors and value dims of one vector or 16 (the forward's
-    route where the window has no more rows than columns: the first two cases), the bias, whole
+    batch 1-2, heads 1-3, head dims of 1-2 vectors or 16 (the backward's dQ route where the window
+    has no more rows than columns) and value dims of one vector or 16 (the forward's route there:
+    the first two cases), the bias, whole
     images and query sub-windows (tiles that start mid-plane; key rows no tile reads get zero
     gradients); fp64 against the oracle, and dQ / dK / dV the same bits at 1 and 3 threads."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
@@ -49,11 +50,11 @@ def test_dk_dv_on_the_users_layout_match_the_oracle_on_random_configurations(isa
         dilation = tuple(rng.choice([1, 1, 2]) if kk <= 5 else 1 for kk in kernel)
         causal = (rng.random() < 0.3, rng.random() < 0.3)
         size = tuple(kk * d + rng.choice([0, 2, 5, 19]) for kk, d in zip(kernel, dilation))
-        dim, dim_v = lanes * rng.randint(1, 2), 16 if case < 2 else rng.choice([lanes, 16])
+        dim, dim_v = 16 if case % 2 else lanes * rng.randint(1, 2), 16 if case < 2 else rng.choice([lanes, 16])
         batch, heads = rng.randint(1, 2), rng.randint(1, 3)
         where = f"{isa} kernel {kernel} dilation {dilation} causal {causal} size {size} d {dim}/{dim_v}"
-        forward = dim_v == 16 and kernel[0] <= kernel[1]
-        assert _pixel_route(isa, size, kernel, dilation, causal, dim, dim_v) == 1 + 2 * forward, where
+        forward, dq = (d == 16 and kernel[0] <= kernel[1] for d in (dim_v, dim))  # 128 bytes a pixel (fp64)
+        assert _pixel_route(isa, size, kernel, dilation, causal, dim, dim_v) == 1 + 2 * forward + 4 * dq, where
         gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
         q, k = (torch.randn(batch, *size, heads, dim, generator=gen, dtype=torch.float64) for _ in range(2))
         v = torch.randn(batch, *size, heads, dim_v, generator=gen, dtype=torch.float64)
@@ -189,3 +190,33 @@ def test_both_routes_with_stride_match_the_oracle(isa, monkeypatch):
         ins = [t.clone().requires_grad_() for t in (q, k, v)]
         out = tplayers.na2d(*ins, kernel, stride=stride, dilation=dilation, is_causal=causal)
         assert_out_and_grads(out, ref, ins, ref_in, gen, where, **TIGHT)
+
+
+def test_fp32_128_byte_pixels_take_every_route_and_match_the_oracle(monkeypatch):
+    """fp32 head dims of 32 (128-byte pixels, the 2-D benchmark's): the backward's dK / dV and dQ and
+    the forward's P V all on the user's layout (the probe on the fp32 build says so), with dilation,
+    a causal axis and the bias, against the fp64 oracle; the same bits at 1 and 3 threads."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
+    size, kernel, dilation, causal = (20, 37), (5, 7), (1, 2), (False, True)
+    geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
+    keep = (kernel_dims(geo, 1, 2, 32, 32), *kernel_tables(tuple(geo)))
+    lib = na_cpu.load_library(torch.float32)
+    assert lib.na_pixel_route(*[na_cpu._ptr(t) for t in keep]) == 7  # 32 fp32: whole vectors on every ISA
+    gen = torch.Generator().manual_seed(21)
+    base = [torch.randn(2, *size, 2, 32, generator=gen, dtype=torch.float64) for _ in range(3)]
+    rpb = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64)
+    cot = torch.randn(2, *size, 2, 32, generator=gen, dtype=torch.float64)
+    ref_in = [t.clone().requires_grad_() for t in (*base, rpb)]
+    brute_na2d(*ref_in[:3], kernel, dilation, causal, rpb=ref_in[3]).backward(cot)
+
+    def run():
+        ins = [t.float().requires_grad_() for t in (*base, rpb)]
+        out = tplayers.na2d(*ins[:3], kernel, dilation=dilation, is_causal=causal, rel_pos_bias=ins[3])
+        out.backward(cot.float())
+        return [t.grad for t in ins]
+
+    one, three = at_thread_counts(run)
+    assert all(torch.equal(a, b) for a, b in zip(one[:3], three[:3]))
+    for got, want in zip(one, ref_in):
+        torch.testing.assert_close(got.double(), want.grad, rtol=1e-4, atol=1e-4)

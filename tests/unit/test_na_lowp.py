@@ -139,14 +139,17 @@ def test_table_of_another_dtype_is_used_in_the_compute_dtype(na_kernel):
     assert table.grad.dtype == torch.float64 and torch.equal(table.grad, table32.grad.double())
 
 
-@pytest.mark.parametrize("case", ["1d", "2d", "3d"])
+@pytest.mark.parametrize("case", ["1d", "1d_wide", "2d", "2d_d32", "3d"])
 def test_bf16_whole_vectors_equal_fp32_rounded(case, na_kernel):
     """Head dims of whole vectors (16, 32: the C kernel widens bf16 as it loads and transposes them,
-    no fp32 copy of q, k, v), a long row, GQA: bit for bit the fp32 result, rounded."""
+    no fp32 copy of q, k, v), a long row, GQA: bit for bit the fp32 result, rounded. On the C kernel
+    "1d_wide" runs the 1-D line backward and "2d_d32" the pixel routes of 128-byte pixels (P V, dQ)."""
     gen = torch.Generator().manual_seed(11)
     fn, shape, kv, kernel = {
         "1d": (tplayers.na1d, (1, 700, 4, 32), 2, 9),
+        "1d_wide": (tplayers.na1d, (1, 700, 4, 32), 2, 33),
         "2d": (tplayers.na2d, (1, 20, 33, 2, 16), 1, 5),
+        "2d_d32": (tplayers.na2d, (1, 20, 33, 2, 32), 1, 5),
         "3d": (tplayers.na3d, (1, 5, 6, 19, 2, 32), 2, 3),
     }[case]
     q = torch.randn(*shape, generator=gen).bfloat16()

@@ -63,9 +63,10 @@ void *na_plan(const int64_t *dims, const int32_t *rows, const int32_t *cols, int
         pl->shix = malloc(sizeof(int) * pl->nb);
         fuse_tables(&g, pl, pl->shifts, pl->shix, pl->fused, pl->fstart, &pl->folds);
         key_blocks(&g, pl);
-        if (backward == 1 && pix_shape(&g, pl)) pix_pairs(&g, pl, 1);
+        if (backward == 1 && pix_shape(&g, pl)) pix_pairs(&g, pl, 1, &pl->px);
+        if (pq_shape(&g, pl)) pix_pairs(&g, pl, 0, &pl->pq);
     } else if (pxf_shape(&g, pl))
-        pix_pairs(&g, pl, 0);
+        pix_pairs(&g, pl, 0, &pl->px);
     ring_rows(&g, pl);
     return pl;
 }
@@ -82,7 +83,8 @@ static long scratch_of(const Geo *g, const Plan *pl, int backward) {
     long keys = pl->kpad ? 2 * (MR * g->nk * qp + PAD) : 0;
     long line = g->Hq == 1 && g->Hk == 1 && g->kh == 1 ? D * pk + PAD : 0; /* na_backward_line's packed keys */
     return D * pk + PAD + Dv * pk + PAD + MR * D * qp + PAD + MR * Dv * qp + PAD + MR * D * qw + PAD + line +
-           (backward == 1 ? D * pk + Dv * pk + 2 * PAD + keys + MR * D * qw + PAD : 0); /* pix_widen's rows */
+           (backward == 1 ? D * pk + Dv * pk + 2 * PAD + keys + MR * D * qw + PAD : 0) + /* pix_widen's rows */
+           (backward && pq_shape(g, pl) ? D * pk + PAD : 0); /* the dQ route's pixel ring of keys */
 }
 
 /* the scratch elements of a call on plan pl (na_plan) */
@@ -130,7 +132,7 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
             for (int t = 0; t < pl.nt; t++) {
                 ring_in_kv(&g, &pl, ch, b, h, &done, pl.upto[t], k, pxf ? NULL : v, bf, sk, sv, kt, vtp, NULL, NULL,
                            NULL, NULL);
-                if (pxf) pxf_in(&g, pl.ring, b, h, &vdone, pl.upto[t], v, bf, sv, vtp);
+                if (pxf) pxf_in(&g, pl.ring, b, h, &vdone, pl.upto[t], v, bf, sv, g.Dv, vtp);
                 const int *rowi = pl.order + t * MR;
                 int nm = g.Hq - t * MR < MR ? g.Hq - t * MR : MR;
                 const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];
@@ -149,7 +151,7 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
                     for (int m = 0; m < nm; m++) {
                         inv[m] = softmax(g.nk, s[m], a[m]);
                         if (pxf)
-                            pxf_rows(&g, &pl, bk, rowi[m], s[m], inv[m], vtp, pl.ring,
+                            pxf_rows(&g, &pl.px, bk, rowi[m], s[m], inv[m], vtp, pl.ring, g.Dv,
                                      out + (((long)b * g.Hq + rowi[m]) * g.Wq + jb[bk]) * g.heads * g.Dv + h * g.Dv,
                                      (long)g.heads * g.Dv, nt);
                         else
@@ -260,6 +262,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
     long sdo[4] = {sd[0], sd[1], sd[2], sd[3]};
     const int pix = kv && pix_ok(&g, &pl, sq, sdo); /* dK / dV on the user's layout (na_cpu_pix.h) */
     const int pin = pix && pl.nc > 1; /* ... added in place (column chunks), else through the pixel ring */
+    const int pq = pq_ok(&g, &pl, sk); /* dQ on the user's layout, over a pixel ring of keys (na_cpu_pix.h) */
     const long pxs[2] = {pin ? (long)g.heads * g.D : g.D, pin ? (long)g.heads * g.Dv : g.Dv}; /* its pixel pitches */
     long pk = (long)pl.ring * g.kp, qw = pl.qw; /* the planes' rows: a ring (ring_in_kv) */
     long kpad = kv && !pix ? pl.kpad : 0, qp = qw + 2 * kpad; /* Q and dO rows: pitch qp, data from kpad */
@@ -272,6 +275,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
     T *qr0 = carve(&next, MR * g.D * qp), *gr0 = carve(&next, MR * g.Dv * qp), *dqr = carve(&next, MR * g.D * qw);
     T *dkt = kv ? carve(&next, g.D * pk) : NULL, *dvt = kv ? carve(&next, g.Dv * pk) : NULL; /* pix: (ring, Wk, C) */
     T *qn = pix && bf ? carve(&next, MR * g.D * qw) : NULL; /* pix on bf16 q: its rows widened */
+    T *kn = pq ? carve(&next, g.D * pk) : NULL; /* pq: (ring, Wk, D) */
     T *dsk = kpad ? carve(&next, MR * g.nk * qp) : NULL, *pk_ = kpad ? carve(&next, MR * g.nk * qp) : NULL;
     T *qr = qr0 + kpad, *gr = gr0 + kpad;
     memset(qr0, 0, sizeof(T) * MR * g.D * qp);
@@ -299,12 +303,13 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
             int b = pn / g.heads, h = pn % g.heads;
             long x0 = pl.cx0[ch], xn = pl.cx1[ch] - x0, jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
             int done = 0; /* key rows in the ring */
-            int pdone = 0; /* pix: key rows in its ring */
+            int pdone = 0, kdone = 0; /* pix, pq: key rows in their rings */
             if (pin) pix_zero(&g, b, h, zx, zx1, dk, dv);
             for (int t = 0; t < pl.nt; t++) {
                 if (pix && !pin) pix_in(&g, pl.ring, b, h, &pdone, pl.upto[t], dkt, dvt, dk, dv);
                 ring_in_kv(&g, &pl, ch, b, h, &done, pl.upto[t], k, v, bf, sk, sv, kt, vtp, pix ? NULL : dkt,
                            pix ? NULL : dvt, dk, dv);
+                if (pq) pxf_in(&g, pl.ring, b, h, &kdone, pl.upto[t], k, bf, sk, g.D, kn);
                 const int *rowi = pl.order + t * MR;
                 int nm = g.Hq - t * MR < MR ? g.Hq - t * MR : MR;
                 const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];
@@ -334,15 +339,22 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                         inv = (vt)((vi)inv & ln->live); /* spare lanes: P = 0, so they add nothing below */
                         vt dl = softmax_delta(g.nk, p[m], inv, ds[m]);
                         for (int ab = 0; ab < g.nk; ab++) ds[m][ab] = p[m][ab] * (ds[m][ab] - dl);
-                        memset(acc[m], 0, sizeof(vt) * g.D);
+                        if (pq) /* dQ = scale dS K per query, stored in place (streamed: written once) */
+                            pxf_rows(&g, &pl.pq, bk, rowi[m], ds[m], splat(g.scale), kn, pl.ring, g.D,
+                                     dq + (((long)b * g.Hq + rowi[m]) * g.Wq + jb[bk]) * g.heads * g.D + h * g.D,
+                                     (long)g.heads * g.D, 1);
+                        else
+                            memset(acc[m], 0, sizeof(vt) * g.D);
                     }
-                    tile_apply(&g, ln->mode, ln, u0, u1, g.D, ds, kt, x0, base, acc); /* dQ = dS K */
-                    for (int m = 0; m < nm; m++)
-                        for (int c = 0; c < g.D; c++) {
-                            vt r = acc[m][c] * g.scale;
-                            if (ln->n == L) st(dqr + (m * g.D + c) * qw + jq, r);
-                            else memcpy(dqr + (m * g.D + c) * qw + jq, &r, ln->n * sizeof(T));
-                        }
+                    if (!pq) {
+                        tile_apply(&g, ln->mode, ln, u0, u1, g.D, ds, kt, x0, base, acc); /* dQ = dS K */
+                        for (int m = 0; m < nm; m++)
+                            for (int c = 0; c < g.D; c++) {
+                                vt r = acc[m][c] * g.scale;
+                                if (ln->n == L) st(dqr + (m * g.D + c) * qw + jq, r);
+                                else memcpy(dqr + (m * g.D + c) * qw + jq, &r, ln->n * sizeof(T));
+                            }
+                    }
                     if (pix) { /* dK += dS^T Q, dV += P^T dO per key pixel, on the user's layout */
                         const T *qp_[MR], *gp_[MR];
                         for (int m = 0; m < nm; m++) {
@@ -399,7 +411,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                         key_sums(&g, &pl, u, dsk, qr, qp, g.D, dkt + (long)u->row * g.D * g.kp, x0, xn, jlo);
                         key_sums(&g, &pl, u, pk_, gr, qp, g.Dv, dvt + (long)u->row * g.Dv * g.kp, x0, xn, jlo);
                     }
-                for (int m = 0; m < nm; m++)
+                for (int m = 0; m < nm && !pq; m++)
                     from_rows(dqr + m * g.D * qw, qw, b, h, g.heads, g.Hq, g.Wq, g.D, rowi[m], rowi[m] + 1, jlo, jn, 2, dq);
             }
             if (pix && !pin) pix_end(&g, pl.ring, b, h, pdone, dkt, dvt, dk, dv);

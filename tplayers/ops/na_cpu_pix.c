@@ -31,7 +31,7 @@ INL void fma_one(const int n, vt *a, vt w, const T *src) {
 INL void pix_kern(const int nd, const int ndv, const int nu, const Plan *pl, int bk, int kw, const Urow *u,
                   vt *const *ds, vt *const *p, const T *const *qrow, const T *const *grow, const long *toff, T *dk,
                   T *dv, const long *px, T scale) {
-    const int *pxg = pl->pxg + 4 * pl->pxs[bk], *pxe = pl->pxe, nx = pl->pxn[bk];
+    const int *pxg = pl->px.g + 4 * pl->px.s[bk], *pxe = pl->px.e, nx = pl->px.n[bk];
     const T *wd[PIXR], *wp[PIXR], *qm[PIXR], *gm[PIXR];
     for (int j = 0; j < nu; j++) {
         wd[j] = (const T *)(ds[u->m[j]] + u->a[j] * kw);
@@ -67,7 +67,7 @@ INL void pix_kern(const int nd, const int ndv, const int nu, const Plan *pl, int
 #pragma GCC unroll 2
         for (int c = 0; c < PIXK; c++) {
             if (PIXK * gi + c >= nx) break;
-            const long x = pl->pxa[bk] + PIXK * gi + c;
+            const long x = pl->px.a[bk] + PIXK * gi + c;
             T *kx = dk + x * px[0], *vx = dv + x * px[1];
 #pragma GCC unroll 8
             for (int d = 0; d < nd && d < PIXMAX; d++) st(kx + d * L, ld(kx + d * L) + ak[c][d] * scale);
@@ -102,9 +102,9 @@ HIDDEN void pix_rows(int nd, int ndv, const Plan *pl, int bk, int kw, const Urow
 /* query row i of block bk: o[t] = inv[t] * sum over its window of P[a, b][t] * V[key], from the
  * softmax's exponentials sw (the block's slot vectors), 1 / sums inv and the ring vn; o: the block's
  * first query in the output (pixel stride ost), streamed where nt */
-INL void pxf_kern(const int nd, const Geo *g, const Plan *pl, int bk, int i, const vt *sw, vt inv, const T *vn,
+INL void pxf_kern(const int nd, const Geo *g, const PixPairs *pp, int bk, int i, const vt *sw, vt inv, const T *vn,
                   int ring, T *o, long ost, int nt) {
-    const int *gp0 = pl->pxg + 4 * pl->pxs[bk], *pxe = pl->pxe, nl = pl->pxn[bk], kh = g->kh, Dv = g->Dv;
+    const int *gp0 = pp->g + 4 * pp->s[bk], *pxe = pp->e, nl = pp->n[bk], kh = g->kh, Dv = nd * L;
     const long wa = (long)g->kw * L; /* the weights of slot row a + 1 follow those of a by wa */
     const T *vr[kh], *w0 = (const T *)sw;
     for (int a = 0; a < kh; a++) vr[a] = vn + (long)(g->rows[i * kh + a] % ring) * g->Wk * Dv;
@@ -141,12 +141,12 @@ INL void pxf_kern(const int nd, const Geo *g, const Plan *pl, int bk, int i, con
     }
 }
 
-HIDDEN void pxf_rows(const Geo *g, const Plan *pl, int bk, int i, const vt *sw, vt inv, const T *vn, int ring, T *o,
-                     long ost, int nt) {
-    const int nd = g->Dv / L;
-    if (nd == 2) pxf_kern(2, g, pl, bk, i, sw, inv, vn, ring, o, ost, nt);
-    else if (nd == 1) pxf_kern(1, g, pl, bk, i, sw, inv, vn, ring, o, ost, nt);
-    else if (nd == 4) pxf_kern(4, g, pl, bk, i, sw, inv, vn, ring, o, ost, nt);
-    else pxf_kern(nd, g, pl, bk, i, sw, inv, vn, ring, o, ost, nt);
+HIDDEN void pxf_rows(const Geo *g, const PixPairs *pp, int bk, int i, const vt *sw, vt inv, const T *vn, int ring, int C,
+                     T *o, long ost, int nt) {
+    const int nd = C / L;
+    if (nd == 2) pxf_kern(2, g, pp, bk, i, sw, inv, vn, ring, o, ost, nt);
+    else if (nd == 1) pxf_kern(1, g, pp, bk, i, sw, inv, vn, ring, o, ost, nt);
+    else if (nd == 4) pxf_kern(4, g, pp, bk, i, sw, inv, vn, ring, o, ost, nt);
+    else pxf_kern(nd, g, pp, bk, i, sw, inv, vn, ring, o, ost, nt);
 }
 

@@ -55,18 +55,18 @@ static void pair_groups(int nl, const int *st, const int *its, int *gp, int *e, 
     }
 }
 
-/* the pair tables of a plan (pxa, pxn, pxs, pxg, pxe): per block bk, pxn[bk] lists in groups from
- * pxg[4 pxs[bk]] (pair_groups). The backward's lists are the key columns its live lanes read,
- * [pxa[bk], pxa[bk] + pxn[bk]), their items the lanes reading them (a query reads both columns of a
- * group at adjacent slots in the interior: its q and dO are loaded once for the two); the forward's
- * (backward 0) are its lanes, their items the key columns they read (a key's values are loaded once
- * for the two queries of a group). */
-static void pix_pairs(const Geo *g, Plan *pl, int backward) {
+/* the pair tables pp of a plan: per block bk, pp->n[bk] lists in groups from pp->g[4 pp->s[bk]]
+ * (pair_groups). The backward's lists (backward 1) are the key columns its live lanes read,
+ * [pp->a[bk], pp->a[bk] + pp->n[bk]), their items the lanes reading them (a query reads both columns
+ * of a group at adjacent slots in the interior: its q and dO are loaded once for the two); the
+ * forward's (backward 0: P V, and the backward's dQ) are its lanes, their items the key columns
+ * they read (a key's values are loaded once for the two queries of a group). */
+static void pix_pairs(const Geo *g, const Plan *pl, int backward, PixPairs *pp) {
     const int nb = pl->nb, kw = g->kw;
     int groups = 0, pairs = 0;
-    pl->pxa = malloc(sizeof(int) * 3 * nb);
-    pl->pxn = pl->pxa + nb;
-    pl->pxs = pl->pxa + 2 * nb;
+    pp->a = malloc(sizeof(int) * 3 * nb);
+    pp->n = pp->a + nb;
+    pp->s = pp->a + 2 * nb;
     for (int bk = 0; bk < nb; bk++) {
         const int j0 = (int)pl->jb[bk], n = pl->blocks[bk].n;
         int lo = g->Wk, hi = -1;
@@ -76,27 +76,27 @@ static void pix_pairs(const Geo *g, Plan *pl, int backward) {
                 lo = x < lo ? x : lo;
                 hi = x > hi ? x : hi;
             }
-        pl->pxa[bk] = lo;
-        pl->pxn[bk] = backward ? hi - lo + 1 : n;
-        pl->pxs[bk] = groups;
-        groups += (pl->pxn[bk] + PIXK - 1) / PIXK;
+        pp->a[bk] = lo;
+        pp->n[bk] = backward ? hi - lo + 1 : n;
+        pp->s[bk] = groups;
+        groups += (pp->n[bk] + PIXK - 1) / PIXK;
         pairs += n * kw;
     }
-    pl->pxg = malloc(sizeof(int) * 4 * (groups > 0 ? groups : 1));
-    pl->pxe = malloc(sizeof(int) * 3 * (pairs > 0 ? pairs : 1));
+    pp->g = malloc(sizeof(int) * 4 * (groups > 0 ? groups : 1));
+    pp->e = malloc(sizeof(int) * 3 * (pairs > 0 ? pairs : 1));
     int ne = 0;
     for (int bk = 0; bk < nb; bk++) {
-        const int j0 = (int)pl->jb[bk], n = pl->blocks[bk].n, nl = pl->pxn[bk];
+        const int j0 = (int)pl->jb[bk], n = pl->blocks[bk].n, nl = pp->n[bk];
         int *st = calloc(nl + 2, sizeof(int)), *its = malloc(sizeof(int) * 2 * n * kw);
         if (backward) { /* by key column (counting sort), lanes ascending within one */
             for (int t = 0; t < n; t++)
-                for (int b = 0; b < kw; b++) st[g->cols[(j0 + t) * kw + b] - pl->pxa[bk] + 1]++;
+                for (int b = 0; b < kw; b++) st[g->cols[(j0 + t) * kw + b] - pp->a[bk] + 1]++;
             for (int x = 1; x <= nl + 1; x++) st[x] += st[x - 1];
             int *fill = malloc(sizeof(int) * (nl + 1));
             memcpy(fill, st, sizeof(int) * (nl + 1));
             for (int t = 0; t < n; t++)
                 for (int b = 0; b < kw; b++) {
-                    int k = fill[g->cols[(j0 + t) * kw + b] - pl->pxa[bk]]++;
+                    int k = fill[g->cols[(j0 + t) * kw + b] - pp->a[bk]]++;
                     its[2 * k] = t;
                     its[2 * k + 1] = b * L + t;
                 }
@@ -112,7 +112,7 @@ static void pix_pairs(const Geo *g, Plan *pl, int backward) {
                     it[2 * k + 1] = b * L + t;
                 }
             }
-        pair_groups(nl, st, its, pl->pxg + 4 * pl->pxs[bk], pl->pxe, &ne);
+        pair_groups(nl, st, its, pp->g + 4 * pp->s[bk], pp->e, &ne);
         free(st);
         free(its);
     }
@@ -122,8 +122,8 @@ static void pix_pairs(const Geo *g, Plan *pl, int backward) {
 HIDDEN void pix_rows(int nd, int ndv, const Plan *pl, int bk, int kw, const Urow *u, vt *const *ds, vt *const *p,
                      const T *const *qrow, const T *const *grow, const long *toff, T *dk, T *dv, const long *px,
                      T scale);
-HIDDEN void pxf_rows(const Geo *g, const Plan *pl, int bk, int i, const vt *sw, vt inv, const T *vn, int ring, T *o,
-                     long ost, int nt);
+HIDDEN void pxf_rows(const Geo *g, const PixPairs *pp, int bk, int i, const vt *sw, vt inv, const T *vn, int ring, int C,
+                     T *o, long ost, int nt);
 
 /* the backward's pixel route serves this plan's shape: whole channel vectors (na_plan builds its pair
  * tables only then). Rows in one column chunk sum into the pixel ring; rows cut into column chunks
@@ -205,23 +205,32 @@ static void pix_end(const Geo *g, int R, int b, int h, int done, const T *rk, co
  * dilated causal 40x37 d32 1.14x / 1.13x; not 96^2 d16: 0.93x / 0.95x, nor 3-D 16^3 d32 k5, whose
  * flattened rows a tile shares more: 0.82x / 0.92x). pxf_shape: the plan's shape (na_plan builds its
  * pair tables only then); pxf_ok: the call's too. */
-static int pxf_shape(const Geo *g, const Plan *pl) {
-    return pl->nc == 1 && g->Dv % L == 0 && g->Dv / L <= PIXMAX && g->Dv * (long)sizeof(T) >= 128 && g->kh <= g->kw;
+static int pxf_shape_of(const Geo *g, const Plan *pl, int C) {
+    return pl->nc == 1 && C % L == 0 && C / L <= PIXMAX && C * (long)sizeof(T) >= 128 && g->kh <= g->kw;
 }
+
+static int pxf_shape(const Geo *g, const Plan *pl) { return pxf_shape_of(g, pl, g->Dv); }
 
 static int pxf_ok(const Geo *g, const Plan *pl, const long *sv) { return pxf_shape(g, pl) && sv[3] == 1; }
 
-/* key rows [*done, upto] of plane (b, h) of v (element strides sv; bf16 widened) into the pixel ring
- * vn (R rows of (Wk, Dv), row r in slot r % R); *done = upto + 1 */
-static void pxf_in(const Geo *g, int R, int b, int h, int *done, int upto, const void *v, int bf, const long *sv,
-                   T *vn) {
+/* The backward's dQ = scale dS K the same way (where the head dim takes the forward's route: 2-D
+ * 64^2 d32), the key rows copied into a pixel ring and dQ stored in place: pq_shape the plan's shape
+ * (na_plan builds its per-lane tables, pl->pq, only then), pq_ok the call's too */
+static int pq_shape(const Geo *g, const Plan *pl) { return pxf_shape_of(g, pl, g->D); }
+
+static int pq_ok(const Geo *g, const Plan *pl, const long *sk) { return pl->pq.a && sk[3] == 1; }
+
+/* key rows [*done, upto] of plane (b, h) of x (C channels, element strides xs; bf16 widened) into the
+ * pixel ring xn (R rows of (Wk, C), row r in slot r % R); *done = upto + 1 */
+static void pxf_in(const Geo *g, int R, int b, int h, int *done, int upto, const void *x, int bf, const long *xs,
+                   int C, T *xn) {
     for (; *done <= upto; (*done)++) {
         const int r = *done;
-        T *dst = vn + (long)(r % R) * g->Wk * g->Dv;
+        T *dst = xn + (long)(r % R) * g->Wk * C;
         for (long j = 0; j < g->Wk; j++) {
-            const long e = b * sv[0] + ((long)r * g->Wk + j) * sv[1] + h * sv[2];
-            for (int d = 0; d < g->Dv; d += L)
-                st(dst + j * g->Dv + d, bf ? ld_h((const uint16_t *)v + e + d) : ld((const T *)v + e + d));
+            const long e = b * xs[0] + ((long)r * g->Wk + j) * xs[1] + h * xs[2];
+            for (int d = 0; d < C; d += L)
+                st(dst + j * C + d, bf ? ld_h((const uint16_t *)x + e + d) : ld((const T *)x + e + d));
         }
     }
 }

@@ -8,6 +8,13 @@
 /* The work plan of a call: the column blocks of a row (the same for every row), cut into column
  * chunks whose keys stay in cache (see make_plan), and the tiles of MR query rows with their
  * key rows (row_order, plan_tiles below; the micro-kernels in na_cpu_rows.h). */
+/* the pixel routes' pair tables of a plan (pix_pairs in na_cpu_pix.h; a NULL where none): per block
+ * bk, n[bk] lists from its first column a[bk] (the backward's: key columns) or lane (the forward's),
+ * in groups from g[4 s[bk]], entries e */
+typedef struct {
+    int *a, *n, *s, *g, *e;
+} PixPairs;
+
 typedef struct {
     int nb, nc, nt;
     Lanes *blocks;
@@ -28,9 +35,9 @@ typedef struct {
      * kpad: zero columns on each side of the row buffers those sums read (0: no such block) */
     int *keyc;
     long *relpat, kpad;
-    /* the pixel routes' pair tables (pix_pairs in na_cpu_pix.h: the backward's per key column, the
-     * forward's per lane; NULL where the plan's shape takes no pixel route) */
-    int *pxa, *pxn, *pxs, *pxg, *pxe;
+    /* the pixel routes' pair tables: px the backward's dK / dV (per key column) or the forward's P V
+     * (per lane), pq the backward's dQ (per lane); a NULL where the plan's shape takes no such route */
+    PixPairs px, pq;
     /* na_plan's plans: the key planes (and the backward's dK / dV planes) hold a ring of `ring`
      * rows (key row r in slot r % ring; the Urows' rows are slots) and the rows up to upto[t] are
      * in it before tile t (see ring_rows); make_plan alone leaves ring Hk and upto NULL */
@@ -210,7 +217,7 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
     pl->shix = pl->fused = pl->fstart = pl->keyc = NULL;
     pl->relpat = NULL;
     pl->kpad = 0;
-    pl->pxa = pl->pxg = pl->pxe = NULL;
+    pl->px = pl->pq = (PixPairs){0};
     pl->nt = (g->Hq + MR - 1) / MR;
     pl->order = malloc(sizeof(int) * g->Hq);
     pl->ustart = malloc(sizeof(int) * (pl->nt + 1));
@@ -264,7 +271,8 @@ static Plan open_call(Geo *g, const int64_t *dims, const int32_t *rows, const in
 
 static void free_plan(Plan *pl) {
     free(pl->shifts); free(pl->folds); free(pl->shix); free(pl->fused); free(pl->fstart);
-    free(pl->keyc); free(pl->relpat); free(pl->pxa); free(pl->pxg); free(pl->pxe);
+    free(pl->keyc); free(pl->relpat);
+    free(pl->px.a); free(pl->px.g); free(pl->px.e); free(pl->pq.a); free(pl->pq.g); free(pl->pq.e);
     for (int bk = 0; bk < pl->nb; bk++) free(pl->blocks[bk].inv);
     free(pl->blocks); free(pl->bases); free(pl->cb); free(pl->cx0); free(pl->cx1);
     free(pl->order); free(pl->ustart); free(pl->ur); free(pl->jb); free(pl->upto);

@@ -57,7 +57,8 @@ int na_row_order(const int64_t *dims, const int32_t *rows, const int32_t *cols, 
 }
 
 /* the pixel routes of a call on dense inputs (na_cpu_pix.h; tests check where each is taken and
- * where not): 1 when its backward adds dK / dV on the user's layout (pix_ok), + 2 when its forward
+ * where not): 1 when its backward adds dK / dV on the user's layout (pix_ok), + 4 when it sums dQ
+ * there (pq_shape), + 2 when its forward
  * sums P V on the values' layout (pxf_ok) */
 int na_pixel_route(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
     const long unit[4] = {0, 0, 0, 1};
@@ -66,7 +67,7 @@ int na_pixel_route(const int64_t *dims, const int32_t *rows, const int32_t *cols
         Geo g = make_geo(dims, rows, cols, NULL, 1.0);
         Plan pl;
         make_plan(&g, backward, &pl);
-        yes |= backward ? pix_ok(&g, &pl, unit, unit) : pxf_ok(&g, &pl, unit) << 1;
+        yes |= backward ? pix_ok(&g, &pl, unit, unit) | pq_shape(&g, &pl) << 2 : pxf_ok(&g, &pl, unit) << 1;
         free_plan(&pl);
     }
     return yes;
