@@ -158,6 +158,7 @@ static void pix_row_out(const Geo *g, int b, int h, int r, int C, const T *x, T 
 
 /* key columns [x0, x1) of every key row of plane (b, h) of dK and of dV zeroed: the in-place route's
  * columns before the first chunk that reaches them (pix_shape) */
+__attribute__((optimize("no-tree-loop-distribute-patterns"))) /* no memset call per pixel */
 static void pix_zero(const Geo *g, int b, int h, long x0, long x1, T *dk, T *dv) {
     for (int r = 0; r < g->Hk; r++)
         for (long j = x0; j < x1; j++) {
