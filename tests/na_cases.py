@@ -2,7 +2,7 @@
 
 This is how the domain-parallel layer calls the op: a rank's queries, the key span they read,
 and their offsets in the global image. Also the C kernel builds this host runs, for tests that
-run each.
+run each, and the random 1-D windows wider than a vector the line kernels' tests draw.
 """
 
 from __future__ import annotations
@@ -38,3 +38,18 @@ def isas_this_host_runs() -> list:
     """The ISAs whose C kernel build this CPU runs (its own and every narrower one)."""
     order = list(na_cpu.ISAS)
     return order[order.index(na_cpu.host_isa()) :]
+
+
+def wide_1d_window(rng, lanes: int) -> tuple:
+    """A random 1-D call whose window is wider than ``lanes``: ``(kernel, stride, dilation, causal,
+    length, heads, kv_heads, with_bias)`` (lengths from the window's span to 20 vectors past it; the
+    bias only with stride 1), drawn from ``rng`` (a ``random.Random``)."""
+    kernel = rng.randint(lanes + 1, 5 * lanes)
+    stride = rng.choice([1, 1, 1, rng.randint(1, kernel)])
+    dil = rng.choice([1, 1, 1, 2, 3])
+    causal = rng.random() < 0.35
+    size = kernel * dil + rng.choice([0, 3, 17, 2 * lanes + 5, 9 * lanes + 3, 20 * lanes + 1])
+    heads = rng.choice([1, 2, 3])
+    kv_heads = rng.choice([h for h in (1, 2, 3) if heads % h == 0])
+    with_bias = stride == 1 and rng.random() < 0.5
+    return kernel, stride, dil, causal, size, heads, kv_heads, with_bias

@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from na_cases import wide_1d_window
 from na_oracle import at_thread_counts, brute_na, check_na1d_case, record_results
 
 import tplayers
@@ -70,14 +71,7 @@ def test_random_1d_configurations_match_the_oracle(isa, monkeypatch):
     rng = random.Random(33 + lanes)
     affine_runs = 0
     for case in range(10):
-        kernel = rng.randint(lanes + 1, 5 * lanes)
-        stride = rng.choice([1, 1, 1, rng.randint(1, kernel)])
-        dil = rng.choice([1, 1, 1, 2, 3])
-        causal = rng.random() < 0.35
-        size = kernel * dil + rng.choice([0, 3, 17, 2 * lanes + 5, 9 * lanes + 3, 20 * lanes + 1])
-        heads = rng.choice([1, 2, 3])
-        kv_heads = rng.choice([h for h in (1, 2, 3) if heads % h == 0])
-        with_bias = stride == 1 and rng.random() < 0.5
+        kernel, stride, dil, causal, size, heads, kv_heads, with_bias = wide_1d_window(rng, lanes)
         dim = rng.choice([lanes, 2 * lanes, 3, lanes + 5])  # q / k planes: any head dim
         dim_v = lanes * rng.randint(1, 3)
         gen = torch.Generator().manual_seed(rng.randrange(1 << 30))

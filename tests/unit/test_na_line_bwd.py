@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from na_cases import wide_1d_window
 from na_oracle import at_thread_counts, brute_na, check_na1d_case, record_results
 
 import tplayers
@@ -52,14 +53,7 @@ def test_random_1d_configurations_match_the_oracle(isa, monkeypatch):
     taken = record_results(monkeypatch, na_cpu_plans, "backward_line")
     rng = random.Random(35 + lanes)
     for case in range(10):
-        kernel = rng.randint(lanes + 1, 5 * lanes)
-        stride = rng.choice([1, 1, 1, rng.randint(1, kernel)])
-        dil = rng.choice([1, 1, 1, 2, 3])
-        causal = rng.random() < 0.35
-        size = kernel * dil + rng.choice([0, 3, 17, 2 * lanes + 5, 9 * lanes + 3, 20 * lanes + 1])
-        heads = rng.choice([1, 2, 3])
-        kv_heads = rng.choice([h for h in (1, 2, 3) if heads % h == 0])
-        with_bias = stride == 1 and rng.random() < 0.5
+        kernel, stride, dil, causal, size, heads, kv_heads, with_bias = wide_1d_window(rng, lanes)
         dim, dim_v = lanes * rng.randint(1, 3), lanes * rng.choice([1, 2, 8])
         gen = torch.Generator().manual_seed(rng.randrange(1 << 30))
         where = f"isa {isa} k{kernel} s{stride} d{dil} causal {causal} L{size} heads {heads}/{kv_heads} D {dim}/{dim_v}"
