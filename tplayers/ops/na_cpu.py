@@ -81,8 +81,9 @@ __all__ = [
 
 SOURCE = Path(__file__).with_name("na_cpu.c")
 #: the kernel's compilation units, compiled side by side and linked into one library (alone on a
-#: 2-vCPU Xeon, fp32, 2026-11-27: about 12, 4, 8, 9 and 3 s; the pixel routes' kernels are a unit of
-#: their own so that they compile beside na_cpu.c, which bounds the build where cores are many)
+#: 2-vCPU Xeon, fp32, AVX-512, on a slow day, 2026-11-27: 14.6, 5.1, 3.7, 9.0, 10.0 and 2.5 s; the
+#: pixel routes' kernels are a unit of their own so that they compile beside na_cpu.c, which bounds
+#: the build where cores are many)
 UNITS = (
     SOURCE,
     *(Path(__file__).with_name(f"na_cpu_{unit}.c") for unit in ("line", "line_bwd", "direct_fwd", "direct_bwd", "pix")),
