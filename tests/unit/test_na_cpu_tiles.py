@@ -77,7 +77,9 @@ def test_wide_windows_on_long_rows_run_the_c_backward_and_match_the_oracle(monke
     """Windows wider than two vectors ((kW - 1) * dW > lanes: not fused) on rows with an interior:
     the C backward sums dK / dV key-centrically (its interior blocks) and per slot (its border
     blocks); every gradient exact against the oracle with dilation, causal, the bias and a query
-    sub-window, and C_KERNELS pick the C backward there (the GEMM kernel's on short rows)."""
+    sub-window, and C_KERNELS pick the C backward there (backward_in_c says the GEMM kernel's on
+    short rows; 1-D calls with whole-vector head dims run the C line backward even there:
+    test_na_line_bwd)."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
     n = na_cpu.lanes(torch.float64)

@@ -8,7 +8,8 @@ Four kernels compute the same thing (NATTEN's window; fp rounding may differ):
   forward + backward, on an H100); forced on the CPU it runs eagerly, forward only (tests);
 * ``"c"``: the compiled C kernel (:mod:`tplayers.ops.na_cpu`), fp32/fp64 CPU tensors, where it
   builds; its backward is the GEMM kernel's where the C backward does not apply
-  (:func:`~tplayers.ops.na_cpu.backward_in_c`: wide column windows on short rows);
+  (:func:`~tplayers.ops.na_cpu.backward_in_c`: wide column windows on short rows, except 1-D
+  calls with head dims of whole vectors, which the C line backward runs);
 * ``"gemm"``: the GEMM-tiled torch kernel (:mod:`tplayers.ops.na_gemm`), any device and dtype;
 * ``"torch"``: the torch tile kernel (:mod:`tplayers.ops.na_kernel`), any device and dtype.
 
