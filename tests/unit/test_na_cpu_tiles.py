@@ -75,8 +75,9 @@ def test_wide_2d_rows_run_in_chunks_and_match_the_oracle(monkeypatch):
 
 def test_wide_windows_on_long_rows_run_the_c_backward_and_match_the_oracle(monkeypatch):
     """Windows wider than two vectors ((kW - 1) * dW > lanes: not fused) on rows with an interior:
-    the C backward sums dK / dV key-centrically (its interior blocks) and per slot (its border
-    blocks); every gradient exact against the oracle with dilation, causal, the bias and a query
+    with head dims off the lanes the C backward sums dK / dV key-centrically (its interior blocks)
+    and per slot (its border blocks), with whole vectors it runs the 1-D line backward or the pixel
+    route; every gradient exact against the oracle with dilation, causal, the bias and a query
     sub-window, and C_KERNELS pick the C backward there (backward_in_c says the GEMM kernel's on
     short rows; 1-D calls with whole-vector head dims run the C line backward even there:
     test_na_line_bwd)."""
@@ -94,7 +95,8 @@ def test_wide_windows_on_long_rows_run_the_c_backward_and_match_the_oracle(monke
     ):
         geo = geometry_args([Axis(s, k, 1, d, int(c)) for s, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
         assert not na_cpu.backward_is_fused(geo, torch.float64) and na_cpu.backward_in_c(geo, torch.float64)
-        _case(size, kernel, dilation, causal, 8, 8, box, seed=kernel[1])
+        for dim in (8, n + 3):  # whole vectors: the line backward / the pixel route; else the transposed sums
+            _case(size, kernel, dilation, causal, dim, dim, box, seed=kernel[1])
     assert not calls, "the C backward applies on these rows"
     short = geometry_args([Axis(1, 1), Axis(2 * n, n + 9)], 1, 1)
     assert not na_cpu.backward_in_c(short, torch.float64)
@@ -276,7 +278,8 @@ def test_the_planes_backward_never_reads_the_output(monkeypatch):
     """delta = rowsum(dO * O) of the backward comes from the window's P and dP = dO . V, which it
     computes anyway (softmax_delta in na_cpu_blocks.h), not from the forward's output: a NaN output
     passed to the C backward changes no gradient (bit for bit), fused 2-D blocks with a causal row
-    and the bias, and the key-centric sums of a wide 1-D window, fp32 and fp64."""
+    and the bias, and a wide 1-D window, fp32 and fp64 (8 channels: the line backward where they are
+    whole vectors, the planes backward's key-centric sums where not)."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
     n = na_cpu.lanes(torch.float64)
