@@ -27,9 +27,10 @@ int na_line_blocks(const int64_t *dims, const int32_t *rows, const int32_t *cols
     Geo g = make_geo(dims, rows, cols, NULL, 1.0);
     Plan pl;
     make_plan(&g, 0, &pl);
+    LineRuns lr = line_runs(&g, &pl);
     int count = 0;
-    long rel;
-    for (int bk = 0; bk < pl.nb; bk++) count += g.kw >= RQ && line_affine(&g, &pl, bk, &rel);
+    for (int bk = 0; bk < pl.nb; bk++) count += lr.aff[bk];
+    line_runs_free(&lr);
     free_plan(&pl);
     return count;
 }
@@ -57,11 +58,7 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
     memset(qr, 0, sizeof(T) * g.D * qw);
     vt *sbuf = vec_alloc((long)(SB + 2) * nkp), *add = sbuf + (long)SB * nkp;
     T *inv = (T *)(sbuf + (long)(SB + 1) * nkp); /* a block's 1 / sum per lane */
-    long *rel = malloc(sizeof(long) * (pl.nb + 1));
-    int *aff = malloc(sizeof(int) * (pl.nb + 1));
-    for (int bk = 0; bk < pl.nb; bk++) aff[bk] = n >= RQ && line_affine(&g, &pl, bk, rel + bk); /* else alone */
-    LCall *calls = malloc(sizeof(LCall) * LCALLS(n)), *full = malloc(sizeof(LCall) * LCALLS(n));
-    int nfull = line_calls(SB, n, full);
+    LineRuns lr = line_runs(&g, &pl);
     /* stream the output past the caches where it is larger than the L2 and its rows are aligned */
     int nt = NA_STREAM && (long)g.B * g.Wq * g.heads * g.Dv * (long)sizeof(T) > l2_bytes() &&
              (uintptr_t)out % NA_VBYTES == 0 && (g.Dv * sizeof(T)) % NA_VBYTES == 0;
@@ -75,7 +72,7 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
             pack_rows(v, bf, sv, b, h, x0, pl.cx1[ch] - x0, g.Dv, vp); /* the chunk's values, (column, Dv) */
             for (int bk = pl.cb[ch]; bk < pl.cb[ch + 1];) {
                 const Lanes *ln = pl.blocks + bk;
-                if (!aff[bk]) { /* one block alone: na_forward's tile of one row */
+                if (!lr.aff[bk]) { /* one block alone: na_forward's tile of one row */
                     const T *xrow[MR] = {qr + jb[bk] - jlo};
                     vt *s[MR] = {sbuf};
                     tile_scores(&g, ln->mode, ln, pl.ur + pl.ustart[0], pl.ur + pl.ustart[1], g.D, xrow, qw, kt, x0,
@@ -86,25 +83,14 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
                     bk++;
                     continue;
                 }
-                int nr = 1;
-                while (nr < SB && bk + nr < pl.cb[ch + 1] && aff[bk + nr] && rel[bk + nr] == rel[bk]) nr++;
-                int nc = nr == SB ? nfull : line_calls(nr, n, calls);
-                const LCall *cl = nr == SB ? full : calls;
-                const T *kr = kt + jb[bk] + rel[bk] - x0, *qb = qr + jb[bk] - jlo;
-                for (int c = 0; c < nc; c++) {
-                    const T *qp[MR];
-                    vt *sp[MR];
-                    for (int j = 0; j < cl[c].nm; j++) {
-                        int m = cl[c].m[j];
-                        qp[j] = qb + m * L;
-                        sp[j] = sbuf + (long)m * nkp + cl[c].p - m * L;
-                    }
-                    sc_rows(0, cl[c].nm, cl[c].gb, NULL, g.D, qp, qw, kr + cl[c].p, LN_POS, g.kp, sp);
-                }
+                const LCall *cl;
+                int nc, nr = line_run(&lr, bk, pl.cb[ch + 1], n, &cl, &nc);
+                const long rel = lr.rel[bk];
+                line_scores(cl, nc, g.D, qr + jb[bk] - jlo, qw, kt + jb[bk] + rel - x0, g.kp, sbuf, nkp);
                 for (int m = 0; m < nr; m++) {
                     vt *s = sbuf + (long)m * nkp;
                     line_softmax(&g, &pl, bk + m, h, s, add, inv);
-                    pv_affine((const T *)s, inv, n, ndv, vp, (jb[bk + m] + rel[bk] - x0) * g.Dv, g.Dv,
+                    pv_affine((const T *)s, inv, n, ndv, vp, (jb[bk + m] + rel - x0) * g.Dv, g.Dv,
                               out + oe + jb[bk + m] * ops, ops, nt);
                 }
                 bk += nr;
@@ -114,9 +100,6 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
 #if defined(__SSE2__)
     if (nt) _mm_sfence(); /* the streamed stores before the caller reads the output */
 #endif
-    free(calls);
-    free(full);
-    free(aff);
-    free(rel);
+    line_runs_free(&lr);
     free(sbuf);
 }

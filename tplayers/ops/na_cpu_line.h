@@ -74,6 +74,55 @@ static int line_affine(const Geo *g, const Plan *pl, int bk, long *rel) {
     return 1;
 }
 
+/* a call's super-blocks: the affine blocks (aff[bk], rel[bk]: line_affine, with at least RQ slots;
+ * the others run alone), the score calls of a full super-block (full, nfull) and room for a
+ * shorter one's (calls); the 1-D forward's and backward's */
+typedef struct {
+    long *rel;
+    int *aff, nfull;
+    LCall *calls, *full;
+} LineRuns;
+
+static LineRuns line_runs(const Geo *g, const Plan *pl) {
+    LineRuns r = {malloc(sizeof(long) * (pl->nb + 1)), malloc(sizeof(int) * (pl->nb + 1)), 0,
+                  malloc(sizeof(LCall) * LCALLS(g->kw)), malloc(sizeof(LCall) * LCALLS(g->kw))};
+    for (int bk = 0; bk < pl->nb; bk++) r.aff[bk] = g->kw >= RQ && line_affine(g, pl, bk, r.rel + bk);
+    r.nfull = line_calls(SB, g->kw, r.full);
+    return r;
+}
+
+static void line_runs_free(LineRuns *r) {
+    free(r->rel);
+    free(r->aff);
+    free(r->calls);
+    free(r->full);
+}
+
+/* the super-block from affine block bk (blocks before end, the same rel): its block count; *cl, *nc
+ * its score calls */
+static int line_run(LineRuns *r, int bk, int end, int n, const LCall **cl, int *nc) {
+    int nr = 1;
+    while (nr < SB && bk + nr < end && r->aff[bk + nr] && r->rel[bk + nr] == r->rel[bk]) nr++;
+    *nc = nr == SB ? r->nfull : line_calls(nr, n, r->calls);
+    *cl = nr == SB ? r->full : r->calls;
+    return nr;
+}
+
+/* a super-block's scores: block m's slot vectors s + m nkp = x . y over C channels, x the first
+ * block's queries (channel pitch xs), y the key plane at the run's first key (channel pitch ys) */
+static void line_scores(const LCall *cl, int nc, int C, const T *x, long xs, const T *y, long ys, vt *s, long nkp) {
+    for (int c = 0; c < nc; c++) {
+        const T *qp[MR];
+        vt *sp[MR];
+        for (int j = 0; j < cl[c].nm; j++) {
+            const int m = cl[c].m[j];
+            qp[j] = x + m * L;
+            sp[j] = s + m * nkp + cl[c].p - m * L;
+        }
+        sc_rows(0, cl[c].nm, cl[c].gb, NULL, C, qp, xs, y + cl[c].p, LN_POS, ys, sp);
+    }
+}
+
 INL vt ldv(const void *x, int bf, long e) { return bf ? ld_h((const uint16_t *)x + e) : ld((const T *)x + e); }
 
 /* x in every lane: one broadcast (splat's 0 + x keeps an add: 0 + -0 is +0; x - 0 is x) */

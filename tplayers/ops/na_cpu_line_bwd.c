@@ -66,11 +66,7 @@ void na_backward_line(const T *dout, const int64_t *sd, const void *q, const voi
         toff[t] = t * (bf ? g.D : sq[1]);
         toff[L + t] = t * sd[1];
     }
-    long *rel = malloc(sizeof(long) * (pl.nb + 1));
-    int *aff = malloc(sizeof(int) * (pl.nb + 1));
-    for (int bk = 0; bk < pl.nb; bk++) aff[bk] = n >= RQ && line_affine(&g, &pl, bk, rel + bk);
-    LCall *calls = malloc(sizeof(LCall) * LCALLS(n)), *full = malloc(sizeof(LCall) * LCALLS(n));
-    const int nfull = line_calls(SB, n, full);
+    LineRuns lr = line_runs(&g, &pl);
     long zx = 0; /* dK / dV columns [0, zx) zeroed */
     for (int ch = 0; ch < pl.nc; ch++) { /* chunk-major: a chunk's heads while its pixels are in cache */
         const long x0 = pl.cx0[ch], xn = pl.cx1[ch] - x0, jlo = jb[pl.cb[ch]], jn = jb[pl.cb[ch + 1]] - jlo;
@@ -93,7 +89,7 @@ void na_backward_line(const T *dout, const int64_t *sd, const void *q, const voi
     line_grads(&g, &pl, BK, h, AFF, REL, S, DS, add, kpk, x0, scl, dq + oe + jb[BK] * ops, ops, q0 + jb[BK] * qst, \
                g0 + jb[BK] * sd[1], toff, dkp, dvp, pxs, dtable)
             for (int bk = pl.cb[ch]; bk < pl.cb[ch + 1];) {
-                if (!aff[bk]) { /* one block alone: na_backward's tile of one row */
+                if (!lr.aff[bk]) { /* one block alone: na_backward's tile of one row */
                     const Lanes *ln = pl.blocks + bk;
                     const Urow *u0 = pl.ur + pl.ustart[0], *u1 = pl.ur + pl.ustart[1];
                     const T *xrow[MR] = {qr + jb[bk] - jlo}, *grow[MR] = {gr + jb[bk] - jlo};
@@ -104,34 +100,18 @@ void na_backward_line(const T *dout, const int64_t *sd, const void *q, const voi
                     bk++;
                     continue;
                 }
-                int nr = 1;
-                while (nr < SB && bk + nr < pl.cb[ch + 1] && aff[bk + nr] && rel[bk + nr] == rel[bk]) nr++;
-                const int nc = nr == SB ? nfull : line_calls(nr, n, calls);
-                const LCall *cl = nr == SB ? full : calls;
-                const long kx = jb[bk] + rel[bk] - x0, qx = jb[bk] - jlo;
-                for (int c = 0; c < nc; c++) { /* P (Q . K) and dP (dO . V) of the super-block */
-                    const T *qp[MR], *gp[MR];
-                    vt *sp[MR], *dp[MR];
-                    for (int j = 0; j < cl[c].nm; j++) {
-                        const int m = cl[c].m[j];
-                        qp[j] = qr + qx + m * L;
-                        gp[j] = gr + qx + m * L;
-                        sp[j] = sbuf + (long)m * nkp + cl[c].p - m * L;
-                        dp[j] = dsb + (long)m * nkp + cl[c].p - m * L;
-                    }
-                    sc_rows(0, cl[c].nm, cl[c].gb, NULL, g.D, qp, qw, kt + kx + cl[c].p, LN_POS, g.kp, sp);
-                    sc_rows(0, cl[c].nm, cl[c].gb, NULL, g.Dv, gp, qw, vtr + kx + cl[c].p, LN_POS, g.kp, dp);
-                }
-                for (int m = 0; m < nr; m++) GRADS(bk + m, sbuf + (long)m * nkp, dsb + (long)m * nkp, 1, rel[bk]);
+                const LCall *cl;
+                int nc, nr = line_run(&lr, bk, pl.cb[ch + 1], n, &cl, &nc);
+                const long kx = jb[bk] + lr.rel[bk] - x0, qx = jb[bk] - jlo;
+                line_scores(cl, nc, g.D, qr + qx, qw, kt + kx, g.kp, sbuf, nkp);   /* P: Q . K */
+                line_scores(cl, nc, g.Dv, gr + qx, qw, vtr + kx, g.kp, dsb, nkp); /* dP: dO . V */
+                for (int m = 0; m < nr; m++) GRADS(bk + m, sbuf + (long)m * nkp, dsb + (long)m * nkp, 1, lr.rel[bk]);
                 bk += nr;
             }
 #undef GRADS
         }
         zx = zx1;
     }
-    free(calls);
-    free(full);
-    free(aff);
-    free(rel);
+    line_runs_free(&lr);
     free(sbuf);
 }

@@ -162,7 +162,7 @@ __attribute__((optimize("no-tree-loop-distribute-patterns"))) /* no memset call 
 static void pix_zero(const Geo *g, int b, int h, long x0, long x1, T *dk, T *dv) {
     for (int r = 0; r < g->Hk; r++)
         for (long j = x0; j < x1; j++) {
-            const long px = ((long)b * g->Hk + r) * g->Wk + j; /* whole vectors (pix_shape): no memset calls */
+            const long px = ((long)b * g->Hk + r) * g->Wk + j; /* whole vectors (pix_shape) */
             for (int d = 0; d < g->D; d += L) st(dk + (px * g->heads + h) * g->D + d, (vt){0});
             for (int d = 0; d < g->Dv; d += L) st(dv + (px * g->heads + h) * g->Dv + d, (vt){0});
         }
