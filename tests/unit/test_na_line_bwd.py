@@ -4,7 +4,8 @@ summed over packed keys and written in place, dK / dV added in place by the pixe
 against the brute-force oracle in fp64 (output and every gradient, the bias's included) on random
 1-D configurations (kernels wider than the lanes, uneven lengths, stride, dilation, causal, GQA / MQA,
 head dims of 1 to 8 vectors), on the host's build and the narrower ones it runs; rows of several
-column chunks (the in-place dK / dV zeroed chunk by chunk) in fp32 and bf16; q alone wanting a
+column chunks (the in-place dK / dV zeroed chunk by chunk) in fp32 and bf16; the super-blocks' dK /
+dV at every head dim its kernels specialize; q alone wanting a
 gradient (no dK / dV); a gradient of any strides; the same bits at 1 and 3 threads; the calls it does
 not take (head dims off the lanes, ``TPLAYERS_NA_LINE=0``) run ``na_backward``."""
 
@@ -60,6 +61,40 @@ def test_random_1d_configurations_match_the_oracle(isa, monkeypatch):
         taken.clear()
         check_na1d_case(gen, size, heads, kv_heads, dim, dim_v, kernel, stride, dil, causal, with_bias, where, **TIGHT)
         assert taken and all(taken), f"the line backward did not run: {where}"
+
+
+@pytest.mark.parametrize("isa", [None, *_isas()])
+def test_super_block_dk_dv_at_every_head_dim_it_specializes(isa, monkeypatch):
+    """The super-blocks' dK / dV (``pxl_rows``: each key summed over all its run's queries at once) at
+    head dims of 1, 2, 3 and 4 vectors (the kernels with 4, 2 or 1 key columns a pass and the generic
+    one), on rows of two full super-blocks, a short one and a partial block (runs ending mid-row and
+    windows reaching past a run's blocks), with a bias: fp64 against the oracle; fp32 against the
+    planes backward (``TPLAYERS_NA_LINE=0``) on the same values."""
+    _env(monkeypatch, isa)
+    taken = record_results(monkeypatch, na_cpu_plans, "backward_line")
+    for dtype in (torch.float64, torch.float32):
+        lanes = na_cpu.lanes(dtype)
+        size, kernel = 19 * lanes + 5, 2 * lanes + 3
+        for nv in (1, 2, 3, 4):
+            dim = nv * lanes
+            where = f"isa {isa} {dtype} D {dim} L{size} k{kernel}"
+            gen = torch.Generator().manual_seed(nv)
+            taken.clear()
+            if dtype == torch.float64:
+                check_na1d_case(gen, size, 2, 2, dim, dim, kernel, 1, 1, False, True, where, **TIGHT)
+                assert taken and all(taken), f"the line backward did not run: {where}"
+                continue
+            base = [torch.randn(1, size, 2, dim, generator=gen) for _ in range(4)]
+            grads = []
+            for flag in ("", "0"):
+                monkeypatch.setenv("TPLAYERS_NA_LINE", flag)
+                ins = [t.clone().requires_grad_() for t in base[:3]]
+                tplayers.na1d(*ins, kernel).backward(base[3])
+                grads.append([t.grad for t in ins])
+            assert taken == [True, False], where
+            for got, want in zip(*grads):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{where}: {m}")
+            monkeypatch.delenv("TPLAYERS_NA_LINE")
 
 
 def test_rows_of_several_chunks_in_fp32_and_bf16(monkeypatch):

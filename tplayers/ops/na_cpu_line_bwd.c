@@ -8,14 +8,17 @@
  *   dS = P (dP - delta) per block (softmax_delta: delta = rowsum(dO * O) from P and dP).
  *   dQ = scale dS K: lanes over the channels, the keys packed (column, D) once per chunk, RQ
  *   consecutive queries sharing each key row load (pv_affine; pv_lanes elsewhere), written in place.
- *   dK += scale dS^T Q, dV += P^T dO: the pixel route (pix_rows, na_cpu_pix.h) on q and dO read in
- *   place, added into dK / dV in place (each key column zeroed before the first chunk reaching it).
+ *   dK += scale dS^T Q, dV += P^T dO: the pixel route on q and dO read in place, added into dK / dV in
+ *   place (each key column zeroed before the first chunk reaching it): per super-block (pxl_rows: each
+ *   key's sums over all its blocks' queries in registers, one read-modify-write per key and run), per
+ *   block for the others (pix_rows, na_cpu_pix.h).
  * 1-D 1x4096 h4 d32 k33 (AVX-512): see benchmarks/RESULTS.md ("fifteenth session"). */
 #include "na_cpu_line.h"
 #include "na_cpu_pix.h"
 
 /* block bk's gradients from its scores s (P) and dP ds (slot vectors, one row), in place: the weights,
- * dS, then dQ (dq: the block's first query, pixel pitch ops), dK / dV (pix_rows; dk NULL: not wanted)
+ * dS, then dQ (dq: the block's first query, pixel pitch ops), dK / dV where not aff (pix_rows; dk NULL:
+ * not wanted; affine blocks: their super-block's pxl_rows, after all its blocks' weights)
  * and dtable (NULL without a bias). qrow / grow: the block's first query in q (or its widened rows) and
  * in dO, lanes at toff (pix_rows') */
 static void line_grads(const Geo *g, const Plan *pl, int bk, int h, int aff, long rel, vt *s, vt *ds, vt *add,
@@ -30,7 +33,7 @@ static void line_grads(const Geo *g, const Plan *pl, int bk, int h, int aff, lon
     for (int ab = 0; ab < g->nk; ab++) ds[ab] = s[ab] * (ds[ab] - dl);
     if (aff) pv_affine((const T *)ds, scl, n, g->D / L, kpk, (jb + rel - x0) * g->D, g->D, dq, ops, 0);
     else pv_lanes((const T *)ds, scl, n, ln->n, g->D / L, g->cols + jb * n, kpk, -x0 * g->D, g->D, dq, ops);
-    if (dk) {
+    if (dk && !aff) {
         const Urow u = {.row = 0, .n = 1, .mask = 1, .m = {0}, .a = {0}};
         vt *dsv[MR] = {ds}, *pv[MR] = {s};
         const T *qp_[MR] = {qrow}, *gp_[MR] = {grow};
@@ -106,6 +109,9 @@ void na_backward_line(const T *dout, const int64_t *sd, const void *q, const voi
                 line_scores(cl, nc, g.D, qr + qx, qw, kt + kx, g.kp, sbuf, nkp);   /* P: Q . K */
                 line_scores(cl, nc, g.Dv, gr + qx, qw, vtr + kx, g.kp, dsb, nkp); /* dP: dO . V */
                 for (int m = 0; m < nr; m++) GRADS(bk + m, sbuf + (long)m * nkp, dsb + (long)m * nkp, 1, lr.rel[bk]);
+                if (dk) /* the run's dK / dV, each key's sums over the run at once */
+                    pxl_rows(g.D / L, g.Dv / L, nr, n, nkp, (const T *)dsb, (const T *)sbuf, q0, qst, g0, sd[1], jb[bk],
+                             lr.rel[bk], dkp, dvp, pxs, g.scale);
                 bk += nr;
             }
 #undef GRADS

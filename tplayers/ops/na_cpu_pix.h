@@ -118,10 +118,13 @@ static void pix_pairs(const Geo *g, const Plan *pl, int backward, PixPairs *pp) 
     }
 }
 
-/* the kernels of the pixel routes (na_cpu_pix.c, a unit of its own: it compiles beside na_cpu.c) */
+/* the kernels of the pixel routes (na_cpu_pix.c, a unit of its own: it compiles beside na_cpu.c); pxl_rows:
+ * the 1-D backward's dK / dV of a super-block of affine blocks (na_cpu_line_bwd.c) */
 HIDDEN void pix_rows(int nd, int ndv, const Plan *pl, int bk, int kw, const Urow *u, vt *const *ds, vt *const *p,
                      const T *const *qrow, const T *const *grow, const long *toff, T *dk, T *dv, const long *px,
                      T scale);
+HIDDEN void pxl_rows(int nd, int ndv, int nr, int n, long nkp, const T *ds, const T *p, const T *q0, long qst,
+                     const T *g0, long gst, long J, long rel, T *dk, T *dv, const long *px, T scale);
 HIDDEN void pxf_rows(const Geo *g, const PixPairs *pp, int bk, int i, const vt *sw, vt inv, const T *vn, int ring, int C,
                      T *o, long ost, int nt);
 
