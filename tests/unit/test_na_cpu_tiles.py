@@ -3,7 +3,7 @@ run in column chunks (each chunk transposes its key span; the chunks' dK / dV ov
 up); blocks whose keys lie in one vector load it once per channel (Lanes.one); exact against
 the brute-force oracle in fp64, forward and every gradient, with dilation, causal, bias and a
 query sub-window, and each path is checked to be the one taken; the key planes are a ring of the
-rows the tiles read (ring_rows)."""
+rows the tiles read (ring_rows); rows of whole KiB get a padded pitch."""
 
 import random
 
@@ -71,6 +71,27 @@ def test_wide_2d_rows_run_in_chunks_and_match_the_oracle(monkeypatch):
     size, kernel, dilation, causal, dim = (5, 60), (2, 5), (2, 1), (False, True), 128
     assert _chunks(size, kernel, dilation, causal, dim, dim, 1) > 1
     _case(size, kernel, dilation, causal, dim, dim, (1, 4, 0, 60), seed=5)
+
+
+def test_rows_of_whole_kib_get_a_padded_pitch_and_match_the_oracle(monkeypatch):
+    """Planes whose rows are a whole number of KiB (fp64: 128 columns) get one cache line more of
+    pitch (their channel rows would share a few L1 sets); the others keep their width. Forward and
+    every gradient exact on the padded planes: a plain window with head dims on and off the lanes,
+    and dilation with a causal axis, the bias and a sub-window."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
+    lib = na_cpu.load_library(torch.float64)
+    line = 64 // torch.float64.itemsize
+    for width, want in ((128, 128 + line), (120, 120)):
+        _keep, args = _plan_args((3, width), (3, 7), (1, 1), (False, False))
+        for backward in (0, 1):
+            assert [lib.na_pitch(*args, backward, which) for which in (0, 1)] == [want, want], (width, backward)
+    for kernel, dilation, causal, box, dims in (
+        ((3, 7), (1, 1), (False, False), (0, 3, 0, 128), (8, na_cpu.lanes(torch.float64) + 3)),
+        ((2, 5), (1, 3), (True, False), (1, 3, 9, 120), (8,)),
+    ):
+        for dim in dims:
+            _case((3, 128), kernel, dilation, causal, dim, dim, box, seed=dim)
 
 
 def test_wide_windows_on_long_rows_run_the_c_backward_and_match_the_oracle(monkeypatch):

@@ -210,8 +210,8 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
         sw = pl->cx1[c] - pl->cx0[c] > sw ? pl->cx1[c] - pl->cx0[c] : sw;
         qw = jb[pl->cb[c + 1]] - jb[pl->cb[c]] > qw ? jb[pl->cb[c + 1]] - jb[pl->cb[c]] : qw;
     }
-    g->kp = pl->kp = sw;
-    pl->qw = qw;
+    g->kp = pl->kp = key_pitch(sw);
+    pl->qw = key_pitch(qw);
     pl->backward = backward;
     pl->shifts = pl->folds = NULL;
     pl->shix = pl->fused = pl->fstart = pl->keyc = NULL;

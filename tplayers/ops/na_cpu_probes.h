@@ -17,6 +17,17 @@ int na_chunks(const int64_t *dims, const int32_t *rows, const int32_t *cols, int
     return n;
 }
 
+/* the row pitch of a call's key planes (which 0) or query planes (1) in its plan (backward as in
+ * na_scratch; key_pitch: a cache line more for rows of whole KiB) */
+int na_pitch(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward, int which) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    Plan pl;
+    make_plan(&g, backward, &pl);
+    int n = (int)(which ? pl.qw : pl.kp);
+    free_plan(&pl);
+    return n;
+}
+
 /* the blocks of a call's row whose keys lie in one vector (Lanes.one: the score and P.V kernels
  * shuffle the slots out of one load; tests check that path is taken) */
 int na_one_blocks(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
