@@ -41,15 +41,19 @@ static void to_rows_x(const void *x, int bf, const long *xs, int b, int h, int i
             T *d0 = dst + (size_t)(i - i0) * C * pitch + j0;
             if (n == L && xs[3] == 1)
                 for (; c0 + L <= C; c0 += L) {
-                    vt r[L];
-                    for (int t = 0; t < L; t++) {
-                        long e = (px + t) * xs[1] + c0, ahead = e + NA_PREFETCH * xs[1];
-                        if (bf) { /* tiles ahead */
-                            __builtin_prefetch(hsrc + ahead);
-                            r[t] = ld_h(hsrc + e);
-                        } else {
-                            __builtin_prefetch(src + ahead);
-                            r[t] = ld(src + e);
+                    vt r[L]; /* in registers: the loads unrolled, bf's branch outside them */
+                    const long e0 = px * xs[1] + c0, ahead = NA_PREFETCH * xs[1];
+                    if (bf) {
+#pragma GCC unroll 16
+                        for (int t = 0; t < L; t++) { /* tiles ahead */
+                            __builtin_prefetch(hsrc + e0 + t * xs[1] + ahead);
+                            r[t] = ld_h(hsrc + e0 + t * xs[1]);
+                        }
+                    } else {
+#pragma GCC unroll 16
+                        for (int t = 0; t < L; t++) {
+                            __builtin_prefetch(src + e0 + t * xs[1] + ahead);
+                            r[t] = ld(src + e0 + t * xs[1]);
                         }
                     }
                     transpose_tile(r);
