@@ -192,6 +192,35 @@ def test_both_routes_with_stride_match_the_oracle(isa, monkeypatch):
         assert_out_and_grads(out, ref, ins, ref_in, gen, where, **TIGHT)
 
 
+@pytest.mark.parametrize("isa", isas_this_host_runs())
+def test_affine_blocks_of_the_forward_route_match_the_oracle(isa, monkeypatch):
+    """The forward's P V (and the backward's dQ) on the user's layout over blocks whose lanes are
+    their own queries and whose slots are consecutive key columns (pxa_kern: several queries sharing
+    each value load, the pairs from lane and slot): kernels 3, 5 and 7 wide (each compiled apart),
+    head dims of 2 and 4 vectors where the build has them, a causal row axis and the bias; the probe
+    counts the blocks it takes (the interior ones); fp64 against the oracle, forward and every
+    gradient."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.setenv("TPLAYERS_NA_ISA", isa)
+    lanes = na_cpu.lanes(torch.float64, isa)
+    lib = na_cpu.load_library(torch.float64, isa)
+    size = (9, 4 * lanes + 5)  # at least blocks 1..3 of each row interior for kernels up to 7
+    for kernel, causal, dim in (((3, 7), (False, False), 16), ((5, 5), (True, False), 32), ((3, 3), (False, False), 16)):
+        geo = geometry_args([Axis(n, k, 1, 1, int(c)) for n, k, c in zip(size, kernel, causal)], 1, 1)
+        keep = (kernel_dims(geo, 1, 2, dim, dim), *kernel_tables(tuple(geo)))
+        blocks = lib.na_pixel_affine(*[na_cpu._ptr(t) for t in keep])
+        route = dim // lanes <= 8  # the route's channel vectors in registers (base fp64: 2 lanes, d32 is 16)
+        assert (blocks >= 3) if route else (blocks == 0), f"{isa} kernel {kernel} d {dim}: {blocks} affine blocks"
+        gen = torch.Generator().manual_seed(dim + kernel[1])
+        q, k, v = (torch.randn(2, *size, 2, dim, generator=gen, dtype=torch.float64) for _ in range(3))
+        rpb = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64)
+        ins = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v, rpb)]
+        out = tplayers.na2d(*ins[:3], kernel, is_causal=causal, rel_pos_bias=ins[3])
+        ref = brute_na2d(*ref_in[:3], kernel, (1, 1), causal, rpb=ref_in[3])
+        assert_out_and_grads(out, ref, ins, ref_in, gen, f"{isa} kernel {kernel} d {dim}", **TIGHT)
+
+
 def test_fp32_128_byte_pixels_take_every_route_and_match_the_oracle(monkeypatch):
     """fp32 head dims of 32 (128-byte pixels, the 2-D benchmark's): the backward's dK / dV and dQ and
     the forward's P V all on the user's layout (the probe on the fp32 build says so), with dilation,

@@ -64,9 +64,10 @@ static void pair_groups(int nl, const int *st, const int *its, int *gp, int *e, 
 static void pix_pairs(const Geo *g, const Plan *pl, int backward, PixPairs *pp) {
     const int nb = pl->nb, kw = g->kw;
     int groups = 0, pairs = 0;
-    pp->a = malloc(sizeof(int) * 3 * nb);
+    pp->a = malloc(sizeof(int) * 4 * nb);
     pp->n = pp->a + nb;
     pp->s = pp->a + 2 * nb;
+    pp->f = pp->a + 3 * nb;
     for (int bk = 0; bk < nb; bk++) {
         const int j0 = (int)pl->jb[bk], n = pl->blocks[bk].n;
         int lo = g->Wk, hi = -1;
@@ -78,6 +79,9 @@ static void pix_pairs(const Geo *g, const Plan *pl, int backward, PixPairs *pp) 
             }
         pp->a[bk] = lo;
         pp->n[bk] = backward ? hi - lo + 1 : n;
+        pp->f[bk] = !backward && n == L;
+        for (int t = 0; t < n && pp->f[bk]; t++)
+            for (int b = 0; b < kw; b++) pp->f[bk] &= g->cols[(j0 + t) * kw + b] == lo + t + b;
         pp->s[bk] = groups;
         groups += (pp->n[bk] + PIXK - 1) / PIXK;
         pairs += n * kw;

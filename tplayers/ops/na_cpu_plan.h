@@ -10,9 +10,10 @@
  * key rows (row_order, plan_tiles below; the micro-kernels in na_cpu_rows.h). */
 /* the pixel routes' pair tables of a plan (pix_pairs in na_cpu_pix.h; a NULL where none): per block
  * bk, n[bk] lists from its first column a[bk] (the backward's: key columns) or lane (the forward's),
- * in groups from g[4 s[bk]], entries e */
+ * in groups from g[4 s[bk]], entries e; the forward's f[bk]: 1 where every lane t is the block's own query
+ * and slot b is key column a[bk] + t + b (the routes' affine kernel, pxa_kern, takes those blocks) */
 typedef struct {
-    int *a, *n, *s, *g, *e;
+    int *a, *n, *s, *g, *e, *f;
 } PixPairs;
 
 typedef struct {

@@ -28,6 +28,21 @@ int na_pitch(const int64_t *dims, const int32_t *rows, const int32_t *cols, int 
     return n;
 }
 
+/* the blocks of a call's row whose forward P V runs pxa_kern (the pixel route's affine blocks,
+ * pix_pairs' f; 0 where the forward's route does not apply to the call's shape) */
+int na_pixel_affine(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
+    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
+    Plan pl;
+    make_plan(&g, 0, &pl);
+    int n = 0;
+    if (pxf_shape(&g, &pl)) {
+        pix_pairs(&g, &pl, 0, &pl.px);
+        for (int bk = 0; bk < pl.nb; bk++) n += pl.px.f[bk];
+    }
+    free_plan(&pl);
+    return n;
+}
+
 /* the blocks of a call's row whose keys lie in one vector (Lanes.one: the score and P.V kernels
  * shuffle the slots out of one load; tests check that path is taken) */
 int na_one_blocks(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
