@@ -205,7 +205,11 @@ def test_affine_blocks_of_the_forward_route_match_the_oracle(isa, monkeypatch):
     lanes = na_cpu.lanes(torch.float64, isa)
     lib = na_cpu.load_library(torch.float64, isa)
     size = (9, 4 * lanes + 5)  # at least blocks 1..3 of each row interior for kernels up to 7
-    for kernel, causal, dim in (((3, 7), (False, False), 16), ((5, 5), (True, False), 32), ((3, 3), (False, False), 16)):
+    for kernel, causal, dim in (
+        ((3, 7), (False, False), 16),
+        ((5, 5), (True, False), 32),
+        ((3, 3), (False, False), 16),
+    ):
         geo = geometry_args([Axis(n, k, 1, 1, int(c)) for n, k, c in zip(size, kernel, causal)], 1, 1)
         keep = (kernel_dims(geo, 1, 2, dim, dim), *kernel_tables(tuple(geo)))
         blocks = lib.na_pixel_affine(*[na_cpu._ptr(t) for t in keep])
