@@ -196,10 +196,10 @@ def test_both_routes_with_stride_match_the_oracle(isa, monkeypatch):
 def test_affine_blocks_of_the_forward_route_match_the_oracle(isa, monkeypatch):
     """The forward's P V (and the backward's dQ) on the user's layout over blocks whose lanes are
     their own queries and whose slots are consecutive key columns (pxa_kern: several queries sharing
-    each value load, the pairs from lane and slot): kernels 3, 5 and 7 wide (each compiled apart),
-    head dims of 2 and 4 vectors where the build has them, a causal row axis and the bias; the probe
-    counts the blocks it takes (the interior ones); fp64 against the oracle, forward and every
-    gradient."""
+    each value load, the pairs from lane and slot; at the borders, groups of lanes sharing one window):
+    kernels 3, 5 and 7 wide (each compiled apart), head dims of 2 and 4 vectors where the build has
+    them, a causal row or column axis and the bias; the probe counts the blocks it takes; fp64
+    against the oracle, forward and every gradient."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     monkeypatch.setenv("TPLAYERS_NA_ISA", isa)
     lanes = na_cpu.lanes(torch.float64, isa)
@@ -209,12 +209,13 @@ def test_affine_blocks_of_the_forward_route_match_the_oracle(isa, monkeypatch):
         ((3, 7), (False, False), 16),
         ((5, 5), (True, False), 32),
         ((3, 3), (False, False), 16),
+        ((7, 7), (False, True), 16),
     ):
         geo = geometry_args([Axis(n, k, 1, 1, int(c)) for n, k, c in zip(size, kernel, causal)], 1, 1)
         keep = (kernel_dims(geo, 1, 2, dim, dim), *kernel_tables(tuple(geo)))
         blocks = lib.na_pixel_affine(*[na_cpu._ptr(t) for t in keep])
-        route = dim // lanes <= 8  # the route's channel vectors in registers (base fp64: 2 lanes, d32 is 16)
-        assert (blocks >= 3) if route else (blocks == 0), f"{isa} kernel {kernel} d {dim}: {blocks} affine blocks"
+        taken = dim // lanes in (2, 4)  # the channel vectors pxa_kern is compiled for
+        assert (blocks >= 3) if taken else (blocks == 0), f"{isa} kernel {kernel} d {dim}: {blocks} affine blocks"
         gen = torch.Generator().manual_seed(dim + kernel[1])
         q, k, v = (torch.randn(2, *size, 2, dim, generator=gen, dtype=torch.float64) for _ in range(3))
         rpb = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64)

@@ -141,37 +141,49 @@ INL void pxf_kern(const int nd, const Geo *g, const PixPairs *pp, int bk, int i,
     }
 }
 
-/* pxf_kern on an affine block (pp->f[bk]: lane t's slot b is key column x0 + t + b): QX consecutive
- * queries at a time share each value load, the pairs addressed from lane and slot (no tables); each
- * key column's queries known at compile time (KW a constant), so no FMA of a weight outside a window */
-INL void pxa_kern(const int nd, const int QX, const int KW, const Geo *g, int i, long x0, const vt *sw, vt inv,
-                  const T *vn, int ring, T *o, long ost, int nt) {
-    const int kh = g->kh, Dv = nd * L;
-    const T *w = (const T *)sw;
-    for (int t0 = 0; t0 < L; t0 += QX) {
-        vt acc[4][PIXMAX];
-#pragma GCC unroll 4
-        for (int c = 0; c < QX; c++)
-#pragma GCC unroll 8
-            for (int d = 0; d < PIXMAX; d++) acc[c][d] = (vt){0};
-        for (int a = 0; a < kh; a++) {
-            const T *wr = w + (long)a * KW * L + t0, *vx = vn + (long)(g->rows[i * kh + a] % ring) * g->Wk * Dv + (x0 + t0) * Dv;
+/* one group of PXQ queries from lane t0 of a block that pxa_kern takes: key column s + u for u below
+ * PXQ - 1 + KW (FLAT: below KW), query t0 + c at slot u - c (FLAT: u); with KW a constant, each
+ * column's queries are known at compile time (no FMA of a weight outside a window) */
+INL void pxa_group(const int nd, const int KW, const int FLAT, const Geo *g, int i, int t0, long s, const T *w,
+                   const T *vn, int ring, vt (*acc)[PIXMAX]) {
+    const int kh = g->kh, Dv = nd * L, NU = FLAT ? KW : PXQ - 1 + KW;
+    for (int a = 0; a < kh; a++) {
+        const T *wr = w + (long)a * KW * L + t0, *vx = vn + (long)(g->rows[i * kh + a] % ring) * g->Wk * Dv + s * Dv;
 #pragma GCC unroll 16
-            for (int u = 0; u < QX - 1 + KW; u++) { /* key column x0 + t0 + u: query t0 + c at slot u - c */
-                vt wv[4];
+        for (int u = 0; u < NU; u++) {
+            vt wv[4];
 #pragma GCC unroll 4
-                for (int c = 0; c < QX; c++) wv[c] = u - c >= 0 && u - c < KW ? splat(wr[(u - c) * L + c]) : (vt){0};
+            for (int c = 0; c < PXQ; c++) {
+                const int b = FLAT ? u : u - c;
+                wv[c] = b >= 0 && b < KW ? splat(wr[b * L + c]) : (vt){0};
+            }
 #pragma GCC unroll 8
-                for (int d = 0; d < nd && d < PIXMAX; d++) {
-                    const vt x = in_reg(ld(vx + (long)u * Dv + d * L));
+            for (int d = 0; d < nd && d < PIXMAX; d++) {
+                const vt x = in_reg(ld(vx + (long)u * Dv + d * L));
 #pragma GCC unroll 4
-                    for (int c = 0; c < QX; c++)
-                        if (u - c >= 0 && u - c < KW) acc[c][d] += wv[c] * x;
-                }
+                for (int c = 0; c < PXQ; c++)
+                    if ((FLAT ? u : u - c) >= 0 && (FLAT ? u : u - c) < KW) acc[c][d] += wv[c] * x;
             }
         }
+    }
+}
+
+/* pxf_kern on a block that pp->f takes (pxa_block): PXQ consecutive queries at a time share each value
+ * load, the pairs addressed from lane and slot (no tables) */
+INL void pxa_kern(const int nd, const int KW, const Geo *g, const PixPairs *pp, int bk, int i, const vt *sw, vt inv,
+                  const T *vn, int ring, T *o, long ost, int nt) {
+    const int f = pp->f[bk], j0 = pp->j[bk];
+    for (int t0 = 0; t0 < L; t0 += PXQ) {
+        vt acc[4][PIXMAX];
 #pragma GCC unroll 4
-        for (int c = 0; c < QX; c++) {
+        for (int c = 0; c < PXQ; c++)
+#pragma GCC unroll 8
+            for (int d = 0; d < PIXMAX; d++) acc[c][d] = (vt){0};
+        const long s = g->cols[(long)(j0 + t0) * KW]; /* the group's first key column */
+        if (f >> (1 + t0 / PXQ) & 1) pxa_group(nd, KW, 1, g, i, t0, s, (const T *)sw, vn, ring, acc);
+        else pxa_group(nd, KW, 0, g, i, t0, s, (const T *)sw, vn, ring, acc);
+#pragma GCC unroll 4
+        for (int c = 0; c < PXQ; c++) {
             const vt sc = splat(((const T *)&inv)[t0 + c]);
             T *ot = o + (t0 + c) * ost;
 #pragma GCC unroll 8
@@ -186,12 +198,19 @@ INL void pxa_kern(const int nd, const int QX, const int KW, const Geo *g, int i,
 HIDDEN void pxf_rows(const Geo *g, const PixPairs *pp, int bk, int i, const vt *sw, vt inv, const T *vn, int ring, int C,
                      T *o, long ost, int nt) {
     const int nd = C / L;
-#define PXA(ND, KW) pxa_kern(ND, NREG == 32 ? 4 : 2, KW, g, i, pp->a[bk], sw, inv, vn, ring, o, ost, nt)
-    if (pp->f[bk] && nd == 2 && g->kw == 7) { PXA(2, 7); return; }
-    if (pp->f[bk] && nd == 2 && g->kw == 5) { PXA(2, 5); return; }
-    if (pp->f[bk] && nd == 2 && g->kw == 3) { PXA(2, 3); return; }
-    if (pp->f[bk] && nd == 4 && g->kw == 7) { PXA(4, 7); return; }
-    if (pp->f[bk] && nd == 4 && g->kw == 5) { PXA(4, 5); return; }
+#define PXA(ND, KW) pxa_kern(ND, KW, g, pp, bk, i, sw, inv, vn, ring, o, ost, nt)
+    if (pp->f[bk] && pxa_dims(g, C)) {
+        if (nd == 2) {
+            if (g->kw == 7) PXA(2, 7);
+            else if (g->kw == 5) PXA(2, 5);
+            else PXA(2, 3);
+        } else {
+            if (g->kw == 7) PXA(4, 7);
+            else if (g->kw == 5) PXA(4, 5);
+            else PXA(4, 3);
+        }
+        return;
+    }
 #undef PXA
     if (nd == 2) pxf_kern(2, g, pp, bk, i, sw, inv, vn, ring, o, ost, nt);
     else if (nd == 1) pxf_kern(1, g, pp, bk, i, sw, inv, vn, ring, o, ost, nt);

@@ -18,6 +18,7 @@
  * 2-D 96^2 d16 backward 1.07x, 64^2 d32 1.03x over one), else one (AVX2 64^2 d32: two spill, 0.96x) */
 #define PIXK (NREG == 32 ? 2 : 1)
 #define HIDDEN __attribute__((visibility("hidden"))) /* shared by the units, not exported */
+#define PXQ (NREG == 32 ? 4 : 2) /* queries per pass of pxa_kern (the forward's route on whole blocks) */
 
 /* lists [0, nl) of a block's pairs, list x's items its[2 k] (the match: a lane, or a key column) and
  * its[2 k + 1] (the pair's weight index b * L + t in the block's slot vectors) for k in [st[x],
@@ -61,13 +62,41 @@ static void pair_groups(int nl, const int *st, const int *its, int *gp, int *e, 
  * of a group at adjacent slots in the interior: its q and dO are loaded once for the two); the
  * forward's (backward 0: P V, and the backward's dQ) are its lanes, their items the key columns
  * they read (a key's values are loaded once for the two queries of a group). */
+/* PixPairs.f of the block of n queries from column j0 (0: pxa_kern does not take it): every lane's slots
+ * consecutive key columns from its start, each group of PXQ lanes' starts consecutive (its interior) or
+ * equal (windows clamped at a border: bit 1 + group) */
+static int pxa_block(const Geo *g, int j0, int n) {
+    const int kw = g->kw;
+    if (n != L || L % PXQ || L / PXQ > 16) return 0;
+    int f = 1;
+    for (int t = 0; t < n; t++)
+        for (int b = 1; b < kw; b++)
+            if (g->cols[(j0 + t) * kw + b] != g->cols[(j0 + t) * kw] + b) return 0;
+    for (int t0 = 0; t0 < L; t0 += PXQ) {
+        int s = g->cols[(j0 + t0) * kw], step = 1, flat = 1;
+        for (int c = 1; c < PXQ; c++) {
+            step &= g->cols[(j0 + t0 + c) * kw] == s + c;
+            flat &= g->cols[(j0 + t0 + c) * kw] == s;
+        }
+        if (!step && !flat) return 0;
+        if (!step) f |= 2 << (t0 / PXQ);
+    }
+    return f;
+}
+
+/* whether pxa_kern is compiled for C channels and the call's window width (pxf_rows' dispatch) */
+static int pxa_dims(const Geo *g, int C) {
+    return (C == 2 * L || C == 4 * L) && (g->kw == 3 || g->kw == 5 || g->kw == 7);
+}
+
 static void pix_pairs(const Geo *g, const Plan *pl, int backward, PixPairs *pp) {
     const int nb = pl->nb, kw = g->kw;
     int groups = 0, pairs = 0;
-    pp->a = malloc(sizeof(int) * 4 * nb);
+    pp->a = malloc(sizeof(int) * 5 * nb);
     pp->n = pp->a + nb;
     pp->s = pp->a + 2 * nb;
     pp->f = pp->a + 3 * nb;
+    pp->j = pp->a + 4 * nb;
     for (int bk = 0; bk < nb; bk++) {
         const int j0 = (int)pl->jb[bk], n = pl->blocks[bk].n;
         int lo = g->Wk, hi = -1;
@@ -79,9 +108,8 @@ static void pix_pairs(const Geo *g, const Plan *pl, int backward, PixPairs *pp) 
             }
         pp->a[bk] = lo;
         pp->n[bk] = backward ? hi - lo + 1 : n;
-        pp->f[bk] = !backward && n == L;
-        for (int t = 0; t < n && pp->f[bk]; t++)
-            for (int b = 0; b < kw; b++) pp->f[bk] &= g->cols[(j0 + t) * kw + b] == lo + t + b;
+        pp->j[bk] = j0;
+        pp->f[bk] = pxa_block(g, j0, n);
         pp->s[bk] = groups;
         groups += (pp->n[bk] + PIXK - 1) / PIXK;
         pairs += n * kw;

@@ -10,10 +10,12 @@
  * key rows (row_order, plan_tiles below; the micro-kernels in na_cpu_rows.h). */
 /* the pixel routes' pair tables of a plan (pix_pairs in na_cpu_pix.h; a NULL where none): per block
  * bk, n[bk] lists from its first column a[bk] (the backward's: key columns) or lane (the forward's),
- * in groups from g[4 s[bk]], entries e; the forward's f[bk]: 1 where every lane t is the block's own query
- * and slot b is key column a[bk] + t + b (the routes' affine kernel, pxa_kern, takes those blocks) */
+ * in groups from g[4 s[bk]], entries e; the forward's f[bk]: nonzero where pxa_kern takes the block (every
+ * lane its own query, slot b of lane t at key column st[t] + b, and in each group of PXQ lanes the starts
+ * st consecutive or all equal: bit 1 + g of f[bk] set where group g's are equal, the border's clamped
+ * windows), j[bk] its first query column */
 typedef struct {
-    int *a, *n, *s, *g, *e, *f;
+    int *a, *n, *s, *g, *e, *f, *j;
 } PixPairs;
 
 typedef struct {

@@ -28,14 +28,15 @@ int na_pitch(const int64_t *dims, const int32_t *rows, const int32_t *cols, int 
     return n;
 }
 
-/* the blocks of a call's row whose forward P V runs pxa_kern (the pixel route's affine blocks,
- * pix_pairs' f; 0 where the forward's route does not apply to the call's shape) */
+/* the blocks of a call's row whose forward P V runs pxa_kern (pix_pairs' f: interior blocks, and border
+ * blocks whose groups of lanes share one window; 0 where the forward's route or pxa_kern's
+ * instantiations do not apply to the call's shape) */
 int na_pixel_affine(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
     Geo g = make_geo(dims, rows, cols, NULL, 1.0);
     Plan pl;
     make_plan(&g, 0, &pl);
     int n = 0;
-    if (pxf_shape(&g, &pl)) {
+    if (pxf_shape(&g, &pl) && pxa_dims(&g, g.Dv)) {
         pix_pairs(&g, &pl, 0, &pl.px);
         for (int bk = 0; bk < pl.nb; bk++) n += pl.px.f[bk];
     }
