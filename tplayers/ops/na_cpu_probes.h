@@ -6,12 +6,19 @@
 #include "na_cpu_plan.h"
 #include "na_cpu_pix.h"
 
+/* a call's geometry and plan (backward as in na_scratch; free_plan after) */
+static Plan probe_plan(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward, Geo *g) {
+    Plan pl;
+    *g = make_geo(dims, rows, cols, NULL, 1.0);
+    make_plan(g, backward, &pl);
+    return pl;
+}
+
 /* column chunks of a call's plan (backward as in na_scratch): more than 1 where the rows' keys
  * do not fit the cache budget (tests check that path is taken) */
 int na_chunks(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward) {
-    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
-    Plan pl;
-    make_plan(&g, backward, &pl);
+    Geo g;
+    Plan pl = probe_plan(dims, rows, cols, backward, &g);
     int n = pl.nc;
     free_plan(&pl);
     return n;
@@ -20,9 +27,8 @@ int na_chunks(const int64_t *dims, const int32_t *rows, const int32_t *cols, int
 /* the row pitch of a call's key planes (which 0) or query planes (1) in its plan (backward as in
  * na_scratch; key_pitch: a cache line more for rows of whole KiB) */
 int na_pitch(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward, int which) {
-    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
-    Plan pl;
-    make_plan(&g, backward, &pl);
+    Geo g;
+    Plan pl = probe_plan(dims, rows, cols, backward, &g);
     int n = (int)(which ? pl.qw : pl.kp);
     free_plan(&pl);
     return n;
@@ -32,13 +38,12 @@ int na_pitch(const int64_t *dims, const int32_t *rows, const int32_t *cols, int 
  * blocks whose groups of lanes share one window; 0 where the forward's route or pxa_kern's
  * instantiations do not apply to the call's shape) */
 int na_pixel_affine(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
-    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
-    Plan pl;
-    make_plan(&g, 0, &pl);
+    Geo g;
+    Plan pl = probe_plan(dims, rows, cols, 0, &g);
     int n = 0;
     if (pxf_shape(&g, &pl) && pxa_dims(&g, g.Dv)) {
         pix_pairs(&g, &pl, 0, &pl.px);
-        for (int bk = 0; bk < pl.nb; bk++) n += pl.px.f[bk];
+        for (int bk = 0; bk < pl.nb; bk++) n += pl.px.f[bk] != 0;
     }
     free_plan(&pl);
     return n;
@@ -47,9 +52,8 @@ int na_pixel_affine(const int64_t *dims, const int32_t *rows, const int32_t *col
 /* the blocks of a call's row whose keys lie in one vector (Lanes.one: the score and P.V kernels
  * shuffle the slots out of one load; tests check that path is taken) */
 int na_one_blocks(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
-    Geo g = make_geo(dims, rows, cols, NULL, 1.0);
-    Plan pl;
-    make_plan(&g, 0, &pl);
+    Geo g;
+    Plan pl = probe_plan(dims, rows, cols, 0, &g);
     int n = 0;
     for (int bk = 0; bk < pl.nb; bk++) n += pl.blocks[bk].one;
     free_plan(&pl);
