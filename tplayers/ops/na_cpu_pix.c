@@ -6,20 +6,15 @@
 #include "na_cpu_plan.h"
 #include "na_cpu_pix.h"
 
-/* a0[d] += w0 x[d] and a1[d] += w1 x[d] for the n channel vectors x of src, each loaded once */
-INL void fma_two(const int n, vt *a0, vt *a1, vt w0, vt w1, const T *src) {
+/* a[k][d] += w[k] x[d], k < kx, for the n channel vectors x of src, each loaded once (in a register
+ * where several weights use it: GCC would fold the load into every FMA) */
+INL void fma_keys(const int n, const int kx, vt (*a)[PIXMAX], const vt *w, const T *src) {
 #pragma GCC unroll 8
     for (int d = 0; d < n && d < PIXMAX; d++) {
-        const vt x = in_reg(ld(src + d * L)); /* GCC would fold the load into both FMAs */
-        a0[d] += w0 * x;
-        a1[d] += w1 * x;
+        const vt x = kx > 1 ? in_reg(ld(src + d * L)) : ld(src + d * L);
+#pragma GCC unroll 4
+        for (int k = 0; k < kx; k++) a[k][d] += w[k] * x;
     }
-}
-
-/* a[d] += w x[d] for the n channel vectors x of src */
-INL void fma_one(const int n, vt *a, vt w, const T *src) {
-#pragma GCC unroll 8
-    for (int d = 0; d < n && d < PIXMAX; d++) a[d] += w * ld(src + d * L);
 }
 
 /* the key columns of block bk in the key row of Urow u: dk[x] += scale * sum dS[m][a, b][t] q[m][t]
@@ -49,8 +44,8 @@ INL void pix_kern(const int nd, const int ndv, const int nu, const Plan *pl, int
             const long qo = toff[t], go = toff[L + t];
 #pragma GCC unroll 4
             for (int j = 0; j < nu; j++) {
-                fma_two(nd, ak[0], ak[1], splat(wd[j][o0]), splat(wd[j][o1]), qm[j] + qo);
-                fma_two(ndv, av[0], av[1], splat(wp[j][o0]), splat(wp[j][o1]), gm[j] + go);
+                fma_keys(nd, 2, ak, (vt[2]){splat(wd[j][o0]), splat(wd[j][o1])}, qm[j] + qo);
+                fma_keys(ndv, 2, av, (vt[2]){splat(wp[j][o0]), splat(wp[j][o1])}, gm[j] + go);
             }
         }
 #pragma GCC unroll 2
@@ -60,8 +55,8 @@ INL void pix_kern(const int nd, const int ndv, const int nu, const Plan *pl, int
                 const long qo = toff[t], go = toff[L + t];
 #pragma GCC unroll 4
                 for (int j = 0; j < nu; j++) {
-                    fma_one(nd, ak[c], splat(wd[j][o]), qm[j] + qo);
-                    fma_one(ndv, av[c], splat(wp[j][o]), gm[j] + go);
+                    fma_keys(nd, 1, ak + c, (vt[1]){splat(wd[j][o])}, qm[j] + qo);
+                    fma_keys(ndv, 1, av + c, (vt[1]){splat(wp[j][o])}, gm[j] + go);
                 }
             }
 #pragma GCC unroll 2
@@ -117,14 +112,14 @@ INL void pxf_kern(const int nd, const Geo *g, const PixPairs *pp, int bk, int i,
             const long x = (long)pxe[3 * e] * Dv, dy = pxe[3 * e + 2] - pxe[3 * e + 1];
             const T *wx = w0 + pxe[3 * e + 1];
 #pragma GCC unroll 2
-            for (int a = 0; a < kh; a++, wx += wa) fma_two(nd, acc[0], acc[1], splat(wx[0]), splat(wx[dy]), vr[a] + x);
+            for (int a = 0; a < kh; a++, wx += wa) fma_keys(nd, 2, acc, (vt[2]){splat(wx[0]), splat(wx[dy])}, vr[a] + x);
         }
 #pragma GCC unroll 2
         for (int c = 0; c < PIXK; c++) /* keys one of them reads */
             for (int e = gp[1 + c]; e < gp[2 + c]; e++) {
                 const long x = (long)pxe[3 * e] * Dv;
                 const T *wx = w0 + pxe[3 * e + 1];
-                for (int a = 0; a < kh; a++, wx += wa) fma_one(nd, acc[c], splat(*wx), vr[a] + x);
+                for (int a = 0; a < kh; a++, wx += wa) fma_keys(nd, 1, acc + c, (vt[1]){splat(*wx)}, vr[a] + x);
             }
 #pragma GCC unroll 2
         for (int c = 0; c < PIXK; c++) {
@@ -153,7 +148,7 @@ INL void pxa_group(const int nd, const int KW, const int FLAT, const Geo *g, int
         for (int u = 0; u < NU; u++) {
             vt wv[4];
 #pragma GCC unroll 4
-            for (int c = 0; c < PXQ; c++) {
+            for (int c = 0; c < PXQ; c++) { /* query t0 + c reads the column at slot b (if in its window) */
                 const int b = FLAT ? u : u - c;
                 wv[c] = b >= 0 && b < KW ? splat(wr[b * L + c]) : (vt){0};
             }
@@ -162,7 +157,7 @@ INL void pxa_group(const int nd, const int KW, const int FLAT, const Geo *g, int
                 const vt x = in_reg(ld(vx + (long)u * Dv + d * L));
 #pragma GCC unroll 4
                 for (int c = 0; c < PXQ; c++)
-                    if ((FLAT ? u : u - c) >= 0 && (FLAT ? u : u - c) < KW) acc[c][d] += wv[c] * x;
+                    if (FLAT || (u >= c && u - c < KW)) acc[c][d] += wv[c] * x; /* compile-time: KW constant */
             }
         }
     }
@@ -218,16 +213,6 @@ HIDDEN void pxf_rows(const Geo *g, const PixPairs *pp, int bk, int i, const vt *
     else pxf_kern(nd, g, pp, bk, i, sw, inv, vn, ring, o, ost, nt);
 }
 
-
-/* a[k][d] += w[k] x[d], k < kx, for the n channel vectors x of src, each loaded once */
-INL void fma_keys(const int n, const int kx, vt (*a)[PIXMAX], const vt *w, const T *src) {
-#pragma GCC unroll 8
-    for (int d = 0; d < n && d < PIXMAX; d++) {
-        const vt x = in_reg(ld(src + d * L));
-#pragma GCC unroll 4
-        for (int k = 0; k < kx; k++) a[k][d] += w[k] * x;
-    }
-}
 
 /* one query t's terms of keys [x, x + kx) (only those whose slot is in its window where edge) */
 INL void pxl_query(const int nd, const int ndv, const int kx, const int edge, int n, long mp, const T *ds, const T *p,

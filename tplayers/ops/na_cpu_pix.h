@@ -56,18 +56,12 @@ static void pair_groups(int nl, const int *st, const int *its, int *gp, int *e, 
     }
 }
 
-/* the pair tables pp of a plan: per block bk, pp->n[bk] lists in groups from pp->g[4 pp->s[bk]]
- * (pair_groups). The backward's lists (backward 1) are the key columns its live lanes read,
- * [pp->a[bk], pp->a[bk] + pp->n[bk]), their items the lanes reading them (a query reads both columns
- * of a group at adjacent slots in the interior: its q and dO are loaded once for the two); the
- * forward's (backward 0: P V, and the backward's dQ) are its lanes, their items the key columns
- * they read (a key's values are loaded once for the two queries of a group). */
 /* PixPairs.f of the block of n queries from column j0 (0: pxa_kern does not take it): every lane's slots
  * consecutive key columns from its start, each group of PXQ lanes' starts consecutive (its interior) or
  * equal (windows clamped at a border: bit 1 + group) */
 static int pxa_block(const Geo *g, int j0, int n) {
     const int kw = g->kw;
-    if (n != L || L % PXQ || L / PXQ > 16) return 0;
+    if (n != L || L % PXQ) return 0;
     int f = 1;
     for (int t = 0; t < n; t++)
         for (int b = 1; b < kw; b++)
@@ -89,6 +83,13 @@ static int pxa_dims(const Geo *g, int C) {
     return (C == 2 * L || C == 4 * L) && (g->kw == 3 || g->kw == 5 || g->kw == 7);
 }
 
+/* the pair tables pp of a plan: per block bk, pp->n[bk] lists in groups from pp->g[4 pp->s[bk]]
+ * (pair_groups). The backward's lists (backward 1) are the key columns its live lanes read,
+ * [pp->a[bk], pp->a[bk] + pp->n[bk]), their items the lanes reading them (a query reads both columns
+ * of a group at adjacent slots in the interior: its q and dO are loaded once for the two); the
+ * forward's (backward 0: P V, and the backward's dQ) are its lanes, their items the key columns
+ * they read (a key's values are loaded once for the two queries of a group), and pp->f[bk] says
+ * whether pxa_kern takes the block (pxa_block). */
 static void pix_pairs(const Geo *g, const Plan *pl, int backward, PixPairs *pp) {
     const int nb = pl->nb, kw = g->kw;
     int groups = 0, pairs = 0;
@@ -109,7 +110,7 @@ static void pix_pairs(const Geo *g, const Plan *pl, int backward, PixPairs *pp) 
         pp->a[bk] = lo;
         pp->n[bk] = backward ? hi - lo + 1 : n;
         pp->j[bk] = j0;
-        pp->f[bk] = pxa_block(g, j0, n);
+        pp->f[bk] = backward ? 0 : pxa_block(g, j0, n);
         pp->s[bk] = groups;
         groups += (pp->n[bk] + PIXK - 1) / PIXK;
         pairs += n * kw;
