@@ -86,9 +86,14 @@ def test_random_configurations_with_bias_and_offsets_fp64(seed, monkeypatch):
         assert_out_and_grads(out, ref[:, q0:q1, c0:c1], ins, ref_in, gen, where, **TIGHT)
 
 
-def test_fp32_matches_tile_kernel_and_fp64_oracle(monkeypatch):
+@pytest.mark.parametrize("l2", [None, 1 << 19, 2 << 20])
+def test_fp32_matches_tile_kernel_and_fp64_oracle(l2, monkeypatch):
     """fp32 on the C kernel (its own exp, 16 lanes) against the fp64 oracle and the fp32 tile
-    kernel: the benchmark shape's kernel and head dim on a smaller image, with borders and bias."""
+    kernel: the benchmark shape's kernel and head dim on a smaller image, with borders and bias;
+    on the host's plans and on those of a 512 KiB L2 (the backward's rows in column chunks, dK / dV
+    added in place: every gradient was wrong there on such a host) and of a 2 MiB one (one chunk)."""
+    if l2 is not None:
+        monkeypatch.setenv("TPLAYERS_NA_L2", str(l2))
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 21, 37, 2, 32, generator=gen) for _ in range(3))
     rpb = torch.randn(2, 13, 13, generator=gen)
@@ -443,3 +448,13 @@ def test_qkv_views_are_read_in_place_and_bitwise_equal(dtype, monkeypatch):
     want = na_cpu.c_backward(cot, *dense, None, ref, geo, 0.25, 4)
     assert torch.equal(out, ref)
     assert all(torch.equal(a, b) and a.is_contiguous() for a, b in zip(got[:3], want[:3]))
+
+
+@pytest.mark.parametrize("raw", ["lots", "-5", "0", "1.5e6"])
+def test_a_bad_l2_override_is_refused(raw, monkeypatch):
+    """TPLAYERS_NA_L2 other than a positive number of bytes: ValueError naming it, before any plan."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.setenv("TPLAYERS_NA_L2", raw)
+    q = torch.randn(1, 9, 10, 1, 8)
+    with pytest.raises(ValueError, match="TPLAYERS_NA_L2 must be a positive number of bytes"):
+        tplayers.na2d(q, q, q, 3)

@@ -129,21 +129,36 @@ def _chunks(isa, size, kernel, dilation, causal, dim, dim_v):
     return na_cpu.load_library(torch.float64, isa).na_chunks(*[na_cpu._ptr(t) for t in keep], 1)
 
 
+def _ring(isa, size, kernel, dilation, causal, dim, dim_v):
+    """Rows of the key planes' ring of the same plan (na_ring_rows): below the height, slots are not rows."""
+    geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
+    keep = (kernel_dims(geo, 1, 2, dim, dim_v), *kernel_tables(tuple(geo)))
+    lib = na_cpu.load_library(torch.float64, isa)
+    ptr = na_cpu.ctypes.c_void_p
+    lib.na_ring_rows.argtypes, lib.na_ring_rows.restype = [ptr] * 3 + [na_cpu.ctypes.c_int], na_cpu.ctypes.c_int
+    return lib.na_ring_rows(*[na_cpu._ptr(t) for t in keep], 1)
+
+
 @pytest.mark.parametrize("isa", isas_this_host_runs())
 def test_rows_in_column_chunks_add_dk_dv_in_place(isa, monkeypatch):
     """Rows cut into column chunks (keys past the cache budget) add dK / dV on the user's layout in
     place, each key column zeroed before the first chunk reaching it: 2-D with dilation, causal rows,
-    the bias and a query sub-window (columns no query reads get zero gradients), fp64 against the
-    oracle, every gradient, and dQ / dK / dV the same bits at 1 and 3 threads."""
+    the bias and a query sub-window (columns no query reads get zero gradients), and planes taller
+    than the ring of key rows (a tile's key rows are ring slots; the in-place adds need the rows
+    themselves: every gradient was wrong on a 512 KiB-L2 host, whose 2-D backward runs in chunks),
+    fp64 against the oracle, every gradient, and dQ / dK / dV the same bits at 1 and 3 threads."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     monkeypatch.setenv("TPLAYERS_NA_ISA", isa)
     lanes = na_cpu.lanes(torch.float64, isa)
     for size, kernel, dilation, causal, box in (
         ((3, 400), (3, 33), (1, 1), (False, False), (0, 3, 0, 400)),
         ((4, 500), (3, 21), (1, 2), (True, False), (1, 4, 37, 451)),
+        ((15, 300), (7, 21), (1, 1), (False, False), (2, 14, 10, 290)),
     ):
         where = f"{isa} size {size} kernel {kernel} dilation {dilation} causal {causal} box {box}"
         assert _chunks(isa, size, kernel, dilation, causal, lanes, 16) > 1, where
+        if size[0] > 10:
+            assert _ring(isa, size, kernel, dilation, causal, lanes, 16) < size[0], where
         assert _pixel_route(isa, size, kernel, dilation, causal, lanes, 16) & 1, where  # the backward's
         gen = torch.Generator().manual_seed(size[1])
         q, k = (torch.randn(2, *size, 2, lanes, generator=gen, dtype=torch.float64) for _ in range(2))
@@ -232,6 +247,7 @@ def test_fp32_128_byte_pixels_take_every_route_and_match_the_oracle(monkeypatch)
     a causal axis and the bias, against the fp64 oracle; the same bits at 1 and 3 threads."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
+    monkeypatch.setenv("TPLAYERS_NA_L2", str(2 << 20))  # rows in one chunk (a 512 KiB L2 cuts the backward's)
     size, kernel, dilation, causal = (20, 37), (5, 7), (1, 2), (False, True)
     geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
     keep = (kernel_dims(geo, 1, 2, 32, 32), *kernel_tables(tuple(geo)))

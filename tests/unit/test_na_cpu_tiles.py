@@ -80,6 +80,7 @@ def test_rows_of_whole_kib_get_a_padded_pitch_and_match_the_oracle(monkeypatch):
     and dilation with a causal axis, the bias and a sub-window."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
+    monkeypatch.setenv("TPLAYERS_NA_L2", str(2 << 20))  # rows in one chunk (a 512 KiB L2 cuts them: other pitches)
     lib = na_cpu.load_library(torch.float64)
     line = 64 // torch.float64.itemsize
     for width, want in ((128, 128 + line), (120, 120)):

@@ -363,7 +363,9 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                             gp_[m] = dout + b * sdo[0] + ((long)rowi[m] * g.Wq + jb[bk]) * sdo[1] + h * sdo[2];
                         }
                         for (const Urow *u = u0; u < u1; u++) {
-                            const long kx = pin ? ((long)b * g.Hk + u->row) * g.Wk : u->row; /* the key row's pixel 0 */
+                            /* in place: the key row's pixel 0 (u->row is its ring slot: the row is the one its
+                             * first pair's query row reads at slot row a), else its slot in the pixel ring */
+                            const long kx = pin ? ((long)b * g.Hk + g.rows[rowi[u->m[0]] * g.kh + u->a[0]]) * g.Wk : u->row;
                             pix_rows(nd, ndv, &pl, bk, g.kw, u, ds, p, qp_, gp_, toff,
                                      pin ? dk + kx * pxs[0] + h * g.D : dkt + kx * g.Wk * g.D,
                                      pin ? dv + kx * pxs[1] + h * g.Dv : dvt + kx * g.Wk * g.Dv, pxs, g.scale);

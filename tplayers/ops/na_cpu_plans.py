@@ -15,13 +15,13 @@ import os
 from collections import OrderedDict
 from functools import lru_cache
 from threading import Lock
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from tplayers.ops.na_geometry import kernel_dims
 
-__all__ = ["plan", "CACHED", "declare", "forward_direct", "forward_line", "call_dims"]
+__all__ = ["plan", "CACHED", "declare", "forward_direct", "forward_line", "call_dims", "l2_override"]
 
 #: plans kept per process (a model has a few shapes per layer kind)
 CACHED = 64
@@ -121,11 +121,24 @@ def _p(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
+def l2_override() -> Optional[int]:
+    """``TPLAYERS_NA_L2``: the L2 cache size in bytes that the plans budget for instead of the host's
+    (a plan cuts rows into column chunks past a quarter of it: tests run the plans of a 512 KiB or a
+    2 MiB L2 on any host); ``None`` where unset. ``ValueError`` naming it unless a positive integer."""
+    raw = os.environ.get("TPLAYERS_NA_L2", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ValueError(f"TPLAYERS_NA_L2 must be a positive number of bytes or unset, got {raw!r}")
+    return int(raw)
+
+
 def plan(lib: ctypes.CDLL, key: Tuple, dims: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, backward: int):
     """The plan of ``lib`` for a call (``key``: everything ``dims`` / ``rows`` / ``cols`` are made
     from: the geometry list, batch, heads, head dims), built on first use; ``backward`` 0 (forward),
-    1 (backward with dK / dV) or 2 (without)."""
-    full = (id(lib), key, int(backward))
+    1 (backward with dK / dV) or 2 (without). The cache (:func:`l2_override`) it budgets for is part
+    of its key."""
+    full = (id(lib), key, int(backward), l2_override())
     with _lock:
         found = _plans.get(full)
         if found is not None:
