@@ -106,14 +106,15 @@ def test_dk_dv_on_the_users_layout_in_3d_match_the_oracle(isa, monkeypatch):
 def test_the_route_is_not_taken_where_it_does_not_apply():
     """A head dim of part of a vector, or a value dim of part of one, keep the transposed dK / dV (rows
     cut into column chunks take the route, in place), and values of under 128 bytes a pixel, a window
-    of more rows than columns or rows in column chunks the transposed forward (test_na_cpu and
-    test_na_cpu_tiles check those against the oracle)."""
+    of more rows than columns (except on AVX2, where 3-D's flattened rows measured faster on the
+    route) or rows in column chunks the transposed forward (test_na_cpu and test_na_cpu_tiles check
+    those against the oracle)."""
     isa = na_cpu.target_isa()
     lanes = na_cpu.lanes(torch.float64, isa)
     plain = ((12, 20), (5, 5), (1, 1), (False, False))
     assert _pixel_route(isa, *plain, lanes, 16) == 3
     assert _pixel_route(isa, *plain, lanes, 8) == (1 if 8 % lanes == 0 else 0)
-    assert _pixel_route(isa, (12, 20), (5, 3), (1, 1), (False, False), lanes, 16) == 1
+    assert _pixel_route(isa, (12, 20), (5, 3), (1, 1), (False, False), lanes, 16) == (3 if isa == "avx2" else 1)
     assert _pixel_route(isa, *plain, lanes + 1, 16) == 2
     assert _pixel_route(isa, *plain, lanes, lanes // 2) == 0
     long = ((3, 3000), (3, 33), (1, 1), (False, False))

@@ -119,6 +119,7 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
     T *qr = carve(&next, MR * g.D * qw), *orow = carve(&next, MR * g.Dv * qw);
     memset(qr, 0, sizeof(T) * MR * g.D * qw);
     vt *sbuf = vec_alloc(2L * MR * g.nkp + (long)MR * g.Dv), *s[MR], *add[MR], *acc[MR];
+    const T **vrow = pxf ? malloc(sizeof(T *) * MR * g.kh) : NULL; /* pxf_ring_rows */
     for (int m = 0; m < MR; m++) {
         s[m] = sbuf + (long)m * g.nkp;
         add[m] = sbuf + (long)(MR + m) * g.nkp;
@@ -136,6 +137,7 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
                 const int *rowi = pl.order + t * MR;
                 int nm = g.Hq - t * MR < MR ? g.Hq - t * MR : MR;
                 const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];
+                if (pxf) pxf_ring_rows(&g, pl.ring, rowi, nm, vtp, g.Dv, vrow);
                 for (int m = 0; m < nm; m++)
                     to_rows_x(q, bf, sq, b, h, rowi[m], rowi[m] + 1, g.Wq, jlo, jn, qw, g.D, g.scale, qr + m * g.D * qw);
                 for (int bk = pl.cb[ch]; bk < pl.cb[ch + 1]; bk++) {
@@ -151,7 +153,7 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
                     for (int m = 0; m < nm; m++) {
                         inv[m] = softmax(g.nk, s[m], a[m]);
                         if (pxf)
-                            pxf_rows(&g, &pl.px, bk, rowi[m], s[m], inv[m], vtp, pl.ring, g.Dv,
+                            pxf_rows(&g, &pl.px, bk, s[m], inv[m], vrow + m * g.kh, g.Dv,
                                      out + (((long)b * g.Hq + rowi[m]) * g.Wq + jb[bk]) * g.heads * g.Dv + h * g.Dv,
                                      (long)g.heads * g.Dv, nt);
                         else
@@ -177,6 +179,7 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
     }
     if (nt) nt_fence(); /* the streamed stores before the caller reads the output */
     free(sbuf);
+    free(vrow);
 }
 
 /* one query row's dK / dV in a block whose slots are too far apart for the two-register sums
@@ -293,6 +296,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
         acc[m] = sbuf + 3L * MR * g.nkp + (long)m * g.D;
     }
     long *off = malloc(sizeof(long) * 2 * g.nkp), *voff = off + g.nkp;
+    const T **vrow = pq ? malloc(sizeof(T *) * MR * g.kh) : NULL; /* pxf_ring_rows */
     const vi *shifts = pl.shifts, *folds = pl.folds;
     const int *fused = pl.fused, *fstart = pl.fstart, *shix = pl.shix;
     (void)dmax;
@@ -313,6 +317,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                 const int *rowi = pl.order + t * MR;
                 int nm = g.Hq - t * MR < MR ? g.Hq - t * MR : MR;
                 const Urow *u0 = pl.ur + pl.ustart[t], *u1 = pl.ur + pl.ustart[t + 1];
+                if (pq) pxf_ring_rows(&g, pl.ring, rowi, nm, kn, g.D, vrow);
                 for (int m = 0; m < nm; m++) {
                     int i = rowi[m];
                     T *qm = qr + m * g.D * qp, *gm = gr + m * g.Dv * qp;
@@ -340,7 +345,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
                         vt dl = softmax_delta(g.nk, p[m], inv, ds[m]);
                         for (int ab = 0; ab < g.nk; ab++) ds[m][ab] = p[m][ab] * (ds[m][ab] - dl);
                         if (pq) /* dQ = scale dS K per query, stored in place (streamed: written once) */
-                            pxf_rows(&g, &pl.pq, bk, rowi[m], ds[m], splat(g.scale), kn, pl.ring, g.D,
+                            pxf_rows(&g, &pl.pq, bk, ds[m], splat(g.scale), vrow + m * g.kh, g.D,
                                      dq + (((long)b * g.Hq + rowi[m]) * g.Wq + jb[bk]) * g.heads * g.D + h * g.D,
                                      (long)g.heads * g.D, 1);
                         else
@@ -427,4 +432,5 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
     nt_fence();
     free(sbuf);
     free(off);
+    free(vrow);
 }

@@ -48,7 +48,8 @@ typedef IT vi __attribute__((vector_size(L * sizeof(IT))));
 #define NA_PREFETCH L /* pixels ahead that to_rows prefetches (the next tile; 4 tiles measured the same) */
 #endif
 
-INL vt ld(const T *p) { vt v; memcpy(&v, p, sizeof v); return v; }
+typedef T vtu __attribute__((vector_size(L * sizeof(T)), aligned(sizeof(T)), may_alias)); /* unaligned */
+INL vt ld(const T *p) { return *(const vtu *)p; }
 INL void st(T *p, vt v) { memcpy(p, &v, sizeof v); }
 /* st that bypasses the caches (a non-temporal store) where a vector is a whole 64-byte line
  * (AVX-512) and p is aligned to it: the backward's gradients, written once and never read back by

@@ -78,13 +78,13 @@ HIDDEN void pix_rows(int nd, int ndv, const Plan *pl, int bk, int kw, const Urow
                      const T *const *qrow, const T *const *grow, const long *toff, T *dk, T *dv, const long *px,
                      T scale) {
 #define PIX(ND, NDV, NU) pix_kern(ND, NDV, NU, pl, bk, kw, u, ds, p, qrow, grow, toff, dk, dv, px, scale)
-#define PIXN(ND, NDV)                                 \
-    switch (u->n) {                                   \
-        case 1: PIX(ND, NDV, 1); return;              \
-        case 2: PIX(ND, NDV, 2); return;              \
-        case 3: PIX(ND, NDV, 3); return;              \
-        case 4: PIX(ND, NDV, 4); return;              \
-        default: PIX(ND, NDV, u->n); return;          \
+#define PIXN(ND, NDV)                                  \
+    switch (u->n) {                                    \
+        case 1: PIX(ND, NDV, 1); return;               \
+        case 2: PIX(ND, NDV, 2); return;               \
+        case 3: PIX(ND, NDV, 3); return;               \
+        case 4: PIX(ND, NDV, MR > 3 ? 4 : MR); return; \
+        default: PIX(ND, NDV, u->n); return;           \
     }
     if (nd == 2 && ndv == 2) PIXN(2, 2)
     else if (nd == 1 && ndv == 1) PIXN(1, 1)
@@ -94,15 +94,15 @@ HIDDEN void pix_rows(int nd, int ndv, const Plan *pl, int bk, int kw, const Urow
 #undef PIX
 }
 
-/* query row i of block bk: o[t] = inv[t] * sum over its window of P[a, b][t] * V[key], from the
- * softmax's exponentials sw (the block's slot vectors), 1 / sums inv and the ring vn; o: the block's
+/* a query row's block bk: o[t] = inv[t] * sum over its window of P[a, b][t] * V[key], from the
+ * softmax's exponentials sw (the block's slot vectors), 1 / sums inv and the ring's rows of its slot
+ * rows vr (pxf_ring_rows); o: the block's
  * first query in the output (pixel stride ost), streamed where nt */
-INL void pxf_kern(const int nd, const Geo *g, const PixPairs *pp, int bk, int i, const vt *sw, vt inv, const T *vn,
-                  int ring, T *o, long ost, int nt) {
+INL void pxf_kern(const int nd, const Geo *g, const PixPairs *pp, int bk, const vt *sw, vt inv, const T *const *vr,
+                  T *o, long ost, int nt) {
     const int *gp0 = pp->g + 4 * pp->s[bk], *pxe = pp->e, nl = pp->n[bk], kh = g->kh, Dv = nd * L;
     const long wa = (long)g->kw * L; /* the weights of slot row a + 1 follow those of a by wa */
-    const T *vr[kh], *w0 = (const T *)sw;
-    for (int a = 0; a < kh; a++) vr[a] = vn + (long)(g->rows[i * kh + a] % ring) * g->Wk * Dv;
+    const T *w0 = (const T *)sw;
     for (int gi = 0; gi < (nl + PIXK - 1) / PIXK; gi++) {
         const int *gp = gp0 + 4 * gi;
         vt acc[2][PIXMAX];
@@ -139,11 +139,11 @@ INL void pxf_kern(const int nd, const Geo *g, const PixPairs *pp, int bk, int i,
 /* one group of PXQ queries from lane t0 of a block that pxa_kern takes: key column s + u for u below
  * PXQ - 1 + KW (FLAT: below KW), query t0 + c at slot u - c (FLAT: u); with KW a constant, each
  * column's queries are known at compile time (no FMA of a weight outside a window) */
-INL void pxa_group(const int nd, const int KW, const int FLAT, const Geo *g, int i, int t0, long s, const T *w,
-                   const T *vn, int ring, vt (*acc)[PIXMAX]) {
+INL void pxa_group(const int nd, const int KW, const int FLAT, const Geo *g, int t0, long s, const T *w,
+                   const T *const *vr, vt (*acc)[PIXMAX]) {
     const int kh = g->kh, Dv = nd * L, NU = FLAT ? KW : PXQ - 1 + KW;
     for (int a = 0; a < kh; a++) {
-        const T *wr = w + (long)a * KW * L + t0, *vx = vn + (long)(g->rows[i * kh + a] % ring) * g->Wk * Dv + s * Dv;
+        const T *wr = w + (long)a * KW * L + t0, *vx = vr[a] + s * Dv;
 #pragma GCC unroll 16
         for (int u = 0; u < NU; u++) {
             vt wv[4];
@@ -165,8 +165,8 @@ INL void pxa_group(const int nd, const int KW, const int FLAT, const Geo *g, int
 
 /* pxf_kern on a block that pp->f takes (pxa_block): PXQ consecutive queries at a time share each value
  * load, the pairs addressed from lane and slot (no tables) */
-INL void pxa_kern(const int nd, const int KW, const Geo *g, const PixPairs *pp, int bk, int i, const vt *sw, vt inv,
-                  const T *vn, int ring, T *o, long ost, int nt) {
+INL void pxa_kern(const int nd, const int KW, const Geo *g, const PixPairs *pp, int bk, const vt *sw, vt inv,
+                  const T *const *vr, T *o, long ost, int nt) {
     const int f = pp->f[bk], j0 = pp->j[bk];
     for (int t0 = 0; t0 < L; t0 += PXQ) {
         vt acc[4][PIXMAX];
@@ -175,8 +175,8 @@ INL void pxa_kern(const int nd, const int KW, const Geo *g, const PixPairs *pp, 
 #pragma GCC unroll 8
             for (int d = 0; d < PIXMAX; d++) acc[c][d] = (vt){0};
         const long s = g->cols[(long)(j0 + t0) * KW]; /* the group's first key column */
-        if (f >> (1 + t0 / PXQ) & 1) pxa_group(nd, KW, 1, g, i, t0, s, (const T *)sw, vn, ring, acc);
-        else pxa_group(nd, KW, 0, g, i, t0, s, (const T *)sw, vn, ring, acc);
+        if (f >> (1 + t0 / PXQ) & 1) pxa_group(nd, KW, 1, g, t0, s, (const T *)sw, vr, acc);
+        else pxa_group(nd, KW, 0, g, t0, s, (const T *)sw, vr, acc);
 #pragma GCC unroll 4
         for (int c = 0; c < PXQ; c++) {
             const vt sc = splat(((const T *)&inv)[t0 + c]);
@@ -190,10 +190,10 @@ INL void pxa_kern(const int nd, const int KW, const Geo *g, const PixPairs *pp, 
     }
 }
 
-HIDDEN void pxf_rows(const Geo *g, const PixPairs *pp, int bk, int i, const vt *sw, vt inv, const T *vn, int ring, int C,
-                     T *o, long ost, int nt) {
+HIDDEN void pxf_rows(const Geo *g, const PixPairs *pp, int bk, const vt *sw, vt inv, const T *const *vr, int C, T *o,
+                     long ost, int nt) {
     const int nd = C / L;
-#define PXA(ND, KW) pxa_kern(ND, KW, g, pp, bk, i, sw, inv, vn, ring, o, ost, nt)
+#define PXA(ND, KW) pxa_kern(ND, KW, g, pp, bk, sw, inv, vr, o, ost, nt)
     if (pp->f[bk] && pxa_dims(g, C)) {
         if (nd == 2) {
             if (g->kw == 7) PXA(2, 7);
@@ -207,10 +207,10 @@ HIDDEN void pxf_rows(const Geo *g, const PixPairs *pp, int bk, int i, const vt *
         return;
     }
 #undef PXA
-    if (nd == 2) pxf_kern(2, g, pp, bk, i, sw, inv, vn, ring, o, ost, nt);
-    else if (nd == 1) pxf_kern(1, g, pp, bk, i, sw, inv, vn, ring, o, ost, nt);
-    else if (nd == 4) pxf_kern(4, g, pp, bk, i, sw, inv, vn, ring, o, ost, nt);
-    else pxf_kern(nd, g, pp, bk, i, sw, inv, vn, ring, o, ost, nt);
+    if (nd == 2) pxf_kern(2, g, pp, bk, sw, inv, vr, o, ost, nt);
+    else if (nd == 1) pxf_kern(1, g, pp, bk, sw, inv, vr, o, ost, nt);
+    else if (nd == 4) pxf_kern(4, g, pp, bk, sw, inv, vr, o, ost, nt);
+    else pxf_kern(nd, g, pp, bk, sw, inv, vr, o, ost, nt);
 }
 
 

@@ -158,8 +158,8 @@ HIDDEN void pix_rows(int nd, int ndv, const Plan *pl, int bk, int kw, const Urow
                      T scale);
 HIDDEN void pxl_rows(int nd, int ndv, int nr, int n, long nkp, const T *ds, const T *p, const T *q0, long qst,
                      const T *g0, long gst, long J, long rel, T *dk, T *dv, const long *px, T scale);
-HIDDEN void pxf_rows(const Geo *g, const PixPairs *pp, int bk, int i, const vt *sw, vt inv, const T *vn, int ring, int C,
-                     T *o, long ost, int nt);
+HIDDEN void pxf_rows(const Geo *g, const PixPairs *pp, int bk, const vt *sw, vt inv, const T *const *vr, int C, T *o,
+                     long ost, int nt);
 
 /* the backward's pixel route serves this plan's shape: whole channel vectors (na_plan builds its pair
  * tables only then). Rows in one column chunk sum into the pixel ring; rows cut into column chunks
@@ -236,14 +236,16 @@ static void pix_end(const Geo *g, int R, int b, int h, int done, const T *rk, co
 /* the forward on the values' layout: V rows copied into a pixel ring (no transposes), the output of
  * each query summed in registers over its window, PIXK queries at a time (pix_pairs' forward
  * groups), and stored where it goes. Used where the value channels are whole vectors with unit
- * stride, at least 128 bytes a pixel, the window has no more rows than columns and the rows run as
- * one column chunk: where it measured faster than the transposed P V (tile_apply), which shares each
- * value load among a tile's query rows (fp32 2-D 64^2 d32 k7 1.12x on AVX-512, 1.05x on AVX2;
- * dilated causal 40x37 d32 1.14x / 1.13x; not 96^2 d16: 0.93x / 0.95x, nor 3-D 16^3 d32 k5, whose
- * flattened rows a tile shares more: 0.82x / 0.92x). pxf_shape: the plan's shape (na_plan builds its
- * pair tables only then); pxf_ok: the call's too. */
+ * stride, at least 128 bytes a pixel, and the rows run as one column chunk: where it measured faster
+ * than the transposed P V (tile_apply), which shares each value load among a tile's query rows
+ * (fp32 2-D 64^2 d32 k7 1.12x on AVX-512, 1.05x on AVX2; dilated causal 40x37 d32 1.14x / 1.13x;
+ * not 96^2 d16: 0.93x / 0.95x). A window of more rows than columns (3-D 16^3 d32 k5: the tiles'
+ * flattened rows share more) takes it on AVX2 only: 0.82x / 0.92x before pxa_kern, on AVX2
+ * (Zen 3) 1.05-1.07x with it and 1.08-1.17x with pxf_ring_rows; AVX-512 not measured since.
+ * pxf_shape: the plan's shape (na_plan builds its pair tables only then); pxf_ok: the call's too. */
 static int pxf_shape_of(const Geo *g, const Plan *pl, int C) {
-    return pl->nc == 1 && C % L == 0 && C / L <= PIXMAX && C * (long)sizeof(T) >= 128 && g->kh <= g->kw;
+    return pl->nc == 1 && C % L == 0 && C / L <= PIXMAX && C * (long)sizeof(T) >= 128 &&
+           (g->kh <= g->kw || NA_VBYTES == 32);
 }
 
 static int pxf_shape(const Geo *g, const Plan *pl) { return pxf_shape_of(g, pl, g->Dv); }
@@ -256,6 +258,13 @@ static int pxf_ok(const Geo *g, const Plan *pl, const long *sv) { return pxf_sha
 static int pq_shape(const Geo *g, const Plan *pl) { return pxf_shape_of(g, pl, g->D); }
 
 static int pq_ok(const Geo *g, const Plan *pl, const long *sk) { return pl->pq.a && sk[3] == 1; }
+
+/* the pixel ring's rows that tile rows rowi[m < nm] read: vr[m kh + a] is slot row a's (pxf_rows' vr;
+ * the ring slot's division done once per tile row, not per block and query group) */
+static void pxf_ring_rows(const Geo *g, int ring, const int *rowi, int nm, const T *xn, int C, const T **vr) {
+    for (int m = 0; m < nm; m++)
+        for (int a = 0; a < g->kh; a++) vr[m * g->kh + a] = xn + (long)(g->rows[rowi[m] * g->kh + a] % ring) * g->Wk * C;
+}
 
 /* key rows [*done, upto] of plane (b, h) of x (C channels, element strides xs; bf16 widened) into the
  * pixel ring xn (R rows of (Wk, C), row r in slot r % R); *done = upto + 1 */
