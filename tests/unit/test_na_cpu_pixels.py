@@ -103,12 +103,13 @@ def test_dk_dv_on_the_users_layout_in_3d_match_the_oracle(isa, monkeypatch):
     assert_out_and_grads(out, ref, ins, ref_in, gen, f"{isa} 3-D", **TIGHT)
 
 
-def test_the_route_is_not_taken_where_it_does_not_apply():
+def test_the_route_is_not_taken_where_it_does_not_apply(monkeypatch):
     """A head dim of part of a vector, or a value dim of part of one, keep the transposed dK / dV (rows
     cut into column chunks take the route, in place), and values of under 128 bytes a pixel, a window
     of more rows than columns (except on AVX2, where 3-D's flattened rows measured faster on the
     route) or rows in column chunks the transposed forward (test_na_cpu and test_na_cpu_tiles check
     those against the oracle)."""
+    monkeypatch.setenv("TPLAYERS_NA_L2", str(1 << 19))  # the chunks of a 512 KiB L2 on any host
     isa = na_cpu.target_isa()
     lanes = na_cpu.lanes(torch.float64, isa)
     plain = ((12, 20), (5, 5), (1, 1), (False, False))
@@ -150,11 +151,12 @@ def test_rows_in_column_chunks_add_dk_dv_in_place(isa, monkeypatch):
     fp64 against the oracle, every gradient, and dQ / dK / dV the same bits at 1 and 3 threads."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     monkeypatch.setenv("TPLAYERS_NA_ISA", isa)
+    monkeypatch.setenv("TPLAYERS_NA_L2", str(1 << 19))  # the chunks of a 512 KiB L2 on any host
     lanes = na_cpu.lanes(torch.float64, isa)
     for size, kernel, dilation, causal, box in (
         ((3, 400), (3, 33), (1, 1), (False, False), (0, 3, 0, 400)),
         ((4, 500), (3, 21), (1, 2), (True, False), (1, 4, 37, 451)),
-        ((15, 300), (7, 21), (1, 1), (False, False), (2, 14, 10, 290)),
+        ((12, 120), (5, 9), (1, 1), (False, False), (1, 11, 5, 115)),
     ):
         where = f"{isa} size {size} kernel {kernel} dilation {dilation} causal {causal} box {box}"
         assert _chunks(isa, size, kernel, dilation, causal, lanes, 16) > 1, where

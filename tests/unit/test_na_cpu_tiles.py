@@ -7,6 +7,7 @@ rows the tiles read (ring_rows); rows of whole KiB get a padded pitch."""
 
 import random
 
+import pytest
 import torch
 from na_cases import na_on_subwindow
 from na_oracle import assert_out_and_grads, brute_na, brute_na2d
@@ -23,6 +24,13 @@ def _plan_args(size, kernel, dilation, causal, dim=8, dim_v=8):
     geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
     tensors = (kernel_dims(geo, 1, 2, dim, dim_v), *kernel_tables(tuple(geo)))
     return tensors, [na_cpu._ptr(t) for t in tensors]  # the tensors keep the pointers valid
+
+
+@pytest.fixture(autouse=True)
+def _l2_of_512_kib(monkeypatch):
+    """The plans of a 512 KiB L2 on every host (rows past a quarter of it in column chunks, whole
+    rows up to half): the chunk counts these tests expect do not follow the host's cache."""
+    monkeypatch.setenv("TPLAYERS_NA_L2", str(1 << 19))
 
 
 def _chunks(size, kernel, dilation, causal, dim, dim_v, backward):

@@ -175,11 +175,14 @@ static int output_streamed(const Geo *g) {
     return 2 * (long)g->B * g->Hq * g->Wq * g->heads * g->Dv * (long)sizeof(T) >= l2_bytes();
 }
 
-/* Chunks: all columns at once where the key rows a tile reads ((MR + kH - 1) rows of D + Dv
- * channels, twice that in backward with dK / dV) fit half the L2 cache over the whole row (every
- * 2-D benchmark shape); else runs of column blocks whose key span fits it (long 1-D rows: a row of
- * 4096 keys at d32 is 1 MiB, and its transposed planes fell out of L2 before they were read).
- * Sets g->kp, the key planes' pitch, to the widest span. */
+/* Chunks: all columns at once where the key rows a tile reads and its query rows ((MR + kH - 1) +
+ * MR rows of D + Dv channels, twice that in backward with dK / dV) fit half the L2 cache over the
+ * whole row; else runs of column blocks whose key span fits a quarter of it, shared by the heads
+ * (long 1-D rows: a row of 4096 keys at d32 is 1 MiB, and its transposed planes fell out of L2
+ * before they were read). Half, not the quarter the chunks get: with a 512 KiB L2 (Zen 3) a
+ * quarter cut 2-D 64^2 d32 k7's forward rows (196 KiB) into chunks, which also keeps them off the
+ * forward's pixel route: whole rows 1.17-1.21x there. Sets g->kp, the key planes' pitch, to the
+ * widest span. */
 static void make_plan(Geo *g, int backward, Plan *pl) {
     pl->blocks = row_blocks(g, &pl->nb, &pl->bases);
     int nb = pl->nb, kw = g->kw;
@@ -194,7 +197,7 @@ static void make_plan(Geo *g, int backward, Plan *pl) {
     if (most < 4 * L) most = 4 * L;
     for (int bk = 0, j = 0; bk <= nb; bk++) { jb[bk] = j; if (bk < nb) j += pl->blocks[bk].n; }
     int nc = 0;
-    if ((long)g->Wk * col <= budget) {
+    if ((long)g->Wk * col <= 2 * budget) {
         pl->cb[0] = 0; pl->cx0[0] = 0; pl->cx1[0] = g->Wk; nc = 1;
     } else
         for (int bk = 0; bk < nb;) {
