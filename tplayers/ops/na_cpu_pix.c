@@ -96,8 +96,8 @@ HIDDEN void pix_rows(int nd, int ndv, const Plan *pl, int bk, int kw, const Urow
 
 /* a query row's block bk: o[t] = inv[t] * sum over its window of P[a, b][t] * V[key], from the
  * softmax's exponentials sw (the block's slot vectors), 1 / sums inv and the ring's rows of its slot
- * rows vr (pxf_ring_rows); o: the block's
- * first query in the output (pixel stride ost), streamed where nt */
+ * rows vr (pxf_ring_rows); o: the block's first query in the output (pixel stride ost), streamed
+ * where nt */
 INL void pxf_kern(const int nd, const Geo *g, const PixPairs *pp, int bk, const vt *sw, vt inv, const T *const *vr,
                   T *o, long ost, int nt) {
     const int *gp0 = pp->g + 4 * pp->s[bk], *pxe = pp->e, nl = pp->n[bk], kh = g->kh, Dv = nd * L;
