@@ -22,13 +22,18 @@ from tplayers.ops.na_geometry import Axis, geometry_args, kernel_dims, kernel_ta
 TIGHT = dict(rtol=1e-10, atol=1e-12)
 
 
-def _pixel_route(isa, size, kernel, dilation, causal, dim, dim_v):
-    """The probe (na_pixel_route) of one 2-head fp64 call on the ISA's build: 1 the backward's route,
-    + 2 the forward's."""
+def _probe(name, isa, size, kernel, dilation, causal, dim, dim_v, *extra):
+    """Probe ``name`` of the ISA's fp64 build on one 2-head call's dims and window tables (then the
+    ints ``extra``)."""
     geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
     keep = (kernel_dims(geo, 1, 2, dim, dim_v), *kernel_tables(tuple(geo)))
-    lib = na_cpu.load_library(torch.float64, isa)
-    return lib.na_pixel_route(*[na_cpu._ptr(t) for t in keep])
+    return getattr(na_cpu.load_library(torch.float64, isa), name)(*[na_cpu._ptr(t) for t in keep], *extra)
+
+
+def _pixel_route(*call):
+    """The probe (na_pixel_route) of one 2-head fp64 call on the ISA's build: 1 the backward's route,
+    + 2 the forward's."""
+    return _probe("na_pixel_route", *call)
 
 
 @pytest.mark.parametrize("isa", isas_this_host_runs())
@@ -124,21 +129,14 @@ def test_the_route_is_not_taken_where_it_does_not_apply(monkeypatch):
     assert _pixel_route(isa, *long, lanes, lanes // 2) == 0
 
 
-def _chunks(isa, size, kernel, dilation, causal, dim, dim_v):
+def _chunks(*call):
     """Column chunks of the backward plan of one 2-head fp64 call (na_chunks)."""
-    geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
-    keep = (kernel_dims(geo, 1, 2, dim, dim_v), *kernel_tables(tuple(geo)))
-    return na_cpu.load_library(torch.float64, isa).na_chunks(*[na_cpu._ptr(t) for t in keep], 1)
+    return _probe("na_chunks", *call, 1)
 
 
-def _ring(isa, size, kernel, dilation, causal, dim, dim_v):
+def _ring(*call):
     """Rows of the key planes' ring of the same plan (na_ring_rows): below the height, slots are not rows."""
-    geo = geometry_args([Axis(n, k, 1, d, int(c)) for n, k, d, c in zip(size, kernel, dilation, causal)], 1, 1)
-    keep = (kernel_dims(geo, 1, 2, dim, dim_v), *kernel_tables(tuple(geo)))
-    lib = na_cpu.load_library(torch.float64, isa)
-    ptr = na_cpu.ctypes.c_void_p
-    lib.na_ring_rows.argtypes, lib.na_ring_rows.restype = [ptr] * 3 + [na_cpu.ctypes.c_int], na_cpu.ctypes.c_int
-    return lib.na_ring_rows(*[na_cpu._ptr(t) for t in keep], 1)
+    return _probe("na_ring_rows", *call, 1)
 
 
 @pytest.mark.parametrize("isa", isas_this_host_runs())
