@@ -1,6 +1,7 @@
 """The C kernel's cache plan (tplayers/ops/na_cpu.c): rows whose keys do not fit the cache budget
 run in column chunks (each chunk transposes its key span; the chunks' dK / dV overlap and add
-up); blocks whose keys lie in one vector load it once per channel (Lanes.one); exact against
+up); blocks whose keys lie in one vector load it once per channel (Lanes.one), border blocks
+permute within 16-byte groups (Lanes.lane); exact against
 the brute-force oracle in fp64, forward and every gradient, with dilation, causal, bias and a
 query sub-window, and each path is checked to be the one taken; the key planes are a ring of the
 rows the tiles read (ring_rows); rows of whole KiB get a padded pitch."""
@@ -9,7 +10,7 @@ import random
 
 import pytest
 import torch
-from na_cases import na_on_subwindow
+from na_cases import isas_this_host_runs, na_on_subwindow
 from na_oracle import assert_out_and_grads, brute_na, brute_na2d
 
 import tplayers
@@ -162,11 +163,14 @@ def test_tiles_of_flattened_3d_rows_share_more_key_rows():
     assert order == list(range(64)) and greedy == consecutive
 
 
-def _one_blocks(size, kernel, dilation, causal, dtype=torch.float64):
+def _block_kinds(size, kernel, dilation, causal, dtype=torch.float64, which=0, isa=None):
+    """Blocks of a row whose keys lie in one vector (which 0) or that permute within groups (1)."""
     _keep, args = _plan_args(size, kernel, dilation, causal)
-    lib = na_cpu.load_library(dtype)
-    lib.na_one_blocks.argtypes, lib.na_one_blocks.restype = [na_cpu.ctypes.c_void_p] * 3, na_cpu.ctypes.c_int
-    return lib.na_one_blocks(*args)
+    return na_cpu.load_library(dtype, isa).na_block_kinds(*args, which)
+
+
+def _one_blocks(size, kernel, dilation, causal, dtype=torch.float64):
+    return _block_kinds(size, kernel, dilation, causal, dtype)
 
 
 def test_rows_within_one_vector_load_it_once_and_match_the_oracle(monkeypatch):
@@ -209,6 +213,38 @@ def test_rows_within_one_vector_load_it_once_and_match_the_oracle(monkeypatch):
     out = tplayers.na2d(*ins, 3, dilation=(1, 2))
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)  # the output tighter than the gradients
     assert_out_and_grads(out, ref, ins, ref_in, gen, f"fp32 {size}", rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", isas_this_host_runs())
+def test_border_blocks_permute_within_groups_and_match_the_oracle(isa, monkeypatch):
+    """A window clamped at an image border repeats its neighbour's keys in a block's first or last
+    lanes; with AVX2 the score and P.V kernels load such a block's keys from up to a group earlier
+    and permute each lane's key within its 16-byte group (Lanes.lane; vpermps halved the score
+    kernel's rate on Zen 3). Both ends of rows of whole blocks take it, fp32 with kernels 3-7 and
+    fp64 with kernel 3 (not with AVX-512, nor fp64 kernel 5: its clamped lanes cross a group); exact in fp64
+    with the bias, causal and on a query sub-window, and fp32 against the fp64 oracle."""
+    monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
+    monkeypatch.setenv("TPLAYERS_NA_ISA", isa)
+    avx2 = na_cpu.lanes(torch.float32, isa) == 8
+    for dtype, kernel, want in (
+        (torch.float32, 3, 2),
+        (torch.float32, 7, 2),
+        (torch.float64, 3, 2),
+        (torch.float64, 5, 0),
+    ):
+        got = _block_kinds((5, 24), (3, kernel), (1, 1), (False, False), dtype, 1, isa)
+        assert got == (want if avx2 else 0), f"{dtype} kernel {kernel} on {isa}: {got} in-group blocks"
+    for size, kernel, causal, box in (
+        ((6, 20), (3, 3), (False, False), (0, 6, 0, 20)),
+        ((7, 19), (5, 7), (True, False), (1, 6, 0, 19)),
+    ):
+        _case(size, kernel, (1, 1), causal, 8, 16, box, seed=size[1])
+    gen = torch.Generator().manual_seed(4)
+    ref_in = [torch.randn(1, 9, 21, 2, 16, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    ins = [t.detach().float().requires_grad_() for t in ref_in]
+    out, ref = tplayers.na2d(*ins, (3, 5)), brute_na2d(*ref_in, (3, 5), (1, 1))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert_out_and_grads(out, ref, ins, ref_in, gen, f"fp32 9x21 on {isa}", rtol=1e-4, atol=1e-5)
 
 
 def test_the_key_planes_are_a_ring_of_rows_and_match_the_oracle(monkeypatch):

@@ -78,11 +78,11 @@ void na_plan_free(void *pl) {
 
 static long scratch_of(const Geo *g, const Plan *pl, int backward) {
     long pk = (long)pl->ring * g->kp, D = g->D, Dv = g->Dv, qw = pl->qw; /* the planes: a ring of rows */
-    if (!backward) return D * pk + PAD + Dv * pk + PAD + MR * D * qw + PAD + MR * Dv * qw + PAD;
+    if (!backward) return PAD + D * pk + PAD + Dv * pk + PAD + MR * D * qw + PAD + MR * Dv * qw + PAD;
     long qp = qw + 2 * pl->kpad; /* the backward's Q and dO rows: padded for key_sums */
     long keys = pl->kpad ? 2 * (MR * g->nk * qp + PAD) : 0;
     long line = g->Hq == 1 && g->Hk == 1 && g->kh == 1 ? D * pk + PAD : 0; /* na_backward_line's packed keys */
-    return D * pk + PAD + Dv * pk + PAD + MR * D * qp + PAD + MR * Dv * qp + PAD + MR * D * qw + PAD + line +
+    return PAD + D * pk + PAD + Dv * pk + PAD + MR * D * qp + PAD + MR * Dv * qp + PAD + MR * D * qw + PAD + line +
            (backward == 1 ? D * pk + Dv * pk + 2 * PAD + keys + MR * D * qw + PAD : 0) + /* pix_widen's rows */
            (backward && pq_shape(g, pl) ? D * pk + PAD : 0); /* the dQ route's pixel ring of keys */
 }
@@ -114,7 +114,7 @@ void na_forward(const void *q, const void *k, const void *v, const T *table, T *
     long rk = (long)pl.ring * g.kp, qw = pl.qw;
     const long *jb = pl.jb;
     const int nt = output_streamed(&g), pxf = pxf_ok(&g, &pl, sv); /* the forward's P V on V's layout */
-    T *next = scratch;
+    T *next = scratch_start(scratch);
     T *kt = carve(&next, g.D * rk), *vtp = carve(&next, g.Dv * rk);
     T *qr = carve(&next, MR * g.D * qw), *orow = carve(&next, MR * g.Dv * qw);
     memset(qr, 0, sizeof(T) * MR * g.D * qw);
@@ -273,7 +273,7 @@ void na_backward(const T *dout, const int64_t *sd, const void *q, const void *k,
     const int nd = g.D / L, ndv = g.Dv / L;
     long toff[2 * L]; /* pix: lane t's offsets in q and in dO */
     for (int t = 0; t < L; t++) { toff[t] = t * (bf ? g.D : sq[1]); toff[L + t] = t * sdo[1]; }
-    T *next = scratch;
+    T *next = scratch_start(scratch);
     T *kt = carve(&next, g.D * pk), *vtp = carve(&next, g.Dv * pk);
     T *qr0 = carve(&next, MR * g.D * qp), *gr0 = carve(&next, MR * g.Dv * qp), *dqr = carve(&next, MR * g.D * qw);
     T *dkt = kv ? carve(&next, g.D * pk) : NULL, *dvt = kv ? carve(&next, g.Dv * pk) : NULL; /* pix: (ring, Wk, C) */

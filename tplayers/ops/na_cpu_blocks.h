@@ -153,6 +153,12 @@ INL vt vexp(vt x) {
  * mode 1: a shuffle of the L columns from base_b. */
 typedef struct {
     int mode, n, layers; /* layers: scatter-add rounds (mode 1): lanes sharing a key add in turn */
+    int lane, sh;        /* lane: mode 1 whose shuffle moves no key across a 16-byte group once the
+                          * load starts sh columns earlier (windows clamped at an image border: lanes
+                          * repeat a neighbour's key); the score and P.V kernels then load from
+                          * base_b - sh and permute within the groups (ilx; kload's mode 3): a
+                          * cross-group permute (vpermps) halved the score kernel's rate on Zen 3
+                          * (AVX2 3 rows x 3 slots alone: 32-49 GFLOP/s against 52-63 in-group) */
     int masked;          /* some lane's column slot is invalid (causal): block_add cannot skip it */
     int one;             /* mode 1 with every slot's keys in the L columns from base[0] (rows of at most
                           * L keys, as 3-D's 16-wide rows with AVX-512): the score and P.V kernels
@@ -160,7 +166,7 @@ typedef struct {
                           * (mode 1's shifted loads split cache lines: 16^3 k5 forward 1.11-1.17x).
                           * 32-register ISAs only: the slots' shuffle masks held in registers spill
                           * with 16 (AVX2 8^3 k5 forward 0.92-0.95x; AVX-512 fp64 1.08-1.11x) */
-    vi perm, live;       /* live: -1 on the n real lanes */
+    vi perm, live, ilx;  /* live: -1 on the n real lanes; ilx: lane's perm[t] + sh, as permil reads it */
     vi *inv;             /* mode 1 only (else NULL): 2 * layers vectors, round r: key lane u takes
                           * lane inv[r][u] where inv[layers + r][u] is -1; small blocks (a row of 4096
                           * keys has 256), touched on every call: no per-block 2 KiB tables */
@@ -177,10 +183,28 @@ INL vt shuffle1(vt x, vi m) {
 #endif
 }
 
+/* x[m[t]] lane by lane where every m[t] lies in t's 16-byte group (m as lane_tables encodes it): the
+ * in-group permute (vpermilps / vpermilpd) where AVX has one */
+INL vt permil(vt x, vi m) {
+#if defined(__AVX__) && NA_VBYTES == 32 && !defined(NA_DOUBLE)
+    return (vt)_mm256_permutevar_ps((__m256)x, (__m256i)m);
+#elif defined(__AVX__) && NA_VBYTES == 32
+    return (vt)_mm256_permutevar_pd((__m256d)x, (__m256i)m);
+#else
+    return shuffle1(x, m);
+#endif
+}
+
+/* the key vector of a block's slot whose first column is at p: mode 0 a plain load, mode 1 a
+ * shuffle, mode 3 (Lanes.lane) an in-group permute of the load from sh columns earlier */
 INL vt kload(const T *p, int mode, const Lanes *ln) {
     if (mode == 0) return ld(p);
+    if (mode == 3) return permil(ld(p - ln->sh), ln->ilx);
     return shuffle1(ld(p), ln->perm);
 }
+
+/* the mode a kernel runs block ln in (mode 3: Lanes.lane) */
+INL int kmode(const Lanes *ln) { return ln->mode == 1 && ln->lane ? 3 : ln->mode; }
 
 /* lanes of x moved by a two-register shuffle mask m (entries >= L give 0) */
 INL vt shift2(vt x, vi m) {
@@ -215,6 +239,29 @@ typedef struct {
     const T *table;             /* (heads, 2kH-1, 2kW-1) or NULL */
     T scale;
 } Geo;
+
+/* Lanes.lane, sh and ilx of a block (mode 1, AVX2: where measured; with AVX-512 the 3-D rows take
+ * Lanes.one): the first shift sh that keeps every lane's key perm[t] + sh in t's 16-byte group
+ * (GRP lanes) and within the vector; ilx encoded for permil (vpermilpd reads an index's bit 1) */
+static void lane_tables(Lanes *ln) {
+    enum { GRP = 16 / (int)sizeof(T) };
+    int mx = 0;
+    ln->lane = ln->sh = 0;
+    ln->ilx = (vi){0};
+    for (int t = 0; t < L; t++) mx = ln->perm[t] > mx ? ln->perm[t] : mx;
+    if (ln->mode != 1 || NA_VBYTES != 32) return;
+    for (int sh = 0; sh + mx < L && !ln->lane; sh++) {
+        int ok = 1;
+        for (int t = 0; t < L; t++) ok &= (ln->perm[t] + sh) / GRP == t / GRP;
+        if (!ok) continue;
+        ln->lane = 1;
+        ln->sh = sh;
+        for (int t = 0; t < L; t++) {
+            const int u = ln->perm[t] + sh;
+            ln->ilx[t] = sizeof(T) == 8 && NA_VBYTES == 32 ? (u % 2) * 2 : u;
+        }
+    }
+}
 
 /* the block of queries starting at column j0: as many (<= L) as share one shuffle pattern;
  * base[b]: slot b's first key column */
@@ -252,6 +299,7 @@ static void block_lanes(const Geo *g, int j0, Lanes *ln, long *base) {
         ln->one = 1;
         for (int b = 1; b < g->kw; b++) ln->one &= base[b] >= base[b - 1] && base[b] - base[0] + mx < L;
     }
+    lane_tables(ln);
     ln->layers = 0;
     ln->inv = NULL;
     ln->masked = 0;

@@ -52,7 +52,7 @@ void na_forward_line(const void *q, const void *k, const void *v, const T *table
     const int n = g.kw, nkp = g.nkp, ndv = g.Dv / L;
     long pk = (long)g.Hk * g.kp, qw = pl.qw;
     const long *jb = pl.jb;
-    T *next = scratch;
+    T *next = scratch_start(scratch);
     T *kt = carve(&next, g.D * pk), *vp = carve(&next, g.Dv * pk);
     T *qr = carve(&next, MR * g.D * qw);
     memset(qr, 0, sizeof(T) * g.D * qw);

@@ -56,7 +56,7 @@ void na_backward_line(const T *dout, const int64_t *sd, const void *q, const voi
     const int n = g.kw, nkp = g.nkp;
     const long pk = (long)pl.ring * g.kp, qw = pl.qw, *jb = pl.jb;
     const long pxs[2] = {(long)g.heads * g.D, (long)g.heads * g.Dv}; /* dK / dV in place (pix_rows) */
-    T *next = scratch; /* within scratch_of's backward budget (its 1-D term) */
+    T *next = scratch_start(scratch); /* within scratch_of's backward budget (its 1-D term) */
     T *kt = carve(&next, g.D * pk), *vtr = carve(&next, g.Dv * pk), *kpk = carve(&next, g.D * pk);
     T *qr = carve(&next, g.D * qw), *gr = carve(&next, g.Dv * qw), *qn = bf ? carve(&next, g.D * qw) : NULL;
     memset(qr, 0, sizeof(T) * g.D * qw);

@@ -399,6 +399,10 @@ static void key_blocks(const Geo *g, Plan *pl) {
 void *na_plan(const int64_t *dims, const int32_t *rows, const int32_t *cols, int backward);
 void na_plan_free(void *pl);
 
+/* where a call's carving of its scratch starts: PAD elements in (kload's mode 3 reads up to L - 1
+ * elements before its plane, the first carved; scratch_of counts them) */
+static T *scratch_start(T *scratch) { return scratch + PAD; }
+
 /* scratch: n elements carved from *next, then PAD zeros (shifted loads may run past them) */
 static T *carve(T **next, long n) { T *p = *next; memset(p + n, 0, PAD * sizeof(T)); *next = p + n + PAD; return p; }
 

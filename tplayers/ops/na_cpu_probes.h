@@ -1,5 +1,5 @@
 /* What a call's plan chose, for the tests (included by na_cpu.c after na_cpu_pix.h): its column
- * chunks, the blocks within one vector, the rows of its ring of key planes, its tile order and its
+ * chunks, the blocks within one vector or permuting within groups, the rows of its ring of key planes, its tile order and its
  * pixel routes. */
 #ifndef NA_CPU_PROBES_H
 #define NA_CPU_PROBES_H
@@ -49,13 +49,14 @@ int na_pixel_affine(const int64_t *dims, const int32_t *rows, const int32_t *col
     return n;
 }
 
-/* the blocks of a call's row whose keys lie in one vector (Lanes.one: the score and P.V kernels
- * shuffle the slots out of one load; tests check that path is taken) */
-int na_one_blocks(const int64_t *dims, const int32_t *rows, const int32_t *cols) {
+/* the blocks of a call's row whose keys lie in one vector (which 0, Lanes.one: the score and P.V
+ * kernels shuffle the slots out of one load) or that permute within 16-byte groups (which 1,
+ * Lanes.lane: kload's mode 3); tests check where each path is taken */
+int na_block_kinds(const int64_t *dims, const int32_t *rows, const int32_t *cols, int which) {
     Geo g;
     Plan pl = probe_plan(dims, rows, cols, 0, &g);
     int n = 0;
-    for (int bk = 0; bk < pl.nb; bk++) n += pl.blocks[bk].one;
+    for (int bk = 0; bk < pl.nb; bk++) n += which ? pl.blocks[bk].lane : pl.blocks[bk].one;
     free_plan(&pl);
     return n;
 }

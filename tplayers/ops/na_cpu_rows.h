@@ -89,21 +89,21 @@ INL void sc_kern(const int mode, const int nm, const int gb, const Lanes *ln, in
 static void sc_rows(int mode, int nm, int gb, const Lanes *ln, int C, const T *const *qp, long qs, const T *kr,
                     const long *bo, long ks, vt *const *sp) {
     switch (mode * 256 + nm * 16 + gb) {
-        SC_GB(0, 1) SC_GB(1, 1)
+        SC_GB(0, 1) SC_GB(1, 1) SC_GB(3, 1)
 #if MR >= 2
-        SC_GB(0, 2) SC_GB(1, 2)
+        SC_GB(0, 2) SC_GB(1, 2) SC_GB(3, 2)
 #endif
 #if MR >= 3
-        SC_GB(0, 3) SC_GB(1, 3)
+        SC_GB(0, 3) SC_GB(1, 3) SC_GB(3, 3)
 #endif
 #if MR >= 4
-        SC_GB(0, 4) SC_GB(1, 4)
+        SC_GB(0, 4) SC_GB(1, 4) SC_GB(3, 4)
 #endif
 #if MR >= 5
-        SC_GB(0, 5) SC_GB(1, 5)
+        SC_GB(0, 5) SC_GB(1, 5) SC_GB(3, 5)
 #endif
 #if MR >= 6
-        SC_GB(0, 6) SC_GB(1, 6)
+        SC_GB(0, 6) SC_GB(1, 6) SC_GB(3, 6)
 #endif
         default: abort();
     }
@@ -166,21 +166,21 @@ INL void ap_kern(const int mode, const int nm, const Lanes *ln, int kw, int C, c
 static void ap_rows(int mode, int nm, const Lanes *ln, int kw, int C, const Urow *u, int nu, vt *const *p, const T *y,
                     long x0, const long *bo, long vs, vt *const *o) {
     switch (mode * 16 + nm) {
-        AP_CASE(0, 1) AP_CASE(1, 1)
+        AP_CASE(0, 1) AP_CASE(1, 1) AP_CASE(3, 1)
 #if MR >= 2
-        AP_CASE(0, 2) AP_CASE(1, 2)
+        AP_CASE(0, 2) AP_CASE(1, 2) AP_CASE(3, 2)
 #endif
 #if MR >= 3
-        AP_CASE(0, 3) AP_CASE(1, 3)
+        AP_CASE(0, 3) AP_CASE(1, 3) AP_CASE(3, 3)
 #endif
 #if MR >= 4
-        AP_CASE(0, 4) AP_CASE(1, 4)
+        AP_CASE(0, 4) AP_CASE(1, 4) AP_CASE(3, 4)
 #endif
 #if MR >= 5
-        AP_CASE(0, 5) AP_CASE(1, 5)
+        AP_CASE(0, 5) AP_CASE(1, 5) AP_CASE(3, 5)
 #endif
 #if MR >= 6
-        AP_CASE(0, 6) AP_CASE(1, 6)
+        AP_CASE(0, 6) AP_CASE(1, 6) AP_CASE(3, 6)
 #endif
         default: abort();
     }
@@ -325,7 +325,7 @@ static void tile_scores(const Geo *g, int mode, const Lanes *ln, const Urow *u0,
             vt *sp[MR];
             for (int j = 0; j < u->n; j++) sp[j] = s[u->m[j]] + u->a[j] * g->kw + b0;
             if (ln->one) sc_rows_one(u->n, gb, ln, C, qp, xs, kr, base + b0, g->kp, sp);
-            else sc_rows(mode, u->n, gb, ln, C, qp, xs, kr, base + b0, g->kp, sp);
+            else sc_rows(mode == 1 ? kmode(ln) : mode, u->n, gb, ln, C, qp, xs, kr, base + b0, g->kp, sp);
             b0 += gb;
         }
     }
@@ -338,7 +338,7 @@ static void tile_apply(const Geo *g, int mode, const Lanes *ln, const Urow *u0, 
     for (const Urow *u = u0, *e; u < u1; u = e) {
         for (e = u + 1; e < u1 && e->mask == u->mask; e++) {}
         if (ln->one) ap_rows_one(u->n, ln, g->kw, C, u, (int)(e - u), p, y, x0, base, g->kp, o);
-        else ap_rows(mode, u->n, ln, g->kw, C, u, (int)(e - u), p, y, x0, base, g->kp, o);
+        else ap_rows(mode == 1 ? kmode(ln) : mode, u->n, ln, g->kw, C, u, (int)(e - u), p, y, x0, base, g->kp, o);
     }
 }
 
