@@ -212,7 +212,8 @@ def test_both_routes_with_stride_match_the_oracle(isa, monkeypatch):
 def test_affine_blocks_of_the_forward_route_match_the_oracle(isa, monkeypatch):
     """The forward's P V (and the backward's dQ) on the user's layout over blocks whose lanes are
     their own queries and whose slots are consecutive key columns (pxa_kern: several queries sharing
-    each value load, the pairs from lane and slot; at the borders, groups of lanes sharing one window):
+    each value load, the pairs from lane and slot; at the borders, groups of lanes sharing one window,
+    and with AVX2 every full block, its border groups' windows starting one column apart or at one):
     kernels 3, 5 and 7 wide (each compiled apart), head dims of 2 and 4 vectors where the build has
     them, a causal row or column axis and the bias; the probe counts the blocks it takes; fp64
     against the oracle, forward and every gradient."""
@@ -232,6 +233,8 @@ def test_affine_blocks_of_the_forward_route_match_the_oracle(isa, monkeypatch):
         blocks = lib.na_pixel_affine(*[na_cpu._ptr(t) for t in keep])
         taken = dim // lanes in (2, 4)  # the channel vectors pxa_kern is compiled for
         assert (blocks >= 3) if taken else (blocks == 0), f"{isa} kernel {kernel} d {dim}: {blocks} affine blocks"
+        if taken and na_cpu.lanes(torch.float32, isa) == 8:  # AVX2: border groups too (every pattern)
+            assert blocks == size[1] // lanes, f"{isa} kernel {kernel}: {blocks} of {size[1] // lanes} blocks"
         gen = torch.Generator().manual_seed(dim + kernel[1])
         q, k, v = (torch.randn(2, *size, 2, dim, generator=gen, dtype=torch.float64) for _ in range(3))
         rpb = torch.randn(2, 2 * kernel[0] - 1, 2 * kernel[1] - 1, generator=gen, dtype=torch.float64)

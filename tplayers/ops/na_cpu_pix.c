@@ -136,58 +136,81 @@ INL void pxf_kern(const int nd, const Geo *g, const PixPairs *pp, int bk, const 
     }
 }
 
-/* one group of PXQ queries from lane t0 of a block that pxa_kern takes: key column s + u for u below
- * PXQ - 1 + KW (FLAT: below KW), query t0 + c at slot u - c (FLAT: u); with KW a constant, each
- * column's queries are known at compile time (no FMA of a weight outside a window) */
-INL void pxa_group(const int nd, const int KW, const int FLAT, const Geo *g, int t0, long s, const T *w,
-                   const T *const *vr, vt (*acc)[PIXMAX]) {
-    const int kh = g->kh, Dv = nd * L, NU = FLAT ? KW : PXQ - 1 + KW;
+/* lane c's window start in a group of pattern P (pxa_block), from the first lane's */
+#define PXOFF(P, c) (((P) & 1 && (c) > 0) + ((P) >> 1 & 1 && (c) > 1) + ((P) >> 2 & 1 && (c) > 2))
+
+/* one pass of the group of PXQ queries from lane t0 of a block that pxa_kern takes (pattern P),
+ * channel vectors [d0, d0 + PXN(nd)): key column s + u for u below PXOFF(P, PXQ - 1) + KW, query t0 + c
+ * at slot u - PXOFF(P, c), each value vector loaded once for the group; with KW and P constants,
+ * each column's queries are known at compile time (no FMA of a weight outside a window); then
+ * o[t] = inv[t] * sum */
+INL void pxa_pass(const int nd, const int KW, const int P, const Geo *g, int t0, int d0, long s, const T *w, vt inv,
+                  const T *const *vr, T *o, long ost, int nt) {
+    const int kh = g->kh, Dv = nd * L, NU = PXOFF(P, PXQ - 1) + KW, ND = PXN(nd);
+    vt acc[PXQ][PIXMAX];
+#pragma GCC unroll 4
+    for (int c = 0; c < PXQ; c++)
+#pragma GCC unroll 8
+        for (int d = 0; d < ND && d < PIXMAX; d++) acc[c][d] = (vt){0};
     for (int a = 0; a < kh; a++) {
-        const T *wr = w + (long)a * KW * L + t0, *vx = vr[a] + s * Dv;
+        const T *wr = w + (long)a * KW * L + t0, *vx = vr[a] + s * Dv + d0 * L;
+        in_reg_ptr(&vx);
 #pragma GCC unroll 16
         for (int u = 0; u < NU; u++) {
-            vt wv[4];
+            vt wv[PXQ];
 #pragma GCC unroll 4
             for (int c = 0; c < PXQ; c++) { /* query t0 + c reads the column at slot b (if in its window) */
-                const int b = FLAT ? u : u - c;
+                const int b = u - PXOFF(P, c);
                 wv[c] = b >= 0 && b < KW ? splat(wr[b * L + c]) : (vt){0};
             }
 #pragma GCC unroll 8
-            for (int d = 0; d < nd && d < PIXMAX; d++) {
+            for (int d = 0; d < ND && d < PIXMAX; d++) {
                 const vt x = in_reg(ld(vx + (long)u * Dv + d * L));
 #pragma GCC unroll 4
                 for (int c = 0; c < PXQ; c++)
-                    if (FLAT || (u >= c && u - c < KW)) acc[c][d] += wv[c] * x; /* compile-time: KW constant */
+                    if (u >= PXOFF(P, c) && u - PXOFF(P, c) < KW) acc[c][d] += wv[c] * x; /* compile-time */
             }
+        }
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < PXQ; c++) {
+        const vt sc = splat(((const T *)&inv)[t0 + c]);
+        T *ot = o + (t0 + c) * ost + d0 * L;
+#pragma GCC unroll 8
+        for (int d = 0; d < ND && d < PIXMAX; d++) {
+            if (nt) st_nt(ot + d * L, acc[c][d] * sc);
+            else st(ot + d * L, acc[c][d] * sc);
         }
     }
 }
 
-/* pxf_kern on a block that pp->f takes (pxa_block): PXQ consecutive queries at a time share each value
- * load, the pairs addressed from lane and slot (no tables) */
+/* the group of PXQ queries from lane t0 (pattern P), its channels in passes of PXN(nd) */
+INL void pxa_group(const int nd, const int KW, const int P, const Geo *g, const PixPairs *pp, int bk, int t0,
+                   const T *w, vt inv, const T *const *vr, T *o, long ost, int nt) {
+    const long s = g->cols[(long)(pp->j[bk] + t0) * KW]; /* the group's first key column */
+    for (int d0 = 0; d0 < nd; d0 += PXN(nd)) pxa_pass(nd, KW, P, g, t0, d0, s, w, inv, vr, o, ost, nt);
+}
+
+/* pxf_kern on a block that pp->f takes (pxa_block): PXQ queries at a time share each value load, the
+ * pairs addressed from lane and slot (no tables) */
 INL void pxa_kern(const int nd, const int KW, const Geo *g, const PixPairs *pp, int bk, const vt *sw, vt inv,
                   const T *const *vr, T *o, long ost, int nt) {
-    const int f = pp->f[bk], j0 = pp->j[bk];
+    const T *w = (const T *)sw;
+#define PXG(P) pxa_group(nd, KW, P, g, pp, bk, t0, w, inv, vr, o, ost, nt)
     for (int t0 = 0; t0 < L; t0 += PXQ) {
-        vt acc[4][PIXMAX];
-#pragma GCC unroll 4
-        for (int c = 0; c < PXQ; c++)
-#pragma GCC unroll 8
-            for (int d = 0; d < PIXMAX; d++) acc[c][d] = (vt){0};
-        const long s = g->cols[(long)(j0 + t0) * KW]; /* the group's first key column */
-        if (f >> (1 + t0 / PXQ) & 1) pxa_group(nd, KW, 1, g, t0, s, (const T *)sw, vr, acc);
-        else pxa_group(nd, KW, 0, g, t0, s, (const T *)sw, vr, acc);
-#pragma GCC unroll 4
-        for (int c = 0; c < PXQ; c++) {
-            const vt sc = splat(((const T *)&inv)[t0 + c]);
-            T *ot = o + (t0 + c) * ost;
-#pragma GCC unroll 8
-            for (int d = 0; d < nd && d < PIXMAX; d++) {
-                if (nt) st_nt(ot + d * L, acc[c][d] * sc);
-                else st(ot + d * L, acc[c][d] * sc);
-            }
+        const int pat = pp->f[bk] >> (1 + 3 * (t0 / PXQ)) & 7;
+        if (pat == PXSTEP) PXG(PXSTEP);
+        else if (pat == 0) PXG(0);
+        else if (PXALL) switch (pat) {
+            case 1: PXG(1); break;
+            case 2: PXG(2); break;
+            case 3: PXG(3); break;
+            case 4: PXG(4); break;
+            case 5: PXG(5); break;
+            default: PXG(6); break;
         }
     }
+#undef PXG
 }
 
 HIDDEN void pxf_rows(const Geo *g, const PixPairs *pp, int bk, const vt *sw, vt inv, const T *const *vr, int C, T *o,

@@ -11,9 +11,9 @@
 /* the pixel routes' pair tables of a plan (pix_pairs in na_cpu_pix.h; a NULL where none): per block
  * bk, n[bk] lists from its first column a[bk] (the backward's: key columns) or lane (the forward's),
  * in groups from g[4 s[bk]], entries e; the forward's f[bk]: nonzero where pxa_kern takes the block (every
- * lane its own query, slot b of lane t at key column st[t] + b, and in each group of PXQ lanes the starts
- * st consecutive or all equal: bit 1 + g of f[bk] set where group g's are equal, the border's clamped
- * windows), j[bk] its first query column */
+ * lane its own query, slot b of lane t at key column st[t] + b, and in each group of PXQ lanes each start
+ * one column after the one before or the same: the group's pattern, pxa_block), j[bk] its first query
+ * column */
 typedef struct {
     int *a, *n, *s, *g, *e, *f, *j;
 } PixPairs;

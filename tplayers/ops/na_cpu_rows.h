@@ -48,6 +48,14 @@ INL vt in_reg(vt x) {
     return x;
 }
 
+/* *p, kept in one register: GCC otherwise hoists a register (or a stack slot) per constant offset
+ * from it out of the loop, one for each of the up to 40 loads of pxa_pass, and reloads them */
+INL void in_reg_ptr(const T **p) {
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+    __asm__("" : "+r"(*p));
+#endif
+}
+
 /* s_j[b] = sum_c q_j[c] * key[c][bo[b] (+ shuffle)] for nm query rows j and gb slots: one load
  * of each key vector per channel serves nm rows, one load of each query vector gb slots (both in
  * registers: GCC otherwise folds one operand's loads into every FMA, nm x gb loads per channel;
