@@ -258,7 +258,7 @@ static void lane_tables(Lanes *ln) {
         ln->sh = sh;
         for (int t = 0; t < L; t++) {
             const int u = ln->perm[t] + sh;
-            ln->ilx[t] = sizeof(T) == 8 && NA_VBYTES == 32 ? (u % 2) * 2 : u;
+            ln->ilx[t] = sizeof(T) == 8 ? (u % 2) * 2 : u;
         }
     }
 }

@@ -1,6 +1,6 @@
 /* What a call's plan chose, for the tests (included by na_cpu.c after na_cpu_pix.h): its column
- * chunks, the blocks within one vector or permuting within groups, the rows of its ring of key planes, its tile order and its
- * pixel routes. */
+ * chunks, the blocks within one vector or permuting within groups, the rows of its ring of key
+ * planes, its tile order and its pixel routes. */
 #ifndef NA_CPU_PROBES_H
 #define NA_CPU_PROBES_H
 #include "na_cpu_plan.h"
