@@ -258,8 +258,6 @@ def test_the_key_planes_are_a_ring_of_rows_and_match_the_oracle(monkeypatch):
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     monkeypatch.delenv("TPLAYERS_NA_ISA", raising=False)
     lib = na_cpu.load_library(torch.float64)
-    ptr = na_cpu.ctypes.c_void_p
-    lib.na_ring_rows.argtypes, lib.na_ring_rows.restype = [ptr] * 3 + [na_cpu.ctypes.c_int], na_cpu.ctypes.c_int
     cases = (
         ((40, 12), (3, 3), (1, 1), (False, False), (0, 40, 0, 12), 8, 12),
         ((37, 9), (4, 3), (2, 1), (True, False), (5, 31, 0, 9), 8, 18),
@@ -376,7 +374,6 @@ def test_a_large_output_is_streamed_past_the_caches_and_exact(monkeypatch):
     size, heads, dim = (140, 120), 4, 32
     for dtype in (torch.float64, torch.float32):
         lib = na_cpu.load_library(dtype)
-        lib.na_output_streamed.argtypes, lib.na_output_streamed.restype = [na_cpu.ctypes.c_void_p], na_cpu.ctypes.c_int
         geo = geometry_args([Axis(n, 7, 1, 1, 0) for n in size], 1, 1)
         assert lib.na_output_streamed(na_cpu._ptr(kernel_dims(geo, 1, heads, dim, dim))) == 1, dtype
         tiny = geometry_args([Axis(8, 3, 1, 1, 0)] * 2, 1, 1)
