@@ -1,7 +1,7 @@
 """The C kernel's cache plan (tplayers/ops/na_cpu.c): rows whose keys do not fit the cache budget
 run in column chunks (each chunk transposes its key span; the chunks' dK / dV overlap and add
 up); blocks whose keys lie in one vector load it once per channel (Lanes.one), border blocks
-permute within 16-byte groups (Lanes.lane); exact against
+permute within 16-byte groups (Lanes.mode 3); exact against
 the brute-force oracle in fp64, forward and every gradient, with dilation, causal, bias and a
 query sub-window, and each path is checked to be the one taken; the key planes are a ring of the
 rows the tiles read (ring_rows); rows of whole KiB get a padded pitch."""
@@ -219,7 +219,7 @@ def test_rows_within_one_vector_load_it_once_and_match_the_oracle(monkeypatch):
 def test_border_blocks_permute_within_groups_and_match_the_oracle(isa, monkeypatch):
     """A window clamped at an image border repeats its neighbour's keys in a block's first or last
     lanes; with AVX2 the score and P.V kernels load such a block's keys from up to a group earlier
-    and permute each lane's key within its 16-byte group (Lanes.lane; vpermps halved the score
+    and permute each lane's key within its 16-byte group (Lanes.mode 3; vpermps halved the score
     kernel's rate on Zen 3). Both ends of rows of whole blocks take it, fp32 with kernels 3-7 and
     fp64 with kernel 3 (not with AVX-512, nor fp64 kernel 5: its clamped lanes cross a group); exact in fp64
     with the bias, causal and on a query sub-window, and fp32 against the fp64 oracle."""

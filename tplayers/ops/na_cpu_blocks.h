@@ -150,15 +150,15 @@ INL vt vexp(vt x) {
 
 /* One block: n consecutive queries of a row in L lanes (spare lanes repeat the last query).
  * Lane t of slot b reads key column base_b + perm[t]; mode 0: perm is 0..L-1 (a plain load),
- * mode 1: a shuffle of the L columns from base_b. */
+ * mode 1: a shuffle of the L columns from base_b, mode 3: a shuffle within 16-byte groups (sh). */
 typedef struct {
-    int mode, n, layers; /* layers: scatter-add rounds (mode 1): lanes sharing a key add in turn */
-    int lane, sh;        /* lane: mode 1 whose shuffle moves no key across a 16-byte group once the
-                          * load starts sh columns earlier (windows clamped at an image border: lanes
+    int mode, n, layers; /* layers: scatter-add rounds (modes 1, 3): lanes sharing a key add in turn */
+    int sh;              /* mode 3: a shuffle that moves no key across a 16-byte group once the load
+                          * starts sh columns earlier (windows clamped at an image border: lanes
                           * repeat a neighbour's key); the score and P.V kernels then load from
-                          * base_b - sh and permute within the groups (ilx; kload's mode 3): a
-                          * cross-group permute (vpermps) halved the score kernel's rate on Zen 3
-                          * (AVX2 3 rows x 3 slots alone: 32-49 GFLOP/s against 52-63 in-group) */
+                          * base_b - sh and permute within the groups (ilx): a cross-group permute
+                          * (vpermps) halved the score kernel's rate on Zen 3 (AVX2 3 rows x 3
+                          * slots alone: 32-49 GFLOP/s against 52-63 in-group) */
     int masked;          /* some lane's column slot is invalid (causal): block_add cannot skip it */
     int one;             /* mode 1 with every slot's keys in the L columns from base[0] (rows of at most
                           * L keys, as 3-D's 16-wide rows with AVX-512): the score and P.V kernels
@@ -167,7 +167,7 @@ typedef struct {
                           * 32-register ISAs only: the slots' shuffle masks held in registers spill
                           * with 16 (AVX2 8^3 k5 forward 0.92-0.95x; AVX-512 fp64 1.08-1.11x) */
     vi perm, live, ilx;  /* live: -1 on the n real lanes; ilx: lane's perm[t] + sh, as permil reads it */
-    vi *inv;             /* mode 1 only (else NULL): 2 * layers vectors, round r: key lane u takes
+    vi *inv;             /* modes 1, 3 (else NULL): 2 * layers vectors, round r: key lane u takes
                           * lane inv[r][u] where inv[layers + r][u] is -1; small blocks (a row of 4096
                           * keys has 256), touched on every call: no per-block 2 KiB tables */
 } Lanes;
@@ -196,15 +196,12 @@ INL vt permil(vt x, vi m) {
 }
 
 /* the key vector of a block's slot whose first column is at p: mode 0 a plain load, mode 1 a
- * shuffle, mode 3 (Lanes.lane) an in-group permute of the load from sh columns earlier */
+ * shuffle, mode 3 an in-group permute of the load from sh columns earlier */
 INL vt kload(const T *p, int mode, const Lanes *ln) {
     if (mode == 0) return ld(p);
     if (mode == 3) return permil(ld(p - ln->sh), ln->ilx);
     return shuffle1(ld(p), ln->perm);
 }
-
-/* the mode a kernel runs block ln in (mode 3: Lanes.lane) */
-INL int kmode(const Lanes *ln) { return ln->mode == 1 && ln->lane ? 3 : ln->mode; }
 
 /* lanes of x moved by a two-register shuffle mask m (entries >= L give 0) */
 INL vt shift2(vt x, vi m) {
@@ -240,21 +237,21 @@ typedef struct {
     T scale;
 } Geo;
 
-/* Lanes.lane, sh and ilx of a block (mode 1, AVX2: where measured; with AVX-512 the 3-D rows take
- * Lanes.one): the first shift sh that keeps every lane's key perm[t] + sh in t's 16-byte group
- * (GRP lanes) and within the vector; ilx encoded for permil (vpermilpd reads an index's bit 1) */
+/* mode 3 for a block of mode 1 (AVX2: where measured; with AVX-512 the 3-D rows take Lanes.one)
+ * where a shift sh keeps every lane's key perm[t] + sh in t's 16-byte group (GRP lanes) and within
+ * the vector: the first such sh, and ilx encoded for permil (vpermilpd reads an index's bit 1) */
 static void lane_tables(Lanes *ln) {
     enum { GRP = 16 / (int)sizeof(T) };
     int mx = 0;
-    ln->lane = ln->sh = 0;
+    ln->sh = 0;
     ln->ilx = (vi){0};
     for (int t = 0; t < L; t++) mx = ln->perm[t] > mx ? ln->perm[t] : mx;
     if (ln->mode != 1 || NA_VBYTES != 32) return;
-    for (int sh = 0; sh + mx < L && !ln->lane; sh++) {
+    for (int sh = 0; sh + mx < L && ln->mode == 1; sh++) {
         int ok = 1;
         for (int t = 0; t < L; t++) ok &= (ln->perm[t] + sh) / GRP == t / GRP;
         if (!ok) continue;
-        ln->lane = 1;
+        ln->mode = 3;
         ln->sh = sh;
         for (int t = 0; t < L; t++) {
             const int u = ln->perm[t] + sh;

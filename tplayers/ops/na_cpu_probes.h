@@ -51,12 +51,12 @@ int na_pixel_affine(const int64_t *dims, const int32_t *rows, const int32_t *col
 
 /* the blocks of a call's row whose keys lie in one vector (which 0, Lanes.one: the score and P.V
  * kernels shuffle the slots out of one load) or that permute within 16-byte groups (which 1,
- * Lanes.lane: kload's mode 3); tests check where each path is taken */
+ * mode 3); tests check where each path is taken */
 int na_block_kinds(const int64_t *dims, const int32_t *rows, const int32_t *cols, int which) {
     Geo g;
     Plan pl = probe_plan(dims, rows, cols, 0, &g);
     int n = 0;
-    for (int bk = 0; bk < pl.nb; bk++) n += which ? pl.blocks[bk].lane : pl.blocks[bk].one;
+    for (int bk = 0; bk < pl.nb; bk++) n += which ? pl.blocks[bk].mode == 3 : pl.blocks[bk].one;
     free_plan(&pl);
     return n;
 }

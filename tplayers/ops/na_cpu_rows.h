@@ -333,7 +333,7 @@ static void tile_scores(const Geo *g, int mode, const Lanes *ln, const Urow *u0,
             vt *sp[MR];
             for (int j = 0; j < u->n; j++) sp[j] = s[u->m[j]] + u->a[j] * g->kw + b0;
             if (ln->one) sc_rows_one(u->n, gb, ln, C, qp, xs, kr, base + b0, g->kp, sp);
-            else sc_rows(mode == 1 ? kmode(ln) : mode, u->n, gb, ln, C, qp, xs, kr, base + b0, g->kp, sp);
+            else sc_rows(mode, u->n, gb, ln, C, qp, xs, kr, base + b0, g->kp, sp);
             b0 += gb;
         }
     }
@@ -346,7 +346,7 @@ static void tile_apply(const Geo *g, int mode, const Lanes *ln, const Urow *u0, 
     for (const Urow *u = u0, *e; u < u1; u = e) {
         for (e = u + 1; e < u1 && e->mask == u->mask; e++) {}
         if (ln->one) ap_rows_one(u->n, ln, g->kw, C, u, (int)(e - u), p, y, x0, base, g->kp, o);
-        else ap_rows(mode == 1 ? kmode(ln) : mode, u->n, ln, g->kw, C, u, (int)(e - u), p, y, x0, base, g->kp, o);
+        else ap_rows(mode, u->n, ln, g->kw, C, u, (int)(e - u), p, y, x0, base, g->kp, o);
     }
 }
 
