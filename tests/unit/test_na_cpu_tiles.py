@@ -163,6 +163,17 @@ def test_tiles_of_flattened_3d_rows_share_more_key_rows():
     assert order == list(range(64)) and greedy == consecutive
 
 
+def _fp32_case(size, kernel, dilation, dim, seed, where):
+    """One 2-head fp32 call against the fp64 oracle: the output (tighter than the gradients), then
+    every gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    ref_in = [torch.randn(1, *size, 2, dim, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    ins = [t.detach().float().requires_grad_() for t in ref_in]
+    out, ref = tplayers.na2d(*ins, kernel, dilation=dilation), brute_na2d(*ref_in, kernel, dilation)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert_out_and_grads(out, ref, ins, ref_in, gen, where, rtol=1e-4, atol=1e-5)
+
+
 def _block_kinds(size, kernel, dilation, causal, dtype=torch.float64, which=0, isa=None):
     """Blocks of a row whose keys lie in one vector (which 0) or that permute within groups (1)."""
     _keep, args = _plan_args(size, kernel, dilation, causal)
@@ -206,13 +217,7 @@ def test_rows_within_one_vector_load_it_once_and_match_the_oracle(monkeypatch):
     assert _one_blocks((3, 4 * width), (3, 3), (1, 1), (False, False)) == 0
     size = (4, max(na_cpu.lanes(torch.float32), 6))
     check(_one_blocks(size, (3, 3), (1, 2), (False, False), torch.float32), f"fp32 {size}")
-    gen = torch.Generator().manual_seed(3)
-    ref_in = [torch.randn(1, *size, 2, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-    ins = [t.detach().float().requires_grad_() for t in ref_in]
-    ref = brute_na2d(*ref_in, (3, 3), (1, 2))
-    out = tplayers.na2d(*ins, 3, dilation=(1, 2))
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)  # the output tighter than the gradients
-    assert_out_and_grads(out, ref, ins, ref_in, gen, f"fp32 {size}", rtol=1e-4, atol=1e-5)
+    _fp32_case(size, (3, 3), (1, 2), 8, 3, f"fp32 {size}")
 
 
 @pytest.mark.parametrize("isa", isas_this_host_runs())
@@ -221,8 +226,8 @@ def test_border_blocks_permute_within_groups_and_match_the_oracle(isa, monkeypat
     lanes; with AVX2 the score and P.V kernels load such a block's keys from up to a group earlier
     and permute each lane's key within its 16-byte group (Lanes.mode 3; vpermps halved the score
     kernel's rate on Zen 3). Both ends of rows of whole blocks take it, fp32 with kernels 3-7 and
-    fp64 with kernel 3 (not with AVX-512, nor fp64 kernel 5: its clamped lanes cross a group); exact in fp64
-    with the bias, causal and on a query sub-window, and fp32 against the fp64 oracle."""
+    fp64 with kernel 3 (not with AVX-512, nor fp64 kernel 5: its clamped lanes cross a group); exact
+    in fp64 with the bias, causal and on a query sub-window, and fp32 against the fp64 oracle."""
     monkeypatch.setenv("TPLAYERS_NA_KERNEL", "c")
     monkeypatch.setenv("TPLAYERS_NA_ISA", isa)
     avx2 = na_cpu.lanes(torch.float32, isa) == 8
@@ -239,12 +244,7 @@ def test_border_blocks_permute_within_groups_and_match_the_oracle(isa, monkeypat
         ((7, 19), (5, 7), (True, False), (1, 6, 0, 19)),
     ):
         _case(size, kernel, (1, 1), causal, 8, 16, box, seed=size[1])
-    gen = torch.Generator().manual_seed(4)
-    ref_in = [torch.randn(1, 9, 21, 2, 16, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)]
-    ins = [t.detach().float().requires_grad_() for t in ref_in]
-    out, ref = tplayers.na2d(*ins, (3, 5)), brute_na2d(*ref_in, (3, 5), (1, 1))
-    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    assert_out_and_grads(out, ref, ins, ref_in, gen, f"fp32 9x21 on {isa}", rtol=1e-4, atol=1e-5)
+    _fp32_case((9, 21), (3, 5), (1, 1), 16, 4, f"fp32 9x21 on {isa}")
 
 
 def test_the_key_planes_are_a_ring_of_rows_and_match_the_oracle(monkeypatch):
